@@ -1,0 +1,101 @@
+"""Empirical-NTK Gram: ntkgp side by side with the torch.func recipe (vmap(jacrev) + einsum).
+
+MLP 8-50-50-C (tanh), N = 1000, C ∈ {1, 10}, float32 (the sizes of ANCHORS.md). Both sides are warmed
+up on a small input, then timed on the full one; results are checked equal; peak memory is the growth of
+the process's resident set during each computation (sampled by a background thread).
+
+    python benchmarks/ntk_gram.py [--n 1000] [--outputs 1 10] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import threading
+import time
+
+import psutil
+import torch
+from torch import nn
+from torch.func import functional_call, jacrev, vmap
+
+from ntkgp.ntk import NTKEngine
+
+
+def recipe_gram(net: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The torch.func tutorial recipe: per-example Jacobians, then one einsum per parameter."""
+    params = {k: v.detach() for k, v in net.named_parameters()}
+
+    def f_single(p, xi):
+        return functional_call(net, p, (xi.unsqueeze(0),)).squeeze(0)
+
+    jac = vmap(jacrev(f_single), (None, 0))(params, x)
+    n, c = x.shape[0], jac[next(iter(jac))].shape[1]
+    gram = sum(torch.einsum("Naf,Mbf->NaMb", j.flatten(2), j.flatten(2)) for j in jac.values())
+    return gram.reshape(n * c, n * c)
+
+
+def ntkgp_gram(net: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return NTKEngine(net, groups="network").group_grams(x)[0]
+
+
+class PeakRSS:
+    """Peak resident-set growth over a block, sampled every millisecond."""
+
+    def __enter__(self):
+        self.proc = psutil.Process()
+        self.base = self.peak = self.proc.memory_info().rss
+        self.running = True
+        self.thread = threading.Thread(target=self._watch, daemon=True)
+        self.thread.start()
+        return self
+
+    def _watch(self):
+        while self.running:
+            self.peak = max(self.peak, self.proc.memory_info().rss)
+            time.sleep(0.001)
+
+    def __exit__(self, *exc):
+        self.running = False
+        self.thread.join()
+        self.peak = max(self.peak, self.proc.memory_info().rss)
+        self.mib = (self.peak - self.base) / 2**20
+
+
+def timed(fn, net, x, repeats):
+    fn(net, x[:16])  # warm-up
+    times, out, mib = [], None, 0.0
+    for _ in range(repeats):
+        out = None
+        gc.collect()
+        with PeakRSS() as mem:
+            t = time.perf_counter()
+            out = fn(net, x)
+            times.append(time.perf_counter() - t)
+        mib = max(mib, mem.mib)
+    return min(times), out, mib
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n", type=int, default=1000)
+    parser.add_argument("--outputs", type=int, nargs="+", default=[1, 10])
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32, N = {args.n}")
+    print(f"{'C':>3} {'P':>6} | {'recipe s':>9} {'MiB':>7} | {'ntkgp s':>8} {'MiB':>7} | {'time ratio':>10} | {'max rel err':>11}")
+    for c in args.outputs:
+        net = nn.Sequential(nn.Linear(8, 50), nn.Tanh(), nn.Linear(50, 50), nn.Tanh(), nn.Linear(50, c))
+        x = torch.randn(args.n, 8)
+        p = sum(q.numel() for q in net.parameters())
+        t_ref, k_ref, m_ref = timed(recipe_gram, net, x, args.repeats)
+        t_new, k_new, m_new = timed(ntkgp_gram, net, x, args.repeats)
+        err = ((k_new - k_ref).abs().max() / k_ref.abs().max()).item()
+        assert err < 1e-4, f"Grams differ: {err}"
+        print(f"{c:>3} {p:>6} | {t_ref:>9.3f} {m_ref:>7.0f} | {t_new:>8.3f} {m_new:>7.0f} | {t_new / t_ref:>10.3f} | {err:>11.1e}")
+        del k_ref, k_new
+
+
+if __name__ == "__main__":
+    main()

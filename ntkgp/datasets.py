@@ -1,0 +1,493 @@
+r"""Small data helpers: synthetic sets and loaders for the shared benchmark data and user CSV files.
+
+Every function returns torch tensors. Floating-point tensors take the ``dtype`` argument (default
+``torch.float64``); class labels are ``torch.long`` in ``0..C-1``. Regression targets have shape
+``(N, 1)``, class labels shape ``(N,)``.
+
+Loaders for the shared data take ``data_dir``, the folder laid out as ``/work/shared/data`` (see its
+``README.md``)::
+
+    data_dir/toy/snelson_{train_inputs,train_outputs,test_inputs}.dat
+    data_dir/toy/banana_400_{X,y}.csv, data_dir/toy/banana_5300.csv
+    data_dir/uci_regression/NAME/{data.txt, index_features.txt, index_target.txt, n_splits.txt,
+                                  index_train_I.txt, index_test_I.txt}
+    data_dir/uci_classification/{australian,breast_cancer}/NAME_scale_{X,y}_{tr,te}.csv
+    data_dir/uci_classification/glass/{X.txt, Y.txt}
+
+A missing folder or file raises ``FileNotFoundError`` naming ``data_dir`` and the expected layout.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from collections.abc import Sequence
+from os import PathLike
+from pathlib import Path
+from typing import Literal, NamedTuple
+
+import numpy as np
+import torch
+from torch import Tensor
+
+__all__ = [
+    "GAP_REGRESSION_INTERVALS",
+    "GAP_REGRESSION_TEST_RANGE",
+    "ClassificationSplit",
+    "CsvData",
+    "GapRegression",
+    "RegressionSplit",
+    "gap_regression",
+    "gap_regression_function",
+    "load_banana",
+    "load_csv",
+    "load_snelson",
+    "load_uci_classification",
+    "load_uci_regression",
+    "two_moons",
+]
+
+PathType = str | PathLike
+
+GAP_REGRESSION_INTERVALS: tuple[tuple[float, float], tuple[float, float]] = ((-1.0, -0.35), (0.35, 1.0))
+"""The two intervals the training inputs of :func:`gap_regression` are drawn from; (-0.35, 0.35) is empty."""
+
+GAP_REGRESSION_TEST_RANGE: tuple[float, float] = (-1.5, 1.5)
+"""The interval covered by the test grid of :func:`gap_regression`."""
+
+_SNELSON_LAYOUT = (
+    "data_dir/toy/{snelson_train_inputs.dat, snelson_train_outputs.dat, snelson_test_inputs.dat}"
+)
+_BANANA_LAYOUT = (
+    "data_dir/toy/{banana_400_X.csv, banana_400_y.csv} (full=False) or data_dir/toy/banana_5300.csv"
+)
+_UCI_REGRESSION_LAYOUT = (
+    "data_dir/uci_regression/NAME/{data.txt, index_features.txt, index_target.txt, n_splits.txt, "
+    "index_train_I.txt, index_test_I.txt}"
+)
+_UCI_CLASSIFICATION_LAYOUT = (
+    "data_dir/uci_classification/{australian/australian_scale_{X,y}_{tr,te}.csv, "
+    "breast_cancer/breast_cancer_scale_{X,y}_{tr,te}.csv, glass/X.txt, glass/Y.txt}"
+)
+_UCI_CLASSIFICATION_NAMES = ("australian", "breast_cancer", "glass")
+
+
+class GapRegression(NamedTuple):
+    """Output of :func:`gap_regression`."""
+
+    x_train: Tensor
+    """``(n, 1)`` training inputs, sorted, none inside the gap."""
+    y_train: Tensor
+    """``(n, 1)`` noisy targets :math:`f(x) + \\varepsilon`."""
+    x_test: Tensor
+    """``(n_test, 1)`` evenly spaced grid over :data:`GAP_REGRESSION_TEST_RANGE`."""
+    f_test: Tensor
+    """``(n_test, 1)`` noise-free function values on the grid."""
+    noise_std: float
+    """Standard deviation of the observation noise :math:`\\varepsilon`."""
+
+
+class RegressionSplit(NamedTuple):
+    """A normalised train/test regression split; see :func:`load_uci_regression`."""
+
+    x_train: Tensor
+    """``(N_train, D)`` inputs, standardised with the training mean and std."""
+    y_train: Tensor
+    """``(N_train, 1)`` targets, standardised with :attr:`y_mean` and :attr:`y_std`."""
+    x_test: Tensor
+    """``(N_test, D)``, same transformation as the training inputs."""
+    y_test: Tensor
+    """``(N_test, 1)``, same transformation as the training targets."""
+    y_mean: float
+    """Mean of the training targets (original units)."""
+    y_std: float
+    """Std of the training targets (original units): original = normalised * y_std + y_mean."""
+
+
+class ClassificationSplit(NamedTuple):
+    """A classification split; see :func:`load_uci_classification`."""
+
+    x_train: Tensor
+    """``(N_train, D)`` inputs."""
+    y_train: Tensor
+    """``(N_train,)`` labels in ``0..C-1``."""
+    x_val: Tensor | None
+    """``(N_val, D)`` validation inputs, ``None`` for the pre-split data sets."""
+    y_val: Tensor | None
+    """``(N_val,)`` validation labels, ``None`` for the pre-split data sets."""
+    x_test: Tensor
+    """``(N_test, D)`` inputs."""
+    y_test: Tensor
+    """``(N_test,)`` labels."""
+    num_classes: int
+    """``C``."""
+
+
+class CsvData(NamedTuple):
+    """Output of :func:`load_csv`."""
+
+    x: Tensor
+    """``(N, D)`` inputs, in the order of ``input_columns``."""
+    y: Tensor
+    """``(N, 1)`` float targets (regression) or ``(N,)`` long labels in ``0..C-1`` (classification)."""
+    input_names: list[str]
+    """Header names of the input columns."""
+    class_names: list[str] | None
+    """Classification: the text of each class, ``class_names[k]`` is label ``k``. Regression: ``None``."""
+
+
+def gap_regression_function(x: Tensor) -> Tensor:
+    r"""The noise-free function of :func:`gap_regression`, :math:`f(x) = \sin(4x)`, elementwise."""
+    return torch.sin(4.0 * x)
+
+
+def gap_regression(
+    n: int = 100,
+    seed: int = 0,
+    noise_std: float = 0.1,
+    n_test: int = 300,
+    dtype: torch.dtype = torch.float64,
+) -> GapRegression:
+    r"""1-D regression with a gap in the inputs, for checking "in-between" uncertainty.
+
+    Inputs: ``n // 2`` points uniform on :math:`[-1, -0.35]` and ``n - n // 2`` uniform on
+    :math:`[0.35, 1]` (:data:`GAP_REGRESSION_INTERVALS`), sorted. Targets:
+    :math:`y = \sin(4x) + \varepsilon`, :math:`\varepsilon \sim \mathcal N(0, \sigma^2)`,
+    :math:`\sigma` = ``noise_std``. The test grid has ``n_test`` evenly spaced points on
+    :math:`[-1.5, 1.5]`, so it covers the gap and extrapolation on both sides. Sampling uses a private
+    ``torch.Generator`` seeded with ``seed`` (the global RNG is left untouched); the values do not
+    depend on ``dtype`` beyond rounding.
+
+    Returns:
+        :class:`GapRegression` ``(x_train, y_train, x_test, f_test, noise_std)``.
+    """
+    if n < 2:
+        raise ValueError("n must be at least 2 (one point on each side of the gap)")
+    generator = torch.Generator().manual_seed(seed)
+    u = torch.rand(n, generator=generator, dtype=torch.float64)
+    (left_lo, left_hi), (right_lo, right_hi) = GAP_REGRESSION_INTERVALS
+    n_left = n // 2
+    left = left_lo + (left_hi - left_lo) * u[:n_left]
+    right = right_lo + (right_hi - right_lo) * u[n_left:]
+    x = torch.cat([left, right]).sort().values[:, None]
+    noise = noise_std * torch.randn(n, 1, generator=generator, dtype=torch.float64)
+    y = gap_regression_function(x) + noise
+    x_test = torch.linspace(*GAP_REGRESSION_TEST_RANGE, n_test, dtype=torch.float64)[:, None]
+    return GapRegression(
+        x_train=x.to(dtype),
+        y_train=y.to(dtype),
+        x_test=x_test.to(dtype),
+        f_test=gap_regression_function(x_test).to(dtype),
+        noise_std=float(noise_std),
+    )
+
+
+def two_moons(
+    n: int = 200, noise: float = 0.1, seed: int = 0, dtype: torch.dtype = torch.float64
+) -> tuple[Tensor, Tensor]:
+    """Two interleaving half circles, from ``sklearn.datasets.make_moons``.
+
+    Returns:
+        ``x`` of shape ``(n, 2)`` and labels ``y`` of shape ``(n,)`` in ``{0, 1}``.
+    """
+    try:
+        from sklearn.datasets import make_moons
+    except ImportError as error:
+        raise ImportError(
+            "two_moons needs scikit-learn; install it with the examples extra: pip install 'ntkgp[examples]'"
+        ) from error
+    x, y = make_moons(n_samples=n, noise=noise, random_state=seed)
+    return torch.as_tensor(x, dtype=dtype), torch.as_tensor(y, dtype=torch.long)
+
+
+def load_snelson(data_dir: PathType, dtype: torch.dtype = torch.float64) -> tuple[Tensor, Tensor, Tensor]:
+    """The Snelson 1-D regression set (Snelson & Ghahramani, 2006).
+
+    Returns:
+        ``x_train`` ``(200, 1)``, ``y_train`` ``(200, 1)`` and ``x_test`` ``(301, 1)`` (a grid on
+        [-3, 10]), unnormalised.
+    """
+    files = [
+        _data_file(data_dir, ("toy", f"snelson_{stem}.dat"), _SNELSON_LAYOUT)
+        for stem in ("train_inputs", "train_outputs", "test_inputs")
+    ]
+    x_train, y_train, x_test = (_column(np.loadtxt(file, ndmin=1), dtype) for file in files)
+    return x_train, y_train, x_test
+
+
+def load_banana(
+    data_dir: PathType, full: bool = False, dtype: torch.dtype = torch.float64
+) -> tuple[Tensor, Tensor]:
+    """The 2-D banana classification set.
+
+    Args:
+        data_dir: the shared data folder.
+        full: ``False`` for the 400-point subset (``banana_400_*.csv``), ``True`` for all 5300
+            points (``banana_5300.csv``, labels 1/2).
+
+    Returns:
+        ``x`` ``(N, 2)`` and labels ``y`` ``(N,)`` in ``{0, 1}``.
+    """
+    if full:
+        table = np.loadtxt(_data_file(data_dir, ("toy", "banana_5300.csv"), _BANANA_LAYOUT), delimiter=",")
+        x, raw_labels = table[:, :2], table[:, 2]
+    else:
+        x = np.loadtxt(_data_file(data_dir, ("toy", "banana_400_X.csv"), _BANANA_LAYOUT), delimiter=",")
+        raw_labels = np.loadtxt(
+            _data_file(data_dir, ("toy", "banana_400_y.csv"), _BANANA_LAYOUT), delimiter=","
+        )
+    labels, _ = _encode_labels(raw_labels)
+    return torch.as_tensor(x, dtype=dtype), torch.as_tensor(labels, dtype=torch.long)
+
+
+def load_uci_regression(
+    data_dir: PathType, name: str, split: int = 0, dtype: torch.dtype = torch.float64
+) -> RegressionSplit:
+    r"""One train/test split (90/10) of a UCI regression benchmark set, normalised.
+
+    Inputs and target are standardised with the training split's statistics,
+    :math:`\tilde x = (x - \bar x_\text{train}) / s_\text{train}` (population std; a constant column
+    gets :math:`s = 1`). Test NLPD in the original units is the normalised NLPD plus
+    :math:`\log` ``y_std`` (``metrics.gaussian_nlpd(..., y_scale=y_std)``).
+
+    Args:
+        data_dir: the shared data folder.
+        name: a folder of ``data_dir/uci_regression`` (boston, concrete, energy, kin8nm, naval, power,
+            protein, wine, yacht).
+        split: split index, ``0 <= split < n_splits`` (20; 5 for protein).
+
+    Returns:
+        :class:`RegressionSplit` ``(x_train, y_train, x_test, y_test, y_mean, y_std)``.
+    """
+    folder = ("uci_regression", name)
+
+    def file(filename: str) -> Path:
+        return _data_file(data_dir, (*folder, filename), _UCI_REGRESSION_LAYOUT)
+
+    n_splits = int(file("n_splits.txt").read_text().split()[0])
+    if not 0 <= split < n_splits:
+        raise ValueError(f"split must be in 0..{n_splits - 1} for {name}; got {split}")
+    table = np.loadtxt(file("data.txt"), ndmin=2)
+    features = np.loadtxt(file("index_features.txt"), dtype=int, ndmin=1)
+    target = int(np.loadtxt(file("index_target.txt"), dtype=int, ndmin=1)[0])
+    train = np.loadtxt(file(f"index_train_{split}.txt"), dtype=int, ndmin=1)
+    test = np.loadtxt(file(f"index_test_{split}.txt"), dtype=int, ndmin=1)
+    x, y = table[:, features], table[:, [target]]
+    x_mean, x_std = _mean_std(x[train])
+    y_mean, y_std = _mean_std(y[train])
+    return RegressionSplit(
+        x_train=torch.as_tensor((x[train] - x_mean) / x_std, dtype=dtype),
+        y_train=torch.as_tensor((y[train] - y_mean) / y_std, dtype=dtype),
+        x_test=torch.as_tensor((x[test] - x_mean) / x_std, dtype=dtype),
+        y_test=torch.as_tensor((y[test] - y_mean) / y_std, dtype=dtype),
+        y_mean=float(y_mean[0]),
+        y_std=float(y_std[0]),
+    )
+
+
+def load_uci_classification(
+    data_dir: PathType,
+    name: Literal["australian", "breast_cancer", "glass"],
+    seed: int = 0,
+    dtype: torch.dtype = torch.float64,
+) -> ClassificationSplit:
+    """A UCI classification set as used by Immer et al. (2021) and the SFR paper.
+
+    * ``australian`` (690 x 14, 2 classes) and ``breast_cancer`` (683 x 10, 2 classes): the
+      distributed train/test split, inputs as distributed (already scaled to [-1, 1]); no
+      validation set (``x_val = y_val = None``); ``seed`` is unused.
+    * ``glass`` (214 x 9, 6 classes): a 70/15/15 train/validation/test split, stratified by class
+      (per class: ``round(0.7 n_c)`` train, ``round(0.15 n_c)`` validation, the rest test), drawn with
+      ``numpy.random.default_rng(seed)``; inputs standardised with the training mean and std, since
+      the raw features have very different scales.
+
+    Labels (±1, 1-based or 0-based in the files) are mapped to ``0..C-1`` in sorted order.
+    """
+    if name not in _UCI_CLASSIFICATION_NAMES:
+        raise ValueError(f"name must be one of {_UCI_CLASSIFICATION_NAMES}; got {name!r}")
+
+    def load(filename: str) -> np.ndarray:
+        return np.loadtxt(
+            _data_file(data_dir, ("uci_classification", name, filename), _UCI_CLASSIFICATION_LAYOUT)
+        )
+
+    def floats(array: np.ndarray) -> Tensor:
+        return torch.as_tensor(array, dtype=dtype)
+
+    def longs(array: np.ndarray) -> Tensor:
+        return torch.as_tensor(array, dtype=torch.long)
+
+    if name == "glass":
+        x, (labels, classes) = load("X.txt"), _encode_labels(load("Y.txt"))
+        train, val, test = _stratified_split(labels, (0.7, 0.15), seed)
+        x_mean, x_std = _mean_std(x[train])
+        x = (x - x_mean) / x_std
+        return ClassificationSplit(
+            x_train=floats(x[train]),
+            y_train=longs(labels[train]),
+            x_val=floats(x[val]),
+            y_val=longs(labels[val]),
+            x_test=floats(x[test]),
+            y_test=longs(labels[test]),
+            num_classes=len(classes),
+        )
+    x_train, x_test = load(f"{name}_scale_X_tr.csv"), load(f"{name}_scale_X_te.csv")
+    raw_train, raw_test = load(f"{name}_scale_y_tr.csv"), load(f"{name}_scale_y_te.csv")
+    labels, classes = _encode_labels(np.concatenate([raw_train, raw_test]))
+    n_train = len(raw_train)
+    return ClassificationSplit(
+        x_train=floats(x_train),
+        y_train=longs(labels[:n_train]),
+        x_val=None,
+        y_val=None,
+        x_test=floats(x_test),
+        y_test=longs(labels[n_train:]),
+        num_classes=len(classes),
+    )
+
+
+def load_csv(
+    path: PathType,
+    input_columns: Sequence[str | int] | str | int,
+    target_column: str | int,
+    task: Literal["regression", "classification"] = "regression",
+    delimiter: str = ",",
+    dtype: torch.dtype = torch.float64,
+) -> CsvData:
+    """Load a user's CSV file with a header row.
+
+    Columns are chosen by header name or by 0-based index (negative indices count from the end).
+    Input cells must be numbers. For ``task="classification"`` the target cells may be any text;
+    the classes are sorted (numerically when every label is a number, e.g. ``2 < 10``, otherwise
+    alphabetically) and mapped to ``0..C-1``. Blank lines are skipped; no normalisation is applied.
+
+    Returns:
+        :class:`CsvData` ``(x, y, input_names, class_names)``.
+    """
+    if task not in ("regression", "classification"):
+        raise ValueError(f"task must be 'regression' or 'classification'; got {task!r}")
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"CSV file {str(path)!r} not found")
+    with path.open(newline="") as handle:
+        reader = csv.reader(handle, delimiter=delimiter)
+        numbered = [(reader.line_num, row) for row in reader if any(cell.strip() for cell in row)]
+    if not numbered:
+        raise ValueError(f"{path} is empty; expected a header row followed by data rows")
+    header = [name.strip() for name in numbered[0][1]]
+    lines = [line for line, _ in numbered[1:]]
+    body = [row for _, row in numbered[1:]]
+    if isinstance(input_columns, (str, int)):
+        input_columns = [input_columns]
+    inputs = [_column_index(header, column, path) for column in input_columns]
+    target = _column_index(header, target_column, path)
+    if target in inputs:
+        raise ValueError(f"target column {header[target]!r} is also listed among the input columns")
+    for line, row in zip(lines, body):
+        if len(row) != len(header):
+            raise ValueError(f"{path}, line {line}: {len(row)} fields, but the header has {len(header)}")
+    x_values = [[_number(row[i], line, header[i], path) for i in inputs] for line, row in zip(lines, body)]
+    x = torch.tensor(x_values, dtype=dtype).reshape(len(body), len(inputs))
+    input_names = [header[i] for i in inputs]
+    if task == "regression":
+        y_values = [_number(row[target], line, header[target], path) for line, row in zip(lines, body)]
+        return CsvData(x, torch.tensor(y_values, dtype=dtype).reshape(-1, 1), input_names, None)
+    texts = [row[target].strip() for row in body]
+    for line, text in zip(lines, texts):
+        if not text:
+            raise ValueError(f"{path}, line {line}, column {header[target]!r}: missing label")
+    try:
+        keys: list[float] | list[str] = [float(text) for text in texts]
+    except ValueError:
+        keys = texts
+    classes = sorted(set(keys))
+    first_text: dict[float | str, str] = {}
+    for key, text in zip(keys, texts):
+        first_text.setdefault(key, text)
+    code = {key: k for k, key in enumerate(classes)}
+    y = torch.tensor([code[key] for key in keys], dtype=torch.long)
+    return CsvData(x, y, input_names, [first_text[key] for key in classes])
+
+
+def _data_file(data_dir: PathType, parts: tuple[str, ...], layout: str) -> Path:
+    """Return ``data_dir/parts``, or raise ``FileNotFoundError`` naming ``data_dir`` and ``layout``."""
+    root = Path(data_dir)
+    if not root.is_dir():
+        raise FileNotFoundError(
+            f"data_dir={str(data_dir)!r} is not a directory. Pass the shared data folder "
+            f"(e.g. /work/shared/data), laid out as {layout}"
+        )
+    path = root.joinpath(*parts)
+    if not path.is_file():
+        folder = path.parent
+        while not folder.is_dir():
+            folder = folder.parent
+        names = sorted(p.name for p in folder.iterdir())
+        listing = ", ".join(names[:20]) + (", ..." if len(names) > 20 else "")
+        hint = f"{folder} holds: {listing or 'nothing'}"
+        raise FileNotFoundError(
+            f"{path} not found under data_dir={str(data_dir)!r} ({hint}); expected layout: {layout}"
+        )
+    return path
+
+
+def _column(values: np.ndarray, dtype: torch.dtype) -> Tensor:
+    """``(N,)`` array to an ``(N, 1)`` tensor."""
+    return torch.as_tensor(values, dtype=dtype).reshape(-1, 1)
+
+
+def _mean_std(train: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Column means and population stds of ``(N, D)`` ``train``.
+
+    A constant column gets its value as mean (exactly, so it normalises to exact zeros) and std 1.
+    """
+    constant = train.max(axis=0) == train.min(axis=0)
+    mean = np.where(constant, train[0], train.mean(axis=0))
+    std = np.where(constant, 1.0, train.std(axis=0))
+    return mean, std
+
+
+def _encode_labels(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Map labels to ``0..C-1`` in sorted order; return the codes and the sorted distinct labels."""
+    classes, codes = np.unique(np.asarray(raw).reshape(-1), return_inverse=True)
+    return codes, classes
+
+
+def _stratified_split(
+    labels: np.ndarray, fractions: tuple[float, float], seed: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Indices (sorted) of a per-class random train/validation/test split; test takes the remainder."""
+    rng = np.random.default_rng(seed)
+    parts: tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]] = ([], [], [])
+    for label in np.unique(labels):
+        members = rng.permutation(np.flatnonzero(labels == label))
+        n_train = round(fractions[0] * len(members))
+        n_val = round(fractions[1] * len(members))
+        for part, chunk in zip(parts, np.split(members, [n_train, n_train + n_val])):
+            part.append(chunk)
+    train, val, test = (np.sort(np.concatenate(part)) for part in parts)
+    return train, val, test
+
+
+def _column_index(header: list[str], column: str | int, path: Path) -> int:
+    """Resolve a header name or a (possibly negative) index to a 0-based column index."""
+    if isinstance(column, int):
+        if not -len(header) <= column < len(header):
+            raise ValueError(f"column index {column} out of range: {path} has {len(header)} columns")
+        return column % len(header)
+    if column not in header:
+        raise ValueError(f"column {column!r} not in the header of {path}: {header}")
+    return header.index(column)
+
+
+def _number(text: str, line: int, column: str, path: Path) -> float:
+    """Parse one numeric cell, with a message pointing at the cell on failure."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(
+            f"{path}, line {line}, column {column!r}: cannot read {text!r} as a number"
+        ) from None
+    if math.isnan(value):
+        raise ValueError(f"{path}, line {line}, column {column!r}: missing value (NaN)")
+    return value

@@ -1,0 +1,131 @@
+r"""Class probabilities under a Gaussian over the logits: :math:`\mathbb E[\mathrm{link}(f)]`,
+:math:`f \sim N(\mu, \Sigma)`.
+
+Two approximations, chosen by ``link_approx``:
+
+- ``"probit"`` (default): :math:`\mathrm{link}(\mu / \sqrt{1 + \frac{\pi}{8} \operatorname{diag} \Sigma})`,
+  the probit approximation of the sigmoid (MacKay 1992), applied per class for the softmax.
+  Uses the marginal variances only.
+- ``"mc"``: the average of :math:`\mathrm{link}(f_s)` over ``num_samples`` draws
+  :math:`f_s \sim N(\mu_n, \Sigma_n)` per data point, with the full :math:`C \times C` block
+  :math:`\Sigma_n` of each point (points are independent here: only per-point marginals matter).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+from gpytorch.distributions import MultitaskMultivariateNormal
+from linear_operator.utils.cholesky import psd_safe_cholesky
+from linear_operator.utils.warnings import NumericalWarning
+from torch import Tensor
+
+LINK_APPROXIMATIONS = ("probit", "mc")
+
+
+def check_link_approx(link_approx: str) -> str:
+    """Return ``link_approx`` if it names a known approximation; raise ``ValueError`` otherwise."""
+    if link_approx not in LINK_APPROXIMATIONS:
+        raise ValueError(f"link_approx must be one of {LINK_APPROXIMATIONS}, got {link_approx!r}")
+    return link_approx
+
+
+def check_num_samples(num_samples: int) -> int:
+    """Return ``num_samples`` if it is a positive integer; raise ``ValueError`` otherwise."""
+    if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
+        raise ValueError(f"num_samples must be a positive integer, got {num_samples!r}")
+    return num_samples
+
+
+def probit_scaled_mean(mean: Tensor, variance: Tensor) -> Tensor:
+    r""":math:`\mu / \sqrt{1 + \frac{\pi}{8} \sigma^2}`, elementwise; any matching shapes."""
+    return mean / torch.sqrt(1.0 + (math.pi / 8.0) * variance)
+
+
+def sigmoid_probit(mean: Tensor, variance: Tensor) -> Tensor:
+    r"""Binary probit approximation :math:`\operatorname{sigmoid}(\mu / \sqrt{1 + \frac{\pi}{8}\sigma^2})`.
+
+    :param mean: :math:`\mu`, shape ``(N,)`` (or any shape).
+    :param variance: :math:`\sigma^2`, same shape.
+    :return: :math:`p(y = 1)`, same shape.
+    """
+    return torch.sigmoid(probit_scaled_mean(mean, variance))
+
+
+def softmax_probit(mean: Tensor, variance: Tensor) -> Tensor:
+    r"""Multiclass probit approximation, softmax of the probit-scaled means.
+
+    :math:`p = \operatorname{softmax}(\mu / \sqrt{1 + \frac{\pi}{8}\operatorname{diag}\Sigma})`.
+
+    :param mean: :math:`\mu`, shape ``(N, C)``.
+    :param variance: the marginal variances :math:`\operatorname{diag} \Sigma_n`, shape ``(N, C)``.
+    :return: class probabilities, shape ``(N, C)``.
+    """
+    return torch.softmax(probit_scaled_mean(mean, variance), dim=-1)
+
+
+def _standard_normal(shape: tuple[int, ...], like: Tensor, generator: torch.Generator | None) -> Tensor:
+    return torch.randn(shape, dtype=like.dtype, device=like.device, generator=generator)
+
+
+def sigmoid_monte_carlo(
+    mean: Tensor, variance: Tensor, num_samples: int, generator: torch.Generator | None = None
+) -> Tensor:
+    r"""Monte Carlo average of the sigmoid.
+
+    :math:`p = \frac1S \sum_s \operatorname{sigmoid}(\mu + \sigma \epsilon_s)` with
+    :math:`\epsilon_s \sim N(0, 1)`.
+
+    :param mean: :math:`\mu`, shape ``(N,)`` (or any shape).
+    :param variance: :math:`\sigma^2`, same shape.
+    :param num_samples: :math:`S`.
+    :param generator: optional random number generator.
+    :return: :math:`p(y = 1)`, same shape as ``mean``.
+    """
+    eps = _standard_normal((check_num_samples(num_samples), *mean.shape), mean, generator)
+    return torch.sigmoid(mean + variance.clamp_min(0.0).sqrt() * eps).mean(dim=0)
+
+
+def softmax_monte_carlo(
+    mean: Tensor, covariance: Tensor, num_samples: int, generator: torch.Generator | None = None
+) -> Tensor:
+    r"""Monte Carlo average of the softmax.
+
+    :math:`p_n = \frac1S \sum_s \operatorname{softmax}(\mu_n + L_n \epsilon_s)` with
+    :math:`\epsilon_s \sim N(0, I)`,
+    with :math:`L_n` the Cholesky factor of :math:`\Sigma_n` (with jitter where it is singular).
+
+    :param mean: :math:`\mu`, shape ``(N, C)``.
+    :param covariance: per-point blocks :math:`\Sigma_n`, shape ``(N, C, C)``.
+    :param num_samples: :math:`S`.
+    :param generator: optional random number generator.
+    :return: class probabilities, shape ``(N, C)``.
+    """
+    with warnings.catch_warnings():
+        # jitter on singular blocks is expected here (e.g. logits with a shared offset) and harmless
+        warnings.simplefilter("ignore", NumericalWarning)
+        factor = psd_safe_cholesky(covariance)
+    eps = _standard_normal((check_num_samples(num_samples), *mean.shape), mean, generator)
+    samples = mean + torch.einsum("...ij,s...j->s...i", factor, eps)
+    return torch.softmax(samples, dim=-1).mean(dim=0)
+
+
+def output_covariance_blocks(function_dist: MultitaskMultivariateNormal) -> Tensor:
+    r"""The :math:`C \times C` covariance block :math:`\Sigma_n` of each point, shape ``(..., N, C, C)``.
+
+    Reads only those :math:`N C^2` entries of the (lazy) covariance, for either task ordering
+    (interleaved: row :math:`nC + c`; not interleaved: row :math:`cN + n`).
+    """
+    num_data, num_tasks = function_dist.mean.shape[-2:]
+    device = function_dist.mean.device
+    point = torch.arange(num_data, device=device).view(-1, 1, 1)
+    task_row = torch.arange(num_tasks, device=device).view(1, -1, 1)
+    task_col = torch.arange(num_tasks, device=device).view(1, 1, -1)
+    if function_dist._interleaved:
+        rows, cols = point * num_tasks + task_row, point * num_tasks + task_col
+    else:
+        rows, cols = task_row * num_data + point, task_col * num_data + point
+    rows, cols = torch.broadcast_tensors(rows, cols)
+    return function_dist.lazy_covariance_matrix[..., rows, cols]

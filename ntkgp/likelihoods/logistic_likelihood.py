@@ -1,0 +1,98 @@
+"""Binary classification with a logistic (sigmoid) link: the likelihood of ``BCEWithLogitsLoss``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from gpytorch.constraints import Interval
+from gpytorch.distributions import MultivariateNormal
+from gpytorch.likelihoods.likelihood import _OneDimensionalLikelihood
+from gpytorch.priors import Prior
+from torch import Tensor
+from torch.distributions import Bernoulli
+
+from .link_approximation import check_link_approx, check_num_samples, sigmoid_monte_carlo, sigmoid_probit
+from .temperature import TemperatureMixin
+
+
+class LogisticLikelihood(TemperatureMixin, _OneDimensionalLikelihood):
+    r"""Bernoulli likelihood with the logistic link, for a network with one logit output.
+
+    .. math::
+        p(y \mid f) = \operatorname{sigmoid}(f)^y \, \operatorname{sigmoid}(-f)^{1 - y}, \quad y \in \{0, 1\},
+
+    so that :math:`-\log p` is ``BCEWithLogitsLoss``. With temperature :math:`T` the Laplace quantities
+    (:func:`~ntkgp.likelihoods.log_likelihood`, ``gradient``, ``hessian``) are those of the tempered
+    likelihood :math:`p(y \mid f)^{1/T}`: :math:`g = (y - p)/T`, :math:`\Lambda = p (1 - p)/T`,
+    :math:`p = \operatorname{sigmoid}(f)`.
+
+    Calling it on a tensor of logits gives the conditional ``Bernoulli(logits=f)``; calling it on a
+    :class:`~gpytorch.distributions.MultivariateNormal` over the logits gives the predictive ``Bernoulli``
+    by the probit approximation :math:`\operatorname{sigmoid}(\mu / \sqrt{1 + \frac{\pi}{8}\sigma^2})`
+    (``link_approx="probit"``) or by Monte Carlo (``link_approx="mc"``, ``num_samples`` draws). Both use
+    the untempered link. ``expected_log_prob`` (variational inference) uses Gauss-Hermite quadrature.
+
+    :param temperature: :math:`T > 0` (default 1).
+    :param learn_temperature: whether ``raw_temperature`` requires grad (default ``False``: the Laplace
+        evidence of a tempered likelihood increases monotonically in :math:`T`, so :math:`T` cannot be learned
+        from it; tune it on validation data instead).
+    :param temperature_prior: optional prior on :math:`T`.
+    :param temperature_constraint: constraint on :math:`T` (default ``Positive()``).
+    :param link_approx: ``"probit"`` or ``"mc"``, the default approximation of the predictive.
+    :param num_samples: default number of Monte Carlo samples for ``link_approx="mc"``.
+
+    :ivar torch.Tensor temperature: :math:`T`, shape ``()``.
+    """
+
+    def __init__(
+        self,
+        temperature: float = 1.0,
+        learn_temperature: bool = False,
+        temperature_prior: Prior | None = None,
+        temperature_constraint: Interval | None = None,
+        link_approx: str = "probit",
+        num_samples: int = 100,
+    ) -> None:
+        super().__init__()
+        self._register_temperature(temperature, learn_temperature, temperature_prior, temperature_constraint)
+        self.link_approx = check_link_approx(link_approx)
+        self.num_samples = check_num_samples(num_samples)
+
+    def forward(self, function_samples: Tensor, *args: Any, **kwargs: Any) -> Bernoulli:
+        """The conditional :math:`p(y \\mid f)` = ``Bernoulli(logits=f)``; ``f`` of any shape."""
+        return Bernoulli(logits=function_samples)
+
+    def marginal(
+        self,
+        function_dist: MultivariateNormal,
+        *args: Any,
+        link_approx: str | None = None,
+        num_samples: int | None = None,
+        generator: torch.Generator | None = None,
+        **kwargs: Any,
+    ) -> Bernoulli:
+        r"""Predictive :math:`p(y = 1) \approx \mathbb E_{N(f; \mu, \sigma^2)}[\operatorname{sigmoid}(f)]`.
+
+        :param function_dist: distribution over the logits: a ``MultivariateNormal`` over ``N`` points, or a
+            ``MultitaskMultivariateNormal`` of shape ``(N, 1)``. Only its marginal variances are used.
+        :param link_approx: ``"probit"`` or ``"mc"``; default ``self.link_approx``.
+        :param num_samples: Monte Carlo samples; default ``self.num_samples``.
+        :param generator: optional random number generator for ``"mc"``.
+        :return: ``Bernoulli`` with ``probs`` of the shape of ``function_dist.mean``.
+        """
+        link_approx = check_link_approx(self.link_approx if link_approx is None else link_approx)
+        mean, variance = function_dist.mean, function_dist.variance
+        if link_approx == "probit":
+            probs = sigmoid_probit(mean, variance)
+        else:
+            num_samples = self.num_samples if num_samples is None else num_samples
+            probs = sigmoid_monte_carlo(mean, variance, num_samples, generator)
+        return Bernoulli(probs=probs)
+
+    def log_marginal(
+        self, observations: Tensor, function_dist: MultivariateNormal, *args: Any, **kwargs: Any
+    ) -> Tensor:
+        """:math:`\\log p(y)` under :meth:`marginal`, elementwise; ``observations`` in {0, 1}."""
+        marginal = self.marginal(function_dist, *args, **kwargs)
+        return marginal.log_prob(observations.to(marginal.probs.dtype))

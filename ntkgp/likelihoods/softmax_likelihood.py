@@ -1,0 +1,123 @@
+"""Multiclass classification with a softmax link: the likelihood of ``CrossEntropyLoss``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import gpytorch
+import torch
+from gpytorch.constraints import Interval
+from gpytorch.distributions import MultitaskMultivariateNormal
+from gpytorch.priors import Prior
+from torch import Tensor
+from torch.distributions import Categorical
+
+from .link_approximation import (
+    check_link_approx,
+    check_num_samples,
+    output_covariance_blocks,
+    softmax_monte_carlo,
+    softmax_probit,
+)
+from .temperature import TemperatureMixin
+
+
+class SoftmaxLikelihood(TemperatureMixin, gpytorch.likelihoods.SoftmaxLikelihood):
+    r"""Categorical likelihood with the softmax link on the network's :math:`C` logits (no mixing weights).
+
+    .. math::
+        p(y \mid \mathbf f) = \operatorname{softmax}(\mathbf f)_y, \quad y \in \{0, \dots, C - 1\},
+
+    so that :math:`-\log p` is ``CrossEntropyLoss``. With temperature :math:`T` the Laplace quantities are
+    those of :math:`p(y \mid \mathbf f)^{1/T}`: :math:`g = (\operatorname{onehot}(y) - \mathbf p)/T`,
+    :math:`\Lambda = (\operatorname{diag}(\mathbf p) - \mathbf p \mathbf p^\top)/T`,
+    :math:`\mathbf p = \operatorname{softmax}(\mathbf f)`; :math:`\Lambda` has rank :math:`C - 1`.
+
+    Calling it on logits of shape ``(N, C)`` gives ``Categorical(logits=f)`` (unlike the GPyTorch parent,
+    it never transposes its input when ``N == C``). Calling it on a
+    :class:`~gpytorch.distributions.MultitaskMultivariateNormal` of shape ``(N, C)`` gives the predictive
+    ``Categorical`` by the probit approximation
+    :math:`\operatorname{softmax}(\mu / \sqrt{1 + \frac{\pi}{8}\operatorname{diag}\Sigma})`
+    (``link_approx="probit"``, marginal variances only) or by Monte Carlo (``link_approx="mc"``, with the
+    full :math:`C \times C` block of each point). Both use the untempered link.
+
+    :param num_classes: :math:`C \ge 2`.
+    :param temperature: :math:`T > 0` (default 1).
+    :param learn_temperature: whether ``raw_temperature`` requires grad (default ``False``; see
+        :class:`~ntkgp.likelihoods.LogisticLikelihood`).
+    :param temperature_prior: optional prior on :math:`T`.
+    :param temperature_constraint: constraint on :math:`T` (default ``Positive()``).
+    :param link_approx: ``"probit"`` or ``"mc"``, the default approximation of the predictive.
+    :param num_samples: default number of Monte Carlo samples for ``link_approx="mc"``.
+
+    :ivar torch.Tensor temperature: :math:`T`, shape ``()``.
+    """
+
+    def __init__(
+        self,
+        num_classes: int,
+        temperature: float = 1.0,
+        learn_temperature: bool = False,
+        temperature_prior: Prior | None = None,
+        temperature_constraint: Interval | None = None,
+        link_approx: str = "probit",
+        num_samples: int = 100,
+    ) -> None:
+        if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 2:
+            raise ValueError(f"num_classes must be an integer >= 2, got {num_classes!r}")
+        super().__init__(num_classes=num_classes, mixing_weights=False)
+        self._register_temperature(temperature, learn_temperature, temperature_prior, temperature_constraint)
+        self.link_approx = check_link_approx(link_approx)
+        self.num_samples = check_num_samples(num_samples)
+
+    def forward(self, function_samples: Tensor, *args: Any, **kwargs: Any) -> Categorical:
+        """The conditional ``Categorical(logits=f)``, for logits ``f`` of shape ``(..., C)``."""
+        if function_samples.shape[-1] != self.num_classes:
+            raise ValueError(
+                f"expected logits with {self.num_classes} classes in the last dimension, got shape "
+                f"{tuple(function_samples.shape)}"
+            )
+        return Categorical(logits=function_samples)
+
+    def marginal(
+        self,
+        function_dist: MultitaskMultivariateNormal,
+        *args: Any,
+        link_approx: str | None = None,
+        num_samples: int | None = None,
+        generator: torch.Generator | None = None,
+        **kwargs: Any,
+    ) -> Categorical:
+        r"""Predictive :math:`p(y) \approx \mathbb E[\operatorname{softmax}(\mathbf f)]` over
+        :math:`\mathbf f \sim N(\mu_n, \Sigma_n)`.
+
+        :param function_dist: ``MultitaskMultivariateNormal`` over the logits, shape ``(N, C)``.
+        :param link_approx: ``"probit"`` or ``"mc"``; default ``self.link_approx``.
+        :param num_samples: Monte Carlo samples; default ``self.num_samples``.
+        :param generator: optional random number generator for ``"mc"``.
+        :return: ``Categorical`` with ``probs`` of shape ``(N, C)``.
+        """
+        if not isinstance(function_dist, MultitaskMultivariateNormal):
+            raise TypeError(
+                "SoftmaxLikelihood.marginal expects a MultitaskMultivariateNormal of shape (N, C), got "
+                f"{type(function_dist).__name__}"
+            )
+        if function_dist.mean.shape[-1] != self.num_classes:
+            raise ValueError(
+                f"expected a distribution over {self.num_classes} logits per point, got event shape "
+                f"{tuple(function_dist.event_shape)}"
+            )
+        link_approx = check_link_approx(self.link_approx if link_approx is None else link_approx)
+        mean = function_dist.mean
+        if link_approx == "probit":
+            probs = softmax_probit(mean, function_dist.variance)
+        else:
+            num_samples = self.num_samples if num_samples is None else num_samples
+            probs = softmax_monte_carlo(mean, output_covariance_blocks(function_dist), num_samples, generator)
+        return Categorical(probs=probs)
+
+    def log_marginal(
+        self, observations: Tensor, function_dist: MultitaskMultivariateNormal, *args: Any, **kwargs: Any
+    ) -> Tensor:
+        """:math:`\\log p(y)` under :meth:`marginal`, shape ``(N,)``; ``observations`` integer labels."""
+        return self.marginal(function_dist, *args, **kwargs).log_prob(observations.long())

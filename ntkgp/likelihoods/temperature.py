@@ -1,0 +1,65 @@
+"""Likelihood temperature :math:`T`: a tempered likelihood :math:`p(y \\mid f)^{1/T}`.
+
+Tempering scales :math:`\\log p`, :math:`g = \\nabla_f \\log p` and :math:`\\Lambda = -\\nabla_f^2 \\log p` by
+:math:`1/T`; it enters the Laplace quantities (evidence, posterior) only. The conditional
+``likelihood(f)`` and the predictive ``likelihood(mvn)`` use the untempered link, as laplace-torch does.
+"""
+
+from __future__ import annotations
+
+from functools import singledispatch
+
+import torch
+from gpytorch.constraints import Interval, Positive
+from gpytorch.likelihoods import Likelihood
+from gpytorch.priors import Prior
+from torch import Tensor
+
+
+class TemperatureMixin:
+    r"""Adds a positive hyperparameter :math:`T` (``raw_temperature`` with a ``Positive()`` constraint).
+
+    Call :meth:`_register_temperature` in ``__init__`` after ``super().__init__()``.
+
+    :ivar torch.Tensor temperature: :math:`T`, shape ``()``.
+    """
+
+    def _register_temperature(
+        self,
+        temperature: float,
+        learn_temperature: bool,
+        temperature_prior: Prior | None,
+        temperature_constraint: Interval | None,
+    ) -> None:
+        if temperature_constraint is None:
+            temperature_constraint = Positive()
+        self.register_parameter(
+            name="raw_temperature",
+            parameter=torch.nn.Parameter(torch.zeros(()), requires_grad=learn_temperature),
+        )
+        self.register_constraint("raw_temperature", temperature_constraint)
+        if temperature_prior is not None:
+            self.register_prior("temperature_prior", temperature_prior, lambda m: m.temperature)
+        self.temperature = temperature
+
+    @property
+    def temperature(self) -> Tensor:
+        return self.raw_temperature_constraint.transform(self.raw_temperature)
+
+    @temperature.setter
+    def temperature(self, value: float | Tensor) -> None:
+        value = torch.as_tensor(value).to(self.raw_temperature)
+        if not bool(torch.all(value > 0)):
+            raise ValueError(f"temperature must be positive, got {value.tolist()}")
+        self.initialize(raw_temperature=self.raw_temperature_constraint.inverse_transform(value))
+
+
+@singledispatch
+def likelihood_temperature(likelihood: Likelihood) -> Tensor | None:
+    """The temperature :math:`T` of ``likelihood``, or ``None`` where it has none (:math:`T = 1`)."""
+    return None
+
+
+@likelihood_temperature.register
+def _(likelihood: TemperatureMixin) -> Tensor | None:
+    return likelihood.temperature

@@ -1,0 +1,239 @@
+r"""Evaluation metrics for regression, classification and out-of-distribution detection.
+
+All functions take torch tensors. Aggregate metrics return a Python ``float``; per-example
+quantities (:func:`predictive_entropy`) return a tensor.
+
+Classification metrics accept predictive probabilities in two forms:
+
+* ``(N, C)`` with ``C >= 2``: class probabilities, rows summing to one; labels ``y`` are integers
+  in ``0..C-1``, shape ``(N,)`` (``(N, 1)`` is flattened).
+* ``(N,)`` or ``(N, 1)``: binary, the entry is :math:`P(y = 1)` and ``y`` takes values in
+  ``{0, 1}``. These are expanded to the two-class form :math:`[1 - p, p]`, so a binary model gives
+  the same number whichever form it reports.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "accuracy",
+    "brier_score",
+    "categorical_nlpd",
+    "expected_calibration_error",
+    "gaussian_nlpd",
+    "ood_auroc",
+    "predictive_entropy",
+    "rmse",
+]
+
+
+def _match_shape(y: Tensor, reference: Tensor, name: str) -> Tensor:
+    """Return ``y`` reshaped to ``reference.shape`` (e.g. ``(N,)`` vs ``(N, 1)``); never broadcast."""
+    if y.shape == reference.shape:
+        return y
+    if y.numel() == reference.numel():
+        return y.reshape(reference.shape)
+    raise ValueError(f"{name} has shape {tuple(y.shape)}, incompatible with {tuple(reference.shape)}")
+
+
+def _class_probs(probs: Tensor) -> Tensor:
+    """Return probabilities in ``(N, C)`` form; binary ``(N,)`` / ``(N, 1)`` becomes ``[1 - p, p]``."""
+    if probs.dim() == 1 or (probs.dim() == 2 and probs.shape[1] == 1):
+        p1 = probs.reshape(-1)
+        return torch.stack([1.0 - p1, p1], dim=-1)
+    if probs.dim() == 2:
+        return probs
+    raise ValueError(f"probs must have shape (N,), (N, 1) or (N, C); got {tuple(probs.shape)}")
+
+
+def _labels(y: Tensor, num_examples: int) -> Tensor:
+    """Return integer labels of shape ``(N,)``."""
+    y = y.reshape(-1)
+    if y.numel() != num_examples:
+        raise ValueError(f"y has {y.numel()} entries but probs has {num_examples} rows")
+    return y.long()
+
+
+def gaussian_nlpd(mean: Tensor, var: Tensor, y: Tensor, y_scale: float | Tensor = 1.0) -> float:
+    r"""Mean negative log predictive density of independent Gaussian predictives.
+
+    .. math::
+        \mathrm{NLPD} = \frac{1}{N} \sum_{n=1}^N \sum_{c=1}^C
+            \Big[\tfrac12 \log(2\pi \sigma^2_{nc}) + \frac{(y_{nc} - \mu_{nc})^2}{2\sigma^2_{nc}}
+            + \log s_c\Big]
+
+    Args:
+        mean: predictive means :math:`\mu`, shape ``(N,)`` or ``(N, C)``.
+        var: predictive variances :math:`\sigma^2` of ``y`` (observation noise included), same shape.
+        y: targets, same number of entries (``(N,)`` and ``(N, 1)`` are interchangeable).
+        y_scale: :math:`s`, the standard deviation used to normalise the targets, scalar or ``(C,)``.
+            When ``mean``, ``var`` and ``y`` are in normalised units,
+            :math:`y_\text{orig} = s\,y + m`, the result is the NLPD in the original units.
+
+    Returns:
+        The NLPD per example (summed over the ``C`` outputs, averaged over the ``N`` examples).
+    """
+    y = _match_shape(y, mean, "y")
+    var = _match_shape(var, mean, "var")
+    if (var <= 0).any():
+        raise ValueError("var must be strictly positive")
+    per_entry = 0.5 * torch.log(2 * math.pi * var) + 0.5 * (y - mean) ** 2 / var
+    per_entry = per_entry + torch.log(
+        torch.as_tensor(y_scale, dtype=per_entry.dtype, device=per_entry.device)
+    )
+    if per_entry.dim() == 2:
+        per_entry = per_entry.sum(dim=-1)
+    return per_entry.mean().item()
+
+
+def categorical_nlpd(probs: Tensor, y: Tensor, eps: float = 1e-12) -> float:
+    r"""Mean negative log predictive probability of the observed class.
+
+    .. math:: \mathrm{NLPD} = -\frac1N \sum_{n=1}^N \log \max(p_{n, y_n}, \epsilon)
+
+    Args:
+        probs: ``(N, C)`` class probabilities, or ``(N,)`` / ``(N, 1)`` with :math:`P(y=1)`.
+        y: ``(N,)`` integer labels.
+        eps: lower clamp on the probabilities, so that a confident wrong prediction gives
+            :math:`-\log\epsilon` instead of infinity.
+    """
+    p = _class_probs(probs)
+    y = _labels(y, p.shape[0])
+    p_observed = p.gather(1, y[:, None]).squeeze(1)
+    return -torch.log(p_observed.clamp_min(eps)).mean().item()
+
+
+def accuracy(probs: Tensor, y: Tensor) -> float:
+    r"""Fraction of examples whose most probable class is the label.
+
+    .. math:: \mathrm{acc} = \frac1N \sum_n \mathbb 1[\arg\max_c p_{nc} = y_n]
+
+    For binary ``probs`` the predicted class is 1 iff :math:`P(y=1) > 1/2`.
+
+    Args:
+        probs: ``(N, C)``, or ``(N,)`` / ``(N, 1)`` binary.
+        y: ``(N,)`` integer labels.
+    """
+    p = _class_probs(probs)
+    y = _labels(y, p.shape[0])
+    return (p.argmax(dim=1) == y).double().mean().item()
+
+
+def expected_calibration_error(probs: Tensor, y: Tensor, num_bins: int = 10) -> float:
+    r"""Top-label expected calibration error with equal-width confidence bins.
+
+    With confidence :math:`\hat p_n = \max_c p_{nc}`, prediction :math:`\hat y_n = \arg\max_c p_{nc}`
+    and bins :math:`B_b = \{n : b/M < \hat p_n \le (b+1)/M\}`, :math:`b = 0, \dots, M-1`,
+
+    .. math::
+        \mathrm{ECE} = \sum_{b} \frac{|B_b|}{N}
+            \Big| \frac{1}{|B_b|}\sum_{n \in B_b} \mathbb 1[\hat y_n = y_n]
+                - \frac{1}{|B_b|}\sum_{n \in B_b} \hat p_n \Big|
+
+    Empty bins contribute nothing.
+
+    Args:
+        probs: ``(N, C)``, or ``(N,)`` / ``(N, 1)`` binary.
+        y: ``(N,)`` integer labels.
+        num_bins: :math:`M`.
+    """
+    if num_bins < 1:
+        raise ValueError("num_bins must be positive")
+    p = _class_probs(probs)
+    y = _labels(y, p.shape[0])
+    confidence, prediction = p.max(dim=1)
+    confidence = confidence.double()
+    correct = (prediction == y).double()
+    options = {"dtype": torch.float64, "device": confidence.device}
+    inner_edges = torch.arange(1, num_bins, **options) / num_bins
+    # right=False puts c in bin b when b/M < c <= (b+1)/M.
+    bins = torch.bucketize(confidence, inner_edges, right=False)
+    conf_sum = torch.zeros(num_bins, **options).index_add_(0, bins, confidence)
+    correct_sum = torch.zeros(num_bins, **options).index_add_(0, bins, correct)
+    # |B_b|/N * |acc_b - conf_b| = |sum correct - sum confidence| / N
+    return ((correct_sum - conf_sum).abs().sum() / confidence.numel()).item()
+
+
+def brier_score(probs: Tensor, y: Tensor) -> float:
+    r"""Multi-class Brier score (Brier, 1950).
+
+    .. math:: \mathrm{BS} = \frac1N \sum_n \sum_{c=1}^C (p_{nc} - \mathbb 1[y_n = c])^2
+
+    Binary ``probs`` are expanded to two classes, so for them the score is
+    :math:`\frac2N \sum_n (p_n - y_n)^2`, twice scikit-learn's ``brier_score_loss``.
+
+    Args:
+        probs: ``(N, C)``, or ``(N,)`` / ``(N, 1)`` binary.
+        y: ``(N,)`` integer labels.
+    """
+    p = _class_probs(probs)
+    y = _labels(y, p.shape[0])
+    one_hot = torch.nn.functional.one_hot(y, num_classes=p.shape[1]).to(p.dtype)
+    return ((p - one_hot) ** 2).sum(dim=1).mean().item()
+
+
+def rmse(pred: Tensor, y: Tensor) -> float:
+    r"""Root mean squared error over all entries.
+
+    .. math:: \mathrm{RMSE} = \Big(\frac{1}{NC} \sum_{n,c} (\hat y_{nc} - y_{nc})^2\Big)^{1/2}
+
+    Args:
+        pred: predictions, ``(N,)`` or ``(N, C)``.
+        y: targets with the same number of entries.
+    """
+    y = _match_shape(y, pred, "y")
+    return torch.sqrt(((pred - y) ** 2).mean()).item()
+
+
+def predictive_entropy(probs: Tensor) -> Tensor:
+    r"""Entropy of each predictive distribution, in nats.
+
+    .. math:: H_n = -\sum_c p_{nc} \log p_{nc}, \qquad 0 \log 0 = 0
+
+    Args:
+        probs: ``(N, C)``, or ``(N,)`` / ``(N, 1)`` binary.
+
+    Returns:
+        ``(N,)`` tensor.
+    """
+    p = _class_probs(probs)
+    return -torch.special.xlogy(p, p).sum(dim=1)
+
+
+def ood_auroc(scores_in: Tensor, scores_out: Tensor) -> float:
+    r"""Area under the ROC curve for separating out-of-distribution from in-distribution inputs.
+
+    Scores must be larger for inputs judged more likely out of distribution (e.g.
+    :func:`predictive_entropy`; pass the negated maximum probability for a confidence score).
+    The AUROC is the Mann–Whitney statistic
+
+    .. math::
+        \mathrm{AUROC} = P(s_\text{out} > s_\text{in}) + \tfrac12 P(s_\text{out} = s_\text{in})
+            = \frac{R_\text{out} - N_\text{out}(N_\text{out}+1)/2}{N_\text{in} N_\text{out}},
+
+    where :math:`R_\text{out}` is the sum of the ranks of the out-of-distribution scores in the
+    pooled sample, tied scores sharing their average rank. Cost: one sort, :math:`O(N \log N)`.
+
+    Args:
+        scores_in: ``(N_in,)`` scores of in-distribution inputs.
+        scores_out: ``(N_out,)`` scores of out-of-distribution inputs.
+    """
+    scores_in = scores_in.reshape(-1).double()
+    scores_out = scores_out.reshape(-1).double()
+    n_in, n_out = scores_in.numel(), scores_out.numel()
+    if n_in == 0 or n_out == 0:
+        raise ValueError("both scores_in and scores_out must be non-empty")
+    pooled = torch.cat([scores_in, scores_out])
+    if torch.isnan(pooled).any():
+        raise ValueError("scores contain NaN")
+    _, inverse, counts = torch.unique(pooled, sorted=True, return_inverse=True, return_counts=True)
+    counts = counts.double()
+    last_rank = counts.cumsum(0)
+    average_rank = last_rank - (counts - 1) / 2
+    rank_sum_out = average_rank[inverse[n_in:]].sum()
+    u_statistic = rank_sum_out - n_out * (n_out + 1) / 2
+    return (u_statistic / (n_in * n_out)).item()

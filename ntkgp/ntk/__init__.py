@@ -1,0 +1,16 @@
+"""The empirical-NTK engine: Jacobians, per-group Grams, diagonals and matrix-free products."""
+
+from .checks import check_eval_mode, check_inputs, check_outputs
+from .engine import STRATEGIES, NTKEngine
+from .groups import GroupSpec, ParameterGroups, resolve_groups
+
+__all__ = [
+    "NTKEngine",
+    "ParameterGroups",
+    "GroupSpec",
+    "STRATEGIES",
+    "resolve_groups",
+    "check_eval_mode",
+    "check_inputs",
+    "check_outputs",
+]

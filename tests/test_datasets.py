@@ -1,0 +1,273 @@
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ntkgp.datasets import (
+    GAP_REGRESSION_INTERVALS,
+    GAP_REGRESSION_TEST_RANGE,
+    gap_regression,
+    gap_regression_function,
+    load_banana,
+    load_csv,
+    load_snelson,
+    load_uci_classification,
+    load_uci_regression,
+    two_moons,
+)
+
+SHARED_DATA = Path("/work/shared/data")
+
+
+@pytest.fixture
+def data_dir() -> Path:
+    if not (SHARED_DATA / "toy").is_dir():
+        pytest.skip(f"shared data folder {SHARED_DATA} not available")
+    return SHARED_DATA
+
+
+# Synthetic generators
+
+
+def test_gap_regression_shapes_and_dtype():
+    data = gap_regression(n=50, n_test=40)
+    assert data.x_train.shape == (50, 1) and data.y_train.shape == (50, 1)
+    assert data.x_test.shape == (40, 1) and data.f_test.shape == (40, 1)
+    assert data.x_train.dtype == torch.float64
+    assert gap_regression(n=10, dtype=torch.float32).x_train.dtype == torch.float32
+    assert data.noise_std == 0.1
+
+
+def test_gap_regression_gap_is_empty_and_inputs_in_intervals():
+    x = gap_regression(n=2000, seed=3).x_train.squeeze(1)
+    (left_lo, left_hi), (right_lo, right_hi) = GAP_REGRESSION_INTERVALS
+    in_left = (x >= left_lo) & (x <= left_hi)
+    in_right = (x >= right_lo) & (x <= right_hi)
+    assert bool((in_left | in_right).all())
+    assert not bool(((x > left_hi) & (x < right_lo)).any())
+    assert in_left.sum() == 1000 and in_right.sum() == 1000
+    assert bool((x[1:] >= x[:-1]).all())
+
+
+def test_gap_regression_test_grid_covers_gap_and_matches_function():
+    data = gap_regression(n_test=301)
+    grid = data.x_test.squeeze(1)
+    assert grid[0] == GAP_REGRESSION_TEST_RANGE[0] and grid[-1] == GAP_REGRESSION_TEST_RANGE[1]
+    assert bool(((grid > -0.35) & (grid < 0.35)).any())
+    torch.testing.assert_close(data.f_test, torch.sin(4 * data.x_test))
+
+
+def test_gap_regression_deterministic_by_seed():
+    a, b, c = gap_regression(seed=5), gap_regression(seed=5), gap_regression(seed=6)
+    torch.testing.assert_close(a.x_train, b.x_train, rtol=0, atol=0)
+    torch.testing.assert_close(a.y_train, b.y_train, rtol=0, atol=0)
+    assert not torch.equal(a.x_train, c.x_train)
+
+
+def test_gap_regression_noise_has_stated_std():
+    data = gap_regression(n=20000, noise_std=0.25, seed=1)
+    residual = data.y_train - gap_regression_function(data.x_train)
+    assert residual.mean().abs() < 0.01
+    assert residual.std().item() == pytest.approx(0.25, rel=0.03)
+
+
+def test_two_moons_shapes_labels_and_seed():
+    pytest.importorskip("sklearn")
+    x, y = two_moons(n=100, noise=0.1, seed=0)
+    assert x.shape == (100, 2) and x.dtype == torch.float64
+    assert y.shape == (100,) and y.dtype == torch.long
+    assert set(y.tolist()) == {0, 1}
+    torch.testing.assert_close(two_moons(100, 0.1, 0)[0], x, rtol=0, atol=0)
+    assert not torch.equal(two_moons(100, 0.1, 1)[0], x)
+
+
+def test_two_moons_names_examples_extra_without_sklearn(monkeypatch):
+    monkeypatch.setitem(sys.modules, "sklearn.datasets", None)
+    with pytest.raises(ImportError, match=r"ntkgp\[examples\]"):
+        two_moons()
+
+
+# Shared data folder
+
+
+def test_load_snelson(data_dir):
+    x_train, y_train, x_test = load_snelson(data_dir)
+    assert x_train.shape == (200, 1) and y_train.shape == (200, 1) and x_test.shape == (301, 1)
+    expected = np.loadtxt(data_dir / "toy" / "snelson_train_outputs.dat")
+    np.testing.assert_array_equal(y_train.squeeze(1).numpy(), expected)
+
+
+@pytest.mark.parametrize("full, n", [(False, 400), (True, 5300)])
+def test_load_banana(data_dir, full, n):
+    x, y = load_banana(data_dir, full=full, dtype=torch.float32)
+    assert x.shape == (n, 2) and x.dtype == torch.float32
+    assert y.shape == (n,) and set(y.tolist()) == {0, 1}
+
+
+def test_load_banana_full_maps_labels_one_two_to_zero_one(data_dir):
+    _, y = load_banana(data_dir, full=True)
+    raw = np.loadtxt(data_dir / "toy" / "banana_5300.csv", delimiter=",")[:, 2]
+    np.testing.assert_array_equal(y.numpy(), raw - 1)
+
+
+def test_load_uci_regression_normalisation(data_dir):
+    split = load_uci_regression(data_dir, "boston", split=3)
+    assert split.x_train.shape == (455, 13) and split.x_test.shape == (51, 13)
+    assert split.y_train.shape == (455, 1) and split.y_test.shape == (51, 1)
+    torch.testing.assert_close(
+        split.x_train.mean(0), torch.zeros(13, dtype=torch.float64), atol=1e-10, rtol=0
+    )
+    torch.testing.assert_close(
+        split.x_train.std(0, unbiased=False), torch.ones(13, dtype=torch.float64), atol=1e-10, rtol=0
+    )
+    folder = data_dir / "uci_regression" / "boston"
+    table = np.loadtxt(folder / "data.txt")
+    train = np.loadtxt(folder / "index_train_3.txt", dtype=int)
+    test = np.loadtxt(folder / "index_test_3.txt", dtype=int)
+    assert split.y_mean == pytest.approx(table[train, 13].mean())
+    assert split.y_std == pytest.approx(table[train, 13].std())
+    original = split.y_test.squeeze(1).numpy() * split.y_std + split.y_mean
+    np.testing.assert_allclose(original, table[test, 13], rtol=1e-12)
+
+
+def test_load_uci_regression_constant_columns_stay_finite(data_dir):
+    split = load_uci_regression(data_dir, "naval", split=0, dtype=torch.float32)
+    assert split.x_train.dtype == torch.float32 and split.x_train.shape[1] == 16
+    assert bool(torch.isfinite(split.x_train).all()) and bool(torch.isfinite(split.x_test).all())
+    constant = split.x_train.std(0) == 0
+    assert constant.sum() == 2
+    assert bool((split.x_train[:, constant] == 0).all())
+
+
+def test_load_uci_regression_bad_split_and_name(data_dir):
+    with pytest.raises(ValueError, match="split"):
+        load_uci_regression(data_dir, "yacht", split=20)
+    with pytest.raises(FileNotFoundError, match="boston"):
+        load_uci_regression(data_dir, "no_such_set")
+
+
+@pytest.mark.parametrize(
+    "name, d, n_train, n_test", [("australian", 14, 345, 345), ("breast_cancer", 10, 341, 342)]
+)
+def test_load_uci_classification_presplit(data_dir, name, d, n_train, n_test):
+    split = load_uci_classification(data_dir, name)
+    assert split.x_train.shape == (n_train, d) and split.x_test.shape == (n_test, d)
+    assert split.x_val is None and split.y_val is None
+    assert split.num_classes == 2
+    assert set(split.y_train.tolist()) | set(split.y_test.tolist()) == {0, 1}
+
+
+def test_load_uci_classification_glass_split(data_dir):
+    split = load_uci_classification(data_dir, "glass", seed=0)
+    sizes = [len(split.y_train), len(split.y_val), len(split.y_test)]
+    assert sum(sizes) == 214 and split.num_classes == 6
+    assert sizes[0] == pytest.approx(0.7 * 214, abs=4) and sizes[1] == pytest.approx(0.15 * 214, abs=4)
+    for labels in (split.y_train, split.y_val, split.y_test):
+        assert set(labels.tolist()) == set(range(6))  # stratified: every class in every part
+    # The parts are disjoint and cover the set: undo the per-column affine standardisation and
+    # compare the rows, as a multiset, with the raw file.
+    raw_x = np.loadtxt(data_dir / "uci_classification" / "glass" / "X.txt")
+    combined = torch.cat([split.x_train, split.x_val, split.x_test]).numpy()
+    restored = np.empty_like(combined)
+    for j in range(raw_x.shape[1]):
+        slope, intercept = np.polyfit(np.sort(combined[:, j]), np.sort(raw_x[:, j]), 1)
+        restored[:, j] = slope * combined[:, j] + intercept
+
+    def lexsorted(rows):
+        rows = np.round(rows, 6)
+        return rows[np.lexsort(rows.T[::-1])]
+
+    np.testing.assert_allclose(lexsorted(restored), lexsorted(raw_x), atol=1e-6)
+    zeros, ones = torch.zeros(9, dtype=torch.float64), torch.ones(9, dtype=torch.float64)
+    torch.testing.assert_close(split.x_train.mean(0), zeros, atol=1e-10, rtol=0)
+    torch.testing.assert_close(split.x_train.std(0, unbiased=False), ones, atol=1e-10, rtol=0)
+
+
+def test_load_uci_classification_glass_seeded(data_dir):
+    a, b = (
+        load_uci_classification(data_dir, "glass", seed=1),
+        load_uci_classification(data_dir, "glass", seed=1),
+    )
+    c = load_uci_classification(data_dir, "glass", seed=2)
+    assert torch.equal(a.x_test, b.x_test) and torch.equal(a.y_test, b.y_test)
+    assert not torch.equal(a.x_test, c.x_test)
+
+
+def test_load_uci_classification_unknown_name(data_dir):
+    with pytest.raises(ValueError, match="australian"):
+        load_uci_classification(data_dir, "iris")
+
+
+# Missing data folder
+
+
+@pytest.mark.parametrize(
+    "loader",
+    [
+        load_snelson,
+        load_banana,
+        lambda d: load_uci_regression(d, "boston"),
+        lambda d: load_uci_classification(d, "glass"),
+    ],
+)
+def test_missing_folder_names_data_dir_and_layout(tmp_path, loader):
+    missing = tmp_path / "nowhere"
+    with pytest.raises(FileNotFoundError, match="data_dir") as info:
+        loader(missing)
+    assert str(missing) in str(info.value) and "data_dir/" in str(info.value)
+    with pytest.raises(FileNotFoundError, match="expected layout"):
+        loader(tmp_path)  # exists, but holds nothing
+
+
+# User CSV files
+
+
+@pytest.fixture
+def csv_file(tmp_path) -> Path:
+    path = tmp_path / "mine.csv"
+    path.write_text("a,b,species,target\n1.0,2,cat,0.5\n3,4.5,dog,-1\n\n5,6,cat,2e1\n7,8,emu,3\n")
+    return path
+
+
+def test_load_csv_regression_by_name_and_index(csv_file):
+    data = load_csv(csv_file, ["b", "a"], "target")
+    torch.testing.assert_close(data.x, torch.tensor([[2, 1], [4.5, 3], [6, 5], [8, 7]], dtype=torch.float64))
+    torch.testing.assert_close(data.y, torch.tensor([[0.5], [-1], [20], [3]], dtype=torch.float64))
+    assert data.input_names == ["b", "a"] and data.class_names is None
+    by_index = load_csv(csv_file, [1, 0], -1, dtype=torch.float32)
+    assert by_index.x.dtype == torch.float32
+    torch.testing.assert_close(by_index.x, data.x.float())
+
+
+def test_load_csv_classification_maps_text_labels(csv_file):
+    data = load_csv(csv_file, "a", "species", task="classification")
+    assert data.x.shape == (4, 1)
+    assert data.class_names == ["cat", "dog", "emu"]
+    assert data.y.tolist() == [0, 1, 0, 2] and data.y.dtype == torch.long
+
+
+def test_load_csv_classification_sorts_numeric_labels_numerically(tmp_path):
+    path = tmp_path / "numeric.csv"
+    path.write_text("x,label\n0,10\n1,2\n2,-1\n3,2\n")
+    data = load_csv(path, ["x"], "label", task="classification")
+    assert data.class_names == ["-1", "2", "10"]
+    assert data.y.tolist() == [2, 1, 0, 1]
+
+
+def test_load_csv_errors(csv_file, tmp_path):
+    with pytest.raises(ValueError, match="line 2, column 'species'"):
+        load_csv(csv_file, ["species"], "target")  # text in an input column
+    gappy = tmp_path / "gappy.csv"
+    gappy.write_text("a,t\n1,2\n\nx,3\n")
+    with pytest.raises(ValueError, match="line 4, column 'a'"):  # file line numbers, blank line included
+        load_csv(gappy, ["a"], "t")
+    with pytest.raises(ValueError, match="not in the header"):
+        load_csv(csv_file, ["nope"], "target")
+    with pytest.raises(ValueError, match="also listed"):
+        load_csv(csv_file, ["a", "target"], "target")
+    with pytest.raises(ValueError, match="task"):
+        load_csv(csv_file, ["a"], "target", task="ranking")
+    with pytest.raises(FileNotFoundError):
+        load_csv(tmp_path / "absent.csv", ["a"], "target")
