@@ -1,0 +1,59 @@
+"""The posterior of a GP prior under Gaussian sites, in function space, without inverting Λ."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..linalg import block_apply, block_sandwich, cholesky
+
+
+@dataclass
+class SitePosterior:
+    r"""Posterior of :math:`f \sim GP(m, K)` under Gaussian sites with natural parameters :math:`(r_n, \Lambda_n)`.
+
+    The sites are :math:`\exp(f_n^\top r_n - \tfrac12 f_n^\top \Lambda_n f_n)` with :math:`\Lambda_n = L_n L_n^\top`
+    and :math:`r_n = \Lambda_n (f_n^* - m_n) + g_n` relative to the prior mean (MATH.md, "GLM predictive").
+    With :math:`B = I + L^\top K_{XX} L` (Cholesky :math:`R R^\top`):
+
+    .. math::
+        \mu(x_*) &= m(x_*) + K_{*X}\,(r - L B^{-1} L^\top K_{XX} r) \\
+        \Sigma(x_*) &= K_{**} - A A^\top, \quad A = K_{*X} L R^{-\top}
+
+    the Woodbury forms of :math:`K_{*X}(I + \Lambda K_{XX})^{-1} r` and
+    :math:`K_{*X}\Lambda^{1/2}(I + \Lambda^{1/2} K_{XX} \Lambda^{1/2})^{-1}\Lambda^{1/2}K_{X*}`.
+    For a Gaussian likelihood the sites are exact and this is the exact GP posterior.
+
+    Attributes:
+        factor: ``L`` as blocks ``(N, C, k)``.
+        chol: ``R``, the lower Cholesky factor of ``B``, ``(N·k, N·k)``.
+        weights: ``r − L B⁻¹ Lᵀ K r``, ``(N·C,)``: the posterior mean is ``m(x*) + K_{*X} weights``.
+    """
+
+    factor: torch.Tensor
+    chol: torch.Tensor
+    weights: torch.Tensor
+
+    @classmethod
+    def fit(cls, gram: torch.Tensor, factor: torch.Tensor, natural_mean: torch.Tensor) -> SitePosterior:
+        """Factorise ``B`` for the training Gram ``K_XX`` ``(N·C, N·C)``, ``L`` ``(N, C, k)``, ``r`` ``(N·C,)``."""
+        sandwich = block_sandwich(factor, gram)
+        b = sandwich + torch.eye(sandwich.shape[0], dtype=gram.dtype, device=gram.device)
+        chol = cholesky(b, "I + Lᵀ K L")
+        lt_kr = block_apply(factor, gram @ natural_mean, transpose=True)
+        solved = torch.cholesky_solve(lt_kr.unsqueeze(-1), chol).squeeze(-1)
+        return cls(factor=factor, chol=chol, weights=natural_mean - block_apply(factor, solved))
+
+    def log_det(self) -> torch.Tensor:
+        """``log|I + Lᵀ K L|``."""
+        return 2 * self.chol.diagonal().log().sum()
+
+    def mean_correction(self, cross: torch.Tensor) -> torch.Tensor:
+        """``K_{*X} weights`` for ``cross = K_{*X}`` ``(M·C, N·C)``."""
+        return cross @ self.weights
+
+    def variance_root(self, cross: torch.Tensor) -> torch.Tensor:
+        """``A = K_{*X} L R^{-T}`` ``(M·C, N·k)``, so that the posterior covariance is ``K_** − A Aᵀ``."""
+        kl = block_apply(self.factor, cross.mT, transpose=True)  # Lᵀ K_X* : (N·k, M·C)
+        return torch.linalg.solve_triangular(self.chol, kl, upper=False).mT

@@ -1,0 +1,104 @@
+"""The Laplace-GGN evidence against the dense weight-space formula (log-determinant of the P×P GGN + prior)."""
+
+import gpytorch
+import pytest
+import torch
+
+import ntkgp
+from ntkgp.likelihoods import LogisticLikelihood, SoftmaxLikelihood
+from ntkgp.ntk import resolve_groups
+from tests.helpers import column_groups, dense_laplace, mlp, reference_log_prob, rel_err
+
+
+def make_problem(kind: str, n: int = 12, seed: int = 0):
+    torch.manual_seed(seed)
+    x = torch.randn(n, 3, dtype=torch.float64)
+    if kind == "regression1":
+        net, lik = mlp(d_out=1, seed=seed), gpytorch.likelihoods.GaussianLikelihood().double()
+        lik.noise = 0.3
+        y = torch.randn(n, dtype=torch.float64)
+        log_prob = lambda f, yy: reference_log_prob("gaussian", f, yy, lik.noise.detach())  # noqa: E731
+    elif kind == "regression2":
+        net = mlp(d_out=2, seed=seed)
+        lik = gpytorch.likelihoods.MultitaskGaussianLikelihood(num_tasks=2, rank=0, has_global_noise=False).double()
+        lik.task_noises = torch.tensor([0.2, 0.5], dtype=torch.float64)
+        y = torch.randn(n, 2, dtype=torch.float64)
+        log_prob = lambda f, yy: reference_log_prob("gaussian", f, yy, lik.task_noises.detach())  # noqa: E731
+    elif kind == "binary":
+        net, lik = mlp(d_out=1, seed=seed), LogisticLikelihood(temperature=0.7).double()
+        y = (torch.rand(n) > 0.5).double()
+        log_prob = lambda f, yy: reference_log_prob("logistic", f, yy, temperature=0.7)  # noqa: E731
+    else:
+        net, lik = mlp(d_out=4, seed=seed), SoftmaxLikelihood(num_classes=4).double()
+        y = torch.randint(0, 4, (n,))
+        log_prob = lambda f, yy: reference_log_prob("softmax", f, yy)  # noqa: E731
+    return net, x, y, lik, log_prob
+
+
+KINDS = ["regression1", "regression2", "binary", "softmax4"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("per_group", [False, True])
+@pytest.mark.parametrize("space", ["function", "weight"])
+@pytest.mark.parametrize("curvature", ["ggn", "ef"])
+def test_evidence_equals_dense_weight_space_formula(kind, per_group, space, curvature):
+    net, x, y, lik, log_prob = make_problem(kind)
+    delta = torch.tensor([0.5, 2.0, 4.0], dtype=torch.float64) if per_group else torch.tensor(3.0, dtype=torch.float64)
+    model = ntkgp.NTKGP(net, x, y, lik, prior_precision=delta)
+    pg = resolve_groups(net)
+    cols = column_groups(net, dict(zip(pg.names, pg.group_of)))
+    delta_cols = delta.expand(3)[cols]
+    ref = dense_laplace(net, x, y, log_prob, delta_cols, curvature)["evidence"]
+    ours = model.log_marginal_likelihood(curvature=curvature, space=space)
+    assert rel_err(ours.detach(), ref) < 1e-8
+    mll = ntkgp.LaplaceGGNMarginalLogLikelihood(lik, model, curvature=curvature, space=space)
+    assert rel_err(mll(model(x), y).detach() * x.shape[0], ref) < 1e-8
+
+
+def test_auto_space_picks_the_cheaper_route(monkeypatch):
+    net, x, y, lik, _ = make_problem("regression1", n=12)  # N·C = 12 < P = 100: function space
+    model = ntkgp.NTKGP(net, x, y, lik)
+    calls = []
+    monkeypatch.setattr(type(model.covar_module), "jacobian", lambda self, xx: calls.append("J") or torch.zeros(1))
+    model.log_marginal_likelihood()
+    assert calls == []
+    big_x = torch.randn(150, 3, dtype=torch.float64)  # N·C = 150 > P = 100: weight space
+    big = ntkgp.NTKGP(net, big_x, torch.randn(150, dtype=torch.float64), lik)
+    monkeypatch.undo()
+    ref = big.log_marginal_likelihood(space="function")
+    assert rel_err(big.log_marginal_likelihood(space="auto").detach(), ref.detach()) < 1e-9
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_evidence_gradients_match_finite_differences(kind):
+    net, x, y, lik, _ = make_problem(kind)
+    model = ntkgp.NTKGP(net, x, y, lik, prior_precision=torch.tensor([0.5, 2.0, 4.0], dtype=torch.float64))
+    params = [p for p in model.hyperparameters() if p.requires_grad]
+    value = model.log_marginal_likelihood()
+    grads = torch.autograd.grad(value, params)
+    eps = 1e-6
+    for p, g in zip(params, grads):
+        for i in range(p.numel()):
+            flat = p.data.view(-1)
+            old = flat[i].item()
+            flat[i] = old + eps
+            up = model.log_marginal_likelihood().item()
+            flat[i] = old - eps
+            down = model.log_marginal_likelihood().item()
+            flat[i] = old
+            fd = (up - down) / (2 * eps)
+            assert abs(fd - g.view(-1)[i].item()) < 1e-5 * max(1.0, abs(fd))
+
+
+def test_grams_are_computed_once_across_hyperparameter_steps(monkeypatch):
+    net, x, y, lik, _ = make_problem("softmax4")
+    model = ntkgp.NTKGP(net, x, y, lik)
+    model.log_marginal_likelihood()
+    engine = model.covar_module.engine
+    monkeypatch.setattr(engine, "group_grams", lambda *a, **k: pytest.fail("Grams recomputed"))
+    optimizer = torch.optim.Adam(model.hyperparameters(), lr=0.1)
+    for _ in range(3):
+        optimizer.zero_grad()
+        (-model.log_marginal_likelihood()).backward()
+        optimizer.step()
