@@ -123,6 +123,7 @@ class NTKKernel(Kernel):
             net, groups=groups, chunk_size=chunk_size, strategy=strategy, input_shape=input_shape, progress=progress
         )
         self.representation = representation
+        self.groups_spec = groups
         self._cache = _InputCache(cache_size)
         num_groups = self.engine.num_groups
         init = torch.as_tensor(prior_precision, dtype=self.engine.dtype, device=self.engine.device)
