@@ -1,6 +1,6 @@
 """ntkgp: turn a trained PyTorch network into a Gaussian process (empirical NTK, Laplace-GGN evidence, GLM predictive, SFR)."""
 
-from . import likelihoods
+from . import curvature, likelihoods, training
 from .kernels import NTKKernel
 from .means import LinearisedNetworkMean, NetworkMean
 from .mlls import LaplaceGGNMarginalLogLikelihood
@@ -19,5 +19,7 @@ __all__ = [
     "LinearisedNetworkMean",
     "NetworkMean",
     "likelihoods",
+    "curvature",
+    "training",
     "__version__",
 ]

@@ -1,0 +1,145 @@
+r"""One pass over the training data at :math:`\theta^*`: batches, outputs, unit likelihood factors, and
+per-example vector-Jacobian products :math:`J_n^\top u_n`.
+
+Everything here treats the network functionally (``torch.func.functional_call`` with detached copies of its
+parameters): the network's weights, flags, mode and hooks are left as they are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+from gpytorch.likelihoods import Likelihood
+from torch import Tensor, nn
+from torch.func import functional_call, vjp, vmap
+from tqdm.auto import tqdm
+
+from ..likelihoods import gradient, hessian_sqrt, validate_targets
+from ..ntk import NTKEngine, check_outputs
+from ..ntk.groups import GroupSpec
+from .scaling import output_scale
+
+Data = Tensor | Iterable[tuple[Tensor, Tensor]]
+
+
+@dataclass
+class DataPass:
+    r"""The network, its parameters :math:`\theta^*` and the likelihood for one pass over the data.
+
+    Collects the outputs :math:`f_n` and normalised targets of every batch it hands out.
+
+    :ivar engine: the :class:`~ntkgp.ntk.NTKEngine` (groups, input checks, detached parameters).
+    :ivar params: :math:`\theta^*` per trainable parameter name, detached.
+    :ivar scale0: the output scale :math:`s_0` of the likelihood at computation time, ``(K,)``, detached.
+    """
+
+    engine: NTKEngine
+    likelihood: Likelihood
+    params: dict[str, Tensor]
+    scale0: Tensor
+    outputs: list[Tensor] = field(default_factory=list)
+    targets: list[Tensor] = field(default_factory=list)
+
+    @classmethod
+    def start(
+        cls,
+        net: nn.Module,
+        likelihood: Likelihood,
+        groups: GroupSpec = "layer",
+        input_shape: tuple[int, ...] | None = None,
+    ) -> DataPass:
+        """Check the network (eval mode, trainable parameters) and record :math:`\\theta^*` and :math:`s_0`."""
+        engine = NTKEngine(net, groups=groups, input_shape=input_shape)
+        scale0 = output_scale(likelihood).detach().to(device=engine.device, dtype=engine.dtype)
+        return cls(engine=engine, likelihood=likelihood, params=engine.params(), scale0=scale0)
+
+    @property
+    def net(self) -> nn.Module:
+        return self.engine.net
+
+    @property
+    def num_data(self) -> int:
+        return sum(f.shape[0] for f in self.outputs)
+
+    def forward(self, x: Tensor, params: dict[str, Tensor] | None = None) -> Tensor:
+        """``f(x; θ)`` through ``functional_call`` (``θ*`` unless ``params`` overrides some parameters)."""
+        return functional_call(self.net, self.params if params is None else {**self.params, **params}, (x,))
+
+    def batches(self, x: Data, y: Tensor | None, batch_size: int, progress: bool, desc: str) -> Iterator[
+        tuple[Tensor, Tensor, Tensor]
+    ]:
+        """Yield ``(x_b, f_b, y_b)``: prepared inputs, outputs ``(n, C)`` (no graph) and normalised targets.
+
+        ``x`` is a tensor ``(N, ...)`` with targets ``y``, split into batches of ``batch_size``; or an
+        iterable of ``(x_b, y_b)`` batches (e.g. a ``DataLoader``) with ``y=None``.
+        """
+        if int(batch_size) < 1:
+            raise ValueError(f"batch_size must be a positive integer, got {batch_size}")
+        if torch.is_tensor(x):
+            if not torch.is_tensor(y):
+                raise TypeError("y must be a tensor of targets when x is a tensor")
+            if y.shape[0] != x.shape[0]:
+                raise ValueError(f"x has {x.shape[0]} rows but y has {y.shape[0]}")
+            pairs: Iterable = zip(x.split(int(batch_size)), y.split(int(batch_size)))
+            total = -(-x.shape[0] // int(batch_size))
+        else:
+            if y is not None:
+                raise ValueError("pass y=None when x is an iterable of (x, y) batches")
+            pairs, total = x, None
+        for xb, yb in tqdm(pairs, total=total, desc=desc, disable=not progress, leave=False):
+            xb = self.engine.prepare(xb)
+            with torch.no_grad():
+                fb = self.forward(xb)
+            check_outputs(fb, xb.shape[0])
+            yb = validate_targets(self.likelihood, yb, fb.shape[1], num_data=fb.shape[0])
+            self.outputs.append(fb)
+            self.targets.append(yb)
+            yield xb, fb, yb
+
+    def unit_hessian_sqrt(self, f: Tensor, y: Tensor) -> Tensor:
+        r""":math:`\tilde L_n = S_0^{-1/2} L_n` with :math:`L_n L_n^\top = \Lambda_n`, shape ``(n, C, C)``.
+
+        Gaussian: :math:`\tilde L_n = I`; tempered classification: :math:`L_n \sqrt{T_0}`.
+        """
+        with torch.no_grad():
+            return hessian_sqrt(self.likelihood, f, y) * self.scale0.rsqrt()[:, None]
+
+    def unit_gradient(self, f: Tensor, y: Tensor) -> Tensor:
+        r""":math:`\tilde g_n = S_0^{-1} g_n`, shape ``(n, C)`` (Gaussian: :math:`y_n - f_n`)."""
+        with torch.no_grad():
+            return gradient(self.likelihood, f, y) / self.scale0
+
+    def per_example_vjps(self, x: Tensor, cotangents: Tensor, names: list[str]) -> Tensor:
+        r"""Rows :math:`J_n^\top u_{nm}` restricted to the parameters ``names``, shape ``(n, M, P_{names})``.
+
+        :param x: prepared inputs ``(n, ...)``.
+        :param cotangents: :math:`u_{nm}` as ``(n, C, M)`` (column ``m`` of each example's matrix).
+        :param names: parameter names, in the order of the columns returned.
+
+        One forward and ``M`` backward passes per example (``vmap`` over examples of ``vjp``); memory
+        :math:`O(n M P)`.
+        """
+        chosen = {k: self.params[k] for k in names}
+
+        def single(sub: dict[str, Tensor], xi: Tensor, ui: Tensor) -> dict[str, Tensor]:
+            _, pull = vjp(lambda s: self.forward(xi.unsqueeze(0), s).squeeze(0), sub)
+            return vmap(pull)(ui.T)[0]
+
+        rows = vmap(single, in_dims=(None, 0, 0))(chosen, x, cotangents)
+        return torch.cat([rows[k].reshape(x.shape[0], cotangents.shape[-1], -1) for k in names], dim=-1)
+
+    def theta_sq_norms(self) -> Tensor:
+        r""":math:`\|\theta^*_g\|^2` per group, shape ``(G,)``."""
+        groups = self.engine.groups
+        norms = torch.zeros(groups.num_groups, dtype=self.engine.dtype, device=self.engine.device)
+        for name, g in zip(groups.names, groups.group_of):
+            norms[g] += self.params[name].square().sum()
+        return norms
+
+    def collected(self) -> tuple[Tensor, Tensor]:
+        """All outputs ``(N, C)`` and normalised targets seen so far."""
+        if not self.outputs:
+            raise ValueError("the data is empty: no batch was seen")
+        return torch.cat(self.outputs), torch.cat(self.targets)
