@@ -157,7 +157,24 @@ class NTKGP(GP):
 
     # ------------------------------------------------------------------ posterior in function space
     def site_posterior(self) -> SitePosterior:
-        """The Gaussian-site posterior over the training outputs (differentiable in the hyperparameters)."""
+        """The Gaussian-site posterior over the training outputs (differentiable in the hyperparameters).
+
+        Without gradients (prediction) it is cached until a hyperparameter or the network's weights change.
+        """
+        if torch.is_grad_enabled():
+            return self._fit_site_posterior()
+        key = (
+            self.covar_module.engine.params_version(),
+            tuple((p.data_ptr(), p._version) for p in self.hyperparameters()),
+        )
+        cached = self.__dict__.get("_site_posterior_cache")
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        post = self._fit_site_posterior()
+        self.__dict__["_site_posterior_cache"] = (key, post)
+        return post
+
+    def _fit_site_posterior(self) -> SitePosterior:
         f, y, x = self._f_train, self._y, self.train_x
         factor = curvature_factor(self.likelihood, f, y, "ggn")
         m = self.mean_module(x).reshape(f.shape)
