@@ -3,8 +3,8 @@
 from . import curvature, likelihoods, training
 from .kernels import NTKKernel
 from .means import LinearisedNetworkMean, NetworkMean
-from .mlls import LaplaceGGNMarginalLogLikelihood
-from .models import NTKGP, ExactNTKGP, LaplaceNTKGP
+from .mlls import LaplaceGGNMarginalLogLikelihood, SparseLaplaceEvidence
+from .models import NTKGP, SFR, ExactNTKGP, LaplaceNTKGP
 from .ntk import NTKEngine
 
 __version__ = "0.1.0"
@@ -16,6 +16,8 @@ __all__ = [
     "ExactNTKGP",
     "LaplaceNTKGP",
     "LaplaceGGNMarginalLogLikelihood",
+    "SFR",
+    "SparseLaplaceEvidence",
     "LinearisedNetworkMean",
     "NetworkMean",
     "likelihoods",

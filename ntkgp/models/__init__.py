@@ -1,5 +1,6 @@
 """GPyTorch models built from a trained network."""
 
 from .ntkgp import NTKGP, ExactNTKGP, LaplaceNTKGP
+from .sfr import SFR
 
-__all__ = ["NTKGP", "ExactNTKGP", "LaplaceNTKGP"]
+__all__ = ["NTKGP", "ExactNTKGP", "LaplaceNTKGP", "SFR"]

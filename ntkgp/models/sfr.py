@@ -1,0 +1,469 @@
+r"""SFR: a trained network as a sparse GP whose inducing points summarise all the data (Scannell et al.)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Iterator
+from types import SimpleNamespace
+
+import gpytorch
+import torch
+from gpytorch.distributions import MultitaskMultivariateNormal, MultivariateNormal
+from gpytorch.likelihoods import Likelihood
+from gpytorch.models import GP
+from linear_operator.operators import LinearOperator
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+
+from ..kernels import NTKKernel
+from ..likelihoods import is_gaussian, num_outputs, validate_targets
+from ..linalg import cholesky
+from ..means import LinearisedNetworkMean
+from ..ntk import GroupSpec
+from .inducing_points import INDUCING_METHODS, greedy_variance, uniform_subset
+from .sfr_statistics import COUPLINGS, DualStatistics, system_grams, system_grams_and_diagonal
+
+PRIOR_MEANS = ("zero", "linearised")
+PREDICTIVE_MEANS = ("gp", "nn")
+
+
+class SFR(GP):
+    r"""Sparse function-space representation of a trained network: an inducing-point GP in closed form.
+
+    The network's Laplace-GGN posterior, written with its dual parameters :math:`\hat\alpha_n = g_n`,
+    :math:`\hat\beta_n = \Lambda_n` (gradient and Hessian of :math:`\log p(y_n|f)` at :math:`f_n = f(x_n;\theta^*)`),
+    is projected onto ``M`` inducing inputs :math:`Z` (MATH.md, "SFR"):
+
+    .. math::
+        B_u = \sum_n K_{Zn} \Lambda_n K_{nZ}, \qquad \tilde y_u = \sum_n K_{Zn} (\Lambda_n (f_n - m_n) + g_n),
+
+        \mu(x) = m(x) + K_{xZ} (K_{ZZ} + B_u)^{-1} \tilde y_u, \qquad
+        \Sigma(x, x') = K_{xx'} - K_{xZ} [K_{ZZ}^{-1} - (K_{ZZ} + B_u)^{-1}] K_{Zx'},
+
+    with the empirical NTK :math:`K = \sum_g \delta_g^{-1} J_g J_g^\top` (:class:`~ntkgp.NTKKernel`) and prior mean
+    :math:`m`. This is the DTC / Titsias sparse approximation of the linearised network's GP with Gaussian
+    sites :math:`(\Lambda_n f_n + g_n, \Lambda_n)`: with ``Z = X`` it *is* that GP's posterior, i.e. the Laplace
+    GLM predictive (NTKGP) for the linearised mean. No variational optimisation is involved.
+
+    ``sfr(x)`` returns a :class:`~gpytorch.distributions.MultivariateNormal` over :math:`f(x)` (``C = 1``) or a
+    :class:`~gpytorch.distributions.MultitaskMultivariateNormal` of shape ``(N, C)`` (interleaved order);
+    ``sfr.likelihood(sfr(x))`` is the predictive over :math:`y` (probit or Monte Carlo for classes). Its
+    covariance is lazy: marginal variances and per-point ``C×C`` blocks cost ``O(N·C·(MC)²)`` without the
+    test Gram; the full matrix is formed only when asked for.
+
+    **Defaults, and why.**
+
+    * ``prior_mean="linearised"``: :math:`m(x) = f(x;\theta^*) - J(x)\theta^*`, the prior mean of the
+      linearised network, so that SFR is a sparse approximation of *the same* GP as NTKGP and equals it at
+      ``Z = X``; at a stationary :math:`\theta^*` its mean is then anchored at the network. ``"zero"`` is the
+      public SFR code's choice (reproduces its numbers).
+    * ``predictive_mean="gp"``: the GP mean uses the data (and :meth:`update`); ``"nn"`` (the paper's
+      SFR-NN) is the network's output with SFR's covariance and ignores updates.
+    * ``output_coupling="full"``: one :math:`MC \times MC` system with the full softmax Hessian, exact for the
+      model; ``"independent"`` keeps only the ``C`` diagonal :math:`M \times M` blocks (one kernel per output,
+      diagonal of :math:`\Lambda`, as the public SFR code): about :math:`C^2` times cheaper.
+    * ``inducing_method="random"``: a seeded uniform subset; ``"greedy_variance"`` (deterministic) serves
+      better on clustered data, see :mod:`ntkgp.models.inducing_points`.
+
+    **Hyperparameters.** The statistics are kept per parameter group and per noise/temperature slot
+    (:class:`~ntkgp.models.sfr_statistics.DualStatistics`): changing the prior precisions
+    ``sfr.covar_module.prior_precision`` or the Gaussian noise re-weights them (``O(G²(MC)²)``) and never
+    touches the data or the Jacobians. :class:`~ntkgp.mlls.sparse_evidence.SparseLaplaceEvidence` learns them.
+    In ``eval()`` mode (the state after construction) all factorisations that depend only on ``Z`` and the
+    hyperparameters are cached (detached, as GPyTorch's ``detach_test_caches``); in ``train()`` mode they are
+    recomputed with gradients.
+
+    **Streaming.** The sums run over mini-batches; memory ``O(G²(MC)² + batch·C·P)``, never ``O(N²)``.
+    :meth:`update` adds new data without reading the old.
+
+    Args:
+        net: the trained network ``(N, *input_shape) -> (N, C)``; never modified.
+        train_x: training inputs ``(N, ...)``, or an iterable of ``(x, y)`` batches (a ``DataLoader``);
+            read once (twice when inducing inputs are chosen from it), never stored.
+        train_y: targets (any form :func:`~ntkgp.likelihoods.validate_targets` accepts); ``None`` with a loader.
+        likelihood: a supported likelihood (as for NTKGP); becomes ``sfr.likelihood``.
+        num_inducing: ``M``, inducing inputs chosen from the training inputs by ``inducing_method``.
+        inducing_points: ``Z`` of shape ``(M, ...)`` (like the inputs); exclusive with ``num_inducing``.
+        prior_precision: initial :math:`\delta` (float or one per group).
+        groups: prior-precision groups, see :class:`~ntkgp.NTKKernel`.
+        prior_mean: ``"linearised"`` or ``"zero"``.
+        predictive_mean: ``"gp"`` or ``"nn"``.
+        output_coupling: ``"full"`` or ``"independent"``.
+        inducing_method: ``"random"`` or ``"greedy_variance"``.
+        batch_size: points per accumulation step; default: as many as keep the cross-Gram block under
+            ``2**24`` numbers. Batches of a loader are split further to respect it.
+        seed: seed of the random choices (inducing subset, candidate pool).
+        progress: show a progress bar over the data.
+        input_shape: shape of one input, when inputs arrive flat (see :class:`~ntkgp.NTKKernel`).
+        chunk_size: examples per Jacobian / feature chunk of the NTK engine (larger than the kernel's
+            default: SFR streams many points, and per-chunk overheads dominate small chunks).
+        pool_size: candidates for ``"greedy_variance"``.
+
+    Example:
+        >>> sfr = SFR(net, x, y, SoftmaxLikelihood(10), num_inducing=512, output_coupling="independent")
+        >>> probs = sfr.likelihood(sfr(x_test)).probs
+        >>> sfr.update(x_new, y_new)                    # condition on new data, no retraining
+    """
+
+    def __init__(
+        self,
+        net: nn.Module,
+        train_x: Tensor | Iterable[tuple[Tensor, Tensor]],
+        train_y: Tensor | None,
+        likelihood: Likelihood,
+        num_inducing: int | None = None,
+        inducing_points: Tensor | None = None,
+        prior_precision: float | Tensor = 1.0,
+        groups: GroupSpec = "layer",
+        prior_mean: str = "linearised",
+        predictive_mean: str = "gp",
+        output_coupling: str = "full",
+        inducing_method: str = "random",
+        batch_size: int | None = None,
+        seed: int = 0,
+        progress: bool = False,
+        input_shape: tuple[int, ...] | None = None,
+        chunk_size: int = 1024,
+        pool_size: int = 4096,
+    ) -> None:
+        super().__init__()
+        for name, value, allowed in (
+            ("prior_mean", prior_mean, PRIOR_MEANS),
+            ("predictive_mean", predictive_mean, PREDICTIVE_MEANS),
+            ("output_coupling", output_coupling, COUPLINGS),
+            ("inducing_method", inducing_method, INDUCING_METHODS),
+        ):
+            if value not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+        if (num_inducing is None) == (inducing_points is None):
+            raise ValueError("give exactly one of num_inducing and inducing_points")
+        if batch_size is not None and (isinstance(batch_size, bool) or int(batch_size) < 1):
+            raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+        expected_outputs = num_outputs(likelihood)  # raises for unsupported likelihoods
+        self.likelihood = likelihood
+        self.covar_module = NTKKernel(
+            net, prior_precision, groups=groups, input_shape=input_shape, chunk_size=chunk_size, progress=False
+        )
+        self.mean_module = LinearisedNetworkMean(self.engine) if prior_mean == "linearised" else None
+        self.prior_mean = prior_mean
+        self.predictive_mean = predictive_mean
+        self.output_coupling = output_coupling
+        self.batch_size = None if batch_size is None else int(batch_size)
+        self.progress = progress
+        if train_y is None and torch.is_tensor(train_x):
+            raise ValueError("train_y is required when train_x is a tensor")
+
+        if inducing_points is None and not torch.is_tensor(train_x) and iter(train_x) is train_x:
+            raise ValueError(
+                "choosing inducing inputs from the data needs two passes over train_x, but it is a one-shot "
+                "iterator: pass a DataLoader (or tensors), or give inducing_points"
+            )
+        pairs = self._pairs(train_x, train_y, "train")
+        first = next(pairs, None)
+        if first is None:
+            raise ValueError("train_x holds no data")
+        self.num_outputs = self.engine.num_outputs(self.engine.prepare(first[0], "train_x"))
+        if self.num_outputs != expected_outputs:
+            raise ValueError(
+                f"the network has {self.num_outputs} outputs but {type(likelihood).__name__} expects {expected_outputs}"
+            )
+        if inducing_points is not None:
+            z = self._given_inducing_inputs(inducing_points, first[0])
+        else:
+            z = self._chosen_inducing_inputs(train_x, train_y, num_inducing, inducing_method, seed, pool_size)
+            pairs = self._pairs(train_x, train_y, "train")
+            first = next(pairs)
+        self.register_buffer("inducing_points", z)
+        self.register_buffer("_zz_grams", system_grams(self.engine, z, z, output_coupling))
+        self.statistics = self._stream(itertools.chain([first], pairs))
+        self._cache: SimpleNamespace | None = None
+        self.eval()
+
+    # ------------------------------------------------------------------ construction helpers
+    @property
+    def engine(self):
+        """The :class:`~ntkgp.NTKEngine` of the kernel (holds the network by reference)."""
+        return self.covar_module.engine
+
+    @property
+    def num_inducing(self) -> int:
+        return self.inducing_points.shape[0]
+
+    def _pairs(self, x: Tensor | Iterable, y: Tensor | None, name: str) -> Iterator[tuple[Tensor, Tensor]]:
+        """``(x, y)`` batches from tensors or an iterable of pairs; checks lengths and targets."""
+        if torch.is_tensor(x):
+            if not torch.is_tensor(y):
+                raise TypeError(f"{name}_y must be a tensor when {name}_x is, got {type(y).__name__}")
+            if y.dim() == 0 or x.dim() == 0 or x.shape[0] != y.shape[0]:
+                raise ValueError(
+                    f"{name}_x and {name}_y must have the same number of rows, got {tuple(x.shape)} and {tuple(y.shape)}"
+                )
+            yield x, y
+            return
+        if y is not None:
+            raise ValueError(f"{name}_y must be None when {name}_x is a DataLoader or iterable of (x, y) batches")
+        for batch in x:
+            if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+                raise TypeError(f"each batch of {name}_x must be a pair (x, y), got {type(batch).__name__}")
+            bx, by = batch
+            if not (torch.is_tensor(bx) and torch.is_tensor(by)) or bx.shape[0] != by.shape[0]:
+                raise ValueError(f"each (x, y) batch of {name}_x must hold tensors with the same number of rows")
+            yield bx, by
+
+    def _given_inducing_inputs(self, inducing_points: Tensor, first_x: Tensor) -> Tensor:
+        if not torch.is_tensor(inducing_points):
+            raise TypeError(f"inducing_points must be a tensor, got {type(inducing_points).__name__}")
+        flat_ok = inducing_points.dim() == 2 and inducing_points.shape[1] == first_x[0].numel()
+        if inducing_points.dim() < 2 or not (inducing_points.shape[1:] == first_x.shape[1:] or flat_ok):
+            raise ValueError(
+                f"inducing_points must have shape (M, {', '.join(map(str, first_x.shape[1:]))}) like the "
+                f"inputs, got {tuple(inducing_points.shape)}"
+            )
+        z = self.engine.prepare(inducing_points, "inducing_points")
+        return z.reshape(z.shape[0], *first_x.shape[1:]).detach().clone()
+
+    def _chosen_inducing_inputs(self, train_x, train_y, num_inducing, method: str, seed: int, pool_size: int) -> Tensor:
+        if isinstance(num_inducing, bool) or int(num_inducing) < 1:
+            raise ValueError(f"num_inducing must be a positive integer, got {num_inducing!r}")
+        size = int(num_inducing)
+        inputs = (bx for bx, _ in self._pairs(train_x, train_y, "train"))
+        pool, total = uniform_subset(inputs, size if method == "random" else max(size, pool_size), seed)
+        if total < size:
+            raise ValueError(f"cannot choose {size} inducing inputs from {total} training inputs (num_inducing > N)")
+        pool = self.engine.prepare(pool, "train_x").detach().clone()
+        if method == "greedy_variance":
+            pool = pool[greedy_variance(self.engine, pool, size, self.covar_module.prior_precision.reciprocal())]
+        return pool
+
+    def _rows_per_step(self) -> int:
+        if self.batch_size is not None:
+            return self.batch_size
+        c, m, g = self.num_outputs, self.num_inducing, self.engine.num_groups
+        per_point = g * m * c * (c if self.output_coupling == "full" else 1)
+        return max(1, (1 << 24) // per_point)
+
+    def _stream(self, pairs: Iterator[tuple[Tensor, Tensor]]) -> DualStatistics:
+        """Accumulate fresh :class:`DualStatistics` over ``pairs`` (the model is unchanged until it succeeds)."""
+        z = self.inducing_points
+        stats = DualStatistics(
+            self.engine.num_groups,
+            self.num_inducing,
+            self.num_outputs,
+            self.output_coupling,
+            is_gaussian(self.likelihood),
+            z.dtype,
+            z.device,
+        )
+        rows = self._rows_per_step()
+        bar = tqdm(desc="SFR dual statistics", unit="pt", disable=not self.progress, leave=False)
+        with torch.no_grad():
+            for x, y in pairs:
+                x = self.engine.prepare(x, "x")
+                validate_targets(self.likelihood, y, self.num_outputs, num_data=x.shape[0])
+                for s in range(0, x.shape[0], rows):
+                    xb, yb = x[s : s + rows], y[s : s + rows]
+                    f = self.engine.outputs(xb)
+                    cross, diag = system_grams_and_diagonal(self.engine, z, xb, self.output_coupling)
+                    stats.accumulate(self.likelihood, cross, diag, f, self._prior_mean(xb, f), yb)
+                    bar.update(xb.shape[0])
+        bar.close()
+        return stats
+
+    def _prior_mean(self, x: Tensor, f: Tensor | None = None) -> Tensor:
+        """Prior mean ``m(x)``, shape ``(N, C)``."""
+        if self.mean_module is None:
+            shape = (x.shape[0], self.num_outputs)
+            return torch.zeros(shape, dtype=self.inducing_points.dtype, device=self.inducing_points.device)
+        return self.mean_module(x).reshape(x.shape[0], self.num_outputs)
+
+    # ------------------------------------------------------------------ conditioning on new data
+    def update(self, x_new: Tensor | Iterable[tuple[Tensor, Tensor]], y_new: Tensor | None = None) -> SFR:
+        r"""Condition on new data: add its terms to :math:`B_u`, :math:`\tilde y_u` (the old data are not read).
+
+        ``f``, ``g``, :math:`\Lambda` come from the network at :math:`\theta^*`; ``Z`` is unchanged. The result
+        equals building SFR on the union of the data with the same ``Z``; cost ``O(b (MC)^2 + (MC)^3)``.
+        Accepts tensors or an iterable of ``(x, y)`` batches (then ``y_new=None``). Returns ``self``.
+        """
+        new = self._stream(self._pairs(x_new, y_new, "new"))
+        self.statistics.add_(new)
+        self._cache = None
+        return self
+
+    @property
+    def num_data(self) -> int:
+        """Number of data points summarised so far."""
+        return int(self.statistics.num_data)
+
+    # ------------------------------------------------------------------ posterior factors
+    def _factors(self) -> SimpleNamespace:
+        r"""Cholesky factors of :math:`K_{ZZ}` and :math:`K_{ZZ} + B_u` and :math:`\alpha = (K_{ZZ}+B_u)^{-1}\tilde y_u`.
+
+        Cached (detached) in eval mode, keyed by the hyperparameters' values and the statistics' version.
+        """
+        weights = self.covar_module.prior_precision.reciprocal()
+        slots = self.statistics.slot_weights(self.likelihood)
+        use_cache = not self.training and gpytorch.settings.detach_test_caches.on()
+        if use_cache:
+            weights, slots = weights.detach(), slots.detach()
+            key = self._cache
+            if (
+                key is not None
+                and key.version == self.statistics.version
+                and torch.equal(key.weights, weights)
+                and torch.equal(key.slots, slots)
+            ):
+                return key
+        kzz = torch.einsum("g,gbij->bij", weights, self._zz_grams)
+        b_u, y_u = self.statistics.projected(weights, slots)
+        chol_z = cholesky(kzz, "K_ZZ")
+        chol_s = cholesky(kzz + b_u, "K_ZZ + B_u")
+        alpha = torch.cholesky_solve(y_u.unsqueeze(-1), chol_s).squeeze(-1)
+        factors = SimpleNamespace(
+            version=self.statistics.version, weights=weights, slots=slots, kzz=kzz, b_u=b_u, y_u=y_u,
+            chol_z=chol_z, chol_s=chol_s, alpha=alpha,
+        )
+        if use_cache:
+            self._cache = factors
+        return factors
+
+    # ------------------------------------------------------------------ prediction
+    def forward(self, x: Tensor) -> MultivariateNormal:
+        """The posterior over :math:`f(x)`: ``MultivariateNormal`` (C = 1) or ``MultitaskMultivariateNormal`` ``(N, C)``."""
+        x = self.engine.prepare(x, "x")
+        n, c = x.shape[0], self.num_outputs
+        fac = self._factors()
+        grams, diag = system_grams_and_diagonal(self.engine, self.inducing_points, x, self.output_coupling)
+        cross = torch.einsum("g,gbkr->brk", fac.weights, grams)
+        if self.predictive_mean == "nn":
+            mean = self.engine.outputs(x)
+        else:
+            correction = torch.einsum("brk,bk->br", cross, fac.alpha)
+            correction = correction.view(n, c) if self.output_coupling == "full" else correction.T
+            mean = self._prior_mean(x) + correction
+        cross_t = cross.transpose(-1, -2)
+        low_rank_z = torch.linalg.solve_triangular(fac.chol_z, cross_t, upper=False)
+        low_rank_s = torch.linalg.solve_triangular(fac.chol_s, cross_t, upper=False)
+        blocks = torch.einsum("g,gnij->nij", fac.weights, diag)
+        if self.output_coupling == "independent":
+            blocks = torch.diag_embed(blocks.diagonal(dim1=-2, dim2=-1))
+        covariance = SparsePosteriorCovariance(
+            blocks, low_rank_z, low_rank_s, dense_prior=lambda: self._dense_prior(x)
+        )
+        if c == 1:
+            return MultivariateNormal(mean.squeeze(-1), covariance)
+        return MultitaskMultivariateNormal(mean, covariance, interleaved=True)
+
+    def _dense_prior(self, x: Tensor) -> Tensor:
+        """The prior covariance of ``f(x)``, ``(N·C, N·C)`` interleaved (output-diagonal blocks only if independent)."""
+        prior = torch.einsum("g,gij->ij", self.covar_module.prior_precision.reciprocal(), self.engine.group_grams(x))
+        if self.output_coupling == "independent":
+            c = self.num_outputs
+            mask = torch.eye(c, dtype=torch.bool, device=prior.device).repeat(x.shape[0], x.shape[0])
+            prior = prior * mask
+        return prior
+
+    # ------------------------------------------------------------------ evidence
+    def sparse_evidence(self) -> Tensor:
+        r"""The collapsed (Titsias / DTC) lower bound with the Gaussian sites, summed over the data.
+
+        .. math::
+            \mathcal L = c_0 + \tfrac12 \tilde y_u^\top (K_{ZZ} + B_u)^{-1} \tilde y_u
+            - \tfrac12 \log\frac{|K_{ZZ} + B_u|}{|K_{ZZ}|}
+            - \tfrac12 \textstyle\sum_n \operatorname{tr}(\Lambda_n K_{nn}) + \tfrac12 \operatorname{tr}(K_{ZZ}^{-1} B_u),
+
+        :math:`c_0` = :meth:`DualStatistics.data_fit`. It is the Titsias bound on :math:`\log \int \prod_n t_n(f_n)
+        \, N(f; m, K)\, df` with the sites :math:`t_n(f) = \exp(\log p(y_n|f_n^*) + g_n^\top (f - f_n^*) - \frac12
+        (f - f_n^*)^\top \Lambda_n (f - f_n^*))`. Gaussian likelihood: the sites are exact, so it bounds the
+        linearised GP's evidence :math:`\log N(y; m(X), K_{XX} + \sigma^2 I)` (equality at ``Z = X``).
+        Classification: it bounds the Laplace approximation of the linearised model's evidence; for the
+        linearised mean and ``Z = X`` it equals :math:`\log q(D) + \frac12 v^\top H^{-1} v` with
+        :math:`v = J^\top g - P_0 \theta^*` — the Laplace-GGN evidence of MATH.md when :math:`\theta^*` is a
+        stationary point of the regularised loss (:math:`v = 0`). Differentiable w.r.t. :math:`\delta`, the
+        Gaussian noise and the temperature (in ``train()`` mode).
+        """
+        fac = self._factors()
+        stats = self.statistics
+        whitened = torch.linalg.solve_triangular(fac.chol_s, fac.y_u.unsqueeze(-1), upper=False)
+        log_det = 2 * (fac.chol_s.diagonal(dim1=-2, dim2=-1).log().sum() - fac.chol_z.diagonal(dim1=-2, dim2=-1).log().sum())
+        nystrom_trace = torch.cholesky_solve(fac.b_u, fac.chol_z).diagonal(dim1=-2, dim2=-1).sum()
+        return (
+            stats.data_fit(self.likelihood, fac.slots)
+            + 0.5 * whitened.square().sum()
+            - 0.5 * log_det
+            - 0.5 * stats.trace_term(fac.weights, fac.slots)
+            + 0.5 * nystrom_trace
+        )
+
+
+class SparsePosteriorCovariance(LinearOperator):
+    r"""The SFR posterior covariance :math:`K_{xx} - A^\top A + W^\top W` of ``N`` points, ``(N·C, N·C)`` interleaved.
+
+    :math:`A = L_Z^{-1} K_{Zx}` and :math:`W = L_S^{-1} K_{Zx}` with :math:`L_Z L_Z^\top = K_{ZZ}`,
+    :math:`L_S L_S^\top = K_{ZZ} + B_u`, so :math:`A^\top A - W^\top W = K_{xZ}[K_{ZZ}^{-1} - (K_{ZZ}+B_u)^{-1}]K_{Zx}`.
+    Marginal variances and the per-point ``C×C`` blocks come from the prior's diagonal blocks and column sums
+    of :math:`A`, :math:`W` — the test Gram :math:`K_{xx}` is formed (once) only for other entries or products.
+
+    Args:
+        blocks: prior per-point blocks :math:`K(x_n, x_n)`, ``(N, C, C)``.
+        low_rank_z: :math:`A`, ``(1, K, N·C)`` (full coupling) or ``(C, M, N)`` (independent outputs).
+        low_rank_s: :math:`W`, same shape.
+        dense_prior: callable returning the dense prior ``(N·C, N·C)``.
+    """
+
+    def __init__(self, blocks: Tensor, low_rank_z: Tensor, low_rank_s: Tensor, *, dense_prior) -> None:
+        super().__init__(blocks, low_rank_z, low_rank_s, dense_prior=dense_prior)
+        self.blocks = blocks
+        self.low_rank_z = low_rank_z
+        self.low_rank_s = low_rank_s
+        self.dense_prior = dense_prior
+        self._dense: Tensor | None = None
+
+    def _size(self) -> torch.Size:
+        n = self.blocks.shape[0] * self.blocks.shape[-1]
+        return torch.Size([n, n])
+
+    def _transpose_nonbatch(self) -> LinearOperator:
+        return self
+
+    def _column_sums(self) -> Tensor:
+        """:math:`\\operatorname{diag}(A^\\top A - W^\\top W)` as ``(N, C)``."""
+        sums = self.low_rank_z.square().sum(-2) - self.low_rank_s.square().sum(-2)  # (nb, R)
+        n, c = self.blocks.shape[0], self.blocks.shape[-1]
+        return sums.view(n, c) if sums.shape[0] == 1 else sums.T
+
+    def _diagonal(self) -> Tensor:
+        return (self.blocks.diagonal(dim1=-2, dim2=-1) - self._column_sums()).reshape(-1)
+
+    def point_blocks(self) -> Tensor:
+        """Posterior ``C×C`` block of each point, ``(N, C, C)``."""
+        n, c = self.blocks.shape[0], self.blocks.shape[-1]
+        if self.low_rank_z.shape[0] == 1:  # one system: full coupling (or a single output)
+            a = self.low_rank_z[0].reshape(-1, n, c)
+            w = self.low_rank_s[0].reshape(-1, n, c)
+            return self.blocks - torch.einsum("kni,knj->nij", a, a) + torch.einsum("kni,knj->nij", w, w)
+        return self.blocks - torch.diag_embed(self._column_sums())
+
+    def to_dense(self) -> Tensor:
+        if self._dense is None:
+            n, c = self.blocks.shape[0], self.blocks.shape[-1]
+            a, w = self.low_rank_z, self.low_rank_s
+            correction = a.mT @ a - w.mT @ w  # (nb, R, R)
+            if correction.shape[0] == 1:
+                correction = correction[0]
+            else:  # independent outputs: block c at rows and columns n·C + c
+                full = torch.zeros(n, c, n, c, dtype=correction.dtype, device=correction.device)
+                idx = torch.arange(c, device=correction.device)
+                full[:, idx, :, idx] = correction
+                correction = full.view(n * c, n * c)
+            self._dense = self.dense_prior() - correction
+        return self._dense
+
+    def _matmul(self, rhs: Tensor) -> Tensor:
+        return self.to_dense() @ rhs
+
+    def _get_indices(self, row_index, col_index, *batch_indices) -> Tensor:
+        c = self.blocks.shape[-1]
+        row_index, col_index = torch.broadcast_tensors(row_index, col_index)
+        if bool((row_index // c == col_index // c).all()):
+            return self.point_blocks()[row_index // c, row_index % c, col_index % c]
+        return self.to_dense()[row_index, col_index]

@@ -1,0 +1,284 @@
+r"""SFR's dual statistics: the training data projected onto the inducing inputs, kept per parameter group.
+
+SFR (Scannell et al.) summarises :math:`N` points by sums over the data (MATH.md, "SFR"):
+
+.. math::
+    B_u = \sum_n K_{Z x_n} \Lambda_n K_{x_n Z}, \qquad
+    \tilde y_u = \sum_n K_{Z x_n} r_n, \quad r_n = \Lambda_n (f_n - m_n) + g_n,
+
+with :math:`f_n = f(x_n;\theta^*)`, prior mean :math:`m_n`, :math:`g_n = \nabla_f \log p(y_n|f_n)`,
+:math:`\Lambda_n = -\nabla^2_f \log p(y_n|f_n)`.
+
+**Why per group.** The kernel is :math:`K = \sum_g w_g K_g` with :math:`w_g = 1/\delta_g`. Storing
+:math:`A_{gh} = \sum_n K_{g, Z x_n} \Lambda_n K_{h, x_n Z}` and :math:`b_g = \sum_n K_{g, Z x_n} r_n` gives
+:math:`B_u = \sum_{gh} w_g w_h A_{gh}` and :math:`\tilde y_u = \sum_g w_g b_g` for *any* :math:`\delta`: a change of
+the prior precisions (and learning them by the sparse evidence) never touches the data or the Jacobians
+again. The price is :math:`G^2` times the memory of :math:`B_u` and about :math:`G^2` times the flops of the
+accumulation (one GEMM with the :math:`G` cross-Grams stacked); with ``groups="network"`` (:math:`G = 1`)
+there is no overhead.
+
+**Why per "slot".** Likelihood hyperparameters stay differentiable too. For Gaussian likelihoods the
+statistics are accumulated without the noise (:math:`\Lambda = 1`, :math:`r = y - m`) and weighted by
+:math:`1/\sigma_c^2` afterwards, one slot per output :math:`c`. For the classification likelihoods the
+statistics are untempered and weighted by :math:`1/T`. Output couplings:
+
+* ``"full"``: one :math:`MC \times MC` system (``K = M·C`` rows, interleaved order ``m·C + c``) with the full
+  :math:`C \times C` Hessians (``L_n L_n^T = \Lambda_n`` from :func:`~ntkgp.likelihoods.hessian_sqrt`);
+  slots: one per output for Gaussian likelihoods (memory ``C·(G·M·C)²``), otherwise one.
+* ``"independent"``: ``C`` systems of size ``M``, one per output, with the kernel's diagonal blocks
+  :math:`K_{cc}` and the diagonal of :math:`\Lambda_n` (the public SFR code); slot ``c`` = output ``c``.
+
+The class also keeps what the collapsed evidence needs: :math:`t_g = \sum_n \operatorname{tr}(\Lambda_n
+K_g(x_n, x_n))` and the data-fit constants.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from gpytorch.likelihoods import Likelihood
+from torch import Tensor, nn
+
+from ..likelihoods import (
+    gradient,
+    hessian,
+    hessian_sqrt,
+    likelihood_temperature,
+    log_likelihood,
+    noise_variance,
+    validate_targets,
+)
+from ..ntk import NTKEngine
+
+COUPLINGS = ("full", "independent")
+
+
+def system_grams(engine: NTKEngine, x1: Tensor, x2: Tensor, coupling: str) -> Tensor:
+    r"""Per-group Grams arranged as the systems SFR solves, unweighted by :math:`\delta`.
+
+    * ``"full"``: ``(G, 1, N1·C, N2·C)``, interleaved rows and columns;
+    * ``"independent"``: ``(G, C, N1, N2)``, the diagonal output blocks :math:`[K_g]_{(n,c),(m,c)}`.
+
+    Only the diagonal output blocks are formed for ``"independent"`` when every parameter takes the
+    engine's structured route (``C`` times fewer flops than the full Gram); otherwise they are read off
+    the full per-group Gram.
+    """
+    return system_grams_and_diagonal(engine, x1, x2, coupling, with_diagonal=False)[0]
+
+
+def system_grams_and_diagonal(
+    engine: NTKEngine, x1: Tensor, x2: Tensor, coupling: str, with_diagonal: bool = True
+) -> tuple[Tensor, Tensor | None]:
+    """:func:`system_grams` and the per-group diagonal blocks ``K_g(x2_n, x2_n)``, ``(G, N2, C, C)``.
+
+    For independent outputs in structured form the diagonal comes from the same layer features of ``x2``
+    (only its output-diagonal entries, which are all that coupling uses); otherwise from
+    :meth:`NTKEngine.diag_blocks`.
+    """
+    if coupling == "independent":
+        found = _structured_output_grams(engine, x1, x2, with_diagonal)
+        if found is not None:
+            return found
+    c = engine.num_outputs(x1)
+    full = engine.group_grams(x1, x2)
+    if coupling == "full":
+        grams = full.unsqueeze(1)
+    else:
+        g = full.shape[0]
+        n1, n2 = full.shape[1] // c, full.shape[2] // c
+        grams = full.view(g, n1, c, n2, c).diagonal(dim1=2, dim2=4).permute(0, 3, 1, 2).contiguous()
+    return grams, engine.diag_blocks(x2) if with_diagonal else None
+
+
+def _structured_output_grams(
+    engine: NTKEngine, x1: Tensor, x2: Tensor, with_diagonal: bool
+) -> tuple[Tensor, Tensor | None] | None:
+    r""":math:`[K_g]_{(n,c),(m,c)}` for every output from the layer features (and the output-diagonal of
+    :math:`K_g(x2_n, x2_n)`), or ``None`` if a parameter is not in structured form. Per ``nn.Linear`` layer:
+    :math:`(a(x)\cdot a(x') + 1)\,(\gamma_c(x)\cdot\gamma_c(x'))`."""
+    x1 = engine.prepare(x1, "x1")
+    x2 = engine.prepare(x2, "x2")
+    plan = engine.plan(x1)
+    if plan.generic or not plan.structured:
+        return None
+    c = engine.num_outputs(x1)
+    _, f1 = engine._features(x1, plan)
+    _, f2 = engine._features(x2, plan)
+    n1, n2 = x1.shape[0], x2.shape[0]
+    kw = {"dtype": engine.dtype, "device": engine.device}
+    out = torch.zeros(engine.num_groups, c, n1, n2, **kw)
+    diag = torch.zeros(engine.num_groups, n2, c, **kw) if with_diagonal else None
+    group_of = engine.groups.group_of
+    for module, kinds in plan.structured.items():
+        gam1 = f1.grads[module].view(n1, c, -1).transpose(0, 1)
+        gam2 = f2.grads[module].view(n2, c, -1).transpose(0, 1)
+        out_grams = torch.bmm(gam1, gam2.transpose(1, 2))  # (C, N1, N2)
+        aa = f1.inputs[module] @ f2.inputs[module].T if "weight" in kinds else None
+        a2 = f2.inputs[module].square().sum(-1)[:, None] if "weight" in kinds else None
+        g2 = gam2.square().sum(-1).T if with_diagonal else None  # (N2, C)
+        if "weight" in kinds and "bias" in kinds and group_of[kinds["weight"]] == group_of[kinds["bias"]]:
+            terms = [(group_of[kinds["weight"]], aa + 1, a2 + 1)]
+        else:
+            terms = [(group_of[i], aa if k == "weight" else None, a2 if k == "weight" else None) for k, i in kinds.items()]
+        for g, factor, factor_diag in terms:
+            out[g] += out_grams if factor is None else out_grams * factor
+            if with_diagonal:
+                diag[g] += g2 if factor_diag is None else g2 * factor_diag
+    return out, None if diag is None else torch.diag_embed(diag)
+
+
+class DualStatistics(nn.Module):
+    r"""Streamed sums over the training data that define SFR, per parameter group and slot (see module doc).
+
+    Buffers (``S`` slots, ``G`` groups, ``K = M·C`` for full coupling or ``M`` for independent outputs):
+
+    * ``precision`` :math:`A`, ``(S, G·K, G·K)``: :math:`\sum_n K_{g,Zn} \Lambda_n K_{h,nZ}` in block ``(g, h)``;
+    * ``residual`` :math:`b`, ``(S, G, K)``: :math:`\sum_n K_{g,Zn} r_n`;
+    * ``trace`` :math:`t`, ``(S, G)``: :math:`\sum_n \operatorname{tr}(\Lambda_n K_g(x_n, x_n))`;
+    * ``fit``, ``(S,)``: Gaussian: :math:`\sum_n (y_{nc} - m_{nc})^2`; otherwise
+      :math:`\sum_n g_n^\top d_n - \frac12 d_n^\top \Lambda_n d_n`, :math:`d_n = m_n - f_n`;
+    * ``log_lik``, ``()``: :math:`\sum_n \log p(y_n|f_n)` (untempered; unused for Gaussian);
+    * ``num_data``: :math:`N`.
+
+    Memory ``O(S·(G·K)²)``: never ``O(N²)``.
+    """
+
+    def __init__(
+        self, num_groups: int, num_inducing: int, num_outputs: int, coupling: str, gaussian: bool, dtype, device
+    ) -> None:
+        super().__init__()
+        if coupling not in COUPLINGS:
+            raise ValueError(f"output_coupling must be one of {COUPLINGS}, got {coupling!r}")
+        self.coupling = coupling
+        self.gaussian = gaussian
+        self.num_outputs = num_outputs
+        self.num_groups = num_groups
+        self.size = num_inducing * num_outputs if coupling == "full" else num_inducing
+        slots = num_outputs if (coupling == "independent" or gaussian) else 1
+        gk = num_groups * self.size
+        kw = {"dtype": dtype, "device": device}
+        self.register_buffer("precision", torch.zeros(slots, gk, gk, **kw))
+        self.register_buffer("residual", torch.zeros(slots, num_groups, self.size, **kw))
+        self.register_buffer("trace", torch.zeros(slots, num_groups, **kw))
+        self.register_buffer("fit", torch.zeros(slots, **kw))
+        self.register_buffer("log_lik", torch.zeros((), **kw))
+        self.register_buffer("num_data", torch.zeros((), dtype=torch.long, device=device))
+        self.version = 0
+
+    @property
+    def num_systems(self) -> int:
+        return 1 if self.coupling == "full" else self.num_outputs
+
+    # ------------------------------------------------------------------ accumulation
+    @torch.no_grad()
+    def accumulate(
+        self,
+        likelihood: Likelihood,
+        cross: Tensor,
+        diag: Tensor,
+        f: Tensor,
+        m: Tensor,
+        y: Tensor,
+    ) -> None:
+        r"""Add one batch of ``b`` points.
+
+        Args:
+            likelihood: the model's likelihood (its current noise / temperature is divided out).
+            cross: :func:`system_grams` of ``(Z, x_batch)``: ``(G, 1, M·C, b·C)`` or ``(G, C, M, b)``.
+            diag: per-group diagonal blocks :math:`K_g(x_n, x_n)`, ``(G, b, C, C)``.
+            f: network outputs ``(b, C)``; m: prior mean ``(b, C)``; y: targets of the batch.
+        """
+        b, c = f.shape
+        g_count = self.num_groups
+        if self.gaussian:
+            e = validate_targets(likelihood, y, c, num_data=b).to(f) - m  # (b, C), noise divided out
+            self._accumulate_gaussian(cross, diag, e)
+        else:
+            temperature = likelihood_temperature(likelihood)
+            scale = 1.0 if temperature is None else temperature.detach().to(f)
+            grad = gradient(likelihood, f, y) * scale
+            lam = hessian(likelihood, f, y) * scale
+            d = m - f
+            self.log_lik += log_likelihood(likelihood, f, y).sum() * scale
+            if self.coupling == "full":
+                root = hessian_sqrt(likelihood, f, y) * scale**0.5
+                r = torch.einsum("nij,nj->ni", lam, -d) + grad
+                w = torch.einsum("gknc,ncd->gknd", cross[:, 0].view(g_count, self.size, b, c), root)
+                w = w.reshape(g_count * self.size, b * c)
+                self.precision[0] += w @ w.T
+                self.residual[0] += cross[:, 0] @ r.reshape(-1)
+                self.trace[0] += torch.einsum("gnij,nji->g", diag, lam)
+                self.fit[0] += (grad * d).sum() - 0.5 * torch.einsum("ni,nij,nj->", d, lam, d)
+            else:
+                lam_diag = lam.diagonal(dim1=-2, dim2=-1)  # (b, C)
+                r = lam_diag * (-d) + grad
+                self._accumulate_independent(cross, lam_diag, r)
+                self.trace += torch.einsum("gncc,nc->cg", diag, lam_diag)
+                self.fit += (grad * d).sum(0) - 0.5 * (lam_diag * d * d).sum(0)
+        self.num_data += b
+        self.version += 1
+
+    def _accumulate_gaussian(self, cross: Tensor, diag: Tensor, e: Tensor) -> None:
+        b, c = e.shape
+        if self.coupling == "full":
+            g_count = self.num_groups
+            per_output = cross[:, 0].view(g_count, self.size, b, c)
+            for k in range(c):
+                w = per_output[..., k].reshape(g_count * self.size, b)
+                self.precision[k] += w @ w.T
+                self.residual[k] += per_output[..., k] @ e[:, k]
+        else:
+            self._accumulate_independent(cross, torch.ones_like(e), e)
+        self.trace += diag.diagonal(dim1=-2, dim2=-1).sum(1).T  # (C, G)
+        self.fit += (e * e).sum(0)
+
+    def _accumulate_independent(self, cross: Tensor, weights: Tensor, r: Tensor) -> None:
+        """``cross`` ``(G, C, M, b)``, per-point Hessian diagonals ``weights`` and site residuals ``r`` ``(b, C)``."""
+        g_count, c, m, b = cross.shape
+        w = (cross * weights.clamp_min(0).sqrt().T[None, :, None, :]).transpose(0, 1).reshape(c, g_count * m, b)
+        self.precision += torch.bmm(w, w.transpose(1, 2))
+        self.residual += torch.einsum("gcmn,nc->cgm", cross, r)
+
+    @torch.no_grad()
+    def add_(self, other: DualStatistics) -> DualStatistics:
+        """Add the sums of ``other`` (statistics of more data with the same ``Z``) in place."""
+        for name in ("precision", "residual", "trace", "fit", "log_lik", "num_data"):
+            getattr(self, name).add_(getattr(other, name))
+        self.version += 1
+        return self
+
+    # ------------------------------------------------------------------ evaluation at hyperparameters
+    def slot_weights(self, likelihood: Likelihood) -> Tensor:
+        r"""Slot weights ``(S,)``: :math:`1/\sigma_c^2` (Gaussian) or :math:`1/T` (differentiable)."""
+        slots = self.precision.shape[0]
+        if self.gaussian:
+            return noise_variance(likelihood).to(self.precision).reciprocal().expand(slots)
+        temperature = likelihood_temperature(likelihood)
+        one = torch.ones(slots, dtype=self.precision.dtype, device=self.precision.device)
+        return one if temperature is None else one / temperature.to(one)
+
+    def projected(self, weights: Tensor, slot_weights: Tensor) -> tuple[Tensor, Tensor]:
+        r""":math:`B_u` ``(nb, K, K)`` and :math:`\tilde y_u` ``(nb, K)`` at group weights :math:`w = 1/\delta`."""
+        s, g, k = self.residual.shape
+        per_slot = torch.einsum("g,h,sgihj->sij", weights, weights, self.precision.view(s, g, k, g, k))
+        rhs = torch.einsum("g,sgk->sk", weights, self.residual)
+        if self.coupling == "full":
+            return torch.einsum("s,sij->ij", slot_weights, per_slot)[None], (slot_weights @ rhs)[None]
+        return slot_weights[:, None, None] * per_slot, slot_weights[:, None] * rhs
+
+    def trace_term(self, weights: Tensor, slot_weights: Tensor) -> Tensor:
+        r""":math:`\sum_n \operatorname{tr}(\Lambda_n K(x_n, x_n))` at the given weights, a scalar."""
+        return torch.einsum("s,g,sg->", slot_weights, weights, self.trace)
+
+    def data_fit(self, likelihood: Likelihood, slot_weights: Tensor) -> Tensor:
+        r"""The part of the Gaussian-site evidence that does not involve the kernel, a scalar.
+
+        Gaussian: :math:`\sum_c [-\frac N2 \log(2\pi\sigma_c^2) - \frac{1}{2\sigma_c^2}\sum_n (y_{nc} - m_{nc})^2]`;
+        otherwise :math:`\frac1T [\sum_n \log p(y_n|f_n) + g_n^\top d_n - \frac12 d_n^\top\Lambda_n d_n]`.
+        """
+        if self.gaussian:
+            variance = noise_variance(likelihood).to(self.fit).expand(self.num_outputs)
+            n = self.num_data.to(self.fit)
+            return -0.5 * (n * torch.log(2 * math.pi * variance) + self.fit / variance).sum()
+        return slot_weights[0] * (self.log_lik + self.fit.sum())
