@@ -70,8 +70,8 @@ def run_ntkgp(net, x, y, x_test, delta0, sigma0, steps):
         pred = model(x_test)
         mean, var = pred.mean, pred.variance
     t_pred = time.perf_counter() - t
-    return dict(first=t_first, steps=t_steps, pred=t_pred, evidence0=evidence0.item(),
-                evidence=model.log_marginal_likelihood().item(), mean=mean, var=var)
+    return {"first": t_first, "steps": t_steps, "pred": t_pred, "evidence0": evidence0.item(),
+            "evidence": model.log_marginal_likelihood().item(), "mean": mean, "var": var}
 
 
 def run_laplace(net, x, y, x_test, delta0, sigma0, steps):
@@ -96,8 +96,8 @@ def run_laplace(net, x, y, x_test, delta0, sigma0, steps):
     t = time.perf_counter()
     f_mu, f_var = la(x_test, pred_type="glm")
     t_pred = time.perf_counter() - t
-    return dict(first=t_first, steps=t_steps, pred=t_pred, evidence0=evidence0.item(), mean=f_mu.squeeze(-1).detach(),
-                var=f_var.reshape(-1).detach())
+    return {"first": t_first, "steps": t_steps, "pred": t_pred, "evidence0": evidence0.item(),
+            "mean": f_mu.squeeze(-1).detach(), "var": f_var.reshape(-1).detach()}
 
 
 def main() -> None:

@@ -1,3 +1,4 @@
+import os
 import sys
 from pathlib import Path
 
@@ -18,7 +19,8 @@ from ntkgp.datasets import (
     two_moons,
 )
 
-SHARED_DATA = Path("/work/shared/data")
+# The shared data sets sit beside the repository (../shared/data); NTKGP_DATA_DIR overrides.
+SHARED_DATA = Path(os.environ.get("NTKGP_DATA_DIR", Path(__file__).resolve().parents[2] / "shared" / "data"))
 
 
 @pytest.fixture

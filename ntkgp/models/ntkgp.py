@@ -79,7 +79,7 @@ class NTKGP(GP):
             likelihood = kwargs.get("likelihood", args[3] if len(args) > 3 else None)
             if likelihood is None:
                 raise TypeError("NTKGP needs a likelihood")
-            cls = ExactNTKGP if is_gaussian(likelihood) else LaplaceNTKGP
+            return super().__new__(ExactNTKGP if is_gaussian(likelihood) else LaplaceNTKGP)
         return super().__new__(cls)
 
     # ------------------------------------------------------------------ shared construction
@@ -107,11 +107,8 @@ class NTKGP(GP):
             )
         y = validate_targets(likelihood, train_y, f.shape[1], num_data=x.shape[0], name="train_y")
         y = y.to(device=f.device)
-        state = dict(
-            _init_args=dict(prior_precision=prior_precision, groups=groups, input_shape=input_shape, **kernel_kwargs),
-            _f_train=f,
-            _y=y,
-        )
+        init_args = {"prior_precision": prior_precision, "groups": groups, "input_shape": input_shape, **kernel_kwargs}
+        state = {"_init_args": init_args, "_f_train": f, "_y": y}
         return x, y, kernel, state
 
     @property

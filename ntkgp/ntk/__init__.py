@@ -5,12 +5,12 @@ from .engine import STRATEGIES, NTKEngine
 from .groups import GroupSpec, ParameterGroups, resolve_groups
 
 __all__ = [
+    "STRATEGIES",
+    "GroupSpec",
     "NTKEngine",
     "ParameterGroups",
-    "GroupSpec",
-    "STRATEGIES",
-    "resolve_groups",
     "check_eval_mode",
     "check_inputs",
     "check_outputs",
+    "resolve_groups",
 ]

@@ -435,7 +435,7 @@ class NTKEngine:
         params = self.params()
         total = {name: torch.zeros(*p.shape, vv.shape[-1], dtype=p.dtype, device=p.device) for name, p in params.items()}
         for s, e in self._chunks(n, "J^T v"):
-            _, pull = vjp(lambda p: self._forward(p, x[s:e]), params)
+            _, pull = vjp(lambda p, xs=x[s:e]: self._forward(p, xs), params)
             grads = vmap(pull, in_dims=-1, out_dims=-1)(vv[s:e])[0]
             for name in total:
                 total[name] += grads[name]
