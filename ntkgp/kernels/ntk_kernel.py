@@ -89,7 +89,10 @@ class NTKKernel(Kernel):
         strategy: how Grams are computed, see :class:`ntkgp.ntk.NTKEngine`.
         representation: ``"auto"``, ``"dense"`` or ``"root"`` (force one form).
         prior_precision_prior: an optional GPyTorch prior on :math:`\delta`.
-        prior_precision_constraint: constraint on :math:`\delta` (default ``Positive()``).
+        prior_precision_constraint: constraint on :math:`\delta`. The default is ``Positive`` with an exponential
+            transform, i.e. :math:`\log\delta` is the raw parameter: prior precisions span orders of magnitude and
+            an optimiser step then changes :math:`\delta` by a factor, from 1e-3 as from 1e3 (GPyTorch's softplus
+            default would move a large :math:`\delta` by only about the step size).
         cache_size: how many input pairs to keep pieces for.
         progress: show progress bars over chunks.
 
@@ -139,7 +142,8 @@ class NTKKernel(Kernel):
         self.register_parameter(
             "raw_prior_precision", nn.Parameter(torch.zeros(num_groups, dtype=init.dtype, device=init.device))
         )
-        self.register_constraint("raw_prior_precision", prior_precision_constraint or Positive())
+        constraint = prior_precision_constraint or Positive(transform=torch.exp, inv_transform=torch.log)
+        self.register_constraint("raw_prior_precision", constraint)
         if prior_precision_prior is not None:
             self.register_prior(
                 "prior_precision_prior",
