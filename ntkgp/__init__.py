@@ -10,18 +10,18 @@ from .ntk import NTKEngine
 __version__ = "0.1.0"
 
 __all__ = [
-    "NTKKernel",
-    "NTKEngine",
     "NTKGP",
-    "ExactNTKGP",
-    "LaplaceNTKGP",
-    "LaplaceGGNMarginalLogLikelihood",
     "SFR",
-    "SparseLaplaceEvidence",
+    "ExactNTKGP",
+    "LaplaceGGNMarginalLogLikelihood",
+    "LaplaceNTKGP",
     "LinearisedNetworkMean",
+    "NTKEngine",
+    "NTKKernel",
     "NetworkMean",
-    "likelihoods",
-    "curvature",
-    "training",
+    "SparseLaplaceEvidence",
     "__version__",
+    "curvature",
+    "likelihoods",
+    "training",
 ]

@@ -3,4 +3,4 @@
 from .ntkgp import NTKGP, ExactNTKGP, LaplaceNTKGP
 from .sfr import SFR
 
-__all__ = ["NTKGP", "ExactNTKGP", "LaplaceNTKGP", "SFR"]
+__all__ = ["NTKGP", "SFR", "ExactNTKGP", "LaplaceNTKGP"]

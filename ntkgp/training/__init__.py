@@ -3,4 +3,4 @@
 from .marglik_training import STRUCTURES, MarglikResult, train_marglik
 from .model_selection import EvidenceRow, EvidenceTable, compare_models
 
-__all__ = ["train_marglik", "MarglikResult", "STRUCTURES", "compare_models", "EvidenceTable", "EvidenceRow"]
+__all__ = ["STRUCTURES", "EvidenceRow", "EvidenceTable", "MarglikResult", "compare_models", "train_marglik"]
