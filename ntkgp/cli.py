@@ -458,7 +458,8 @@ def _demo(args: argparse.Namespace) -> int:
         rows += task_rows
         figures += task_figures
     print(format_table(HEADERS, [row.cells() for row in rows]))
-    print("\nevidence/N: Laplace-GGN log evidence per data point (SFR: its sparse lower bound); "
+    print("\nevidence/N: Laplace-GGN log evidence per data point (SFR: its collapsed bound on the Gaussian-site "
+          "evidence of the linearised GP, which exceeds the Laplace evidence when θ* is not exactly a MAP); "
           "NLPD and RMSE in the units of the data; times in seconds")
     print("figures:")
     for path in figures:
