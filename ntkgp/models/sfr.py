@@ -180,6 +180,7 @@ class SFR(GP):
         self.register_buffer("_zz_grams", system_grams(self.engine, z, z, output_coupling))
         self.statistics = self._stream(itertools.chain([first], pairs))
         self._cache: SimpleNamespace | None = None
+        self._zz_cache: SimpleNamespace | None = None
         self.eval()
 
     # ------------------------------------------------------------------ construction helpers
@@ -301,7 +302,9 @@ class SFR(GP):
     def _factors(self) -> SimpleNamespace:
         r"""The whitened factorisation of the posterior (see :func:`whitened_factors`), per system.
 
-        Cached (detached) in eval mode, keyed by the hyperparameters' values and the statistics' version.
+        Cached (detached) in eval mode, keyed by the hyperparameters' values and the statistics' version; the
+        factors of :math:`K_{ZZ}` alone (:func:`inducing_factors`) are cached apart, keyed by the prior
+        precisions only, so :meth:`update` and a change of the noise or temperature reuse them.
         """
         weights = self.covar_module.prior_precision.reciprocal()
         slots = self.statistics.slot_weights(self.likelihood)
@@ -316,9 +319,15 @@ class SFR(GP):
                 and torch.equal(key.slots, slots)
             ):
                 return key
-        kzz = torch.einsum("g,gbij->bij", weights, self._zz_grams)
+        inducing = self._zz_cache if use_cache else None
+        grams_key = (self._zz_grams.data_ptr(), self._zz_grams._version)
+        if inducing is None or inducing.grams_key != grams_key or not torch.equal(inducing.weights, weights):
+            inducing = inducing_factors(torch.einsum("g,gbij->bij", weights, self._zz_grams))
+            inducing.weights, inducing.grams_key = weights, grams_key
+            if use_cache:
+                self._zz_cache = inducing
         b_u, y_u = self.statistics.projected(weights, slots)
-        factors = whitened_factors(kzz, b_u, y_u)
+        factors = whitened_factors(inducing.kzz, b_u, y_u, inducing=inducing)
         factors.version, factors.weights, factors.slots = self.statistics.version, weights, slots
         if use_cache:
             self._cache = factors
@@ -337,16 +346,14 @@ class SFR(GP):
         n, c = x.shape[0], self.num_outputs
         fac = self._factors()
         grams, diag = system_grams_and_diagonal(self.engine, self.inducing_points, x, self.output_coupling)
-        cross = torch.einsum("g,gbkr->brk", fac.weights, grams)
+        cross_t = torch.einsum("g,gbkr->bkr", fac.weights, grams)  # K_Zx per system, (nb, K, R)
         if self.predictive_mean == "nn":
             mean = self.engine.outputs(x)
         else:
-            correction = torch.einsum("brk,bk->br", cross, fac.alpha)
+            correction = torch.einsum("bkr,bk->br", cross_t, fac.alpha)
             correction = correction.view(n, c) if self.output_coupling == "full" else correction.T
             mean = self._prior_mean(x) + correction
-        cross_t = cross.transpose(-1, -2)
-        low_rank_z = fac.white @ cross_t
-        low_rank_s = fac.solve @ cross_t
+        low_rank_z, low_rank_s = fac.project(cross_t)
         blocks = torch.einsum("g,gnij->nij", fac.weights, diag)
         if self.output_coupling == "independent":
             blocks = torch.diag_embed(blocks.diagonal(dim1=-2, dim2=-1))
@@ -404,8 +411,13 @@ class SFR(GP):
 
 
 def whitened_factors(
-    kzz: Tensor, b_u: Tensor, y_u: Tensor, gram_factor: float = 10.0, site_factor: float = 10.0
-) -> SimpleNamespace:
+    kzz: Tensor,
+    b_u: Tensor,
+    y_u: Tensor,
+    gram_factor: float = 10.0,
+    site_factor: float = 10.0,
+    inducing: SimpleNamespace | None = None,
+) -> WhitenedFactors:
     r"""SFR's posterior in whitened ("SGPR") form, batched over systems ``(nb, K, K)``; no jitter in ordinary cases.
 
     With a whitening :math:`W` of :math:`K_{ZZ}` (:math:`W^\top W = K_{ZZ}^{-1}`, e.g. :math:`W = L_Z^{-1}`),
@@ -456,61 +468,150 @@ def whitened_factors(
     :class:`~ntkgp.linalg.JitterWarning` only if rounding made it indefinite, which the choice of
     :math:`\tau` excludes in practice.
 
-    Returns a namespace with ``kzz``, ``b_u``, ``y_u``, ``white`` :math:`W`, ``a`` :math:`A`, ``chol`` :math:`R`,
-    ``solve`` :math:`R^{-1}W`, ``y_white`` :math:`R^{-1}W\tilde y_u`, ``alpha`` :math:`(K_{ZZ}+B_u)^{-1}\tilde y_u`
-    (pseudo-inverse in the dropped case) and ``rank``.
+    **Cost.** :math:`W` is never formed: it is applied by triangular solves with :math:`L_Z` (:class:`Whitening`),
+    so :math:`A = L_Z^{-1} B_u L_Z^{-\top}` costs two triangular solves (:math:`2K^3` flops, against
+    :math:`K^3` for an explicit inverse and :math:`4K^3` for the two products), and the two tests on
+    :math:`s_{\min}` (either suffices) are evaluated cheapest first: the power iteration by solves
+    (:math:`O(K^2)` per step), then, only if it fails, :math:`\operatorname{tr}(K_{ZZ}^{-1})` from
+    ``cholesky_inverse`` (:math:`\frac23 K^3`). Everything that depends on :math:`K_{ZZ}` alone
+    (its Cholesky factor and the two estimates) comes from ``inducing`` (:func:`inducing_factors`) when given,
+    so a change of the statistics (:meth:`SFR.update`) refactorises only :math:`I + A`.
+
+    Returns a :class:`WhitenedFactors` with ``kzz``, ``b_u``, ``y_u``, ``whitening`` :math:`W`
+    (:class:`Whitening`), ``a`` :math:`A`, ``chol`` :math:`R`, ``y_white`` :math:`R^{-1}W\tilde y_u`, ``alpha``
+    :math:`(K_{ZZ}+B_u)^{-1}\tilde y_u` (pseudo-inverse in the dropped case) and ``rank``; ``white`` and
+    ``solve`` (:math:`R^{-1}W`) form the explicit matrices on demand.
     """
-    nb, size, _ = kzz.shape
+    zz = inducing_factors(kzz) if inducing is None else inducing
+    size = kzz.shape[-1]
     eps = torch.finfo(kzz.dtype).eps
     eye = torch.eye(size, dtype=kzz.dtype, device=kzz.device)
-    k_trace = kzz.detach().diagonal(dim1=-2, dim2=-1).sum(-1)
     b_trace = b_u.detach().diagonal(dim1=-2, dim2=-1).sum(-1).clamp_min(0)
-    threshold = torch.maximum(gram_factor * eps * k_trace, site_factor * eps * b_trace)  # (nb,)
-    chol_z, info = torch.linalg.cholesky_ex(kzz)
-    white = None
-    if not info.any():
-        white = torch.linalg.solve_triangular(chol_z, eye.expand(nb, size, size), upper=False)
-        inverse_trace = white.detach().square().sum((-2, -1))  # tr(K_ZZ⁻¹) ≥ 1/s_min: sufficient test
-        if not bool((inverse_trace * threshold <= 1).all() or (_inverse_norm(white) * threshold <= 0.5).all()):
-            white = None
-    if white is None:
-        white = _truncated_whitening(kzz, threshold)
-    keep = white.detach().abs().sum(-1) > 0
-    a = white @ b_u @ white.mT
-    a = 0.5 * (a + a.mT)
+    threshold = torch.maximum(gram_factor * eps * zz.k_trace, site_factor * eps * b_trace)  # (nb,)
+    whitening = None
+    if zz.chol is not None:
+        # either test suffices; the power iteration (O(K²) per step) is tried before tr(K_ZZ⁻¹) (O(K³))
+        if zz.inverse_norm is None:
+            zz.inverse_norm = _inverse_norm(Whitening(zz.chol.detach()))
+        fast = bool((zz.inverse_norm * threshold <= 0.5).all())
+        if not fast:
+            if zz.inverse_trace is None:  # tr(K_ZZ⁻¹) ≥ 1/s_min
+                zz.inverse_trace = torch.cholesky_inverse(zz.chol.detach()).diagonal(dim1=-2, dim2=-1).sum(-1)
+            fast = bool((zz.inverse_trace * threshold <= 1).all())
+        if fast:
+            whitening = Whitening(zz.chol)
+    if whitening is None:
+        whitening = _truncated_whitening(kzz, threshold)
+    a = whitening.sandwich(b_u)
     chol = cholesky(eye + a, "I + A (whitened SFR system)")
-    solve = torch.linalg.solve_triangular(chol, white, upper=False)
-    y_white = (solve @ y_u.unsqueeze(-1)).squeeze(-1)
-    alpha = (solve.mT @ y_white.unsqueeze(-1)).squeeze(-1)
-    return SimpleNamespace(
-        kzz=kzz, b_u=b_u, y_u=y_u, white=white, a=a, chol=chol, solve=solve, y_white=y_white, alpha=alpha,
-        rank=keep.sum(-1),
+    y_white = torch.linalg.solve_triangular(chol, whitening.apply(y_u.unsqueeze(-1)), upper=False)
+    alpha = whitening.apply_t(torch.linalg.solve_triangular(chol.mT, y_white, upper=True)).squeeze(-1)
+    return WhitenedFactors(
+        kzz=kzz, b_u=b_u, y_u=y_u, whitening=whitening, a=a, chol=chol, y_white=y_white.squeeze(-1), alpha=alpha,
+        rank=whitening.rank(),
     )
 
 
-def _inverse_norm(white: Tensor, iterations: int = 30) -> Tensor:
+def inducing_factors(kzz: Tensor) -> SimpleNamespace:
+    r"""What :func:`whitened_factors` needs of :math:`K_{ZZ}` alone, ``(nb, K, K)``: ``kzz``, its trace
+    ``k_trace``, its Cholesky factor ``chol`` (``None`` if that fails) and, filled in lazily by
+    :func:`whitened_factors`, ``inverse_trace`` :math:`\operatorname{tr}(K_{ZZ}^{-1})` and ``inverse_norm``
+    (:func:`_inverse_norm`). Reusable for any :math:`B_u` (an update of the statistics refactorises only
+    :math:`I + A`)."""
+    chol_z, info = torch.linalg.cholesky_ex(kzz)
+    return SimpleNamespace(
+        kzz=kzz,
+        k_trace=kzz.detach().diagonal(dim1=-2, dim2=-1).sum(-1),
+        chol=None if info.any() else chol_z,
+        inverse_trace=None,
+        inverse_norm=None,
+    )
+
+
+class Whitening:
+    r"""The whitening :math:`W = L^{-1} U^\top` of :math:`K_{ZZ}` (``U = I`` on the fast path, else the kept
+    eigenvectors :math:`U_r` with zero columns for the dropped directions), applied by triangular solves:
+    :math:`W` is never formed (:attr:`dense` forms it, for inspection)."""
+
+    def __init__(self, chol: Tensor, basis: Tensor | None = None) -> None:
+        self.chol = chol
+        self.basis = basis
+
+    def apply(self, rhs: Tensor) -> Tensor:
+        """:math:`W X` for ``X`` ``(nb, K, k)``."""
+        if self.basis is not None:
+            rhs = self.basis.mT @ rhs
+        return torch.linalg.solve_triangular(self.chol, rhs, upper=False)
+
+    def apply_t(self, rhs: Tensor) -> Tensor:
+        r""":math:`W^\top X` for ``X`` ``(nb, K, k)``."""
+        out = torch.linalg.solve_triangular(self.chol.mT, rhs, upper=True)
+        return out if self.basis is None else self.basis @ out
+
+    def sandwich(self, b: Tensor) -> Tensor:
+        r""":math:`W B W^\top` (symmetrised) for symmetric ``B`` ``(nb, K, K)``: two triangular solves."""
+        if self.basis is not None:
+            b = self.basis.mT @ b @ self.basis
+        half = torch.linalg.solve_triangular(self.chol, b, upper=False)  # L⁻¹ B
+        out = torch.linalg.solve_triangular(self.chol, half.mT, upper=False)  # L⁻¹ B L⁻ᵀ (B symmetric)
+        return 0.5 * (out + out.mT)
+
+    @property
+    def dense(self) -> Tensor:
+        eye = torch.eye(self.chol.shape[-1], dtype=self.chol.dtype, device=self.chol.device)
+        return self.apply(eye.expand_as(self.chol))
+
+    def rank(self) -> Tensor:
+        """Directions kept per system, ``(nb,)``."""
+        size = self.chol.shape[-1]
+        if self.basis is None:
+            return torch.full(self.chol.shape[:-2], size, dtype=torch.long, device=self.chol.device)
+        return (self.basis.detach().abs().sum(-2) > 0).sum(-1)
+
+
+class WhitenedFactors(SimpleNamespace):
+    r"""The result of :func:`whitened_factors`; :meth:`project` gives the low-rank factors of the predictive."""
+
+    def project(self, cross_t: Tensor) -> tuple[Tensor, Tensor]:
+        r""":math:`V = W K_{Zx}` and :math:`R^{-1} V` for ``cross_t`` :math:`K_{Zx}` ``(nb, K, k)``: two triangular
+        solves (``2 K^2 k`` flops)."""
+        v = self.whitening.apply(cross_t)
+        return v, torch.linalg.solve_triangular(self.chol, v, upper=False)
+
+    @property
+    def white(self) -> Tensor:
+        """:math:`W`, formed explicitly (for inspection)."""
+        return self.whitening.dense
+
+    @property
+    def solve(self) -> Tensor:
+        r""":math:`R^{-1} W`, formed explicitly (for inspection)."""
+        return torch.linalg.solve_triangular(self.chol, self.white, upper=False)
+
+
+def _inverse_norm(white: Whitening, iterations: int = 30) -> Tensor:
     r"""Power-iteration estimate of :math:`\|W\|_2^2 = 1/s_{\min}(K_{ZZ})`, ``(nb,)``, from a fixed pseudo-random
-    start; it underestimates (typically by well under a factor 2 after 30 iterations), hence the factor 2
-    margin in the test that uses it. Keeping a direction slightly below the (already conservative) threshold
-    is harmless."""
-    white = white.detach()
-    start = torch.randn(white.shape[-1], 1, generator=torch.Generator().manual_seed(0), dtype=white.dtype)
-    v = start.to(white.device).expand(white.shape[0], -1, -1)
+    start (products with :math:`W`, :math:`W^\top` by triangular solves); it underestimates (typically by well
+    under a factor 2 after 30 iterations), hence the factor 2 margin in the test that uses it. Keeping a
+    direction slightly below the (already conservative) threshold is harmless."""
+    size = white.chol.shape[-1]
+    start = torch.randn(size, 1, generator=torch.Generator().manual_seed(0), dtype=white.chol.dtype)
+    v = start.to(white.chol.device).expand(*white.chol.shape[:-2], -1, -1)
     for _ in range(iterations):
-        v = white.mT @ (white @ v)
-        v = v / v.norm(dim=-2, keepdim=True).clamp_min(torch.finfo(white.dtype).tiny)
-    return (white @ v).square().sum((-2, -1))
+        v = white.apply_t(white.apply(v))
+        v = v / v.norm(dim=-2, keepdim=True).clamp_min(torch.finfo(white.chol.dtype).tiny)
+    return white.apply(v).square().sum((-2, -1))
 
 
-def _truncated_whitening(kzz: Tensor, threshold: Tensor) -> Tensor:
-    """``W`` ``(nb, K, K)`` with rows only for the eigen-directions of ``kzz`` above ``threshold`` (zero rows else)."""
+def _truncated_whitening(kzz: Tensor, threshold: Tensor) -> Whitening:
+    """``W`` with rows only for the eigen-directions of ``kzz`` above ``threshold`` (zero rows else)."""
     values, vectors = torch.linalg.eigh(kzz.detach())
     keep = values > threshold[:, None]
     basis = vectors * keep.unsqueeze(-2).to(vectors)  # dropped columns zeroed
     reduced = basis.mT @ kzz @ basis + torch.diag_embed((~keep).to(kzz))  # identity in the dropped slots
     reduced = 0.5 * (reduced + reduced.mT)
     chol = cholesky(reduced, "K_ZZ on its leading eigenvectors")
-    return torch.linalg.solve_triangular(chol, basis.mT, upper=False)
+    return Whitening(chol, basis)
 
 
 class SparsePosteriorCovariance(LinearOperator):

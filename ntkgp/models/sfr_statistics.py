@@ -60,9 +60,8 @@ def system_grams(engine: NTKEngine, x1: Tensor, x2: Tensor, coupling: str) -> Te
     * ``"full"``: ``(G, 1, N1·C, N2·C)``, interleaved rows and columns;
     * ``"independent"``: ``(G, C, N1, N2)``, the diagonal output blocks :math:`[K_g]_{(n,c),(m,c)}`.
 
-    Only the diagonal output blocks are formed for ``"independent"`` when every parameter takes the
-    engine's structured route (``C`` times fewer flops than the full Gram); otherwise they are read off
-    the full per-group Gram.
+    ``"independent"`` uses :meth:`NTKEngine.output_grams` (only the diagonal output blocks are formed when
+    every parameter takes the engine's structured route: ``C`` times fewer flops than the full Gram).
     """
     return system_grams_and_diagonal(engine, x1, x2, coupling, with_diagonal=False)[0]
 
@@ -72,60 +71,31 @@ def system_grams_and_diagonal(
 ) -> tuple[Tensor, Tensor | None]:
     """:func:`system_grams` and the per-group diagonal blocks ``K_g(x2_n, x2_n)``, ``(G, N2, C, C)``.
 
-    For independent outputs in structured form the diagonal comes from the same layer features of ``x2``
-    (only its output-diagonal entries, which are all that coupling uses); otherwise from
-    :meth:`NTKEngine.diag_blocks`.
+    For independent outputs the grams and the diagonal come from :meth:`NTKEngine.output_grams` (only the
+    output-diagonal entries of the blocks, which are all that coupling uses); otherwise from
+    :meth:`NTKEngine.group_grams` and :meth:`NTKEngine.diag_blocks`.
     """
     if coupling == "independent":
-        found = _structured_output_grams(engine, x1, x2, with_diagonal)
-        if found is not None:
-            return found
-    c = engine.num_outputs(x1)
+        if not with_diagonal:
+            return engine.output_grams(x1, x2), None
+        grams, diag = engine.output_grams(x1, x2, with_diagonal=True)
+        return grams, torch.diag_embed(diag)
     full = engine.group_grams(x1, x2)
-    if coupling == "full":
-        grams = full.unsqueeze(1)
-    else:
-        g = full.shape[0]
-        n1, n2 = full.shape[1] // c, full.shape[2] // c
-        grams = full.view(g, n1, c, n2, c).diagonal(dim1=2, dim2=4).permute(0, 3, 1, 2).contiguous()
-    return grams, engine.diag_blocks(x2) if with_diagonal else None
+    return full.unsqueeze(1), engine.diag_blocks(x2) if with_diagonal else None
 
 
-def _structured_output_grams(
-    engine: NTKEngine, x1: Tensor, x2: Tensor, with_diagonal: bool
-) -> tuple[Tensor, Tensor | None] | None:
-    r""":math:`[K_g]_{(n,c),(m,c)}` for every output from the layer features (and the output-diagonal of
-    :math:`K_g(x2_n, x2_n)`), or ``None`` if a parameter is not in structured form. Per ``nn.Linear`` layer:
-    :math:`(a(x)\cdot a(x') + 1)\,(\gamma_c(x)\cdot\gamma_c(x'))`."""
-    x1 = engine.prepare(x1, "x1")
-    x2 = engine.prepare(x2, "x2")
-    plan = engine.plan(x1)
-    if plan.generic or not plan.structured:
-        return None
-    c = engine.num_outputs(x1)
-    _, f1 = engine._features(x1, plan)
-    _, f2 = engine._features(x2, plan)
-    n1, n2 = x1.shape[0], x2.shape[0]
-    kw = {"dtype": engine.dtype, "device": engine.device}
-    out = torch.zeros(engine.num_groups, c, n1, n2, **kw)
-    diag = torch.zeros(engine.num_groups, n2, c, **kw) if with_diagonal else None
-    group_of = engine.groups.group_of
-    for module, kinds in plan.structured.items():
-        gam1 = f1.grads[module].view(n1, c, -1).transpose(0, 1)
-        gam2 = f2.grads[module].view(n2, c, -1).transpose(0, 1)
-        out_grams = torch.bmm(gam1, gam2.transpose(1, 2))  # (C, N1, N2)
-        aa = f1.inputs[module] @ f2.inputs[module].T if "weight" in kinds else None
-        a2 = f2.inputs[module].square().sum(-1)[:, None] if "weight" in kinds else None
-        g2 = gam2.square().sum(-1).T if with_diagonal else None  # (N2, C)
-        if "weight" in kinds and "bias" in kinds and group_of[kinds["weight"]] == group_of[kinds["bias"]]:
-            terms = [(group_of[kinds["weight"]], aa + 1, a2 + 1)]
-        else:
-            terms = [(group_of[i], aa if k == "weight" else None, a2 if k == "weight" else None) for k, i in kinds.items()]
-        for g, factor, factor_diag in terms:
-            out[g] += out_grams if factor is None else out_grams * factor
-            if with_diagonal:
-                diag[g] += g2 if factor_diag is None else g2 * factor_diag
-    return out, None if diag is None else torch.diag_embed(diag)
+def _add_symmetric_product(out: Tensor, w: Tensor, block: int = 256) -> None:
+    """``out += w wᵀ`` for ``w`` ``(..., K, n)``, computing only the lower block triangle and mirroring it
+    (about half the flops of the plain product for ``K ≫ block``)."""
+    k = w.shape[-2]
+    if k <= 2 * block:
+        out += w @ w.mT
+        return
+    for i in range(0, k, block):
+        e = min(i + block, k)
+        rows = w[..., i:e, :] @ w[..., :e, :].mT  # block row i, columns up to and including the diagonal block
+        out[..., i:e, :e] += rows
+        out[..., :i, i:e] += rows[..., :i].mT
 
 
 class DualStatistics(nn.Module):
@@ -206,7 +176,7 @@ class DualStatistics(nn.Module):
                 r = torch.einsum("nij,nj->ni", lam, -d) + grad
                 w = torch.einsum("gknc,ncd->gknd", cross[:, 0].view(g_count, self.size, b, c), root)
                 w = w.reshape(g_count * self.size, b * c)
-                self.precision[0] += w @ w.T
+                _add_symmetric_product(self.precision[0], w)
                 self.residual[0] += cross[:, 0] @ r.reshape(-1)
                 self.trace[0] += torch.einsum("gnij,nji->g", diag, lam)
                 self.fit[0] += (grad * d).sum() - 0.5 * torch.einsum("ni,nij,nj->", d, lam, d)
@@ -226,7 +196,7 @@ class DualStatistics(nn.Module):
             per_output = cross[:, 0].view(g_count, self.size, b, c)
             for k in range(c):
                 w = per_output[..., k].reshape(g_count * self.size, b)
-                self.precision[k] += w @ w.T
+                _add_symmetric_product(self.precision[k], w)
                 self.residual[k] += per_output[..., k] @ e[:, k]
         else:
             self._accumulate_independent(cross, torch.ones_like(e), e)
@@ -237,7 +207,7 @@ class DualStatistics(nn.Module):
         """``cross`` ``(G, C, M, b)``, per-point Hessian diagonals ``weights`` and site residuals ``r`` ``(b, C)``."""
         g_count, c, m, b = cross.shape
         w = (cross * weights.clamp_min(0).sqrt().T[None, :, None, :]).transpose(0, 1).reshape(c, g_count * m, b)
-        self.precision += torch.bmm(w, w.transpose(1, 2))
+        _add_symmetric_product(self.precision, w)
         self.residual += torch.einsum("gcmn,nc->cgm", cross, r)
 
     @torch.no_grad()

@@ -400,6 +400,57 @@ class NTKEngine:
                     if sym and s2 != s1:
                         out[g, s2 * c : e2 * c, s1 * c : e1 * c] += block.T
 
+    def output_grams(
+        self, x1: torch.Tensor, x2: torch.Tensor | None = None, with_diagonal: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Per-group, per-output Grams ``[K_g]_{(n,c),(m,c)}``, shape ``(G, C, N1, N2)``: the diagonal output
+        blocks of :meth:`group_grams` (what a model with independent outputs uses).
+
+        When every trainable parameter takes the structured route they come from the layer features,
+        per ``nn.Linear`` layer ``(a(x)·a(x') + 1)(γ_c(x)·γ_c(x'))``: ``C`` times fewer flops and memory than
+        the full Gram. Otherwise they are read off :meth:`group_grams`. With ``x2=None``, ``x2 = x1``.
+
+        With ``with_diagonal=True`` also returns the output diagonals of the per-point blocks of ``x2``,
+        ``[J_g(x2_m) J_g(x2_m)ᵀ]_{cc}``, shape ``(G, N2, C)`` (from the same features in structured form,
+        else from :meth:`diag_blocks`).
+        """
+        x1 = self.prepare(x1, "x1")
+        sym = x2 is None
+        x2 = x1 if sym else self.prepare(x2, "x2")
+        plan = self.plan(x1)
+        c = self.num_outputs(x1)
+        n1, n2 = x1.shape[0], x2.shape[0]
+        if plan.generic or not plan.structured:
+            full = self.group_grams(x1, None if sym else x2)
+            grams = full.view(self.num_groups, n1, c, n2, c).diagonal(dim1=2, dim2=4).permute(0, 3, 1, 2)
+            grams = grams.contiguous()
+            if not with_diagonal:
+                return grams
+            return grams, self.diag_blocks(x2).diagonal(dim1=-2, dim2=-1).contiguous()
+        _, f1 = self._features(x1, plan)
+        f2 = f1 if sym else self._features(x2, plan)[1]
+        kw = {"dtype": self.dtype, "device": self.device}
+        out = torch.zeros(self.num_groups, c, n1, n2, **kw)
+        diag = torch.zeros(self.num_groups, n2, c, **kw) if with_diagonal else None
+        group_of = self.groups.group_of
+        for m, kinds in plan.structured.items():
+            gam1 = f1.grads[m].view(n1, c, -1).transpose(0, 1)
+            gam2 = f2.grads[m].view(n2, c, -1).transpose(0, 1)
+            per_output = torch.bmm(gam1, gam2.transpose(1, 2))  # (C, N1, N2)
+            weight = "weight" in kinds
+            aa = f1.inputs[m] @ f2.inputs[m].T if weight else None
+            a2 = f2.inputs[m].square().sum(-1)[:, None] if weight and with_diagonal else None
+            g2 = gam2.square().sum(-1).T if with_diagonal else None  # (N2, C)
+            if weight and "bias" in kinds and group_of[kinds["weight"]] == group_of[kinds["bias"]]:
+                terms = [(group_of[kinds["weight"]], aa + 1, None if a2 is None else a2 + 1)]
+            else:
+                terms = [(group_of[i], aa if k == "weight" else None, a2 if k == "weight" else None) for k, i in kinds.items()]
+            for g, factor, factor_diag in terms:
+                out[g] += per_output if factor is None else per_output * factor
+                if with_diagonal:
+                    diag[g] += g2 if factor_diag is None else g2 * factor_diag
+        return (out, diag) if with_diagonal else out
+
     def diag_blocks(self, x: torch.Tensor) -> torch.Tensor:
         """Per-group, per-point ``C×C`` blocks ``J_g(x_n) J_g(x_n)ᵀ``, shape ``(G, N, C, C)``, without the Gram."""
         x = self.prepare(x)

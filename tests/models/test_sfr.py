@@ -459,3 +459,59 @@ def test_bad_inputs_raise_clear_errors():
     with pytest.raises(ValueError, match="NaN"):
         sfr.update(bad, y)
     assert torch.equal(sfr.statistics.precision, before) and sfr.num_data == 12
+
+
+# ---------------------------------------------------------------------- factorisation by triangular solves
+@pytest.mark.parametrize("singular", [False, True])
+def test_whitened_factors_by_solves_match_the_explicit_formulas(singular):
+    from ntkgp.models.sfr import inducing_factors, whitened_factors
+
+    gen = torch.Generator().manual_seed(5)
+    nb, k = 2, 7
+    root = torch.randn(nb, k, 4 if singular else k + 3, dtype=torch.float64, generator=gen)
+    kzz = root @ root.mT  # rank 4 < K when singular
+    sites = torch.randn(nb, k, 9, dtype=torch.float64, generator=gen)
+    b_u = sites @ sites.mT
+    y_u = torch.randn(nb, k, dtype=torch.float64, generator=gen)
+    inducing = inducing_factors(kzz)
+    fac = whitened_factors(kzz, b_u, y_u, inducing=inducing)
+    again = whitened_factors(kzz, 2 * b_u, y_u, inducing=inducing)  # reuses K_ZZ's factors and tests
+    fresh = whitened_factors(kzz, 2 * b_u, y_u)
+    assert singular or inducing.inverse_norm is not None  # computed once, kept for the next B_u
+    for name in ("a", "chol", "alpha", "y_white"):
+        assert rel_err(getattr(again, name), getattr(fresh, name)) < 1e-12
+    white = fac.white
+    assert rel_err(fac.a, white @ b_u @ white.mT) < 1e-10
+    assert rel_err(fac.solve, torch.linalg.solve_triangular(fac.chol, white, upper=False)) < 1e-10
+    cross_t = torch.randn(nb, k, 5, dtype=torch.float64, generator=gen)
+    v, s = fac.project(cross_t)
+    assert rel_err(v, white @ cross_t) < 1e-10 and rel_err(s, fac.solve @ cross_t) < 1e-10
+    if singular:
+        assert fac.rank.tolist() == [4, 4]
+        assert rel_err(white.mT @ white @ kzz @ white.mT, white.mT) < 1e-8  # W is a whitening on its span
+    else:
+        assert fac.rank.tolist() == [k, k]
+        assert rel_err(white, torch.linalg.inv(torch.linalg.cholesky(kzz))) < 1e-10
+        assert rel_err(fac.alpha, torch.linalg.solve(kzz + b_u, y_u.unsqueeze(-1)).squeeze(-1)) < 1e-10
+        trace = torch.linalg.solve(kzz, b_u).diagonal(dim1=-2, dim2=-1).sum(-1)  # tr(K_ZZ⁻¹ B_u) = tr A
+        assert rel_err(fac.a.diagonal(dim1=-2, dim2=-1).sum(-1), trace) < 1e-10
+
+
+def test_update_and_noise_change_reuse_the_inducing_factorisation():
+    net, x, y, lik, xs = problem("gaussian", 1, n=30)
+    kw = {"inducing_points": x[:8], "prior_precision": DELTA}
+    sfr = SFR(net, x[:20], y[:20], lik, **kw)
+    sfr._factors()
+    inducing = sfr._zz_cache
+    with mock.patch("ntkgp.models.sfr.inducing_factors", side_effect=AssertionError("K_ZZ refactorised")):
+        sfr.update(x[20:], y[20:])
+        sfr.likelihood.noise = sfr.likelihood.noise * 2
+        updated = dense_moments(sfr(xs))
+    assert sfr._zz_cache is inducing
+    union = SFR(net, x, y, lik, **kw)
+    union.likelihood.noise = sfr.likelihood.noise
+    (m1, c1), (m2, c2) = updated, dense_moments(union(xs))
+    assert rel_err(m1, m2) < 1e-8 and rel_err(c1, c2) < 1e-8
+    sfr.covar_module.prior_precision = 2 * DELTA  # new δ: K_ZZ is refactorised
+    sfr._factors()
+    assert sfr._zz_cache is not inducing

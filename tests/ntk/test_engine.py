@@ -207,3 +207,31 @@ def test_cuda_matches_cpu():
     cpu = NTKEngine(net).group_grams(x)
     gpu = NTKEngine(mlp(d_out=3).cuda()).group_grams(x.cuda())
     assert gpu.is_cuda and rel_err(gpu.cpu(), cpu) < 1e-10
+
+
+@pytest.mark.parametrize("case", ["mlp_c1", "mlp_c3", "cnn_bn", "frozen"])
+@pytest.mark.parametrize("groups", ["layer", "network", "parameter"])
+def test_output_grams_are_the_diagonal_output_blocks_of_group_grams(case, groups):
+    make_net, make_x = CASES[case]
+    net = make_net()
+    torch.manual_seed(2)
+    x1, x2 = make_x(7), make_x(4)
+    engine = NTKEngine(net, groups=groups, chunk_size=3)
+    before = snapshot(net)
+    c = engine.num_outputs(x1)
+    g = engine.num_groups
+    for a, b in ((x1, x2), (x1, None)):
+        full = engine.group_grams(a, b)
+        m = a.shape[0] if b is None else b.shape[0]
+        ref = torch.stack([full.view(g, a.shape[0], c, m, c)[:, :, k, :, k] for k in range(c)], 1)
+        grams = engine.output_grams(a, b)
+        assert grams.shape == (g, c, a.shape[0], m)
+        assert rel_err(grams, ref) < 1e-12
+        grams2, diag = engine.output_grams(a, b, with_diagonal=True)
+        assert torch.equal(grams2, grams)
+        ref_diag = engine.diag_blocks(a if b is None else b).diagonal(dim1=-2, dim2=-1)
+        assert diag.shape == (g, m, c)
+        assert rel_err(diag, ref_diag) < 1e-12
+    assert_unchanged(net, before)
+    plan = engine.plan(x1)
+    assert bool(plan.generic) == (case == "cnn_bn")  # features (MLPs) and the group_grams fallback (CNN)
