@@ -82,6 +82,26 @@ class NTKGP(GP):
             return super().__new__(ExactNTKGP if is_gaussian(likelihood) else LaplaceNTKGP)
         return super().__new__(cls)
 
+    def __init__(
+        self,
+        net: nn.Module,
+        train_x: torch.Tensor,
+        train_y: torch.Tensor,
+        likelihood: Likelihood,
+        prior_precision: float | torch.Tensor = 1.0,
+        groups: GroupSpec = "layer",
+        **kernel_kwargs,
+    ) -> None:
+        x, y, kernel, state = self._setup(net, train_x, train_y, likelihood, prior_precision, groups, kernel_kwargs)
+        self._init_data(x, y, likelihood)
+        self.__dict__.update(state)
+        self.covar_module = kernel
+        self.mean_module = LinearisedNetworkMean(kernel.engine)
+
+    def _init_data(self, x: torch.Tensor, y: torch.Tensor, likelihood: Likelihood) -> None:
+        """Initialise the GPyTorch base class with the training data (differs between exact and Laplace)."""
+        raise NotImplementedError
+
     # ------------------------------------------------------------------ shared construction
     def _setup(
         self,
@@ -212,21 +232,8 @@ class NTKGP(GP):
 class ExactNTKGP(NTKGP, ExactGP):
     """:class:`NTKGP` with a Gaussian likelihood: a ``gpytorch.models.ExactGP`` on the linearised network."""
 
-    def __init__(
-        self,
-        net: nn.Module,
-        train_x: torch.Tensor,
-        train_y: torch.Tensor,
-        likelihood: Likelihood,
-        prior_precision: float | torch.Tensor = 1.0,
-        groups: GroupSpec = "layer",
-        **kernel_kwargs,
-    ) -> None:
-        x, y, kernel, state = self._setup(net, train_x, train_y, likelihood, prior_precision, groups, kernel_kwargs)
+    def _init_data(self, x: torch.Tensor, y: torch.Tensor, likelihood: Likelihood) -> None:
         ExactGP.__init__(self, x, y.squeeze(-1) if y.shape[-1] == 1 else y, likelihood)
-        self.__dict__.update(state)
-        self.covar_module = kernel
-        self.mean_module = LinearisedNetworkMean(kernel.engine)
 
     def __call__(self, *args, **kwargs):
         args = [_flatten_inputs(a, None, "x")[0] if torch.is_tensor(a) else a for a in args]
@@ -236,24 +243,11 @@ class ExactNTKGP(NTKGP, ExactGP):
 class LaplaceNTKGP(NTKGP):
     """:class:`NTKGP` with a classification likelihood: the Laplace-GGN posterior through Gaussian sites."""
 
-    def __init__(
-        self,
-        net: nn.Module,
-        train_x: torch.Tensor,
-        train_y: torch.Tensor,
-        likelihood: Likelihood,
-        prior_precision: float | torch.Tensor = 1.0,
-        groups: GroupSpec = "layer",
-        **kernel_kwargs,
-    ) -> None:
-        super().__init__()
-        x, y, kernel, state = self._setup(net, train_x, train_y, likelihood, prior_precision, groups, kernel_kwargs)
-        self.__dict__.update(state)
+    def _init_data(self, x: torch.Tensor, y: torch.Tensor, likelihood: Likelihood) -> None:
+        GP.__init__(self)
         self.train_inputs = (x,)
         self.train_targets = y
         self.likelihood = likelihood
-        self.covar_module = kernel
-        self.mean_module = LinearisedNetworkMean(kernel.engine)
 
     def __call__(self, x: torch.Tensor) -> MultivariateNormal:
         if self.training:
