@@ -227,3 +227,24 @@ def test_images_are_flattened_for_gpytorch():
     with torch.no_grad():
         pred = model(torch.randn(2, 1, 6, 6, dtype=torch.float64))
     assert pred.mean.shape == (2, 3)
+
+
+@pytest.mark.parametrize("kind", ["regression2", "softmax4"])
+def test_variances_never_form_the_test_gram(kind):
+    """``model.posterior(x)`` (what eval-mode ``LaplaceNTKGP`` calls return) keeps the covariance lazy."""
+    net, x, y, lik, _ = make_problem(kind)
+    model = ntkgp.NTKGP(net, x, y, lik).eval()
+    engine = model.covar_module.engine
+    original, calls = engine.group_grams, []
+
+    def spy(x1, x2=None):
+        calls.append((x1.shape[0], None if x2 is None else x2.shape[0]))
+        return original(x1, x2)
+
+    engine.group_grams = spy
+    x_test = torch.randn(50, 3, dtype=torch.float64)
+    with torch.no_grad():
+        variance = model.posterior(x_test).variance
+        assert calls == [(12, None), (50, 12)]
+        reference = model(x_test).covariance_matrix.diagonal()
+    assert torch.allclose(variance.reshape(-1), reference, rtol=1e-9, atol=1e-14)
