@@ -132,11 +132,7 @@ class DataPass:
 
     def theta_sq_norms(self) -> Tensor:
         r""":math:`\|\theta^*_g\|^2` per group, shape ``(G,)``."""
-        groups = self.engine.groups
-        norms = torch.zeros(groups.num_groups, dtype=self.engine.dtype, device=self.engine.device)
-        for name, g in zip(groups.names, groups.group_of):
-            norms[g] += self.params[name].square().sum()
-        return norms
+        return self.engine.group_sq_norms()
 
     def collected(self) -> tuple[Tensor, Tensor]:
         """All outputs ``(N, C)`` and normalised targets seen so far."""

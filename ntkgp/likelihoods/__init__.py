@@ -15,7 +15,7 @@ from .link_approximation import (
     softmax_probit,
 )
 from .logistic_likelihood import LogisticLikelihood
-from .properties import is_gaussian, noise_variance, num_outputs
+from .properties import hyperparameter_values, is_gaussian, noise_variance, num_outputs
 from .softmax_likelihood import SoftmaxLikelihood
 from .targets import validate_targets
 from .temperature import likelihood_temperature
@@ -26,6 +26,7 @@ __all__ = [
     "gradient",
     "hessian",
     "hessian_sqrt",
+    "hyperparameter_values",
     "is_gaussian",
     "likelihood_temperature",
     "log_likelihood",

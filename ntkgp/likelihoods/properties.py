@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from functools import singledispatch
 
+import torch
 from gpytorch.likelihoods import (
     GaussianLikelihood,
     Likelihood,
@@ -124,3 +125,13 @@ def _(likelihood: MultitaskGaussianLikelihood) -> Tensor:
         check_unbatched(likelihood, likelihood.noise, "noise", 1)
         variances.append(likelihood.noise)
     return sum(variances).expand(likelihood.num_tasks)
+
+
+def hyperparameter_values(likelihood: Likelihood) -> dict[str, list[float]]:
+    """The likelihood's current noise, task noises and temperature (those it has), as plain lists for reports."""
+    values = {}
+    for name in ("noise", "task_noises", "temperature"):
+        value = getattr(likelihood, name, None)
+        if isinstance(value, torch.Tensor):
+            values[name] = value.detach().flatten().tolist()
+    return values

@@ -28,12 +28,7 @@ def curvature_factor(likelihood: Likelihood, f: torch.Tensor, y: torch.Tensor, c
 
 def prior_term(kernel: NTKKernel) -> torch.Tensor:
     """``θ*ᵀ P0 θ* = Σ_g δ_g ‖θ*_g‖²`` at the network's current weights."""
-    groups = kernel.engine.groups
-    params = kernel.engine.params()
-    sq = torch.zeros(groups.num_groups, dtype=kernel.engine.dtype, device=kernel.engine.device)
-    for name, g in zip(groups.names, groups.group_of):
-        sq[g] += params[name].pow(2).sum()
-    return (kernel.prior_precision * sq).sum()
+    return (kernel.prior_precision * kernel.engine.group_sq_norms()).sum()
 
 
 def log_det_curvature(kernel: NTKKernel, x: torch.Tensor, factor: torch.Tensor, space: str = "auto") -> torch.Tensor:

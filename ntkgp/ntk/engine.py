@@ -124,6 +124,13 @@ class NTKEngine:
         """The trainable parameters θ*, detached (they share storage with the network's)."""
         return {n: p.detach() for n, p in zip(self.groups.names, self._param_list())}
 
+    def group_sq_norms(self) -> torch.Tensor:
+        """``‖θ*_g‖²`` per group at the current weights, shape ``(G,)`` (the prior term is ``Σ_g δ_g ‖θ*_g‖²``)."""
+        norms = torch.zeros(self.num_groups, dtype=self.dtype, device=self.device)
+        for p, g in zip(self._param_list(), self.groups.group_of):
+            norms[g] += p.detach().square().sum()
+        return norms
+
     def params_version(self) -> tuple:
         """A key that changes whenever a trainable parameter is replaced or updated in place."""
         return tuple((p.data_ptr(), p._version) for p in self._param_list())

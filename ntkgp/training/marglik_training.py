@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 
 from ..curvature import compute_curvature
 from ..kernels import NTKKernel
-from ..likelihoods import log_likelihood, num_outputs, validate_targets
+from ..likelihoods import hyperparameter_values, log_likelihood, num_outputs, validate_targets
 from ..mlls.laplace_ggn_evidence import laplace_ggn_evidence
 from ..models import NTKGP
 from ..ntk import GroupSpec
@@ -52,12 +52,6 @@ class MarglikResult:
         """An :class:`~ntkgp.NTKGP` of the trained network with the learned hyperparameters."""
         return NTKGP(self.net, train_x, train_y, self.likelihood, prior_precision=self.prior_precision,
                      groups=self.kernel.groups_spec, input_shape=self.kernel.engine.input_shape, **kwargs)
-
-
-def _likelihood_hypers(likelihood: Likelihood) -> dict[str, list[float]]:
-    return {name: value.detach().flatten().tolist() for name, value in
-            (("noise", getattr(likelihood, "noise", None)), ("task_noises", getattr(likelihood, "task_noises", None)),
-             ("temperature", getattr(likelihood, "temperature", None))) if isinstance(value, torch.Tensor)}
 
 
 def train_marglik(
@@ -175,7 +169,7 @@ def train_marglik(
         for p in trainable:
             p.grad = None
         record = {"epoch": epoch, "log_evidence": value, "prior_precision": kernel.prior_precision.detach().tolist(),
-                  "train_loss": total, **_likelihood_hypers(likelihood)}
+                  "train_loss": total, **hyperparameter_values(likelihood)}
         history.append(record)
         bar.set_postfix(log_evidence=f"{value:.4f}")
         if value > best["value"]:

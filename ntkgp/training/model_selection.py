@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..likelihoods import log_likelihood
+from ..likelihoods import hyperparameter_values, log_likelihood
 from ..models import NTKGP
 
 
@@ -58,8 +58,7 @@ def compare_models(models: Mapping[str, NTKGP], curvature: str = "ggn") -> Evide
         with torch.no_grad():
             evidence = model.log_marginal_likelihood(curvature=curvature).item()
             nll = -log_likelihood(model.likelihood, model._f_train, model._y).sum().item()
-        hypers = {k: v.detach().flatten().tolist() for k in ("noise", "task_noises", "temperature")
-                  if isinstance(v := getattr(model.likelihood, k, None), torch.Tensor)}
+        hypers = hyperparameter_values(model.likelihood)
         rows.append(EvidenceRow(name, evidence / model.num_data, nll / model.num_data, model.covar_module.engine.num_params,
                                 model.covar_module.prior_precision.detach().tolist(), hypers))
     return EvidenceTable(sorted(rows, key=lambda r: -r.log_evidence_per_n))

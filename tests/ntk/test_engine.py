@@ -235,3 +235,12 @@ def test_output_grams_are_the_diagonal_output_blocks_of_group_grams(case, groups
     assert_unchanged(net, before)
     plan = engine.plan(x1)
     assert bool(plan.generic) == (case == "cnn_bn")  # features (MLPs) and the group_grams fallback (CNN)
+
+
+def test_group_sq_norms():
+    net = frozen_mlp()
+    norms = NTKEngine(net, groups="layer").group_sq_norms()
+    expected = torch.stack([net[0].weight.square().sum() + net[0].bias.square().sum(),
+                            net[2].bias.square().sum(),  # net[2].weight is frozen: not in the prior
+                            net[4].weight.square().sum() + net[4].bias.square().sum()]).detach()
+    assert torch.allclose(norms, expected, rtol=1e-14)
