@@ -50,3 +50,13 @@ def block_apply(factor: torch.Tensor, v: torch.Tensor, transpose: bool = False) 
     if transpose:
         return torch.einsum("nca,nc...->na...", factor, v.reshape(n, c, *tail)).reshape(n * k, *tail)
     return torch.einsum("nca,na...->nc...", factor, v.reshape(n, k, *tail)).reshape(n * c, *tail)
+
+
+def site_cholesky(factor: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
+    """Lower Cholesky factor of ``B = I + Lᵀ K L`` (eigenvalues ≥ 1) for ``L`` as blocks ``(N, C, k)``.
+
+    The matrix of the Laplace evidence (``log|B| = log|I + Λ^{1/2} K Λ^{1/2}|``) and of the site posterior.
+    """
+    sandwich = block_sandwich(factor, gram)
+    eye = torch.eye(sandwich.shape[0], dtype=sandwich.dtype, device=sandwich.device)
+    return cholesky(sandwich + eye, "I + Lᵀ K L")

@@ -7,7 +7,7 @@ from gpytorch.likelihoods import Likelihood
 
 from ..kernels import NTKKernel
 from ..likelihoods import gradient, hessian_sqrt, log_likelihood
-from ..linalg import block_apply, block_sandwich, cholesky
+from ..linalg import block_apply, cholesky, site_cholesky
 
 CURVATURES = ("ggn", "ef")
 SPACES = ("auto", "function", "weight")
@@ -43,7 +43,7 @@ def log_det_curvature(kernel: NTKKernel, x: torch.Tensor, factor: torch.Tensor, 
     n, _, k = factor.shape
     p = kernel.engine.num_params
     if space == "function" or (space == "auto" and n * k <= p):
-        return 2 * cholesky(torch.eye(n * k, dtype=factor.dtype, device=factor.device) + block_sandwich(factor, kernel(x).to_dense()), "I + Lᵀ K L").diagonal().log().sum()
+        return 2 * site_cholesky(factor, kernel(x).to_dense()).diagonal().log().sum()
     w = block_apply(factor, kernel.jacobian(x), transpose=True)  # (N·k, P)
     delta = kernel.prior_precision
     h = w.mT @ w + torch.diag(kernel._column_weights(1.0))

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..linalg import block_apply, block_sandwich, cholesky
+from ..linalg import block_apply, site_cholesky
 
 
 @dataclass
@@ -38,9 +38,7 @@ class SitePosterior:
     @classmethod
     def fit(cls, gram: torch.Tensor, factor: torch.Tensor, natural_mean: torch.Tensor) -> SitePosterior:
         """Factorise ``B`` for the training Gram ``K_XX`` ``(N·C, N·C)``, ``L`` ``(N, C, k)``, ``r`` ``(N·C,)``."""
-        sandwich = block_sandwich(factor, gram)
-        b = sandwich + torch.eye(sandwich.shape[0], dtype=gram.dtype, device=gram.device)
-        chol = cholesky(b, "I + Lᵀ K L")
+        chol = site_cholesky(factor, gram)
         lt_kr = block_apply(factor, gram @ natural_mean, transpose=True)
         solved = torch.cholesky_solve(lt_kr.unsqueeze(-1), chol).squeeze(-1)
         return cls(factor=factor, chol=chol, weights=natural_mean - block_apply(factor, solved))
