@@ -1,0 +1,90 @@
+"""ntkgp's one cache mechanism: results keyed by the *values* of the tensors they depend on.
+
+Everything ntkgp caches (Jacobians and Grams for given inputs, a site posterior for given hyperparameters)
+depends on tensors a user can change in ways that leave no trace on the tensor object: ``p.data`` writes,
+``load_state_dict``, an optimiser step, a setter. Version counters and ``data_ptr`` miss some of these,
+so a key here is a detached copy of every tensor the result depends on (inputs, network weights,
+hyperparameters), compared by value with ``torch.equal``. The copies cost as much memory as the tensors
+themselves (``O(N·D + P + #hyperparameters)`` per entry), far less than what is cached.
+
+Results are never cached, and never served from the cache, when an input requires grad: a cached value
+carries no graph to a new input tensor, so reusing it would cut the user's gradient.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+
+
+def _snapshot(tensors: Iterable[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    return tuple(t.detach().clone() for t in tensors)
+
+
+def _same(stored: Sequence[torch.Tensor], current: Sequence[torch.Tensor]) -> bool:
+    if len(stored) != len(current):
+        return False
+    return all(
+        a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and torch.equal(a, b.detach())
+        for a, b in zip(stored, current)
+    )
+
+
+class ValueCache:
+    """A small LRU cache whose keys are a tag and the values of a sequence of tensors.
+
+    Args:
+        size: number of entries kept (0 disables caching).
+
+    Example:
+        >>> cache = ValueCache(size=2)
+        >>> x = torch.randn(3, 2)
+        >>> w = torch.ones(2)
+        >>> y = cache.get_or_compute("scaled", [x], lambda: x * w, state=[w])
+        >>> w.data.mul_(2)                      # a change the version counter would miss
+        >>> torch.equal(cache.get_or_compute("scaled", [x], lambda: x * w, state=[w]), x * w)
+        True
+    """
+
+    def __init__(self, size: int = 4) -> None:
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise ValueError(f"cache size must be a non-negative integer, got {size!r}")
+        self.size = size
+        self._entries: OrderedDict[int, tuple[object, tuple[torch.Tensor, ...], object]] = OrderedDict()
+        self._next = 0
+
+    def get_or_compute(
+        self,
+        tag: object,
+        inputs: Sequence[torch.Tensor],
+        compute: Callable[[], object],
+        state: Sequence[torch.Tensor] = (),
+    ) -> object:
+        """The cached result for ``(tag, values of inputs, values of state)``, or ``compute()`` stored under it.
+
+        ``inputs`` are the data the result is computed at (never served from the cache when one requires
+        grad); ``state`` are the weights and hyperparameters it depends on (compared by value only).
+        """
+        inputs = list(inputs)
+        if self.size == 0 or any(t.requires_grad for t in inputs):
+            return compute()
+        key = inputs + list(state)
+        for slot, (stored_tag, stored, value) in self._entries.items():
+            if stored_tag == tag and _same(stored, key):
+                self._entries.move_to_end(slot)
+                return value
+        value = compute()
+        self._entries[self._next] = (tag, _snapshot(key), value)
+        self._next += 1
+        while len(self._entries) > self.size:
+            self._entries.popitem(last=False)
+        return value
+
+    def clear(self) -> None:
+        """Drop every entry."""
+        self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)

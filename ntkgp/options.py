@@ -1,0 +1,157 @@
+"""Every option string of ntkgp in one place, as ``str`` enums, and the deprecation helpers for old names.
+
+Each public argument that takes one of a fixed set of strings is validated here with :func:`choose`, so
+that the accepted values, the error message and the deprecated spellings are the same everywhere. The enum
+members compare equal to their strings (``Space.WEIGHT == "weight"``), so users pass plain strings.
+"""
+
+from __future__ import annotations
+
+import warnings
+from enum import Enum
+from typing import TypeVar
+
+
+class Option(str, Enum):
+    """Base class: a string option whose value is its string."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class PriorStructure(Option):
+    """How prior precisions :math:`\\delta` are shared between parameters (``prior_structure=``)."""
+
+    NETWORK = "network"  #: one δ for the whole network (laplace-torch: "scalar")
+    LAYER = "layer"  #: one δ per module that owns parameters (laplace-torch: "layerwise")
+    PARAMETER = "parameter"  #: one δ per parameter tensor (weight and bias separately)
+
+
+class Strategy(Option):
+    """How the NTK engine computes Grams (``strategy=``)."""
+
+    AUTO = "auto"
+    CONTRACTION = "contraction"
+    STRUCTURED = "structured"
+
+
+class Space(Option):
+    """Where an NTK computation is carried out (``space=``): on the ``N·C`` function values or the ``P`` weights.
+
+    ``"function"``: dense ``(N·C)²`` Grams; ``"weight"``: the Jacobian ``J`` as a low-rank root (kernel) or a
+    ``P × P`` system (evidence). ``"auto"`` picks weight space when ``P < N·C`` (:func:`choose_space`).
+    """
+
+    AUTO = "auto"
+    FUNCTION = "function"
+    WEIGHT = "weight"
+
+
+class Structure(Option):
+    """The curvature used for the Laplace evidence and posterior (``structure=``)."""
+
+    FULL_GGN = "full_ggn"
+    FULL_EF = "full_ef"
+    KFAC = "kfac"
+    DIAG_GGN = "diag_ggn"
+    DIAG_EF = "diag_ef"
+
+
+class Curvature(Option):
+    """Generalised Gauss–Newton or empirical Fisher (``curvature=``)."""
+
+    GGN = "ggn"
+    EF = "ef"
+
+
+class OutputCoupling(Option):
+    """How SFR couples the ``C`` outputs (``output_coupling=``)."""
+
+    JOINT = "joint"  #: one (M·C)² system with the full C×C likelihood Hessian
+    INDEPENDENT = "independent"  #: C systems of size M² (diagonal of the Hessian)
+
+
+class PriorMean(Option):
+    """The GP prior mean of SFR (``prior_mean=``)."""
+
+    ZERO = "zero"
+    LINEARIZED = "linearized"  #: m(x) = f(x; θ*) − J(x) θ*
+
+
+class PredictiveMean(Option):
+    """What a predictive's mean is (``predictive_mean=``)."""
+
+    GP = "gp"  #: the posterior mean of the linearized model
+    NN = "nn"  #: the network output f(x; θ*)
+
+
+class InducingMethod(Option):
+    """How SFR chooses inducing inputs (``inducing=``)."""
+
+    RANDOM = "random"
+    GREEDY_VARIANCE = "greedy_variance"
+
+
+#: Old spellings still accepted for one release, with a ``DeprecationWarning``: ``{enum: {old: new}}``.
+DEPRECATED_VALUES: dict[type[Option], dict[str, str]] = {
+    PriorStructure: {"scalar": "network", "layerwise": "layer"},
+    Structure: {"full": "full_ggn"},
+    OutputCoupling: {"full": "joint"},
+    PriorMean: {"linearised": "linearized"},
+}
+
+E = TypeVar("E", bound=Option)
+
+
+def choose(enum: type[E], value: object, argument: str) -> E:
+    """Validate ``value`` as a member of ``enum`` (a string or a member); deprecated spellings warn.
+
+    Raises:
+        ValueError: naming ``argument`` and the accepted values.
+    """
+    if isinstance(value, enum):
+        return value
+    if isinstance(value, str):
+        old = DEPRECATED_VALUES.get(enum, {})
+        if value in old:
+            warnings.warn(
+                f"{argument}={value!r} is deprecated; use {argument}={old[value]!r}", DeprecationWarning, stacklevel=3
+            )
+            value = old[value]
+        try:
+            return enum(value)
+        except ValueError:
+            pass
+    accepted = ", ".join(repr(m.value) for m in enum)
+    raise ValueError(f"{argument} must be one of {accepted}, got {value!r}")
+
+
+def choose_space(space: Space | str, num_params: int, num_rows: int) -> Space:
+    """Resolve ``"auto"``: weight space when ``P < N·C`` (the cheaper exact route), else function space."""
+    space = choose(Space, space, "space")
+    if space is not Space.AUTO:
+        return space
+    return Space.WEIGHT if num_params < num_rows else Space.FUNCTION
+
+
+def renamed_argument(kwargs: dict, old: str, new: str, value: object, default: object) -> object:
+    """Pop a deprecated keyword ``old`` from ``kwargs`` and return the value for ``new`` (warns once per call).
+
+    ``value`` is what the caller received for ``new``; passing both raises ``TypeError``.
+    """
+    if old not in kwargs:
+        return value
+    if value is not default:
+        raise TypeError(f"pass {new}= only; {old}= is its deprecated name")
+    warnings.warn(f"{old}= is deprecated; use {new}=", DeprecationWarning, stacklevel=3)
+    return kwargs.pop(old)
+
+
+def deprecated_alias(new: type, old_name: str) -> type:
+    """A subclass of ``new`` named ``old_name`` that warns on construction (old public class names)."""
+
+    def __init__(self, *args, **kwargs):
+        warnings.warn(f"{old_name} is deprecated; use {new.__name__}", DeprecationWarning, stacklevel=2)
+        new.__init__(self, *args, **kwargs)
+
+    return type(old_name, (new,), {"__init__": __init__, "__doc__": f"Deprecated alias of :class:`{new.__name__}`."})
