@@ -4,8 +4,9 @@ Every function returns torch tensors. Floating-point tensors take the ``dtype`` 
 ``torch.float64``); class labels are ``torch.long`` in ``0..C-1``. Regression targets have shape
 ``(N, 1)``, class labels shape ``(N,)``.
 
-Loaders for the shared data take ``data_dir``, the folder laid out as ``/work/shared/data`` (see its
-``README.md``)::
+Loaders for the benchmark data take ``data_dir``, a data folder that is not part of the repository (the
+scripts take it as ``--data-dir PATH``, or from the ``NTKGP_DATA_DIR`` environment variable; see
+:func:`resolve_data_dir`). It is laid out as::
 
     data_dir/toy/snelson_{train_inputs,train_outputs,test_inputs}.dat
     data_dir/toy/banana_400_{X,y}.csv, data_dir/toy/banana_5300.csv
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import csv
 import math
+import os
 from collections.abc import Sequence
 from os import PathLike
 from pathlib import Path
@@ -34,6 +36,7 @@ __all__ = [
     "GAP_REGRESSION_INTERVALS",
     "GAP_REGRESSION_TEST_RANGE",
     "ClassificationSplit",
+    "DATA_DIR_VARIABLE",
     "CsvData",
     "GapRegression",
     "RegressionSplit",
@@ -44,10 +47,14 @@ __all__ = [
     "load_snelson",
     "load_uci_classification",
     "load_uci_regression",
+    "resolve_data_dir",
     "two_moons",
 ]
 
 PathType = str | PathLike
+
+DATA_DIR_VARIABLE = "NTKGP_DATA_DIR"
+"""The environment variable :func:`resolve_data_dir` reads when no folder is passed."""
 
 GAP_REGRESSION_INTERVALS: tuple[tuple[float, float], tuple[float, float]] = ((-1.0, -0.35), (0.35, 1.0))
 """The two intervals the training inputs of :func:`gap_regression` are drawn from; (-0.35, 0.35) is empty."""
@@ -88,12 +95,12 @@ class GapRegression(NamedTuple):
 
 
 class RegressionSplit(NamedTuple):
-    """A normalised train/test regression split; see :func:`load_uci_regression`."""
+    """A normalized train/test regression split; see :func:`load_uci_regression`."""
 
     x_train: Tensor
-    """``(N_train, D)`` inputs, standardised with the training mean and std."""
+    """``(N_train, D)`` inputs, standardized with the training mean and std."""
     y_train: Tensor
-    """``(N_train, 1)`` targets, standardised with :attr:`y_mean` and :attr:`y_std`."""
+    """``(N_train, 1)`` targets, standardized with :attr:`y_mean` and :attr:`y_std`."""
     x_test: Tensor
     """``(N_test, D)``, same transformation as the training inputs."""
     y_test: Tensor
@@ -101,7 +108,7 @@ class RegressionSplit(NamedTuple):
     y_mean: float
     """Mean of the training targets (original units)."""
     y_std: float
-    """Std of the training targets (original units): original = normalised * y_std + y_mean."""
+    """Std of the training targets (original units): original = normalized * y_std + y_mean."""
 
 
 class ClassificationSplit(NamedTuple):
@@ -136,8 +143,57 @@ class CsvData(NamedTuple):
     """Classification: the text of each class, ``class_names[k]`` is label ``k``. Regression: ``None``."""
 
 
+def resolve_data_dir(data_dir: PathType | None = None) -> Path:
+    """The benchmark data folder: ``data_dir`` when given, else the ``NTKGP_DATA_DIR`` environment variable.
+
+    Args:
+        data_dir: the folder (e.g. a script's ``--data-dir``), or ``None`` to read
+            :data:`DATA_DIR_VARIABLE` from the environment.
+
+    Returns:
+        The folder as an absolute path.
+
+    Raises:
+        FileNotFoundError: when neither is set or the folder does not exist; the message names the
+            ``--data-dir`` option, the environment variable and the expected layout.
+
+    Example:
+        >>> import os, tempfile
+        >>> folder = tempfile.mkdtemp()
+        >>> resolve_data_dir(folder) == Path(folder).resolve()
+        True
+    """
+    if data_dir is None:
+        data_dir = os.environ.get(DATA_DIR_VARIABLE) or None
+    layout = "toy/ (snelson_*.dat, banana_*.csv), uci_regression/NAME/ (data.txt, index_*.txt, n_splits.txt), " \
+        "uci_classification/NAME/"
+    if data_dir is None:
+        raise FileNotFoundError(
+            f"no data folder given: pass --data-dir PATH (or data_dir=) or set {DATA_DIR_VARIABLE}=PATH; "
+            f"the folder holds {layout}"
+        )
+    folder = Path(data_dir)
+    if not folder.is_dir():
+        raise FileNotFoundError(
+            f"data folder {str(folder)!r} not found: pass --data-dir PATH (or set {DATA_DIR_VARIABLE}) pointing "
+            f"at a folder that holds {layout}"
+        )
+    return folder.resolve()
+
+
 def gap_regression_function(x: Tensor) -> Tensor:
-    r"""The noise-free function of :func:`gap_regression`, :math:`f(x) = \sin(4x)`, elementwise."""
+    r"""The noise-free function of :func:`gap_regression`, :math:`f(x) = \sin(4x)`, elementwise.
+
+    Args:
+        x: inputs of any shape.
+
+    Returns:
+        :math:`\sin(4x)`, same shape and dtype.
+
+    Example:
+        >>> gap_regression_function(torch.zeros(2))
+        tensor([0., 0.])
+    """
     return torch.sin(4.0 * x)
 
 
@@ -158,11 +214,31 @@ def gap_regression(
     ``torch.Generator`` seeded with ``seed`` (the global RNG is left untouched); the values do not
     depend on ``dtype`` beyond rounding.
 
+    Args:
+        n: number of training points, at least 2 (one on each side of the gap).
+        seed: seed of the private generator.
+        noise_std: :math:`\sigma \ge 0`.
+        n_test: number of test grid points, at least 1.
+        dtype: floating-point dtype of the returned tensors.
+
     Returns:
         :class:`GapRegression` ``(x_train, y_train, x_test, f_test, noise_std)``.
+
+    Raises:
+        ValueError: naming the argument, for ``n < 2``, ``n_test < 1`` or a negative or non-finite
+            ``noise_std``.
+
+    Example:
+        >>> data = gap_regression(n=20, n_test=50)
+        >>> data.x_train.shape, data.x_test.shape
+        (torch.Size([20, 1]), torch.Size([50, 1]))
     """
-    if n < 2:
-        raise ValueError("n must be at least 2 (one point on each side of the gap)")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 2:
+        raise ValueError(f"n must be an integer >= 2 (one point on each side of the gap); got {n!r}")
+    if isinstance(n_test, bool) or not isinstance(n_test, int) or n_test < 1:
+        raise ValueError(f"n_test must be a positive integer; got {n_test!r}")
+    if not (math.isfinite(noise_std) and noise_std >= 0):
+        raise ValueError(f"noise_std must be finite and >= 0; got {noise_std!r}")
     generator = torch.Generator().manual_seed(seed)
     u = torch.rand(n, generator=generator, dtype=torch.float64)
     (left_lo, left_hi), (right_lo, right_hi) = GAP_REGRESSION_INTERVALS
@@ -187,9 +263,28 @@ def two_moons(
 ) -> tuple[Tensor, Tensor]:
     """Two interleaving half circles, from ``sklearn.datasets.make_moons``.
 
+    Args:
+        n: number of points (half per class, scikit-learn's split), at least 2.
+        noise: standard deviation of the Gaussian noise added to the points, ``>= 0``.
+        seed: scikit-learn's ``random_state``.
+        dtype: floating-point dtype of ``x``.
+
     Returns:
         ``x`` of shape ``(n, 2)`` and labels ``y`` of shape ``(n,)`` in ``{0, 1}``.
+
+    Raises:
+        ImportError: without scikit-learn (the ``examples`` extra).
+        ValueError: naming the argument, for ``n < 2`` or a negative ``noise``.
+
+    Example:
+        >>> x, y = two_moons(n=10, seed=1)
+        >>> x.shape, sorted(y.unique().tolist())
+        (torch.Size([10, 2]), [0, 1])
     """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 2:
+        raise ValueError(f"n must be an integer >= 2; got {n!r}")
+    if not (math.isfinite(noise) and noise >= 0):
+        raise ValueError(f"noise must be finite and >= 0; got {noise!r}")
     try:
         from sklearn.datasets import make_moons
     except ImportError as error:
@@ -203,9 +298,19 @@ def two_moons(
 def load_snelson(data_dir: PathType, dtype: torch.dtype = torch.float64) -> tuple[Tensor, Tensor, Tensor]:
     """The Snelson 1-D regression set (Snelson & Ghahramani, 2006).
 
+    Args:
+        data_dir: the benchmark data folder (see the module docstring for its layout).
+        dtype: floating-point dtype of the returned tensors.
+
     Returns:
         ``x_train`` ``(200, 1)``, ``y_train`` ``(200, 1)`` and ``x_test`` ``(301, 1)`` (a grid on
-        [-3, 10]), unnormalised.
+        [-3, 10]), unnormalized.
+
+    Raises:
+        FileNotFoundError: naming ``data_dir``, what it holds and the expected layout.
+
+    Example:
+        >>> x_train, y_train, x_test = load_snelson(resolve_data_dir())  # doctest: +SKIP
     """
     files = [
         _data_file(data_dir, ("toy", f"snelson_{stem}.dat"), _SNELSON_LAYOUT)
@@ -221,12 +326,19 @@ def load_banana(
     """The 2-D banana classification set.
 
     Args:
-        data_dir: the shared data folder.
+        data_dir: the benchmark data folder (see the module docstring for its layout).
         full: ``False`` for the 400-point subset (``banana_400_*.csv``), ``True`` for all 5300
             points (``banana_5300.csv``, labels 1/2).
+        dtype: floating-point dtype of ``x``.
 
     Returns:
         ``x`` ``(N, 2)`` and labels ``y`` ``(N,)`` in ``{0, 1}``.
+
+    Raises:
+        FileNotFoundError: naming ``data_dir``, what it holds and the expected layout.
+
+    Example:
+        >>> x, y = load_banana(resolve_data_dir())  # doctest: +SKIP
     """
     if full:
         table = np.loadtxt(_data_file(data_dir, ("toy", "banana_5300.csv"), _BANANA_LAYOUT), delimiter=",")
@@ -243,21 +355,29 @@ def load_banana(
 def load_uci_regression(
     data_dir: PathType, name: str, split: int = 0, dtype: torch.dtype = torch.float64
 ) -> RegressionSplit:
-    r"""One train/test split (90/10) of a UCI regression benchmark set, normalised.
+    r"""One train/test split (90/10) of a UCI regression benchmark set, normalized.
 
-    Inputs and target are standardised with the training split's statistics,
+    Inputs and target are standardized with the training split's statistics,
     :math:`\tilde x = (x - \bar x_\text{train}) / s_\text{train}` (population std; a constant column
-    gets :math:`s = 1`). Test NLPD in the original units is the normalised NLPD plus
+    gets :math:`s = 1`). Test NLPD in the original units is the normalized NLPD plus
     :math:`\log` ``y_std`` (``metrics.gaussian_nlpd(..., y_scale=y_std)``).
 
     Args:
-        data_dir: the shared data folder.
+        data_dir: the benchmark data folder (see the module docstring for its layout).
         name: a folder of ``data_dir/uci_regression`` (boston, concrete, energy, kin8nm, naval, power,
             protein, wine, yacht).
         split: split index, ``0 <= split < n_splits`` (20; 5 for protein).
+        dtype: floating-point dtype of the returned tensors.
 
     Returns:
         :class:`RegressionSplit` ``(x_train, y_train, x_test, y_test, y_mean, y_std)``.
+
+    Raises:
+        FileNotFoundError: naming ``data_dir``, what it holds and the expected layout.
+        ValueError: for a ``split`` out of range.
+
+    Example:
+        >>> split = load_uci_regression(resolve_data_dir(), "boston", split=0)  # doctest: +SKIP
     """
     folder = ("uci_regression", name)
 
@@ -298,10 +418,26 @@ def load_uci_classification(
       validation set (``x_val = y_val = None``); ``seed`` is unused.
     * ``glass`` (214 x 9, 6 classes): a 70/15/15 train/validation/test split, stratified by class
       (per class: ``round(0.7 n_c)`` train, ``round(0.15 n_c)`` validation, the rest test), drawn with
-      ``numpy.random.default_rng(seed)``; inputs standardised with the training mean and std, since
+      ``numpy.random.default_rng(seed)``; inputs standardized with the training mean and std, since
       the raw features have very different scales.
 
     Labels (±1, 1-based or 0-based in the files) are mapped to ``0..C-1`` in sorted order.
+
+    Args:
+        data_dir: the benchmark data folder (see the module docstring for its layout).
+        name: ``"australian"``, ``"breast_cancer"`` or ``"glass"``.
+        seed: seed of the ``glass`` split.
+        dtype: floating-point dtype of the inputs.
+
+    Returns:
+        :class:`ClassificationSplit` ``(x_train, y_train, x_val, y_val, x_test, y_test, num_classes)``.
+
+    Raises:
+        FileNotFoundError: naming ``data_dir``, what it holds and the expected layout.
+        ValueError: for an unknown ``name``.
+
+    Example:
+        >>> split = load_uci_classification(resolve_data_dir(), "glass", seed=0)  # doctest: +SKIP
     """
     if name not in _UCI_CLASSIFICATION_NAMES:
         raise ValueError(f"name must be one of {_UCI_CLASSIFICATION_NAMES}; got {name!r}")
@@ -354,27 +490,58 @@ def load_csv(
     delimiter: str = ",",
     dtype: torch.dtype = torch.float64,
 ) -> CsvData:
-    """Load a user's CSV file with a header row.
+    """Load a user's CSV file with a header row, checking every cell before returning.
 
-    Columns are chosen by header name or by 0-based index (negative indices count from the end).
-    Input cells must be numbers. For ``task="classification"`` the target cells may be any text;
-    the classes are sorted (numerically when every label is a number, e.g. ``2 < 10``, otherwise
-    alphabetically) and mapped to ``0..C-1``. Blank lines are skipped; no normalisation is applied.
+    Columns are chosen by header name or by 0-based index (negative indices count from the end). Input
+    cells (and regression targets) must be finite numbers. For ``task="classification"`` the target cells
+    may be any text; the classes are sorted (numerically when every label is a finite number, e.g.
+    ``2 < 10``, otherwise alphabetically) and mapped to ``0..C-1``. Blank lines are skipped; a UTF-8 byte
+    order mark is dropped from the first header name; no normalization is applied.
+
+    Args:
+        path: the CSV file.
+        input_columns: header names or indices of the input columns (one name or index is accepted too).
+        target_column: header name or index of the target column.
+        task: ``"regression"`` (float targets) or ``"classification"`` (class labels).
+        delimiter: the field separator.
+        dtype: floating-point dtype of ``x`` (and of regression targets).
 
     Returns:
         :class:`CsvData` ``(x, y, input_names, class_names)``.
+
+    Raises:
+        FileNotFoundError: if ``path`` is not a file.
+        ValueError: naming the file, the line and the column: an empty file, a duplicated header name, an
+            unknown column, a row with the wrong number of fields, a cell that is not a number, a NaN or
+            infinite cell, a missing label; or an unknown ``task``.
+
+    Example:
+        >>> import tempfile
+        >>> path = Path(tempfile.mkdtemp()) / "data.csv"
+        >>> _ = path.write_text("a,b,label\\n0.5,1,cat\\n1.5,2,dog\\n")
+        >>> data = load_csv(path, ["a", "b"], "label", task="classification")
+        >>> data.x.shape, data.y.tolist(), data.class_names
+        (torch.Size([2, 2]), [0, 1], ['cat', 'dog'])
     """
     if task not in ("regression", "classification"):
         raise ValueError(f"task must be 'regression' or 'classification'; got {task!r}")
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"CSV file {str(path)!r} not found")
-    with path.open(newline="") as handle:
+    with path.open(newline="", encoding="utf-8-sig") as handle:
         reader = csv.reader(handle, delimiter=delimiter)
         numbered = [(reader.line_num, row) for row in reader if any(cell.strip() for cell in row)]
     if not numbered:
         raise ValueError(f"{path} is empty; expected a header row followed by data rows")
     header = [name.strip() for name in numbered[0][1]]
+    seen: dict[str, int] = {}
+    for position, name in enumerate(header):
+        if name in seen:
+            raise ValueError(
+                f"{path}, line {numbered[0][0]}: header name {name!r} appears twice (columns {seen[name]} and "
+                f"{position}, 0-based); header names must be unique"
+            )
+        seen[name] = position
     lines = [line for line, _ in numbered[1:]]
     body = [row for _, row in numbered[1:]]
     if isinstance(input_columns, (str, int)):
@@ -398,6 +565,8 @@ def load_csv(
             raise ValueError(f"{path}, line {line}, column {header[target]!r}: missing label")
     try:
         keys: list[float] | list[str] = [float(text) for text in texts]
+        if not all(math.isfinite(key) for key in keys):
+            keys = texts
     except ValueError:
         keys = texts
     classes = sorted(set(keys))
@@ -414,8 +583,8 @@ def _data_file(data_dir: PathType, parts: tuple[str, ...], layout: str) -> Path:
     root = Path(data_dir)
     if not root.is_dir():
         raise FileNotFoundError(
-            f"data_dir={str(data_dir)!r} is not a directory. Pass the shared data folder "
-            f"(e.g. /work/shared/data), laid out as {layout}"
+            f"data_dir={str(data_dir)!r} is not a directory. Pass the benchmark data folder "
+            f"(--data-dir PATH or {DATA_DIR_VARIABLE}=PATH), laid out as {layout}"
         )
     path = root.joinpath(*parts)
     if not path.is_file():
@@ -439,7 +608,7 @@ def _column(values: np.ndarray, dtype: torch.dtype) -> Tensor:
 def _mean_std(train: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Column means and population stds of ``(N, D)`` ``train``.
 
-    A constant column gets its value as mean (exactly, so it normalises to exact zeros) and std 1.
+    A constant column gets its value as mean (exactly, so it normalizes to exact zeros) and std 1.
     """
     constant = train.max(axis=0) == train.min(axis=0)
     mean = np.where(constant, train[0], train.mean(axis=0))
@@ -489,5 +658,7 @@ def _number(text: str, line: int, column: str, path: Path) -> float:
             f"{path}, line {line}, column {column!r}: cannot read {text!r} as a number"
         ) from None
     if math.isnan(value):
-        raise ValueError(f"{path}, line {line}, column {column!r}: missing value (NaN)")
+        raise ValueError(f"{path}, line {line}, column {column!r}: missing value ({text.strip()!r}, NaN)")
+    if math.isinf(value):
+        raise ValueError(f"{path}, line {line}, column {column!r}: {text.strip()!r} is not a finite number")
     return value

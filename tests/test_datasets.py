@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from ntkgp.datasets import (
+    DATA_DIR_VARIABLE,
     GAP_REGRESSION_INTERVALS,
     GAP_REGRESSION_TEST_RANGE,
     gap_regression,
@@ -16,18 +17,17 @@ from ntkgp.datasets import (
     load_snelson,
     load_uci_classification,
     load_uci_regression,
+    resolve_data_dir,
     two_moons,
 )
 
-# The shared data sets sit beside the repository (../shared/data); NTKGP_DATA_DIR overrides.
-SHARED_DATA = Path(os.environ.get("NTKGP_DATA_DIR", Path(__file__).resolve().parents[2] / "shared" / "data"))
-
-
 @pytest.fixture
 def data_dir() -> Path:
-    if not (SHARED_DATA / "toy").is_dir():
-        pytest.skip(f"shared data folder {SHARED_DATA} not available")
-    return SHARED_DATA
+    """The benchmark data folder, from NTKGP_DATA_DIR; the loader tests skip without it."""
+    folder = os.environ.get(DATA_DIR_VARIABLE)
+    if not folder or not (Path(folder) / "toy").is_dir():
+        pytest.skip(f"set {DATA_DIR_VARIABLE} to the benchmark data folder to run the loader tests")
+    return Path(folder)
 
 
 # Synthetic generators
@@ -273,3 +273,59 @@ def test_load_csv_errors(csv_file, tmp_path):
         load_csv(csv_file, ["a"], "target", task="ranking")
     with pytest.raises(FileNotFoundError):
         load_csv(tmp_path / "absent.csv", ["a"], "target")
+
+
+@pytest.mark.parametrize(
+    ("cell", "message"),
+    [("inf", "line 3, column 'b': 'inf' is not a finite number"),
+     ("-Infinity", "line 3, column 'b': '-Infinity' is not a finite number"),
+     ("nan", "line 3, column 'b': missing value"),
+     ("1,5", "line 3: 4 fields"),
+     ("abc", "line 3, column 'b': cannot read 'abc'")],
+)
+def test_load_csv_rejects_non_finite_and_non_numeric_cells(tmp_path, cell, message):
+    path = tmp_path / "bad.csv"
+    path.write_text(f"a,b,t\n1,2,3\n4,{cell},6\n")
+    with pytest.raises(ValueError, match=message) as info:
+        load_csv(path, ["a", "b"], "t")
+    assert str(path) in str(info.value)
+
+
+def test_load_csv_rejects_non_finite_regression_target(tmp_path):
+    path = tmp_path / "bad.csv"
+    path.write_text("a,t\n1,2\n4,inf\n")
+    with pytest.raises(ValueError, match="line 3, column 't'"):
+        load_csv(path, ["a"], "t")
+
+
+def test_load_csv_rejects_duplicate_header_names(tmp_path):
+    path = tmp_path / "dup.csv"
+    path.write_text("a,b,a\n1,2,3\n")
+    with pytest.raises(ValueError, match=r"line 1: header name 'a' appears twice \(columns 0 and 2"):
+        load_csv(path, ["b"], 0)
+
+
+def test_load_csv_strips_utf8_byte_order_mark(tmp_path):
+    path = tmp_path / "bom.csv"
+    path.write_bytes("\ufeffa,t\n1,2\n3,4\n".encode())
+    data = load_csv(path, ["a"], "t")
+    assert data.input_names == ["a"]
+    torch.testing.assert_close(data.x, torch.tensor([[1.0], [3.0]], dtype=torch.float64))
+
+
+def test_load_csv_non_finite_numeric_labels_are_text_classes(tmp_path):
+    path = tmp_path / "labels.csv"
+    path.write_text("x,label\n0,nan\n1,2\n2,nan\n")
+    data = load_csv(path, ["x"], "label", task="classification")
+    assert data.class_names == ["2", "nan"] and data.y.tolist() == [1, 0, 1]
+
+
+def test_resolve_data_dir_argument_then_environment(tmp_path, monkeypatch):
+    monkeypatch.delenv(DATA_DIR_VARIABLE, raising=False)
+    assert resolve_data_dir(tmp_path) == tmp_path.resolve()
+    with pytest.raises(FileNotFoundError, match=f"--data-dir PATH .*{DATA_DIR_VARIABLE}"):
+        resolve_data_dir()
+    monkeypatch.setenv(DATA_DIR_VARIABLE, str(tmp_path))
+    assert resolve_data_dir() == tmp_path.resolve()
+    with pytest.raises(FileNotFoundError, match="not found: pass --data-dir"):
+        resolve_data_dir(tmp_path / "missing")
