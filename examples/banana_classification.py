@@ -13,9 +13,10 @@ The table reports evidence per data point and test accuracy, NLPD and ECE, for t
 probabilities (MAP) and for the NTKGP (linearised Laplace, probit) predictive. Writes
 ``banana_classification.png`` (probability maps of both models).
 
-    python examples/banana_classification.py --data-dir ../shared/data --output-dir examples-output
+    python examples/banana_classification.py --data-dir DATA --output-dir examples-output
 
-``--data-dir`` defaults to ``../shared/data`` relative to the current directory, then to the repository root.
+``DATA`` is the benchmark data folder (``toy/``, ``uci_regression/``, ...); without ``--data-dir`` the
+``NTKGP_DATA_DIR`` environment variable is used.
 """
 
 from __future__ import annotations
@@ -23,21 +24,20 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 import torch
 
 from ntkgp import metrics, plotting
-from ntkgp.cli import format_table, mlp, resolve_data_dir
 from ntkgp.datasets import load_banana
 from ntkgp.likelihoods import LogisticLikelihood
 from ntkgp.training import train_marglik
 
+from _common import add_data_arguments, format_table, load_data, mlp
+
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--data-dir", help="the shared data folder (default: ../shared/data)")
-    parser.add_argument("--output-dir", type=Path, default=Path("examples-output"))
+    add_data_arguments(parser)
     parser.add_argument("--epochs", type=int, default=2000, help="training epochs per network (default: 2000)")
     parser.add_argument("--baseline-precision", type=float, default=1e-4, help="the baseline's fixed δ")
     parser.add_argument("--seed", type=int, default=0)
@@ -59,11 +59,7 @@ def stratified_split(y: torch.Tensor, train_fraction: float, seed: int) -> tuple
 
 def main() -> int:
     args = parse_args()
-    try:
-        x, y = load_banana(resolve_data_dir(args.data_dir))
-    except FileNotFoundError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
+    x, y = load_data(args.data_dir, load_banana)
     train, test = stratified_split(y, 0.7, args.seed)
     x_train, y_train, x_test, y_test = x[train], y[train], x[test], y[test]
     start = time.perf_counter()

@@ -12,9 +12,10 @@ summarised by SFR with ``M`` inducing inputs from that batch. Then, for each fur
 
 Prints test NLPD (original units) and wall time per batch, and writes ``sequential_updates.png``.
 
-    python examples/sequential_updates.py --data-dir ../shared/data --output-dir examples-output
+    python examples/sequential_updates.py --data-dir DATA --output-dir examples-output
 
-``--data-dir`` defaults to ``../shared/data`` relative to the current directory, then to the repository root.
+``DATA`` is the benchmark data folder (``toy/``, ``uci_regression/``, ...); without ``--data-dir`` the
+``NTKGP_DATA_DIR`` environment variable is used.
 """
 
 from __future__ import annotations
@@ -22,22 +23,21 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 import gpytorch
 import torch
 
 from ntkgp import metrics, plotting
-from ntkgp.cli import format_table, mlp, resolve_data_dir
 from ntkgp.datasets import RegressionSplit, load_uci_regression
 from ntkgp.models.sfr import SFR
 from ntkgp.training import train_marglik
 
+from _common import add_data_arguments, format_table, load_data, mlp
+
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--data-dir", help="the shared data folder (default: ../shared/data)")
-    parser.add_argument("--output-dir", type=Path, default=Path("examples-output"))
+    add_data_arguments(parser)
     parser.add_argument("--dataset", default="concrete", help="a folder of uci_regression (default: concrete)")
     parser.add_argument("--batches", type=int, default=5, help="number of batches (default: 5)")
     parser.add_argument("--num-inducing", type=int, default=100, help="M, inducing inputs (default: 100)")
@@ -64,11 +64,7 @@ def test_nlpd(sfr: SFR, data: RegressionSplit) -> float:
 
 def main() -> int:
     args = parse_args()
-    try:
-        data = load_uci_regression(resolve_data_dir(args.data_dir), args.dataset)
-    except FileNotFoundError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
+    data = load_data(args.data_dir, lambda folder: load_uci_regression(folder, args.dataset))
     order = torch.randperm(len(data.x_train), generator=torch.Generator().manual_seed(args.seed))
     batches = order.tensor_split(args.batches)
     start = time.perf_counter()

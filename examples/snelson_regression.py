@@ -14,9 +14,10 @@ the parameters and the hyperparameters, the evidence recomputed after every epoc
 full Laplace-GGN evidence, 1000 epochs. Part 2 takes K = 50 steps of size 0.1 every F = 50 epochs, so that
 the start at δ = 1e3 (the paper starts at 1e2) travels the six orders of magnitude within the 1000 epochs. Prints two tables and writes ``snelson_regression.png``.
 
-    python examples/snelson_regression.py --data-dir ../shared/data --output-dir examples-output
+    python examples/snelson_regression.py --data-dir DATA --output-dir examples-output
 
-``--data-dir`` defaults to ``../shared/data`` relative to the current directory, then to the repository root.
+``DATA`` is the benchmark data folder (``toy/``, ``uci_regression/``, ...); without ``--data-dir`` the
+``NTKGP_DATA_DIR`` environment variable is used.
 """
 
 from __future__ import annotations
@@ -24,23 +25,22 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 import gpytorch
 import torch
 
 from ntkgp import plotting
-from ntkgp.cli import format_table, mlp, resolve_data_dir
 from ntkgp.datasets import load_snelson
 from ntkgp.training import MarglikResult, compare_models, train_marglik
+
+from _common import add_data_arguments, format_table, load_data, mlp
 
 INITIAL_PRECISIONS = (1e-3, 1.0, 1e3)
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--data-dir", help="the shared data folder (default: ../shared/data)")
-    parser.add_argument("--output-dir", type=Path, default=Path("examples-output"))
+    add_data_arguments(parser)
     parser.add_argument("--epochs", type=int, default=1000, help="training epochs per network (default: 1000)")
     parser.add_argument("--grid-size", type=int, default=9, help="δ values of the grid search, 1e-3..1e3")
     parser.add_argument("--seed", type=int, default=0)
@@ -65,11 +65,7 @@ def train(x: torch.Tensor, y: torch.Tensor, depth: int, epochs: int, seed: int, 
 
 def main() -> int:
     args = parse_args()
-    try:
-        x_raw, y_raw, x_plot_raw = load_snelson(resolve_data_dir(args.data_dir))
-    except FileNotFoundError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
+    x_raw, y_raw, x_plot_raw = load_data(args.data_dir, load_snelson)
     x, y = x_raw, y_raw
     x_plot = x_plot_raw.sort(dim=0).values
     n = len(x)

@@ -511,7 +511,7 @@ def load_csv(
 
     Raises:
         FileNotFoundError: if ``path`` is not a file.
-        ValueError: naming the file, the line and the column: an empty file, a duplicated header name, an
+        ValueError: naming the file, the line and the column: a file that is not UTF-8 text, an empty file, a duplicated header name, an
             unknown column, a row with the wrong number of fields, a cell that is not a number, a NaN or
             infinite cell, a missing label; or an unknown ``task``.
 
@@ -528,9 +528,14 @@ def load_csv(
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"CSV file {str(path)!r} not found")
-    with path.open(newline="", encoding="utf-8-sig") as handle:
-        reader = csv.reader(handle, delimiter=delimiter)
-        numbered = [(reader.line_num, row) for row in reader if any(cell.strip() for cell in row)]
+    try:
+        with path.open(newline="", encoding="utf-8-sig") as handle:
+            reader = csv.reader(handle, delimiter=delimiter)
+            numbered = [(reader.line_num, row) for row in reader if any(cell.strip() for cell in row)]
+    except UnicodeDecodeError as problem:
+        raise ValueError(f"{path} is not UTF-8 text ({problem.reason} at byte {problem.start})") from None
+    except csv.Error as problem:
+        raise ValueError(f"{path}, line {reader.line_num}: {problem}") from None
     if not numbered:
         raise ValueError(f"{path} is empty; expected a header row followed by data rows")
     header = [name.strip() for name in numbered[0][1]]

@@ -1,8 +1,11 @@
-"""``ntkgp demo`` end to end on the tiny ``--quick`` configuration, the CSV path and its error messages."""
+"""``ntkgp demo`` end to end on the tiny ``--quick`` configuration, the CSV path, its error messages and exit
+codes, and the example scripts' command lines."""
 
 from __future__ import annotations
 
 import math
+import os
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -10,8 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import ntkgp.demo.run
 from ntkgp import plotting
-from ntkgp.cli import format_table, main, resolve_data_dir
+from ntkgp.cli import main
+from ntkgp.datasets import DATA_DIR_VARIABLE
+from ntkgp.demo import format_table
 
 pytest.importorskip("matplotlib")
 pytest.importorskip("sklearn")
@@ -108,6 +114,27 @@ def test_csv_regression_many_inputs_makes_fallback_figure(csv_files, tmp_path):
     assert (tmp_path / "my_data_sfr.png").stat().st_size > 10_000
 
 
+@pytest.fixture
+def no_training(monkeypatch):
+    """Make any training fail loudly: input errors must be reported before the demo trains anything."""
+    def fail(*args, **kwargs):
+        raise AssertionError("training started before the inputs were checked")
+
+    monkeypatch.setattr(ntkgp.demo.run, "train_marglik", fail)
+
+
+def write(path: Path, text: str) -> str:
+    path.write_text(text)
+    return str(path)
+
+
+def rows_text(cells: str, n: int = 12) -> str:
+    """A header ``a,b,target`` and ``n`` good rows, with row 3 (file line 4) replaced by ``cells``."""
+    lines = ["a,b,target"] + [f"{i},{2 * i},{i % 3}" for i in range(n)]
+    lines[3] = cells
+    return "\n".join(lines) + "\n"
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
@@ -116,14 +143,81 @@ def test_csv_regression_many_inputs_makes_fallback_figure(csv_files, tmp_path):
         (["--csv", "{regression}", "--input-columns", "a"], "--csv needs --input-columns and --target-column"),
         (["--input-columns", "a", "--target-column", "target"], "need --csv"),
         (["--epochs", "0"], "--epochs must be positive"),
+        (["--seed", "-1"], "--seed must be >= 0"),
+        (["--csv", "{inf}", "--input-columns", "a", "b", "--target-column", "target"],
+         "inf.csv, line 4, column 'b': 'inf' is not a finite number"),
+        (["--csv", "{nan}", "--input-columns", "a", "b", "--target-column", "target"],
+         "nan.csv, line 4, column 'a': missing value"),
+        (["--csv", "{text}", "--input-columns", "a", "b", "--target-column", "target"],
+         "text.csv, line 4, column 'target': cannot read 'x7' as a number"),
+        (["--csv", "{inf_target}", "--input-columns", "a", "b", "--target-column", "target"],
+         "inf_target.csv, line 4, column 'target': '-inf' is not a finite number"),
+        (["--csv", "{duplicate}", "--input-columns", "a", "--target-column", "target"],
+         "header name 'a' appears twice"),
+        (["--csv", "{short}", "--input-columns", "a", "--target-column", "target"], "has 3 data rows"),
+        (["--csv", "{latin1}", "--input-columns", "a", "--target-column", "target"], "is not UTF-8 text"),
+        (["--output-dir", "{file}"], "exists and is not a folder"),
     ],
 )
-def test_demo_user_errors(csv_files, tmp_path, capsys, extra, message):
-    paths = {"missing": str(tmp_path / "absent.csv"), "regression": str(csv_files["regression"])}
+def test_demo_user_errors_exit_2_before_training(csv_files, tmp_path, capsys, no_training, extra, message):
+    (tmp_path / "latin1.csv").write_bytes("a,target\n\xe9,1\n".encode("latin-1"))
+    paths = {"missing": str(tmp_path / "absent.csv"), "regression": str(csv_files["regression"]),
+             "inf": write(tmp_path / "inf.csv", rows_text("3,inf,0")),
+             "nan": write(tmp_path / "nan.csv", rows_text("NaN,6,0")),
+             "text": write(tmp_path / "text.csv", rows_text("3,6,x7")),
+             "inf_target": write(tmp_path / "inf_target.csv", rows_text("3,6,-inf")),
+             "duplicate": write(tmp_path / "duplicate.csv", "a,a,target\n" + rows_text("3,6,0").split("\n", 1)[1]),
+             "short": write(tmp_path / "short.csv", "a,target\n1,2\n3,4\n5,6\n"),
+             "latin1": str(tmp_path / "latin1.csv"),
+             "file": write(tmp_path / "a_file", "")}
+    output = [] if "--output-dir" in extra else ["--output-dir", str(tmp_path / "out")]
     with pytest.raises(SystemExit) as exit_info:
-        main([*QUICK, "--output-dir", str(tmp_path), *[arg.format(**paths) for arg in extra]])
+        main([*QUICK, *output, *[arg.format(**paths) for arg in extra]])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+    assert not list(tmp_path.rglob("*.png"))
+
+
+def test_csv_with_byte_order_mark_and_task_name(tmp_path, capsys):
+    """A UTF-8 BOM (as written by spreadsheet programs) is not part of the first column's name."""
+    path = tmp_path / "bom.csv"
+    path.write_bytes(("\ufeff" + rows_text("3,6,0", n=20)).encode())
+    args = [*QUICK, "--epochs", "5", "--csv", str(path), "--input-columns", "a", "--target-column", "target",
+            "--output-dir", str(tmp_path / "out")]
+    assert main(args) == 0
+    assert len(table_rows(capsys.readouterr().out)) == 5
+
+
+def test_cli_and_demo_are_separate_modules():
+    """ntkgp.cli parses arguments only; the demo's tasks, training and report live in ntkgp.demo."""
+    import ntkgp.cli
+
+    assert set(ntkgp.cli.__all__) == {"build_parser", "main"}
+    assert not hasattr(ntkgp.cli, "run_task") and not hasattr(ntkgp.cli, "mlp")
+
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def test_example_runs_from_the_repository_root_and_reports_a_missing_data_folder(tmp_path):
+    """``python examples/NAME.py`` finds its helpers (examples/_common.py); without a data folder it names
+    --data-dir and the environment variable and exits with status 1."""
+    env = {k: v for k, v in os.environ.items() if k != DATA_DIR_VARIABLE}
+    done = subprocess.run([sys.executable, "examples/snelson_regression.py", "--output-dir", str(tmp_path)],
+                          cwd=EXAMPLES.parent, env=env, check=False, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr
+    assert "--data-dir" in done.stderr and DATA_DIR_VARIABLE in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("name", ["snelson_regression", "banana_classification", "sequential_updates"])
+def test_examples_name_the_missing_data_folder(name, tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv(DATA_DIR_VARIABLE, raising=False)
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    monkeypatch.setattr(sys, "argv", [name, "--data-dir", str(tmp_path / "absent"), "--output-dir", str(tmp_path)])
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_path(str(EXAMPLES / f"{name}.py"), run_name="__main__")
+    assert exit_info.value.code == 1
+    assert f"data folder {str(tmp_path / 'absent')!r} not found" in capsys.readouterr().err
     assert not list(tmp_path.glob("*.png"))
 
 
@@ -133,7 +227,7 @@ def test_missing_matplotlib_names_the_extra(monkeypatch):
         plotting.new_figure(1, 1)
 
 
-def test_format_table_and_data_dir(tmp_path):
+def test_format_table():
     table = format_table(["name", "value", "other"], [["a", 1.23456, None], ["long name", 2.0, 3]])
     assert table.splitlines() == [
         "name       value  other",
@@ -141,6 +235,5 @@ def test_format_table_and_data_dir(tmp_path):
         "a          1.235      -",
         "long name  2.000      3",
     ]
-    assert resolve_data_dir(tmp_path) == tmp_path.resolve()
-    with pytest.raises(FileNotFoundError, match="--data-dir"):
-        resolve_data_dir(tmp_path / "missing")
+    with pytest.raises(ValueError, match=r"rows\[0\] has 2 cells but there are 3 headers"):
+        format_table(["a", "b", "c"], [[1, 2]])
