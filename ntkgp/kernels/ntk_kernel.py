@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Callable
+import math
+from collections.abc import Mapping
 
 import torch
 from gpytorch.constraints import Interval, Positive
 from gpytorch.kernels import Kernel
+from gpytorch.lazy import LazyEvaluatedKernelTensor
 from gpytorch.priors import Prior
 from linear_operator.operators import (
     DenseLinearOperator,
@@ -17,38 +18,35 @@ from linear_operator.operators import (
 )
 from torch import nn
 
+from ..caching import ValueCache
 from ..ntk import GroupSpec, NTKEngine
+from ..options import PriorStructure, Space, Strategy, choose, choose_space, renamed_argument
+from .batching import Slices, distinct_slices, gather, group_pairs, slice_pairs
+from .lazy import NTKLazyKernelTensor
 
-REPRESENTATIONS = ("auto", "dense", "root")
+_REPRESENTATION_TO_SPACE = {"auto": "auto", "dense": "function", "root": "weight"}
+_KERNEL_KWARGS = ("batch_shape", "active_dims")
 
 
-class _InputCache:
-    """A small LRU cache of computations keyed by input tensors (compared by value) and the weights' version."""
+class _SharedValueCache(ValueCache):
+    """The kernel's cache: shared by the copies GPyTorch makes (``kernel[i]``, ``expand_batch``, fantasy models),
+    since its entries depend only on the inputs and the (shared) network; pickled empty."""
 
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self.entries: OrderedDict[int, tuple[tuple, tuple[torch.Tensor, ...], object]] = OrderedDict()
-        self._next = 0
+    def __deepcopy__(self, memo: dict) -> _SharedValueCache:
+        return self
 
-    @staticmethod
-    def _same(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> bool:
-        return all(x.shape == y.shape and x.dtype == y.dtype and x.device == y.device and torch.equal(x, y) for x, y in zip(a, b))
+    def __reduce__(self):
+        return (type(self), (self.size,))
 
-    def get_or_compute(self, key: tuple, xs: tuple[torch.Tensor, ...], compute: Callable[[], object]) -> object:
-        for slot, (k, stored, value) in self.entries.items():
-            if k == key and len(stored) == len(xs) and self._same(stored, xs):
-                self.entries.move_to_end(slot)
-                return value
-        value = compute()
-        if self.size > 0:
-            self.entries[self._next] = (key, tuple(x.detach().clone() for x in xs), value)
-            self._next += 1
-            while len(self.entries) > self.size:
-                self.entries.popitem(last=False)
-        return value
 
-    def clear(self) -> None:
-        self.entries.clear()
+#: Private alias kept while ``ntkgp.means`` still imports it (same ``get_or_compute(tag, inputs, compute)`` call).
+_InputCache = ValueCache
+
+
+def _check_int(value: object, argument: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{argument} must be an integer >= {minimum}, got {value!r}")
+    return value
 
 
 class NTKKernel(Kernel):
@@ -58,48 +56,76 @@ class NTKKernel(Kernel):
         K(x, x') = \sum_g \delta_g^{-1} J_g(x) J_g(x')^\top \in \mathbb{R}^{C \times C},
 
     where :math:`J_g(x) = \partial f(x;\theta)/\partial\theta_g` at :math:`\theta^*` and :math:`\delta_g` is the
-    prior precision of parameter group :math:`g`. For inputs ``(N1, D)`` and ``(N2, D)`` the kernel is a
-    ``(N1·C, N2·C)`` operator in GPyTorch's interleaved multi-output order (row ``n·C + c``), so it plugs
-    into ``MultitaskMultivariateNormal(..., interleaved=True)`` models; ``num_outputs_per_input`` is ``C``.
+    prior precision of parameter group :math:`g` (docs/math.md, "The empirical NTK"). For inputs ``(N1, D)``
+    and ``(N2, D)`` the kernel is a ``(N1·C, N2·C)`` operator in GPyTorch's interleaved multi-output order
+    (row ``n·C + c``), so it plugs into ``MultitaskMultivariateNormal(..., interleaved=True)`` models;
+    ``num_outputs_per_input`` is ``C``.
 
-    **Inputs.** GPyTorch kernels take ``(N, D)`` matrices. A network on images (or any input shape) is
-    handled by passing ``input_shape``: the kernel receives flat inputs ``x.flatten(1)`` of shape
-    ``(N, prod(input_shape))`` and reshapes them to ``(N, *input_shape)`` before calling the network.
-    Batch dimensions before ``N`` are not supported.
+    **Shapes.** Inputs ``(*batch, N, D)`` follow GPyTorch's broadcasting rules: ``x1`` of batch shape ``b1``,
+    ``x2`` of ``b2`` and a kernel of ``batch_shape`` ``b`` give ``(*broadcast(b1, b2, b), N1·C, N2·C)``. A
+    network on images (any input shape) takes ``input_shape``: inputs arrive flat, ``(*batch, N,
+    prod(input_shape))``, or with the trailing dimensions equal to ``input_shape``, ``(*batch, N,
+    *input_shape)``; the network sees ``(N, *input_shape)``. Each distinct input slice of a batch is
+    computed once (identical slices, such as training inputs broadcast against a batch of test points,
+    are not recomputed). ``last_dim_is_batch`` is not supported (there is no additive structure over input
+    dimensions to exploit).
 
-    **Representation** (chosen by cost): when the Gram is square and ``P < N·C`` the kernel is a
-    :class:`~linear_operator.operators.LowRankRootLinearOperator` with root ``J P_0^{-1/2}``, so that
-    solves and log-determinants after adding noise use Woodbury and the determinant lemma; otherwise a
-    dense Gram. The per-group pieces (``J`` or the per-group Grams ``J_g J_g^\top``) are cached for the
-    last ``cache_size`` inputs and re-weighted when only :math:`\delta` changes: no new Jacobians, while
-    gradients w.r.t. :math:`\delta` flow through the re-weighting. The cache is invalidated when the
-    network's weights change.
+    **Space** (``space=``, the rule of :func:`ntkgp.options.choose_space`): weight space when ``P < N·C``:
+    a :class:`~linear_operator.operators.LowRankRootLinearOperator` with root :math:`J P_0^{-1/2}` (or, for
+    ``x1 ≠ x2``, a :class:`~linear_operator.operators.MatmulLinearOperator` :math:`(J_1 P_0^{-1}) J_2^\top`), so
+    that solves and log-determinants after adding noise use Woodbury and the determinant lemma; function
+    space otherwise: a :class:`~linear_operator.operators.DenseLinearOperator` of the Gram. The per-group
+    pieces (``J`` or the per-group Grams ``J_g J_g^\top``) are cached for the last ``cache_size`` inputs
+    (compared by value, together with the network's weights and buffers: any change of the network, by an
+    optimiser, ``.data`` or ``load_state_dict``, is seen) and re-weighted when only :math:`\delta` changes: no
+    new Jacobians, while gradients w.r.t. :math:`\delta` flow through the re-weighting.
 
-    The network is held by reference, not registered as a sub-module: ``model.hyperparameters()`` and
-    ``state_dict()`` contain the prior precisions, never the network's weights. Its device and dtype
-    decide where and in which precision the kernel is computed.
+    **Input gradients.** When ``x1`` or ``x2`` requires grad, nothing is served from or stored in the cache
+    and the outputs (full, low-rank root, diagonal) carry the engine's graph to the inputs.
+
+    **dtype and device.** The network is held by reference, not registered as a sub-module:
+    ``model.hyperparameters()`` and ``state_dict()`` contain the prior precisions, never the network's
+    weights, and ``kernel.to(...)``, ``.double()``, ``.float()``, ``.cuda()`` convert the prior precisions
+    only (the user's network is never modified). Jacobians are computed in the network's dtype on its
+    device (inputs are brought there); the kernel matrix is returned in the dtype and on the device of the
+    kernel's hyperparameters. Both are the network's at construction; after ``kernel.double()`` on a float32
+    network the Jacobians keep float32 precision and the GP algebra downstream runs in float64.
 
     Args:
         net: the trained network, mapping ``(N, *input_shape)`` to ``(N, C)``; in eval mode if it has
             BatchNorm or dropout. Never modified.
-        prior_precision: initial :math:`\delta`, a float or a tensor with one value per group.
-        groups: ``"layer"`` (default), ``"network"``, ``"parameter"`` or a mapping of parameter names to groups.
+        prior_precision: initial :math:`\delta`: a positive float, one value per group ``(G,)``, or
+            ``(*batch_shape, G)`` for a batched kernel.
+        prior_structure: which parameters share a :math:`\delta`: ``"layer"`` (default), ``"network"``,
+            ``"parameter"`` or a mapping of parameter names to groups (``groups=`` is its deprecated name).
         input_shape: shape of one input as the network expects it (see above).
         chunk_size: examples per Jacobian chunk.
         strategy: how Grams are computed, see :class:`ntkgp.ntk.NTKEngine`.
-        representation: ``"auto"``, ``"dense"`` or ``"root"`` (force one form).
+        space: ``"auto"``, ``"function"`` or ``"weight"`` (see above; ``representation="dense"|"root"`` is the
+            deprecated spelling of ``"function"|"weight"``).
         prior_precision_prior: an optional GPyTorch prior on :math:`\delta`.
         prior_precision_constraint: constraint on :math:`\delta`. The default is ``Positive`` with an exponential
             transform, i.e. :math:`\log\delta` is the raw parameter: prior precisions span orders of magnitude and
             an optimiser step then changes :math:`\delta` by a factor, from 1e-3 as from 1e3 (GPyTorch's softplus
             default would move a large :math:`\delta` by only about the step size).
-        cache_size: how many input pairs to keep pieces for.
+        cache_size: how many inputs (or input pairs) to keep pieces for (0 disables the cache).
         progress: show progress bars over chunks.
+        batch_shape: GPyTorch's kernel batch shape (one :math:`\delta` vector per batch element).
+        active_dims: GPyTorch's ``active_dims``.
+
+    Raises:
+        TypeError: a wrongly typed argument or an unknown keyword.
+        ValueError: an invalid value (every argument is checked before anything is built).
 
     Example:
+        >>> net = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2)).double()
         >>> kernel = NTKKernel(net, prior_precision=1.0)
-        >>> K = kernel(x_train).to_dense()            # (N*C, N*C)
-        >>> kernel.prior_precision = torch.tensor([0.5, 2.0, 1.0])   # re-weights cached Grams
+        >>> x = torch.randn(5, 3, dtype=torch.float64)
+        >>> kernel(x).shape                                    # (N·C, N·C)
+        torch.Size([10, 10])
+        >>> kernel(torch.randn(4, 5, 3, dtype=torch.float64)).shape   # a batch of 4
+        torch.Size([4, 10, 10])
+        >>> kernel.prior_precision = torch.tensor([0.5, 2.0], dtype=torch.float64)   # re-weights cached Grams
     """
 
     has_lengthscale = False
@@ -108,41 +134,79 @@ class NTKKernel(Kernel):
         self,
         net: nn.Module,
         prior_precision: float | torch.Tensor = 1.0,
-        groups: GroupSpec = "layer",
+        prior_structure: GroupSpec = "layer",
         input_shape: tuple[int, ...] | None = None,
         chunk_size: int = 256,
         strategy: str = "auto",
-        representation: str = "auto",
+        space: str = "auto",
         prior_precision_prior: Prior | None = None,
         prior_precision_constraint: Interval | None = None,
         cache_size: int = 4,
         progress: bool = False,
         **kwargs,
     ) -> None:
-        super().__init__(**kwargs)
-        if representation not in REPRESENTATIONS:
-            raise ValueError(f"representation must be one of {REPRESENTATIONS}, got {representation!r}")
-        self.engine = NTKEngine(
-            net, groups=groups, chunk_size=chunk_size, strategy=strategy, input_shape=input_shape, progress=progress
-        )
-        self.representation = representation
-        self.groups_spec = groups
-        self._cache = _InputCache(cache_size)
-        num_groups = self.engine.num_groups
-        init = torch.as_tensor(prior_precision, dtype=self.engine.dtype, device=self.engine.device)
-        if init.dim() == 0:
-            init = init.expand(num_groups).clone()
-        if init.shape != (num_groups,):
-            raise ValueError(
-                f"prior_precision must be a float or have one value per group ({num_groups}: "
-                f"{list(self.engine.groups.group_names)}), got shape {tuple(init.shape)}"
+        # ---- validate everything before anything is built
+        prior_structure = renamed_argument(kwargs, "groups", "prior_structure", prior_structure, "layer")
+        if "representation" in kwargs:
+            representation = kwargs.pop("representation")
+            if space != "auto":
+                raise TypeError("pass space= only; representation= is its deprecated name")
+            if representation not in _REPRESENTATION_TO_SPACE:
+                raise ValueError(f"representation must be one of 'auto', 'dense', 'root', got {representation!r}")
+            import warnings
+
+            space = _REPRESENTATION_TO_SPACE[representation]
+            warnings.warn(
+                f"representation= is deprecated; use space={space!r} ('dense' is 'function', 'root' is 'weight')",
+                DeprecationWarning,
+                stacklevel=2,
             )
-        if not (torch.isfinite(init).all() and (init > 0).all()):
-            raise ValueError(f"prior_precision must be positive and finite, got {init.tolist()}")
-        self.register_parameter(
-            "raw_prior_precision", nn.Parameter(torch.zeros(num_groups, dtype=init.dtype, device=init.device))
-        )
+        unknown = sorted(k for k in kwargs if k not in _KERNEL_KWARGS)
+        if unknown:
+            raise TypeError(f"NTKKernel got unexpected keyword arguments {unknown}")
+        space = choose(Space, space, "space")
+        strategy = choose(Strategy, strategy, "strategy")
+        if not isinstance(prior_structure, Mapping):
+            prior_structure = choose(PriorStructure, prior_structure, "prior_structure").value
+        chunk_size = _check_int(chunk_size, "chunk_size", 1)
+        cache_size = _check_int(cache_size, "cache_size", 0)
+        if not isinstance(progress, bool):
+            raise TypeError(f"progress must be a bool, got {progress!r}")
+        if input_shape is not None:
+            if isinstance(input_shape, int):
+                input_shape = (input_shape,)
+            if not isinstance(input_shape, (tuple, list, torch.Size)) or not input_shape:
+                raise ValueError(f"input_shape must be a non-empty tuple of positive integers, got {input_shape!r}")
+            for s in input_shape:
+                _check_int(s, "input_shape", 1)
+            input_shape = tuple(input_shape)
+        batch_shape = kwargs.get("batch_shape", torch.Size([]))
+        if not isinstance(batch_shape, (tuple, list, torch.Size)) or any(
+            isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in batch_shape
+        ):
+            raise ValueError(f"batch_shape must be a tuple of positive integers, got {batch_shape!r}")
+        batch_shape = torch.Size(batch_shape)
+        if prior_precision_prior is not None and not isinstance(prior_precision_prior, Prior):
+            raise TypeError(f"prior_precision_prior must be a gpytorch Prior, got {type(prior_precision_prior).__name__}")
+        if prior_precision_constraint is not None and not isinstance(prior_precision_constraint, Interval):
+            raise TypeError(
+                f"prior_precision_constraint must be a gpytorch constraint, got {type(prior_precision_constraint).__name__}"
+            )
         constraint = prior_precision_constraint or Positive(transform=torch.exp, inv_transform=torch.log)
+        engine = NTKEngine(
+            net, prior_structure, chunk_size=chunk_size, strategy=strategy.value, input_shape=input_shape, progress=progress
+        )
+        init = self._validated_prior_precision(
+            prior_precision, engine, batch_shape, engine.dtype, engine.device, constraint, "prior_precision"
+        )
+
+        # ---- build
+        super().__init__(**kwargs)
+        self.engine = engine
+        self.space = space
+        self.prior_structure = prior_structure
+        self._cache = _SharedValueCache(cache_size)
+        self.register_parameter("raw_prior_precision", nn.Parameter(torch.zeros_like(init)))
         self.register_constraint("raw_prior_precision", constraint)
         if prior_precision_prior is not None:
             self.register_prior(
@@ -156,7 +220,7 @@ class NTKKernel(Kernel):
     # ------------------------------------------------------------------ hyperparameter
     @property
     def prior_precision(self) -> torch.Tensor:
-        """Per-group prior precisions :math:`\\delta`, shape ``(G,)``."""
+        """Per-group prior precisions :math:`\\delta`, shape ``(*batch_shape, G)``."""
         return self.raw_prior_precision_constraint.transform(self.raw_prior_precision)
 
     @prior_precision.setter
@@ -164,80 +228,252 @@ class NTKKernel(Kernel):
         self._set_prior_precision(value)
 
     def _set_prior_precision(self, value: float | torch.Tensor) -> None:
-        value = torch.as_tensor(value, dtype=self.raw_prior_precision.dtype, device=self.raw_prior_precision.device)
-        value = value.expand(self.raw_prior_precision.shape)
-        self.initialize(raw_prior_precision=self.raw_prior_precision_constraint.inverse_transform(value))
+        raw = self.raw_prior_precision
+        constraint = self.raw_prior_precision_constraint
+        value = self._validated_prior_precision(value, self.engine, self.batch_shape, raw.dtype, raw.device, constraint)
+        self.initialize(raw_prior_precision=constraint.inverse_transform(value))
+
+    @staticmethod
+    def _validated_prior_precision(
+        value: object,
+        engine: NTKEngine,
+        batch_shape: torch.Size,
+        dtype: torch.dtype,
+        device: torch.device,
+        constraint: Interval,
+        argument: str = "prior_precision",
+    ) -> torch.Tensor:
+        """``value`` as a ``(*batch_shape, G)`` tensor, or an error naming ``argument`` (the constructor and setter)."""
+        groups = engine.num_groups
+        if isinstance(value, bool) or (isinstance(value, torch.Tensor) and (value.dtype == torch.bool or value.is_complex())):
+            raise TypeError(f"{argument} must be a float or a real tensor, got {value!r}")
+        try:
+            tensor = torch.as_tensor(value.detach() if isinstance(value, torch.Tensor) else value, dtype=dtype, device=device)
+        except (TypeError, ValueError, RuntimeError) as error:
+            raise TypeError(f"{argument} must be a float or a real tensor, got {value!r}") from error
+        expected = torch.Size([*batch_shape, groups])
+        if tensor.dim() == 0 or tensor.shape == (groups,):
+            tensor = tensor.expand(expected)
+        elif tensor.shape != expected:
+            batched = f", or shape {tuple(expected)}" if batch_shape else ""
+            raise ValueError(
+                f"{argument} must be a float or have one value per group ({groups}: "
+                f"{list(engine.groups.group_names)}){batched}, got shape {tuple(tensor.shape)}"
+            )
+        if not (torch.isfinite(tensor).all() and (tensor > 0).all()):
+            raise ValueError(f"{argument} must be positive and finite, got {tensor.tolist()}")
+        if not constraint.check(tensor) or not torch.isfinite(constraint.inverse_transform(tensor)).all():
+            raise ValueError(f"{argument} must lie inside its constraint {constraint}, got {tensor.tolist()}")
+        return tensor.clone()
+
+    def column_weights(self, power: float) -> torch.Tensor:
+        r""":math:`\delta_g^{\text{power}}` for every Jacobian column (in parameter order), shape ``(*batch_shape, P)``.
+
+        Args:
+            power: the exponent, e.g. ``-1`` for the prior covariance :math:`P_0^{-1}`, ``-0.5`` for its root.
+        """
+        cols = self.engine.groups.column_groups(device=self.raw_prior_precision.device)
+        return self.prior_precision.pow(power)[..., cols]
+
+    _column_weights = column_weights  # private name kept for callers not yet switched
 
     # ------------------------------------------------------------------ accessors
     @property
     def net(self) -> nn.Module:
+        """The network (held by reference)."""
         return self.engine.net
 
     @property
     def group_names(self) -> tuple[str, ...]:
+        """One label per prior-precision group."""
         return self.engine.groups.group_names
 
-    def num_outputs_per_input(self, x1: torch.Tensor, x2: torch.Tensor) -> int:
-        return self.engine.num_outputs(x1)
+    @property
+    def groups_spec(self) -> GroupSpec:
+        """Deprecated name of :attr:`prior_structure`."""
+        return self.prior_structure
 
-    def _column_weights(self, power: float) -> torch.Tensor:
-        """``δ_g^power`` for every Jacobian column, shape ``(P,)``."""
-        cols = self.engine.groups.column_groups(device=self.raw_prior_precision.device)
-        return self.prior_precision.pow(power)[cols]
+    def num_outputs_per_input(self, x1: torch.Tensor, x2: torch.Tensor) -> int:
+        """``C``, the number of network outputs (GPyTorch's multi-output convention)."""
+        for x in (x1, x2):
+            if x.dim() >= 2 and x.shape[-2] > 0:
+                return self.engine.num_outputs(x.reshape(-1, x.shape[-1])[:1])
+        return self.engine.num_outputs(None)
+
+    def is_square(self, x1: torch.Tensor, x2: torch.Tensor) -> bool:
+        """Whether ``K(x1, x2)`` is a symmetric Gram: ``x2`` is ``x1`` or, when neither requires grad, equal to it."""
+        if x1 is x2:
+            return True
+        if x1.requires_grad or x2.requires_grad or x1.shape != x2.shape:
+            return False
+        return torch.equal(x1, x2)
 
     # ------------------------------------------------------------------ cached pieces
-    def _cached(self, kind: str, *xs: torch.Tensor) -> torch.Tensor:
+    def _network_state(self) -> list[torch.Tensor]:
+        return [*self.engine.params().values(), *self.engine.net.buffers()]
+
+    def _piece(self, kind: str, *xs: torch.Tensor) -> torch.Tensor:
+        """An engine piece for 2-D inputs, through the value cache (bypassed when an input requires grad)."""
         compute = {
             "grams": lambda: self.engine.group_grams(*xs),
             "jacobian": lambda: self.engine.jacobian(xs[0]),
             "diag": lambda: self.engine.diag_blocks(xs[0]),
         }[kind]
-        key = (kind, self.engine.params_version())
-        return self._cache.get_or_compute(key, xs, compute)
+        return self._cache.get_or_compute(kind, xs, compute, state=self._network_state())
 
     def group_grams(self, x1: torch.Tensor, x2: torch.Tensor | None = None) -> torch.Tensor:
-        """Cached per-group Grams ``J_g(x1) J_g(x2)ᵀ``, shape ``(G, N1·C, N2·C)``."""
-        return self._cached("grams", x1) if x2 is None else self._cached("grams", x1, x2)
+        """Cached per-group Grams ``J_g(x1) J_g(x2)ᵀ`` for inputs ``(N, D)``: shape ``(G, N1·C, N2·C)``, network dtype."""
+        return self._piece("grams", x1) if x2 is None else self._piece("grams", x1, x2)
 
     def jacobian(self, x: torch.Tensor) -> torch.Tensor:
-        """Cached Jacobian ``J(x)``, shape ``(N·C, P)``."""
-        return self._cached("jacobian", x)
+        """Cached Jacobian ``J(x)`` for inputs ``(N, D)``: shape ``(N·C, P)``, network dtype."""
+        return self._piece("jacobian", x)
+
+    def point_blocks(self, x: torch.Tensor) -> torch.Tensor:
+        """The per-point ``C×C`` blocks :math:`\\sum_g \\delta_g^{-1} J_g(x_n) J_g(x_n)^\\top`, without the Gram.
+
+        Args:
+            x: inputs ``(*batch, N, D)`` (flat or with trailing ``input_shape``).
+
+        Returns:
+            Shape ``(*broadcast(batch, batch_shape), N, C, C)`` in the kernel's dtype.
+        """
+        x = self._as_input(x, "x")
+        slices = distinct_slices(x)
+        n = x.shape[-2]
+        c = self.num_outputs_per_input(x, x)
+        w = self.prior_precision.reciprocal()
+        blocks = self._piece("diag", slices.rows)  # (G, U·N, C, C)
+        blocks = blocks.view(blocks.shape[0], -1, n, c, c).movedim(0, 1).to(w)
+        return torch.einsum("...g,...gnij->...nij", w, gather(blocks, slices.index))
 
     def diag_blocks(self, x: torch.Tensor) -> torch.Tensor:
-        """Cached per-point ``C×C`` blocks of the kernel, weighted by ``1/δ``: shape ``(N, C, C)``."""
-        return torch.einsum("g,gnij->nij", self.prior_precision.reciprocal(), self._cached("diag", x))
+        """Alias of :meth:`point_blocks` (shape ``(*batch, N, C, C)``)."""
+        return self.point_blocks(x)
 
     def clear_cache(self) -> None:
         """Drop all cached Jacobians and Grams (e.g. to free memory)."""
         self._cache.clear()
 
-    def _choose(self, n1c: int, n2c: int, square: bool) -> str:
-        if self.representation != "auto":
-            return self.representation
-        return "root" if self.engine.num_params < min(n1c, n2c) else "dense"
+    # ------------------------------------------------------------------ inputs
+    def _as_input(self, x: torch.Tensor, argument: str) -> torch.Tensor:
+        """Check ``x`` and flatten trailing ``input_shape`` dimensions: ``(*batch, N, D)`` (or ``(N,)``)."""
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{argument} must be a torch.Tensor, got {type(x).__name__}")
+        if not x.is_floating_point():
+            raise TypeError(f"{argument} must be a floating-point tensor, got dtype {x.dtype}")
+        shape = self.engine.input_shape
+        if shape is not None and len(shape) > 1 and x.dim() > len(shape) and tuple(x.shape[-len(shape) :]) == shape:
+            x = x.flatten(-len(shape))
+        if x.dim() == 0:
+            raise ValueError(f"{argument} must have shape (*batch, N, D), got a scalar")
+        if shape is not None and x.dim() >= 2 and x.shape[-1] != math.prod(shape):
+            raise ValueError(
+                f"{argument} must have shape (*batch, N, {math.prod(shape)}) or (*batch, N, "
+                f"{', '.join(map(str, shape))}) for input_shape={shape}, got {tuple(x.shape)}"
+            )
+        if not torch.isfinite(x).all():
+            raise ValueError(f"{argument} contains NaN or Inf values")
+        return x
+
+    def __call__(
+        self, x1: torch.Tensor, x2: torch.Tensor | None = None, diag: bool = False, last_dim_is_batch: bool = False, **params
+    ):
+        if last_dim_is_batch:
+            raise NotImplementedError("NTKKernel does not support last_dim_is_batch=True")
+        same = x2 is x1
+        x1 = self._as_input(x1, "x1")
+        x2 = x1 if same else (None if x2 is None else self._as_input(x2, "x2"))
+        res = super().__call__(x1, x2, diag=diag, **params)
+        if type(res) is LazyEvaluatedKernelTensor:
+            res = NTKLazyKernelTensor(res.x1, res.x2, kernel=self, last_dim_is_batch=False, **res.params)
+        return res
 
     # ------------------------------------------------------------------ GPyTorch interface
     def forward(
         self, x1: torch.Tensor, x2: torch.Tensor, diag: bool = False, last_dim_is_batch: bool = False, **params
     ) -> torch.Tensor | LinearOperator:
         if last_dim_is_batch:
-            raise NotImplementedError("NTKKernel does not support last_dim_is_batch")
-        if x1.dim() != 2 or x2.dim() != 2:
+            raise NotImplementedError("NTKKernel does not support last_dim_is_batch=True")
+        try:
+            batch = torch.broadcast_shapes(x1.shape[:-2], x2.shape[:-2], self.batch_shape)
+        except RuntimeError:
             raise ValueError(
-                "NTKKernel takes inputs of shape (N, D) without batch dimensions, got "
-                f"{tuple(x1.shape)} and {tuple(x2.shape)}; flatten inputs of other shapes and pass input_shape"
-            )
-        square = x1 is x2 or (x1.shape == x2.shape and torch.equal(x1, x2))
+                f"x1 {tuple(x1.shape)} and x2 {tuple(x2.shape)} do not broadcast with the kernel's batch_shape "
+                f"{tuple(self.batch_shape)}"
+            ) from None
+        square = self.is_square(x1, x2)
         if diag:
+            return self._diagonal(x1, x2, square, batch)
+        n1, n2 = x1.shape[-2], x2.shape[-2]
+        c = self.num_outputs_per_input(x1, x2)
+        ref = self.raw_prior_precision
+        if n1 == 0 or n2 == 0:
+            return DenseLinearOperator(torch.zeros(*batch, n1 * c, n2 * c, dtype=ref.dtype, device=ref.device))
+        s1 = distinct_slices(x1)
+        s2 = s1 if square else distinct_slices(x2)
+        rows = n1 * c if square else min(n1, n2) * c
+        if choose_space(self.space, self.engine.num_params, rows) is Space.WEIGHT:
+            j1 = self._jacobians(s1, c)
             if square:
-                blocks = self.diag_blocks(x1)
-                return torch.diagonal(blocks, dim1=-2, dim2=-1).reshape(-1)
-            return self.forward(x1, x2).to_dense().diagonal()
-        c = self.engine.num_outputs(x1)
-        form = self._choose(x1.shape[0] * c, x2.shape[0] * c, square)
-        if form == "root":
-            if square:
-                return LowRankRootLinearOperator(self.jacobian(x1) * self._column_weights(-0.5))
-            return MatmulLinearOperator(self.jacobian(x1) * self._column_weights(-1.0), self.jacobian(x2).mT)
-        grams = self.group_grams(x1) if square else self.group_grams(x1, x2)
-        return DenseLinearOperator(torch.einsum("g,gij->ij", self.prior_precision.reciprocal(), grams))
+                root = j1 * self.column_weights(-0.5).unsqueeze(-2)
+                return LowRankRootLinearOperator(root.expand(*batch, *root.shape[-2:]))
+            left = j1 * self.column_weights(-1.0).unsqueeze(-2)
+            right = self._jacobians(s2, c)
+            return MatmulLinearOperator(left.expand(*batch, *left.shape[-2:]), right.expand(*batch, *right.shape[-2:]).mT)
+        grams, pair_index = self._pair_grams(s1, s2, square, c)
+        w = self.prior_precision.reciprocal()
+        grams = grams.to(w)
+        if w.dim() == 1:
+            gram = gather(torch.einsum("g,pgij->pij", w, grams), pair_index)
+        else:
+            gram = torch.einsum("...g,...gij->...ij", w, gather(grams, pair_index))
+        return DenseLinearOperator(gram.expand(*batch, n1 * c, n2 * c))
+
+    def _jacobians(self, slices: Slices, c: int) -> torch.Tensor:
+        """``J`` of every batch element, ``(*batch, N·C, P)`` in the kernel's dtype (computed once per distinct slice)."""
+        ref = self.raw_prior_precision
+        u, n = slices.values.shape[:2]
+        j = self._piece("jacobian", slices.rows).view(u, n * c, -1).to(dtype=ref.dtype, device=ref.device)
+        return gather(j, slices.index)
+
+    def _pair_grams(self, s1: Slices, s2: Slices, square: bool, c: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-group Grams of each distinct pair of slices, ``(pairs, G, N1·C, N2·C)``, and each batch element's pair."""
+        n1, n2 = s1.values.shape[1], s2.values.shape[1]
+        d = s1.values.shape[-1]
+        if square:
+            grams = [self._piece("grams", s1.values[u]) for u in range(s1.values.shape[0])]
+            return torch.stack(grams), s1.index
+        batch = torch.broadcast_shapes(s1.index.shape, s2.index.shape)
+        pairs, pair_index = slice_pairs(s1.index, s2.index, batch)
+        side, groups = group_pairs(pairs)
+        found: dict[tuple[int, int], torch.Tensor] = {}
+        for fixed, partners in groups.items():
+            if side == 2:
+                stacked = s1.values[partners].reshape(-1, d)
+                g = self._piece("grams", stacked, s2.values[fixed])  # (G, k·N1·C, N2·C)
+                g = g.view(g.shape[0], len(partners), n1 * c, n2 * c)
+                for k, partner in enumerate(partners):
+                    found[(partner, fixed)] = g[:, k]
+            else:
+                stacked = s2.values[partners].reshape(-1, d)
+                g = self._piece("grams", s1.values[fixed], stacked)  # (G, N1·C, k·N2·C)
+                g = g.view(g.shape[0], n1 * c, len(partners), n2 * c)
+                for k, partner in enumerate(partners):
+                    found[(fixed, partner)] = g[:, :, k]
+        return torch.stack([found[p] for p in pairs]), pair_index
+
+    def _diagonal(self, x1: torch.Tensor, x2: torch.Tensor, square: bool, batch: torch.Size) -> torch.Tensor:
+        """``diag K(x1, x2)``, shape ``(*batch, N·C)``: per-point blocks when square, else chunks of the Gram."""
+        n1, n2 = x1.shape[-2], x2.shape[-2]
+        if n1 != n2:
+            raise ValueError(f"diag=True needs x1 and x2 with the same number of points, got {n1} and {n2}")
+        if square:
+            blocks = self.point_blocks(x1)
+            return blocks.diagonal(dim1=-2, dim2=-1).reshape(*blocks.shape[:-3], -1).expand(*batch, -1)
+        step = self.engine.chunk_size
+        parts = [
+            self.forward(x1[..., s : s + step, :], x2[..., s : s + step, :]).to_dense().diagonal(dim1=-2, dim2=-1)
+            for s in range(0, n1, step)
+        ]
+        return torch.cat(parts, dim=-1).expand(*batch, -1)

@@ -18,11 +18,11 @@ def labels_of(net, groups="layer"):
 
 
 @pytest.mark.parametrize("c", [1, 3])
-@pytest.mark.parametrize("representation", ["dense", "root", "auto"])
-def test_kernel_matches_brute_force(c, representation):
+@pytest.mark.parametrize("space", ["function", "weight", "auto"])
+def test_kernel_matches_brute_force(c, space):
     net = mlp(d_out=c)
     delta = torch.tensor([0.5, 2.0, 3.0], dtype=torch.float64)
-    kernel = NTKKernel(net, prior_precision=delta, representation=representation)
+    kernel = NTKKernel(net, prior_precision=delta, space=space)
     x1, x2 = torch.randn(8, 3, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
     before = snapshot(net)
     k11, k12 = kernel(x1).to_dense(), kernel(x1, x2).to_dense()
@@ -44,7 +44,7 @@ def test_cnn_with_batchnorm_and_images():
     assert rel_err(k, brute_gram(net, x, x, delta, labels_of(net))) < 1e-10
 
 
-def test_representation_chosen_by_cost():
+def test_space_chosen_by_cost():
     net = mlp(d_out=2)  # P = 3*7+7 + 7*7+7 + 7*2+2 = 100
     kernel = NTKKernel(net)
     small, large = torch.randn(10, 3, dtype=torch.float64), torch.randn(60, 3, dtype=torch.float64)
@@ -57,19 +57,23 @@ def test_representation_chosen_by_cost():
     assert abs(op.logdet() - torch.logdet(dense)) < 1e-8
 
 
-@pytest.mark.parametrize("representation", ["dense", "root"])
-def test_reweighting_equals_recomputation_without_new_jacobians(representation):
+@pytest.mark.parametrize("space", ["function", "weight"])
+def test_reweighting_equals_recomputation_without_new_jacobians(space):
     net = mlp(d_out=2)
     x = torch.randn(12, 3, dtype=torch.float64)
-    kernel = NTKKernel(net, representation=representation)
+    kernel = NTKKernel(net, space=space)
     kernel(x).to_dense()
+    kernel(x, diag=True)
     new_delta = torch.tensor([0.3, 4.0, 1.5], dtype=torch.float64)
     kernel.prior_precision = new_delta
-    with mock.patch.object(NTKEngine, "_jacobian_chunk", side_effect=AssertionError("recomputed")), mock.patch.object(
-        NTKEngine, "_capture", side_effect=AssertionError("recomputed")
-    ):
+    recomputed = AssertionError("recomputed")
+    with mock.patch.object(NTKEngine, "group_grams", side_effect=recomputed), mock.patch.object(
+        NTKEngine, "jacobian", side_effect=recomputed
+    ), mock.patch.object(NTKEngine, "diag_blocks", side_effect=recomputed):
         reweighted = kernel(x).to_dense()
-    fresh = NTKKernel(net, prior_precision=new_delta, representation=representation)(x).to_dense()
+        diagonal = kernel(x, diag=True)
+    fresh = NTKKernel(net, prior_precision=new_delta, space=space)(x).to_dense()
+    assert rel_err(diagonal, fresh.diagonal()) < 1e-13
     assert rel_err(reweighted, fresh) < 1e-13
 
 
@@ -85,11 +89,11 @@ def test_cache_invalidated_when_weights_change():
     assert rel_err(k_after, k_before) > 1e-3
 
 
-@pytest.mark.parametrize("representation", ["dense", "root"])
-def test_gradient_wrt_prior_precision_matches_finite_differences(representation):
+@pytest.mark.parametrize("space", ["function", "weight"])
+def test_gradient_wrt_prior_precision_matches_finite_differences(space):
     net = mlp(d_out=2)
     x = torch.randn(15, 3, dtype=torch.float64)
-    kernel = NTKKernel(net, prior_precision=torch.tensor([0.7, 1.3, 2.0], dtype=torch.float64), representation=representation)
+    kernel = NTKKernel(net, prior_precision=torch.tensor([0.7, 1.3, 2.0], dtype=torch.float64), space=space)
 
     def objective(raw):
         kernel.raw_prior_precision.data.copy_(raw)
@@ -158,9 +162,3 @@ def test_float32_kernel_agrees_with_float64():
     k64 = NTKKernel(mlp(d_out=2))(x).to_dense()
     k32 = NTKKernel(mlp(d_out=2, dtype=torch.float32))(x.float()).to_dense()
     assert k32.dtype == torch.float32 and rel_err(k32.double(), k64) < 1e-5
-
-
-def test_rejects_batched_inputs():
-    kernel = NTKKernel(mlp())
-    with pytest.raises(ValueError, match="without batch dimensions"):
-        kernel(torch.randn(2, 5, 3, dtype=torch.float64)).to_dense()
