@@ -1,62 +1,93 @@
-"""Small dense linear-algebra helpers shared by the models and evidences."""
+"""The one Cholesky factorisation of ntkgp: linear_operator's ``psd_safe_cholesky`` with a scaled jitter.
+
+ntkgp factorises matrices whose scale is set by the data and the hyperparameters (a Gram weighted by
+:math:`1/\\delta`, :math:`I + L^\\top K L`, a posterior precision). An absolute jitter (GPyTorch's default
+``1e-8`` in float64) is meaningless for a matrix whose diagonal is :math:`10^{6}`, so the jitter passed to
+:func:`linear_operator.utils.cholesky.psd_safe_cholesky` is scaled by the mean diagonal. Everything else is
+GPyTorch's policy: no jitter when the plain factorisation succeeds, at most
+``linear_operator.settings.cholesky_max_tries`` tenfold increases, a
+:class:`~linear_operator.utils.warnings.NumericalWarning` each time jitter is added, and
+:class:`~linear_operator.utils.errors.NotPSDError` when even the largest jitter fails.
+
+This module is a bottom utility (it imports nothing from ntkgp). The block-diagonal algebra of the Laplace
+approximation lives in :mod:`ntkgp.laplace.algebra`.
+"""
 
 from __future__ import annotations
 
 import warnings
 
 import torch
+from linear_operator import settings
+from linear_operator.utils.cholesky import psd_safe_cholesky
+from linear_operator.utils.errors import NotPSDError
+from linear_operator.utils.warnings import NumericalWarning
+
+__all__ = ["JitterWarning", "NotPSDError", "NumericalWarning", "cholesky", "relative_jitter"]
+
+#: Deprecated name: ntkgp warns with GPyTorch's :class:`~linear_operator.utils.warnings.NumericalWarning`
+#: (this is the same class, so ``warnings.simplefilter("error", JitterWarning)`` keeps working).
+JitterWarning = NumericalWarning
 
 
-class JitterWarning(UserWarning):
-    """A Cholesky factorisation needed jitter on its diagonal."""
+def relative_jitter(dtype: torch.dtype) -> float:
+    """The first jitter relative to the mean diagonal: GPyTorch's ``cholesky_jitter`` for ``dtype``."""
+    return float(settings.cholesky_jitter.value(dtype))
 
 
-def cholesky(a: torch.Tensor, name: str = "matrix", max_tries: int = 6) -> torch.Tensor:
-    """Lower Cholesky factor of a symmetric PSD matrix; jitter is added only if the plain factorisation fails.
+def cholesky(a: torch.Tensor, name: str = "matrix", max_tries: int | None = None) -> torch.Tensor:
+    r"""Lower Cholesky factor of a symmetric positive (semi-)definite matrix ``a`` (``(..., n, n)``).
 
-    Jitter starts at ``1e-8`` (float64) or ``1e-6`` (float32) times the mean diagonal and grows ten-fold per
-    try, at most ``max_tries`` times; when used, a :class:`JitterWarning` names the matrix and the value.
-    ``a`` itself is never modified.
+    The plain factorisation is tried first; only if it fails,
+    :func:`~linear_operator.utils.cholesky.psd_safe_cholesky` is called with the jitter
+
+    .. math::
+        \epsilon = \epsilon_0 \cdot \overline{|\operatorname{diag} a|}, \qquad
+        \epsilon_0 = 10^{-8}\ (\text{float64}),\ 10^{-6}\ (\text{float32}),
+
+    growing tenfold per try, at most ``max_tries`` (default ``linear_operator.settings.cholesky_max_tries``,
+    3) times. A jitter that was needed is reported by one
+    :class:`~linear_operator.utils.warnings.NumericalWarning` naming the matrix. ``a`` is never modified;
+    gradients flow through the factor.
+
+    Args:
+        a: the matrix (or a batch of matrices).
+        name: how the matrix is named in warnings and errors.
+        max_tries: number of jitter increases before giving up.
+
+    Returns:
+        The lower-triangular factor ``R`` with ``R Rᵀ = a`` (+ jitter).
+
+    Raises:
+        NotPSDError: when the factorisation fails even with the largest jitter, or ``a`` contains NaN.
     """
     factor, info = torch.linalg.cholesky_ex(a)
     if not info.any():
         return factor
-    scale = a.diagonal(dim1=-2, dim2=-1).abs().mean().clamp_min(torch.finfo(a.dtype).tiny).detach()
-    jitter = (1e-8 if a.dtype == torch.float64 else 1e-6) * scale
-    eye = torch.eye(a.shape[-1], dtype=a.dtype, device=a.device)
-    for _ in range(max_tries):
-        factor, info = torch.linalg.cholesky_ex(a + jitter * eye)
-        if not info.any():
-            warnings.warn(f"{name} was not numerically positive definite: added jitter {jitter.item():.3g} to its diagonal", JitterWarning, stacklevel=2)
-            return factor
-        jitter = jitter * 10
-    raise torch.linalg.LinAlgError(f"Cholesky of {name} failed even with jitter {jitter.item() / 10:.3g}")
+    if torch.isnan(a).any():
+        raise NotPSDError(f"Cholesky of {name} failed: it contains NaN")
+    scale = a.detach().diagonal(dim1=-2, dim2=-1).abs().mean().clamp_min(torch.finfo(a.dtype).tiny).item()
+    jitter = relative_jitter(a.dtype) * scale
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", NumericalWarning)
+        try:
+            factor = psd_safe_cholesky(a, jitter=jitter, max_tries=max_tries)
+        except NotPSDError as error:
+            raise NotPSDError(f"Cholesky of {name} failed: {error}") from None
+    jittered = [w for w in caught if issubclass(w.category, NumericalWarning)]
+    if jittered:  # one warning, with the jitter that worked
+        warnings.warn(f"{name} was not numerically positive definite: {jittered[-1].message}", NumericalWarning, stacklevel=2)
+    for w in caught:
+        if not issubclass(w.category, NumericalWarning):  # pragma: no cover - anything else passes unchanged
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    return factor
 
 
-def block_sandwich(factor: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
-    """``Lᵀ K L`` for a block-diagonal ``L`` given as blocks ``(N, C, k)`` and ``K`` of shape ``(N·C, N·C)``.
+def __getattr__(name: str):
+    # The block algebra moved to ntkgp.laplace.algebra (imported lazily: this module is below ntkgp.laplace).
+    if name in ("block_apply", "block_sandwich", "site_cholesky"):
+        from .laplace import algebra
 
-    Returns ``(N·k, N·k)`` in interleaved order. Costs ``O((NC)² k)``; the ``(NC, Nk)`` matrix ``L`` is never formed.
-    """
-    n, c, k = factor.shape
-    kl = torch.einsum("nbmc,mcd->nbmd", gram.reshape(n, c, n, c), factor)
-    return torch.einsum("nba,nbmd->namd", factor, kl).reshape(n * k, n * k)
-
-
-def block_apply(factor: torch.Tensor, v: torch.Tensor, transpose: bool = False) -> torch.Tensor:
-    """``L v`` (or ``Lᵀ v``) for block-diagonal ``L`` with blocks ``(N, C, k)`` and ``v`` of shape ``(N·k[, m])``."""
-    n, c, k = factor.shape
-    tail = v.shape[1:]
-    if transpose:
-        return torch.einsum("nca,nc...->na...", factor, v.reshape(n, c, *tail)).reshape(n * k, *tail)
-    return torch.einsum("nca,na...->nc...", factor, v.reshape(n, k, *tail)).reshape(n * c, *tail)
-
-
-def site_cholesky(factor: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
-    """Lower Cholesky factor of ``B = I + Lᵀ K L`` (eigenvalues ≥ 1) for ``L`` as blocks ``(N, C, k)``.
-
-    The matrix of the Laplace evidence (``log|B| = log|I + Λ^{1/2} K Λ^{1/2}|``) and of the site posterior.
-    """
-    sandwich = block_sandwich(factor, gram)
-    eye = torch.eye(sandwich.shape[0], dtype=sandwich.dtype, device=sandwich.device)
-    return cholesky(sandwich + eye, "I + Lᵀ K L")
+        warnings.warn(f"ntkgp.linalg.{name} moved to ntkgp.laplace.algebra.{name}", DeprecationWarning, stacklevel=2)
+        return getattr(algebra, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

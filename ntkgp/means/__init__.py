@@ -1,5 +1,5 @@
 """GPyTorch means built from the trained network."""
 
-from .linearised_mean import LinearisedNetworkMean, NetworkMean
+from .linearized_mean import LinearisedNetworkMean, LinearizedNetworkMean, NetworkMean
 
-__all__ = ["LinearisedNetworkMean", "NetworkMean"]
+__all__ = ["LinearisedNetworkMean", "LinearizedNetworkMean", "NetworkMean"]

@@ -1,26 +1,30 @@
-"""The Laplace-GGN evidence as a GPyTorch marginal log likelihood."""
+"""The Laplace-GGN log marginal likelihood as a GPyTorch marginal log likelihood."""
 
 from __future__ import annotations
 
 import torch
+from gpytorch.distributions import MultivariateNormal
 from gpytorch.likelihoods import Likelihood
 from gpytorch.mlls import MarginalLogLikelihood
 
-from .laplace_ggn_evidence import CURVATURES, SPACES
+from ..laplace import laplace_log_marginal_likelihood
+from ..likelihoods import num_outputs, validate_targets
+from ..models import NTKGP
+from ..options import Curvature, Space, choose
 
 
 class LaplaceGGNMarginalLogLikelihood(MarginalLogLikelihood):
-    r"""The Laplace-GGN evidence of an :class:`~ntkgp.NTKGP`, divided by N, as GPyTorch's MLLs are.
+    r"""The Laplace-GGN log marginal likelihood of an :class:`~ntkgp.NTKGP`, divided by N, as GPyTorch's MLLs are.
 
     .. math::
         \frac1N \Big[\sum_n \log p(y_n \mid f_n) - \tfrac12 \theta^{*\top} P_0 \theta^*
         - \tfrac12 \log\lvert I + \Lambda^{1/2} K_{XX} \Lambda^{1/2}\rvert + \sum \log p(\text{hyper})\Big]
 
-    with any priors registered on the hyperparameters added, as in ``ExactMarginalLogLikelihood``. The
-    evidence is a function of :math:`\theta^*`, the data and the hyperparameters: the output distribution
-    passed in is not used (the call signature is GPyTorch's, so the usual loop works unchanged)::
+    (:func:`ntkgp.laplace.laplace_log_marginal_likelihood`), with any priors registered on the
+    hyperparameters added, as in ``ExactMarginalLogLikelihood``. Used as GPyTorch's MLLs are::
 
         mll = ntkgp.LaplaceGGNMarginalLogLikelihood(model.likelihood, model)
+        model.train()
         optimizer = torch.optim.Adam(model.hyperparameters(), lr=0.1)
         for _ in range(100):
             optimizer.zero_grad()
@@ -28,26 +32,83 @@ class LaplaceGGNMarginalLogLikelihood(MarginalLogLikelihood):
             loss.backward()
             optimizer.step()
 
+    **What comes from the arguments, and why the model is needed.** ``forward(function_dist, target)``
+    takes the prior covariance :math:`K_{XX}` from ``function_dist`` (the train-mode output
+    ``model(train_x)``, built on the kernel's cached Grams or low-rank root, so the log-determinant is
+    differentiable in :math:`\delta`), the targets from ``target`` and the likelihood terms from the
+    ``likelihood`` given to the constructor. Two terms of the Laplace evidence are not functions of the
+    prior over :math:`f` and come from the model: the network's outputs :math:`f(X;\theta^*)` at which the
+    likelihood is expanded (the prior's mean is :math:`f - J\theta^*`, not :math:`f`), and
+    :math:`\theta^{*\top} P_0 \theta^*` (the weights are not in the distribution). This is why the
+    evidence equals GPyTorch's ``ExactMarginalLogLikelihood`` only at a stationary :math:`\theta^*`.
+
     Args:
-        likelihood: the model's likelihood.
+        likelihood: the likelihood whose evidence is computed (normally ``model.likelihood``); it must have
+            the model's number of outputs.
         model: an :class:`~ntkgp.NTKGP`.
         curvature: ``"ggn"`` or ``"ef"`` (empirical Fisher).
         space: ``"auto"`` (by cost), ``"function"`` or ``"weight"``.
+
+    Raises:
+        TypeError: when ``model`` is not an NTKGP or ``likelihood`` not a GPyTorch likelihood.
+        ValueError: for an unknown option or a likelihood with another number of outputs.
     """
 
-    def __init__(self, likelihood: Likelihood, model, curvature: str = "ggn", space: str = "auto") -> None:
-        if curvature not in CURVATURES:
-            raise ValueError(f"curvature must be one of {CURVATURES}, got {curvature!r}")
-        if space not in SPACES:
-            raise ValueError(f"space must be one of {SPACES}, got {space!r}")
-        if not hasattr(model, "log_marginal_likelihood"):
+    def __init__(self, likelihood: Likelihood, model: NTKGP, curvature: str = "ggn", space: str = "auto") -> None:
+        if not isinstance(model, NTKGP):
             raise TypeError(f"model must be an ntkgp.NTKGP, got {type(model).__name__}")
+        if not isinstance(likelihood, Likelihood):
+            raise TypeError(f"likelihood must be a gpytorch Likelihood, got {type(likelihood).__name__}")
+        curvature = choose(Curvature, curvature, "curvature")
+        space = choose(Space, space, "space")
+        if num_outputs(likelihood) != model.num_outputs:
+            raise ValueError(
+                f"likelihood {type(likelihood).__name__} expects {num_outputs(likelihood)} outputs but the model's "
+                f"network has {model.num_outputs}"
+            )
         super().__init__(likelihood, model)
         self.curvature = curvature
         self.space = space
 
-    def forward(self, function_dist, target: torch.Tensor | None = None, *params, **kwargs) -> torch.Tensor:
-        evidence = self.model.log_marginal_likelihood(target=target, curvature=self.curvature, space=self.space)
+    def forward(self, function_dist: MultivariateNormal, target: torch.Tensor, *params, **kwargs) -> torch.Tensor:
+        """The evidence per data point for the prior ``function_dist = model(train_x)`` and ``target``.
+
+        Args:
+            function_dist: the model's train-mode output at its training inputs.
+            target: the training targets (any form the likelihood accepts).
+
+        Raises:
+            RuntimeError: when the model is in eval mode (``function_dist`` would be the posterior).
+            ValueError: when ``function_dist`` is not over the ``N·C`` training outputs, or for bad targets.
+        """
+        model = self.model
+        if not model.training:
+            raise RuntimeError(
+                "LaplaceGGNMarginalLogLikelihood needs the prior at the training inputs: call model.train() and "
+                "pass model(train_x)"
+            )
+        if not isinstance(function_dist, MultivariateNormal):
+            raise TypeError(f"function_dist must be a gpytorch MultivariateNormal, got {type(function_dist).__name__}")
+        size = model.num_data * model.num_outputs
+        covariance = function_dist.lazy_covariance_matrix
+        if tuple(covariance.shape) != (size, size):
+            raise ValueError(
+                f"function_dist must be model(train_x) over the {model.num_data}×{model.num_outputs} training outputs, "
+                f"got a covariance of shape {tuple(covariance.shape)}"
+            )
+        if target is None:
+            raise ValueError("target must be the training targets")
+        y = validate_targets(self.likelihood, target, model.num_outputs, num_data=model.num_data, name="target")
+        evidence = laplace_log_marginal_likelihood(
+            model.covar_module,
+            self.likelihood,
+            model.train_x,
+            model.train_outputs,
+            y.to(device=model.train_x.device),
+            self.curvature,
+            self.space,
+            covariance=covariance,
+        )
         for _, module, prior, closure, _ in self.named_priors():
             evidence = evidence + prior.log_prob(closure(module)).sum()
-        return evidence / self.model.num_data
+        return evidence / model.num_data

@@ -3,22 +3,35 @@
 from __future__ import annotations
 
 import copy
+import inspect
+import math
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from gpytorch.likelihoods import Likelihood
+from linear_operator.utils.errors import NotPSDError
 from torch import nn
 from tqdm.auto import tqdm
 
 from ..curvature import compute_curvature
 from ..kernels import NTKKernel
-from ..likelihoods import hyperparameter_values, log_likelihood, num_outputs, validate_targets
-from ..mlls.laplace_ggn_evidence import laplace_ggn_evidence
+from ..likelihoods import hyperparameter_values, is_gaussian, likelihood_temperature, log_likelihood, noise_variance
 from ..models import NTKGP
 from ..ntk import GroupSpec
+from ..options import Structure, choose, renamed_argument
 
-STRUCTURES = ("full", "kfac", "diag_ggn", "diag_ef")
+#: The sane range of every prior precision δ_g; outside it training warns and keeps the last sane values.
+PRIOR_PRECISION_RANGE = (1e-8, 1e8)
+#: The sane range of a Gaussian noise variance σ², relative to the mean variance of the targets.
+NOISE_VARIANCE_RANGE = (1e-12, 1e4)
+#: The sane range of a learnable temperature T.
+TEMPERATURE_RANGE = (1e-4, 1e4)
+
+
+class HyperparameterWarning(RuntimeWarning):
+    """A hyperparameter round of :func:`train_marglik` left the sane range or met a non-finite evidence."""
 
 
 @dataclass
@@ -29,10 +42,12 @@ class MarglikResult:
         net: the trained network (the one passed in, at its best-evidence checkpoint).
         kernel: an :class:`~ntkgp.NTKKernel` carrying the learned prior precisions.
         likelihood: the likelihood with the learned noise / temperature.
-        log_evidence: the best evidence, divided by N.
-        best_epoch: the epoch of the best checkpoint.
+        log_evidence: the best log marginal likelihood, divided by N (``-inf`` if no round gave a finite one).
+        best_epoch: the epoch of the best checkpoint (``-1`` if none).
         history: one dict per hyperparameter round: ``epoch``, ``log_evidence`` (/N), ``prior_precision``,
-            the likelihood hyperparameters, and ``train_loss`` (the MAP objective per data point).
+            the likelihood's hyperparameters as :func:`~ntkgp.likelihoods.hyperparameter_values` reads them
+            (``noise`` and ``task_noises`` hold the noise **variances** σ², ``temperature`` T), and
+            ``train_loss`` (the MAP objective per data point).
         train_loss: the MAP objective per data point, per epoch.
     """
 
@@ -46,12 +61,60 @@ class MarglikResult:
 
     @property
     def prior_precision(self) -> torch.Tensor:
+        """The learned prior precisions δ, ``(G,)``."""
         return self.kernel.prior_precision.detach()
+
+    @property
+    def log_marginal_likelihood(self) -> float:
+        """The best log marginal likelihood per data point (same as :attr:`log_evidence`)."""
+        return self.log_evidence
 
     def model(self, train_x: torch.Tensor, train_y: torch.Tensor, **kwargs) -> NTKGP:
         """An :class:`~ntkgp.NTKGP` of the trained network with the learned hyperparameters."""
         return NTKGP(self.net, train_x, train_y, self.likelihood, prior_precision=self.prior_precision,
-                     groups=self.kernel.groups_spec, input_shape=self.kernel.engine.input_shape, **kwargs)
+                     prior_structure=self.kernel.prior_structure, input_shape=self.kernel.engine.input_shape, **kwargs)
+
+
+def _positive_int(value: object, argument: str, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{argument} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _positive_float(value: object, argument: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{argument} must be a positive finite number, got {value!r}")
+    return float(value)
+
+
+def _curvature(net, x, y, likelihood, structure, prior_structure, batch_size, input_shape):
+    """``compute_curvature`` with the prior-structure keyword it takes (``prior_structure=`` or ``groups=``)."""
+    params = inspect.signature(compute_curvature).parameters
+    key = "prior_structure" if "prior_structure" in params else "groups"
+    return compute_curvature(net, x, y, likelihood, structure=structure.value, batch_size=batch_size,
+                             progress=False, input_shape=input_shape, **{key: prior_structure})
+
+
+def _out_of_range(model: NTKGP, target_variance: float) -> list[str]:
+    """Descriptions of the hyperparameters outside their sane ranges (empty when all are sane)."""
+    problems = []
+    delta = model.covar_module.prior_precision.detach()
+    low, high = PRIOR_PRECISION_RANGE
+    if not (torch.isfinite(delta).all() and (delta >= low).all() and (delta <= high).all()):
+        problems.append(f"prior precision δ = {[float(f'{v:.3g}') for v in delta.tolist()]} left [{low:g}, {high:g}]")
+    lik = model.likelihood
+    if is_gaussian(lik):
+        var = noise_variance(lik).detach()
+        low, high = (r * target_variance for r in NOISE_VARIANCE_RANGE)
+        if not (torch.isfinite(var).all() and (var >= low).all() and (var <= high).all()):
+            problems.append(f"noise variance σ² = {[float(f'{v:.3g}') for v in var.tolist()]} left [{low:.3g}, {high:.3g}]")
+    temperature = likelihood_temperature(lik)
+    if temperature is not None:
+        t = temperature.detach()
+        low, high = TEMPERATURE_RANGE
+        if not (torch.isfinite(t).all() and (t >= low).all() and (t <= high).all()):
+            problems.append(f"temperature T = {t.tolist()} left [{low:g}, {high:g}]")
+    return problems
 
 
 def train_marglik(
@@ -60,8 +123,8 @@ def train_marglik(
     train_y: torch.Tensor,
     likelihood: Likelihood,
     *,
-    structure: str = "full",
-    groups: GroupSpec = "layer",
+    structure: str = "full_ggn",
+    prior_structure: GroupSpec = "layer",
     prior_precision: float | torch.Tensor = 1.0,
     epochs: int = 500,
     batch_size: int | None = None,
@@ -75,72 +138,119 @@ def train_marglik(
     curvature_batch_size: int = 256,
     seed: int = 0,
     progress: bool = True,
+    **kwargs,
 ) -> MarglikResult:
     r"""Train ``net`` on its MAP objective while learning the hyperparameters by the Laplace evidence.
 
-    Algorithm 1 of Immer et al. (2021): minimise :math:`-\log p(D\mid\theta) - \log p(\theta\mid\delta)`
-    over :math:`\theta` (the weight decay is the prior, with the current :math:`\delta_g` per group and the
-    current noise/temperature in the likelihood). After ``burn_in`` epochs, every ``frequency`` epochs,
-    compute the curvature once at the current :math:`\theta^*` and take ``hyper_steps`` Adam steps
-    (step ``hyper_lr``) on :math:`-\log q(D)` w.r.t. the prior precisions (per group) and, with
-    ``learn_likelihood``, the likelihood's hyperparameters (noise σ, one or per output; a temperature that
-    is learnable). The checkpoint with the best evidence is kept and loaded at the end.
+    Algorithm 1 of Immer et al. (2021): minimize :math:`-\log p(D\mid\theta) - \log p(\theta\mid\delta)`
+    over :math:`\theta` with ``optimizer`` (the weight decay is the prior, with the current :math:`\delta_g`
+    per group and the current noise/temperature in the likelihood) on batches of ``batch_size`` examples
+    (``None``: the full batch, one step per epoch). After ``burn_in`` epochs, every ``frequency`` epochs (and
+    after the last), compute the curvature once at the current :math:`\theta^*` and take ``hyper_steps``
+    Adam steps (step ``hyper_lr``) on :math:`-\log q(D)` w.r.t. the prior precisions (per group) and, with
+    ``learn_likelihood``, the likelihood's hyperparameters (noise, one or per output; a learnable
+    temperature). The checkpoint with the best evidence is kept and loaded at the end.
+
+    The full structures go through the same public evidence as :class:`~ntkgp.NTKGP`
+    (:meth:`~ntkgp.NTKGP.log_marginal_likelihood` of one model of the network, which follows its weights);
+    the scalable ones through :func:`ntkgp.curvature.compute_curvature`.
+
+    **Safeguards.** All inputs are validated before the network is touched. A hyperparameter round stops
+    early, restores the last sane hyperparameters and warns (:class:`HyperparameterWarning`) when the
+    evidence becomes non-finite, the factorization fails, or a hyperparameter leaves its sane range
+    (:data:`PRIOR_PRECISION_RANGE`, :data:`NOISE_VARIANCE_RANGE` relative to the targets' variance,
+    :data:`TEMPERATURE_RANGE`): a too large ``hyper_lr`` cannot run away silently.
 
     ``net`` **is trained in place** (that is the purpose of this function); nothing else about it (mode,
     dtype, flags) is changed. The data are the tensors given (a seeded shuffle per epoch).
 
     Args:
         net: the network to train, ``(N, ...) → (N, C)``.
-        train_x, train_y: training data.
+        train_x: training inputs ``(N, ...)`` (every row is checked for NaN/Inf before training).
+        train_y: training targets.
         likelihood: a supported likelihood (see :mod:`ntkgp.likelihoods`).
-        structure: the curvature for the evidence: ``"full"`` (function-space Laplace-GGN, exact; small
-            N·C), ``"kfac"``, ``"diag_ggn"``, ``"diag_ef"`` (:func:`ntkgp.curvature.compute_curvature`).
-        groups: prior-precision groups.
+        structure: the curvature of the evidence (:class:`ntkgp.options.Structure`): ``"full_ggn"``
+            (function-space Laplace-GGN, exact; ``"full"`` is its deprecated name), ``"full_ef"`` (the full
+            empirical Fisher), ``"kfac"``, ``"diag_ggn"``, ``"diag_ef"``.
+        prior_structure: prior-precision groups (``groups=`` is its deprecated name).
         prior_precision: initial :math:`\delta`.
-        epochs, batch_size, lr, optimizer: the MAP training (``batch_size=None``: full batch).
-        burn_in, frequency, hyper_steps, hyper_lr: Algorithm 1's B, F, K and γ.
+        epochs: number of epochs.
+        batch_size: examples per MAP step (``None``: full batch).
+        lr: learning rate of the MAP optimizer.
+        optimizer: the MAP optimizer's class (called as ``optimizer(params, lr=lr)``).
+        burn_in: Algorithm 1's B (epochs before the first round).
+        frequency: Algorithm 1's F (epochs between rounds).
+        hyper_steps: Algorithm 1's K (Adam steps per round).
+        hyper_lr: Algorithm 1's γ (Adam step size on the hyperparameters).
+        learn_likelihood: also learn the likelihood's hyperparameters.
         curvature_batch_size: examples per batch of the curvature pass.
+        seed: seed of the per-epoch shuffle.
         progress: a tqdm bar over epochs (with the latest evidence).
+
+    Returns:
+        A :class:`MarglikResult`.
+
+    Raises:
+        ValueError: for any invalid argument (named), before any training.
     """
-    if structure not in STRUCTURES:
-        raise ValueError(f"structure must be one of {STRUCTURES}, got {structure!r}")
-    for name, value in (("epochs", epochs), ("frequency", frequency)):
-        if int(value) < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value}")
-    if burn_in < 0 or hyper_steps < 0:
-        raise ValueError("burn_in and hyper_steps must be non-negative")
-    input_shape = tuple(train_x.shape[1:]) if train_x.dim() > 2 else None
-    kernel = NTKKernel(net, prior_precision=prior_precision, groups=groups, input_shape=input_shape,
-                       chunk_size=curvature_batch_size)
-    engine = kernel.engine
-    x = train_x.to(dtype=engine.dtype, device=engine.device) if train_x.is_floating_point() else train_x
-    x_flat = x.flatten(1)
-    if num_outputs(likelihood) != engine.num_outputs(x):
-        raise ValueError(f"net has {engine.num_outputs(x)} outputs but the likelihood expects {num_outputs(likelihood)}")
-    y = validate_targets(likelihood, train_y, engine.num_outputs(), num_data=x.shape[0], name="train_y").to(engine.device)
+    prior_structure = renamed_argument(kwargs, "groups", "prior_structure", prior_structure, "layer")
+    if kwargs:
+        raise TypeError(f"train_marglik got unexpected keyword arguments {sorted(kwargs)}")
+    structure = choose(Structure, structure, "structure")
+    epochs = _positive_int(epochs, "epochs")
+    frequency = _positive_int(frequency, "frequency")
+    burn_in = _positive_int(burn_in, "burn_in", 0)
+    hyper_steps = _positive_int(hyper_steps, "hyper_steps", 0)
+    curvature_batch_size = _positive_int(curvature_batch_size, "curvature_batch_size")
+    seed = _positive_int(seed, "seed", 0)
+    if batch_size is not None:
+        batch_size = _positive_int(batch_size, "batch_size")
+    lr = _positive_float(lr, "lr")
+    hyper_lr = _positive_float(hyper_lr, "hyper_lr")
+    if not callable(optimizer):
+        raise TypeError(f"optimizer must be an optimizer class (callable), got {optimizer!r}")
+    if not isinstance(learn_likelihood, bool) or not isinstance(progress, bool):
+        raise TypeError("learn_likelihood and progress must be bools")
+    # Builds the kernel and checks every row of train_x, the outputs and the targets: no side effect on net.
+    model = NTKGP(net, train_x, train_y, likelihood, prior_precision=prior_precision, prior_structure=prior_structure,
+                  chunk_size=curvature_batch_size)
+    model.train()
+    engine = model.covar_module.engine
+    x_flat = model.train_x
+    x = engine.prepare(x_flat, "train_x")
+    y = model.train_y
     n = x.shape[0]
-    batch = n if batch_size is None else int(batch_size)
+    batch = n if batch_size is None else min(batch_size, n)
+    target_variance = 1.0
+    if is_gaussian(likelihood):
+        target_variance = max(float(y.to(x.dtype).var(dim=0, unbiased=False).mean()) if n > 1 else 1.0, 1e-12)
+
     params = dict(net.named_parameters())
     trainable = [params[name] for name in engine.groups.names]
     group_of = engine.groups.group_of
     theta_opt = optimizer(trainable, lr=lr)
-    hypers = list(kernel.parameters()) + (list(likelihood.parameters()) if learn_likelihood else [])
-    hyper_opt = torch.optim.Adam([p for p in hypers if p.requires_grad], lr=hyper_lr)
+    hypers = list(model.covar_module.parameters()) + (list(likelihood.parameters()) if learn_likelihood else [])
+    hypers = [p for p in hypers if p.requires_grad]
+
+    def new_hyper_optimizer() -> torch.optim.Optimizer:
+        return torch.optim.Adam(hypers, lr=hyper_lr)
+
+    hyper_opt = new_hyper_optimizer()
     generator = torch.Generator(device="cpu").manual_seed(seed)
 
     def map_loss(xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
-        delta = kernel.prior_precision.detach()
+        delta = model.covar_module.prior_precision.detach()
         fit = log_likelihood(likelihood, net(xb), yb).sum() * (n / xb.shape[0])
         prior = sum(0.5 * delta[g] * p.pow(2).sum() for p, g in zip(trainable, group_of))
         return (prior - fit) / n
 
     def evidence_fn() -> Callable[[], torch.Tensor]:
-        if structure == "full":
-            f = engine.outputs(x)
-            return lambda: laplace_ggn_evidence(kernel, likelihood, x_flat, f, y)
-        curvature = compute_curvature(net, x, y, likelihood, structure=structure, groups=groups,
-                                      batch_size=curvature_batch_size, progress=False)
-        return lambda: curvature.log_evidence(kernel.prior_precision, likelihood)
+        if structure in (Structure.FULL_GGN, Structure.FULL_EF):
+            curvature = "ggn" if structure is Structure.FULL_GGN else "ef"
+            return lambda: model.log_marginal_likelihood(curvature=curvature)
+        curv = _curvature(net, x, y, likelihood, structure, prior_structure, curvature_batch_size, engine.input_shape)
+        evaluate = getattr(curv, "log_marginal_likelihood", None) or curv.log_evidence
+        return lambda: evaluate(model.covar_module.prior_precision, likelihood)
 
     best = {"value": -float("inf"), "epoch": -1, "state": None, "hypers": None}
     history, losses = [], []
@@ -160,19 +270,48 @@ def train_marglik(
         if not (round_due or epoch == epochs):
             continue
         evidence = evidence_fn()
+        sane = [p.detach().clone() for p in hypers]
+        problem = None
         for _ in range(hyper_steps):
             hyper_opt.zero_grad()
-            (-evidence()).backward()
+            try:
+                objective = -evidence()
+            except NotPSDError as error:
+                problem = f"the evidence could not be factorized ({error})"
+                break
+            if not torch.isfinite(objective):
+                problem = "the evidence became non-finite"
+                break
+            objective.backward()
             hyper_opt.step()
-        with torch.no_grad():
-            value = evidence().item() / n
+            out = _out_of_range(model, target_variance)
+            if out:
+                problem = "; ".join(out)
+                break
+            sane = [p.detach().clone() for p in hypers]
+        if problem is not None:
+            with torch.no_grad():
+                for p, v in zip(hypers, sane):
+                    p.copy_(v)
+            hyper_opt = new_hyper_optimizer()
+            warnings.warn(
+                f"train_marglik, epoch {epoch}: {problem}; the hyperparameters were reset to their last sane values "
+                f"(is hyper_lr={hyper_lr:g} too large?)",
+                HyperparameterWarning,
+                stacklevel=2,
+            )
+        try:
+            with torch.no_grad():
+                value = evidence().item() / n
+        except NotPSDError:
+            value = float("nan")
         for p in trainable:
             p.grad = None
-        record = {"epoch": epoch, "log_evidence": value, "prior_precision": kernel.prior_precision.detach().tolist(),
+        record = {"epoch": epoch, "log_evidence": value, "prior_precision": model.covar_module.prior_precision.detach().tolist(),
                   "train_loss": total, **hyperparameter_values(likelihood)}
         history.append(record)
         bar.set_postfix(log_evidence=f"{value:.4f}")
-        if value > best["value"]:
+        if math.isfinite(value) and value > best["value"]:
             best.update(value=value, epoch=epoch, state=copy.deepcopy(net.state_dict()),
                         hypers=[p.detach().clone() for p in hypers])
     for p in hypers:
@@ -182,5 +321,7 @@ def train_marglik(
         with torch.no_grad():
             for p, v in zip(hypers, best["hypers"]):
                 p.copy_(v)
-    return MarglikResult(net=net, kernel=kernel, likelihood=likelihood, log_evidence=best["value"],
+    else:
+        warnings.warn("train_marglik: no hyperparameter round gave a finite evidence", HyperparameterWarning, stacklevel=2)
+    return MarglikResult(net=net, kernel=model.covar_module, likelihood=likelihood, log_evidence=best["value"],
                          best_epoch=best["epoch"], history=history, train_loss=losses)

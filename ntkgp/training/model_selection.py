@@ -9,10 +9,13 @@ import torch
 
 from ..likelihoods import hyperparameter_values, log_likelihood
 from ..models import NTKGP
+from ..options import Curvature, choose
 
 
 @dataclass
 class EvidenceRow:
+    """One row of :func:`compare_models`' table: per-point log marginal likelihood and training NLL, P, hyperparameters."""
+
     name: str
     log_evidence_per_n: float
     train_nll_per_n: float
@@ -40,24 +43,43 @@ class EvidenceTable(list):
 
 
 def compare_models(models: Mapping[str, NTKGP], curvature: str = "ggn") -> EvidenceTable:
-    r"""Compare trained networks by their Laplace-GGN evidence (model selection without validation data).
+    r"""Compare trained networks by their Laplace-GGN log marginal likelihood (model selection without validation data).
 
     Each entry is an :class:`~ntkgp.NTKGP` of a trained network on the *same* training data (e.g.
     ``result.model(x, y)`` from :func:`~ntkgp.training.train_marglik`). Returns a table sorted by
     :math:`\log q(D)/N`, with the training NLL per point, the number of parameters P and the hyperparameters.
+
+    Args:
+        models: a non-empty mapping of names (strings) to models.
+        curvature: ``"ggn"`` or ``"ef"``.
+
+    Raises:
+        TypeError: for a non-mapping, a non-string name or an entry that is not an NTKGP.
+        ValueError: for an empty mapping, an unknown curvature or models on different training data.
     """
+    if not isinstance(models, Mapping):
+        raise TypeError(f"models must be a mapping of names to NTKGP models, got {type(models).__name__}")
     if not models:
         raise ValueError("models must hold at least one NTKGP")
+    curvature = choose(Curvature, curvature, "curvature")
+    for name, model in models.items():
+        if not isinstance(name, str):
+            raise TypeError(f"model names must be strings, got {name!r}")
+        if not isinstance(model, NTKGP):
+            raise TypeError(f"models[{name!r}] must be an ntkgp.NTKGP, got {type(model).__name__}")
     sizes = {name: m.num_data for name, m in models.items()}
     if len(set(sizes.values())) > 1:
         raise ValueError(f"models must share the training data; got sizes {sizes}")
+    first_name, first = next(iter(models.items()))
+    for name, model in models.items():
+        same_y = model.train_y.shape == first.train_y.shape and torch.equal(model.train_y.to(first.train_y), first.train_y)
+        if not same_y:
+            raise ValueError(f"models must share the training data; the targets of {name!r} differ from those of {first_name!r}")
     rows = []
     for name, model in models.items():
-        if not isinstance(model, NTKGP):
-            raise TypeError(f"models[{name!r}] must be an ntkgp.NTKGP, got {type(model).__name__}")
         with torch.no_grad():
             evidence = model.log_marginal_likelihood(curvature=curvature).item()
-            nll = -log_likelihood(model.likelihood, model._f_train, model._y).sum().item()
+            nll = -log_likelihood(model.likelihood, model.train_outputs, model.train_y).sum().item()
         hypers = hyperparameter_values(model.likelihood)
         rows.append(EvidenceRow(name, evidence / model.num_data, nll / model.num_data, model.covar_module.engine.num_params,
                                 model.covar_module.prior_precision.detach().tolist(), hypers))

@@ -1,0 +1,33 @@
+r"""The Laplace layer: the Laplace-GGN log marginal likelihood, the site posterior and the GLM predictive.
+
+It sits above the NTK kernel and the likelihoods and below the models and MLLs: everything here is a
+function of a kernel, a likelihood and fixed data (the network outputs :math:`f(X;\theta^*)` and targets),
+so that :class:`~ntkgp.NTKGP`, :class:`~ntkgp.mlls.LaplaceGGNMarginalLogLikelihood` and
+:func:`~ntkgp.training.train_marglik` share one implementation.
+
+* :func:`laplace_log_marginal_likelihood` — :math:`\log q(\mathcal D)` in function or weight space;
+* :class:`SitePosterior`, :func:`fit_site_posterior` — the posterior under Gaussian sites;
+* :class:`GLMPredictiveCovariance` — the predictive covariance, lazy and chunked over test points;
+* :mod:`ntkgp.laplace.algebra` — block-diagonal site factors, :math:`\log|I + L^\top K L|`.
+"""
+
+from .algebra import block_apply, block_sandwich, low_rank_log_det, site_cholesky
+from .evidence import column_weights, curvature_factor, laplace_log_marginal_likelihood, log_det_term, prior_term
+from .predictive import GLMPredictiveCovariance, PredictiveContext
+from .site_posterior import SitePosterior, fit_site_posterior
+
+__all__ = [
+    "GLMPredictiveCovariance",
+    "PredictiveContext",
+    "SitePosterior",
+    "block_apply",
+    "block_sandwich",
+    "column_weights",
+    "curvature_factor",
+    "fit_site_posterior",
+    "laplace_log_marginal_likelihood",
+    "log_det_term",
+    "low_rank_log_det",
+    "prior_term",
+    "site_cholesky",
+]
