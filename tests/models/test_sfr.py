@@ -51,7 +51,7 @@ def site_terms(kind: str, f: torch.Tensor, y: torch.Tensor, noise: float = 0.1):
 
 
 class Dense:
-    """Everything about the linearised network at θ*, from brute-force Jacobians."""
+    """Everything about the linearized network at θ*, from brute-force Jacobians."""
 
     def __init__(self, net, x, y, kind, delta=DELTA, noise=0.1):
         self.net, self.kind = net, kind
@@ -161,9 +161,9 @@ CASES = [("gaussian", 1), ("gaussian", 2), ("logistic", 1), ("softmax", 3)]
 
 
 @pytest.mark.parametrize("kind,c", CASES)
-def test_z_equal_x_with_linearised_mean_is_the_laplace_glm_posterior(kind, c):
+def test_z_equal_x_with_linearized_mean_is_the_laplace_glm_posterior(kind, c):
     net, x, y, lik, xs = problem(kind, c)
-    sfr = SFR(net, x, y, lik, inducing_points=x, prior_precision=DELTA, prior_mean="linearised")
+    sfr = SFR(net, x, y, lik, inducing_points=x, prior_precision=DELTA, prior_mean="linearized")
     mean, cov = dense_moments(sfr(xs))
     ref_mean, ref_cov = Dense(net, x, y, kind).weight_space_glm(xs)
     assert rel_err(mean, ref_mean) < 1e-8
@@ -181,8 +181,8 @@ def test_z_equal_x_with_zero_mean_is_the_exact_gp_with_gaussian_sites(kind, c):
     assert rel_err(cov, ref_cov) < 1e-7
 
 
-@pytest.mark.parametrize("coupling", ["full", "independent"])
-@pytest.mark.parametrize("kind,c,mean", [("softmax", 3, "zero"), ("gaussian", 2, "linearised"), ("logistic", 1, "zero")])
+@pytest.mark.parametrize("coupling", ["joint", "independent"])
+@pytest.mark.parametrize("kind,c,mean", [("softmax", 3, "zero"), ("gaussian", 2, "linearized"), ("logistic", 1, "zero")])
 def test_sparse_predictive_matches_the_dense_sfr_formula(kind, c, mean, coupling):
     net, x, y, lik, xs = problem(kind, c, n=20)
     z_idx = torch.tensor([0, 3, 5, 8, 13, 17])
@@ -196,7 +196,7 @@ def test_sparse_predictive_matches_the_dense_sfr_formula(kind, c, mean, coupling
 
 def test_independent_equals_full_for_one_output():
     net, x, y, lik, xs = problem("logistic", 1, n=20)
-    full = SFR(net, x, y, lik, num_inducing=7, prior_precision=DELTA, output_coupling="full")
+    full = SFR(net, x, y, lik, num_inducing=7, prior_precision=DELTA, output_coupling="joint")
     indep = SFR(net, x, y, lik, num_inducing=7, prior_precision=DELTA, output_coupling="independent")
     (m1, c1), (m2, c2) = dense_moments(full(xs)), dense_moments(indep(xs))
     assert rel_err(m2, m1) < 1e-10 and rel_err(c2, c1) < 1e-10
@@ -226,7 +226,7 @@ def test_predictive_over_y_and_monte_carlo_blocks():
 
 
 # ---------------------------------------------------------------------- updates
-@pytest.mark.parametrize("kind,c,coupling", [("gaussian", 1, "full"), ("softmax", 3, "full"), ("softmax", 3, "independent")])
+@pytest.mark.parametrize("kind,c,coupling", [("gaussian", 1, "joint"), ("softmax", 3, "joint"), ("softmax", 3, "independent")])
 def test_update_equals_building_on_the_union_and_never_rereads_old_data(kind, c, coupling):
     net, x, y, lik, xs = problem(kind, c, n=30)
     z = x[:8].clone()
@@ -271,20 +271,21 @@ def test_changing_prior_precision_reweights_without_new_jacobians():
     fresh = SFR(net, x, y, lik, num_inducing=6, prior_precision=new_delta)
     sfr.covar_module.prior_precision = new_delta
     engine = sfr.engine
-    original = engine._features
+    seen: list[int] = []
 
-    def features(xx, plan):  # only the test points and Z may be differentiated, never the data
-        assert xx.shape[0] in (xs.shape[0], 6), "training data were read again"
-        return original(xx, plan)
+    def recording(name):
+        original = getattr(engine, name)
 
-    no_jacobian = AssertionError("Jacobian recomputed")
-    with (
-        mock.patch.object(engine, "jacobian", side_effect=no_jacobian),
-        mock.patch.object(engine, "_jacobian_chunk", side_effect=no_jacobian),
-        mock.patch.object(engine, "_features", side_effect=features),
-    ):
+        def call(*args, **kwargs):  # only the test points (and Z) may be differentiated, never the data
+            seen.extend(a.shape[0] for a in args if torch.is_tensor(a))
+            return original(*args, **kwargs)
+
+        return mock.patch.object(engine, name, side_effect=call)
+
+    with recording("group_grams"), recording("output_grams"), recording("diag_blocks"), recording("jacobian"):
         (m1, c1) = dense_moments(sfr(xs))
-        sfr.sparse_evidence()
+        sfr.log_marginal_likelihood()
+    assert seen and set(seen) <= {xs.shape[0], 6}, "training data were read again"
     (m2, c2) = dense_moments(fresh(xs))
     assert rel_err(m1, m2) < 1e-10 and rel_err(c1, c2) < 1e-10
 
@@ -339,7 +340,7 @@ def test_network_and_inputs_are_never_modified():
     sfr.update(x[:4], y[:4])
     assert torch.isfinite(sfr(xs).covariance_matrix).all()
     sfr.train()
-    sfr.sparse_evidence().backward()
+    sfr.log_marginal_likelihood().backward()
     assert_unchanged(net, before)
     assert all(torch.equal(a, b) for a, b in zip((x, y, xs), copies)) and torch.equal(z, z_copy)
     assert not any(p is q for p in sfr.parameters() for q in net.parameters())
@@ -367,7 +368,7 @@ def test_singular_inducing_gram_needs_no_jitter_and_duplicates_change_nothing():
         (m1, c1), (m2, c2) = dense_moments(plain(xs)), dense_moments(duplicated(xs))
         assert duplicated.inducing_rank.tolist() == [3]
         assert rel_err(m2, m1) < 1e-8 and rel_err(c2, c1) < 1e-8
-        assert abs(duplicated.sparse_evidence().item() - plain.sparse_evidence().item()) < 1e-8
+        assert abs(duplicated.log_marginal_likelihood().item() - plain.log_marginal_likelihood().item()) < 1e-8
 
 
 def projected_feature_reference(net, x, y, xs, delta, z_idx, noise):
@@ -416,7 +417,7 @@ def test_gap_regression_conditioning_needs_no_jitter_and_matches_a_dense_referen
         warnings.simplefilter("error", JitterWarning)
         sfr = SFR(net, x, y, lik, num_inducing=25, prior_precision=delta, prior_mean="zero", seed=0)
         dist = sfr(xs)
-        evidence = sfr.sparse_evidence().item()
+        evidence = sfr.log_marginal_likelihood().item()
     z_idx = torch.tensor([int(torch.nonzero((x == row).all(1))[0]) for row in sfr.inducing_points])
     ref_mean, ref_cov, ref_evidence = projected_feature_reference(net, x, y, xs, delta, z_idx, noise)
     assert int(sfr.inducing_rank) < 25  # K_ZZ is numerically singular: the truncated path is exercised
@@ -464,7 +465,7 @@ def test_bad_inputs_raise_clear_errors():
 # ---------------------------------------------------------------------- factorisation by triangular solves
 @pytest.mark.parametrize("singular", [False, True])
 def test_whitened_factors_by_solves_match_the_explicit_formulas(singular):
-    from ntkgp.models.sfr import inducing_factors, whitened_factors
+    from ntkgp.models.sfr.whitening import inducing_factors, whitened_factors
 
     gen = torch.Generator().manual_seed(5)
     nb, k = 2, 7
@@ -497,21 +498,22 @@ def test_whitened_factors_by_solves_match_the_explicit_formulas(singular):
         assert rel_err(fac.a.diagonal(dim1=-2, dim2=-1).sum(-1), trace) < 1e-10
 
 
-def test_update_and_noise_change_reuse_the_inducing_factorisation():
+def test_update_and_noise_change_reuse_the_inducing_factorization():
+    from ntkgp.models.sfr import model as sfr_model
+
     net, x, y, lik, xs = problem("gaussian", 1, n=30)
     kw = {"inducing_points": x[:8], "prior_precision": DELTA}
     sfr = SFR(net, x[:20], y[:20], lik, **kw)
-    sfr._factors()
-    inducing = sfr._zz_cache
-    with mock.patch("ntkgp.models.sfr.inducing_factors", side_effect=AssertionError("K_ZZ refactorised")):
+    sfr(xs)
+    with mock.patch.object(sfr_model, "inducing_factors", side_effect=AssertionError("K_ZZ refactorized")):
         sfr.update(x[20:], y[20:])
         sfr.likelihood.noise = sfr.likelihood.noise * 2
         updated = dense_moments(sfr(xs))
-    assert sfr._zz_cache is inducing
     union = SFR(net, x, y, lik, **kw)
     union.likelihood.noise = sfr.likelihood.noise
     (m1, c1), (m2, c2) = updated, dense_moments(union(xs))
     assert rel_err(m1, m2) < 1e-8 and rel_err(c1, c2) < 1e-8
-    sfr.covar_module.prior_precision = 2 * DELTA  # new δ: K_ZZ is refactorised
-    sfr._factors()
-    assert sfr._zz_cache is not inducing
+    with mock.patch.object(sfr_model, "inducing_factors", wraps=sfr_model.inducing_factors) as spy:
+        sfr.covar_module.prior_precision = 2 * DELTA  # new δ: K_ZZ is refactorized
+        sfr(xs)
+    assert spy.call_count == 1

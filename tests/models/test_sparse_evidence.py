@@ -33,7 +33,7 @@ def gaussian_problem(n=15):
 def test_equals_the_exact_linearised_gp_evidence_at_z_equal_x_with_gradients():
     net, x, y, lik = gaussian_problem()
     sfr = SFR(net, x, y, lik, inducing_points=x, prior_precision=DELTA).train()
-    value = sfr.sparse_evidence()
+    value = sfr.log_marginal_likelihood()
     value.backward()
     delta = DELTA.clone().requires_grad_(True)
     noise = torch.tensor(0.1, dtype=torch.float64, requires_grad=True)
@@ -55,7 +55,7 @@ def test_equals_the_exact_linearised_gp_evidence_at_z_equal_x_with_gradients():
 def test_is_a_lower_bound_for_inducing_subsets_and_tightens_with_more_points():
     net, x, y, lik = gaussian_problem(n=20)
     ref = dense_linearised_evidence(net, x, y, DELTA, torch.tensor(0.1, dtype=torch.float64)).item()
-    values = [SFR(net, x, y, lik, inducing_points=x[:m], prior_precision=DELTA).sparse_evidence().item() for m in (3, 8, 15)]
+    values = [SFR(net, x, y, lik, inducing_points=x[:m], prior_precision=DELTA).log_marginal_likelihood().item() for m in (3, 8, 15)]
     assert all(v < ref for v in values)
     assert values[0] < values[1] < values[2]
 
@@ -74,14 +74,14 @@ def test_classification_at_z_equal_x_is_the_gaussian_site_laplace_evidence(kind,
         + 0.5 * dense.p0.log().sum()
         - 0.5 * torch.linalg.slogdet(h)[1]
     )
-    assert abs(sfr.sparse_evidence().item() - ref.item()) < 1e-8 * abs(ref.item())
+    assert abs(sfr.log_marginal_likelihood().item() - ref.item()) < 1e-8 * abs(ref.item())
 
 
 def test_evidence_with_zero_mean_and_independent_outputs_is_a_bound_on_its_own_z_equal_x_value():
     net, x, y, lik, _ = problem("softmax", 3, n=15)
     kw = {"prior_precision": DELTA, "prior_mean": "zero", "output_coupling": "independent"}
-    full = SFR(net, x, y, lik, inducing_points=x, **kw).sparse_evidence().item()
-    sparse = SFR(net, x, y, lik, inducing_points=x[:5], **kw).sparse_evidence().item()
+    full = SFR(net, x, y, lik, inducing_points=x, **kw).log_marginal_likelihood().item()
+    sparse = SFR(net, x, y, lik, inducing_points=x[:5], **kw).log_marginal_likelihood().item()
     assert sparse < full
 
 
@@ -135,8 +135,8 @@ def test_trained_two_moons_bound_needs_no_jitter_and_stays_below_the_full_site_e
     lik = LogisticLikelihood().double()
     with warnings.catch_warnings():
         warnings.simplefilter("error", JitterWarning)
-        sparse = SFR(net, x, label, lik, num_inducing=42, prior_precision=delta, seed=1).sparse_evidence().item()
-        full = SFR(net, x, label, lik, inducing_points=x, prior_precision=delta).sparse_evidence().item()
+        sparse = SFR(net, x, label, lik, num_inducing=42, prior_precision=delta, seed=1).log_marginal_likelihood().item()
+        full = SFR(net, x, label, lik, inducing_points=x, prior_precision=delta).log_marginal_likelihood().item()
     # Dense weight-space Laplace-GGN evidence log q(D) and the stationarity gap ½ vᵀH⁻¹v, v = Jᵀg − P0θ*.
     dense = Dense(net, x, label, "logistic", delta=delta)
     h = dense.j.T @ dense.lam_big @ dense.j + torch.diag(dense.p0)

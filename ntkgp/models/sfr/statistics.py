@@ -1,6 +1,6 @@
 r"""SFR's dual statistics: the training data projected onto the inducing inputs, kept per parameter group.
 
-SFR (Scannell et al.) summarises :math:`N` points by sums over the data (MATH.md, "SFR"):
+SFR (Scannell et al.) summarizes :math:`N` points by sums over the data (docs/math.md, "SFR"):
 
 .. math::
     B_u = \sum_n K_{Z x_n} \Lambda_n K_{x_n Z}, \qquad
@@ -14,7 +14,7 @@ with :math:`f_n = f(x_n;\theta^*)`, prior mean :math:`m_n`, :math:`g_n = \nabla_
 :math:`B_u = \sum_{gh} w_g w_h A_{gh}` and :math:`\tilde y_u = \sum_g w_g b_g` for *any* :math:`\delta`: a change of
 the prior precisions (and learning them by the sparse evidence) never touches the data or the Jacobians
 again. The price is :math:`G^2` times the memory of :math:`B_u` and about :math:`G^2` times the flops of the
-accumulation (one GEMM with the :math:`G` cross-Grams stacked); with ``groups="network"`` (:math:`G = 1`)
+accumulation (one GEMM with the :math:`G` cross-Grams stacked); with ``prior_structure="network"`` (:math:`G = 1`)
 there is no overhead.
 
 **Why per "slot".** Likelihood hyperparameters stay differentiable too. For Gaussian likelihoods the
@@ -22,7 +22,7 @@ statistics are accumulated without the noise (:math:`\Lambda = 1`, :math:`r = y 
 :math:`1/\sigma_c^2` afterwards, one slot per output :math:`c`. For the classification likelihoods the
 statistics are untempered and weighted by :math:`1/T`. Output couplings:
 
-* ``"full"``: one :math:`MC \times MC` system (``K = M·C`` rows, interleaved order ``m·C + c``) with the full
+* ``"joint"``: one :math:`MC \times MC` system (``K = M·C`` rows, interleaved order ``m·C + c``) with the full
   :math:`C \times C` Hessians (``L_n L_n^T = \Lambda_n`` from :func:`~ntkgp.likelihoods.hessian_sqrt`);
   slots: one per output for Gaussian likelihoods (memory ``C·(G·M·C)²``), otherwise one.
 * ``"independent"``: ``C`` systems of size ``M``, one per output, with the kernel's diagonal blocks
@@ -40,7 +40,7 @@ import torch
 from gpytorch.likelihoods import Likelihood
 from torch import Tensor, nn
 
-from ..likelihoods import (
+from ...likelihoods import (
     gradient,
     hessian,
     hessian_sqrt,
@@ -49,15 +49,16 @@ from ..likelihoods import (
     noise_variance,
     validate_targets,
 )
-from ..ntk import NTKEngine
+from ...ntk import NTKEngine
+from ...options import OutputCoupling, choose
 
-COUPLINGS = ("full", "independent")
+__all__ = ["DualStatistics", "system_grams", "system_grams_and_diagonal"]
 
 
-def system_grams(engine: NTKEngine, x1: Tensor, x2: Tensor, coupling: str) -> Tensor:
+def system_grams(engine: NTKEngine, x1: Tensor, x2: Tensor, coupling: OutputCoupling | str) -> Tensor:
     r"""Per-group Grams arranged as the systems SFR solves, unweighted by :math:`\delta`.
 
-    * ``"full"``: ``(G, 1, N1·C, N2·C)``, interleaved rows and columns;
+    * ``"joint"``: ``(G, 1, N1·C, N2·C)``, interleaved rows and columns;
     * ``"independent"``: ``(G, C, N1, N2)``, the diagonal output blocks :math:`[K_g]_{(n,c),(m,c)}`.
 
     ``"independent"`` uses :meth:`NTKEngine.output_grams` (only the diagonal output blocks are formed when
@@ -67,7 +68,7 @@ def system_grams(engine: NTKEngine, x1: Tensor, x2: Tensor, coupling: str) -> Te
 
 
 def system_grams_and_diagonal(
-    engine: NTKEngine, x1: Tensor, x2: Tensor, coupling: str, with_diagonal: bool = True
+    engine: NTKEngine, x1: Tensor, x2: Tensor, coupling: OutputCoupling | str, with_diagonal: bool = True
 ) -> tuple[Tensor, Tensor | None]:
     """:func:`system_grams` and the per-group diagonal blocks ``K_g(x2_n, x2_n)``, ``(G, N2, C, C)``.
 
@@ -75,7 +76,7 @@ def system_grams_and_diagonal(
     output-diagonal entries of the blocks, which are all that coupling uses); otherwise from
     :meth:`NTKEngine.group_grams` and :meth:`NTKEngine.diag_blocks`.
     """
-    if coupling == "independent":
+    if choose(OutputCoupling, coupling, "output_coupling") is OutputCoupling.INDEPENDENT:
         if not with_diagonal:
             return engine.output_grams(x1, x2), None
         grams, diag = engine.output_grams(x1, x2, with_diagonal=True)
@@ -101,7 +102,7 @@ def _add_symmetric_product(out: Tensor, w: Tensor, block: int = 256) -> None:
 class DualStatistics(nn.Module):
     r"""Streamed sums over the training data that define SFR, per parameter group and slot (see module doc).
 
-    Buffers (``S`` slots, ``G`` groups, ``K = M·C`` for full coupling or ``M`` for independent outputs):
+    Buffers (``S`` slots, ``G`` groups, ``K = M·C`` for joint coupling or ``M`` for independent outputs):
 
     * ``precision`` :math:`A`, ``(S, G·K, G·K)``: :math:`\sum_n K_{g,Zn} \Lambda_n K_{h,nZ}` in block ``(g, h)``;
     * ``residual`` :math:`b`, ``(S, G, K)``: :math:`\sum_n K_{g,Zn} r_n`;
@@ -115,17 +116,23 @@ class DualStatistics(nn.Module):
     """
 
     def __init__(
-        self, num_groups: int, num_inducing: int, num_outputs: int, coupling: str, gaussian: bool, dtype, device
+        self,
+        num_groups: int,
+        num_inducing: int,
+        num_outputs: int,
+        coupling: OutputCoupling | str,
+        gaussian: bool,
+        dtype: torch.dtype,
+        device: torch.device,
     ) -> None:
         super().__init__()
-        if coupling not in COUPLINGS:
-            raise ValueError(f"output_coupling must be one of {COUPLINGS}, got {coupling!r}")
+        coupling = choose(OutputCoupling, coupling, "output_coupling")
         self.coupling = coupling
         self.gaussian = gaussian
         self.num_outputs = num_outputs
         self.num_groups = num_groups
-        self.size = num_inducing * num_outputs if coupling == "full" else num_inducing
-        slots = num_outputs if (coupling == "independent" or gaussian) else 1
+        self.size = num_inducing * num_outputs if coupling is OutputCoupling.JOINT else num_inducing
+        slots = num_outputs if (coupling is OutputCoupling.INDEPENDENT or gaussian) else 1
         gk = num_groups * self.size
         kw = {"dtype": dtype, "device": device}
         self.register_buffer("precision", torch.zeros(slots, gk, gk, **kw))
@@ -134,11 +141,10 @@ class DualStatistics(nn.Module):
         self.register_buffer("fit", torch.zeros(slots, **kw))
         self.register_buffer("log_lik", torch.zeros((), **kw))
         self.register_buffer("num_data", torch.zeros((), dtype=torch.long, device=device))
-        self.version = 0
 
     @property
     def num_systems(self) -> int:
-        return 1 if self.coupling == "full" else self.num_outputs
+        return 1 if self.coupling is OutputCoupling.JOINT else self.num_outputs
 
     # ------------------------------------------------------------------ accumulation
     @torch.no_grad()
@@ -171,7 +177,7 @@ class DualStatistics(nn.Module):
             lam = hessian(likelihood, f, y) * scale
             d = m - f
             self.log_lik += log_likelihood(likelihood, f, y).sum() * scale
-            if self.coupling == "full":
+            if self.coupling is OutputCoupling.JOINT:
                 root = hessian_sqrt(likelihood, f, y) * scale**0.5
                 r = torch.einsum("nij,nj->ni", lam, -d) + grad
                 w = torch.einsum("gknc,ncd->gknd", cross[:, 0].view(g_count, self.size, b, c), root)
@@ -187,11 +193,10 @@ class DualStatistics(nn.Module):
                 self.trace += torch.einsum("gncc,nc->cg", diag, lam_diag)
                 self.fit += (grad * d).sum(0) - 0.5 * (lam_diag * d * d).sum(0)
         self.num_data += b
-        self.version += 1
 
     def _accumulate_gaussian(self, cross: Tensor, diag: Tensor, e: Tensor) -> None:
         b, c = e.shape
-        if self.coupling == "full":
+        if self.coupling is OutputCoupling.JOINT:
             g_count = self.num_groups
             per_output = cross[:, 0].view(g_count, self.size, b, c)
             for k in range(c):
@@ -215,7 +220,6 @@ class DualStatistics(nn.Module):
         """Add the sums of ``other`` (statistics of more data with the same ``Z``) in place."""
         for name in ("precision", "residual", "trace", "fit", "log_lik", "num_data"):
             getattr(self, name).add_(getattr(other, name))
-        self.version += 1
         return self
 
     # ------------------------------------------------------------------ evaluation at hyperparameters
@@ -233,7 +237,7 @@ class DualStatistics(nn.Module):
         s, g, k = self.residual.shape
         per_slot = torch.einsum("g,h,sgihj->sij", weights, weights, self.precision.view(s, g, k, g, k))
         rhs = torch.einsum("g,sgk->sk", weights, self.residual)
-        if self.coupling == "full":
+        if self.coupling is OutputCoupling.JOINT:
             return torch.einsum("s,sij->ij", slot_weights, per_slot)[None], (slot_weights @ rhs)[None]
         return slot_weights[:, None, None] * per_slot, slot_weights[:, None] * rhs
 

@@ -1,0 +1,111 @@
+r"""Choosing SFR's inducing inputs :math:`Z` from the training inputs, in one pass over the data.
+
+* ``"random"`` (default): a seeded uniform subset without replacement. Every point gets an independent
+  uniform key from a generator seeded with ``seed`` and the ``M`` smallest keys are kept (a bottom-``k``
+  sample), so a stream of mini-batches needs one pass and memory ``O(M)``; it is the public SFR code's
+  choice and is unbiased for the data distribution.
+* ``"greedy_variance"``: greedy conditional variance (pivoted Cholesky, Burt, Rasmussen & van der Wilk
+  2020), deterministic. Starting from the point of largest prior variance, it repeatedly adds the point whose
+  variance given the chosen ones, :math:`K_{nn} - Q_{nn}`, is largest. It greedily minimizes the Nyström
+  error :math:`\operatorname{tr}(K_{XX} - Q_{XX})`, the term that separates the collapsed bound from the
+  exact evidence and the sparse from the full posterior. On clustered data it places inducing inputs in
+  every cluster (an uncovered cluster keeps a large conditional variance), whereas a uniform subset spends
+  them in proportion to cluster mass and can miss small clusters. The kernel is the NTK's output trace
+  :math:`\sum_c K_{cc}` at the current :math:`\delta`; the pivots come from
+  :func:`linear_operator.functions.pivoted_cholesky`. The candidates are the training inputs if there are
+  at most ``pool_size`` of them, otherwise a seeded uniform subset of ``pool_size`` (the pool's Gram is
+  ``pool_size²``); cost ``O(pool_size² C P_layer + pool_size M²)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from linear_operator.functions import pivoted_cholesky
+from torch import Tensor
+
+from ...ntk import NTKEngine
+from ...options import OutputCoupling
+from .statistics import system_grams
+
+__all__ = ["greedy_variance", "uniform_subset"]
+
+
+def uniform_subset(batches: Iterable[Tensor], size: int, seed: int) -> tuple[Tensor, int]:
+    """A seeded uniform subset of ``min(size, N)`` rows of the concatenated ``batches``, and ``N``.
+
+    Args:
+        batches: input batches ``(n_b, ...)``.
+        size: how many rows to keep.
+        seed: seed of the keys.
+
+    Returns:
+        The rows, in the order of the data (all rows when ``N <= size``), and ``N``.
+
+    Raises:
+        ValueError: if ``batches`` is empty.
+    """
+    generator = torch.Generator().manual_seed(int(seed))
+    kept: Tensor | None = None
+    keys = torch.empty(0, dtype=torch.float64)
+    order = torch.empty(0, dtype=torch.long)
+    total = 0
+    for x in batches:
+        batch_keys = torch.rand(x.shape[0], generator=generator, dtype=torch.float64)
+        candidates = x if kept is None else torch.cat([kept, x.to(kept)])
+        keys = torch.cat([keys, batch_keys])
+        order = torch.cat([order, torch.arange(total, total + x.shape[0])])
+        total += x.shape[0]
+        if keys.numel() > size:
+            chosen = torch.topk(keys, size, largest=False).indices
+            candidates, keys, order = candidates[chosen], keys[chosen], order[chosen]
+        kept = candidates
+    if kept is None:
+        raise ValueError("train_x holds no data to choose inducing inputs from")
+    return kept[torch.argsort(order)], total
+
+
+def pool_gram(engine: NTKEngine, pool: Tensor, weights: Tensor, max_elements: int = 2**25) -> Tensor:
+    r"""The output trace of the NTK on ``pool``, :math:`\sum_g w_g \sum_c [K_g]_{cc}`, ``(P, P)``, in row blocks
+    that keep the per-group temporary under ``max_elements`` numbers."""
+    n = pool.shape[0]
+    weights = weights.detach()
+    rows = max(1, max_elements // max(1, engine.num_groups * engine.num_outputs(pool) * n))
+    blocks = [
+        torch.einsum("g,gcij->ij", weights, system_grams(engine, pool[s : s + rows], pool, OutputCoupling.INDEPENDENT))
+        for s in range(0, n, rows)
+    ]
+    return torch.cat(blocks)
+
+
+def greedy_variance(engine: NTKEngine, pool: Tensor, size: int, weights: Tensor, max_elements: int = 2**25) -> Tensor:
+    r"""Greedy conditional-variance selection of ``size`` rows of ``pool`` (deterministic).
+
+    The pivots of a partial pivoted Cholesky factorization of the pool's Gram (:func:`pool_gram`), which at
+    each step takes the candidate of largest conditional variance. When the Gram's numerical rank is
+    exhausted before ``size`` pivots (duplicate candidates, ``M·C > P``), the remaining candidates add
+    nothing to the Nyström approximation and are taken in the factorization's order.
+
+    Args:
+        engine: the NTK engine of the network.
+        pool: candidate inputs ``(P, ...)``.
+        size: ``M``.
+        weights: group weights :math:`1/\delta`, ``(G,)``.
+        max_elements: bound on the temporary per-group Gram block.
+
+    Returns:
+        Indices into ``pool``, shape ``(M,)``, in the order they were chosen.
+
+    Raises:
+        ValueError: if ``pool`` has fewer than ``size`` rows.
+    """
+    n = pool.shape[0]
+    if n < size:
+        raise ValueError(f"cannot choose {size} inducing inputs from {n} candidates (num_inducing > N)")
+    with torch.no_grad():
+        gram = pool_gram(engine, pool, weights, max_elements)
+        # stop once the residual trace is at rounding level: further pivots would divide by noise
+        tolerance = 10 * n * torch.finfo(gram.dtype).eps
+        factor, pivots = pivoted_cholesky(gram, rank=size, error_tol=tolerance, return_pivots=True)
+    return pivots[:size].to(torch.long).cpu()

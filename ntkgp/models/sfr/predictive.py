@@ -1,0 +1,207 @@
+r"""What SFR's predictive needs at test points, chunk by chunk: cross-covariances, prior blocks and means.
+
+For test inputs ``x`` (``b`` points) and the posterior factors of :mod:`~ntkgp.models.sfr.whitening`:
+
+.. math::
+    \mu(x) = m(x) + K_{xZ}\,\alpha, \qquad
+    \Sigma(x, x) = K_{xx} - V^\top V + (R^{-1}V)^\top (R^{-1}V), \quad V = W K_{Zx},
+
+with ``nb`` systems (one for ``"joint"`` coupling, ``C`` for ``"independent"``). :class:`TestPointTerms`
+computes these for one chunk at a time, so that memory is ``O(b · C · K)`` per chunk (``K = M·C`` or ``M``).
+
+**Two routes.** Without a graph to ``x`` the cross-Grams come from the NTK engine's Gram routines (layer
+features; no Jacobian). When ``x.requires_grad`` (and grad mode is on), they come from the test points'
+Jacobian :math:`J(x)` (:meth:`~ntkgp.ntk.NTKEngine.jacobian`, which is differentiable in ``x``) and the inducing
+inputs' Jacobian :math:`J(Z)` (cached by the model, ``M·C·P`` numbers), and the network outputs from a
+functional call with detached weights: every term then carries its derivative with respect to ``x``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from torch.func import functional_call
+
+from ...ntk import NTKEngine
+from ...options import OutputCoupling, PredictiveMean, PriorMean
+from .data import prior_mean
+from .statistics import system_grams_and_diagonal
+from .whitening import WhitenedFactors
+
+__all__ = ["ChunkPrediction", "PosteriorState", "TestPointTerms"]
+
+
+@dataclass
+class PosteriorState:
+    r"""The sparse posterior at the current hyperparameters.
+
+    Attributes:
+        weights: group weights :math:`1/\delta`, ``(G,)``.
+        slots: slot weights (:math:`1/\sigma_c^2` or :math:`1/T`), ``(S,)``.
+        factors: the whitened factors (:func:`~ntkgp.models.sfr.whitening.whitened_factors`).
+    """
+
+    weights: Tensor
+    slots: Tensor
+    factors: WhitenedFactors
+
+
+@dataclass
+class ChunkPrediction:
+    """The predictive of one chunk of ``b`` test points.
+
+    Attributes:
+        mean: ``(b, C)``.
+        blocks: posterior ``C×C`` block of each point, ``(b, C, C)``.
+        low_rank_z: :math:`V = W K_{Zx}`, ``(nb, K, R)`` (``R = b·C`` joint, ``b`` independent).
+        low_rank_s: :math:`R^{-1} V`, same shape.
+    """
+
+    mean: Tensor
+    blocks: Tensor
+    low_rank_z: Tensor
+    low_rank_s: Tensor
+
+
+def point_outer(a: Tensor, num_points: int, num_outputs: int) -> Tensor:
+    r""":math:`\sum_k a_{k,(n,i)} a_{k,(n,j)}` per point, ``(b, C, C)``, for low-rank factors ``a`` ``(nb, K, R)``."""
+    if a.shape[0] == 1:  # one system: joint coupling (or a single output)
+        rows = a[0].reshape(a.shape[1], num_points, num_outputs)
+        return torch.einsum("kni,knj->nij", rows, rows)
+    return torch.diag_embed(a.square().sum(-2).T)
+
+
+class TestPointTerms:
+    r"""The predictive's ingredients at test points, for a fixed model state.
+
+    Args:
+        engine: the NTK engine.
+        inducing_points: ``Z``, ``(M, *example)``.
+        coupling: output coupling.
+        num_outputs: ``C``.
+        state: the posterior (:class:`PosteriorState`).
+        mean: the prior mean.
+        predictive_mean: ``"gp"`` or ``"nn"``.
+        z_jacobian: returns :math:`J(Z)` ``(M·C, P)`` (detached; used only on the route with a graph to ``x``).
+    """
+
+    def __init__(
+        self,
+        engine: NTKEngine,
+        inducing_points: Tensor,
+        coupling: OutputCoupling,
+        num_outputs: int,
+        state: PosteriorState,
+        mean: PriorMean,
+        predictive_mean: PredictiveMean,
+        z_jacobian: Callable[[], Tensor],
+    ) -> None:
+        self.engine = engine
+        self.inducing_points = inducing_points
+        self.coupling = coupling
+        self.num_outputs = num_outputs
+        self.state = state
+        self.mean = mean
+        self.predictive_mean = predictive_mean
+        self.z_jacobian = z_jacobian
+
+    @staticmethod
+    def with_graph(x: Tensor) -> bool:
+        """Whether ``x`` needs derivatives (it requires grad and grad mode is on)."""
+        return x.requires_grad and torch.is_grad_enabled()
+
+    def _column_weights(self) -> Tensor:
+        cols = self.engine.groups.column_groups(device=self.state.weights.device)
+        return self.state.weights[cols]
+
+    def _jacobian_terms(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Route with a graph: :math:`K_{Zx}` per system, prior blocks and :math:`J(x)` from Jacobians."""
+        n, c = x.shape[0], self.num_outputs
+        jac = self.engine.jacobian(x).view(n, c, -1)
+        jz = self.z_jacobian()
+        jz = jz.view(-1, c, jz.shape[-1])
+        weighted = jac * self._column_weights()
+        if self.coupling is OutputCoupling.JOINT:
+            cross_t = torch.einsum("mcp,ndp->mcnd", jz, weighted).reshape(1, jz.shape[0] * c, n * c)
+        else:
+            cross_t = torch.einsum("mcp,ncp->cmn", jz, weighted)
+        blocks = torch.einsum("ncp,ndp->ncd", weighted, jac)
+        return cross_t, blocks, jac
+
+    def _gram_terms(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """Route without a graph: :math:`K_{Zx}` per system and prior blocks from the engine's Grams."""
+        grams, diag = system_grams_and_diagonal(self.engine, self.inducing_points, x, self.coupling)
+        weights = self.state.weights
+        return torch.einsum("g,gbkr->bkr", weights, grams), torch.einsum("g,gnij->nij", weights, diag)
+
+    def _means(self, x: Tensor, jac: Tensor | None) -> Tensor:
+        """Prior mean (``"gp"``) or network output (``"nn"``), ``(b, C)``."""
+        if jac is None:
+            f = self.engine.outputs(x)
+            if self.predictive_mean is PredictiveMean.NN:
+                return f
+            return prior_mean(self.engine, x, f, self.mean)
+        params = self.engine.params()
+        f = functional_call(self.engine.net, params, (x,))
+        if self.predictive_mean is PredictiveMean.NN:
+            return f
+        if self.mean is PriorMean.ZERO:
+            return torch.zeros_like(f)
+        theta = torch.cat([p.reshape(-1) for p in params.values()])
+        return f - (jac @ theta).reshape(f.shape)
+
+    def cross(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+        """:math:`K_{Zx}` per system ``(nb, K, R)``, the prior blocks ``(b, C, C)`` and :math:`J(x)` (or ``None``)."""
+        if self.with_graph(x):
+            cross_t, blocks, jac = self._jacobian_terms(x)
+        else:
+            (cross_t, blocks), jac = self._gram_terms(x), None
+        if self.coupling is OutputCoupling.INDEPENDENT:
+            blocks = torch.diag_embed(blocks.diagonal(dim1=-2, dim2=-1))
+        return cross_t, blocks, jac
+
+    def low_rank(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        r""":math:`V = W K_{Zx}` and :math:`R^{-1}V` for prepared test inputs ``x``, ``(nb, K, R)`` each."""
+        return self.state.factors.project(self.cross(x)[0])
+
+    def chunk(self, x: Tensor) -> ChunkPrediction:
+        """Mean, posterior point blocks and low-rank factors of one chunk of prepared inputs ``x``."""
+        n, c = x.shape[0], self.num_outputs
+        cross_t, prior_blocks, jac = self.cross(x)
+        mean = self._means(x, jac)
+        if self.predictive_mean is PredictiveMean.GP:
+            correction = torch.einsum("bkr,bk->br", cross_t, self.state.factors.alpha)
+            mean = mean + (correction.view(n, c) if self.coupling is OutputCoupling.JOINT else correction.T)
+        low_z, low_s = self.state.factors.project(cross_t)
+        blocks = prior_blocks - point_outer(low_z, n, c) + point_outer(low_s, n, c)
+        return ChunkPrediction(mean=mean, blocks=blocks, low_rank_z=low_z, low_rank_s=low_s)
+
+    # ------------------------------------------------------------------ the prior covariance of f(x)
+    def prior_matmul(self, x: Tensor, rhs: Tensor) -> Tensor:
+        r""":math:`K_{xx}\,v` for ``rhs`` ``(b·C, k)``, matrix-free (:meth:`~ntkgp.ntk.NTKEngine.matvec`:
+        one vector-Jacobian and one Jacobian-vector product; differentiable in ``x``). For independent outputs
+        the output-diagonal blocks only, by ``C`` masked right-hand sides in one product."""
+        weights = self.state.weights
+        if self.coupling is OutputCoupling.JOINT or self.num_outputs == 1:
+            return self.engine.matvec(x, rhs, weights)
+        n, c, k = x.shape[0], self.num_outputs, rhs.shape[-1]
+        eye = torch.eye(c, dtype=rhs.dtype, device=rhs.device)
+        masked = torch.einsum("nck,cd->ncdk", rhs.view(n, c, k), eye).reshape(n * c, c * k)
+        out = self.engine.matvec(x, masked, weights).view(n, c, c, k)
+        return out.diagonal(dim1=1, dim2=2).permute(0, 2, 1).reshape(n * c, k)
+
+    def prior_dense(self, x: Tensor) -> Tensor:
+        r"""The prior covariance :math:`K_{xx}`, ``(b·C, b·C)`` interleaved (output-diagonal blocks if independent)."""
+        n, c = x.shape[0], self.num_outputs
+        if self.with_graph(x):
+            jac = self.engine.jacobian(x)
+            prior = (jac * self._column_weights()) @ jac.T
+        else:
+            prior = torch.einsum("g,gij->ij", self.state.weights, self.engine.group_grams(x))
+        if self.coupling is OutputCoupling.INDEPENDENT and c > 1:
+            mask = torch.eye(c, dtype=torch.bool, device=prior.device).repeat(n, n)
+            prior = prior * mask
+        return prior
