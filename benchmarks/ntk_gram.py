@@ -1,6 +1,6 @@
 """Empirical-NTK Gram: ntkgp side by side with the torch.func recipe (vmap(jacrev) + einsum).
 
-MLP 8-50-50-C (tanh), N = 1000, C ∈ {1, 10}, float32 (the sizes of ANCHORS.md). Both sides are warmed
+MLP 8-50-50-C (tanh), N = 1000, C ∈ {1, 10}, float32. Both sides are warmed
 up on a small input, then timed on the full one; results are checked equal; peak memory is the growth of
 the process's resident set during each computation (sampled by a background thread).
 

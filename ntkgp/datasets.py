@@ -1,4 +1,4 @@
-r"""Small data helpers: synthetic sets and loaders for the shared benchmark data and user CSV files.
+r"""Small data helpers: synthetic sets and loaders for the benchmark data and user CSV files.
 
 Every function returns torch tensors. Floating-point tensors take the ``dtype`` argument (default
 ``torch.float64``); class labels are ``torch.long`` in ``0..C-1``. Regression targets have shape

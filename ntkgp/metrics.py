@@ -10,6 +10,10 @@ Classification metrics accept predictive probabilities in two forms:
 * ``(N,)`` or ``(N, 1)``: binary, the entry is :math:`P(y = 1)` and ``y`` takes values in
   ``{0, 1}``. These are expanded to the two-class form :math:`[1 - p, p]`, so a binary model gives
   the same number whichever form it reports.
+
+Every input is checked first: tensors only, finite values, probabilities in :math:`[0, 1]`, labels that are
+whole numbers in ``0..C-1``, matching numbers of entries. A violation raises ``TypeError`` or
+``ValueError`` naming the argument.
 """
 
 from __future__ import annotations
@@ -31,6 +35,18 @@ __all__ = [
 ]
 
 
+def _finite(value: object, name: str) -> Tensor:
+    """Check that ``value`` is a non-empty tensor of finite numbers; return it."""
+    if not torch.is_tensor(value):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if value.numel() == 0:
+        raise ValueError(f"{name} is empty")
+    if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+        count = int((~torch.isfinite(value)).sum())
+        raise ValueError(f"{name} contains {count} NaN or infinite value(s)")
+    return value
+
+
 def _match_shape(y: Tensor, reference: Tensor, name: str) -> Tensor:
     """Return ``y`` reshaped to ``reference.shape`` (e.g. ``(N,)`` vs ``(N, 1)``); never broadcast."""
     if y.shape == reference.shape:
@@ -42,6 +58,12 @@ def _match_shape(y: Tensor, reference: Tensor, name: str) -> Tensor:
 
 def _class_probs(probs: Tensor) -> Tensor:
     """Return probabilities in ``(N, C)`` form; binary ``(N,)`` / ``(N, 1)`` becomes ``[1 - p, p]``."""
+    _finite(probs, "probs")
+    if not probs.is_floating_point():
+        raise TypeError(f"probs must be floating point, got {probs.dtype}")
+    if bool(((probs < -_PROB_TOLERANCE) | (probs > 1 + _PROB_TOLERANCE)).any()):
+        raise ValueError("probs must lie in [0, 1] (pass probabilities, not logits)")
+    probs = probs.clamp(0.0, 1.0)
     if probs.dim() == 1 or (probs.dim() == 2 and probs.shape[1] == 1):
         p1 = probs.reshape(-1)
         return torch.stack([1.0 - p1, p1], dim=-1)
@@ -50,12 +72,20 @@ def _class_probs(probs: Tensor) -> Tensor:
     raise ValueError(f"probs must have shape (N,), (N, 1) or (N, C); got {tuple(probs.shape)}")
 
 
-def _labels(y: Tensor, num_examples: int) -> Tensor:
-    """Return integer labels of shape ``(N,)``."""
+def _labels(y: Tensor, num_examples: int, num_classes: int) -> Tensor:
+    """Return integer labels of shape ``(N,)``, checked to be whole numbers in ``0..num_classes-1``."""
+    _finite(y, "y")
     y = y.reshape(-1)
     if y.numel() != num_examples:
         raise ValueError(f"y has {y.numel()} entries but probs has {num_examples} rows")
+    if y.is_complex() or (y.is_floating_point() and not bool((y == torch.round(y)).all())):
+        raise ValueError("y must hold integer class labels")
+    if bool(((y < 0) | (y >= num_classes)).any()):
+        raise ValueError(f"y must hold class labels in 0..{num_classes - 1}, found {torch.unique(y).tolist()[:5]}")
     return y.long()
+
+
+_PROB_TOLERANCE = 1e-6
 
 
 def gaussian_nlpd(mean: Tensor, var: Tensor, y: Tensor, y_scale: float | Tensor = 1.0) -> float:
@@ -76,11 +106,24 @@ def gaussian_nlpd(mean: Tensor, var: Tensor, y: Tensor, y_scale: float | Tensor 
 
     Returns:
         The NLPD per example (summed over the ``C`` outputs, averaged over the ``N`` examples).
+
+    Raises:
+        TypeError: if an input is not a tensor.
+        ValueError: naming the argument, for non-finite values, a non-positive ``var`` or ``y_scale``, or
+            mismatched numbers of entries.
+
+    Example:
+        >>> round(gaussian_nlpd(torch.zeros(2), torch.ones(2), torch.zeros(2)), 6)  # ½ log 2π
+        0.918939
     """
-    y = _match_shape(y, mean, "y")
-    var = _match_shape(var, mean, "var")
+    mean = _finite(mean, "mean")
+    y = _match_shape(_finite(y, "y"), mean, "y")
+    var = _match_shape(_finite(var, "var"), mean, "var")
     if (var <= 0).any():
         raise ValueError("var must be strictly positive")
+    scale = torch.as_tensor(y_scale)
+    if not bool((torch.isfinite(scale) & (scale > 0)).all()):
+        raise ValueError(f"y_scale must be positive and finite, got {y_scale!r}")
     per_entry = 0.5 * torch.log(2 * math.pi * var) + 0.5 * (y - mean) ** 2 / var
     per_entry = per_entry + torch.log(
         torch.as_tensor(y_scale, dtype=per_entry.dtype, device=per_entry.device)
@@ -100,9 +143,20 @@ def categorical_nlpd(probs: Tensor, y: Tensor, eps: float = 1e-12) -> float:
         y: ``(N,)`` integer labels.
         eps: lower clamp on the probabilities, so that a confident wrong prediction gives
             :math:`-\log\epsilon` instead of infinity.
+
+    Returns:
+        The mean NLPD.
+
+    Raises:
+        TypeError: if an input is not a tensor.
+        ValueError: for non-finite or out-of-range probabilities, invalid labels or mismatched sizes.
+
+    Example:
+        >>> round(categorical_nlpd(torch.tensor([[0.5, 0.5], [0.9, 0.1]]), torch.tensor([0, 0])), 4)
+        0.3993
     """
     p = _class_probs(probs)
-    y = _labels(y, p.shape[0])
+    y = _labels(y, p.shape[0], p.shape[1])
     p_observed = p.gather(1, y[:, None]).squeeze(1)
     return -torch.log(p_observed.clamp_min(eps)).mean().item()
 
@@ -117,9 +171,20 @@ def accuracy(probs: Tensor, y: Tensor) -> float:
     Args:
         probs: ``(N, C)``, or ``(N,)`` / ``(N, 1)`` binary.
         y: ``(N,)`` integer labels.
+
+    Returns:
+        The accuracy in :math:`[0, 1]`.
+
+    Raises:
+        TypeError: if an input is not a tensor.
+        ValueError: for non-finite or out-of-range probabilities, invalid labels or mismatched sizes.
+
+    Example:
+        >>> accuracy(torch.tensor([0.9, 0.2, 0.6]), torch.tensor([1, 0, 0]))
+        0.6666666666666666
     """
     p = _class_probs(probs)
-    y = _labels(y, p.shape[0])
+    y = _labels(y, p.shape[0], p.shape[1])
     return (p.argmax(dim=1) == y).double().mean().item()
 
 
@@ -139,12 +204,24 @@ def expected_calibration_error(probs: Tensor, y: Tensor, num_bins: int = 10) -> 
     Args:
         probs: ``(N, C)``, or ``(N,)`` / ``(N, 1)`` binary.
         y: ``(N,)`` integer labels.
-        num_bins: :math:`M`.
+        num_bins: :math:`M`, a positive integer.
+
+    Returns:
+        The ECE in :math:`[0, 1]`.
+
+    Raises:
+        TypeError: if an input is not a tensor.
+        ValueError: for an invalid ``num_bins``, non-finite or out-of-range probabilities, invalid labels
+            or mismatched sizes.
+
+    Example:
+        >>> expected_calibration_error(torch.tensor([[0.8, 0.2], [0.8, 0.2]]), torch.tensor([0, 1]))
+        0.30000001192092896
     """
-    if num_bins < 1:
-        raise ValueError("num_bins must be positive")
+    if isinstance(num_bins, bool) or not isinstance(num_bins, int) or num_bins < 1:
+        raise ValueError(f"num_bins must be a positive integer, got {num_bins!r}")
     p = _class_probs(probs)
-    y = _labels(y, p.shape[0])
+    y = _labels(y, p.shape[0], p.shape[1])
     confidence, prediction = p.max(dim=1)
     confidence = confidence.double()
     correct = (prediction == y).double()
@@ -169,9 +246,20 @@ def brier_score(probs: Tensor, y: Tensor) -> float:
     Args:
         probs: ``(N, C)``, or ``(N,)`` / ``(N, 1)`` binary.
         y: ``(N,)`` integer labels.
+
+    Returns:
+        The score in :math:`[0, 2]`.
+
+    Raises:
+        TypeError: if an input is not a tensor.
+        ValueError: for non-finite or out-of-range probabilities, invalid labels or mismatched sizes.
+
+    Example:
+        >>> brier_score(torch.tensor([[1.0, 0.0]]), torch.tensor([1]))
+        2.0
     """
     p = _class_probs(probs)
-    y = _labels(y, p.shape[0])
+    y = _labels(y, p.shape[0], p.shape[1])
     one_hot = torch.nn.functional.one_hot(y, num_classes=p.shape[1]).to(p.dtype)
     return ((p - one_hot) ** 2).sum(dim=1).mean().item()
 
@@ -184,8 +272,20 @@ def rmse(pred: Tensor, y: Tensor) -> float:
     Args:
         pred: predictions, ``(N,)`` or ``(N, C)``.
         y: targets with the same number of entries.
+
+    Returns:
+        The RMSE.
+
+    Raises:
+        TypeError: if an input is not a tensor.
+        ValueError: for non-finite values or mismatched numbers of entries.
+
+    Example:
+        >>> rmse(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 4.0]))
+        1.4142135381698608
     """
-    y = _match_shape(y, pred, "y")
+    pred = _finite(pred, "pred")
+    y = _match_shape(_finite(y, "y"), pred, "y")
     return torch.sqrt(((pred - y) ** 2).mean()).item()
 
 
@@ -199,9 +299,17 @@ def predictive_entropy(probs: Tensor) -> Tensor:
 
     Returns:
         ``(N,)`` tensor.
+
+    Raises:
+        TypeError: if ``probs`` is not a floating-point tensor.
+        ValueError: for non-finite or out-of-range probabilities.
+
+    Example:
+        >>> predictive_entropy(torch.tensor([0.5, 1.0]))  # log 2 and 0
+        tensor([0.6931, 0.0000])
     """
     p = _class_probs(probs)
-    return -torch.special.xlogy(p, p).sum(dim=1)
+    return 0.0 - torch.special.xlogy(p, p).sum(dim=1)
 
 
 def ood_auroc(scores_in: Tensor, scores_out: Tensor) -> float:
@@ -221,15 +329,27 @@ def ood_auroc(scores_in: Tensor, scores_out: Tensor) -> float:
     Args:
         scores_in: ``(N_in,)`` scores of in-distribution inputs.
         scores_out: ``(N_out,)`` scores of out-of-distribution inputs.
+
+    Returns:
+        The AUROC in :math:`[0, 1]`.
+
+    Raises:
+        TypeError: if an input is not a tensor.
+        ValueError: naming the argument, for an empty or non-finite input.
+
+    Example:
+        >>> ood_auroc(torch.tensor([0.1, 0.2]), torch.tensor([0.3, 0.2]))
+        0.875
     """
-    scores_in = scores_in.reshape(-1).double()
-    scores_out = scores_out.reshape(-1).double()
-    n_in, n_out = scores_in.numel(), scores_out.numel()
-    if n_in == 0 or n_out == 0:
+    if not torch.is_tensor(scores_in) or not torch.is_tensor(scores_out):
+        name = "scores_in" if not torch.is_tensor(scores_in) else "scores_out"
+        raise TypeError(f"{name} must be a torch.Tensor")
+    if scores_in.numel() == 0 or scores_out.numel() == 0:
         raise ValueError("both scores_in and scores_out must be non-empty")
+    scores_in = _finite(scores_in, "scores_in").reshape(-1).double()
+    scores_out = _finite(scores_out, "scores_out").reshape(-1).double()
+    n_in, n_out = scores_in.numel(), scores_out.numel()
     pooled = torch.cat([scores_in, scores_out])
-    if torch.isnan(pooled).any():
-        raise ValueError("scores contain NaN")
     _, inverse, counts = torch.unique(pooled, sorted=True, return_inverse=True, return_counts=True)
     counts = counts.double()
     last_rank = counts.cumsum(0)

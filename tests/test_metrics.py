@@ -234,3 +234,38 @@ def test_ood_auroc_hand_example():
 def test_ood_auroc_rejects_empty():
     with pytest.raises(ValueError):
         ood_auroc(torch.tensor([]), torch.tensor([1.0]))
+
+
+# Input checks: every metric names the bad argument
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "message"),
+    [
+        (lambda: gaussian_nlpd(torch.tensor([0.0, math.nan]), torch.ones(2), torch.zeros(2)), ValueError, "mean contains 1 NaN"),
+        (lambda: gaussian_nlpd(torch.zeros(2), torch.ones(2), torch.tensor([math.inf, 0.0])), ValueError, "y contains 1 NaN or infinite"),
+        (lambda: gaussian_nlpd(torch.zeros(2), torch.ones(2), torch.zeros(2), y_scale=0.0), ValueError, "y_scale must be positive"),
+        (lambda: gaussian_nlpd([0.0], torch.ones(1), torch.zeros(1)), TypeError, "mean must be a torch.Tensor"),
+        (lambda: categorical_nlpd(torch.tensor([[2.0, -1.0]]), torch.tensor([0])), ValueError, "not logits"),
+        (lambda: categorical_nlpd(torch.tensor([[0.5, 0.5]]), torch.tensor([2])), ValueError, r"labels in 0..1"),
+        (lambda: accuracy(torch.tensor([[0.5, 0.5]]), torch.tensor([0.5])), ValueError, "integer class labels"),
+        (lambda: accuracy(torch.tensor([[math.nan, 0.5]]), torch.tensor([0])), ValueError, "probs contains 1 NaN"),
+        (lambda: expected_calibration_error(random_probs(4, 2), random_labels(4, 2), num_bins=2.5), ValueError, "num_bins"),
+        (lambda: brier_score(torch.tensor([1, 0]), torch.tensor([1, 0])), TypeError, "probs must be floating point"),
+        (lambda: rmse(torch.zeros(3), torch.zeros(2)), ValueError, "incompatible"),
+        (lambda: rmse(torch.zeros(0), torch.zeros(0)), ValueError, "pred is empty"),
+        (lambda: predictive_entropy(torch.tensor([1.5])), ValueError, r"\[0, 1\]"),
+        (lambda: ood_auroc(torch.tensor([0.1, math.inf]), torch.tensor([0.3])), ValueError, "scores_in contains"),
+        (lambda: ood_auroc(torch.tensor([0.1]), [0.3]), TypeError, "scores_out must be a torch.Tensor"),
+    ],
+)
+def test_metrics_reject_bad_inputs_naming_the_argument(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
+
+
+def test_probabilities_within_rounding_of_the_unit_interval_are_accepted():
+    probs = torch.tensor([[1.0 + 1e-9, -1e-9], [0.5, 0.5]], dtype=torch.float64)
+    y = torch.tensor([0, 1])
+    assert math.isfinite(categorical_nlpd(probs, y))
+    assert bool(torch.isfinite(predictive_entropy(probs)).all())

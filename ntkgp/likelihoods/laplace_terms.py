@@ -1,4 +1,5 @@
-r"""The likelihood terms of the Laplace-GGN approximation at the outputs :math:`f_n = f(x_n; \theta^*)`.
+r"""The likelihood terms of the Laplace-GGN approximation at the outputs :math:`f_n = f(x_n; \theta^*)`
+(``docs/math.md``, "Likelihoods").
 
 For each data point :math:`n` (``f`` of shape ``(N, C)``, rows flattened as :math:`nC + c`, GPyTorch's
 interleaved order):
@@ -62,27 +63,83 @@ def _tempered(likelihood: Likelihood, value: Tensor, power: float = 1.0) -> Tens
 
 @singledispatch
 def log_likelihood(likelihood: Likelihood, f: Tensor, y: Tensor) -> Tensor:
-    r""":math:`\log p(y_n \mid f_n)` per data point (tempered: :math:`\frac1T \log p`), shape ``(N,)``.
+    r""":math:`\log p(y_n \mid f_n)` per data point (tempered: :math:`\frac1T \log p`).
 
-    Gaussian: :math:`-\frac12 \sum_c [\log(2\pi\sigma_c^2) + (y_{nc} - f_{nc})^2/\sigma_c^2]`.
+    Gaussian: :math:`-\frac12 \sum_c [\log(2\pi\sigma_c^2) + (y_{nc} - f_{nc})^2/\sigma_c^2]`; logistic
+    and softmax as in ``docs/math.md``, "Likelihoods" (computed with ``logsigmoid`` / ``log_softmax``).
 
-    :param likelihood: a supported likelihood.
-    :param f: network outputs at :math:`\theta^*`, shape ``(N, C)``.
-    :param y: targets, in any form :func:`~ntkgp.likelihoods.validate_targets` accepts.
+    Args:
+        likelihood: a supported likelihood.
+        f: network outputs at :math:`\theta^*`, shape ``(..., N, C)``.
+        y: targets, in any form :func:`~ntkgp.likelihoods.validate_targets` accepts.
+
+    Returns:
+        Shape ``(..., N)``, ``f``'s dtype.
+
+    Raises:
+        ValueError: if ``f`` does not have ``C`` columns, or ``y`` is invalid (see ``validate_targets``).
+        NotImplementedError: for an unsupported likelihood.
+
+    Example:
+        >>> from gpytorch.likelihoods import GaussianLikelihood
+        >>> lik = GaussianLikelihood()
+        >>> lik.noise = 1.0
+        >>> log_likelihood(lik, torch.zeros(2, 1), torch.zeros(2)).detach()  # -log(2π)/2 each
+        tensor([-0.9189, -0.9189])
     """
     raise unsupported_likelihood(likelihood)
 
 
 @singledispatch
 def gradient(likelihood: Likelihood, f: Tensor, y: Tensor) -> Tensor:
-    r""":math:`g_n = \nabla_f \log p(y_n \mid f_n)`, shape ``(N, C)``. Arguments as :func:`log_likelihood`."""
+    r""":math:`g_n = \nabla_f \log p(y_n \mid f_n)`.
+
+    Args:
+        likelihood: a supported likelihood.
+        f: network outputs at :math:`\theta^*`, shape ``(..., N, C)``.
+        y: targets, in any form :func:`~ntkgp.likelihoods.validate_targets` accepts.
+
+    Returns:
+        Shape ``(..., N, C)``: :math:`(y - f)/\sigma^2`, :math:`(y - p)/T` or
+        :math:`(\operatorname{onehot}(y) - p)/T`.
+
+    Raises:
+        ValueError: as :func:`log_likelihood`.
+        NotImplementedError: for an unsupported likelihood.
+
+    Example:
+        >>> from ntkgp.likelihoods import LogisticLikelihood
+        >>> gradient(LogisticLikelihood(), torch.zeros(2, 1), torch.tensor([0.0, 1.0]))
+        tensor([[-0.5000],
+                [ 0.5000]])
+    """
     raise unsupported_likelihood(likelihood)
 
 
 @singledispatch
 def hessian(likelihood: Likelihood, f: Tensor, y: Tensor) -> Tensor:
-    r""":math:`\Lambda_n = -\nabla_f^2 \log p(y_n \mid f_n)`, PSD, shape ``(N, C, C)``. Arguments as
-    :func:`log_likelihood`."""
+    r""":math:`\Lambda_n = -\nabla_f^2 \log p(y_n \mid f_n)`, positive semi-definite.
+
+    Args:
+        likelihood: a supported likelihood.
+        f: network outputs at :math:`\theta^*`, shape ``(..., N, C)``.
+        y: targets, in any form :func:`~ntkgp.likelihoods.validate_targets` accepts (checked, not used:
+            the Hessian of these likelihoods does not depend on ``y``).
+
+    Returns:
+        Shape ``(..., N, C, C)``: :math:`\operatorname{diag}(1/\sigma^2)`, :math:`p(1 - p)/T` or
+        :math:`(\operatorname{diag}(p) - p p^\top)/T`.
+
+    Raises:
+        ValueError: as :func:`log_likelihood`.
+        NotImplementedError: for an unsupported likelihood.
+
+    Example:
+        >>> from ntkgp.likelihoods import SoftmaxLikelihood
+        >>> hessian(SoftmaxLikelihood(2), torch.zeros(1, 2), torch.tensor([1]))
+        tensor([[[ 0.2500, -0.2500],
+                 [-0.2500,  0.2500]]])
+    """
     raise unsupported_likelihood(likelihood)
 
 
@@ -95,8 +152,27 @@ def hessian_sqrt(likelihood: Likelihood, f: Tensor, y: Tensor) -> Tensor:
     :math:`L L^\top = \operatorname{diag}(p) - 2 p p^\top + p (\textstyle\sum_c p_c) p^\top = \Lambda` since
     :math:`\sum_c p_c = 1`. Use it as :math:`L^\top K L` (a ``RootLinearOperator(L)`` is :math:`\Lambda`):
     :math:`\log|I + L^\top K L| = \log|I + \Lambda^{1/2} K \Lambda^{1/2}|` and :math:`L (I + L^\top K L)^{-1}
-    L^\top = \Lambda^{1/2} (I + \Lambda^{1/2} K \Lambda^{1/2})^{-1} \Lambda^{1/2}`.
-    Arguments as :func:`log_likelihood`.
+    L^\top = \Lambda^{1/2} (I + \Lambda^{1/2} K \Lambda^{1/2})^{-1} \Lambda^{1/2}` (``docs/math.md``,
+    "Likelihoods").
+
+    Args:
+        likelihood: a supported likelihood.
+        f: network outputs at :math:`\theta^*`, shape ``(..., N, C)``.
+        y: targets, in any form :func:`~ntkgp.likelihoods.validate_targets` accepts.
+
+    Returns:
+        Shape ``(..., N, C, C)``, with ``L @ L.mT`` equal to :func:`hessian`.
+
+    Raises:
+        ValueError: as :func:`log_likelihood`.
+        NotImplementedError: for an unsupported likelihood.
+
+    Example:
+        >>> from ntkgp.likelihoods import SoftmaxLikelihood
+        >>> lik, f, y = SoftmaxLikelihood(3), torch.randn(4, 3), torch.tensor([0, 1, 2, 0])
+        >>> root = hessian_sqrt(lik, f, y)
+        >>> torch.allclose(root @ root.mT, hessian(lik, f, y))
+        True
     """
     raise unsupported_likelihood(likelihood)
 

@@ -1,5 +1,5 @@
 r"""Class probabilities under a Gaussian over the logits: :math:`\mathbb E[\mathrm{link}(f)]`,
-:math:`f \sim N(\mu, \Sigma)`.
+:math:`f \sim N(\mu, \Sigma)` (``docs/math.md``, "GLM predictive").
 
 Two approximations, chosen by ``link_approx``:
 
@@ -26,30 +26,65 @@ LINK_APPROXIMATIONS = ("probit", "mc")
 
 
 def check_link_approx(link_approx: str) -> str:
-    """Return ``link_approx`` if it names a known approximation; raise ``ValueError`` otherwise."""
+    """Validate ``link_approx``.
+
+    Args:
+        link_approx: ``"probit"`` or ``"mc"``.
+
+    Returns:
+        ``link_approx``.
+
+    Raises:
+        ValueError: naming ``link_approx`` and the accepted values.
+    """
     if link_approx not in LINK_APPROXIMATIONS:
         raise ValueError(f"link_approx must be one of {LINK_APPROXIMATIONS}, got {link_approx!r}")
     return link_approx
 
 
 def check_num_samples(num_samples: int) -> int:
-    """Return ``num_samples`` if it is a positive integer; raise ``ValueError`` otherwise."""
+    """Validate ``num_samples``.
+
+    Args:
+        num_samples: a positive integer (``bool`` is rejected).
+
+    Returns:
+        ``num_samples``.
+
+    Raises:
+        ValueError: naming ``num_samples``.
+    """
     if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
         raise ValueError(f"num_samples must be a positive integer, got {num_samples!r}")
     return num_samples
 
 
 def probit_scaled_mean(mean: Tensor, variance: Tensor) -> Tensor:
-    r""":math:`\mu / \sqrt{1 + \frac{\pi}{8} \sigma^2}`, elementwise; any matching shapes."""
+    r""":math:`\mu / \sqrt{1 + \frac{\pi}{8} \sigma^2}`, elementwise.
+
+    Args:
+        mean: :math:`\mu`, any shape.
+        variance: :math:`\sigma^2 \ge 0`, broadcastable to ``mean``.
+
+    Returns:
+        The scaled means, the broadcast shape.
+    """
     return mean / torch.sqrt(1.0 + (math.pi / 8.0) * variance)
 
 
 def sigmoid_probit(mean: Tensor, variance: Tensor) -> Tensor:
     r"""Binary probit approximation :math:`\operatorname{sigmoid}(\mu / \sqrt{1 + \frac{\pi}{8}\sigma^2})`.
 
-    :param mean: :math:`\mu`, shape ``(N,)`` (or any shape).
-    :param variance: :math:`\sigma^2`, same shape.
-    :return: :math:`p(y = 1)`, same shape.
+    Args:
+        mean: :math:`\mu`, shape ``(N,)`` (or any shape).
+        variance: :math:`\sigma^2`, same shape.
+
+    Returns:
+        :math:`p(y = 1)`, same shape.
+
+    Example:
+        >>> sigmoid_probit(torch.tensor([0.0, 2.0]), torch.tensor([1.0, 0.0]))
+        tensor([0.5000, 0.8808])
     """
     return torch.sigmoid(probit_scaled_mean(mean, variance))
 
@@ -59,9 +94,16 @@ def softmax_probit(mean: Tensor, variance: Tensor) -> Tensor:
 
     :math:`p = \operatorname{softmax}(\mu / \sqrt{1 + \frac{\pi}{8}\operatorname{diag}\Sigma})`.
 
-    :param mean: :math:`\mu`, shape ``(N, C)``.
-    :param variance: the marginal variances :math:`\operatorname{diag} \Sigma_n`, shape ``(N, C)``.
-    :return: class probabilities, shape ``(N, C)``.
+    Args:
+        mean: :math:`\mu`, shape ``(N, C)``.
+        variance: the marginal variances :math:`\operatorname{diag} \Sigma_n`, shape ``(N, C)``.
+
+    Returns:
+        Class probabilities, shape ``(N, C)``.
+
+    Example:
+        >>> softmax_probit(torch.zeros(1, 3), torch.ones(1, 3))
+        tensor([[0.3333, 0.3333, 0.3333]])
     """
     return torch.softmax(probit_scaled_mean(mean, variance), dim=-1)
 
@@ -78,11 +120,21 @@ def sigmoid_monte_carlo(
     :math:`p = \frac1S \sum_s \operatorname{sigmoid}(\mu + \sigma \epsilon_s)` with
     :math:`\epsilon_s \sim N(0, 1)`.
 
-    :param mean: :math:`\mu`, shape ``(N,)`` (or any shape).
-    :param variance: :math:`\sigma^2`, same shape.
-    :param num_samples: :math:`S`.
-    :param generator: optional random number generator.
-    :return: :math:`p(y = 1)`, same shape as ``mean``.
+    Args:
+        mean: :math:`\mu`, shape ``(N,)`` (or any shape).
+        variance: :math:`\sigma^2`, same shape (negative rounding errors are clamped to 0).
+        num_samples: :math:`S`, a positive integer.
+        generator: optional random number generator.
+
+    Returns:
+        :math:`p(y = 1)`, same shape as ``mean``.
+
+    Raises:
+        ValueError: for an invalid ``num_samples``.
+
+    Example:
+        >>> sigmoid_monte_carlo(torch.zeros(2), torch.ones(2), 1000, torch.Generator().manual_seed(0)).shape
+        torch.Size([2])
     """
     eps = _standard_normal((check_num_samples(num_samples), *mean.shape), mean, generator)
     return torch.sigmoid(mean + variance.clamp_min(0.0).sqrt() * eps).mean(dim=0)
@@ -95,13 +147,25 @@ def softmax_monte_carlo(
 
     :math:`p_n = \frac1S \sum_s \operatorname{softmax}(\mu_n + L_n \epsilon_s)` with
     :math:`\epsilon_s \sim N(0, I)`,
-    with :math:`L_n` the Cholesky factor of :math:`\Sigma_n` (with jitter where it is singular).
+    with :math:`L_n` the Cholesky factor of :math:`\Sigma_n` (with jitter where it is singular, e.g. logits
+    with a shared offset; the ``NumericalWarning`` of that jitter is silenced here).
 
-    :param mean: :math:`\mu`, shape ``(N, C)``.
-    :param covariance: per-point blocks :math:`\Sigma_n`, shape ``(N, C, C)``.
-    :param num_samples: :math:`S`.
-    :param generator: optional random number generator.
-    :return: class probabilities, shape ``(N, C)``.
+    Args:
+        mean: :math:`\mu`, shape ``(N, C)``.
+        covariance: per-point blocks :math:`\Sigma_n`, shape ``(N, C, C)``.
+        num_samples: :math:`S`, a positive integer.
+        generator: optional random number generator.
+
+    Returns:
+        Class probabilities, shape ``(N, C)``.
+
+    Raises:
+        ValueError: for an invalid ``num_samples``.
+
+    Example:
+        >>> probs = softmax_monte_carlo(torch.zeros(1, 3), torch.eye(3).expand(1, 3, 3), 500)
+        >>> probs.shape, bool(torch.allclose(probs.sum(-1), torch.ones(1)))
+        (torch.Size([1, 3]), True)
     """
     with warnings.catch_warnings():
         # jitter on singular blocks is expected here (e.g. logits with a shared offset) and harmless
@@ -117,6 +181,18 @@ def output_covariance_blocks(function_dist: MultitaskMultivariateNormal) -> Tens
 
     Reads only those :math:`N C^2` entries of the (lazy) covariance, for either task ordering
     (interleaved: row :math:`nC + c`; not interleaved: row :math:`cN + n`).
+
+    Args:
+        function_dist: a distribution over ``(N, C)`` logits.
+
+    Returns:
+        Shape ``(..., N, C, C)``.
+
+    Example:
+        >>> from gpytorch.distributions import MultitaskMultivariateNormal
+        >>> dist = MultitaskMultivariateNormal(torch.zeros(2, 3), torch.eye(6))
+        >>> output_covariance_blocks(dist).shape
+        torch.Size([2, 3, 3])
     """
     num_data, num_tasks = function_dist.mean.shape[-2:]
     device = function_dist.mean.device

@@ -33,16 +33,28 @@ class LogisticLikelihood(TemperatureMixin, _OneDimensionalLikelihood):
     (``link_approx="probit"``) or by Monte Carlo (``link_approx="mc"``, ``num_samples`` draws). Both use
     the untempered link. ``expected_log_prob`` (variational inference) uses Gauss-Hermite quadrature.
 
-    :param temperature: :math:`T > 0` (default 1).
-    :param learn_temperature: whether ``raw_temperature`` requires grad (default ``False``: the Laplace
-        evidence of a tempered likelihood increases monotonically in :math:`T`, so :math:`T` cannot be learned
-        from it; tune it on validation data instead).
-    :param temperature_prior: optional prior on :math:`T`.
-    :param temperature_constraint: constraint on :math:`T` (default ``Positive()``).
-    :param link_approx: ``"probit"`` or ``"mc"``, the default approximation of the predictive.
-    :param num_samples: default number of Monte Carlo samples for ``link_approx="mc"``.
+    Args:
+        temperature: :math:`T > 0` (default 1).
+        learn_temperature: whether ``raw_temperature`` requires grad (default ``False``: with :math:`\theta^*`
+            fixed the Laplace evidence of a tempered likelihood is non-decreasing in :math:`T`, so :math:`T`
+            cannot be learned from it; tune it on validation data instead; ``docs/math.md``, "Temperature").
+        temperature_prior: optional prior on :math:`T`.
+        temperature_constraint: constraint on :math:`T` (default ``Positive()``).
+        link_approx: ``"probit"`` or ``"mc"``, the default approximation of the predictive.
+        num_samples: default number of Monte Carlo samples for ``link_approx="mc"``.
 
-    :ivar torch.Tensor temperature: :math:`T`, shape ``()``.
+    Attributes:
+        temperature (torch.Tensor): :math:`T`, shape ``()``.
+
+    Raises:
+        ValueError: for a non-positive ``temperature``, an unknown ``link_approx`` or an invalid
+            ``num_samples``.
+
+    Example:
+        >>> from gpytorch.distributions import MultivariateNormal
+        >>> likelihood = LogisticLikelihood()
+        >>> likelihood(MultivariateNormal(torch.zeros(2), torch.eye(2))).probs
+        tensor([0.5000, 0.5000])
     """
 
     def __init__(
@@ -60,7 +72,14 @@ class LogisticLikelihood(TemperatureMixin, _OneDimensionalLikelihood):
         self.num_samples = check_num_samples(num_samples)
 
     def forward(self, function_samples: Tensor, *args: Any, **kwargs: Any) -> Bernoulli:
-        """The conditional :math:`p(y \\mid f)` = ``Bernoulli(logits=f)``; ``f`` of any shape."""
+        """The conditional :math:`p(y \\mid f)`.
+
+        Args:
+            function_samples: logits ``f`` of any shape.
+
+        Returns:
+            ``Bernoulli(logits=f)``.
+        """
         return Bernoulli(logits=function_samples)
 
     def marginal(
@@ -74,12 +93,18 @@ class LogisticLikelihood(TemperatureMixin, _OneDimensionalLikelihood):
     ) -> Bernoulli:
         r"""Predictive :math:`p(y = 1) \approx \mathbb E_{N(f; \mu, \sigma^2)}[\operatorname{sigmoid}(f)]`.
 
-        :param function_dist: distribution over the logits: a ``MultivariateNormal`` over ``N`` points, or a
-            ``MultitaskMultivariateNormal`` of shape ``(N, 1)``. Only its marginal variances are used.
-        :param link_approx: ``"probit"`` or ``"mc"``; default ``self.link_approx``.
-        :param num_samples: Monte Carlo samples; default ``self.num_samples``.
-        :param generator: optional random number generator for ``"mc"``.
-        :return: ``Bernoulli`` with ``probs`` of the shape of ``function_dist.mean``.
+        Args:
+            function_dist: distribution over the logits: a ``MultivariateNormal`` over ``N`` points, or a
+                ``MultitaskMultivariateNormal`` of shape ``(N, 1)``. Only its marginal variances are used.
+            link_approx: ``"probit"`` or ``"mc"``; default ``self.link_approx``.
+            num_samples: Monte Carlo samples; default ``self.num_samples``.
+            generator: optional random number generator for ``"mc"``.
+
+        Returns:
+            ``Bernoulli`` with ``probs`` of the shape of ``function_dist.mean``.
+
+        Raises:
+            ValueError: for an unknown ``link_approx`` or an invalid ``num_samples``.
         """
         link_approx = check_link_approx(self.link_approx if link_approx is None else link_approx)
         mean, variance = function_dist.mean, function_dist.variance
@@ -93,6 +118,14 @@ class LogisticLikelihood(TemperatureMixin, _OneDimensionalLikelihood):
     def log_marginal(
         self, observations: Tensor, function_dist: MultivariateNormal, *args: Any, **kwargs: Any
     ) -> Tensor:
-        """:math:`\\log p(y)` under :meth:`marginal`, elementwise; ``observations`` in {0, 1}."""
+        """:math:`\\log p(y)` under :meth:`marginal`, elementwise.
+
+        Args:
+            observations: labels in {0, 1}, the shape of ``function_dist.mean``.
+            function_dist: as :meth:`marginal`.
+
+        Returns:
+            The log predictive probabilities.
+        """
         marginal = self.marginal(function_dist, *args, **kwargs)
         return marginal.log_prob(observations.to(marginal.probs.dtype))

@@ -26,7 +26,14 @@ SUPPORTED_LIKELIHOODS = (
 
 
 def unsupported_likelihood(likelihood: Likelihood) -> NotImplementedError:
-    """The error raised for a likelihood that ntkgp cannot handle."""
+    """The error raised for a likelihood that ntkgp cannot handle.
+
+    Args:
+        likelihood: the unsupported likelihood.
+
+    Returns:
+        A ``NotImplementedError`` naming its type and the supported likelihoods (to be raised).
+    """
     return NotImplementedError(
         f"ntkgp does not support the likelihood {type(likelihood).__name__}; "
         f"supported: {SUPPORTED_LIKELIHOODS}"
@@ -34,7 +41,17 @@ def unsupported_likelihood(likelihood: Likelihood) -> NotImplementedError:
 
 
 def check_unbatched(likelihood: Likelihood, hyperparameter: Tensor, name: str, size: int) -> None:
-    """Raise ``NotImplementedError`` unless a hyperparameter has shape ``(size,)`` (no batch shape)."""
+    """Check that a likelihood hyperparameter has shape ``(size,)`` (no batch shape).
+
+    Args:
+        likelihood: its likelihood (for the message).
+        hyperparameter: the value.
+        name: its name (for the message).
+        size: the expected length.
+
+    Raises:
+        NotImplementedError: for any other shape.
+    """
     if hyperparameter.shape != (size,):
         raise NotImplementedError(
             f"{type(likelihood).__name__} with batch_shape is not supported: {name} has shape "
@@ -43,7 +60,14 @@ def check_unbatched(likelihood: Likelihood, hyperparameter: Tensor, name: str, s
 
 
 def check_supported_multitask(likelihood: MultitaskGaussianLikelihood) -> None:
-    """Raise ``NotImplementedError`` for a ``MultitaskGaussianLikelihood`` with a task noise covariance."""
+    """Check that a ``MultitaskGaussianLikelihood`` has independent noise per output.
+
+    Args:
+        likelihood: the likelihood.
+
+    Raises:
+        NotImplementedError: for ``rank > 0`` (a task noise covariance).
+    """
     if likelihood.rank != 0:
         raise NotImplementedError(
             f"MultitaskGaussianLikelihood with rank={likelihood.rank} (a correlated task noise covariance) "
@@ -52,7 +76,14 @@ def check_supported_multitask(likelihood: MultitaskGaussianLikelihood) -> None:
 
 
 def check_supported_softmax(likelihood: SoftmaxLikelihood) -> None:
-    """Raise ``ValueError`` for a ``SoftmaxLikelihood`` with mixing weights (``f`` must be the logits)."""
+    """Check that a ``SoftmaxLikelihood`` has no mixing weights (the network's outputs must be the logits).
+
+    Args:
+        likelihood: the likelihood.
+
+    Raises:
+        ValueError: if it has mixing weights.
+    """
     if likelihood.mixing_weights is not None:
         raise ValueError(
             "SoftmaxLikelihood with mixing_weights is not supported: the network's outputs must be the "
@@ -63,7 +94,23 @@ def check_supported_softmax(likelihood: SoftmaxLikelihood) -> None:
 
 @singledispatch
 def num_outputs(likelihood: Likelihood) -> int:
-    """The number of network outputs :math:`C` the likelihood expects per data point."""
+    """The number of network outputs :math:`C` the likelihood expects per data point.
+
+    Args:
+        likelihood: a supported likelihood.
+
+    Returns:
+        :math:`C`.
+
+    Raises:
+        NotImplementedError: for an unsupported likelihood or configuration.
+        ValueError: for a GPyTorch ``SoftmaxLikelihood`` with mixing weights.
+
+    Example:
+        >>> from ntkgp.likelihoods import SoftmaxLikelihood
+        >>> num_outputs(SoftmaxLikelihood(4))
+        4
+    """
     raise unsupported_likelihood(likelihood)
 
 
@@ -87,7 +134,19 @@ def _(likelihood: SoftmaxLikelihood) -> int:
 
 @singledispatch
 def is_gaussian(likelihood: Likelihood) -> bool:
-    """Whether ``likelihood`` is one of the supported Gaussian likelihoods (exact-GP algebra applies)."""
+    """Whether ``likelihood`` is one of the supported Gaussian likelihoods (exact-GP algebra applies).
+
+    Args:
+        likelihood: any GPyTorch likelihood.
+
+    Returns:
+        ``True`` for ``GaussianLikelihood`` and ``MultitaskGaussianLikelihood``, else ``False``.
+
+    Example:
+        >>> from gpytorch.likelihoods import GaussianLikelihood
+        >>> is_gaussian(GaussianLikelihood())
+        True
+    """
     return False
 
 
@@ -103,6 +162,22 @@ def noise_variance(likelihood: Likelihood) -> Tensor:
 
     For ``MultitaskGaussianLikelihood`` :math:`\sigma_c^2` = task noise :math:`c` (if ``has_task_noise``)
     + global noise (if ``has_global_noise``), as in its ``marginal``.
+
+    Args:
+        likelihood: a supported Gaussian likelihood.
+
+    Returns:
+        Shape ``(C,)``.
+
+    Raises:
+        NotImplementedError: for a non-Gaussian or batched likelihood, or a task noise covariance.
+
+    Example:
+        >>> from gpytorch.likelihoods import GaussianLikelihood
+        >>> likelihood = GaussianLikelihood()
+        >>> likelihood.noise = 0.25
+        >>> noise_variance(likelihood).detach()
+        tensor([0.2500])
     """
     raise unsupported_likelihood(likelihood)
 
@@ -128,7 +203,19 @@ def _(likelihood: MultitaskGaussianLikelihood) -> Tensor:
 
 
 def hyperparameter_values(likelihood: Likelihood) -> dict[str, list[float]]:
-    """The likelihood's current noise, task noises and temperature (those it has), as plain lists for reports."""
+    """The likelihood's current noise, task noises and temperature (those it has), as plain lists for reports.
+
+    Args:
+        likelihood: any GPyTorch likelihood.
+
+    Returns:
+        ``{"noise": [...], "task_noises": [...], "temperature": [...]}``, only the keys it has.
+
+    Example:
+        >>> from ntkgp.likelihoods import LogisticLikelihood
+        >>> hyperparameter_values(LogisticLikelihood(temperature=2.0))
+        {'temperature': [2.0]}
+    """
     values = {}
     for name in ("noise", "task_noises", "temperature"):
         value = getattr(likelihood, name, None)

@@ -41,16 +41,28 @@ class SoftmaxLikelihood(TemperatureMixin, gpytorch.likelihoods.SoftmaxLikelihood
     (``link_approx="probit"``, marginal variances only) or by Monte Carlo (``link_approx="mc"``, with the
     full :math:`C \times C` block of each point). Both use the untempered link.
 
-    :param num_classes: :math:`C \ge 2`.
-    :param temperature: :math:`T > 0` (default 1).
-    :param learn_temperature: whether ``raw_temperature`` requires grad (default ``False``; see
-        :class:`~ntkgp.likelihoods.LogisticLikelihood`).
-    :param temperature_prior: optional prior on :math:`T`.
-    :param temperature_constraint: constraint on :math:`T` (default ``Positive()``).
-    :param link_approx: ``"probit"`` or ``"mc"``, the default approximation of the predictive.
-    :param num_samples: default number of Monte Carlo samples for ``link_approx="mc"``.
+    Args:
+        num_classes: :math:`C \ge 2`.
+        temperature: :math:`T > 0` (default 1).
+        learn_temperature: whether ``raw_temperature`` requires grad (default ``False``; see
+            :class:`~ntkgp.likelihoods.LogisticLikelihood` and ``docs/math.md``, "Temperature").
+        temperature_prior: optional prior on :math:`T`.
+        temperature_constraint: constraint on :math:`T` (default ``Positive()``).
+        link_approx: ``"probit"`` or ``"mc"``, the default approximation of the predictive.
+        num_samples: default number of Monte Carlo samples for ``link_approx="mc"``.
 
-    :ivar torch.Tensor temperature: :math:`T`, shape ``()``.
+    Attributes:
+        temperature (torch.Tensor): :math:`T`, shape ``()``.
+
+    Raises:
+        ValueError: for ``num_classes`` that is not an integer >= 2, a non-positive ``temperature``, an
+            unknown ``link_approx`` or an invalid ``num_samples``.
+
+    Example:
+        >>> likelihood = SoftmaxLikelihood(num_classes=3)
+        >>> likelihood(torch.zeros(2, 3)).probs  # the conditional Categorical(logits=f)
+        tensor([[0.3333, 0.3333, 0.3333],
+                [0.3333, 0.3333, 0.3333]])
     """
 
     def __init__(
@@ -71,7 +83,17 @@ class SoftmaxLikelihood(TemperatureMixin, gpytorch.likelihoods.SoftmaxLikelihood
         self.num_samples = check_num_samples(num_samples)
 
     def forward(self, function_samples: Tensor, *args: Any, **kwargs: Any) -> Categorical:
-        """The conditional ``Categorical(logits=f)``, for logits ``f`` of shape ``(..., C)``."""
+        """The conditional :math:`p(y \\mid f)`.
+
+        Args:
+            function_samples: logits ``f`` of shape ``(..., C)``.
+
+        Returns:
+            ``Categorical(logits=f)``.
+
+        Raises:
+            ValueError: if the last dimension is not ``num_classes``.
+        """
         if function_samples.shape[-1] != self.num_classes:
             raise ValueError(
                 f"expected logits with {self.num_classes} classes in the last dimension, got shape "
@@ -91,11 +113,19 @@ class SoftmaxLikelihood(TemperatureMixin, gpytorch.likelihoods.SoftmaxLikelihood
         r"""Predictive :math:`p(y) \approx \mathbb E[\operatorname{softmax}(\mathbf f)]` over
         :math:`\mathbf f \sim N(\mu_n, \Sigma_n)`.
 
-        :param function_dist: ``MultitaskMultivariateNormal`` over the logits, shape ``(N, C)``.
-        :param link_approx: ``"probit"`` or ``"mc"``; default ``self.link_approx``.
-        :param num_samples: Monte Carlo samples; default ``self.num_samples``.
-        :param generator: optional random number generator for ``"mc"``.
-        :return: ``Categorical`` with ``probs`` of shape ``(N, C)``.
+        Args:
+            function_dist: ``MultitaskMultivariateNormal`` over the logits, shape ``(N, C)``.
+            link_approx: ``"probit"`` or ``"mc"``; default ``self.link_approx``.
+            num_samples: Monte Carlo samples; default ``self.num_samples``.
+            generator: optional random number generator for ``"mc"``.
+
+        Returns:
+            ``Categorical`` with ``probs`` of shape ``(N, C)``.
+
+        Raises:
+            TypeError: if ``function_dist`` is not a ``MultitaskMultivariateNormal``.
+            ValueError: for a wrong number of logits, an unknown ``link_approx`` or an invalid
+                ``num_samples``.
         """
         if not isinstance(function_dist, MultitaskMultivariateNormal):
             raise TypeError(
@@ -119,5 +149,13 @@ class SoftmaxLikelihood(TemperatureMixin, gpytorch.likelihoods.SoftmaxLikelihood
     def log_marginal(
         self, observations: Tensor, function_dist: MultitaskMultivariateNormal, *args: Any, **kwargs: Any
     ) -> Tensor:
-        """:math:`\\log p(y)` under :meth:`marginal`, shape ``(N,)``; ``observations`` integer labels."""
+        """:math:`\\log p(y)` under :meth:`marginal`.
+
+        Args:
+            observations: integer labels, shape ``(N,)``.
+            function_dist: as :meth:`marginal`.
+
+        Returns:
+            Shape ``(N,)``.
+        """
         return self.marginal(function_dist, *args, **kwargs).log_prob(observations.long())

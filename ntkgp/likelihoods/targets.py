@@ -36,14 +36,26 @@ def validate_targets(
     - Softmax likelihoods: ``torch.long`` labels in ``0..C-1``, shape ``(N,)``; ``(N, 1)`` and floating point
       tensors holding whole numbers are accepted (one-hot targets are not).
 
-    :param likelihood: a supported likelihood.
-    :param y: the targets.
-    :param num_outputs: the number of network outputs, checked against the likelihood's ``C`` when given.
-    :param num_data: the number of data points ``N``, checked when given.
-    :param name: the argument's name in error messages (e.g. ``"train_y"``).
-    :raises TypeError: if ``y`` is not a tensor.
-    :raises ValueError: for non-finite values, labels out of range or not whole numbers, a wrong shape, or
-        a number of outputs that does not match the likelihood.
+    Args:
+        likelihood: a supported likelihood.
+        y: the targets.
+        num_outputs: the number of network outputs, checked against the likelihood's ``C`` when given.
+        num_data: the number of data points ``N``, checked when given.
+        name: the argument's name in error messages (e.g. ``"train_y"``).
+
+    Returns:
+        ``y`` in the normalized form (a new tensor where a conversion was needed).
+
+    Raises:
+        TypeError: if ``y`` is not a tensor.
+        ValueError: naming ``name``, for non-finite values, labels out of range or not whole numbers, a wrong
+            shape, or a number of outputs that does not match the likelihood.
+        NotImplementedError: for an unsupported likelihood.
+
+    Example:
+        >>> from ntkgp.likelihoods import SoftmaxLikelihood
+        >>> validate_targets(SoftmaxLikelihood(3), torch.tensor([[0.0], [2.0]]), name="train_y")
+        tensor([0, 2])
     """
     if not torch.is_tensor(y):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(y).__name__}")

@@ -1,4 +1,5 @@
-"""Likelihood temperature :math:`T`: a tempered likelihood :math:`p(y \\mid f)^{1/T}`.
+"""Likelihood temperature :math:`T`: a tempered likelihood :math:`p(y \\mid f)^{1/T}` (``docs/math.md``,
+"Temperature").
 
 Tempering scales :math:`\\log p`, :math:`g = \\nabla_f \\log p` and :math:`\\Lambda = -\\nabla_f^2 \\log p` by
 :math:`1/T`; it enters the Laplace quantities (evidence, posterior) only. The conditional
@@ -21,7 +22,9 @@ class TemperatureMixin:
 
     Call :meth:`_register_temperature` in ``__init__`` after ``super().__init__()``.
 
-    :ivar torch.Tensor temperature: :math:`T`, shape ``()``.
+    Attributes:
+        temperature (torch.Tensor): :math:`T`, shape ``()``; the setter accepts a positive float or tensor
+            and raises ``ValueError`` otherwise.
     """
 
     def _register_temperature(
@@ -48,15 +51,32 @@ class TemperatureMixin:
 
     @temperature.setter
     def temperature(self, value: float | Tensor) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, float, Tensor)):
+            raise TypeError(f"temperature must be a positive number, got {type(value).__name__}")
         value = torch.as_tensor(value).to(self.raw_temperature)
-        if not bool(torch.all(value > 0)):
-            raise ValueError(f"temperature must be positive, got {value.tolist()}")
+        if value.numel() != 1:
+            raise ValueError(f"temperature must be a scalar, got shape {tuple(value.shape)}")
+        value = value.reshape(self.raw_temperature.shape)
+        if not bool(torch.isfinite(value) & (value > 0)):
+            raise ValueError(f"temperature must be positive and finite, got {value.item()}")
         self.initialize(raw_temperature=self.raw_temperature_constraint.inverse_transform(value))
 
 
 @singledispatch
 def likelihood_temperature(likelihood: Likelihood) -> Tensor | None:
-    """The temperature :math:`T` of ``likelihood``, or ``None`` where it has none (:math:`T = 1`)."""
+    """The temperature :math:`T` of ``likelihood``.
+
+    Args:
+        likelihood: any GPyTorch likelihood.
+
+    Returns:
+        :math:`T` (shape ``()``), or ``None`` where it has none (:math:`T = 1`).
+
+    Example:
+        >>> from ntkgp.likelihoods import SoftmaxLikelihood
+        >>> likelihood_temperature(SoftmaxLikelihood(2, temperature=0.5)).item()
+        0.5
+    """
     return None
 
 
