@@ -40,7 +40,11 @@ _MISSING_MATPLOTLIB = "ntkgp.plotting needs matplotlib; install the examples ext
 
 
 def require_matplotlib() -> None:
-    """Raise ``ImportError`` naming the ``examples`` extra when matplotlib is not installed."""
+    """Check that matplotlib is importable.
+
+    Raises:
+        ImportError: naming the ``examples`` extra when matplotlib is not installed.
+    """
     try:
         import matplotlib  # noqa: F401
     except ImportError as error:
@@ -49,6 +53,11 @@ def require_matplotlib() -> None:
 
 def new_figure(nrows: int, ncols: int, panel_size: tuple[float, float] = (4.6, 3.6)) -> tuple[Figure, list]:
     """A figure with an ``nrows x ncols`` grid of axes.
+
+    Args:
+        nrows: rows of panels.
+        ncols: columns of panels.
+        panel_size: width and height of one panel, in inches.
 
     Returns:
         The :class:`~matplotlib.figure.Figure` and the axes as a nested list ``axes[row][col]``.
@@ -65,7 +74,16 @@ def new_figure(nrows: int, ncols: int, panel_size: tuple[float, float] = (4.6, 3
 
 
 def save_figure(fig: Figure, path: str | Path, dpi: int = 110) -> Path:
-    """Write ``fig`` as an image (format from the suffix, e.g. ``.png``), creating parent folders."""
+    """Write ``fig`` as an image, creating parent folders.
+
+    Args:
+        fig: the figure.
+        path: the file; its suffix gives the format (e.g. ``.png``).
+        dpi: resolution.
+
+    Returns:
+        ``path`` as a :class:`~pathlib.Path`.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=dpi)
@@ -123,7 +141,23 @@ class Grid2D(NamedTuple):
 
 
 def grid_2d(x: Tensor, resolution: int = 60, margin: float = 0.2) -> Grid2D:
-    """A ``resolution x resolution`` grid covering ``x`` ``(N, 2)``, widened by ``margin`` of its range."""
+    """A ``resolution x resolution`` grid covering the points ``x``.
+
+    Args:
+        x: ``(N, 2)`` inputs.
+        resolution: grid points per axis.
+        margin: how far the grid extends beyond the points, as a fraction of their range per axis.
+
+    Returns:
+        The :class:`Grid2D`.
+
+    Raises:
+        ValueError: if ``x`` is not ``(N, 2)``.
+
+    Example:
+        >>> grid_2d(torch.tensor([[0.0, 0.0], [1.0, 2.0]]), resolution=5).points.shape
+        torch.Size([25, 2])
+    """
     if x.dim() != 2 or x.shape[1] != 2:
         raise ValueError(f"x must have shape (N, 2), got {tuple(x.shape)}")
     low, high = x.min(0).values, x.max(0).values
@@ -173,8 +207,18 @@ def plot_probability_map(ax: Axes, grid: Grid2D, probs: Tensor, *, x: Tensor, y:
 
 def plot_uncertainty_map(ax: Axes, grid: Grid2D, probs: Tensor, *, x: Tensor, y: Tensor, title: str = "",
                          marked: Tensor | None = None) -> None:
-    r"""The predictive entropy :math:`H = -\sum_c p_c \log p_c` (nats) on a 2-D grid; arguments as
-    :func:`plot_probability_map`. The colour scale ends at :math:`\log C`, the entropy of a uniform guess."""
+    r"""The predictive entropy :math:`H = -\sum_c p_c \log p_c` (nats) on a 2-D grid.
+
+    The colour scale ends at :math:`\log C`, the entropy of a uniform guess.
+
+    Args:
+        ax: the axes to draw on.
+        grid: from :func:`grid_2d`.
+        probs: ``(R*R,)`` or ``(R*R, 1)`` with :math:`P(y=1)`, or ``(R*R, C)`` class probabilities.
+        x, y: the data ``(N, 2)`` and labels ``(N,)`` drawn on top.
+        title: the panel title.
+        marked: ``(B, 2)`` inputs to circle (e.g. a new batch).
+    """
     entropy = predictive_entropy(probs)
     num_classes = probs.shape[1] if probs.dim() == 2 and probs.shape[1] > 1 else 2
     _class_map(ax, grid, entropy, x, y, "magma", math.log(num_classes),
@@ -182,7 +226,15 @@ def plot_uncertainty_map(ax: Axes, grid: Grid2D, probs: Tensor, *, x: Tensor, y:
 
 
 def plot_predicted_vs_observed(ax: Axes, mean: Tensor, std: Tensor, y: Tensor, title: str = "") -> None:
-    """Predicted mean with 2-std error bars against the observed targets (regression with many inputs)."""
+    """Predicted mean with 2-std error bars against the observed targets (regression with many inputs).
+
+    Args:
+        ax: the axes to draw on.
+        mean: ``(N,)`` predictive means.
+        std: ``(N,)`` predictive standard deviations.
+        y: ``(N,)`` observed targets.
+        title: the panel title.
+    """
     observed, mu = _np(y).ravel(), _np(mean).ravel()
     ax.errorbar(observed, mu, yerr=2 * _np(std).ravel(), fmt="o", ms=3, alpha=0.6, elinewidth=0.8)
     low, high = min(observed.min(), mu.min()), max(observed.max(), mu.max())
