@@ -91,7 +91,10 @@ def prior_precision_vector(value: float | Tensor, groups: ParameterGroups, fn: N
     Raises:
         ValueError: for a wrong shape or a non-positive or non-finite value, naming ``prior_precision``.
     """
-    delta = torch.as_tensor(value).detach().to(dtype=fn.dtype, device=fn.device)
+    if torch.is_tensor(value):
+        delta = value.detach().to(dtype=fn.dtype, device=fn.device)
+    else:
+        delta = torch.as_tensor(value, dtype=fn.dtype, device=fn.device)  # a float straight to the net's dtype
     if delta.dim() == 0:
         delta = delta.expand(groups.num_groups).clone()
     if delta.shape != (groups.num_groups,):
@@ -214,6 +217,14 @@ class WeightPosterior(ABC):
             num_samples, self.num_params, dtype=self.function.dtype, device=self.function.device, generator=generator
         )
         return self._sample(z)
+
+    def sample_from(self, z: Tensor) -> Tensor:
+        r"""The sampler's linear map :math:`\eta = B z` (:math:`B B^\top = \Sigma`) applied to given standard
+        normal draws ``z`` ``(S, P)``, shape ``(S, P)``: what :meth:`sample` does with its own draws."""
+        if not torch.is_tensor(z) or z.dim() != 2 or z.shape[1] != self.num_params:
+            shape = tuple(z.shape) if torch.is_tensor(z) else type(z).__name__
+            raise ValueError(f"z must have shape (S, {self.num_params}), got {shape}")
+        return self._sample(z.to(dtype=self.function.dtype, device=self.function.device))
 
     def dense_covariance(self) -> Tensor:
         r""":math:`\Sigma` as a dense ``(P, P)`` matrix (small :math:`P` only: for tests and inspection)."""
