@@ -8,8 +8,8 @@ evaluates, for any prior precisions :math:`\delta_g` and likelihood hyperparamet
     + \tfrac12 \sum_g P_g \log \delta_g - \tfrac12 \log|H + P_0|,
 
 with :math:`H` the structured approximation of :math:`\sum_n J_n^\top \Lambda_n J_n` (or of the empirical
-Fisher) and :math:`P_0 = \operatorname{diag}(\delta)` expanded to :math:`P \times P` (MATH.md, "Laplace-GGN
-evidence"). Nothing that scales with :math:`N` or needs the network is recomputed: the likelihood's
+Fisher) and :math:`P_0 = \operatorname{diag}(\delta)` expanded to :math:`P \times P` (``docs/math.md``,
+"Laplace-GGN evidence"): the Laplace approximation of the log marginal likelihood. Nothing that scales with :math:`N` or needs the network is recomputed: the likelihood's
 hyperparameters enter through the output scale :math:`s` (:func:`~ntkgp.curvature.scaling.output_scale`), the
 data term through the stored outputs :math:`f_n`. All evaluations are differentiable w.r.t. :math:`\delta`,
 the noise and the temperature.
@@ -17,6 +17,7 @@ the noise and the temperature.
 
 from __future__ import annotations
 
+import warnings
 from abc import ABC, abstractmethod
 
 import torch
@@ -28,15 +29,22 @@ from ..ntk import ParameterGroups
 from .scaling import output_scale
 
 
+def unexpected(kwargs: dict, function: str) -> None:
+    """Raise ``TypeError`` for keywords left over after the deprecated ones were taken out."""
+    if kwargs:
+        raise TypeError(f"{function}() got unexpected keyword arguments {sorted(kwargs)}")
+
+
 class Curvature(ABC):
     r"""A structured curvature :math:`H \approx \sum_n J_n^\top \Lambda_n J_n` at :math:`\theta^*`, computed once.
 
-    :param groups: the prior-precision groups of the network's trainable parameters.
-    :param theta_sq_norms: :math:`\|\theta^*_g\|^2` per group, shape ``(G,)``.
-    :param f: network outputs :math:`f_n` at :math:`\theta^*`, shape ``(N, C)``.
-    :param y: the training targets, normalised by :func:`~ntkgp.likelihoods.validate_targets`.
-    :param scale_size: the length of the likelihood's output scale :math:`s` the curvature was split for
-        (``C`` for Gaussian likelihoods, ``1`` otherwise).
+    Args:
+        groups: the prior-precision groups of the network's trainable parameters.
+        theta_sq_norms: :math:`\|\theta^*_g\|^2` per group, shape ``(G,)``.
+        f: network outputs :math:`f_n` at :math:`\theta^*`, shape ``(N, C)``.
+        y: the training targets, normalised by :func:`~ntkgp.likelihoods.validate_targets`.
+        scale_size: the length of the likelihood's output scale :math:`s` the curvature was split for
+            (``C`` for Gaussian likelihoods, ``1`` otherwise).
     """
 
     structure: str = ""
@@ -78,8 +86,8 @@ class Curvature(ABC):
                 f"prior_precision must be a scalar or have shape ({self.groups.num_groups},) (one per group "
                 f"{list(self.groups.group_names)}), got shape {tuple(delta.shape)}"
             )
-        if not bool((delta > 0).all()):
-            raise ValueError(f"prior_precision must be positive, got {delta.detach().tolist()}")
+        if not bool((delta > 0).all()) or not bool(torch.isfinite(delta).all()):
+            raise ValueError(f"prior_precision must be positive and finite, got {delta.detach().tolist()}")
         return delta
 
     def scale(self, likelihood: Likelihood) -> Tensor:
@@ -103,11 +111,22 @@ class Curvature(ABC):
         r"""The structured :math:`H` (without the prior) as a dense ``(P, P)`` matrix, columns in the order of
         ``groups.names``. For tests and small networks only."""
 
-    def log_evidence(self, prior_precision: float | Tensor, likelihood: Likelihood) -> Tensor:
-        r"""The Laplace evidence :math:`\log q(\mathcal D)` (module docstring), shape ``()``.
+    def log_marginal_likelihood(self, prior_precision: float | Tensor, likelihood: Likelihood) -> Tensor:
+        r"""The Laplace approximation of the log marginal likelihood :math:`\log q(\mathcal D)` (module
+        docstring), shape ``()``, differentiable w.r.t. ``prior_precision`` and the likelihood's noise or
+        temperature.
 
-        Cost: :math:`O(NC)` for the data term plus that of :meth:`log_det`; divide by :attr:`num_data` to
-        report it per data point.
+        Args:
+            prior_precision: :math:`\delta`, a positive scalar (shared by all groups) or ``(G,)``.
+            likelihood: the likelihood the curvature was computed for, at its current hyperparameters.
+
+        Returns:
+            The log marginal likelihood, summed over the data: divide by :attr:`num_data` to report it per
+            data point. Cost: :math:`O(NC)` for the data term plus that of :meth:`log_det`.
+
+        Raises:
+            ValueError: ``prior_precision`` of the wrong shape or not positive, or a likelihood with another
+                output scale.
         """
         delta = self.prior_precision_vector(prior_precision)
         data_fit = log_likelihood(likelihood, self.f, self.y).sum()
@@ -117,3 +136,11 @@ class Curvature(ABC):
             + 0.5 * (self.group_sizes * delta.log()).sum()
             - 0.5 * self.log_det(delta, likelihood)
         )
+
+    def log_evidence(self, prior_precision: float | Tensor, likelihood: Likelihood) -> Tensor:
+        """Deprecated alias of :meth:`log_marginal_likelihood` (``DeprecationWarning``)."""
+        warnings.warn(
+            "Curvature.log_evidence is deprecated; use Curvature.log_marginal_likelihood", DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.log_marginal_likelihood(prior_precision, likelihood)

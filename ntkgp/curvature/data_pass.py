@@ -1,8 +1,9 @@
 r"""One pass over the training data at :math:`\theta^*`: batches, outputs, unit likelihood factors, and
 per-example vector-Jacobian products :math:`J_n^\top u_n`.
 
-Everything here treats the network functionally (``torch.func.functional_call`` with detached copies of its
-parameters): the network's weights, flags, mode and hooks are left as they are.
+The network is treated functionally through the engine's shared passes (:mod:`ntkgp.ntk.functional`,
+``torch.func.functional_call`` with detached copies of its parameters): the network's weights, flags, mode and
+hooks are left as they are.
 """
 
 from __future__ import annotations
@@ -13,11 +14,12 @@ from dataclasses import dataclass, field
 import torch
 from gpytorch.likelihoods import Likelihood
 from torch import Tensor, nn
-from torch.func import functional_call, vjp, vmap
 from tqdm.auto import tqdm
 
 from ..likelihoods import gradient, hessian_sqrt, validate_targets
 from ..ntk import NTKEngine, check_outputs
+from ..ntk.checks import check_count
+from ..ntk.functional import forward, per_example_vjps
 from ..ntk.groups import GroupSpec
 from .scaling import output_scale
 
@@ -30,9 +32,11 @@ class DataPass:
 
     Collects the outputs :math:`f_n` and normalised targets of every batch it hands out.
 
-    :ivar engine: the :class:`~ntkgp.ntk.NTKEngine` (groups, input checks, detached parameters).
-    :ivar params: :math:`\theta^*` per trainable parameter name, detached.
-    :ivar scale0: the output scale :math:`s_0` of the likelihood at computation time, ``(K,)``, detached.
+    Attributes:
+        engine: the :class:`~ntkgp.ntk.NTKEngine` (prior groups, input checks, detached parameters).
+        likelihood: the likelihood.
+        params: :math:`\theta^*` per trainable parameter name, detached.
+        scale0: the output scale :math:`s_0` of the likelihood at computation time, ``(K,)``, detached.
     """
 
     engine: NTKEngine
@@ -47,11 +51,12 @@ class DataPass:
         cls,
         net: nn.Module,
         likelihood: Likelihood,
-        groups: GroupSpec = "layer",
+        prior_structure: GroupSpec = "layer",
         input_shape: tuple[int, ...] | None = None,
     ) -> DataPass:
-        """Check the network (eval mode, trainable parameters) and record :math:`\\theta^*` and :math:`s_0`."""
-        engine = NTKEngine(net, groups=groups, input_shape=input_shape)
+        """Check the network (eval mode, trainable parameters) and the likelihood; record :math:`\\theta^*`
+        and :math:`s_0`."""
+        engine = NTKEngine(net, prior_structure=prior_structure, input_shape=input_shape)
         scale0 = output_scale(likelihood).detach().to(device=engine.device, dtype=engine.dtype)
         return cls(engine=engine, likelihood=likelihood, params=engine.params(), scale0=scale0)
 
@@ -65,7 +70,30 @@ class DataPass:
 
     def forward(self, x: Tensor, params: dict[str, Tensor] | None = None) -> Tensor:
         """``f(x; θ)`` through ``functional_call`` (``θ*`` unless ``params`` overrides some parameters)."""
-        return functional_call(self.net, self.params if params is None else {**self.params, **params}, (x,))
+        return forward(self.net, self.params if params is None else {**self.params, **params}, x)
+
+    def check(self, x: Data, y: Tensor | None, batch_size: int) -> int:
+        """Validate the whole data set before the pass (tensor inputs: every row of ``x`` and ``y``).
+
+        Returns:
+            ``batch_size`` as an ``int``.
+
+        Raises:
+            TypeError, ValueError: naming ``x``, ``y`` or ``batch_size``.
+        """
+        batch_size = check_count(batch_size, "batch_size")
+        if torch.is_tensor(x):
+            prepared = self.engine.prepare(x, "x")
+            if not torch.is_tensor(y):
+                raise TypeError("y must be a tensor of targets when x is a tensor")
+            if y.dim() < 1 or y.shape[0] != x.shape[0]:
+                raise ValueError(f"x has {x.shape[0]} rows but y has shape {tuple(y.shape)}")
+            validate_targets(self.likelihood, y, self.engine.num_outputs(prepared), num_data=x.shape[0], name="y")
+        elif y is not None:
+            raise ValueError("pass y=None when x is an iterable of (x, y) batches")
+        elif not isinstance(x, Iterable):
+            raise TypeError(f"x must be a tensor or an iterable of (x, y) batches, got {type(x).__name__}")
+        return batch_size
 
     def batches(self, x: Data, y: Tensor | None, batch_size: int, progress: bool, desc: str) -> Iterator[
         tuple[Tensor, Tensor, Tensor]
@@ -75,28 +103,21 @@ class DataPass:
         ``x`` is a tensor ``(N, ...)`` with targets ``y``, split into batches of ``batch_size``; or an
         iterable of ``(x_b, y_b)`` batches (e.g. a ``DataLoader``) with ``y=None``.
         """
-        if int(batch_size) < 1:
-            raise ValueError(f"batch_size must be a positive integer, got {batch_size}")
+        batch_size = self.check(x, y, batch_size)
         if torch.is_tensor(x):
-            if not torch.is_tensor(y):
-                raise TypeError("y must be a tensor of targets when x is a tensor")
-            if y.shape[0] != x.shape[0]:
-                raise ValueError(f"x has {x.shape[0]} rows but y has {y.shape[0]}")
-            pairs: Iterable = zip(x.split(int(batch_size)), y.split(int(batch_size)))
-            total = -(-x.shape[0] // int(batch_size))
+            pairs: Iterable = zip(x.split(batch_size), y.split(batch_size))
+            total = -(-x.shape[0] // batch_size)
         else:
-            if y is not None:
-                raise ValueError("pass y=None when x is an iterable of (x, y) batches")
             pairs, total = x, None
         for xb, yb in tqdm(pairs, total=total, desc=desc, disable=not progress, leave=False):
-            xb = self.engine.prepare(xb)
+            xb = self.engine.prepare(xb, "x")
             with torch.no_grad():
-                fb = self.forward(xb)
+                fb = self.forward(xb.detach())
             check_outputs(fb, xb.shape[0])
             yb = validate_targets(self.likelihood, yb, fb.shape[1], num_data=fb.shape[0])
             self.outputs.append(fb)
             self.targets.append(yb)
-            yield xb, fb, yb
+            yield xb.detach(), fb, yb
 
     def unit_hessian_sqrt(self, f: Tensor, y: Tensor) -> Tensor:
         r""":math:`\tilde L_n = S_0^{-1/2} L_n` with :math:`L_n L_n^\top = \Lambda_n`, shape ``(n, C, C)``.
@@ -112,23 +133,9 @@ class DataPass:
             return gradient(self.likelihood, f, y) / self.scale0
 
     def per_example_vjps(self, x: Tensor, cotangents: Tensor, names: list[str]) -> Tensor:
-        r"""Rows :math:`J_n^\top u_{nm}` restricted to the parameters ``names``, shape ``(n, M, P_{names})``.
-
-        :param x: prepared inputs ``(n, ...)``.
-        :param cotangents: :math:`u_{nm}` as ``(n, C, M)`` (column ``m`` of each example's matrix).
-        :param names: parameter names, in the order of the columns returned.
-
-        One forward and ``M`` backward passes per example (``vmap`` over examples of ``vjp``); memory
-        :math:`O(n M P)`.
-        """
-        chosen = {k: self.params[k] for k in names}
-
-        def single(sub: dict[str, Tensor], xi: Tensor, ui: Tensor) -> dict[str, Tensor]:
-            _, pull = vjp(lambda s: self.forward(xi.unsqueeze(0), s).squeeze(0), sub)
-            return vmap(pull)(ui.T)[0]
-
-        rows = vmap(single, in_dims=(None, 0, 0))(chosen, x, cotangents)
-        return torch.cat([rows[k].reshape(x.shape[0], cotangents.shape[-1], -1) for k in names], dim=-1)
+        r"""Rows :math:`J_n^\top u_{nm}` restricted to the parameters ``names``, shape ``(n, M, P_{names})``
+        (:func:`ntkgp.ntk.functional.per_example_vjps`)."""
+        return per_example_vjps(self.net, self.params, x, cotangents, names)
 
     def theta_sq_norms(self) -> Tensor:
         r""":math:`\|\theta^*_g\|^2` per group, shape ``(G,)``."""

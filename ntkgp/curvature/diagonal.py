@@ -31,7 +31,8 @@ from torch import Tensor, nn
 
 from ..ntk import ParameterGroups
 from ..ntk.groups import GroupSpec
-from .base import Curvature
+from ..options import renamed_argument
+from .base import Curvature, unexpected
 from .data_pass import Data, DataPass
 from .layers import Layer, layer_features, structured_layers, usable_layers
 
@@ -39,8 +40,13 @@ from .layers import Layer, layer_features, structured_layers, usable_layers
 class DiagonalCurvature(Curvature):
     r"""A diagonal curvature :math:`\operatorname{diag}(H) = \sum_k w_k(s) D_k` (module docstring).
 
-    :param components: :math:`D_k`, shape ``(K, P)``, columns in the order of ``groups.names``.
-    Other parameters as :class:`~ntkgp.curvature.Curvature`.
+    Args:
+        groups: the prior-precision groups (as :class:`~ntkgp.curvature.Curvature`).
+        theta_sq_norms: :math:`\|\theta^*_g\|^2` per group.
+        f: network outputs at :math:`\theta^*`.
+        y: normalised targets.
+        scale_size: length of the likelihood's output scale.
+        components: :math:`D_k`, shape ``(K, P)``, columns in the order of ``groups.names``.
     """
 
     def __init__(
@@ -96,12 +102,19 @@ def diagonal_products(
 ) -> Tensor:
     r"""One batch's :math:`\sum_n (J_n^\top u_{na}) \odot (J_n^\top u_{nb})` on the parameters ``names``.
 
-    :param cotangents: :math:`u_{nm}`, shape ``(n, C, M)``.
-    :param layers: ``Linear``/``Conv2d`` layers whose parameters (all in ``names``) take the structured route
-        (:mod:`~ntkgp.curvature.layers`): per-example gradients :math:`\sum_t \Gamma_{nmt} \bar a_{nt}^\top`,
-        and for one location :math:`\sum_n \Gamma_{nm}^{\odot 2} (\bar a_n^{\odot 2})^\top`, a matrix product;
-        the other parameters take per-example vector-Jacobian products.
-    :param pairs: all pairs :math:`(a, b)`, shape ``(M^2, P_{names})``; otherwise :math:`a = b`, ``(M, P_{names})``.
+    Args:
+        data: the pass (network, parameters, likelihood).
+        x: prepared inputs ``(n, ...)``.
+        cotangents: :math:`u_{nm}`, shape ``(n, C, M)``.
+        names: the parameters, in the order of the columns returned.
+        layers: ``Linear``/``Conv2d`` layers whose parameters (all in ``names``) take the structured route
+            (:mod:`~ntkgp.curvature.layers`): per-example gradients :math:`\sum_t \Gamma_{nmt} \bar a_{nt}^\top`,
+            and for one location :math:`\sum_n \Gamma_{nm}^{\odot 2} (\bar a_n^{\odot 2})^\top`, a matrix
+            product; the other parameters take per-example vector-Jacobian products.
+        pairs: all pairs :math:`(a, b)`, shape ``(M^2, P_{names})``; otherwise :math:`a = b`, ``(M, P_{names})``.
+
+    Returns:
+        The products, ``(M^2 or M, P_names)``.
     """
     m = cotangents.shape[-1]
     offsets = dict(zip(names, torch.tensor([0] + [data.params[n].numel() for n in names]).cumsum(0).tolist()))
@@ -158,10 +171,11 @@ def diagonal_ggn(
     x: Data,
     y: Tensor | None,
     likelihood: Likelihood,
-    groups: GroupSpec = "layer",
+    prior_structure: GroupSpec = "layer",
     batch_size: int = 64,
     progress: bool = False,
     input_shape: tuple[int, ...] | None = None,
+    **kwargs,
 ) -> DiagonalGGN:
     r"""The diagonal GGN :math:`\sum_n \sum_m (J_n^\top L_{n,:m})^{\odot 2}` over the data, batch by batch.
 
@@ -169,7 +183,9 @@ def diagonal_ggn(
     other parameters: per-example vector-Jacobian products, memory :math:`O(\text{batch} \cdot C \cdot P)`.
     Arguments as :func:`~ntkgp.curvature.compute_curvature`.
     """
-    data = DataPass.start(net, likelihood, groups, input_shape)
+    prior_structure = renamed_argument(kwargs, "groups", "prior_structure", prior_structure, "layer")
+    unexpected(kwargs, "diagonal_ggn")
+    data = DataPass.start(net, likelihood, prior_structure, input_shape)
     names = list(data.engine.groups.names)
     layers = structured_layers(net, data.engine.groups, strict=False)
     total = 0
@@ -186,10 +202,11 @@ def diagonal_ef(
     x: Data,
     y: Tensor | None,
     likelihood: Likelihood,
-    groups: GroupSpec = "layer",
+    prior_structure: GroupSpec = "layer",
     batch_size: int = 64,
     progress: bool = False,
     input_shape: tuple[int, ...] | None = None,
+    **kwargs,
 ) -> DiagonalEF:
     r"""The diagonal empirical Fisher :math:`\sum_n (J_n^\top g_n)^{\odot 2}` over the data, batch by batch.
 
@@ -197,7 +214,9 @@ def diagonal_ef(
     noise differentiable); routes as :func:`diagonal_ggn`. Arguments as
     :func:`~ntkgp.curvature.compute_curvature`.
     """
-    data = DataPass.start(net, likelihood, groups, input_shape)
+    prior_structure = renamed_argument(kwargs, "groups", "prior_structure", prior_structure, "layer")
+    unexpected(kwargs, "diagonal_ef")
+    data = DataPass.start(net, likelihood, prior_structure, input_shape)
     names = list(data.engine.groups.names)
     layers = structured_layers(net, data.engine.groups, strict=False)
     per_output = data.scale0.shape[0] > 1

@@ -16,46 +16,90 @@ input, 1 for ``(N, d)`` inputs. This is the *KFAC-expand* convention (Eschenhage
 Grosse & Martens (2016) for a sum over the data set. For ``nn.Linear`` on ``(N, d)`` inputs and
 :math:`N = 1` the product is the exact GGN block.
 
-No damping: with eigenvalues :math:`q_i` of :math:`A_l` and :math:`w_j` of :math:`G_l`,
-:math:`\log|H_l + \delta_l I| = \sum_{ij} \log(q_i w_j + \delta_l)`. Weight and bias form one block and
-must share a prior group. Parameters outside ``nn.Linear`` / ``nn.Conv2d`` (normalisation layers, embeddings,
+No damping: each block :math:`H_l + \delta_l I` is linear_operator's
+``KroneckerProductAddedDiagLinearOperator`` of ``KroneckerProductLinearOperator(G_l, A_l)`` and the constant
+diagonal :math:`\delta_l I`, whose log-determinant comes from the factors' eigendecompositions, exactly:
+with eigenvalues :math:`q_i` of :math:`A_l` and :math:`w_j` of :math:`G_l`,
+:math:`\log|H_l + \delta_l I| = \sum_{ij} \log(q_i w_j + \delta_l)`. The eigendecompositions are computed once
+per factor (linear_operator's: in double precision, rounding-negative eigenvalues chopped at 0). Weight and
+bias form one block and must share a prior group. Parameters outside ``nn.Linear`` / ``nn.Conv2d`` (normalisation layers, embeddings,
 ...) get the exact diagonal GGN block (:mod:`~ntkgp.curvature.diagonal`).
 
 Likelihood hyperparameters: :math:`G_l = \sum_k s_k G_{lk}` with components from the unit factors
-(:mod:`~ntkgp.curvature.scaling`). With one component (one noise, or a temperature) the eigenvalues of
-:math:`G_l` are computed once and scaled by :math:`s`; with per-output Gaussian noise (:math:`K = C`)
+(:mod:`~ntkgp.curvature.scaling`). With one component (one noise, or a temperature)
+:math:`\log|s\,\tilde G \otimes A + \delta I| = d_l \log s + \log|\tilde G \otimes A + (\delta/s) I|`, so no
+factor is decomposed again; with per-output Gaussian noise (:math:`K = C`)
 :math:`\sum_k s_k G_{lk}` is eigendecomposed at each evaluation (:math:`O(d_{\text{out}}^3)` per layer, no
 pass over the data).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from gpytorch.likelihoods import Likelihood
+from linear_operator.operators import (
+    ConstantDiagLinearOperator,
+    DenseLinearOperator,
+    KroneckerProductAddedDiagLinearOperator,
+    KroneckerProductLinearOperator,
+)
 from torch import Tensor, nn
 
 from ..ntk import ParameterGroups
 from ..ntk.groups import GroupSpec
-from .base import Curvature
+from ..options import renamed_argument
+from .base import Curvature, unexpected
 from .data_pass import Data, DataPass
 from .diagonal import diagonal_ggn_components
 from .layers import layer_features, structured_layers, usable_layers
+
+
+class KroneckerFactor(DenseLinearOperator):
+    """A symmetric positive semi-definite Kronecker factor whose eigendecomposition is computed once.
+
+    linear_operator's ``KroneckerProductLinearOperator`` asks each factor for its eigendecomposition
+    whenever a log-determinant is evaluated; this factor keeps linear_operator's own (double precision,
+    negative rounding eigenvalues chopped at 0) after the first request, so re-evaluations for new prior
+    precisions or likelihood hyperparameters cost :math:`O(d_{out} d_a)` per block.
+    """
+
+    def _symeig(self, eigenvectors: bool = False, return_evals_as_lazy: bool | None = False):
+        cached = self.__dict__.get("_ntkgp_symeig")
+        if cached is None:
+            cached = super()._symeig(eigenvectors=True)
+            self.__dict__["_ntkgp_symeig"] = cached
+        return cached[0], cached[1] if eigenvectors else None
+
+
+class _Kronecker(KroneckerProductLinearOperator):
+    """``KroneckerProductLinearOperator`` of fixed factors: its eigendecomposition (the Kronecker product of
+    the factors') is formed once."""
+
+    def _symeig(self, eigenvectors: bool = False, return_evals_as_lazy: bool | None = False):
+        if return_evals_as_lazy:
+            return super()._symeig(eigenvectors, return_evals_as_lazy)
+        cached = self.__dict__.get("_ntkgp_symeig")
+        if cached is None:
+            cached = super()._symeig(eigenvectors=True)
+            self.__dict__["_ntkgp_symeig"] = cached
+        return cached[0], cached[1] if eigenvectors else None
 
 
 @dataclass
 class KroneckerFactors:
     r"""The Kronecker block :math:`G \otimes A` of one layer.
 
-    :ivar module: the module's name in ``net.named_modules()``.
-    :ivar weight: the weight's parameter name; ``bias`` the bias's, or ``None`` when it is absent or frozen.
-    :ivar group: the prior group of the block.
-    :ivar input_factor: :math:`A = \sum_n \sum_t \bar a_{nt} \bar a_{nt}^\top`, shape ``(d_a, d_a)`` with
-        :math:`d_a` = fan-in (+1 with a bias).
-    :ivar output_factors: the components :math:`G_k`, shape ``(K, d_out, d_out)``.
-    :ivar input_eigenvalues: eigenvalues of :math:`A`, ``(d_a,)``.
-    :ivar output_eigenvalues: eigenvalues of :math:`\sum_k G_k`, ``(d_out,)``.
+    Attributes:
+        module: the module's name in ``net.named_modules()``.
+        weight: the weight's parameter name; ``bias`` the bias's, or ``None`` when it is absent or frozen.
+        group: the prior group of the block.
+        input_factor: :math:`A = \sum_n \sum_t \bar a_{nt} \bar a_{nt}^\top`, shape ``(d_a, d_a)`` with
+            :math:`d_a` = fan-in (+1 with a bias).
+        output_factors: the components :math:`G_k`, shape ``(K, d_out, d_out)``.
+        input_eigenvalues: eigenvalues of :math:`A`, ``(d_a,)`` (after :meth:`decompose`).
+        output_eigenvalues: eigenvalues of :math:`\sum_k G_k`, ``(d_out,)`` (after :meth:`decompose`).
     """
 
     module: str
@@ -66,21 +110,62 @@ class KroneckerFactors:
     output_factors: Tensor
     input_eigenvalues: Tensor | None = None
     output_eigenvalues: Tensor | None = None
+    input_operator: KroneckerFactor | None = field(default=None, repr=False)
+    output_operator: KroneckerFactor | None = field(default=None, repr=False)
+    unit_operator: KroneckerProductLinearOperator | None = field(default=None, repr=False)
 
     def decompose(self) -> None:
-        """Eigenvalues of the factors (clamped at 0 against rounding), once."""
-        self.input_eigenvalues = torch.linalg.eigvalsh(self.input_factor).clamp_min(0)
-        self.output_eigenvalues = torch.linalg.eigvalsh(self.output_factors.sum(dim=0)).clamp_min(0)
+        r"""Eigendecompositions of :math:`A` and :math:`\sum_k G_k` (linear_operator's, clamped at 0), once."""
+        self.input_operator = KroneckerFactor(self.input_factor)
+        self.output_operator = KroneckerFactor(self.output_factors.sum(dim=0))
+        self.input_eigenvalues = self.input_operator.eigvalsh()
+        self.output_eigenvalues = self.output_operator.eigvalsh()
+        self.unit_operator = _Kronecker(self.output_operator, self.input_operator)
+
+    def output_factor(self, scale: Tensor) -> Tensor:
+        r""":math:`G = \sum_k s_k G_k`, ``(d_out, d_out)``."""
+        return torch.einsum("k,kij->ij", scale, self.output_factors)
+
+    def operator(self, scale: Tensor) -> KroneckerProductLinearOperator:
+        r"""The block :math:`H_l = G \otimes A` as a ``KroneckerProductLinearOperator`` (row-major order of
+        :math:`\operatorname{vec}([W \mid b])`)."""
+        if self.input_operator is None:
+            self.decompose()
+        if scale.shape[0] == 1:
+            return KroneckerProductLinearOperator(self.output_operator * scale.reshape(()), self.input_operator)
+        return KroneckerProductLinearOperator(KroneckerFactor(self.output_factor(scale)), self.input_operator)
+
+    def log_det(self, scale: Tensor, delta: Tensor) -> Tensor:
+        r""":math:`\log|G \otimes A + \delta I|` by ``KroneckerProductAddedDiagLinearOperator`` (exact, no damping);
+        differentiable in :math:`s` and :math:`\delta`."""
+        if self.input_operator is None:
+            self.decompose()
+        size = self.input_factor.shape[0] * self.output_factors.shape[-1]
+        if scale.shape[0] == 1:  # |s G~ (x) A + δ I| = s^d |G~ (x) A + (δ/s) I|: the cached factors serve
+            s = scale.reshape(())
+            shifted = KroneckerProductAddedDiagLinearOperator(
+                self.unit_operator, ConstantDiagLinearOperator((delta / s).reshape(1), diag_shape=size)
+            )
+            return size * s.log() + shifted.logdet()
+        kron = self.operator(scale)
+        return KroneckerProductAddedDiagLinearOperator(
+            kron, ConstantDiagLinearOperator(delta.reshape(1), diag_shape=size)
+        ).logdet()
 
 
 class KroneckerGGN(Curvature):
     r"""Block-diagonal KFAC GGN: one :class:`KroneckerFactors` block per ``Linear``/``Conv2d`` layer and an
     exact diagonal for the remaining parameters (module docstring).
 
-    :param blocks: the Kronecker blocks.
-    :param diagonal_names: the parameters outside the blocks.
-    :param diagonal_components: their GGN diagonal components, shape ``(K, P_diag)``.
-    Other parameters as :class:`~ntkgp.curvature.Curvature`.
+    Args:
+        groups: the prior-precision groups of the network's trainable parameters.
+        theta_sq_norms: :math:`\|\theta^*_g\|^2` per group.
+        f: network outputs at :math:`\theta^*`.
+        y: normalised targets.
+        scale_size: length of the likelihood's output scale.
+        blocks: the Kronecker blocks.
+        diagonal_names: the parameters outside the blocks.
+        diagonal_components: their GGN diagonal components, shape ``(K, P_diag)``.
     """
 
     structure = "kfac"
@@ -112,21 +197,21 @@ class KroneckerGGN(Curvature):
         r"""Eigenvalues of :math:`\sum_k s_k G_k`, ``(d_out,)``, differentiable in :math:`s`."""
         if scale.shape[0] == 1:
             return scale * block.output_eigenvalues
-        return torch.linalg.eigvalsh(torch.einsum("k,kij->ij", scale, block.output_factors)).clamp_min(0)
+        return KroneckerFactor(block.output_factor(scale)).eigvalsh()
 
     def log_det(self, prior_precision: float | Tensor, likelihood: Likelihood) -> Tensor:
-        r""":math:`\sum_l \sum_{ij} \log(q_i w_j + \delta_l) + \sum_{p \notin \text{blocks}} \log(H_{pp} + \delta)`."""
+        r""":math:`\sum_l \log|G_l \otimes A_l + \delta_l I| + \sum_{p \notin \text{blocks}} \log(H_{pp} + \delta)`."""
         delta = self.prior_precision_vector(prior_precision)
         scale = self.scale(likelihood)
         total = torch.log(scale @ self.diagonal_components + delta[self.diagonal_groups]).sum()
         for block in self.blocks:
-            w = self.output_eigenvalues(block, scale)
-            total = total + torch.log(w[:, None] * block.input_eigenvalues[None, :] + delta[block.group]).sum()
+            total = total + block.log_det(scale, delta[block.group])
         return total
 
     def dense(self, likelihood: Likelihood) -> Tensor:
-        r"""The block-diagonal :math:`H` as ``(P, P)``; each block :math:`G \otimes A` is permuted from the
-        order of :math:`\operatorname{vec}([W \mid b])` to the network's order (``weight`` then ``bias``)."""
+        r"""The block-diagonal :math:`H` as ``(P, P)``; each block :math:`G \otimes A` (linear_operator's
+        ``KroneckerProductLinearOperator``, densified) is permuted from the order of
+        :math:`\operatorname{vec}([W \mid b])` to the network's order (``weight`` then ``bias``)."""
         scale = self.scale(likelihood)
         names = list(self.groups.names)
         offsets = dict(zip(names, torch.tensor((0,) + self.groups.numels).cumsum(0).tolist()))
@@ -139,7 +224,9 @@ class KroneckerGGN(Curvature):
             if block.bias is not None:
                 index = torch.where(i == fan_in, offsets[block.bias] + o, index)
             index = index.reshape(-1)
-            kron = torch.kron(torch.einsum("k,kij->ij", scale, block.output_factors), block.input_factor)
+            kron = KroneckerProductLinearOperator(
+                DenseLinearOperator(block.output_factor(scale)), DenseLinearOperator(block.input_factor)
+            ).to_dense()
             out[index[:, None], index[None, :]] = kron
         if self.diagonal_names:
             cols = torch.cat([torch.arange(offsets[n], offsets[n] + self.groups.numels[names.index(n)])
@@ -153,10 +240,11 @@ def kfac_ggn(
     x: Data,
     y: Tensor | None,
     likelihood: Likelihood,
-    groups: GroupSpec = "layer",
+    prior_structure: GroupSpec = "layer",
     batch_size: int = 64,
     progress: bool = False,
     input_shape: tuple[int, ...] | None = None,
+    **kwargs,
 ) -> KroneckerGGN:
     r"""KFAC factors :math:`A_l, G_l` of every ``Linear``/``Conv2d`` layer (module docstring) and the exact
     diagonal GGN of the other parameters, batch by batch.
@@ -165,7 +253,9 @@ def kfac_ggn(
     outside the layers); memory :math:`O(\text{batch} \cdot C \cdot \text{activations} + \sum_l d_a^2 + K d_{out}^2)`.
     Arguments as :func:`~ntkgp.curvature.compute_curvature`.
     """
-    data = DataPass.start(net, likelihood, groups, input_shape)
+    prior_structure = renamed_argument(kwargs, "groups", "prior_structure", prior_structure, "layer")
+    unexpected(kwargs, "kfac_ggn")
+    data = DataPass.start(net, likelihood, prior_structure, input_shape)
     pg = data.engine.groups
     layers = structured_layers(net, pg, strict=True)
     in_blocks = {n for layer in layers for n in (layer.weight, layer.bias) if n is not None}

@@ -1,5 +1,5 @@
-r"""Layer features of ``nn.Linear`` and ``nn.Conv2d`` layers: inputs :math:`\bar a_{nt}` and back-propagated
-output gradients :math:`\Gamma_{nmt}`, from one batched forward pass with hooks.
+r"""Layer features for the curvature: the engine's shared machinery (:mod:`ntkgp.ntk.features`) with the
+bias folded into the input, :math:`\bar a = [a; 1]`.
 
 For a layer :math:`z_{nt} = \Theta \bar a_{nt}`, :math:`\Theta = [W \mid b]` (convolution: on unfolded patches,
 :math:`t` the spatial location; linear layer: :math:`t` the extra input dimensions, one location for
@@ -9,32 +9,31 @@ For a layer :math:`z_{nt} = \Theta \bar a_{nt}`, :math:`\Theta = [W \mid b]` (co
     J_n^\top u_{nm} \big|_\Theta = \sum_t \Gamma_{nmt} \bar a_{nt}^\top, \qquad
     \Gamma_{nmt} = \partial (u_{nm}^\top f_n) / \partial z_{nt},
 
-so the layer's curvature needs :math:`\bar a` and :math:`\Gamma` only, never the Jacobian. Since the examples
-do not interact (eval mode), one backward pass of :math:`\sum_n u_{nm}^\top f_n` gives all :math:`\Gamma_{nm}`.
+so the layer's curvature needs :math:`\bar a` and :math:`\Gamma` only, never the Jacobian. Which layers take
+this form is decided by the one safety rule of :mod:`ntkgp.ntk.features` (the NTK engine uses the same); the
+curvature additionally needs a trainable weight (a layer with only a trainable bias takes the per-example
+route) and, for KFAC, weight and bias in one prior group.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor, nn
-from torch.nn.functional import unfold
 
 from ..ntk import ParameterGroups
+from ..ntk.features import LAYER_TYPES, Layer, candidate_layers, layer_inputs, layer_output_gradients, verify_layers
+from ..ntk.features import layer_features as shared_layer_features
 from .data_pass import DataPass
 
-LAYER_TYPES = (nn.Linear, nn.Conv2d)
-
-
-@dataclass(frozen=True)
-class Layer:
-    """A layer in structured form: its name, module, and the names of its weight and (trainable) bias."""
-
-    name: str
-    module: nn.Module
-    weight: str
-    bias: str | None
+__all__ = [
+    "LAYER_TYPES",
+    "Layer",
+    "layer_features",
+    "layer_output_gradients",
+    "layer_patches",
+    "structured_layers",
+    "usable_layers",
+]
 
 
 def structured_layers(net: nn.Module, groups: ParameterGroups, strict: bool) -> list[Layer]:
@@ -45,85 +44,30 @@ def structured_layers(net: nn.Module, groups: ParameterGroups, strict: bool) -> 
     ``groups > 1``, ``padding="same"`` or a non-zero padding mode. Otherwise such layers are left out (their
     parameters take the generic per-example route).
     """
+    layers, problems = candidate_layers(net, groups.names)
+    if strict and problems:
+        problem = next(iter(problems.values()))
+        raise type(problem)(f"KFAC: {problem}")
     index = dict(zip(groups.names, groups.group_of))
-    owners: dict[int, int] = {}
-    for module in net.modules():
-        for p in module._parameters.values():
-            if p is not None:
-                owners[id(p)] = owners.get(id(p), 0) + 1
-    layers = []
-    for name, module in net.named_modules():
-        prefix = f"{name}." if name else ""
-        weight, bias = prefix + "weight", prefix + "bias"
-        if type(module) not in LAYER_TYPES or weight not in index:
+    keep = []
+    for layer in layers:
+        if layer.weight is None:
             continue
-        bias = bias if bias in index else None
-        problem = None
-        if owners[id(module.weight)] > 1:
-            problem = ValueError(f"the weight of layer '{name}' is shared with another module")
-        elif isinstance(module, nn.Conv2d) and (
-            module.groups != 1
-            or (isinstance(module.padding, str) and module.padding != "valid")
-            or module.padding_mode != "zeros"
-        ):
-            problem = NotImplementedError(
-                f"KFAC supports Conv2d with groups=1, numeric or 'valid' padding and padding_mode='zeros'; "
-                f"layer '{name}' has groups={module.groups}, padding={module.padding!r}, "
-                f"padding_mode={module.padding_mode!r}"
+        if strict and layer.bias is not None and index[layer.bias] != index[layer.weight]:
+            raise ValueError(
+                f"KFAC treats the weight and bias of layer '{layer.name}' as one Kronecker block, so they need one "
+                f"prior precision: they are in groups '{groups.group_names[index[layer.weight]]}' and "
+                f"'{groups.group_names[index[layer.bias]]}'. Use prior_structure='layer' or 'network'"
             )
-        elif strict and bias is not None and index[bias] != index[weight]:
-            problem = ValueError(
-                f"KFAC treats the weight and bias of layer '{name}' as one Kronecker block, so they need one "
-                f"prior precision: they are in groups '{groups.group_names[index[weight]]}' and "
-                f"'{groups.group_names[index[bias]]}'. Use groups='layer' or 'network'"
-            )
-        if problem is not None and strict:
-            raise problem
-        if problem is None:
-            layers.append(Layer(name, module, weight, bias))
-    return layers
+        keep.append(layer)
+    return keep
 
 
 def layer_patches(module: nn.Module, inputs: Tensor, with_bias: bool) -> Tensor:
     r"""The layer's inputs :math:`\bar a_{nt}` as ``(n, d_a, T)``: unfolded patches for a convolution, extra
     dimensions as locations for a linear layer; a row of ones appended when ``with_bias``."""
-    n = inputs.shape[0]
-    if isinstance(module, nn.Conv2d):
-        padding = 0 if module.padding == "valid" else module.padding
-        a = unfold(inputs, module.kernel_size, module.dilation, padding, module.stride)
-    else:
-        a = inputs.reshape(n, -1, inputs.shape[-1]).transpose(1, 2)
-    if with_bias:
-        a = torch.cat([a, torch.ones_like(a[:, :1])], dim=1)
-    return a
-
-
-def layer_output_gradients(module: nn.Module, grads: Tensor) -> Tensor:
-    r""":math:`\Gamma_{nt}` as ``(n, d_out, T)`` from the gradient w.r.t. the layer's output."""
-    n = grads.shape[0]
-    if isinstance(module, nn.Conv2d):
-        return grads.reshape(n, grads.shape[1], -1)
-    return grads.reshape(n, -1, grads.shape[-1]).transpose(1, 2)
-
-
-def layer_call_counts(data: DataPass, layers: list[Layer], x: Tensor) -> dict[str, int]:
-    """How often each layer is called in one forward pass of ``x`` (structured form needs exactly once)."""
-    counts = {layer.name: 0 for layer in layers}
-
-    def counter(name: str):
-        def hook(module, args, output):
-            counts[name] += 1
-
-        return hook
-
-    handles = [layer.module.register_forward_hook(counter(layer.name)) for layer in layers]
-    try:
-        with torch.no_grad():
-            data.forward(x)
-    finally:
-        for handle in handles:
-            handle.remove()
-    return counts
+    a = layer_inputs(module, inputs)
+    return torch.cat([a, torch.ones_like(a[:, :1])], dim=1) if with_bias else a
 
 
 def layer_features(
@@ -131,45 +75,20 @@ def layer_features(
 ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
     r"""One batch's layer inputs :math:`\bar a` ``(n, d_a, T)`` and output gradients :math:`\Gamma`
     ``(n, M, d_out, T)`` for the cotangents :math:`u_{nm}` ``(n, C, M)``: one forward pass with hooks (removed
-    afterwards) and :math:`M` backward passes."""
-    seen: dict[str, list[tuple[Tensor, Tensor]]] = {layer.name: [] for layer in layers}
-
-    def recorder(name: str):
-        def hook(module, args, output):
-            seen[name].append((args[0], output))
-
-        return hook
-
-    handles = [layer.module.register_forward_hook(recorder(layer.name)) for layer in layers]
-    try:
-        with torch.enable_grad():
-            params = {k: p.detach().requires_grad_(True) for k, p in data.params.items()}
-            f = data.forward(x, params)
-            twice = [name for name, calls in seen.items() if len(calls) != 1]
-            if twice:
-                raise ValueError(f"layers {twice} are called more than once per forward pass")
-            outputs = [seen[layer.name][0][1] for layer in layers]
-            grads: dict[str, list[Tensor]] = {layer.name: [] for layer in layers}
-            for m in range(cotangents.shape[-1]):
-                gs = torch.autograd.grad(f, outputs, cotangents[:, :, m], retain_graph=True, allow_unused=True)
-                for layer, g, z in zip(layers, gs, outputs):
-                    g = torch.zeros_like(z) if g is None else g
-                    grads[layer.name].append(layer_output_gradients(layer.module, g))
-    finally:
-        for handle in handles:
-            handle.remove()
-    inputs = {
-        layer.name: layer_patches(layer.module, seen[layer.name][0][0].detach(), layer.bias is not None)
-        for layer in layers
-    }
-    return inputs, {name: torch.stack(g, dim=1) for name, g in grads.items()}
+    afterwards) and :math:`M` backward passes (:func:`ntkgp.ntk.features.layer_features`)."""
+    features = shared_layer_features(data.net, data.params, layers, x, cotangents)
+    inputs = {}
+    for layer in layers:
+        a = features.inputs[layer.name]
+        inputs[layer.name] = torch.cat([a, torch.ones_like(a[:, :1])], dim=1) if layer.bias is not None else a
+    return inputs, features.grads
 
 
 def usable_layers(data: DataPass, layers: list[Layer], x: Tensor, strict: bool) -> list[Layer]:
-    """The ``layers`` called exactly once in a forward pass of the probe ``x``; with ``strict`` any other
+    """The ``layers`` that pass the safety rule on the probe ``x`` (:func:`ntkgp.ntk.features.verify_layers`:
+    called exactly once, batched inputs, structured Jacobian equal to autograd's); with ``strict`` any other
     raises ``ValueError``."""
-    counts = layer_call_counts(data, layers, x)
-    bad = [name for name, count in counts.items() if count != 1]
-    if bad and strict:
-        raise ValueError(f"KFAC: layers {bad} are called more than once per forward pass (or never)")
-    return [layer for layer in layers if counts[layer.name] == 1]
+    keep, _, problems = verify_layers(data.net, data.params, layers, x)
+    if problems and strict:
+        raise ValueError("KFAC: " + "; ".join(str(p) for p in problems.values()))
+    return keep

@@ -46,3 +46,48 @@ def check_outputs(f: torch.Tensor, n: int, argument: str = "net") -> None:
         )
     if not torch.isfinite(f).all():
         raise ValueError(f"{argument} produced NaN or Inf outputs")
+
+
+def check_count(value: object, argument: str, minimum: int = 1) -> int:
+    """An integer ``>= minimum`` (a bool or a non-integral number is rejected), returned as ``int``."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value) or value < minimum:
+        raise ValueError(f"{argument} must be an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def check_rows(v: torch.Tensor, rows: int, argument: str, max_dim: int = 2) -> None:
+    """Raise unless ``v`` is a finite floating tensor of shape ``(rows,)`` or ``(rows, k)``."""
+    if not isinstance(v, torch.Tensor):
+        raise TypeError(f"{argument} must be a torch.Tensor, got {type(v).__name__}")
+    if not v.is_floating_point():
+        raise TypeError(f"{argument} must be a floating-point tensor, got dtype {v.dtype}")
+    if not 1 <= v.dim() <= max_dim or v.shape[0] != rows:
+        shapes = f"({rows},)" + (f" or ({rows}, k)" if max_dim == 2 else "")
+        raise ValueError(f"{argument} must have shape {shapes}, got {tuple(v.shape)}")
+    if not torch.isfinite(v).all():
+        raise ValueError(f"{argument} contains NaN or Inf values")
+
+
+def check_tangents(u: object, shapes: dict[str, torch.Size], argument: str = "u") -> None:
+    """Raise unless ``u`` maps every trainable parameter name to a finite floating tensor of its shape,
+    all with or all without one trailing column dimension ``k`` (the same ``k``)."""
+    if not isinstance(u, dict):
+        raise TypeError(f"{argument} must be a dict from parameter names to tensors, got {type(u).__name__}")
+    missing, unknown = [n for n in shapes if n not in u], [n for n in u if n not in shapes]
+    if missing or unknown:
+        raise ValueError(f"{argument} must name every trainable parameter exactly: missing {missing}, unknown {unknown}")
+    trailing = set()
+    for name, shape in shapes.items():
+        t = u[name]
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            raise TypeError(f"{argument}[{name!r}] must be a floating-point tensor")
+        if tuple(t.shape) == tuple(shape):
+            trailing.add(None)
+        elif t.dim() == len(shape) + 1 and tuple(t.shape[:-1]) == tuple(shape):
+            trailing.add(t.shape[-1])
+        else:
+            raise ValueError(f"{argument}[{name!r}] must have shape {tuple(shape)} or {tuple(shape) + ('k',)}, got {tuple(t.shape)}")
+        if not torch.isfinite(t).all():
+            raise ValueError(f"{argument}[{name!r}] contains NaN or Inf values")
+    if len(trailing) > 1:
+        raise ValueError(f"{argument} mixes tensors with and without (or with different) trailing columns k")

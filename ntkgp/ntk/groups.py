@@ -8,7 +8,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..options import PriorStructure, choose, renamed_argument
+
 GroupSpec = str | Mapping[str, str]
+#: What ``prior_structure=`` accepts: ``"network"``, ``"layer"``, ``"parameter"`` or a mapping name → group.
+PriorStructureSpec = GroupSpec
 
 
 @dataclass(frozen=True)
@@ -53,39 +57,48 @@ class ParameterGroups:
         return sizes
 
 
-def resolve_groups(net: nn.Module, groups: GroupSpec = "layer") -> ParameterGroups:
+def resolve_groups(net: nn.Module, prior_structure: GroupSpec = "layer", **kwargs) -> ParameterGroups:
     """Partition the trainable parameters of ``net`` into prior-precision groups.
 
     Args:
         net: the network; parameters with ``requires_grad=False`` are excluded.
-        groups: ``"network"`` (one group), ``"layer"`` (one group per module that owns
-            parameters, the default), ``"parameter"`` (one group per parameter tensor, as
-            laplace-torch's per-layer prior precision), or a mapping from every trainable
-            parameter name to a group label.
+        prior_structure: ``"network"`` (one group; laplace-torch's ``"scalar"``, deprecated spelling here),
+            ``"layer"`` (one group per module that owns parameters, the default; laplace-torch's
+            ``"layerwise"``), ``"parameter"`` (one group per parameter tensor, as laplace-torch's per-layer
+            prior precision), or a mapping from every trainable parameter name to a group label.
+        **kwargs: ``groups=``, the deprecated name of ``prior_structure`` (``DeprecationWarning``).
+
+    Returns:
+        The :class:`ParameterGroups`.
+
+    Raises:
+        ValueError: for an unknown structure, a mapping that does not name every trainable parameter
+            exactly, or a network without trainable parameters.
     """
+    prior_structure = renamed_argument(kwargs, "groups", "prior_structure", prior_structure, "layer")
+    if kwargs:
+        raise TypeError(f"resolve_groups() got unexpected keyword arguments {sorted(kwargs)}")
     named = [(n, p) for n, p in net.named_parameters() if p.requires_grad]
     if not named:
         raise ValueError("net has no trainable parameters (all have requires_grad=False)")
     names = tuple(n for n, _ in named)
-    if isinstance(groups, Mapping):
-        missing = [n for n in names if n not in groups]
-        unknown = [n for n in groups if n not in names]
+    if isinstance(prior_structure, Mapping):
+        missing = [n for n in names if n not in prior_structure]
+        unknown = [n for n in prior_structure if n not in names]
         if missing or unknown:
             raise ValueError(
-                f"groups mapping must name every trainable parameter exactly: missing {missing}, "
+                f"prior_structure mapping must name every trainable parameter exactly: missing {missing}, "
                 f"unknown {unknown}"
             )
-        labels = [str(groups[n]) for n in names]
-    elif groups == "network":
-        labels = ["network"] * len(names)
-    elif groups == "layer":
-        labels = [n.rpartition(".")[0] or n for n in names]
-    elif groups == "parameter":
-        labels = list(names)
+        labels = [str(prior_structure[n]) for n in names]
     else:
-        raise ValueError(
-            f"groups must be 'network', 'layer', 'parameter' or a mapping of parameter names, got {groups!r}"
-        )
+        structure = choose(PriorStructure, prior_structure, "prior_structure")
+        if structure is PriorStructure.NETWORK:
+            labels = ["network"] * len(names)
+        elif structure is PriorStructure.LAYER:
+            labels = [n.rpartition(".")[0] or n for n in names]
+        else:
+            labels = list(names)
     group_names = tuple(dict.fromkeys(labels))
     index = {g: i for i, g in enumerate(group_names)}
     return ParameterGroups(

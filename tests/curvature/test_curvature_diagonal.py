@@ -111,8 +111,8 @@ def test_log_det_and_evidence_equal_dense_formulas(name, structure):
         + 0.5 * prec.log().sum()
         - 0.5 * log_det
     )
-    assert torch.allclose(curv.log_evidence(delta, lik), expected, rtol=1e-12)
-    assert torch.allclose(curv.log_evidence(2.0, lik), curv.log_evidence(torch.full_like(delta, 2.0), lik))
+    assert torch.allclose(curv.log_marginal_likelihood(delta, lik), expected, rtol=1e-12)
+    assert torch.allclose(curv.log_marginal_likelihood(2.0, lik), curv.log_marginal_likelihood(torch.full_like(delta, 2.0), lik))
 
 
 @pytest.mark.parametrize("name", ["gaussian", "multitask", "logistic", "softmax"])
@@ -148,19 +148,19 @@ def test_gradients_match_finite_differences(name, structure):
     curv = compute_curvature(net, x, y, lik, structure)
     groups = resolve_groups(net, "layer")
     delta = torch.linspace(0.5, 3.0, groups.num_groups, dtype=torch.float64).requires_grad_(True)
-    (grad,) = torch.autograd.grad(curv.log_evidence(delta, lik), delta)
-    fd = finite_difference(lambda d: curv.log_evidence(d, lik).detach(), delta.detach())
+    (grad,) = torch.autograd.grad(curv.log_marginal_likelihood(delta, lik), delta)
+    fd = finite_difference(lambda d: curv.log_marginal_likelihood(d, lik).detach(), delta.detach())
     assert torch.allclose(grad, fd, rtol=1e-6, atol=1e-8)
     raw_name = {"gaussian": "noise_covar.raw_noise", "multitask": "raw_task_noises"}.get(name, "raw_temperature")
     raw = dict(lik.named_parameters())[raw_name]
     raw.requires_grad_(True)
-    (grad,) = torch.autograd.grad(curv.log_evidence(delta.detach(), lik), raw)
+    (grad,) = torch.autograd.grad(curv.log_marginal_likelihood(delta.detach(), lik), raw)
 
     def evidence_at(value):
         with torch.no_grad():
             old = raw.clone()
             raw.copy_(value)
-            out = curv.log_evidence(delta.detach(), lik)
+            out = curv.log_marginal_likelihood(delta.detach(), lik)
             raw.copy_(old)
         return out
 
@@ -174,13 +174,17 @@ def test_batches_from_an_iterable_equal_tensor_input():
     a = compute_curvature(net, x, y, lik, "diag_ggn", batch_size=5)
     b = compute_curvature(net, loader, None, lik, "diag_ggn", progress=True)
     assert torch.allclose(a.diagonal(lik), b.diagonal(lik), rtol=1e-13)
-    assert torch.allclose(a.log_evidence(1.0, lik), b.log_evidence(1.0, lik), rtol=1e-13)
+    assert torch.allclose(a.log_marginal_likelihood(1.0, lik), b.log_marginal_likelihood(1.0, lik), rtol=1e-13)
 
 
 def test_invalid_arguments_raise():
     net, x, y, lik = case("softmax")
     with pytest.raises(ValueError, match="structure"):
-        compute_curvature(net, x, y, lik, "full")
+        compute_curvature(net, x, y, lik, "full_ggn")
+    with pytest.raises(ValueError, match="structure"):
+        compute_curvature(net, x, y, lik, "unknown")
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="structure"):
+        compute_curvature(net, x, y, lik, "full")  # deprecated spelling of "full_ggn"
     curv = compute_curvature(net, x, y, lik, "diag_ef")
     with pytest.raises(ValueError, match="shape"):
         curv.log_det(torch.ones(7, dtype=torch.float64), lik)

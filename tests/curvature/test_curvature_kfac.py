@@ -195,15 +195,15 @@ def test_new_hyperparameters_and_gradients(name):
     expected = sum(layer_log_det(a, g, 1.3) for a, g in factors)
     assert torch.allclose(curv.log_det(1.3, lik), expected, rtol=1e-11)
     delta = torch.tensor([0.5, 2.0, 3.0], dtype=torch.float64, requires_grad=True)
-    grads = torch.autograd.grad(curv.log_evidence(delta, lik), [delta, raw])
+    grads = torch.autograd.grad(curv.log_marginal_likelihood(delta, lik), [delta, raw])
     eps = 1e-6
     for value, grad in zip([delta, raw], grads):
         for i in range(value.numel()):
             with torch.no_grad():
                 value.view(-1)[i] += eps
-                up = curv.log_evidence(delta, lik)
+                up = curv.log_marginal_likelihood(delta, lik)
                 value.view(-1)[i] -= 2 * eps
-                down = curv.log_evidence(delta, lik)
+                down = curv.log_marginal_likelihood(delta, lik)
                 value.view(-1)[i] += eps
             assert torch.allclose(grad.view(-1)[i], (up - down) / (2 * eps), rtol=1e-6, atol=1e-8)
 
@@ -221,7 +221,7 @@ def test_kfac_errors():
     lik, _ = likelihood("gaussian")
     x, y = torch.randn(4, 3, dtype=torch.float64), torch.randn(4, dtype=torch.float64)
     with pytest.raises(ValueError, match="one prior precision"):
-        compute_curvature(mlp(), x, y, lik, "kfac", groups="parameter")
+        compute_curvature(mlp(), x, y, lik, "kfac", prior_structure="parameter")
     with pytest.raises(ValueError, match="more than once"):
         compute_curvature(Shared(), x, y, lik, "kfac")
     tied = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 3), nn.Linear(3, 1)).double()

@@ -41,9 +41,7 @@ def test_group_grams_match_brute_force(case, strategy, groups):
     net = make_net()
     torch.manual_seed(1)
     x1, x2 = make_x(9), make_x(5)
-    if strategy == "structured" and case == "cnn_bn":
-        strategy = "auto"  # convolutions have no structured form: auto mixes both routes
-    engine = NTKEngine(net, groups=groups, strategy=strategy, chunk_size=4)
+    engine = NTKEngine(net, prior_structure=groups, strategy=strategy, chunk_size=4)
     before = snapshot(net)
     sym = engine.group_grams(x1)
     cross = engine.group_grams(x1, x2)
@@ -55,13 +53,15 @@ def test_group_grams_match_brute_force(case, strategy, groups):
     assert torch.allclose(sym, sym.mT, atol=1e-12)
 
 
-def test_structured_route_is_taken_for_linear_layers():
+def test_structured_route_is_taken_for_linear_and_conv_layers():
     engine = NTKEngine(mlp(d_out=3), strategy="auto")
     plan = engine.plan(torch.randn(2, 3, dtype=torch.float64))
-    assert plan.generic == [] and len(plan.structured) == 3
+    assert plan.generic == [] and len(plan.structured) == 3 and plan.expanded == ()
     cnn = NTKEngine(small_cnn(), strategy="auto")
     plan = cnn.plan(torch.randn(2, 1, 6, 6, dtype=torch.float64))
-    assert list(plan.structured) == ["head"]
+    assert list(plan.structured) == ["conv", "head"] and plan.expanded == ("conv",)
+    names = cnn.groups.names
+    assert [names[i] for i in plan.generic] == ["bn.weight", "bn.bias"]  # BatchNorm: contraction
 
 
 def test_shared_linear_falls_back_to_contraction():
@@ -87,11 +87,11 @@ def test_explicit_group_mapping():
     net = mlp(d_out=2)
     mapping = {n: ("first" if n.startswith("0.") else "rest") for n, _ in net.named_parameters()}
     x = torch.randn(7, 3, dtype=torch.float64)
-    engine = NTKEngine(net, groups=mapping)
+    engine = NTKEngine(net, prior_structure=mapping)
     assert engine.groups.group_names == ("first", "rest")
     assert rel_err(engine.group_grams(x), reference_group_grams(net, x, x, mapping)) < 1e-10
-    with pytest.raises(ValueError, match="groups mapping"):
-        NTKEngine(net, groups={"0.weight": "a"})
+    with pytest.raises(ValueError, match="prior_structure mapping"):
+        NTKEngine(net, prior_structure={"0.weight": "a"})
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -150,7 +150,7 @@ def test_bad_inputs_raise_clear_errors():
     bad[1, 2] = float("nan")
     with pytest.raises(ValueError, match="x1 contains NaN"):
         engine.group_grams(bad)
-    with pytest.raises(RuntimeError):
+    with pytest.raises(ValueError, match="x1 of shape .* does not fit the network"):
         engine.group_grams(torch.randn(4, 5, dtype=torch.float64))
     with pytest.raises(ValueError, match="input_shape|shape"):
         NTKEngine(small_cnn(), input_shape=(1, 6, 6)).group_grams(torch.randn(3, 35, dtype=torch.float64))
@@ -216,7 +216,7 @@ def test_output_grams_are_the_diagonal_output_blocks_of_group_grams(case, groups
     net = make_net()
     torch.manual_seed(2)
     x1, x2 = make_x(7), make_x(4)
-    engine = NTKEngine(net, groups=groups, chunk_size=3)
+    engine = NTKEngine(net, prior_structure=groups, chunk_size=3)
     before = snapshot(net)
     c = engine.num_outputs(x1)
     g = engine.num_groups
@@ -239,7 +239,7 @@ def test_output_grams_are_the_diagonal_output_blocks_of_group_grams(case, groups
 
 def test_group_sq_norms():
     net = frozen_mlp()
-    norms = NTKEngine(net, groups="layer").group_sq_norms()
+    norms = NTKEngine(net, prior_structure="layer").group_sq_norms()
     expected = torch.stack([net[0].weight.square().sum() + net[0].bias.square().sum(),
                             net[2].bias.square().sum(),  # net[2].weight is frozen: not in the prior
                             net[4].weight.square().sum() + net[4].bias.square().sum()]).detach()
