@@ -6,8 +6,9 @@ when per-point blocks are read. The NTK's per-group pieces (Jacobians, Grams, pe
 computed once per *distinct* slice (or pair of slices) on the flattened union of their rows and then
 gathered back to the batch shape, with ``expand`` (no copy) when a single slice serves the whole batch.
 
-Slices are compared by value, except when the input requires grad: then every slice is kept, so that
-each batch element's rows carry their own graph to the user's tensor.
+Slices are compared by value, except when a graph to the input is being recorded (it requires grad and
+grad mode is on): then every slice is kept, so that each batch element's rows carry their own graph to
+the user's tensor.
 """
 
 from __future__ import annotations
@@ -36,13 +37,18 @@ class Slices:
         return self.values.reshape(-1, self.values.shape[-1])
 
 
+def tracks_grad(x: torch.Tensor) -> bool:
+    """Whether results computed from ``x`` must carry a graph to it."""
+    return x.requires_grad and torch.is_grad_enabled()
+
+
 def distinct_slices(x: torch.Tensor) -> Slices:
-    """Split ``x`` of shape ``(*batch, N, D)`` into its distinct slices (by value, unless ``x`` requires grad)."""
+    """Split ``x`` of shape ``(*batch, N, D)`` into its distinct slices (by value, unless a graph to ``x`` is needed)."""
     batch = x.shape[:-2]
     n, d = x.shape[-2:]
     count = math.prod(batch)
     device = x.device
-    if count <= 1 or x.requires_grad:
+    if count <= 1 or tracks_grad(x):
         return Slices(x.reshape(count, n, d), torch.arange(count, device=device).view(batch))
     if all(stride == 0 or size == 1 for stride, size in zip(x.stride()[:-2], batch)):
         # an expanded input (the training inputs broadcast against a batch): one slice, no copy

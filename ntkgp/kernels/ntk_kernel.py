@@ -21,7 +21,7 @@ from torch import nn
 from ..caching import ValueCache
 from ..ntk import GroupSpec, NTKEngine
 from ..options import PriorStructure, Space, Strategy, choose, choose_space, renamed_argument
-from .batching import Slices, distinct_slices, gather, group_pairs, slice_pairs
+from .batching import Slices, distinct_slices, gather, group_pairs, slice_pairs, tracks_grad
 from .lazy import NTKLazyKernelTensor
 
 _REPRESENTATION_TO_SPACE = {"auto": "auto", "dense": "function", "root": "weight"}
@@ -43,6 +43,11 @@ class _SharedValueCache(ValueCache):
 _InputCache = ValueCache
 
 
+def _stack(pieces: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.stack``, without copying a single piece (a Gram can be most of the memory in use)."""
+    return pieces[0].unsqueeze(0) if len(pieces) == 1 else torch.stack(pieces)
+
+
 def _check_int(value: object, argument: str, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{argument} must be an integer >= {minimum}, got {value!r}")
@@ -56,7 +61,7 @@ class NTKKernel(Kernel):
         K(x, x') = \sum_g \delta_g^{-1} J_g(x) J_g(x')^\top \in \mathbb{R}^{C \times C},
 
     where :math:`J_g(x) = \partial f(x;\theta)/\partial\theta_g` at :math:`\theta^*` and :math:`\delta_g` is the
-    prior precision of parameter group :math:`g` (docs/math.md, "The empirical NTK"). For inputs ``(N1, D)``
+    prior precision of parameter group :math:`g` (``docs/math.md``, "Empirical NTK"). For inputs ``(N1, D)``
     and ``(N2, D)`` the kernel is a ``(N1·C, N2·C)`` operator in GPyTorch's interleaved multi-output order
     (row ``n·C + c``), so it plugs into ``MultitaskMultivariateNormal(..., interleaved=True)`` models;
     ``num_outputs_per_input`` is ``C``.
@@ -301,10 +306,10 @@ class NTKKernel(Kernel):
         return self.engine.num_outputs(None)
 
     def is_square(self, x1: torch.Tensor, x2: torch.Tensor) -> bool:
-        """Whether ``K(x1, x2)`` is a symmetric Gram: ``x2`` is ``x1`` or, when neither requires grad, equal to it."""
+        """Whether ``K(x1, x2)`` is a symmetric Gram: ``x2`` is ``x1`` or, when neither needs a graph, equal to it."""
         if x1 is x2:
             return True
-        if x1.requires_grad or x2.requires_grad or x1.shape != x2.shape:
+        if tracks_grad(x1) or tracks_grad(x2) or x1.shape != x2.shape:
             return False
         return torch.equal(x1, x2)
 
@@ -443,7 +448,7 @@ class NTKKernel(Kernel):
         d = s1.values.shape[-1]
         if square:
             grams = [self._piece("grams", s1.values[u]) for u in range(s1.values.shape[0])]
-            return torch.stack(grams), s1.index
+            return _stack(grams), s1.index
         batch = torch.broadcast_shapes(s1.index.shape, s2.index.shape)
         pairs, pair_index = slice_pairs(s1.index, s2.index, batch)
         side, groups = group_pairs(pairs)
@@ -461,7 +466,7 @@ class NTKKernel(Kernel):
                 g = g.view(g.shape[0], n1 * c, len(partners), n2 * c)
                 for k, partner in enumerate(partners):
                     found[(fixed, partner)] = g[:, :, k]
-        return torch.stack([found[p] for p in pairs]), pair_index
+        return _stack([found[p] for p in pairs]), pair_index
 
     def _diagonal(self, x1: torch.Tensor, x2: torch.Tensor, square: bool, batch: torch.Size) -> torch.Tensor:
         """``diag K(x1, x2)``, shape ``(*batch, N·C)``: per-point blocks when square, else chunks of the Gram."""
