@@ -102,3 +102,54 @@ def test_grams_are_computed_once_across_hyperparameter_steps(monkeypatch):
         optimizer.zero_grad()
         (-model.log_marginal_likelihood()).backward()
         optimizer.step()
+
+
+def test_mll_uses_the_likelihood_it_is_given():
+    net, x, y, lik, log_prob = make_problem("regression1")
+    model = ntkgp.NTKGP(net, x, y, lik).train()
+    other = gpytorch.likelihoods.GaussianLikelihood().double()
+    other.noise = 0.7
+    mll = ntkgp.LaplaceGGNMarginalLogLikelihood(other, model)
+    value = mll(model(x), y).detach() * x.shape[0]
+    pg = resolve_groups(net)
+    cols = column_groups(net, dict(zip(pg.names, pg.group_of)))
+    ref = dense_laplace(
+        net, x, y, lambda f, yy: reference_log_prob("gaussian", f, yy, other.noise.detach()), torch.ones(3, dtype=torch.float64)[cols]
+    )["evidence"]
+    assert rel_err(value, ref) < 1e-8
+    assert rel_err(value, model.log_marginal_likelihood().detach()) > 1e-3  # not the model's own likelihood
+
+
+def test_mll_takes_the_prior_covariance_from_function_dist():
+    net, x, y, lik, _ = make_problem("softmax4")
+    model = ntkgp.NTKGP(net, x, y, lik, prior_precision=2.0).train()
+    mll = ntkgp.LaplaceGGNMarginalLogLikelihood(lik, model, space="function")
+    prior = model(x)
+    scaled = type(prior)(prior.mean, prior.lazy_covariance_matrix * 4.0)  # 4 K ⇔ δ/4 in the log-determinant
+    value = mll(scaled, y) * x.shape[0]
+    model.covar_module.prior_precision = 0.5
+    expected = model.log_marginal_likelihood().detach()
+    model.covar_module.prior_precision = 2.0
+    # only the log-determinant reads the covariance; the prior term stays that of δ = 2
+    delta_term = 0.5 * (0.5 - 2.0) * model.covar_module.engine.group_sq_norms().sum()
+    assert rel_err(value.detach(), expected + delta_term) < 1e-10
+
+
+def test_mll_checks_its_arguments():
+    net, x, y, lik, _ = make_problem("binary")
+    model = ntkgp.NTKGP(net, x, y, lik)
+    with pytest.raises(TypeError, match="model"):
+        ntkgp.LaplaceGGNMarginalLogLikelihood(lik, torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="outputs"):
+        ntkgp.LaplaceGGNMarginalLogLikelihood(SoftmaxLikelihood(num_classes=3), model)
+    with pytest.raises(ValueError, match="curvature"):
+        ntkgp.LaplaceGGNMarginalLogLikelihood(lik, model, curvature="hessian")
+    mll = ntkgp.LaplaceGGNMarginalLogLikelihood(lik, model)
+    model.train()
+    with pytest.raises(ValueError, match="training outputs"):
+        mll(model(x[:5]), y)
+    with pytest.raises(ValueError, match="target"):
+        mll(model(x), y[:5])
+    model.eval()
+    with pytest.raises(RuntimeError, match="model.train"):
+        mll(model(x), y)

@@ -248,3 +248,314 @@ def test_variances_never_form_the_test_gram(kind):
         assert calls == [(12, None), (50, 12)]
         reference = model(x_test).covariance_matrix.diagonal()
     assert torch.allclose(variance.reshape(-1), reference, rtol=1e-9, atol=1e-14)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Caches are never stale: every route of changing a hyperparameter or the network, in eval mode.
+
+ROUTES = ["setter", "data", "load_state_dict", "optimizer", "network"]
+
+
+def _change(model, route):
+    kernel, lik = model.covar_module, model.likelihood
+    if route == "setter":
+        kernel.prior_precision = kernel.prior_precision.detach() * 1.7
+        if hasattr(lik, "task_noises"):
+            lik.task_noises = lik.task_noises.detach() * 1.3
+        elif hasattr(lik, "noise"):
+            lik.noise = lik.noise.detach() * 1.3
+        if hasattr(lik, "temperature"):
+            lik.temperature = lik.temperature.detach() * 1.3
+    elif route == "data":
+        kernel.raw_prior_precision.data.add_(0.4)
+        for p in lik.parameters():
+            p.data.add_(0.2)
+    elif route == "load_state_dict":
+        state = model.state_dict()
+        for k in state:
+            if k.rpartition(".")[2].startswith("raw_"):
+                state[k] = state[k] + 0.3
+        model.load_state_dict(state)
+    elif route == "optimizer":
+        params = list(model.hyperparameters())
+        optimizer = torch.optim.SGD(params, lr=0.25)
+        for p in params:
+            p.grad = torch.ones_like(p)
+        optimizer.step()
+        for p in params:
+            p.grad = None
+    else:
+        model.net[0].weight.data.mul_(1.1)  # a change no version counter sees
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("kind", KINDS)
+def test_predictions_follow_every_change_in_eval_mode(kind, route):
+    import copy
+
+    net, x, y, lik, _ = make_problem(kind)
+    model = ntkgp.NTKGP(net, x, y, lik, prior_precision=torch.tensor([0.5, 2.0, 4.0], dtype=torch.float64)).eval()
+    x_test = torch.randn(5, 3, dtype=torch.float64)
+    with torch.no_grad():
+        before = model(x_test)
+        before.mean, before.variance  # fill every cache
+        model.log_marginal_likelihood()
+    _change(model, route)
+    fresh = ntkgp.NTKGP(net, x, y, copy.deepcopy(model.likelihood),
+                        prior_precision=model.covar_module.prior_precision.detach().clone()).eval()
+    with torch.no_grad():
+        after, reference = model(x_test), fresh(x_test)
+        assert rel_err(before.mean, reference.mean) > 1e-6  # the change matters
+        assert rel_err(after.mean, reference.mean) < 1e-10
+        assert rel_err(after.variance, reference.variance) < 1e-10
+        assert rel_err(after.covariance_matrix, reference.covariance_matrix) < 1e-10
+        assert rel_err(model.log_marginal_likelihood(), fresh.log_marginal_likelihood()) < 1e-10
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Fantasy models, dtypes, batches
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_get_fantasy_model_for_every_variant(kind):
+    net, x, y, lik, _ = make_problem(kind, n=16)
+    model = ntkgp.NTKGP(net, x[:10], y[:10], lik).eval()
+    fantasy = model.get_fantasy_model(x[10:], y[10:])
+    union = ntkgp.NTKGP(net, x, y, lik).eval()
+    x_test = torch.randn(5, 3, dtype=torch.float64)
+    with torch.no_grad():
+        assert rel_err(fantasy(x_test).mean, union(x_test).mean) < 1e-10
+        assert rel_err(fantasy(x_test).covariance_matrix, union(x_test).covariance_matrix) < 1e-10
+    assert type(fantasy) is type(model) and fantasy.net is net and not fantasy.training
+    with pytest.raises(NotImplementedError, match="noise"):
+        model.get_fantasy_model(x[10:], y[10:], noise=torch.ones(6))
+
+
+def test_batched_fantasies_are_refused():
+    net, x, y, lik, _ = make_problem("regression1", n=16)
+    model = ntkgp.NTKGP(net, x[:10], y[:10], lik).eval()
+    with pytest.raises(NotImplementedError, match="batched fantasies"):
+        model.get_fantasy_model(x[10:], y[10:].expand(3, 6))
+
+
+def test_model_dtype_conversion_then_predicting():
+    import copy
+
+    net32 = mlp(d_out=4, dtype=torch.float32)
+    net64 = copy.deepcopy(net32).double()
+    torch.manual_seed(0)
+    x, y = torch.randn(12, 3, dtype=torch.float64), torch.randint(0, 4, (12,))
+    x_test = torch.randn(5, 3, dtype=torch.float64)
+    model = ntkgp.NTKGP(net32, x, y, SoftmaxLikelihood(num_classes=4)).eval()  # float64 data, float32 network
+    assert model.dtype == torch.float32 and model.train_x.dtype == torch.float32
+    with torch.no_grad():
+        pred32 = model(x_test)
+        reference = ntkgp.NTKGP(net64, x, y, SoftmaxLikelihood(num_classes=4).double()).eval()(x_test)
+        assert pred32.mean.dtype == torch.float32 and rel_err(pred32.mean.double(), reference.mean) < 1e-5
+        model.double()  # float64 algebra on float32 Jacobians
+        pred = model(x_test)
+        assert pred.mean.dtype == torch.float64 and rel_err(pred.variance, reference.variance) < 1e-5
+        model.float()
+        assert model(x_test).mean.dtype == torch.float32
+    assert all(p.dtype == torch.float32 for p in net32.parameters())
+    net, x, y, lik, _ = make_problem("regression2")
+    model = ntkgp.NTKGP(net, x, y, lik).eval()
+    with torch.no_grad():
+        reference = model(x_test)
+        model.float()
+        pred = model(x_test)
+    assert pred.mean.dtype == torch.float32 and rel_err(pred.mean.double(), reference.mean) < 1e-5
+    assert all(p.dtype == torch.float64 for p in net.parameters())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_batched_test_inputs_give_one_joint_per_batch_element(kind):
+    net, x, y, lik, _ = make_problem(kind)
+    model = ntkgp.NTKGP(net, x, y, lik).eval()
+    x_test = torch.randn(2, 3, 4, 3, dtype=torch.float64)
+    with torch.no_grad():
+        pred = model(x_test)
+        c = model.num_outputs
+        assert pred.mean.shape == ((2, 3, 4) if c == 1 else (2, 3, 4, c))
+        assert pred.covariance_matrix.shape == (2, 3, 4 * c, 4 * c)
+        for i in range(2):
+            for j in range(3):
+                single = model.posterior(x_test[i, j])
+                assert rel_err(pred.mean[i, j], single.mean) < 1e-12
+                assert rel_err(pred.covariance_matrix[i, j], single.covariance_matrix) < 1e-12
+                assert rel_err(pred.variance[i, j], single.variance) < 1e-12
+
+
+def test_batched_image_inputs():
+    from tests.helpers import small_cnn
+
+    net = small_cnn(c_out=3)
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 1, 6, 6, dtype=torch.float64), torch.randint(0, 3, (8,))
+    model = ntkgp.NTKGP(net, x, y, SoftmaxLikelihood(num_classes=3)).eval()
+    x_test = torch.randn(2, 4, 1, 6, 6, dtype=torch.float64)
+    with torch.no_grad():
+        pred = model(x_test)
+        flat = model(x_test.flatten(-3))
+        single = model(x_test[1])
+    assert pred.mean.shape == (2, 4, 3)
+    assert torch.equal(pred.mean, flat.mean)
+    assert rel_err(pred.mean[1], single.mean) < 1e-12 and rel_err(pred.variance[1], single.variance) < 1e-12
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Input gradients against central finite differences
+
+
+@pytest.mark.parametrize("c", [1, 3])
+def test_input_gradients_of_mean_and_variance_match_finite_differences(c):
+    torch.manual_seed(0)
+    net = mlp(d_in=2, width=6, d_out=c, depth=1)
+    x = torch.randn(10, 2, dtype=torch.float64)
+    if c == 1:
+        lik = gpytorch.likelihoods.GaussianLikelihood().double()
+        lik.noise = 0.2
+        y = torch.randn(10, dtype=torch.float64)
+    else:
+        lik, y = SoftmaxLikelihood(num_classes=3), torch.randint(0, 3, (10,))
+    model = ntkgp.NTKGP(net, x, y, lik, prior_precision=0.7).eval()
+    x_test = torch.randn(4, 2, dtype=torch.float64)
+    weights = torch.randn(4 * c, dtype=torch.float64)
+
+    def objective(xt):
+        pred = model(xt)
+        return (pred.mean.reshape(-1) * weights).sum() + (pred.variance.reshape(-1) * weights.cos()).sum()
+
+    xg = x_test.clone().requires_grad_(True)
+    (grad,) = torch.autograd.grad(objective(xg), xg)
+    assert x_test.grad is None
+    fd = torch.zeros_like(x_test)
+    eps = 1e-6
+    with torch.no_grad():
+        for i in range(4):
+            for j in range(2):
+                up, down = x_test.clone(), x_test.clone()
+                up[i, j] += eps
+                down[i, j] -= eps
+                fd[i, j] = (objective(up) - objective(down)) / (2 * eps)
+    assert rel_err(grad, fd) < 1e-6
+    # the f(x) term of the mean carries its gradient: d mean / dx is not that of the GP correction alone
+    xg = x_test.clone().requires_grad_(True)
+    mean = model(xg).mean.sum()
+    (g_mean,) = torch.autograd.grad(mean, xg)
+    assert g_mean.abs().max() > 0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Chunked prediction and the posterior signature
+
+
+@pytest.mark.parametrize("kind", ["regression2", "softmax4"])
+def test_chunked_prediction_equals_one_chunk_and_bounds_the_cross_gram(kind):
+    from ntkgp.likelihoods import output_covariance_blocks
+
+    net, x, y, lik, _ = make_problem(kind)
+    model = ntkgp.NTKGP(net, x, y, lik).eval()
+    x_test = torch.randn(11, 3, dtype=torch.float64)
+    engine = model.covar_module.engine
+    original, rows = engine.group_grams, []
+
+    def spy(x1, x2=None):
+        if x2 is not None:
+            rows.append(x1.shape[0])
+        return original(x1, x2)
+
+    with torch.no_grad():
+        whole = model.posterior(x_test, chunk_size=100)
+        engine.group_grams = spy
+        model.covar_module.clear_cache()
+        chunked = model.posterior(x_test, chunk_size=3)
+        mean, variance = chunked.mean, chunked.variance
+        blocks = output_covariance_blocks(chunked)
+        assert rows and max(rows) <= 3
+        engine.group_grams = original
+        dense = chunked.covariance_matrix
+    c = model.num_outputs
+    reference = whole.covariance_matrix
+    assert rel_err(mean, whole.mean) < 1e-12 and rel_err(variance, whole.variance) < 1e-12
+    assert rel_err(dense, reference) < 1e-12
+    ref_blocks = reference.reshape(11, c, 11, c).diagonal(dim1=0, dim2=2).permute(2, 0, 1)
+    assert rel_err(blocks, ref_blocks) < 1e-12
+    v = torch.randn(11 * c, 2, dtype=torch.float64)
+    assert rel_err(chunked.lazy_covariance_matrix @ v, reference @ v) < 1e-12
+    entries = chunked.lazy_covariance_matrix[torch.tensor([0, 5, 7]), torch.tensor([3, 1, 20])]
+    assert rel_err(entries, reference[[0, 5, 7], [3, 1, 20]]) < 1e-12
+
+
+def test_mc_class_probabilities_of_a_softmax_ntkgp():
+    net, x, y, lik, _ = make_problem("softmax4")
+    model = ntkgp.NTKGP(net, x, y, lik).eval()
+    with torch.no_grad():
+        probs = model.likelihood(model(torch.randn(6, 3, dtype=torch.float64)), link_approx="mc").probs
+    assert probs.shape == (6, 4) and torch.allclose(probs.sum(-1), torch.ones(6, dtype=torch.float64))
+
+
+def test_posterior_takes_botorch_keywords():
+    net, x, y, lik, _ = make_problem("regression2")
+    model = ntkgp.NTKGP(net, x, y, lik).eval()
+    x_test = torch.randn(3, 5, 3, dtype=torch.float64)
+    with torch.no_grad():
+        full = model.posterior(x_test)
+        noisy = model.posterior(X=x_test, output_indices=None, observation_noise=True, posterior_transform=None)
+        first = model.posterior(x_test, output_indices=[1])
+        given = model.posterior(x_test, observation_noise=torch.full((3, 5, 2), 0.1, dtype=torch.float64))
+    noise = lik.task_noises.detach()
+    assert rel_err(noisy.variance, full.variance + noise) < 1e-12
+    assert rel_err(given.variance, full.variance + 0.1) < 1e-12
+    assert type(first) is gpytorch.distributions.MultivariateNormal and first.mean.shape == (3, 5)
+    assert rel_err(first.mean, full.mean[..., 1]) < 1e-12
+    assert rel_err(first.covariance_matrix, full.covariance_matrix[:, 1::2, 1::2]) < 1e-12
+    with pytest.raises(NotImplementedError, match="posterior_transform"):
+        model.posterior(x_test, posterior_transform=lambda p: p)
+    with pytest.raises(TypeError, match="unexpected"):
+        model.posterior(x_test, bogus=1)
+    with pytest.raises(ValueError, match="output_indices"):
+        model.posterior(x_test, output_indices=[2])
+    with pytest.raises(ValueError, match="chunk_size"):
+        model.posterior(x_test, chunk_size=0)
+    binary, xb, yb, likb, _ = make_problem("binary")
+    with pytest.raises(ValueError, match="observation_noise"):
+        ntkgp.NTKGP(binary, xb, yb, likb).eval().posterior(x_test, observation_noise=True)
+
+
+def test_inputs_are_validated_before_anything_is_built():
+    net, x, y, lik, _ = make_problem("softmax4", n=16)
+    with pytest.raises(TypeError, match="train_x"):
+        ntkgp.NTKGP(net, x.long(), y, lik)
+    with pytest.raises(ValueError, match="train_x"):
+        ntkgp.NTKGP(net, x[:, 0], y, lik)
+    with pytest.raises(ValueError, match="train_x"):
+        ntkgp.NTKGP(net, x[:, :2], y, lik)  # the network takes 3 features
+    with pytest.raises(ValueError, match="prediction_chunk_size"):
+        ntkgp.NTKGP(net, x, y, lik, prediction_chunk_size=0)
+    model = ntkgp.NTKGP(net, x[:10], y[:10], lik).eval()
+    bad = x[10:].clone()
+    bad[3, 1] = float("nan")
+    before = bad.clone()
+    with pytest.raises(ValueError, match="x_new"):
+        model.condition_on(bad, y[10:])
+    assert torch.equal(bad.isnan(), before.isnan())
+    with pytest.raises(ValueError, match="x_new"):
+        model.condition_on(x[10:, :2], y[10:])
+    with pytest.raises(ValueError, match="y_new"):
+        model.condition_on(x[10:], y[:3])
+    with pytest.raises(ValueError, match="X"):
+        model.posterior(torch.randn(4, 2, dtype=torch.float64))
+    with pytest.raises(TypeError, match="X"):
+        model.posterior(torch.ones(4, 3, dtype=torch.long))
+
+
+def test_deprecated_names_keep_working():
+    net, x, y, lik, _ = make_problem("regression1")
+    with pytest.warns(DeprecationWarning, match="groups"):
+        model = ntkgp.NTKGP(net, x, y, lik, groups="network")
+    assert model.covar_module.engine.num_groups == 1
+    with pytest.warns(DeprecationWarning, match="LinearisedNetworkMean"):
+        mean = ntkgp.means.LinearisedNetworkMean(model.covar_module.engine)
+    assert isinstance(mean, ntkgp.means.LinearizedNetworkMean)
+    assert torch.equal(mean(x), model.mean_module(x))

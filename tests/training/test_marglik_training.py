@@ -80,3 +80,85 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="outputs"):
         train_marglik(net, data.x_train, data.y_train, ntkgp.likelihoods.SoftmaxLikelihood(num_classes=3), progress=False)
     assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())
+
+
+def test_nan_in_any_row_is_caught_before_training():
+    data, net, lik = regression_problem()
+    x = data.x_train.clone()
+    x[5, 0] = float("nan")
+    before = copy.deepcopy(net.state_dict())
+    with pytest.raises(ValueError, match="train_x contains NaN or Inf"):
+        train_marglik(net, x, data.y_train, lik, epochs=5, progress=False)
+    assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())
+
+
+@pytest.mark.parametrize(
+    ("argument", "value"),
+    [("batch_size", 0), ("epochs", 0), ("frequency", 0), ("hyper_steps", -1), ("burn_in", -1), ("lr", 0.0),
+     ("hyper_lr", float("inf")), ("curvature_batch_size", 0), ("batch_size", 2.5), ("epochs", True)],
+)
+def test_bad_numbers_are_named_before_training(argument, value):
+    data, net, lik = regression_problem()
+    before = copy.deepcopy(net.state_dict())
+    with pytest.raises(ValueError, match=argument):
+        train_marglik(net, data.x_train, data.y_train, lik, progress=False, **{argument: value})
+    assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())
+
+
+def test_a_huge_hyper_lr_cannot_run_away_silently():
+    from ntkgp.training import HyperparameterWarning
+    from ntkgp.training.marglik_training import PRIOR_PRECISION_RANGE
+
+    data, net, lik = regression_problem()
+    with pytest.warns(HyperparameterWarning, match="hyper_lr"):
+        result = train_marglik(net, data.x_train, data.y_train, lik, epochs=60, lr=1e-2, burn_in=20, frequency=20,
+                               hyper_steps=30, hyper_lr=100.0, progress=False)
+    low, high = PRIOR_PRECISION_RANGE
+    assert ((result.prior_precision >= low) & (result.prior_precision <= high)).all()
+    assert torch.isfinite(torch.tensor(result.log_evidence))
+    assert all(torch.isfinite(p).all() for p in net.parameters())
+    model = result.model(data.x_train, data.y_train)
+    assert abs(model.log_marginal_likelihood().item() / 80 - result.log_evidence) < 1e-8
+
+
+def test_full_empirical_fisher_structure():
+    data, net, lik = regression_problem()
+    result = train_marglik(net, data.x_train, data.y_train, lik, structure="full_ef", epochs=120, lr=1e-2,
+                           burn_in=20, frequency=50, hyper_steps=30, progress=False)
+    assert len(result.history) == 2 and result.history[-1]["log_evidence"] > result.history[0]["log_evidence"]
+    model = result.model(data.x_train, data.y_train)
+    assert abs(model.log_marginal_likelihood(curvature="ef").item() / 80 - result.log_evidence) < 1e-8
+
+
+def test_deprecated_spellings():
+    data, net, lik = regression_problem()
+    with pytest.warns(DeprecationWarning) as record:
+        result = train_marglik(net, data.x_train, data.y_train, lik, structure="full", groups="network", epochs=30,
+                               burn_in=10, frequency=20, hyper_steps=5, progress=False)
+    messages = " ".join(str(w.message) for w in record)
+    assert "full_ggn" in messages and "prior_structure" in messages
+    assert result.prior_precision.shape == (1,)
+    with pytest.warns(DeprecationWarning, match="Structure"):
+        from ntkgp.training import STRUCTURES
+    assert "full_ggn" in STRUCTURES and "full" not in STRUCTURES
+
+
+def test_history_noise_is_the_variance():
+    data, net, lik = regression_problem()
+    result = train_marglik(net, data.x_train, data.y_train, lik, epochs=30, burn_in=10, frequency=20, hyper_steps=5,
+                           progress=False)
+    assert result.history[-1]["noise"] == [pytest.approx(lik.noise.item())]  # σ², not σ
+
+
+def test_compare_models_checks_its_arguments():
+    data, net, lik = regression_problem()
+    model = ntkgp.NTKGP(net, data.x_train, data.y_train, lik)
+    with pytest.raises(TypeError, match="mapping"):
+        compare_models([model])
+    with pytest.raises(TypeError, match="names"):
+        compare_models({1: model})
+    with pytest.raises(ValueError, match="curvature"):
+        compare_models({"a": model}, curvature="hessian")
+    other = ntkgp.NTKGP(net, data.x_train, data.y_train + 1.0, lik)
+    with pytest.raises(ValueError, match="targets"):
+        compare_models({"a": model, "b": other})
