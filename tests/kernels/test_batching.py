@@ -232,3 +232,41 @@ def test_last_dim_is_batch_and_incompatible_batches_raise():
         kernel(torch.randn(2, 4, 3, dtype=D64), torch.randn(3, 4, 3, dtype=D64))
     with pytest.raises(ValueError, match="same number of points"):
         kernel(x, torch.randn(5, 3, dtype=D64), diag=True)
+
+
+def plain_exact_gp(net, x, y, c):
+    """An ordinary GPyTorch ExactGP with the NTK as its covariance (no ntkgp model class)."""
+
+    class GP(gpytorch.models.ExactGP):
+        def __init__(self):
+            likelihood = gpytorch.likelihoods.GaussianLikelihood() if c == 1 else gpytorch.likelihoods.MultitaskGaussianLikelihood(c, rank=0)
+            super().__init__(x, y, likelihood)
+            self.covar_module = NTKKernel(net, prior_precision=torch.tensor([0.5, 2.0, 3.0], dtype=D64))
+
+        def forward(self, z):
+            covar = self.covar_module(z)
+            if c == 1:
+                return gpytorch.distributions.MultivariateNormal(torch.zeros(z.shape[:-1], dtype=z.dtype), covar)
+            mean = torch.zeros(*z.shape[:-1], c, dtype=z.dtype)
+            return gpytorch.distributions.MultitaskMultivariateNormal(mean, covar)
+
+    return GP().double().eval()
+
+
+@pytest.mark.parametrize("c", [1, 3])
+def test_batched_prediction_in_a_plain_exact_gp(c):
+    """GPyTorch's exact prediction with test inputs ``(b, q, d)`` (as BoTorch sends them) equals one call per batch."""
+    net = mlp(d_out=c)
+    x, y = torch.randn(12, 3, dtype=D64), torch.randn(12, c, dtype=D64).squeeze(-1)
+    model = plain_exact_gp(net, x, y, c)
+    x_test = torch.randn(4, 5, 3, dtype=D64)
+    with torch.no_grad():
+        batched = model(x_test)
+        single = [model(x_test[i]) for i in range(4)]
+    assert batched.mean.shape == ((4, 5) if c == 1 else (4, 5, c))
+    assert rel_err(batched.mean, torch.stack([s.mean for s in single])) < 1e-10
+    assert rel_err(batched.covariance_matrix, torch.stack([s.covariance_matrix for s in single])) < 1e-10
+    with torch.no_grad():
+        kxx = model.likelihood(model.forward(x)).covariance_matrix  # K(X, X) + noise
+    ks = brute_batched(net, x_test[1], x, torch.tensor([0.5, 2.0, 3.0], dtype=D64))
+    assert rel_err(batched.mean[1].reshape(-1), ks @ torch.linalg.solve(kxx, y.reshape(-1))) < 1e-8

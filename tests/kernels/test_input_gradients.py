@@ -63,3 +63,19 @@ def test_batched_input_gradients_match_finite_differences():
     r = torch.randn(2, 8, 12, dtype=D64)
     directional_check(lambda z: (kernel(z, train.expand(2, 6, 3)).to_dense() * r).sum(), x)
     directional_check(lambda z: kernel(z).to_dense().square().sum(), x)
+
+
+@pytest.mark.parametrize("c", [1, 3])
+def test_gradient_of_a_plain_exact_gp_prediction(c):
+    """d/dx of (mean + variance) of an ordinary GPyTorch ExactGP with the NTK, test inputs ``(b, q, d)``."""
+    from tests.kernels.test_batching import plain_exact_gp
+
+    net = mlp(d_out=c)
+    x, y = torch.randn(12, 3, dtype=D64), torch.randn(12, c, dtype=D64).squeeze(-1)
+    model = plain_exact_gp(net, x, y, c)
+
+    def objective(z):
+        out = model(z)
+        return (out.mean + out.variance).sum()
+
+    directional_check(objective, torch.randn(2, 3, 3, dtype=D64))
