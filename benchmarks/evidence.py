@@ -55,7 +55,7 @@ def run_ntkgp(net, x, y, x_test, delta0, sigma0, steps):
     lik = gpytorch.likelihoods.GaussianLikelihood().double()
     lik.noise = sigma0**2
     t = time.perf_counter()
-    model = ntkgp.NTKGP(net, x, y.squeeze(-1), lik, prior_precision=delta0, groups="parameter")
+    model = ntkgp.NTKGP(net, x, y.squeeze(-1), lik, prior_precision=delta0, prior_structure="parameter")
     evidence0 = model.log_marginal_likelihood()
     t_first = time.perf_counter() - t
     mll = ntkgp.LaplaceGGNMarginalLogLikelihood(lik, model)

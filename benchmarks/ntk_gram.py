@@ -36,7 +36,7 @@ def recipe_gram(net: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def ntkgp_gram(net: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return NTKEngine(net, groups="network").group_grams(x)[0]
+    return NTKEngine(net, prior_structure="network").group_grams(x)[0]
 
 
 class PeakRSS:

@@ -5,8 +5,8 @@ classification (N = 5,000, M = 256). Timed: build (streaming the dual statistics
 public ``fit``), predict 2,000 points (mean and marginal variances, factorisations cached), update with
 1,000 points (new statistics and refactorisation). Each setting is warmed up on a small problem first; the
 best of ``--repeats`` runs is reported (the machine has 2 cores; other load inflates the figures). The setting comparable to the public code is zero prior
-mean, independent outputs and one prior precision (``groups="network"``); the other rows show per-layer
-prior precisions (statistics kept per group pair, so δ stays learnable) and full C×C coupling.
+mean, independent outputs and one prior precision (``prior_structure="network"``); the other rows show per-layer
+prior precisions (statistics kept per group pair, so δ stays learnable) and joint C×C coupling (``output_coupling="joint"``).
 
     python benchmarks/sfr.py [--repeats 2]
 """
@@ -44,21 +44,23 @@ def data(net: nn.Module, n: int, c: int, seed: int):
     return x, torch.distributions.Categorical(logits=f).sample()
 
 
-def run(c: int, groups: str, coupling: str, repeats: int) -> tuple[float, float, float]:
+def run(c: int, prior_structure: str, coupling: str, repeats: int) -> tuple[float, float, float]:
     n, m = SIZES[c]
     net = network(c)
     x, y = data(net, n, c, 1)
     x_new, y_new = data(net, 1000, c, 2)
     x_test, _ = data(net, 2000, c, 3)
     lik = GaussianLikelihood().double() if c == 1 else SoftmaxLikelihood(c).double()
-    warm = SFR(net, x[: 2 * m], y[: 2 * m], lik, num_inducing=m, prior_mean="zero", output_coupling=coupling, groups=groups)
+    warm = SFR(net, x[: 2 * m], y[: 2 * m], lik, num_inducing=m, prior_mean="zero", output_coupling=coupling,
+               prior_structure=prior_structure)
     _ = warm(x_test[:100]).variance
     warm.update(x_new[:100], y_new[:100])
     best = [float("inf")] * 3
     for _ in range(repeats):
         lik = GaussianLikelihood().double() if c == 1 else SoftmaxLikelihood(c).double()
         t0 = time.perf_counter()
-        sfr = SFR(net, x, y, lik, num_inducing=m, prior_mean="zero", output_coupling=coupling, groups=groups, seed=0)
+        sfr = SFR(net, x, y, lik, num_inducing=m, prior_mean="zero", output_coupling=coupling,
+                  prior_structure=prior_structure, seed=0)
         sfr._factors()
         t1 = time.perf_counter()
         dist = sfr(x_test)
@@ -80,13 +82,13 @@ def main() -> None:
         (1, "layer", "independent", "δ per layer"),
         (10, "network", "independent", "comparable (1 δ)"),
         (10, "layer", "independent", "δ per layer"),
-        (10, "network", "full", "full C×C, 1 δ"),
+        (10, "network", "joint", "joint C×C, 1 δ"),
     ]
     header = f"{'N, M, C':<16}{'setting':<20}{'build s (ref, ratio)':<26}{'predict s (ref, ratio)':<26}{'update s (ref, ratio)':<26}"
     print(header)
     print("-" * len(header))
-    for c, groups, coupling, label in settings:
-        times = run(c, groups, coupling, args.repeats)
+    for c, prior_structure, coupling, label in settings:
+        times = run(c, prior_structure, coupling, args.repeats)
         n, m = SIZES[c]
         cells = [f"{t:6.3f} ({r:.2f}, {t / r:.2f}x)" for t, r in zip(times, REFERENCE[c])]
         print(f"{f'{n}, {m}, {c}':<16}{label:<20}" + "".join(f"{cell:<26}" for cell in cells), flush=True)

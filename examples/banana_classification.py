@@ -10,7 +10,7 @@ banana set (``toy/banana_400_*.csv``; a seeded, stratified 70/30 train/test spli
 
 The baseline should overfit: a wiggly decision boundary, overconfident test predictions, and a lower evidence.
 The table reports evidence per data point and test accuracy, NLPD and ECE, for the network's own
-probabilities (MAP) and for the NTKGP (linearised Laplace, probit) predictive. Writes
+probabilities (MAP) and for the NTKGP (linearized Laplace, probit) predictive. Writes
 ``banana_classification.png`` (probability maps of both models).
 
     python examples/banana_classification.py --data-dir DATA --output-dir examples-output

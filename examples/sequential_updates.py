@@ -52,7 +52,7 @@ def train_sfr(x: torch.Tensor, y: torch.Tensor, args: argparse.Namespace) -> SFR
                            gpytorch.likelihoods.GaussianLikelihood().double(), epochs=args.epochs, lr=1e-2,
                            burn_in=100, frequency=100, hyper_steps=50, seed=args.seed, progress=False)
     return SFR(result.net, x, y, result.likelihood, num_inducing=min(args.num_inducing, len(x)),
-               prior_precision=result.prior_precision, groups=result.kernel.groups_spec, seed=args.seed)
+               prior_precision=result.prior_precision, prior_structure=result.kernel.prior_structure, seed=args.seed)
 
 
 def test_nlpd(sfr: SFR, data: RegressionSplit) -> float:

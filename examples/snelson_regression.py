@@ -48,7 +48,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def train(x: torch.Tensor, y: torch.Tensor, depth: int, epochs: int, seed: int, *, prior_precision: float = 1.0,
-          groups: str = "layer", noise: float | None = None, learn_hypers: bool = True,
+          prior_structure: str = "layer", noise: float | None = None, learn_hypers: bool = True,
           hyper_lr: float = 1e-2, frequency: int = 1, hyper_steps: int = 1) -> MarglikResult:
     """Algorithm 1 on a width-50 tanh net; ``noise`` fixes σ² (not learned); ``learn_hypers=False`` keeps δ
     fixed too and evaluates the evidence once, at the end of training (the grid search)."""
@@ -56,7 +56,7 @@ def train(x: torch.Tensor, y: torch.Tensor, depth: int, epochs: int, seed: int, 
     if noise is not None:
         likelihood.noise = noise
     return train_marglik(
-        mlp(1, 1, width=50, depth=depth, seed=seed), x, y, likelihood, groups=groups,
+        mlp(1, 1, width=50, depth=depth, seed=seed), x, y, likelihood, prior_structure=prior_structure,
         prior_precision=prior_precision, epochs=epochs, lr=1e-2, burn_in=0 if learn_hypers else epochs,
         frequency=frequency, hyper_steps=hyper_steps if learn_hypers else 0, hyper_lr=hyper_lr, learn_likelihood=noise is None,
         seed=seed, progress=False,
@@ -90,11 +90,11 @@ def main() -> int:
 
     # 2. prior-precision selection: online from three initialisations vs grid search (σ fixed)
     noise = nets["3 hidden layers"][0].likelihood.noise.item()
-    online = {delta0: train(x, y, 3, args.epochs, args.seed, prior_precision=delta0, groups="network", noise=noise,
+    online = {delta0: train(x, y, 3, args.epochs, args.seed, prior_precision=delta0, prior_structure="network", noise=noise,
                             hyper_lr=0.1, frequency=50, hyper_steps=50)
               for delta0 in INITIAL_PRECISIONS}
     grid = torch.logspace(-3, 3, args.grid_size, dtype=torch.float64).tolist()
-    searched = [train(x, y, 3, args.epochs, args.seed, prior_precision=d, groups="network", noise=noise,
+    searched = [train(x, y, 3, args.epochs, args.seed, prior_precision=d, prior_structure="network", noise=noise,
                       learn_hypers=False).log_evidence for d in grid]
     best = max(range(len(grid)), key=searched.__getitem__)
     print(f"\n2. Scalar δ of the 3-hidden-layer net, σ fixed at {noise ** 0.5:.3f}: online vs grid search\n")

@@ -44,7 +44,7 @@ class DemoResult:
 def _evidence_per_datum(model: NTKGP | SFR) -> float:
     """NTKGP: the Laplace-GGN log marginal likelihood / N; SFR: its sparse (Titsias) bound / N."""
     with torch.no_grad():
-        total = model.sparse_evidence() if isinstance(model, SFR) else model.log_marginal_likelihood()
+        total = model.log_marginal_likelihood()
     return total.item() / model.num_data
 
 
@@ -88,7 +88,7 @@ def run_task(task: DemoTask, config: DemoConfig, output_dir: Path,
     log(f"[{task.name}] Algorithm 1 on a {d_in}-{'-'.join([str(config.width)] * config.depth)}-{d_out} tanh "
         f"network, N={n}, {config.epochs} epochs")
     result, train_s = _timed(lambda: train_marglik(
-        net, task.x_train, task.y_train, likelihood, structure="full", epochs=config.epochs, lr=config.lr,
+        net, task.x_train, task.y_train, likelihood, structure="full_ggn", epochs=config.epochs, lr=config.lr,
         burn_in=config.burn_in, frequency=config.frequency, hyper_steps=config.hyper_steps, seed=config.seed,
         progress=config.progress))
     net_pred, net_s = _timed(predict, net, likelihood, task.x_test, task.kind)
@@ -101,7 +101,7 @@ def run_task(task: DemoTask, config: DemoConfig, output_dir: Path,
          lambda m: m.condition_on(task.x_new, task.y_new).eval()),
         ("SFR", f"SFR (M={num_inducing})",
          lambda: SFR(net, task.x_train, task.y_train, likelihood, num_inducing=num_inducing,
-                     prior_precision=result.prior_precision, groups=result.kernel.groups_spec, seed=config.seed),
+                     prior_precision=result.prior_precision, prior_structure=result.kernel.prior_structure, seed=config.seed),
          lambda m: m.update(task.x_new, task.y_new)),
     ]
     plot_at = plot_inputs(task, config)
