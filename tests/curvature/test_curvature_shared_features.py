@@ -1,0 +1,180 @@
+"""The curvature on the engine's shared layer features: convolutions with stride/padding/dilation against
+brute force, one safety rule for both, input validation before the pass, and the renamed vocabulary."""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import gpytorch
+import pytest
+import torch
+from torch import nn
+
+import ntkgp.curvature as curvature_module
+from ntkgp.curvature import KroneckerGGN, compute_curvature
+from ntkgp.curvature.data_pass import DataPass
+from ntkgp.curvature.layers import structured_layers, usable_layers
+from ntkgp.likelihoods import SoftmaxLikelihood, gradient, hessian
+from ntkgp.ntk import NTKEngine, resolve_groups
+from tests.helpers import assert_unchanged, brute_jacobian, mlp, rel_err, small_cnn, snapshot
+
+CONV = {"kernel_size": 2, "stride": 2, "padding": 1, "dilation": 2}
+
+
+class StridedNet(nn.Module):
+    def __init__(self, bias: bool = True) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 3, bias=bias, **CONV)  # 6x6 input -> 3x3 output
+        self.head = nn.Linear(27, 3)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.conv(x)).flatten(1))
+
+
+def strided_net(bias: bool = True) -> nn.Module:
+    torch.manual_seed(0)
+    return StridedNet(bias).double().eval()
+
+
+def brute_diagonals(net, x, y, lik):
+    jac, _ = brute_jacobian(net, x)
+    f = net(x).detach()
+    jn = jac.reshape(f.shape[0], f.shape[1], -1)
+    ggn = torch.einsum("ncp,ncd,ndp->p", jn, hessian(lik, f, y).detach(), jn)
+    ef = torch.einsum("nc,ncp->np", gradient(lik, f, y).detach(), jn).square().sum(0)
+    return ggn, ef
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("structure", ["diag_ggn", "diag_ef"])
+def test_strided_dilated_padded_conv_diagonals_equal_brute_force(bias, structure):
+    net = strided_net(bias)
+    lik = SoftmaxLikelihood(num_classes=3, temperature=0.9).double()
+    torch.manual_seed(1)
+    x, y = torch.randn(5, 2, 6, 6, dtype=torch.float64), torch.randint(0, 3, (5,))
+    before = snapshot(net)
+    curv = compute_curvature(net, x, y, lik, structure, batch_size=2)
+    assert_unchanged(net, before)
+    ggn, ef = brute_diagonals(net, x, y, lik)
+    assert rel_err(curv.diagonal(lik).detach(), ggn if structure == "diag_ggn" else ef) < 1e-12
+
+
+def explicit_patches(x: torch.Tensor) -> torch.Tensor:
+    """(n, locations, C_in·k·k) patches of CONV by zero padding and loops (independent of unfold)."""
+    k, s, p, d = CONV["kernel_size"], CONV["stride"], CONV["padding"], CONV["dilation"]
+    padded = nn.functional.pad(x, (p, p, p, p))
+    out = (x.shape[-1] + 2 * p - d * (k - 1) - 1) // s + 1
+    rows = []
+    for r in range(out):
+        for c in range(out):
+            window = padded[:, :, r * s : r * s + d * (k - 1) + 1 : d, c * s : c * s + d * (k - 1) + 1 : d]
+            rows.append(window.reshape(x.shape[0], -1))
+    return torch.stack(rows, 1)
+
+
+def test_kfac_factors_of_a_strided_conv_equal_explicit_loops():
+    net = strided_net()
+    lik = SoftmaxLikelihood(num_classes=3).double()
+    torch.manual_seed(2)
+    x, y = torch.randn(4, 2, 6, 6, dtype=torch.float64), torch.randint(0, 3, (4,))
+    curv = compute_curvature(net, x, y, lik, "kfac", batch_size=3)
+    assert isinstance(curv, KroneckerGGN)
+    patches = explicit_patches(x)  # (n, 9, 8)
+    a_bar = torch.cat([patches, torch.ones_like(patches[..., :1])], -1)
+    a_ref = torch.einsum("nti,ntj->ij", a_bar, a_bar)
+    f = net(x).detach()
+    evals, evecs = torch.linalg.eigh(hessian(lik, f, y).detach())
+    root = evecs @ torch.diag_embed(evals.clamp_min(0).sqrt()) @ evecs.mT
+    g_ref = 0
+    for i in range(4):
+        z = net.conv(x[i : i + 1])
+        out = net.head(torch.tanh(z).flatten(1))[0]
+        for m in range(3):
+            (gz,) = torch.autograd.grad(out @ root[i, :, m], z, retain_graph=True)
+            per_location = gz[0].reshape(3, -1)  # (d_out, 9)
+            g_ref = g_ref + per_location @ per_location.T
+    conv = curv.blocks[0]
+    assert rel_err(conv.input_factor, a_ref) < 1e-12
+    assert rel_err(conv.output_factor(curv.scale(lik)).detach(), g_ref / (9 * 4)) < 1e-12
+    # the log-determinant through linear_operator's Kronecker operators equals a dense slogdet
+    delta = torch.tensor([0.7, 1.9], dtype=torch.float64)
+    dense = curv.dense(lik) + torch.diag(delta[resolve_groups(net).column_groups()])
+    assert torch.allclose(curv.log_det(delta, lik), torch.linalg.slogdet(dense)[1], rtol=1e-11)
+
+
+class OutsideUse(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 4)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.fc(x)) + nn.functional.linear(x, self.fc.weight.flip(0)))
+
+
+def test_one_safety_rule_for_engine_and_curvature():
+    """A weight used outside its module's forward is caught by the probe in both consumers."""
+    torch.manual_seed(0)
+    net = OutsideUse().double()
+    x, y = torch.randn(6, 3, dtype=torch.float64), torch.randint(0, 2, (6,))
+    lik = SoftmaxLikelihood(num_classes=2).double()
+    data = DataPass.start(net, lik)
+    layers = usable_layers(data, structured_layers(net, data.engine.groups, strict=False), x[:1], strict=False)
+    assert [layer.name for layer in layers] == list(NTKEngine(net).plan(x).structured) == ["head"]
+    curv = compute_curvature(net, x, y, lik, "diag_ggn")
+    assert rel_err(curv.diagonal(lik).detach(), brute_diagonals(net, x, y, lik)[0]) < 1e-12
+    with pytest.raises(ValueError, match="KFAC.*Jacobian of layer 'fc'"):
+        compute_curvature(net, x, y, lik, "kfac")
+    cnn = small_cnn()
+    data = DataPass.start(cnn, lik)
+    x_img = torch.randn(2, 1, 6, 6, dtype=torch.float64)
+    layers = usable_layers(data, structured_layers(cnn, data.engine.groups, strict=False), x_img[:1], strict=False)
+    assert [layer.name for layer in layers] == list(NTKEngine(cnn).plan(x_img).structured) == ["conv", "head"]
+
+
+def test_data_are_validated_before_the_pass():
+    net = mlp(d_out=3)
+    lik = SoftmaxLikelihood(num_classes=3).double()
+    x, y = torch.randn(9, 3, dtype=torch.float64), torch.randint(0, 3, (9,))
+    never = mock.patch.object(DataPass, "unit_hessian_sqrt", side_effect=AssertionError("the pass started"))
+    with never:
+        bad = x.clone()
+        bad[8, 0] = float("nan")  # the last row, in the last batch
+        with pytest.raises(ValueError, match="x contains NaN"):
+            compute_curvature(net, bad, y, lik, "kfac", batch_size=2)
+        bad_y = y.clone()
+        bad_y[8] = 7
+        with pytest.raises(ValueError, match="y"):
+            compute_curvature(net, x, bad_y, lik, "kfac", batch_size=2)
+        with pytest.raises(ValueError, match="batch_size"):
+            compute_curvature(net, x, y, lik, "diag_ggn", batch_size=0)
+        with pytest.raises(ValueError, match="x of shape"):
+            compute_curvature(net, torch.randn(9, 4, dtype=torch.float64), y, lik, "diag_ef")
+        with pytest.raises(ValueError, match="structure must be one of"):
+            compute_curvature(net, x, y, lik, "diagonal")
+
+
+def test_renamed_vocabulary_and_deprecated_aliases():
+    net = mlp(d_out=1)
+    lik = gpytorch.likelihoods.GaussianLikelihood().double()
+    x, y = torch.randn(6, 3, dtype=torch.float64), torch.randn(6, dtype=torch.float64)
+    new = compute_curvature(net, x, y, lik, "kfac", prior_structure="network")
+    with pytest.warns(DeprecationWarning, match="groups= is deprecated"):
+        old = compute_curvature(net, x, y, lik, "kfac", groups="network")
+    value = new.log_marginal_likelihood(0.8, lik)
+    with pytest.warns(DeprecationWarning, match="log_evidence is deprecated"):
+        assert torch.equal(old.log_evidence(0.8, lik), value)
+    with pytest.warns(DeprecationWarning, match="STRUCTURES"):
+        assert set(curvature_module.STRUCTURES) == {"diag_ggn", "diag_ef", "kfac"}
+    assert "STRUCTURES" not in curvature_module.__all__
+
+
+def test_float32_kfac_agrees_with_float64():
+    lik64 = SoftmaxLikelihood(num_classes=3).double()
+    lik32 = SoftmaxLikelihood(num_classes=3)
+    x, y = torch.randn(20, 3, dtype=torch.float64), torch.randint(0, 3, (20,))
+    c64 = compute_curvature(mlp(d_out=3), x, y, lik64, "kfac")
+    c32 = compute_curvature(mlp(d_out=3, dtype=torch.float32), x.float(), y, lik32, "kfac")
+    v32 = c32.log_marginal_likelihood(0.5, lik32)
+    assert v32.dtype == torch.float32
+    assert abs(v32.item() - c64.log_marginal_likelihood(0.5, lik64).item()) < 1e-4 * abs(v32.item())
