@@ -24,6 +24,8 @@ from ..options import PriorStructure, Space, Strategy, choose, choose_space, ren
 from .batching import Slices, distinct_slices, gather, group_pairs, slice_pairs, tracks_grad
 from .lazy import NTKLazyKernelTensor
 
+#: Entries (all groups) of one stacked Gram when many small distinct batch slices are computed together.
+_UNION_ENTRIES = 2**22
 _REPRESENTATION_TO_SPACE = {"auto": "auto", "dense": "function", "root": "weight"}
 _KERNEL_KWARGS = ("batch_shape", "active_dims")
 
@@ -443,30 +445,61 @@ class NTKKernel(Kernel):
         return gather(j, slices.index)
 
     def _pair_grams(self, s1: Slices, s2: Slices, square: bool, c: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-group Grams of each distinct pair of slices, ``(pairs, G, N1·C, N2·C)``, and each batch element's pair."""
-        n1, n2 = s1.values.shape[1], s2.values.shape[1]
-        d = s1.values.shape[-1]
+        """Per-group Grams of each distinct pair of slices, ``(pairs, G, N1·C, N2·C)``, and each batch element's pair.
+
+        Two ways to batch the engine calls, whichever makes fewer: group the pairs by the side with fewer
+        distinct slices (one call per slice of that side against all its partners stacked: nothing
+        computed in vain), or stack ``k`` pairs on both sides and keep the diagonal blocks of one Gram
+        (``k`` times the work, bounded by ``_UNION_ENTRIES`` entries per call; many small slices, such as
+        BoTorch's ``(b, q, d)`` candidates, then cost one call instead of ``b``).
+        """
         if square:
-            grams = [self._piece("grams", s1.values[u]) for u in range(s1.values.shape[0])]
-            return _stack(grams), s1.index
-        batch = torch.broadcast_shapes(s1.index.shape, s2.index.shape)
-        pairs, pair_index = slice_pairs(s1.index, s2.index, batch)
+            pairs, pair_index = [(u, u) for u in range(s1.values.shape[0])], s1.index
+        else:
+            batch = torch.broadcast_shapes(s1.index.shape, s2.index.shape)
+            pairs, pair_index = slice_pairs(s1.index, s2.index, batch)
+        n1, n2 = s1.values.shape[1], s2.values.shape[1]
         side, groups = group_pairs(pairs)
+        per_pair = self.engine.num_groups * n1 * c * n2 * c
+        k = max(1, math.isqrt(_UNION_ENTRIES // per_pair))
+        if -(-len(pairs) // k) < len(groups):
+            return _stack(self._stacked_pair_grams(pairs, s1, s2, square, k, c)), pair_index
+        d = s1.values.shape[-1]
         found: dict[tuple[int, int], torch.Tensor] = {}
         for fixed, partners in groups.items():
-            if side == 2:
+            if square:  # (u, u): the symmetric Gram of one slice
+                found[(fixed, fixed)] = self._piece("grams", s1.values[fixed])
+            elif side == 2:
                 stacked = s1.values[partners].reshape(-1, d)
                 g = self._piece("grams", stacked, s2.values[fixed])  # (G, k·N1·C, N2·C)
                 g = g.view(g.shape[0], len(partners), n1 * c, n2 * c)
-                for k, partner in enumerate(partners):
-                    found[(partner, fixed)] = g[:, k]
+                for i, partner in enumerate(partners):
+                    found[(partner, fixed)] = g[:, i]
             else:
                 stacked = s2.values[partners].reshape(-1, d)
                 g = self._piece("grams", s1.values[fixed], stacked)  # (G, N1·C, k·N2·C)
                 g = g.view(g.shape[0], n1 * c, len(partners), n2 * c)
-                for k, partner in enumerate(partners):
-                    found[(fixed, partner)] = g[:, :, k]
+                for i, partner in enumerate(partners):
+                    found[(fixed, partner)] = g[:, :, i]
         return _stack([found[p] for p in pairs]), pair_index
+
+    def _stacked_pair_grams(
+        self, pairs: list[tuple[int, int]], s1: Slices, s2: Slices, square: bool, k: int, c: int
+    ) -> list[torch.Tensor]:
+        """The pairs' Grams as diagonal blocks of Grams of ``k`` stacked pairs at a time."""
+        n1, n2 = s1.values.shape[1], s2.values.shape[1]
+        d = s1.values.shape[-1]
+        out: list[torch.Tensor] = []
+        for start in range(0, len(pairs), k):
+            chunk = pairs[start : start + k]
+            rows1 = s1.values[[a for a, _ in chunk]].reshape(-1, d)
+            if square:
+                g = self._piece("grams", rows1)
+            else:
+                g = self._piece("grams", rows1, s2.values[[b for _, b in chunk]].reshape(-1, d))
+            g = g.view(g.shape[0], len(chunk), n1 * c, len(chunk), n2 * c).diagonal(dim1=1, dim2=3)
+            out.extend(g.movedim(-1, 0).unbind(0))  # each (G, N1·C, N2·C)
+        return out
 
     def _diagonal(self, x1: torch.Tensor, x2: torch.Tensor, square: bool, batch: torch.Size) -> torch.Tensor:
         """``diag K(x1, x2)``, shape ``(*batch, N·C)``: per-point blocks when square, else chunks of the Gram."""

@@ -270,3 +270,20 @@ def test_batched_prediction_in_a_plain_exact_gp(c):
         kxx = model.likelihood(model.forward(x)).covariance_matrix  # K(X, X) + noise
     ks = brute_batched(net, x_test[1], x, torch.tensor([0.5, 2.0, 3.0], dtype=D64))
     assert rel_err(batched.mean[1].reshape(-1), ks @ torch.linalg.solve(kxx, y.reshape(-1))) < 1e-8
+
+
+@pytest.mark.parametrize("space", ["function", "weight"])
+def test_many_small_distinct_slices_take_one_engine_call(space):
+    """A batch of distinct candidates ``(b, q, d)`` (BoTorch's shape): one engine call, not one per candidate."""
+    net = mlp(d_out=2)
+    kernel = NTKKernel(net, cache_size=0, space=space, prior_precision=torch.tensor([0.5, 2.0, 3.0], dtype=D64))
+    x, other = torch.randn(64, 2, 3, dtype=D64), torch.randn(64, 2, 3, dtype=D64)
+    method = "group_grams" if space == "function" else "jacobian"
+    patch, calls = counting(method)
+    with patch:
+        square, cross = kernel(x).to_dense(), kernel(x, other).to_dense()
+    assert len(calls) == (2 if space == "function" else 3)
+    delta = torch.tensor([0.5, 2.0, 3.0], dtype=D64)
+    for b in (0, 17, 63):
+        assert rel_err(square[b], brute_gram(net, x[b], x[b], delta, labels_of(net))) < 1e-10
+        assert rel_err(cross[b], brute_gram(net, x[b], other[b], delta, labels_of(net))) < 1e-10
