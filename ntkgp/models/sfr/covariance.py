@@ -23,7 +23,7 @@ from linear_operator.utils.getitem import _is_noop_index
 from linear_operator.utils.memoize import cached
 from torch import Tensor
 
-from .predictive import TestPointTerms
+from .predictive import PredictiveTerms
 
 __all__ = ["SparsePosteriorCovariance"]
 
@@ -62,7 +62,7 @@ class SparsePosteriorCovariance(LinearOperator):
         blocks: posterior ``C×C`` block of each point, ``(*batch, n, C, C)``.
         low_rank_z: :math:`V` per batch element, ``(*batch, nb, K, R)``, or ``None`` (recomputed per chunk).
         low_rank_s: :math:`S = R^{-1}V`, same shape, or ``None``.
-        terms: the model's :class:`~ntkgp.models.sfr.predictive.TestPointTerms` (prior products, factors).
+        terms: the model's :class:`~ntkgp.models.sfr.predictive.PredictiveTerms` (prior products, factors).
         chunk_size: test points per chunk when factors are recomputed.
     """
 
@@ -73,7 +73,7 @@ class SparsePosteriorCovariance(LinearOperator):
         low_rank_z: Tensor | None = None,
         low_rank_s: Tensor | None = None,
         *,
-        terms: TestPointTerms,
+        terms: PredictiveTerms,
         chunk_size: int,
     ) -> None:
         factors = {} if low_rank_z is None else {"low_rank_z": low_rank_z, "low_rank_s": low_rank_s}

@@ -29,7 +29,7 @@ from ...options import (
 from .covariance import SparsePosteriorCovariance
 from .data import InputLayout, check_inputs, positive_int, stream_statistics, training_batches
 from .inducing_points import greedy_variance, uniform_subset
-from .predictive import PosteriorState, TestPointTerms
+from .predictive import PosteriorState, PredictiveTerms
 from .statistics import system_grams
 from .whitening import inducing_factors, whitened_factors
 
@@ -347,7 +347,7 @@ class SFR(GP):
         flat, batch = self._layout.check(x, "x", batched=True)
         chunk = min(self.chunk_size, self._rows_per_step()) if chunk_size is None else positive_int(chunk_size, "chunk_size")
         x = self.engine.prepare(flat, "x")
-        terms = TestPointTerms(
+        terms = PredictiveTerms(
             self.engine, self.inducing_points, self.output_coupling, self.num_outputs, self._factors(),
             self.prior_mean, self.predictive_mean, self._z_jacobian,
         )

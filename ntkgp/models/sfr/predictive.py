@@ -6,7 +6,7 @@ For test inputs ``x`` (``b`` points) and the posterior factors of :mod:`~ntkgp.m
     \mu(x) = m(x) + K_{xZ}\,\alpha, \qquad
     \Sigma(x, x) = K_{xx} - V^\top V + (R^{-1}V)^\top (R^{-1}V), \quad V = W K_{Zx},
 
-with ``nb`` systems (one for ``"joint"`` coupling, ``C`` for ``"independent"``). :class:`TestPointTerms`
+with ``nb`` systems (one for ``"joint"`` coupling, ``C`` for ``"independent"``). :class:`PredictiveTerms`
 computes these for one chunk at a time, so that memory is ``O(b · C · K)`` per chunk (``K = M·C`` or ``M``).
 
 **Two routes.** Without a graph to ``x`` the cross-Grams come from the NTK engine's Gram routines (layer
@@ -31,7 +31,7 @@ from .data import prior_mean
 from .statistics import system_grams_and_diagonal
 from .whitening import WhitenedFactors
 
-__all__ = ["ChunkPrediction", "PosteriorState", "TestPointTerms"]
+__all__ = ["ChunkPrediction", "PosteriorState", "PredictiveTerms"]
 
 
 @dataclass
@@ -74,7 +74,7 @@ def point_outer(a: Tensor, num_points: int, num_outputs: int) -> Tensor:
     return torch.diag_embed(a.square().sum(-2).T)
 
 
-class TestPointTerms:
+class PredictiveTerms:
     r"""The predictive's ingredients at test points, for a fixed model state.
 
     Args:

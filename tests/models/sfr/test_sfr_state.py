@@ -1,0 +1,168 @@
+"""After any change of δ, the noise or the temperature (setter, ``.data``, ``load_state_dict``, optimizer step)
+the next prediction and evidence equal those of a freshly built SFR; a change of the network's weights raises."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ntkgp.likelihoods import SoftmaxLikelihood
+from ntkgp.models.sfr import SFR
+from tests.helpers import mlp
+from tests.models.test_sfr import DELTA, dense_moments, problem, rel_err
+
+NEW_DELTA = torch.tensor([0.3, 4.0, 2.0], dtype=torch.float64)
+
+
+def predictions(model, xs):
+    mean, cov = dense_moments(model(xs))
+    return mean, cov, model.log_marginal_likelihood().detach()
+
+
+def assert_same(a, b, tol=1e-10):
+    for u, v in zip(a, b):
+        assert rel_err(u, v) < tol
+
+
+def change_delta(sfr, route: str) -> torch.Tensor:
+    kernel = sfr.covar_module
+    constraint = kernel.raw_prior_precision_constraint
+    if route == "setter":
+        kernel.prior_precision = NEW_DELTA
+    elif route == "data":
+        kernel.raw_prior_precision.data.copy_(constraint.inverse_transform(NEW_DELTA))
+    elif route == "load_state_dict":
+        state = sfr.state_dict()
+        state["covar_module.raw_prior_precision"] = constraint.inverse_transform(NEW_DELTA)
+        sfr.load_state_dict(state)
+    else:  # an optimizer step with a fixed gradient
+        optimizer = torch.optim.SGD([kernel.raw_prior_precision], lr=0.5)
+        kernel.raw_prior_precision.grad = torch.tensor([1.0, -1.0, 0.5], dtype=torch.float64)
+        optimizer.step()
+    return kernel.prior_precision.detach().clone()
+
+
+ROUTES = ["setter", "data", "load_state_dict", "optimizer"]
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("kind,c,coupling", [("gaussian", 1, "joint"), ("softmax", 3, "independent")])
+def test_prior_precision_change_by_any_route_equals_a_fresh_model(route, kind, c, coupling):
+    net, x, y, lik, xs = problem(kind, c, n=20)
+    kw = {"inducing_points": x[:6], "output_coupling": coupling}
+    sfr = SFR(net, x, y, lik, prior_precision=DELTA, **kw)
+    predictions(sfr, xs)  # fill every cache
+    delta = change_delta(sfr, route)
+    fresh = SFR(net, x, y, type(lik)(*([c] if kind == "softmax" else [])).double(), prior_precision=delta, **kw)
+    if kind == "gaussian":
+        fresh.likelihood.noise = lik.noise
+    assert_same(predictions(sfr, xs), predictions(fresh, xs))
+
+
+def change_noise(sfr, route: str) -> torch.Tensor:
+    lik = sfr.likelihood
+    constraint = lik.noise_covar.raw_noise_constraint
+    new = torch.tensor([0.37], dtype=torch.float64)
+    if route == "setter":
+        lik.noise = new
+    elif route == "data":
+        lik.noise_covar.raw_noise.data.copy_(constraint.inverse_transform(new))
+    elif route == "load_state_dict":
+        state = sfr.state_dict()
+        state["likelihood.noise_covar.raw_noise"] = constraint.inverse_transform(new)
+        sfr.load_state_dict(state)
+    else:
+        optimizer = torch.optim.SGD([lik.noise_covar.raw_noise], lr=0.3)
+        lik.noise_covar.raw_noise.grad = torch.ones_like(lik.noise_covar.raw_noise)
+        optimizer.step()
+    return lik.noise.detach().clone()
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_noise_change_by_any_route_equals_a_fresh_model(route):
+    net, x, y, lik, xs = problem("gaussian", 1, n=20)
+    sfr = SFR(net, x, y, lik, inducing_points=x[:6], prior_precision=DELTA)
+    predictions(sfr, xs)
+    noise = change_noise(sfr, route)
+    fresh_lik = type(lik)().double()
+    fresh_lik.noise = noise
+    fresh = SFR(net, x, y, fresh_lik, inducing_points=x[:6], prior_precision=DELTA)
+    assert_same(predictions(sfr, xs), predictions(fresh, xs))
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_temperature_change_by_any_route_equals_a_fresh_model(route):
+    net, x, y, _, xs = problem("softmax", 3, n=20)
+    lik = SoftmaxLikelihood(3, temperature=1.0, learn_temperature=True).double()
+    sfr = SFR(net, x, y, lik, inducing_points=x[:6], prior_precision=DELTA)
+    predictions(sfr, xs)
+    constraint = lik.raw_temperature_constraint
+    new = torch.tensor(0.4, dtype=torch.float64)
+    if route == "setter":
+        lik.temperature = new
+    elif route == "data":
+        lik.raw_temperature.data.copy_(constraint.inverse_transform(new))
+    elif route == "load_state_dict":
+        state = sfr.state_dict()
+        state["likelihood.raw_temperature"] = constraint.inverse_transform(new)
+        sfr.load_state_dict(state)
+    else:
+        optimizer = torch.optim.SGD([lik.raw_temperature], lr=0.3)
+        lik.raw_temperature.grad = torch.ones_like(lik.raw_temperature)
+        optimizer.step()
+    fresh_lik = SoftmaxLikelihood(3).double()
+    fresh_lik.temperature = lik.temperature.detach()
+    fresh = SFR(net, x, y, fresh_lik, inducing_points=x[:6], prior_precision=DELTA)
+    assert_same(predictions(sfr, xs), predictions(fresh, xs))
+
+
+def test_loading_another_models_state_equals_that_model():
+    net, x, y, lik, xs = problem("softmax", 3, n=30)
+    kw = {"inducing_points": x[:6], "prior_precision": DELTA}
+    small = SFR(net, x[:10], y[:10], lik, **kw)
+    big = SFR(net, x, y, SoftmaxLikelihood(3).double(), **kw)
+    predictions(small, xs)
+    small.load_state_dict(big.state_dict())
+    assert small.num_data == 30
+    assert_same(predictions(small, xs), predictions(big, xs))
+
+
+@pytest.mark.parametrize("route", ["data", "load_state_dict", "optimizer"])
+def test_changing_the_network_weights_raises_a_clear_error(route):
+    net, x, y, lik, xs = problem("gaussian", 1, n=15)
+    sfr = SFR(net, x, y, lik, num_inducing=5)
+    before = predictions(sfr, xs)
+    original = {k: v.clone() for k, v in net.state_dict().items()}
+    if route == "data":
+        next(net.parameters()).data.mul_(1.5)
+    elif route == "load_state_dict":
+        other = mlp(3, 6, 1, depth=2, seed=7)
+        net.load_state_dict(other.state_dict())
+    else:
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+        net(x).square().sum().backward()
+        optimizer.step()
+    for call in (lambda: sfr(xs), sfr.log_marginal_likelihood, lambda: sfr.update(x[:3], y[:3])):
+        with pytest.raises(RuntimeError, match="weights changed"):
+            call()
+    net.load_state_dict(original)  # back at θ*: the model describes the network again
+    assert_same(predictions(sfr, xs), before)
+
+
+def test_inducing_points_modified_in_place_raise():
+    net, x, y, lik, xs = problem("gaussian", 1, n=15)
+    sfr = SFR(net, x, y, lik, num_inducing=5)
+    sfr.inducing_points.data.add_(1.0)
+    with pytest.raises(RuntimeError, match="inducing_points"):
+        sfr(xs)
+
+
+def test_eval_caches_are_reused_and_train_mode_recomputes_with_gradients():
+    net, x, y, lik, xs = problem("gaussian", 1, n=15)
+    sfr = SFR(net, x, y, lik, num_inducing=5)
+    assert sfr._factors() is sfr._factors()  # eval: cached
+    sfr.train()
+    a, b = sfr._factors(), sfr._factors()
+    assert a is not b and a.factors.alpha.requires_grad
+    sfr.log_marginal_likelihood().backward()
+    assert sfr.covar_module.raw_prior_precision.grad is not None

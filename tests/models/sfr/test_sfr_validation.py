@@ -1,0 +1,152 @@
+"""Every public entry of SFR validates its inputs before any side effect, with errors naming the argument;
+old option spellings keep working with a DeprecationWarning."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from ntkgp.models.sfr import SFR
+from tests.helpers import assert_unchanged, snapshot
+from tests.models.test_sfr import DELTA, dense_moments, problem, rel_err
+
+
+@pytest.fixture(scope="module")
+def gaussian():
+    return problem("gaussian", 1, n=12)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"num_inducing": 2.7}, "num_inducing must be a positive integer, got 2.7"),
+        ({"num_inducing": 0}, "num_inducing must be a positive integer"),
+        ({"num_inducing": True}, "num_inducing must be a positive integer"),
+        ({"num_inducing": 3, "batch_size": 0}, "batch_size must be a positive integer"),
+        ({"num_inducing": 3, "batch_size": 2.5}, "batch_size must be a positive integer"),
+        ({"num_inducing": 3, "chunk_size": 0}, "chunk_size must be a positive integer"),
+        ({"num_inducing": 3, "pool_size": -1}, "pool_size must be a positive integer"),
+        ({"num_inducing": 3, "seed": 1.5}, "seed must be an integer"),
+        ({"num_inducing": 3, "prior_mean": "linear"}, "prior_mean must be one of"),
+        ({"num_inducing": 3, "predictive_mean": "mc"}, "predictive_mean must be one of"),
+        ({"num_inducing": 3, "inducing_method": "kmeans"}, "inducing_method must be one of"),
+        ({"num_inducing": 3, "prior_structure": "block"}, "prior_structure must be one of"),
+    ],
+)
+def test_constructor_arguments_are_validated(gaussian, kwargs, match):
+    net, x, y, lik, _ = gaussian
+    with pytest.raises(ValueError, match=match):
+        SFR(net, x, y, lik, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "bad,error,match",
+    [
+        (lambda x: x.long(), TypeError, "train_x must be a floating-point tensor"),
+        (lambda x: x[:, 0], ValueError, r"train_x must have shape \(N, ...\)"),
+        (lambda x: torch.cat([x, torch.ones(len(x), 1, dtype=x.dtype)], 1), ValueError, "train_x .* does not fit the network"),
+        (lambda x: x.index_put((torch.tensor([5]), torch.tensor([1])), torch.tensor(float("inf"), dtype=x.dtype)), ValueError, "row 5"),
+    ],
+)
+def test_bad_training_inputs_name_the_argument(gaussian, bad, error, match):
+    net, x, y, lik, _ = gaussian
+    with pytest.raises(error, match=match):
+        SFR(net, bad(x), y, lik, num_inducing=3)
+
+
+def test_inducing_points_are_checked_like_inputs(gaussian):
+    net, x, y, lik, _ = gaussian
+    with pytest.raises(TypeError, match="inducing_points must be a floating-point"):
+        SFR(net, x, y, lik, inducing_points=x[:3].int())
+    bad = x[:3].clone()
+    bad[2, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"inducing_points contains NaN or Inf values \(first in row 2\)"):
+        SFR(net, x, y, lik, inducing_points=bad)
+
+
+@pytest.mark.parametrize(
+    "bad,error,match",
+    [
+        (lambda x: x.long(), TypeError, "x must be a floating-point tensor"),
+        (lambda x: x[:, :2], ValueError, r"x must have shape \(..., n, 3\)"),
+        (lambda x: x[0], ValueError, r"x must have shape \(..., n, 3\)"),
+        (lambda x: torch.where(torch.arange(len(x))[:, None] == 4, float("nan"), x), ValueError, "row 4"),
+    ],
+)
+def test_prediction_inputs_are_validated(gaussian, bad, error, match):
+    net, x, y, lik, xs = gaussian
+    sfr = SFR(net, x, y, lik, num_inducing=3)
+    with pytest.raises(error, match=match):
+        sfr(bad(xs))
+    with pytest.raises(ValueError, match="chunk_size must be a positive integer"):
+        sfr(xs, chunk_size=0)
+
+
+def test_update_validates_everything_before_changing_the_model(gaussian):
+    net, x, y, lik, xs = gaussian
+    sfr = SFR(net, x, y, lik, num_inducing=3)
+    before = dense_moments(sfr(xs))
+    precision = sfr.statistics.precision.clone()
+    batches = [(x[:4], y[:4]), (x[4:8].long(), y[4:8])]  # the second batch is bad
+    for args, error, match in [
+        ((x[:4], y[:3]), ValueError, "same number of rows"),
+        ((x[:4, :2], y[:4]), ValueError, "new_x must have shape"),
+        ((x[:4].long(), y[:4]), TypeError, "new_x must be a floating-point"),
+        ((x[:4], None), ValueError, "y_new is required"),
+        ((batches, None), TypeError, "new_x must be a floating-point"),
+    ]:
+        with pytest.raises(error, match=match):
+            sfr.update(*args)
+    assert torch.equal(sfr.statistics.precision, precision) and sfr.num_data == 12
+    after = dense_moments(sfr(xs))
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+
+
+def test_failed_calls_leave_network_and_tensors_untouched(gaussian):
+    net, x, y, lik, xs = gaussian
+    before, copies = snapshot(net), [t.clone() for t in (x, y, xs)]
+    with pytest.raises(ValueError):
+        SFR(net, x, y, lik, num_inducing=2.7)
+    sfr = SFR(net, x, y, lik, num_inducing=3)
+    with pytest.raises(ValueError):
+        sfr(xs[:, :1])
+    assert_unchanged(net, before)
+    assert all(torch.equal(a, b) for a, b in zip((x, y, xs), copies))
+
+
+@pytest.mark.parametrize(
+    "old,new",
+    [
+        ({"groups": "network"}, {"prior_structure": "network"}),
+        ({"prior_structure": "scalar"}, {"prior_structure": "network"}),
+        ({"output_coupling": "full"}, {"output_coupling": "joint"}),
+        ({"prior_mean": "linearised"}, {"prior_mean": "linearized"}),
+    ],
+)
+def test_deprecated_spellings_warn_and_equal_the_new_ones(old, new):
+    net, x, y, lik, xs = problem("softmax", 3, n=12)
+    with pytest.warns(DeprecationWarning):
+        legacy = SFR(net, x, y, lik, inducing_points=x[:4], **old)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        current = SFR(net, x, y, lik, inducing_points=x[:4], **new)
+    (m1, c1), (m2, c2) = dense_moments(legacy(xs)), dense_moments(current(xs))
+    assert rel_err(m1, m2) < 1e-12 and rel_err(c1, c2) < 1e-12
+
+
+def test_both_names_of_a_renamed_argument_is_an_error(gaussian):
+    net, x, y, lik, _ = gaussian
+    with pytest.raises(TypeError, match="prior_structure"):
+        SFR(net, x, y, lik, num_inducing=3, prior_structure="network", groups="layer")
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        SFR(net, x, y, lik, num_inducing=3, inducing=3)
+
+
+def test_sparse_evidence_is_a_deprecated_name_of_log_marginal_likelihood(gaussian):
+    net, x, y, lik, _ = gaussian
+    sfr = SFR(net, x, y, lik, num_inducing=3, prior_precision=DELTA)
+    with pytest.warns(DeprecationWarning, match="log_marginal_likelihood"):
+        old = sfr.sparse_evidence()
+    assert old.item() == sfr.log_marginal_likelihood().item()
