@@ -3,7 +3,7 @@ r"""Diagonal Laplace: :math:`\Sigma = \operatorname{diag}(1 / (H_{pp}(s) + \delt
 Everything is elementwise: :math:`\Sigma v = v / (h + \delta)`, :math:`\eta = z / \sqrt{h + \delta}`,
 :math:`\log|\Sigma^{-1}| = \sum_p \log(h_p + \delta_{g(p)})`. The GLM closed form
 :math:`J \Sigma J^\top` uses, for ``Linear``/``Conv2d`` layers, the layer inputs and output gradients at the
-test points (:func:`~ntkgp.posteriors.layer_features.kronecker_sandwich` with identity bases): with one
+test points (:func:`~ntkgp.posteriors.kronecker_form.kronecker_sandwich` with identity bases): with one
 location :math:`[J \Sigma J^\top]_{cc'} = \sum_o \gamma_{co} \gamma_{c'o} \sum_i \bar a_i^2 \Sigma_{oi}`, never the
 Jacobian; other parameters take per-example Jacobians.
 """
@@ -21,13 +21,12 @@ from ..options import Curvature as CurvatureKind
 from ..options import choose
 from .base import WeightPosterior, check_likelihood, prior_precision_vector
 from .dense_curvature import Data
-from .layer_features import (
-    candidate_layers,
+from .kronecker_form import (
+    kronecker_features,
     kronecker_root,
     kronecker_sandwich,
-    layer_features,
     layer_index,
-    verified_layers,
+    structured_layers,
 )
 from .network_function import NetworkFunction
 from .structured_curvature import structured_curvature
@@ -131,7 +130,7 @@ class DiagLaplace(WeightPosterior):
         """The verified layers with their flat indices, the other parameters' names and flat indices."""
         if self._layers is None:
             fn = self.function
-            layers = verified_layers(fn, x, candidate_layers(fn), strict=False)
+            layers = structured_layers(fn, x, strict=False)
             covered = {n for layer in layers for n in (layer.weight, layer.bias) if n is not None}
             rest = [n for n in fn.names if n not in covered]
             index = [torch.arange(fn.offset(n), fn.offset(n) + fn.numels[fn.names.index(n)]) for n in rest]
@@ -142,7 +141,7 @@ class DiagLaplace(WeightPosterior):
     def _glm_covariance(self, x: Tensor) -> Tensor:
         layers, rest, rest_index = self._structured(x)
         variance = self.precision_diagonal().reciprocal()
-        features = layer_features(self.function, x, [layer for layer, _ in layers]) if layers else {}
+        features = kronecker_features(self.function, x, [layer for layer, _ in layers]) if layers else {}
         out = 0
         for layer, index in layers:
             out = out + kronecker_sandwich(*features[layer.name], variance[index])
@@ -154,7 +153,7 @@ class DiagLaplace(WeightPosterior):
     def _glm_root(self, x: Tensor) -> Tensor:
         layers, rest, rest_index = self._structured(x)
         variance = self.precision_diagonal().reciprocal()
-        features = layer_features(self.function, x, [layer for layer, _ in layers]) if layers else {}
+        features = kronecker_features(self.function, x, [layer for layer, _ in layers]) if layers else {}
         roots = [kronecker_root(*features[layer.name], variance[index]) for layer, index in layers]
         if rest:
             roots.append(self.function.jacobian(x, rest) * variance[rest_index].sqrt())

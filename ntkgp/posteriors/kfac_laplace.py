@@ -17,7 +17,7 @@ so that, for :math:`\Theta = [W \mid b]` as a ``(d_out, d_a)`` matrix (row-major
   factors, and with the prior the factors no longer separate, hence the eigenbases.)
 - :math:`\log|\Sigma_l^{-1}| = \sum_{oi} \log(w_o q_i + \delta_l)`;
 - the GLM closed form (the review's eq. 16) from the layer inputs and output gradients at the test points,
-  :func:`~ntkgp.posteriors.layer_features.kronecker_sandwich`.
+  :func:`~ntkgp.posteriors.kronecker_form.kronecker_sandwich`.
 
 Nothing of size :math:`P \times P` (nor a layer's :math:`d_{out} d_a \times d_{out} d_a` block) is formed:
 memory :math:`O(\sum_l d_a^2 + d_{out}^2)`. Parameters outside ``Linear``/``Conv2d`` layers (normalisation
@@ -36,9 +36,16 @@ from gpytorch.likelihoods import Likelihood
 from torch import Tensor, nn
 
 from ..curvature import Curvature
+from ..ntk.features import Layer
 from .base import WeightPosterior, check_likelihood, prior_precision_vector
 from .dense_curvature import Data
-from .layer_features import Layer, kronecker_root, kronecker_sandwich, layer_features, layer_index, verified_layers
+from .kronecker_form import (
+    kronecker_features,
+    kronecker_root,
+    kronecker_sandwich,
+    layer_index,
+    structured_layers,
+)
 from .network_function import NetworkFunction
 from .structured_curvature import kronecker_blocks, structured_curvature
 
@@ -265,9 +272,9 @@ class KFACLaplace(WeightPosterior):
     def _features(self, x: Tensor) -> dict[str, tuple[Tensor, Tensor]]:
         layers = [block.layer for block in self.blocks]
         if not self._verified:
-            verified_layers(self.function, x, layers, strict=True)
+            structured_layers(self.function, x, strict=True, modules=[layer.name for layer in layers])
             self._verified = True
-        return layer_features(self.function, x, layers)
+        return kronecker_features(self.function, x, layers)
 
     def _glm_covariance(self, x: Tensor) -> Tensor:
         features = self._features(x)

@@ -3,6 +3,7 @@ r"""The network as a function of (a subset of) its weights, :math:`\theta \mapst
 Everything a weight-space posterior needs from the network: outputs, outputs at perturbed weights
 :math:`f(x; \theta^* + \eta)`, per-example Jacobians :math:`J(x) = \partial f / \partial \theta` and
 Jacobian-vector products :math:`J(x) \eta` by forward mode (``torch.func.jvp``), never forming :math:`J`.
+The passes themselves are ntkgp's shared functional ones (:mod:`ntkgp.ntk.functional`).
 
 The parameters :math:`\theta` are a list of the network's parameter names, flattened in that order (each
 tensor row-major): the coordinates of every flat vector of a posterior. Parameters outside the list are
@@ -17,9 +18,10 @@ from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call, jacrev, jvp, vmap
+from torch.func import jvp, vmap
 
 from ..ntk import check_eval_mode, check_inputs, check_outputs
+from ..ntk.functional import forward, per_example_jacobians
 
 
 class NetworkFunction:
@@ -124,7 +126,7 @@ class NetworkFunction:
         if perturbation is not None:
             for n, d in self.unflatten(perturbation).items():
                 params[n] = params[n] + d
-        return functional_call(self.net, params, (x,))
+        return forward(self.net, params, x)
 
     def outputs(self, x: Tensor, argument: str = "x") -> Tensor:
         r""":math:`f(x; \theta^*)`, shape ``(N, C)``, without a graph; ``x`` is checked and prepared."""
@@ -142,14 +144,8 @@ class NetworkFunction:
         Memory :math:`O(NCP)`: call it on chunks of ``chunk_size`` examples.
         """
         names = self.names if names is None else list(names)
-        params = self.params()
-        chosen = {n: params[n] for n in names}
-
-        def single(sub: dict[str, Tensor], xi: Tensor) -> Tensor:
-            return functional_call(self.net, {**params, **sub}, (xi.unsqueeze(0),)).squeeze(0)
-
-        jac = vmap(jacrev(single), in_dims=(None, 0))(chosen, x)
-        return torch.cat([jac[n].reshape(x.shape[0], jac[n].shape[1], -1) for n in names], dim=-1)
+        jac = per_example_jacobians(self.net, self.params(), x, names)
+        return torch.cat([jac[n] for n in names], dim=-1)
 
     def jvp(self, x: Tensor, tangents: Tensor) -> Tensor:
         r"""Jacobian-vector products :math:`J(x) \eta_s` for flat tangents ``(S, P)``, shape ``(S, N, C)``.
@@ -161,6 +157,6 @@ class NetworkFunction:
         primals = {n: params[n] for n in self.names}
 
         def push(tangent: dict[str, Tensor]) -> Tensor:
-            return jvp(lambda p: functional_call(self.net, {**params, **p}, (x,)), (primals,), (tangent,))[1]
+            return jvp(lambda p: forward(self.net, {**params, **p}, x), (primals,), (tangent,))[1]
 
         return vmap(push)(self.unflatten(tangents.to(self.dtype)))

@@ -53,7 +53,7 @@ def columns(net: nn.Module, names: list[str]) -> torch.Tensor:
 
 def jacobian(net: nn.Module, x: torch.Tensor, names: list[str] | None = None) -> torch.Tensor:
     """Brute-force ``J`` ``(N, C, P)`` restricted to ``names`` (default all trainable)."""
-    j, all_names = brute_jacobian(net, x)
+    j, _all_names = brute_jacobian(net, x)
     n = x.shape[0]
     j = j.reshape(n, -1, j.shape[-1])
     return j if names is None else j[..., columns(net, names)]
@@ -83,7 +83,7 @@ def glm_blocks(net, x_test, sigma: torch.Tensor, names: list[str] | None = None)
 def kronecker_precision(net: nn.Module, curvature, likelihood, delta_groups: torch.Tensor, damping: bool = False):
     """The KFAC precision with explicit ``torch.kron`` blocks, placed by an index map written here."""
     names = [n for n, p in net.named_parameters() if p.requires_grad]
-    sizes = dict((n, p.numel()) for n, p in net.named_parameters() if p.requires_grad)
+    sizes = {n: p.numel() for n, p in net.named_parameters() if p.requires_grad}
     offset = dict(zip(names, torch.tensor([0] + [sizes[n] for n in names]).cumsum(0).tolist()))
     total = sum(sizes.values())
     out = torch.zeros(total, total, dtype=DTYPE)

@@ -8,7 +8,14 @@ import torch
 
 from ntkgp.posteriors import FullLaplace, LastLayerLaplace
 from tests.helpers import assert_unchanged, mlp, snapshot
-from tests.posteriors.reference import DTYPE, LIKELIHOODS, dense_curvature, glm_blocks, likelihood_case, targets
+from tests.posteriors.reference import (
+    DTYPE,
+    LIKELIHOODS,
+    dense_curvature,
+    glm_blocks,
+    likelihood_case,
+    targets,
+)
 
 TOL = 1e-10
 
@@ -114,7 +121,7 @@ def test_last_layer_named_layer_and_errors():
 
 
 def test_full_laplace_accepts_batches_and_float32():
-    lik, c, log_prob = likelihood_case("softmax")
+    lik, c, _log_prob = likelihood_case("softmax")
     net = mlp(3, 4, c, depth=1, seed=1)
     x = torch.randn(9, 3, dtype=DTYPE, generator=torch.Generator().manual_seed(2))
     y = targets("softmax", 9)

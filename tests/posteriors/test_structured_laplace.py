@@ -13,7 +13,6 @@ from tests.helpers import assert_unchanged, mlp, small_cnn, snapshot
 from tests.posteriors.reference import (
     DTYPE,
     dense_curvature,
-    glm_blocks,
     kronecker_precision,
     likelihood_case,
     targets,
