@@ -8,7 +8,7 @@ import pytest
 import torch
 from gpytorch.likelihoods import GaussianLikelihood
 
-from ntkgp.mlls.sparse_evidence import SparseLaplaceEvidence
+from ntkgp.mlls.sparse_evidence import SparseLaplaceEvidence, SparseLaplaceMarginalLogLikelihood
 from ntkgp.models.sfr import SFR
 from tests.helpers import brute_jacobian, column_groups, mlp
 from tests.models.test_sfr import DELTA, Dense, layer_labels, problem
@@ -93,7 +93,7 @@ def test_gpytorch_loop_learns_prior_precision_and_noise():
         y = net(x).squeeze(-1) + 0.2 * torch.randn(40, dtype=torch.float64)
     sfr = SFR(net, x, y, GaussianLikelihood().double(), num_inducing=10, prior_precision=50.0)
     sfr.train()
-    mll = SparseLaplaceEvidence(sfr.likelihood, sfr)
+    mll = SparseLaplaceMarginalLogLikelihood(sfr.likelihood, sfr)
     start = mll().item()
     optimizer = torch.optim.Adam(sfr.hyperparameters(), lr=0.1)
     for _ in range(60):
@@ -105,7 +105,7 @@ def test_gpytorch_loop_learns_prior_precision_and_noise():
     assert mll().item() > start + 0.1
     assert math.isfinite(sfr(x).variance.sum().item())
     with pytest.raises(ValueError, match="own likelihood"):
-        SparseLaplaceEvidence(GaussianLikelihood(), sfr)
+        SparseLaplaceMarginalLogLikelihood(GaussianLikelihood(), sfr)
 
 
 def test_trained_two_moons_bound_needs_no_jitter_and_stays_below_the_full_site_evidence():
@@ -149,3 +149,36 @@ def test_trained_two_moons_bound_needs_no_jitter_and_stays_below_the_full_site_e
     assert abs(full - (log_q + gap)) < 1e-3  # Z = X: the full Gaussian-site evidence (to rounding of the Grams)
     assert sparse <= full + 1e-9  # the collapsed bound, by construction
     assert sparse / n <= (log_q + gap) / n and -1.0 < sparse / n < 0.0
+
+
+def test_gpytorch_signature_and_the_deprecated_alias():
+    net, x, y, lik = gaussian_problem()
+    sfr = SFR(net, x, y, lik, num_inducing=5, prior_precision=DELTA)
+    mll = SparseLaplaceMarginalLogLikelihood(sfr.likelihood, sfr)
+    expected = (sfr.log_marginal_likelihood() / x.shape[0]).item()
+    assert mll().item() == expected
+    assert mll(sfr(x), y).item() == expected  # GPyTorch's loop: the training output and targets (not read)
+    assert mll(None, None).item() == expected
+    with pytest.raises(ValueError, match="training inputs"):
+        mll(sfr(x[:4]), y)
+    with pytest.raises(ValueError, match="training targets"):
+        mll(None, y[:4])
+    with pytest.raises(TypeError, match="MultivariateNormal"):
+        mll(y, y)
+    with pytest.raises(TypeError, match="needs an SFR"):
+        SparseLaplaceMarginalLogLikelihood(lik, torch.nn.Linear(1, 1))
+    with pytest.warns(DeprecationWarning, match="SparseLaplaceMarginalLogLikelihood"):
+        old = SparseLaplaceEvidence(sfr.likelihood, sfr)
+    assert isinstance(old, SparseLaplaceMarginalLogLikelihood) and old().item() == expected
+
+
+def test_registered_priors_are_added_as_in_exact_marginal_log_likelihood():
+    from gpytorch.priors import GammaPrior
+
+    net, x, y, lik = gaussian_problem()
+    sfr = SFR(net, x, y, lik, num_inducing=5, prior_precision=DELTA)
+    sfr.covar_module.register_prior("delta_prior", GammaPrior(2.0, 1.0), lambda m: m.prior_precision)
+    value = SparseLaplaceMarginalLogLikelihood(sfr.likelihood, sfr)()
+    log_prior = torch.distributions.Gamma(torch.tensor(2.0), torch.tensor(1.0)).log_prob(DELTA).sum()
+    expected = (sfr.log_marginal_likelihood() + log_prior) / x.shape[0]
+    assert abs(value.item() - expected.item()) < 1e-10

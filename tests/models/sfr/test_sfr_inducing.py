@@ -1,0 +1,64 @@
+"""Greedy-variance inducing inputs (pivoted Cholesky from linear_operator) against a brute-force greedy
+selection on a Gram built from autograd Jacobians."""
+
+from __future__ import annotations
+
+import torch
+
+from ntkgp.models.sfr import SFR
+from ntkgp.models.sfr.inducing_points import uniform_subset
+from tests.helpers import brute_jacobian, column_groups, mlp
+from tests.models.test_sfr import DELTA, layer_labels
+
+
+def brute_force_greedy(k: torch.Tensor, size: int) -> list[int]:
+    """Repeatedly take the point of largest conditional variance diag(K − K_{·S} K_SS⁻¹ K_{S·})."""
+    chosen: list[int] = []
+    for _ in range(size):
+        if chosen:
+            s = torch.tensor(chosen)
+            residual = k.diagonal() - (k[:, s] * torch.linalg.solve(k[s][:, s], k[s, :]).T).sum(1)
+            residual[s] = -torch.inf
+        else:
+            residual = k.diagonal().clone()
+        chosen.append(int(torch.argmax(residual)))
+    return chosen
+
+
+def test_greedy_variance_picks_the_brute_force_greedy_points():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(40, 3, dtype=torch.float64, generator=g)
+    net = mlp(3, 6, 2, depth=2, seed=4)
+    with torch.no_grad():
+        y = net(x) + 0.1 * torch.randn(40, 2, dtype=torch.float64, generator=g)
+    from gpytorch.likelihoods import MultitaskGaussianLikelihood
+
+    lik = MultitaskGaussianLikelihood(2, rank=0, has_global_noise=False).double()
+    sfr = SFR(net, x, y, lik, num_inducing=7, prior_precision=DELTA, inducing_method="greedy_variance")
+    j, _ = brute_jacobian(net, x)
+    p0 = DELTA[column_groups(net, layer_labels(net))]
+    k = ((j / p0) @ j.T).view(40, 2, 40, 2).diagonal(dim1=1, dim2=3).sum(-1)  # output trace Σ_c K_cc
+    expected = x[torch.tensor(brute_force_greedy(k, 7))]
+    assert torch.equal(sfr.inducing_points, expected)
+
+
+def test_greedy_variance_with_duplicate_candidates_still_returns_distinct_rows():
+    x = torch.randn(6, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    x = torch.cat([x, x])  # rank of the pool's Gram ≤ 6
+    net = mlp(3, 6, 1, depth=2, seed=0)
+    with torch.no_grad():
+        y = net(x).squeeze(-1)
+    from gpytorch.likelihoods import GaussianLikelihood
+
+    sfr = SFR(net, x, y, GaussianLikelihood().double(), num_inducing=8, inducing_method="greedy_variance")
+    assert sfr.inducing_points.shape == (8, 3) and torch.isfinite(sfr.inducing_points).all()
+    assert len({tuple(r.tolist()) for r in sfr.inducing_points}) == 6  # every distinct point, then repeats
+
+
+def test_uniform_subset_is_the_bottom_k_of_seeded_keys_in_data_order():
+    x = torch.arange(20, dtype=torch.float64)[:, None]
+    keys = torch.rand(20, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    expected = torch.sort(torch.topk(keys, 6, largest=False).indices).values
+    for batches in ([x], list(x.split(7)), list(x.split(1))):
+        subset, total = uniform_subset(batches, 6, seed=5)
+        assert total == 20 and torch.equal(subset[:, 0].long(), expected)
