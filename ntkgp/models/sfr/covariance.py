@@ -42,6 +42,13 @@ def project_t(a: Tensor, u: Tensor, num_outputs: int) -> Tensor:
     return torch.einsum("cmn,cmk->nck", a, u).reshape(-1, u.shape[-1])
 
 
+def per_batch_factors(factor: Tensor, batch: torch.Size) -> Tensor:
+    """Low-rank factors ``(nb, K, B·R)`` of a flattened batch of ``B`` elements as ``(*batch, nb, K, R)``."""
+    nb, k, total = factor.shape
+    count = max(1, batch.numel())
+    return factor.view(nb, k, count, total // count).permute(2, 0, 1, 3).reshape(*batch, nb, k, total // count)
+
+
 def low_rank_dense(a: Tensor, num_outputs: int) -> Tensor:
     r""":math:`A^\top A` arranged as ``(n·C, n·C)`` interleaved (output-diagonal blocks for ``nb = C`` systems)."""
     product = a.mT @ a

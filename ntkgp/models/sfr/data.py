@@ -22,7 +22,7 @@ from ...ntk import NTKEngine
 from ...options import OutputCoupling, PriorMean
 from .statistics import DualStatistics, system_grams_and_diagonal
 
-__all__ = ["InputLayout", "check_inputs", "positive_int", "stream_statistics", "training_batches"]
+__all__ = ["InputLayout", "StateGuard", "check_inputs", "positive_int", "stream_statistics", "training_batches"]
 
 
 def positive_int(value: object, argument: str) -> int:
@@ -103,6 +103,41 @@ class InputLayout:
         if n == 0:
             raise ValueError(f"{argument} must hold at least one example, got shape {tuple(x.shape)}")
         return flat, batch
+
+
+@dataclass(frozen=True)
+class StateGuard:
+    """What the statistics were computed at: the network's weights :math:`\theta^*` and the inducing inputs.
+
+    Attributes:
+        weights: copies of the trainable parameters (``P`` numbers).
+        inducing_points: a copy of ``Z``.
+    """
+
+    weights: tuple[Tensor, ...]
+    inducing_points: Tensor
+
+    @classmethod
+    def of(cls, engine: NTKEngine, inducing_points: Tensor) -> StateGuard:
+        return cls(tuple(p.clone() for p in engine.params().values()), inducing_points.detach().clone())
+
+    def check(self, engine: NTKEngine, inducing_points: Tensor) -> None:
+        """Raise ``RuntimeError`` if either changed (compared by value: ``.data`` writes, optimizers and
+        ``load_state_dict`` are all seen)."""
+        current = list(engine.params().values())
+        same = len(current) == len(self.weights) and all(
+            a.shape == b.shape and torch.equal(a, b) for a, b in zip(self.weights, current)
+        )
+        if not same:
+            raise RuntimeError(
+                "the network's weights changed after this SFR model was built; its dual statistics were "
+                "accumulated at the old weights, so it no longer describes the network: build a new SFR"
+            )
+        if not torch.equal(inducing_points, self.inducing_points):
+            raise RuntimeError(
+                "sfr.inducing_points was modified in place; the statistics belong to the old inducing inputs: "
+                "build a new SFR with inducing_points=..."
+            )
 
 
 def training_batches(x: object, y: object, argument: str) -> Iterator[tuple[Tensor, Tensor]]:

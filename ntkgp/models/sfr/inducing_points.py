@@ -26,10 +26,10 @@ from linear_operator.functions import pivoted_cholesky
 from torch import Tensor
 
 from ...ntk import NTKEngine
-from ...options import OutputCoupling
+from ...options import InducingMethod, OutputCoupling
 from .statistics import system_grams
 
-__all__ = ["greedy_variance", "uniform_subset"]
+__all__ = ["choose_inducing_inputs", "greedy_variance", "uniform_subset"]
 
 
 def uniform_subset(batches: Iterable[Tensor], size: int, seed: int) -> tuple[Tensor, int]:
@@ -109,3 +109,38 @@ def greedy_variance(engine: NTKEngine, pool: Tensor, size: int, weights: Tensor,
         tolerance = 10 * n * torch.finfo(gram.dtype).eps
         factor, pivots = pivoted_cholesky(gram, rank=size, error_tol=tolerance, return_pivots=True)
     return pivots[:size].to(torch.long).cpu()
+
+
+def choose_inducing_inputs(
+    engine: NTKEngine,
+    batches: Iterable[Tensor],
+    size: int,
+    method: InducingMethod,
+    seed: int,
+    pool_size: int,
+    weights: Tensor,
+) -> Tensor:
+    r"""``M`` inducing inputs from the training inputs, in one pass over ``batches``.
+
+    Args:
+        engine: the NTK engine.
+        batches: the (checked) training inputs, batch by batch.
+        size: ``M``.
+        method: ``"random"`` or ``"greedy_variance"``.
+        seed: seed of the uniform subset (and of the greedy method's candidate pool).
+        pool_size: candidates for ``"greedy_variance"``.
+        weights: group weights :math:`1/\delta`.
+
+    Returns:
+        ``Z``, ``(M, *example)``, prepared for the network (a new tensor).
+
+    Raises:
+        ValueError: if there are fewer than ``M`` training inputs.
+    """
+    candidates, total = uniform_subset(batches, size if method is InducingMethod.RANDOM else max(size, pool_size), seed)
+    if total < size:
+        raise ValueError(f"cannot choose {size} inducing inputs from {total} training inputs (num_inducing > N)")
+    candidates = engine.prepare(candidates, "train_x").detach().clone()
+    if method is InducingMethod.GREEDY_VARIANCE:
+        candidates = candidates[greedy_variance(engine, candidates, size, weights)]
+    return candidates

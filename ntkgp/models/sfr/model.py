@@ -26,9 +26,9 @@ from ...options import (
     choose,
     renamed_argument,
 )
-from .covariance import SparsePosteriorCovariance
-from .data import InputLayout, check_inputs, positive_int, stream_statistics, training_batches
-from .inducing_points import greedy_variance, uniform_subset
+from .covariance import SparsePosteriorCovariance, per_batch_factors
+from .data import InputLayout, StateGuard, check_inputs, positive_int, stream_statistics, training_batches
+from .inducing_points import choose_inducing_inputs
 from .predictive import PosteriorState, PredictiveTerms
 from .statistics import system_grams
 from .whitening import inducing_factors, whitened_factors
@@ -39,7 +39,7 @@ __all__ = ["SFR"]
 def _reset_after_load(module: SFR, incompatible_keys) -> None:
     """``load_state_dict`` post hook: new statistics / inducing inputs invalidate every cached factor."""
     module._generation += 1
-    module._inducing_snapshot = module.inducing_points.detach().clone()
+    module._guard = StateGuard.of(module.engine, module.inducing_points)
 
 
 class SFR(GP):
@@ -186,7 +186,9 @@ class SFR(GP):
         if inducing_points is not None:
             z = self.engine.prepare(self._layout.check(inducing_points, "inducing_points")[0], "inducing_points")
         else:
-            z = self._choose_inducing_inputs(train_x, train_y, num_inducing, method, seed, pool_size)
+            weights = self.covar_module.prior_precision.reciprocal()
+            batches = (self._layout.check(bx, "train_x")[0] for bx, _ in training_batches(train_x, train_y, "train"))
+            z = choose_inducing_inputs(self.engine, batches, num_inducing, method, seed, pool_size, weights)
             pairs = training_batches(train_x, train_y, "train")
             first = next(pairs)
         z = z.detach().clone()
@@ -196,8 +198,7 @@ class SFR(GP):
             self._layout, self._rows_per_step(), "train", progress,
         )
         self.register_buffer("_zz_grams", system_grams(self.engine, z, z, self.output_coupling))
-        self._weights_snapshot = [p.clone() for p in self.engine.params().values()]
-        self._inducing_snapshot = z.clone()
+        self._guard = StateGuard.of(self.engine, z)
         self._generation = 0  # bumped by load_state_dict
         self._updates = 0  # bumped by update
         self._caches = {name: ValueCache(size=1) for name in ("inducing", "posterior", "z_jacobian")}
@@ -225,17 +226,6 @@ class SFR(GP):
         """The model's batch shape (BoTorch's ``Model.batch_shape``): SFR is one model, ``torch.Size([])``."""
         return torch.Size([])
 
-    def _choose_inducing_inputs(self, train_x, train_y, size: int, method: InducingMethod, seed: int, pool: int) -> Tensor:
-        inputs = (self._layout.check(bx, "train_x")[0] for bx, _ in training_batches(train_x, train_y, "train"))
-        candidates, total = uniform_subset(inputs, size if method is InducingMethod.RANDOM else max(size, pool), seed)
-        if total < size:
-            raise ValueError(f"cannot choose {size} inducing inputs from {total} training inputs (num_inducing > N)")
-        candidates = self.engine.prepare(candidates, "train_x").detach().clone()
-        if method is InducingMethod.GREEDY_VARIANCE:
-            weights = self.covar_module.prior_precision.reciprocal()
-            candidates = candidates[greedy_variance(self.engine, candidates, size, weights)]
-        return candidates
-
     def _rows_per_step(self) -> int:
         """Points per accumulation step and default prediction chunk: the ``G`` cross-Grams stay under 2²⁴ numbers."""
         if self.batch_size is not None:
@@ -246,20 +236,7 @@ class SFR(GP):
 
     def _check_state(self) -> None:
         """Raise if the network's weights or the inducing inputs changed since the statistics were computed."""
-        current = list(self.engine.params().values())
-        same = len(current) == len(self._weights_snapshot) and all(
-            a.shape == b.shape and torch.equal(a, b) for a, b in zip(self._weights_snapshot, current)
-        )
-        if not same:
-            raise RuntimeError(
-                "the network's weights changed after this SFR model was built; its dual statistics were "
-                "accumulated at the old weights, so it no longer describes the network: build a new SFR"
-            )
-        if not torch.equal(self.inducing_points, self._inducing_snapshot):
-            raise RuntimeError(
-                "sfr.inducing_points was modified in place; the statistics belong to the old inducing inputs: "
-                "build a new SFR with inducing_points=..."
-            )
+        self._guard.check(self.engine, self.inducing_points)
 
     # ------------------------------------------------------------------ conditioning on new data
     def update(self, x_new: Tensor | Iterable[tuple[Tensor, Tensor]], y_new: Tensor | None = None) -> SFR:
@@ -357,7 +334,7 @@ class SFR(GP):
         blocks = torch.cat([p.blocks for p in parts]).reshape(*batch, count, c, c)
         factors = [None, None]
         if len(parts) == 1:  # small enough to keep V and R⁻¹V (per batch element)
-            factors = [_per_batch(f, batch) for f in (parts[0].low_rank_z, parts[0].low_rank_s)]
+            factors = [per_batch_factors(f, batch) for f in (parts[0].low_rank_z, parts[0].low_rank_s)]
         covariance = SparsePosteriorCovariance(
             x.reshape(*batch, count, *x.shape[1:]), blocks, *factors, terms=terms, chunk_size=chunk
         )
@@ -418,9 +395,3 @@ class SFR(GP):
         )
         return self.log_marginal_likelihood()
 
-
-def _per_batch(factor: Tensor, batch: torch.Size) -> Tensor:
-    """Low-rank factors ``(nb, K, B·R)`` of a flattened batch as ``(*batch, nb, K, R)``."""
-    nb, k, total = factor.shape
-    count = max(1, batch.numel())
-    return factor.view(nb, k, count, total // count).permute(2, 0, 1, 3).reshape(*batch, nb, k, total // count)
