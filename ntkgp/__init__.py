@@ -1,11 +1,25 @@
-"""ntkgp: turn a trained PyTorch network into a Gaussian process (empirical NTK, Laplace-GGN evidence, GLM predictive, SFR)."""
+"""ntkgp: turn a trained PyTorch network into a Gaussian process on GPyTorch.
 
-from . import curvature, likelihoods, training
+The empirical NTK as a kernel (:class:`NTKKernel`), the Laplace-GGN log marginal likelihood as a GPyTorch
+MLL (:class:`LaplaceGGNMarginalLogLikelihood`), the GLM predictive as a model that conditions on new data
+(:class:`NTKGP`), the sparse function-space representation (:class:`SFR`) and online training of the
+hyperparameters (:func:`ntkgp.training.train_marglik`). The mathematics is in ``docs/math.md``.
+
+Subpackages: :mod:`~ntkgp.likelihoods`, :mod:`~ntkgp.curvature`, :mod:`~ntkgp.training`,
+:mod:`~ntkgp.options` (every option string), :mod:`~ntkgp.metrics`, :mod:`~ntkgp.datasets`.
+"""
+
+from . import curvature, datasets, likelihoods, metrics, options, training
 from .kernels import NTKKernel
-from .means import LinearisedNetworkMean, NetworkMean
-from .mlls import LaplaceGGNMarginalLogLikelihood, SparseLaplaceEvidence
+from .laplace import laplace_log_marginal_likelihood
+from .means import LinearizedNetworkMean, NetworkMean
+from .mlls import LaplaceGGNMarginalLogLikelihood, SparseLaplaceMarginalLogLikelihood
 from .models import NTKGP, SFR, ExactNTKGP, LaplaceNTKGP
 from .ntk import NTKEngine
+
+# Deprecated names, importable for one release (each warns when used); not in __all__.
+from .means import LinearisedNetworkMean  # noqa: F401  isort: skip
+from .mlls import SparseLaplaceEvidence  # noqa: F401  isort: skip
 
 __version__ = "0.1.0"
 
@@ -15,13 +29,17 @@ __all__ = [
     "ExactNTKGP",
     "LaplaceGGNMarginalLogLikelihood",
     "LaplaceNTKGP",
-    "LinearisedNetworkMean",
+    "LinearizedNetworkMean",
     "NTKEngine",
     "NTKKernel",
     "NetworkMean",
-    "SparseLaplaceEvidence",
+    "SparseLaplaceMarginalLogLikelihood",
     "__version__",
     "curvature",
+    "datasets",
+    "laplace_log_marginal_likelihood",
     "likelihoods",
+    "metrics",
+    "options",
     "training",
 ]

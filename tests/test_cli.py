@@ -237,3 +237,28 @@ def test_format_table():
     ]
     with pytest.raises(ValueError, match=r"rows\[0\] has 2 cells but there are 3 headers"):
         format_table(["a", "b", "c"], [[1, 2]])
+
+
+def test_public_api_names_resolve_and_old_names_warn():
+    """``ntkgp.__all__`` lists what users need, every name resolves; the old public names still import and
+    warn when used."""
+    import warnings
+
+    from torch import nn
+
+    import ntkgp
+
+    for name in ntkgp.__all__:
+        assert getattr(ntkgp, name) is not None, name
+    assert {"NTKGP", "SFR", "NTKKernel", "LaplaceGGNMarginalLogLikelihood", "SparseLaplaceMarginalLogLikelihood",
+            "LinearizedNetworkMean", "likelihoods", "training", "curvature", "options", "metrics",
+            "datasets"} <= set(ntkgp.__all__)
+    assert not {"LinearisedNetworkMean", "SparseLaplaceEvidence"} & set(ntkgp.__all__)
+    net = nn.Linear(2, 1).double()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mean = ntkgp.LinearisedNetworkMean(ntkgp.NTKEngine(net))
+    assert isinstance(mean, ntkgp.LinearizedNetworkMean)
+    assert any(issubclass(w.category, DeprecationWarning) and "LinearizedNetworkMean" in str(w.message)
+               for w in caught)
+    assert issubclass(ntkgp.SparseLaplaceEvidence, ntkgp.SparseLaplaceMarginalLogLikelihood)
