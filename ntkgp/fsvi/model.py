@@ -1,0 +1,221 @@
+r"""``FSVI``: a network with a mean-field Gaussian over its weights, as a GPyTorch model over its outputs."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+from gpytorch.distributions import MultitaskMultivariateNormal, MultivariateNormal
+from gpytorch.likelihoods import Likelihood
+from gpytorch.models import GP
+from linear_operator.operators import DiagLinearOperator
+from torch import Tensor, distributions, nn
+
+from ..likelihoods import is_gaussian, noise_variance, num_outputs
+from ..options import choose
+from .kernel import MeanFieldNTKKernel
+from .kl import gaussian_kl
+from .linearized import LinearizedNetwork
+from .mean import VariationalNetworkMean
+from .options import PriorLinearization, Predictive
+from .prior import GaussianParameterPrior
+from .variational import MeanFieldGaussian
+
+
+def _check_num_samples(num_samples: object) -> int:
+    if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
+        raise ValueError(f"num_samples must be a positive integer, got {num_samples!r}")
+    return num_samples
+
+
+class FSVI(GP):
+    r"""Function-space variational inference (Rudner et al. 2022) for a whole network, as a GPyTorch model.
+
+    The variational distribution over the trainable weights is mean-field Gaussian,
+    :math:`q(\theta) = N(\mu, \operatorname{diag}(s^2))` (:class:`~ntkgp.fsvi.MeanFieldGaussian`, initialized from
+    the network's weights), the prior :math:`p(\theta) = N(\mu_0, \operatorname{diag}(s_0^2))`
+    (:class:`~ntkgp.fsvi.GaussianParameterPrior`). Linearizing the network about :math:`\mu` gives the model's
+    distribution over outputs, a GP:
+
+    .. math:: f(\cdot) \sim GP\big(f(\cdot\,; \mu),\; J_\mu(\cdot) \operatorname{diag}(s^2) J_\mu(\cdot)^\top\big),
+
+    with mean :class:`~ntkgp.fsvi.VariationalNetworkMean` and kernel :class:`~ntkgp.fsvi.MeanFieldNTKKernel`.
+    ``model(x)`` returns it (a ``MultivariateNormal`` for ``C = 1``, else an interleaved
+    ``MultitaskMultivariateNormal`` of shape ``(N, C)``), in train and eval mode alike; its covariance is lazy,
+    so ``.variance`` costs one forward and backward pass per chunk. ``model.likelihood(model(x))`` is the
+    linearized predictive over ``y``; :meth:`predict` with ``method="mc"`` is the paper's predictive, Monte
+    Carlo over :math:`\theta \sim q` through the network itself.
+
+    Train it with :func:`~ntkgp.fsvi.train_fsvi` (or your own loop over :class:`~ntkgp.fsvi.FunctionSpaceELBO`).
+    The network is held by reference and never modified: ``model.parameters()`` are :math:`\mu`,
+    :math:`\log s` (``variational_distribution.*``) and the likelihood's; the prior lives in buffers.
+
+    Args:
+        net: the network ``(N, *input_shape) → (N, C)``; BatchNorm and dropout in eval mode.
+        likelihood: ``GaussianLikelihood``, ``MultitaskGaussianLikelihood(rank=0)``,
+            :class:`~ntkgp.likelihoods.LogisticLikelihood` or :class:`~ntkgp.likelihoods.SoftmaxLikelihood`.
+        prior_precision: :math:`\delta`, float or one value per group; :math:`s_0^2 = 1/\delta_g`.
+        prior_structure: prior groups: ``"network"``, ``"layer"`` (default), ``"parameter"`` or a mapping.
+        prior_mean: ``"zero"`` (default), ``"initial"`` or a mapping name → tensor, see
+            :class:`~ntkgp.fsvi.GaussianParameterPrior`.
+        prior_linearization: ``"variational_mean"`` (default) or ``"prior_mean"`` (the paper's equation).
+        init_std: initial :math:`s` of every weight.
+        input_shape: the shape of one input as the network expects it (inputs with more than one feature
+            dimension are flattened for GPyTorch and reshaped for the network; inferred from the first such input).
+        strategy: ``"auto"`` (structured route for linear layers) or ``"contraction"``.
+        chunk_size: examples per chunk when predicting.
+        **kwargs: ``groups=`` (deprecated name of ``prior_structure``).
+
+    Example:
+        >>> model = FSVI(net, SoftmaxLikelihood(10), prior_precision=1.0)
+        >>> probs = model.predict(x_test, method="mc", num_samples=100).probs
+    """
+
+    def __init__(
+        self,
+        net: nn.Module,
+        likelihood: Likelihood,
+        prior_precision: float | Tensor = 1.0,
+        prior_structure: str | Mapping[str, str] = "layer",
+        prior_mean: str | Mapping[str, Tensor] = "zero",
+        prior_linearization: str = "variational_mean",
+        init_std: float = 1e-3,
+        input_shape: Sequence[int] | None = None,
+        strategy: str = "auto",
+        chunk_size: int = 256,
+        **kwargs,
+    ) -> None:
+        if not isinstance(likelihood, Likelihood):
+            raise TypeError(f"likelihood must be a gpytorch Likelihood, got {type(likelihood).__name__}")
+        num_outputs(likelihood)  # raises for unsupported likelihoods
+        linearized = LinearizedNetwork(net, input_shape=input_shape, strategy=strategy, chunk_size=chunk_size)
+        prior = GaussianParameterPrior(net, prior_precision, prior_structure, prior_mean, prior_linearization, **kwargs)
+        variational = MeanFieldGaussian(net, init_std)
+        super().__init__()
+        self.likelihood = likelihood
+        self.variational_distribution = variational
+        self.prior = prior
+        self.linearized = linearized
+        self.mean_module = VariationalNetworkMean(linearized, variational)
+        self.covar_module = MeanFieldNTKKernel(linearized, variational)
+
+    # ------------------------------------------------------------------ basic properties
+    @property
+    def net(self) -> nn.Module:
+        """The network (held by reference, never modified)."""
+        return self.linearized.net
+
+    @property
+    def num_outputs(self) -> int:
+        """C, the number of network outputs (what the likelihood expects)."""
+        return num_outputs(self.likelihood)
+
+    def _reference(self) -> Tensor:
+        return self.variational_distribution.mean[0]
+
+    def _flat(self, x: Tensor, argument: str = "x") -> Tensor:
+        """GPyTorch's ``(N, D)`` form of ``x``; images ``(N, *input_shape)`` are flattened (and fix ``input_shape``)."""
+        if not isinstance(x, Tensor):
+            raise TypeError(f"{argument} must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() < 2:
+            raise ValueError(f"{argument} must have shape (N, ...) with a feature dimension, got {tuple(x.shape)}")
+        if x.dim() > 2:
+            if self.linearized.input_shape is None:
+                self.linearized.input_shape = tuple(x.shape[1:])
+            return x.flatten(1)
+        return x
+
+    def prepare(self, x: Tensor, argument: str = "x") -> Tensor:
+        """``x`` in the network's shape, dtype and device (a copy only if needed)."""
+        return self.linearized.prepare(x, self._reference(), argument)
+
+    # ------------------------------------------------------------------ the GP
+    def _mvn(self, mean: Tensor, covar) -> MultivariateNormal:
+        if mean.dim() == 1:
+            return MultivariateNormal(mean, covar)
+        return MultitaskMultivariateNormal(mean, covar, interleaved=True)
+
+    def forward(self, x: Tensor) -> MultivariateNormal:
+        r""":math:`q(f(x)) = N(f(x; \mu), J_\mu(x) \operatorname{diag}(s^2) J_\mu(x)^\top)`, lazy covariance."""
+        return self._mvn(self.mean_module(x), self.covar_module(x))
+
+    def __call__(self, x: Tensor) -> MultivariateNormal:
+        return super().__call__(self._flat(x))
+
+    # ------------------------------------------------------------------ function-space KL
+    def function_space_kl(self, x_context: Tensor) -> Tensor:
+        r"""KL from the prior to the variational distribution over the outputs at context points,
+        :math:`\mathrm{KL}(q(f_C) \,\|\, p(f_C))` on all ``K·C`` outputs (docs/fsvi.md, "The function-space KL").
+
+        .. math::
+            q(f_C) = N\big(f(X_C; \mu),\, J_\mu \operatorname{diag}(s^2) J_\mu^\top\big), \qquad
+            p(f_C) = N\big(f(X_C; \mu_0),\, J_{\theta_p} \operatorname{diag}(s_0^2) J_{\theta_p}^\top\big),
+
+        :math:`\theta_p = \mu` or :math:`\mu_0` (``prior_linearization``). The covariances come from the structured
+        form (:class:`~ntkgp.fsvi.linearized.LinearizedNetwork`), never from ``J``; with :math:`\theta_p = \mu`
+        both share one forward and one backward pass. Differentiable in :math:`\mu` and :math:`s`.
+
+        Args:
+            x_context: ``K`` context inputs ``(K, ...)``.
+
+        Returns:
+            A 0-dim tensor.
+        """
+        x = self.prepare(self._flat(x_context, "x_context"), "x_context")
+        lin, q, p = self.linearized, self.variational_distribution, self.prior
+        grad = torch.is_grad_enabled()
+        if p.linearization is PriorLinearization.VARIATIONAL_MEAN:
+            f_q, (cov_q, cov_p) = lin.covariance(q.means(), [q.variances(), p.variances()], x, create_graph=grad)
+            with torch.no_grad():
+                f_p = lin.forward(p.means(), x)
+        else:
+            f_q, (cov_q,) = lin.covariance(q.means(), [q.variances()], x, create_graph=grad)
+            f_p, (cov_p,) = lin.covariance(p.means(), [p.variances()], x, create_graph=False)
+        return gaussian_kl(f_q.reshape(-1), cov_q, f_p.reshape(-1), cov_p)
+
+    # ------------------------------------------------------------------ Monte Carlo over weights
+    def function_samples(
+        self, x: Tensor, num_samples: int = 100, generator: torch.Generator | None = None
+    ) -> Tensor:
+        r"""Network outputs :math:`f(x; \theta_s)` for draws :math:`\theta_s \sim q(\theta)`: shape ``(S, N, C)``
+        (``(S, N)`` for ``C = 1``). Differentiable in :math:`\mu`, :math:`s` when gradients are enabled."""
+        num_samples = _check_num_samples(num_samples)
+        x = self.prepare(x)
+        q = self.variational_distribution
+        samples = torch.stack([self.linearized.forward(q.sample(generator), x) for _ in range(num_samples)])
+        return samples.squeeze(-1) if samples.shape[-1] == 1 else samples
+
+    def predict(
+        self,
+        x: Tensor,
+        method: str = "mc",
+        num_samples: int = 100,
+        generator: torch.Generator | None = None,
+    ) -> distributions.Distribution:
+        r"""The predictive distribution over ``y`` at ``x``.
+
+        * ``method="mc"`` (default, the paper's predictive): Monte Carlo over :math:`\theta_s \sim q` through the
+          network. Classification: ``Bernoulli`` / ``Categorical`` with probabilities
+          :math:`\frac1S \sum_s \operatorname{link}(f(x; \theta_s))`. Gaussian likelihoods: the moment-matched
+          Gaussian (mean and variance of the samples plus the noise variance), a ``MultivariateNormal`` with
+          diagonal covariance (``MultitaskMultivariateNormal`` for ``C > 1``).
+        * ``method="linearized"``: ``likelihood(model(x))``, the linearized GP through the likelihood (probit
+          or the likelihood's own approximation for classes; Gaussian noise added for regression).
+
+        Args:
+            x: inputs ``(N, ...)``.
+            method: ``"mc"`` or ``"linearized"``.
+            num_samples: ``S`` for ``"mc"``.
+            generator: random number generator for ``"mc"``.
+        """
+        method = choose(Predictive, method, "method")
+        if method is Predictive.LINEARIZED:
+            return self.likelihood(self(x))
+        samples = self.function_samples(self._flat(x), num_samples, generator)
+        if is_gaussian(self.likelihood):
+            mean, var = samples.mean(0), samples.var(0, unbiased=False)
+            noise = noise_variance(self.likelihood).to(var)
+            var = var + (noise if var.dim() > 1 else noise.squeeze(-1))
+            return self._mvn(mean, DiagLinearOperator(var.reshape(-1)))
+        conditional = self.likelihood(samples)
+        return type(conditional)(probs=conditional.probs.mean(0))

@@ -1,0 +1,284 @@
+r"""``train_fsvi``: function-space variational inference for a whole network, in one call."""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from gpytorch.likelihoods import Likelihood
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+
+from ..likelihoods import num_outputs, validate_targets
+from ..options import choose
+from .context import BatchMixedContext, ContextDistribution, DatasetContext, MonochromeContext, SamplerContext, UniformBoxContext
+from .model import FSVI
+from .objective import FunctionSpaceELBO
+from .options import ContextKind
+
+Batches = Iterable[tuple[Tensor, Tensor]]
+
+
+@dataclass
+class FSVIResult:
+    """What :func:`train_fsvi` returns.
+
+    Attributes:
+        model: the trained :class:`~ntkgp.fsvi.FSVI` model (in eval mode), carrying a copy of the likelihood.
+        history: one dict per epoch: ``epoch``, ``elbo`` (the objective divided by N, mean over the epoch's
+            steps), ``expected_log_likelihood`` and ``kl`` (totals, means over steps), ``seconds`` (cumulative).
+        seconds: the training time.
+    """
+
+    model: FSVI
+    history: list[dict] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def _positive_int(value: object, argument: str, allow_none: bool = False) -> int | None:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{argument} must be a positive integer{' or None' if allow_none else ''}, got {value!r}")
+    return value
+
+
+def _loader_inputs(batches: Batches, max_values: int) -> Tensor:
+    """Inputs of the first batches of ``batches``, until ``max_values`` numbers per input feature are collected."""
+    xs, count = [], 0
+    for x, _ in batches:
+        xs.append(x)
+        count += x.shape[0]
+        if count * max(1, math.prod(x.shape[2:])) >= max_values:
+            break
+    return torch.cat(xs)
+
+
+def _build_context(
+    context: object, batches: Batches, x_first: Tensor, input_shape: tuple[int, ...] | None, generator: torch.Generator
+) -> ContextDistribution:
+    if isinstance(context, ContextDistribution):
+        return context
+    if isinstance(context, Tensor):
+        return DatasetContext(context)
+    if callable(context) and not isinstance(context, str):
+        return SamplerContext(context)
+    if not isinstance(context, str):
+        raise TypeError(
+            "context must be 'auto', 'uniform', 'monochrome', a ContextDistribution, a tensor of inputs or a "
+            f"callable sampler, got {type(context).__name__}"
+        )
+    kind = choose(ContextKind, context, "context")
+    image_shape = input_shape if input_shape is not None and len(input_shape) >= 2 else None
+    if kind is ContextKind.AUTO:
+        kind = ContextKind.MONOCHROME if image_shape is not None else ContextKind.UNIFORM
+    if kind is ContextKind.MONOCHROME:
+        if image_shape is None:
+            raise ValueError(
+                "context='monochrome' needs image inputs (N, channels, H, W) or input_shape=(channels, H, W)"
+            )
+        return MonochromeContext.from_data(_loader_inputs(batches, 2**20), image_shape, generator=generator)
+    lower, upper = x_first.min(0).values, x_first.max(0).values
+    for x, _ in batches:
+        lower, upper = torch.minimum(lower, x.min(0).values), torch.maximum(upper, x.max(0).values)
+    return UniformBoxContext(lower, upper)
+
+
+class _TensorBatches:
+    """Shuffled mini-batches of tensors, reshuffled at every pass by a seeded generator."""
+
+    def __init__(self, x: Tensor, y: Tensor, batch_size: int | None, generator: torch.Generator) -> None:
+        self.x, self.y, self.generator = x, y, generator
+        self.batch_size = x.shape[0] if batch_size is None else min(batch_size, x.shape[0])
+
+    def __iter__(self):
+        order = torch.randperm(self.x.shape[0], generator=self.generator).to(self.x.device)
+        for s in range(0, self.x.shape[0], self.batch_size):
+            idx = order[s : s + self.batch_size]
+            yield self.x[idx], self.y[idx]
+
+    def __len__(self) -> int:
+        return -(-self.x.shape[0] // self.batch_size)
+
+
+def train_fsvi(
+    net: nn.Module,
+    train_x: Tensor | Batches,
+    train_y: Tensor | None,
+    likelihood: Likelihood,
+    *,
+    context: str | ContextDistribution | Tensor | Callable = "auto",
+    num_context: int = 32,
+    context_batch_fraction: float = 0.0,
+    prior_precision: float | Tensor = 1.0,
+    prior_structure: str | Mapping[str, str] = "layer",
+    prior_mean: str | Mapping[str, Tensor] = "zero",
+    prior_linearization: str = "variational_mean",
+    init_std: float = 1e-3,
+    num_samples: int = 1,
+    epochs: int = 100,
+    batch_size: int | None = 128,
+    num_data: int | None = None,
+    lr: float = 1e-3,
+    optimizer: Callable[..., torch.optim.Optimizer] = torch.optim.Adam,
+    learn_likelihood: bool = False,
+    input_shape: Sequence[int] | None = None,
+    strategy: str = "auto",
+    seed: int = 0,
+    progress: bool = True,
+) -> FSVIResult:
+    r"""Fit a mean-field Gaussian over all the weights of ``net`` by function-space variational inference.
+
+    Maximizes :class:`~ntkgp.fsvi.FunctionSpaceELBO` with ``optimizer`` over :math:`\mu` and :math:`\log s`
+    (and the likelihood's noise or temperature with ``learn_likelihood=True``):
+
+    .. math::
+        \mathcal L(\mu, s) = \frac{N}{B} \sum_{b} \frac1S \sum_s \log p(y_b \mid f(x_b; \mu + s \odot \epsilon_s))
+            - \mathrm{KL}\big(q(f_{X_C}) \,\|\, p(f_{X_C})\big),
+
+    with ``K = num_context`` context points :math:`X_C` drawn afresh at every step (docs/fsvi.md). The network is
+    not modified: :math:`\mu` starts at a copy of its weights (usually a freshly initialized network; a
+    pre-trained one also works), and the likelihood is copied.
+
+    Args:
+        net: any ``nn.Module`` ``(N, *input_shape) → (N, C)``: linear layers take the structured route,
+            convolutions and BatchNorm (eval mode) the Jacobian route.
+        train_x: inputs ``(N, ...)``, or an iterable of ``(x, y)`` mini-batches (a ``DataLoader``) with
+            ``train_y=None``.
+        train_y: targets (see :func:`ntkgp.likelihoods.validate_targets`), or ``None`` with a loader.
+        likelihood: a supported likelihood (its number of outputs must match the network's).
+        context: ``"auto"`` (``"monochrome"`` for image inputs, else ``"uniform"``), ``"uniform"`` (the box of
+            the training inputs), ``"monochrome"``, a :class:`~ntkgp.fsvi.ContextDistribution`, a tensor of inputs
+            (a :class:`~ntkgp.fsvi.DatasetContext`) or a callable ``(K, generator) -> (K, ...)``.
+        num_context: ``K``, context points per step.
+        context_batch_fraction: the fraction of them taken from the current mini-batch
+            (:class:`~ntkgp.fsvi.BatchMixedContext`; the paper uses 0.5 with monochrome images).
+        prior_precision: :math:`\delta`, float or one per group; :math:`s_0^2 = 1/\delta_g`.
+        prior_structure: ``"network"``, ``"layer"`` (default), ``"parameter"`` or a mapping.
+        prior_mean: ``"zero"``, ``"initial"`` or a mapping, see :class:`~ntkgp.fsvi.GaussianParameterPrior`.
+        prior_linearization: ``"variational_mean"`` (default) or ``"prior_mean"``.
+        init_std: the initial :math:`s` of every weight.
+        num_samples: ``S``, weight draws per step for the expected log-likelihood.
+        epochs: passes over the data.
+        batch_size: mini-batch size for tensors (``None``: full batch); ignored for loaders.
+        num_data: ``N`` for a loader (default ``len(loader.dataset)``, else counted in one pass).
+        lr: the optimizer's step size.
+        optimizer: a ``torch.optim`` class.
+        learn_likelihood: also optimize the likelihood's parameters (Gaussian noise) on the objective.
+        input_shape: one input's shape as the network expects it (default: the inputs' own shape).
+        strategy: ``"auto"`` or ``"contraction"``, see :class:`~ntkgp.fsvi.linearized.LinearizedNetwork`.
+        seed: seeds shuffling, context points and weight draws (the global random state is not used).
+        progress: show a tqdm bar over epochs.
+
+    Returns:
+        :class:`FSVIResult` with the trained model and the per-epoch history.
+
+    Raises:
+        ValueError / TypeError: naming the argument, before anything is computed.
+
+    Example:
+        >>> result = train_fsvi(net, x, y, GaussianLikelihood(), prior_precision=1.0, epochs=2000, lr=1e-2)
+        >>> dist = result.model.predict(x_test, method="linearized")      # N(mean, var) over y
+    """
+    if not isinstance(net, nn.Module):
+        raise TypeError(f"net must be a torch.nn.Module, got {type(net).__name__}")
+    if not isinstance(likelihood, Likelihood):
+        raise TypeError(f"likelihood must be a gpytorch Likelihood, got {type(likelihood).__name__}")
+    expected = num_outputs(likelihood)
+    num_context = _positive_int(num_context, "num_context")
+    num_samples = _positive_int(num_samples, "num_samples")
+    epochs = _positive_int(epochs, "epochs")
+    batch_size = _positive_int(batch_size, "batch_size", allow_none=True)
+    num_data = _positive_int(num_data, "num_data", allow_none=True)
+    if isinstance(context_batch_fraction, bool) or not isinstance(context_batch_fraction, (int, float)) or not (
+        0 <= context_batch_fraction <= 1
+    ):
+        raise ValueError(f"context_batch_fraction must be a number in [0, 1], got {context_batch_fraction!r}")
+    if not (isinstance(lr, (int, float)) and not isinstance(lr, bool) and 0 < lr < math.inf):
+        raise ValueError(f"lr must be a positive number, got {lr!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an integer, got {seed!r}")
+
+    generator = torch.Generator().manual_seed(seed)
+    if isinstance(train_x, Tensor):
+        if train_y is None:
+            raise ValueError("train_y must be given when train_x is a tensor")
+        if train_x.dim() < 2 or train_x.shape[0] == 0:
+            raise ValueError(f"train_x must have shape (N, ...) with a feature dimension, got {tuple(train_x.shape)}")
+        y = validate_targets(likelihood, train_y, expected, num_data=train_x.shape[0], name="train_y")
+        batches: Batches = _TensorBatches(train_x, y, batch_size, generator)
+        num_data = train_x.shape[0]
+        x_first = train_x
+    else:
+        if train_y is not None:
+            raise ValueError("train_y must be None when train_x is a loader of (x, y) batches")
+        if not isinstance(train_x, Iterable):
+            raise TypeError(f"train_x must be a tensor or an iterable of (x, y) batches, got {type(train_x).__name__}")
+        batches = train_x
+        first = next(iter(batches), None)
+        if first is None:
+            raise ValueError("train_x yields no batches")
+        x_first = first[0]
+        if num_data is None:
+            dataset = getattr(train_x, "dataset", None)
+            num_data = len(dataset) if dataset is not None else sum(int(x.shape[0]) for x, _ in batches)
+    if input_shape is None and x_first.dim() > 2:
+        input_shape = tuple(x_first.shape[1:])
+
+    model = FSVI(
+        net,
+        copy.deepcopy(likelihood),
+        prior_precision=prior_precision,
+        prior_structure=prior_structure,
+        prior_mean=prior_mean,
+        prior_linearization=prior_linearization,
+        init_std=init_std,
+        input_shape=input_shape,
+        strategy=strategy,
+    )
+    reference = model.variational_distribution.mean[0]
+    model.likelihood.to(device=reference.device, dtype=reference.dtype)
+    with torch.no_grad():
+        c = model.linearized.forward(model.variational_distribution.means(), model.prepare(x_first[:1])).shape[1]
+    if c != expected:
+        raise ValueError(f"net has {c} outputs but the likelihood {type(likelihood).__name__} expects {expected}")
+    data = [(train_x, None)] if isinstance(train_x, Tensor) else batches
+    sampler = _build_context(context, data, x_first, input_shape, generator)
+    if context_batch_fraction > 0:
+        sampler = BatchMixedContext(sampler, context_batch_fraction)
+
+    elbo = FunctionSpaceELBO(model, num_data, num_samples)
+    params = list(model.variational_distribution.parameters())
+    if learn_likelihood:
+        params += [p for p in model.likelihood.parameters() if p.requires_grad]
+    opt = optimizer(params, lr=lr)
+    noise = torch.Generator(device=reference.device).manual_seed(seed + 1)
+    model.train()
+    history: list[dict] = []
+    start = time.perf_counter()
+    bar = tqdm(range(epochs), desc="FSVI", disable=not progress)
+    for epoch in bar:
+        sums, steps = [0.0, 0.0, 0.0], 0
+        for x, y in batches:
+            x_context = sampler.sample(num_context, generator, batch_x=x)
+            opt.zero_grad(set_to_none=True)
+            terms = elbo(x, y, x_context, generator=noise)
+            (-terms.value).backward()
+            opt.step()
+            for i, t in enumerate(terms):
+                sums[i] += t.item()
+            steps += 1
+        history.append({
+            "epoch": epoch + 1,
+            "elbo": sums[0] / steps,
+            "expected_log_likelihood": sums[1] / steps,
+            "kl": sums[2] / steps,
+            "seconds": time.perf_counter() - start,
+        })
+        bar.set_postfix(elbo=f"{history[-1]['elbo']:.4g}")
+    model.eval()
+    return FSVIResult(model, history, time.perf_counter() - start)

@@ -1,0 +1,131 @@
+"""The function-space KL against torch.distributions with dense Gaussians from brute-force Jacobians."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from gpytorch.likelihoods import GaussianLikelihood, MultitaskGaussianLikelihood
+from linear_operator.utils.warnings import NumericalWarning
+from torch.distributions import MultivariateNormal, kl_divergence
+from torch.func import functional_call
+
+from ntkgp.fsvi import FSVI, gaussian_kl
+
+from . import reference as ref
+
+
+def _random_spd(n, seed, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(n, n + 3, generator=g, dtype=dtype)
+    return a @ a.T / n + 0.1 * torch.eye(n, dtype=dtype)
+
+
+def test_gaussian_kl_equals_torch_distributions():
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 4, 9):
+        mq, mp = torch.randn(n, generator=g, dtype=torch.float64), torch.randn(n, generator=g, dtype=torch.float64)
+        cq, cp = _random_spd(n, 1) * 1e-3, _random_spd(n, 2) * 1e2  # very different scales
+        expected = kl_divergence(MultivariateNormal(mq, cq), MultivariateNormal(mp, cp))
+        torch.testing.assert_close(gaussian_kl(mq, cq, mp, cp), expected, rtol=1e-10, atol=1e-10)
+
+
+def test_gaussian_kl_gradients_equal_torch_distributions():
+    mq = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    cq, cp = _random_spd(5, 3).requires_grad_(), _random_spd(5, 4).requires_grad_()
+    mp = torch.randn(5, dtype=torch.float64)
+    mine = torch.autograd.grad(gaussian_kl(mq, cq, mp, cp), (mq, cq, cp))
+    theirs = torch.autograd.grad(kl_divergence(MultivariateNormal(mq, cq), MultivariateNormal(mp, cp)), (mq, cq, cp))
+    for a, b in zip(mine, theirs):
+        # the Cholesky route sees only the lower triangle: compare the symmetrized gradients
+        a, b = (a + a.mT) / 2 if a.dim() == 2 else a, (b + b.mT) / 2 if b.dim() == 2 else b
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
+
+
+def test_gaussian_kl_errors():
+    with pytest.raises(ValueError, match="expected means"):
+        gaussian_kl(torch.zeros(2), torch.eye(3), torch.zeros(2), torch.eye(2))
+    with pytest.raises(ValueError, match="cov_q"):
+        gaussian_kl(torch.zeros(2), torch.zeros(2, 2), torch.zeros(2), torch.eye(2))
+
+
+def _model(c, prior_mean, prior_linearization, prior_precision=1.0, seed=0):
+    net = ref.mlp(d_in=2, width=5, d_out=c, seed=seed)
+    lik = GaussianLikelihood().double() if c == 1 else MultitaskGaussianLikelihood(c, rank=0).double()
+    model = FSVI(net, lik, prior_precision=prior_precision, prior_mean=prior_mean,
+                 prior_linearization=prior_linearization, prior_structure="parameter")
+    g = torch.Generator().manual_seed(seed + 5)
+    with torch.no_grad():  # move μ and s away from their initial values: every term of the KL matters
+        for m, t in zip(model.variational_distribution.mean, model.variational_distribution.log_std):
+            m.add_(0.3 * torch.randn(m.shape, generator=g, dtype=m.dtype))
+            t.copy_(-1.0 + 0.5 * torch.randn(t.shape, generator=g, dtype=t.dtype))
+    return net, model
+
+
+def _dense_kl(net, model, x):
+    q, p = model.variational_distribution, model.prior
+    names = q.names
+    mu = {n: t.detach() for n, t in q.means().items()}
+    mu0 = p.means()
+    var_q = {n: t.detach() for n, t in q.variances().items()}
+    var_p = {n: t.expand(mu[n].shape) for n, t in p.variances().items()}
+    at = mu if p.linearization == "variational_mean" else mu0
+    cov_q = ref.covariance(net, mu, var_q, names, x)
+    cov_p = ref.covariance(net, at, var_p, names, x)
+    f_q = functional_call(net, mu, (x,)).reshape(-1)
+    f_p = functional_call(net, mu0, (x,)).reshape(-1)
+    return kl_divergence(MultivariateNormal(f_q, cov_q), MultivariateNormal(f_p, cov_p))
+
+
+@pytest.mark.parametrize("c", [1, 3])
+@pytest.mark.parametrize("prior", [("zero", "variational_mean"), ("initial", "prior_mean"), ("mapping", "prior_mean")])
+def test_function_space_kl_equals_dense_gaussians(c, prior):
+    prior_mean, linearization = prior
+    net = ref.mlp(d_in=2, width=5, d_out=c, seed=7)
+    if prior_mean == "mapping":
+        prior_mean = {n: 0.5 * torch.randn_like(p) for n, p in net.named_parameters()}
+    net, model = _model(c, prior_mean, linearization, prior_precision=torch.tensor([0.5, 2.0, 1.0, 3.0, 0.7, 1.5]))
+    x = torch.randn(4, 2, dtype=torch.float64)  # K·C = 4 or 12 < P = 51: both covariances non-singular
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NumericalWarning)  # no jitter was needed here
+        kl = model.function_space_kl(x)
+    torch.testing.assert_close(kl, _dense_kl(net, model, x), rtol=1e-10, atol=1e-10)
+
+
+def test_function_space_kl_cnn():
+    net = ref.small_cnn(3)
+    model = FSVI(net, MultitaskGaussianLikelihood(3, rank=0).double(), prior_mean="initial",
+                 prior_linearization="prior_mean", init_std=0.1)
+    with torch.no_grad():
+        for m in model.variational_distribution.mean:
+            m.add_(0.2 * torch.randn_like(m))
+    x = torch.randn(3, 1, 6, 6, dtype=torch.float64)
+    torch.testing.assert_close(model.function_space_kl(x), _dense_kl(net, model, x), rtol=1e-10, atol=1e-10)
+
+
+def test_float32_close_to_float64():
+    net64, model64 = _model(3, "zero", "variational_mean")
+    net32 = ref.mlp(d_in=2, width=5, d_out=3, seed=0, dtype=torch.float32)
+    model32 = FSVI(net32, MultitaskGaussianLikelihood(3, rank=0), prior_mean="zero", prior_structure="parameter")
+    model32.load_state_dict({k: v.float() for k, v in model64.state_dict().items()}, strict=False)
+    x = torch.randn(4, 2, dtype=torch.float64)
+    kl64 = model64.function_space_kl(x)
+    kl32 = model32.function_space_kl(x.float())
+    assert kl32.dtype == torch.float32
+    torch.testing.assert_close(kl32.double(), kl64, rtol=1e-3, atol=1e-3)
+
+
+def test_singular_covariance_gets_warned_jitter():
+    """K·C > P: the linearized covariances are singular; jitter is added and a NumericalWarning says so."""
+    net = ref.mlp(d_in=1, width=2, d_out=1, depth=1)  # P = 7
+    model = FSVI(net, GaussianLikelihood().double())
+    x = torch.linspace(-1, 1, 12, dtype=torch.float64)[:, None]
+    with pytest.warns(NumericalWarning):
+        kl = model.function_space_kl(x)
+    assert torch.isfinite(kl)
+
+
+def test_degenerate_prior_is_refused():
+    with pytest.raises(ValueError, match="degenerate"):
+        FSVI(ref.mlp(), GaussianLikelihood().double(), prior_mean="zero", prior_linearization="prior_mean")

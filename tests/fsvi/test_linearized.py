@@ -1,0 +1,139 @@
+"""The structured covariance J diag(v) Jᵀ against dense autograd Jacobians."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from ntkgp.fsvi import LinearizedNetwork
+
+from . import reference as ref
+
+
+def _params(net):
+    return {n: p.detach().clone() for n, p in net.named_parameters() if p.requires_grad}
+
+
+def _snapshot(net):
+    return {k: v.detach().clone() for k, v in net.state_dict().items()}, sum(len(m._forward_hooks) for m in net.modules())
+
+
+def _check_unchanged(net, before):
+    state, hooks = before
+    assert sum(len(m._forward_hooks) for m in net.modules()) == hooks
+    for k, v in net.state_dict().items():
+        assert torch.equal(v, state[k]), k
+
+
+class TwiceUsed(nn.Module):
+    """A linear layer applied twice, and a second layer sharing the first one's weight: not structured."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(3, 3)
+        self.b = nn.Linear(3, 3)
+        self.b.weight = self.a.weight
+        self.out = nn.Linear(3, 2)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.b(torch.tanh(self.a(self.a(x))))))
+
+
+NETS = {
+    "mlp_c1": lambda: (ref.mlp(d_out=1), (3,)),
+    "mlp_c3": lambda: (ref.mlp(d_out=3), (3,)),
+    "cnn": lambda: (ref.small_cnn(3), (1, 6, 6)),
+    "twice": lambda: (TwiceUsed().double(), (3,)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(NETS))
+@pytest.mark.parametrize("strategy", ["auto", "contraction"])
+def test_covariance_equals_dense_jacobians(name, strategy):
+    net, shape = NETS[name]()
+    before = _snapshot(net)
+    lin = LinearizedNetwork(net, strategy=strategy, chunk_size=3)
+    params = ref.random_like(_params(net))
+    elementwise = ref.random_variances(params)
+    constant = {n: torch.tensor(0.3 + i, dtype=torch.float64) for i, n in enumerate(params)}
+    mixed = {n: (elementwise[n] if i % 2 else constant[n]) for i, n in enumerate(params)}
+    x1 = torch.randn(5, *shape, dtype=torch.float64)
+    x2 = torch.randn(4, *shape, dtype=torch.float64)
+    names = lin.names
+    for v in (elementwise, constant, mixed):
+        expected = ref.covariance(net, params, v, names, x1)
+        f, (cov,) = lin.covariance(params, [v], x1, create_graph=False)
+        torch.testing.assert_close(cov, expected, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(f, torch.func.functional_call(net, params, (x1,)), rtol=1e-12, atol=1e-12)
+        cross = lin.cross_covariance(params, v, x1, x2)
+        torch.testing.assert_close(cross, ref.covariance(net, params, v, names, x1, x2), rtol=1e-10, atol=1e-10)
+        _, blocks = lin.diag_blocks(params, v, x1)
+        c = f.shape[1]
+        dense_blocks = expected.view(5, c, 5, c).diagonal(dim1=0, dim2=2).permute(2, 0, 1)
+        torch.testing.assert_close(blocks, dense_blocks, rtol=1e-10, atol=1e-10)
+    _check_unchanged(net, before)
+
+
+def test_routes_chosen():
+    lin = LinearizedNetwork(ref.small_cnn(3))
+    params = _params(lin.net)
+    plan = lin.plan(params, torch.randn(2, 1, 6, 6, dtype=torch.float64))
+    assert set(plan.structured) == {"fc", "head"}
+    assert plan.generic == ["conv.weight", "conv.bias", "bn.weight", "bn.bias"]
+    twice = LinearizedNetwork(TwiceUsed().double())
+    plan = twice.plan(_params(twice.net), torch.randn(2, 3, dtype=torch.float64))
+    assert set(plan.structured) == {"b", "out"}  # b keeps only its own bias
+
+
+@pytest.mark.parametrize("name", ["mlp_c3", "cnn"])
+def test_covariance_gradients_match_dense(name):
+    """d/dθ and d/dv of <W, Σ> through the structured route equal those through dense autograd Jacobians."""
+    net, shape = NETS[name]()
+    lin = LinearizedNetwork(net)
+    x = torch.randn(4, *shape, dtype=torch.float64)
+    base = ref.random_like(_params(net))
+    var = ref.random_variances(base)
+    n = 4 * 3
+    weights = torch.randn(n, n, dtype=torch.float64)
+
+    def grads(route):
+        params = {k: t.clone().requires_grad_() for k, t in base.items()}
+        v = {k: t.clone().requires_grad_() for k, t in var.items()}
+        if route == "structured":
+            f, (cov,) = lin.covariance(params, [v], x, create_graph=True)
+        else:
+            cov = ref.covariance(net, params, v, lin.names, x, create_graph=True)
+            f = torch.func.functional_call(net, params, (x,))
+        ((weights * cov).sum() + f.square().sum()).backward()
+        return [params[k].grad for k in lin.names] + [v[k].grad for k in lin.names]
+
+    for got, want in zip(grads("structured"), grads("dense")):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10)
+
+
+def test_float32_and_flat_inputs():
+    net = ref.small_cnn(2, dtype=torch.float32)
+    lin = LinearizedNetwork(net, input_shape=(1, 6, 6))
+    params = _params(net)
+    v = {k: torch.full_like(t, 0.5) for k, t in params.items()}
+    x = torch.randn(3, 36)
+    _, (cov,) = lin.covariance(params, [v], lin.prepare(x, params["conv.weight"]), create_graph=False)
+    assert cov.dtype == torch.float32
+    params64 = {k: t.double() for k, t in params.items()}
+    expected = ref.covariance(net.double(), params64, {k: t.double() for k, t in v.items()}, lin.names,
+                              x.double().view(3, 1, 6, 6))
+    torch.testing.assert_close(cov.double(), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_errors_name_the_argument():
+    with pytest.raises(TypeError, match="net"):
+        LinearizedNetwork("not a net")
+    with pytest.raises(ValueError, match="strategy"):
+        LinearizedNetwork(ref.mlp(), strategy="fast")
+    bn = nn.Sequential(nn.Linear(2, 3), nn.BatchNorm1d(3), nn.Linear(3, 1))
+    with pytest.raises(ValueError, match="training mode"):
+        LinearizedNetwork(bn)
+    lin = LinearizedNetwork(ref.mlp(), input_shape=(3,))
+    with pytest.raises(ValueError, match="x_test"):
+        lin.prepare(torch.randn(2, 4), next(ref.mlp().parameters()), "x_test")
