@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -55,6 +57,15 @@ def check_count(value: object, argument: str, minimum: int = 1) -> int:
     return int(value)
 
 
+def check_shape(shape: object, argument: str) -> tuple[int, ...] | None:
+    """``None`` or a tuple of positive integers (e.g. ``input_shape``)."""
+    if shape is None:
+        return None
+    if not isinstance(shape, tuple | list | torch.Size):
+        raise TypeError(f"{argument} must be a tuple of positive integers, got {shape!r}")
+    return tuple(check_count(s, argument) for s in shape)
+
+
 def check_rows(v: torch.Tensor, rows: int, argument: str, max_dim: int = 2) -> None:
     """Raise unless ``v`` is a finite floating tensor of shape ``(rows,)`` or ``(rows, k)``."""
     if not isinstance(v, torch.Tensor):
@@ -91,3 +102,44 @@ def check_tangents(u: object, shapes: dict[str, torch.Size], argument: str = "u"
             raise ValueError(f"{argument}[{name!r}] contains NaN or Inf values")
     if len(trailing) > 1:
         raise ValueError(f"{argument} mixes tensors with and without (or with different) trailing columns k")
+
+
+def prepare_inputs(
+    x: torch.Tensor, argument: str, dtype: torch.dtype, device: torch.device, input_shape: tuple[int, ...] | None
+) -> torch.Tensor:
+    """Check ``x`` (:func:`check_inputs`, real) and bring it to ``dtype`` (floating inputs), ``device`` and
+    ``(N, *input_shape)`` (flat ``(N, D)`` inputs are reshaped); a copy only where needed."""
+    check_inputs(x, argument)
+    if x.is_complex():
+        raise TypeError(f"{argument} must be a real tensor, got dtype {x.dtype}")
+    x = x.to(dtype=dtype, device=device) if x.is_floating_point() else x.to(device=device)
+    if input_shape is not None and tuple(x.shape[1:]) != input_shape:
+        if x.dim() == 2 and x.shape[1] == math.prod(input_shape):
+            return x.reshape(x.shape[0], *input_shape)
+        raise ValueError(
+            f"{argument} must have shape (N, {', '.join(map(str, input_shape))}) or (N, {math.prod(input_shape)}), "
+            f"got {tuple(x.shape)}"
+        )
+    return x
+
+
+def check_fits(
+    net: nn.Module, params: dict[str, torch.Tensor], x: torch.Tensor, argument: str, num_outputs: int | None
+) -> int:
+    """One forward pass of ``x[:1]``: raise a ``ValueError`` naming ``argument`` when ``x`` does not fit the
+    network (the network's own error is chained), or when the outputs are not ``(1, C)`` with the ``C`` seen
+    before. Returns ``C``."""
+    from .functional import forward
+
+    try:
+        with torch.no_grad():
+            f = forward(net, params, x[:1].detach())
+    except Exception as error:  # the network's own error, re-raised with the argument's name
+        raise ValueError(
+            f"{argument} of shape {tuple(x.shape)} and dtype {x.dtype} does not fit the network: "
+            f"{type(error).__name__}: {error}"
+        ) from error
+    check_outputs(f, 1)
+    if num_outputs is not None and f.shape[1] != num_outputs:
+        raise ValueError(f"{argument} gives {f.shape[1]} network outputs, earlier inputs {num_outputs}")
+    return f.shape[1]

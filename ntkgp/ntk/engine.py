@@ -1,19 +1,12 @@
 r"""The empirical-NTK engine: Jacobians, per-group Grams, diagonals and matrix-free products.
 
 Everything here is a function of the network at its current weights :math:`\theta^*`. :class:`NTKEngine` is
-the front: it validates inputs, decides once per input shape which parameters take which route, and
-dispatches to
-
-* the structured route (:mod:`ntkgp.ntk.structured`): for ``nn.Linear`` / ``nn.Conv2d`` layers only the
-  layer inputs :math:`a` and back-propagated output gradients :math:`\gamma` are computed
-  (:mod:`ntkgp.ntk.features`, shared with :mod:`ntkgp.curvature`); for one location per example the Gram
-  factorises as :math:`(a(x) \cdot a(x') + 1) \odot (\gamma_c(x) \cdot \gamma_{c'}(x'))`, for convolutions the
-  per-example blocks :math:`\sum_t \Gamma_t a_t^\top` come from one batched product per chunk;
-* the contraction route (:mod:`ntkgp.ntk.contraction`): per-example Jacobians by
-  ``torch.func.vmap(jacrev)`` for every other parameter (normalisation layers, ...), contracted group by group;
-* matrix-free products (:mod:`ntkgp.ntk.products`).
-
-Rows are in GPyTorch's interleaved order ``n·C + c`` (``docs/math.md``, "Structured form").
+the front: it validates inputs, decides once per input shape which parameters take which route
+(:func:`ntkgp.ntk.structured.build_plan`) and dispatches to the structured route (:mod:`ntkgp.ntk.structured`:
+``nn.Linear`` / ``nn.Conv2d`` layers from their layer features, :mod:`ntkgp.ntk.features`, shared with
+:mod:`ntkgp.curvature`), the contraction route (:mod:`ntkgp.ntk.contraction`: ``vmap(jacrev)`` for every other
+parameter) and matrix-free products (:mod:`ntkgp.ntk.products`). Rows are in GPyTorch's interleaved order
+``n·C + c`` (``docs/math.md``, "Structured form").
 
 **Input gradients.** When an input requires grad (and grad mode is on) every result keeps its autograd graph
 to that input: features are computed with ``create_graph=True`` (second-order autograd through
@@ -24,7 +17,6 @@ fast path).
 from __future__ import annotations
 
 import copy
-import math
 from collections.abc import Iterator
 
 import torch
@@ -33,7 +25,8 @@ from tqdm.auto import tqdm
 
 from ..options import Strategy, choose, renamed_argument
 from . import contraction, products, structured
-from .checks import check_count, check_eval_mode, check_inputs, check_outputs, check_rows, check_tangents
+from .checks import check_count, check_eval_mode, check_fits, check_outputs, check_rows, check_shape
+from .checks import check_tangents, prepare_inputs
 from .functional import forward
 from .groups import GroupSpec, resolve_groups
 from .structured import Features, Plan
@@ -92,10 +85,7 @@ class NTKEngine:
         self.strategy = choose(Strategy, strategy, "strategy")
         self.chunk_size = check_count(chunk_size, "chunk_size")
         self.max_jacobian_bytes = check_count(max_jacobian_bytes, "max_jacobian_bytes", minimum=0)
-        if input_shape is not None:
-            if not isinstance(input_shape, tuple | list | torch.Size):
-                raise TypeError(f"input_shape must be a tuple of positive integers, got {input_shape!r}")
-            input_shape = tuple(check_count(s, "input_shape") for s in input_shape)
+        input_shape = check_shape(input_shape, "input_shape")
         if not isinstance(progress, bool):
             raise TypeError(f"progress must be True or False, got {progress!r}")
         check_eval_mode(net)
@@ -115,21 +105,14 @@ class NTKEngine:
         return new
 
     # ------------------------------------------------------------------ basic properties
-    @property
-    def num_groups(self) -> int:
-        return self.groups.num_groups
-
-    @property
-    def num_params(self) -> int:
-        return self.groups.num_params
+    num_groups = property(lambda self: self.groups.num_groups, doc="G, the number of prior groups.")
+    num_params = property(lambda self: self.groups.num_params, doc="P, the number of trainable parameters.")
 
     def parameters(self) -> list[torch.Tensor]:
         """The network's trainable parameters θ*, in the order of ``groups.names``: the network's own tensors
         (not copies; do not modify them). Use them as ``state`` of a :class:`ntkgp.caching.ValueCache`."""
         named = dict(self.net.named_parameters())
         return [named[n] for n in self.groups.names]
-
-    _param_list = parameters
 
     @property
     def dtype(self) -> torch.dtype:
@@ -164,42 +147,16 @@ class NTKEngine:
             ValueError: ``x`` is empty, has NaN/Inf in some row, or does not fit the network (shape or dtype;
                 checked by one forward pass of one example per new input shape), naming ``argument``.
         """
-        check_inputs(x, argument)
-        if x.is_complex():
-            raise TypeError(f"{argument} must be a real tensor, got dtype {x.dtype}")
         check_eval_mode(self.net)
-        x = x.to(dtype=self.dtype, device=self.device) if x.is_floating_point() else x.to(device=self.device)
-        if self.input_shape is not None and tuple(x.shape[1:]) != self.input_shape:
-            if x.dim() == 2 and x.shape[1] == math.prod(self.input_shape):
-                x = x.reshape(x.shape[0], *self.input_shape)
-            else:
-                raise ValueError(
-                    f"{argument} must have shape (N, {', '.join(map(str, self.input_shape))}) or "
-                    f"(N, {math.prod(self.input_shape)}), got {tuple(x.shape)}"
-                )
-        self._check_fits(x, argument)
+        x = prepare_inputs(x, argument, self.dtype, self.device, self.input_shape)
+        key = (tuple(x.shape[1:]), x.dtype)
+        if key not in self._fits:
+            self._num_outputs = check_fits(self.net, self.params(), x, argument, self._num_outputs)
+            self._fits.add(key)
         return x
 
-    def _check_fits(self, x: torch.Tensor, argument: str) -> None:
-        key = (tuple(x.shape[1:]), x.dtype)
-        if key in self._fits:
-            return
-        try:
-            with torch.no_grad():
-                f = forward(self.net, self.params(), x[:1].detach())
-        except Exception as error:  # the network's own error, re-raised with the argument's name
-            raise ValueError(
-                f"{argument} of shape {tuple(x.shape)} and dtype {x.dtype} does not fit the network: "
-                f"{type(error).__name__}: {error}"
-            ) from error
-        check_outputs(f, 1)
-        if self._num_outputs is not None and f.shape[1] != self._num_outputs:
-            raise ValueError(f"{argument} gives {f.shape[1]} network outputs, earlier inputs {self._num_outputs}")
-        self._num_outputs = f.shape[1]
-        self._fits.add(key)
-
     @staticmethod
-    def _graph(*xs: torch.Tensor) -> bool:
+    def _graph(*xs: torch.Tensor) -> bool:  # keep a graph to the inputs (else the detached fast path)
         return torch.is_grad_enabled() and any(x.requires_grad for x in xs)
 
     def outputs(self, x: torch.Tensor, argument: str = "x") -> torch.Tensor:
@@ -228,26 +185,24 @@ class NTKEngine:
             self._plans[key] = structured.build_plan(self, x[:1].detach())
         return self._plans[key]
 
-    def _plan_pair(self, x1: torch.Tensor, x2: torch.Tensor) -> Plan:
+    def _pair(self, x1: torch.Tensor, x2: torch.Tensor | None) -> tuple:
+        """``(x1, x2, sym, plan, C, graph)`` for a two-argument computation, both arguments validated first."""
+        x1 = self.prepare(x1, "x1")
+        sym = x2 is None
+        x2 = x1 if sym else self.prepare(x2, "x2")
         plan = self.plan(x1)
-        if x2 is not x1 and self.plan(x2).routes() != plan.routes():
+        if not sym and self.plan(x2).routes() != plan.routes():
             raise ValueError("x1 and x2 take different routes through the network (different input shapes)")
-        return plan
+        return x1, x2, sym, plan, self.num_outputs(x1), self._graph(x1, x2)
 
     def _chunks(self, n: int, desc: str) -> Iterator[tuple[int, int]]:
         starts = range(0, n, self.chunk_size)
         for s in tqdm(starts, desc=desc, disable=not self.progress or len(starts) < 2, leave=False):
             yield s, min(s + self.chunk_size, n)
 
-    # ------------------------------------------------------------------ route internals (one place each)
-    def _forward(self, params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        return forward(self.net, params, x)
-
+    # ------------------------------------------------------------------ route internals (one place to observe each)
     def _jacobian_chunk(self, x: torch.Tensor, indices: list[int]) -> list[torch.Tensor]:
         return contraction.jacobian_chunk(self, x, indices)
-
-    def _group_columns(self, x: torch.Tensor, indices: list[int]) -> dict[int, torch.Tensor]:
-        return contraction.group_columns(self, x, indices)
 
     def _features(self, x: torch.Tensor, plan: Plan) -> tuple[torch.Tensor, Features]:
         return structured.factored_features(self, x, plan)
@@ -267,11 +222,7 @@ class NTKEngine:
 
         With ``x2=None`` the symmetric Gram of ``x1`` is computed (only its lower blocks are contracted).
         """
-        x1 = self.prepare(x1, "x1")
-        sym = x2 is None
-        x2 = x1 if sym else self.prepare(x2, "x2")
-        plan = self._plan_pair(x1, x2)
-        c, graph = self.num_outputs(x1), self._graph(x1, x2)
+        x1, x2, sym, plan, c, graph = self._pair(x1, x2)
         n1, n2 = x1.shape[0], x2.shape[0]
         out = torch.empty(self.num_groups, n1 * c, n2 * c, dtype=self.dtype, device=self.device)
         written = structured.structured_grams(self, out, x1, x2, sym, plan, c, graph) if plan.factored else set()
@@ -286,17 +237,10 @@ class NTKEngine:
         self, x1: torch.Tensor, x2: torch.Tensor | None = None, with_diagonal: bool = False
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Per-group, per-output Grams ``[K_g]_{(n,c),(m,c)}``, shape ``(G, C, N1, N2)``: the diagonal output
-        blocks of :meth:`group_grams` (what a model with independent outputs uses), ``C`` times fewer flops
-        and memory than the full Gram. With ``x2=None``, ``x2 = x1``.
-
-        With ``with_diagonal=True`` also returns the output diagonals of the per-point blocks of ``x2``,
-        ``[J_g(x2_m) J_g(x2_m)ᵀ]_{cc}``, shape ``(G, N2, C)``.
-        """
-        x1 = self.prepare(x1, "x1")
-        sym = x2 is None
-        x2 = x1 if sym else self.prepare(x2, "x2")
-        plan = self._plan_pair(x1, x2)
-        c, graph = self.num_outputs(x1), self._graph(x1, x2)
+        blocks of :meth:`group_grams` (independent outputs), ``C`` times cheaper than the full Gram; with
+        ``x2=None``, ``x2 = x1``. ``with_diagonal=True`` also returns the output diagonals of the per-point
+        blocks of ``x2``, ``[J_g(x2_m) J_g(x2_m)ᵀ]_{cc}``, shape ``(G, N2, C)``."""
+        x1, x2, sym, plan, c, graph = self._pair(x1, x2)
         kw = {"dtype": self.dtype, "device": self.device}
         out = torch.zeros(self.num_groups, c, x1.shape[0], x2.shape[0], **kw)
         diag = torch.zeros(self.num_groups, x2.shape[0], c, **kw) if with_diagonal else None

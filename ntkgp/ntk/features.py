@@ -140,10 +140,7 @@ def _batched(module: nn.Module, inputs: object, n: int) -> bool:
     return inputs.dim() == 4 if isinstance(module, nn.Conv2d) else inputs.dim() >= 2
 
 
-def _record(
-    net: nn.Module, params: dict[str, Tensor], layers: Sequence[Layer], x: Tensor, cotangents: Tensor | None,
-    graph: bool,
-) -> tuple[LayerFeatures, dict[str, Exception]]:
+def _record(net, params, layers, x, cotangents, graph) -> tuple[LayerFeatures, dict[str, Exception]]:
     """One forward pass with hooks and one backward pass per cotangent column; layers called other than once
     or on unbatched inputs are returned as problems (no features)."""
     seen: dict[str, list[tuple[object, Tensor]]] = {layer.name: [] for layer in layers}
@@ -197,20 +194,12 @@ def _record(
         for layer in good:
             a = seen[layer.name][0][0]
             inputs[layer.name] = layer_inputs(layer.module, a if graph else a.detach())
-    features = LayerFeatures(
-        outputs=f if graph else f.detach(),
-        inputs=inputs,
-        grads={name: torch.stack(g, dim=1) for name, g in grads.items() if g},
-    )
-    return features, problems
+    stacked = {name: torch.stack(g, dim=1) for name, g in grads.items() if g}
+    return LayerFeatures(outputs=f if graph else f.detach(), inputs=inputs, grads=stacked), problems
 
 
 def layer_features(
-    net: nn.Module,
-    params: dict[str, Tensor],
-    layers: Sequence[Layer],
-    x: Tensor,
-    cotangents: Tensor | None = None,
+    net: nn.Module, params: dict[str, Tensor], layers: Sequence[Layer], x: Tensor, cotangents: Tensor | None = None,
     graph: bool = False,
 ) -> LayerFeatures:
     r"""Layer inputs :math:`a` and output gradients :math:`\Gamma` of one batch.
