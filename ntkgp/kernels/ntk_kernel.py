@@ -41,10 +41,6 @@ class _SharedValueCache(ValueCache):
         return (type(self), (self.size,))
 
 
-#: Private alias kept while ``ntkgp.means`` still imports it (same ``get_or_compute(tag, inputs, compute)`` call).
-_InputCache = ValueCache
-
-
 def _stack(pieces: list[torch.Tensor]) -> torch.Tensor:
     """``torch.stack``, without copying a single piece (a Gram can be most of the memory in use)."""
     return pieces[0].unsqueeze(0) if len(pieces) == 1 else torch.stack(pieces)
