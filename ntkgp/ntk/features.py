@@ -155,7 +155,8 @@ def _record(net, params, layers, x, cotangents, graph) -> tuple[LayerFeatures, d
     n = x.shape[0]
     try:
         with torch.enable_grad():
-            local = {k: p.detach().requires_grad_(True) for k, p in params.items()}
+            # parameters that require grad keep their graph when ``graph`` (differentiating w.r.t. θ, e.g. FSVI)
+            local = {k: p if graph and p.requires_grad else p.detach().requires_grad_(True) for k, p in params.items()}
             f = forward(net, local, x)
             check_outputs(f, n)
             problems: dict[str, Exception] = {}
@@ -206,13 +207,13 @@ def layer_features(
 
     Args:
         net: the network (not modified; the hooks are removed afterwards).
-        params: every trainable parameter, detached.
+        params: every trainable parameter (detached, or requiring grad with ``graph``: see below).
         layers: verified layers (:func:`verify_layers`).
         x: prepared inputs ``(n, ...)``.
         cotangents: :math:`u_{nm}` as ``(n, C, M)``: :math:`\Gamma_{nm} = \partial(u_{nm}^\top f_n)/\partial z`;
             ``None`` for the unit vectors (``M = C``, :math:`\Gamma_{nc} = \partial f_c / \partial z`).
-        graph: keep the autograd graph to ``x`` (second-order autograd through :math:`\Gamma`); otherwise
-            every result is detached.
+        graph: keep the autograd graph to ``x`` and to the entries of ``params`` that require grad
+            (second-order autograd through :math:`\Gamma`); otherwise every result is detached.
 
     Returns:
         :class:`LayerFeatures`. Cost: one forward and ``M`` backward passes.
