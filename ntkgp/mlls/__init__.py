@@ -1,13 +1,15 @@
-"""GPyTorch marginal log likelihoods of trained networks."""
+"""GPyTorch marginal log likelihoods of trained networks.
+
+* :class:`LaplaceGGNMarginalLogLikelihood` — the Laplace-GGN log marginal likelihood of an :class:`~ntkgp.NTKGP`;
+* :class:`SparseLaplaceMarginalLogLikelihood` — SFR's collapsed sparse bound.
+
+Deprecated names kept for one release: :class:`SparseLaplaceEvidence`, :func:`laplace_ggn_evidence` (now
+:func:`ntkgp.laplace.laplace_log_marginal_likelihood`).
+"""
 
 from .laplace_ggn_evidence import laplace_ggn_evidence
 from .laplace_ggn_marginal_log_likelihood import LaplaceGGNMarginalLogLikelihood
-from .sparse_evidence import SparseLaplaceEvidence
-
-try:  # provided with the SFR package (mlls/sparse_evidence.py)
-    from .sparse_evidence import SparseLaplaceMarginalLogLikelihood
-except ImportError:  # pragma: no cover - until it lands
-    SparseLaplaceMarginalLogLikelihood = None
+from .sparse_evidence import SparseLaplaceEvidence, SparseLaplaceMarginalLogLikelihood
 
 __all__ = [
     "LaplaceGGNMarginalLogLikelihood",
