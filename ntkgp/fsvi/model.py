@@ -129,6 +129,17 @@ class FSVI(GP):
         """``x`` in the network's shape, dtype and device (a copy only if needed)."""
         return self.linearized.prepare(x, self._reference(), argument)
 
+    def named_variational_parameters(self):
+        r""":math:`\mu` and :math:`\log s` (GPyTorch's split: ``model.variational_parameters()``)."""
+        yield from self.variational_distribution.named_parameters(prefix="variational_distribution")
+
+    def named_hyperparameters(self):
+        """Every other parameter (the likelihood's): ``model.hyperparameters()``."""
+        variational = {id(p) for p in self.variational_distribution.parameters()}
+        for name, p in self.named_parameters():
+            if id(p) not in variational:
+                yield name, p
+
     # ------------------------------------------------------------------ the GP
     def _mvn(self, mean: Tensor, covar) -> MultivariateNormal:
         if mean.dim() == 1:
