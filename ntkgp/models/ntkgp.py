@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import math
 from collections.abc import Sequence
 
 import torch
@@ -42,7 +41,9 @@ def _check_floating(x: object, argument: str) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{argument} must be a torch.Tensor, got {type(x).__name__}")
     if not x.is_floating_point():
-        raise TypeError(f"{argument} must be a floating-point tensor, got dtype {x.dtype} (convert it with .to(torch.float64))")
+        raise TypeError(
+            f"{argument} must be a floating-point tensor, got dtype {x.dtype} (convert it with .to(torch.float64))"
+        )
     return x
 
 
@@ -179,11 +180,15 @@ class NTKGP(GP):
         expected = num_outputs(likelihood)  # raises for unsupported likelihoods
         _check_floating(train_x, "train_x")
         if train_x.dim() < 2 or train_x.shape[0] == 0:
-            raise ValueError(f"train_x must have shape (N, ...) with N ≥ 1 and a feature dimension, got {tuple(train_x.shape)}")
+            raise ValueError(
+                f"train_x must have shape (N, ...) with N ≥ 1 and a feature dimension, got {tuple(train_x.shape)}"
+            )
         input_shape = kernel_kwargs.pop("input_shape", None)
         if train_x.dim() > 2 and input_shape is None:
             input_shape = tuple(train_x.shape[1:])
-        kernel = NTKKernel(net, prior_precision=prior_precision, prior_structure=prior_structure, input_shape=input_shape, **kernel_kwargs)
+        kernel = NTKKernel(
+            net, prior_precision=prior_precision, prior_structure=prior_structure, input_shape=input_shape, **kernel_kwargs
+        )
         engine = kernel.engine
         x = train_x.flatten(1).to(dtype=kernel.raw_prior_precision.dtype, device=kernel.raw_prior_precision.device)
         try:
@@ -191,7 +196,9 @@ class NTKGP(GP):
         except RuntimeError as error:  # the network itself rejects the inputs (wrong feature count, ...)
             raise ValueError(f"net could not be applied to train_x of shape {tuple(train_x.shape)}: {error}") from None
         if f.shape[1] != expected:
-            raise ValueError(f"net has {f.shape[1]} outputs but the likelihood {type(likelihood).__name__} expects {expected}")
+            raise ValueError(
+                f"net has {f.shape[1]} outputs but the likelihood {type(likelihood).__name__} expects {expected}"
+            )
         y = validate_targets(likelihood, train_y, f.shape[1], num_data=x.shape[0], name="train_y")
         y = y.to(device=x.device)
         return x, y, kernel, f.to(x)
@@ -259,7 +266,9 @@ class NTKGP(GP):
         if shape is not None and len(shape) > 1 and x.dim() > len(shape) and tuple(x.shape[-len(shape) :]) == shape:
             x = x.flatten(-len(shape))
         if x.dim() < 2 or x.shape[-1] != d:
-            expected = f"(*batch, n, {d})" if shape is None or len(shape) == 1 else f"(*batch, n, {d}) or (*batch, n, {', '.join(map(str, shape))})"
+            expected = f"(*batch, n, {d})"
+            if shape is not None and len(shape) > 1:
+                expected += f" or (*batch, n, {', '.join(map(str, shape))})"
             raise ValueError(f"{argument} must have shape {expected}, got {tuple(x.shape)}")
         if not torch.isfinite(x).all():
             raise ValueError(f"{argument} contains NaN or Inf values")
