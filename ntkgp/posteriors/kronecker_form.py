@@ -96,9 +96,9 @@ def layer_jacobian(a: Tensor, gamma: Tensor) -> Tensor:
 def project(a: Tensor, gamma: Tensor, out_basis: Tensor | None, in_basis: Tensor | None) -> tuple[Tensor, Tensor]:
     r""":math:`U_A^\top \bar a` and :math:`U_G^\top \gamma` (either basis ``None``: the identity)."""
     if in_basis is not None:
-        a = torch.einsum("ij,nit->njt", in_basis, a)
+        a = in_basis.T @ a
     if out_basis is not None:
-        gamma = torch.einsum("oj,ncot->ncjt", out_basis, gamma)
+        gamma = out_basis.T @ gamma
     return a, gamma
 
 
