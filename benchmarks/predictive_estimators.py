@@ -83,9 +83,14 @@ def mlp(sizes: list[int], bias: bool = True) -> nn.Module:
 
 def cnn() -> nn.Module:
     return nn.Sequential(
-        nn.Conv2d(1, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Flatten(), nn.Linear(64, 10),
+        nn.Conv2d(1, 8, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(8, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(64, 10),
     ).to(DTYPE)
 
 
@@ -139,7 +144,10 @@ def variances(prediction) -> torch.Tensor:
 
 def row(name, method, samples, seconds, var, ref_var, probs=None, y=None) -> dict:
     out = {
-        "posterior": name, "method": method, "S": samples, "seconds": seconds,
+        "posterior": name,
+        "method": method,
+        "S": samples,
+        "seconds": seconds,
         "var_rel_err": ((var - ref_var).abs() / ref_var).mean().item(),
     }
     if probs is not None:
@@ -157,7 +165,9 @@ def evidence_prior_precision(posterior, net, x, y, likelihood) -> float:
     best = (-math.inf, DELTA)
     for delta in torch.logspace(-2, 3, 21).tolist():
         posterior.prior_precision = delta
-        value = data - 0.5 * delta * theta_sq + 0.5 * p * math.log(delta) - 0.5 * posterior.log_det_precision()
+        value = (
+            data - 0.5 * delta * theta_sq + 0.5 * p * math.log(delta) - 0.5 * posterior.log_det_precision()
+        )
         best = max(best, (value.item(), delta))
     posterior.prior_precision = best[1]
     return best[1]
@@ -168,14 +178,20 @@ def run_case(title, net, x, y, x_test, y_test, likelihood, classification, sampl
     link = "probit" if classification else None
     posteriors, fits = {}, {}
     posteriors["full GGN"], fits["full GGN"] = timed(
-        lambda: laplace_posterior(net, x, y, likelihood, structure="full_ggn", prior_precision=DELTA, **kw))
+        lambda: laplace_posterior(net, x, y, likelihood, structure="full_ggn", prior_precision=DELTA, **kw)
+    )
     delta = evidence_prior_precision(posteriors["full GGN"], net, x, y, likelihood)
     for label, structure, subset in [
-        ("KFAC", "kfac", "all"), ("diag GGN", "diag_ggn", "all"),
-        ("diag EF", "diag_ef", "all"), ("last-layer GGN", "full_ggn", "last_layer"),
+        ("KFAC", "kfac", "all"),
+        ("diag GGN", "diag_ggn", "all"),
+        ("diag EF", "diag_ef", "all"),
+        ("last-layer GGN", "full_ggn", "last_layer"),
     ]:
-        posteriors[label], fits[label] = timed(lambda s=structure, sub=subset: laplace_posterior(
-            net, x, y, likelihood, structure=s, subset=sub, prior_precision=delta, **kw))
+        posteriors[label], fits[label] = timed(
+            lambda s=structure, sub=subset: laplace_posterior(
+                net, x, y, likelihood, structure=s, subset=sub, prior_precision=delta, **kw
+            )
+        )
     for method in ["glm", "glm_mc", "mc_glm", "nn_sampling"]:  # warm-up: one-time costs out of the timings
         for p in posteriors.values():
             predict(p, x_test[:2], method=method, num_samples=2, link=link)
@@ -189,23 +205,59 @@ def run_case(title, net, x, y, x_test, y_test, likelihood, classification, sampl
     sample_link = "mc" if classification else None
     for method in ["glm_mc", "mc_glm", "nn_sampling"]:
         for s in samples:
-            pred, t = timed(lambda m=method, s=s: predict(posteriors["full GGN"], x_test, method=m, num_samples=s,
-                                                          link=sample_link, generator=torch.Generator().manual_seed(0)),
-                            repeat=2 if s <= 100 else 1)
+            pred, t = timed(
+                lambda m=method, s=s: predict(
+                    posteriors["full GGN"],
+                    x_test,
+                    method=m,
+                    num_samples=s,
+                    link=sample_link,
+                    generator=torch.Generator().manual_seed(0),
+                ),
+                repeat=2 if s <= 100 else 1,
+            )
             rows.append(row("full GGN", method, s, t, variances(pred), ref_var, pred.probs, y_eval))
-    pred, t = timed(lambda: predict(posteriors["full GGN"], x_test, method="mc_glm", num_samples=100, link=sample_link,
-                                    finite_difference="forward", generator=torch.Generator().manual_seed(0)))
+    pred, t = timed(
+        lambda: predict(
+            posteriors["full GGN"],
+            x_test,
+            method="mc_glm",
+            num_samples=100,
+            link=sample_link,
+            finite_difference="forward",
+            generator=torch.Generator().manual_seed(0),
+        )
+    )
     rows.append(row("full GGN", "mc_glm (forward)", 100, t, variances(pred), ref_var, pred.probs, y_eval))
-    pred, t = timed(lambda: predict(posteriors["KFAC"], x_test, method="glm_mc", num_samples=100, link=sample_link,
-                                    generator=torch.Generator().manual_seed(0)))
+    pred, t = timed(
+        lambda: predict(
+            posteriors["KFAC"],
+            x_test,
+            method="glm_mc",
+            num_samples=100,
+            link=sample_link,
+            generator=torch.Generator().manual_seed(0),
+        )
+    )
     rows.append(row("KFAC", "glm_mc", 100, t, variances(pred), ref_var, pred.probs, y_eval))
-    result = {"title": title, "rows": rows, "fits": fits, "P": posteriors["full GGN"].num_params, "delta": delta,
-              "n_test": len(x_test), "posteriors": posteriors, "ref_var": ref_var}
+    result = {
+        "title": title,
+        "rows": rows,
+        "fits": fits,
+        "P": posteriors["full GGN"].num_params,
+        "delta": delta,
+        "n_test": len(x_test),
+        "posteriors": posteriors,
+        "ref_var": ref_var,
+    }
     if classification:
         with torch.no_grad():
             logits = net(x_test)
         probs = torch.softmax(logits, -1)
-        result["map"] = {"nlpd": categorical_nlpd(probs, y_test), "ece": expected_calibration_error(probs, y_test)}
+        result["map"] = {
+            "nlpd": categorical_nlpd(probs, y_test),
+            "ece": expected_calibration_error(probs, y_test),
+        }
     return result
 
 
@@ -239,9 +291,19 @@ def run_laplace_torch(case: dict, net, x, y, x_test, y_test, classification: boo
             (mu_var), t = timed(lambda la=la: la(x_test, pred_type="glm"), repeat=2)
             var = mu_var[1].reshape(-1, 1)
             probs = None
-        r = row(f"laplace-torch {label}", "glm", None, t, var.detach(), case["ref_var"],
-                None if probs is None else probs.detach(), y_test if classification else None)
-        ours_var = variances(predict(case["posteriors"][ours], x_test, link="probit" if classification else None))
+        r = row(
+            f"laplace-torch {label}",
+            "glm",
+            None,
+            t,
+            var.detach(),
+            case["ref_var"],
+            None if probs is None else probs.detach(),
+            y_test if classification else None,
+        )
+        ours_var = variances(
+            predict(case["posteriors"][ours], x_test, link="probit" if classification else None)
+        )
         r["fit"] = t_fit
         r["vs_ntkgp"] = ((var.detach() - ours_var).abs() / ours_var).max().item()
         r["ours"] = ours
@@ -267,8 +329,15 @@ def bias_free_agreement(x, y, x_test, delta: float) -> tuple[float, float]:
         la = LTKron(net, "classification", prior_precision=delta)
         la.fit(loader)
         _, theirs = la._glm_predictive_distribution(x_test)
-        post = laplace_posterior(net, x, y, SoftmaxLikelihood(10).to(DTYPE), structure="kfac",
-                                 prior_precision=delta, prior_structure="layer")
+        post = laplace_posterior(
+            net,
+            x,
+            y,
+            SoftmaxLikelihood(10).to(DTYPE),
+            structure="kfac",
+            prior_precision=delta,
+            prior_structure="layer",
+        )
         ours = post.glm_covariance(x_test)
         diffs.append(((theirs - ours).abs().max() / ours.abs().max()).item())
     return diffs[0], diffs[1]
@@ -279,7 +348,9 @@ def print_case(case: dict, lt_rows: list[dict]) -> None:
     classification = "map" in case
     print(f"\n### {case['title']} (P = {case['P']}, {case['n_test']} test points)\n")
     fits = ", ".join(f"{k} {v:.2f} s" for k, v in case["fits"].items())
-    print(f"Prior precision δ = {case['delta']:.3g} (the full-GGN evidence's best on a grid). Posterior fit: {fits}.\n")
+    print(
+        f"Prior precision δ = {case['delta']:.3g} (the full-GGN evidence's best on a grid). Posterior fit: {fits}.\n"
+    )
     head = "| posterior | method | S | time (s) | variance rel. error |"
     sep = "|---|---|---:|---:|---:|"
     if classification:
@@ -294,11 +365,15 @@ def print_case(case: dict, lt_rows: list[dict]) -> None:
             line += f" {r['nlpd']:.4f} | {r['ece']:.4f} |"
         print(line)
     if classification:
-        print(f"| MAP network (no uncertainty) | | | | | {case['map']['nlpd']:.4f} | {case['map']['ece']:.4f} |")
+        print(
+            f"| MAP network (no uncertainty) | | | | | {case['map']['nlpd']:.4f} | {case['map']['ece']:.4f} |"
+        )
     for r in lt_rows:
         ours = next(q for q in case["rows"] if q["posterior"] == r["ours"] and q["method"] == "glm")
-        print(f"\n{r['posterior']}: fit {r['fit']:.2f} s; its variances vs ntkgp {r['ours']}: max rel. diff "
-              f"{r['vs_ntkgp']:.2g}; ntkgp's {r['ours']} GLM predictive is {r['seconds'] / ours['seconds']:.1f}x faster")
+        print(
+            f"\n{r['posterior']}: fit {r['fit']:.2f} s; its variances vs ntkgp {r['ours']}: max rel. diff "
+            f"{r['vs_ntkgp']:.2g}; ntkgp's {r['ours']} GLM predictive is {r['seconds'] / ours['seconds']:.1f}x faster"
+        )
 
 
 def main() -> None:
@@ -312,8 +387,10 @@ def main() -> None:
     torch.set_default_dtype(DTYPE)  # laplace-torch's curvlinops backend builds matrices in the default dtype
     steps = 100 if args.quick else 1000
     with_laplace = laplace_available()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, float64; laplace-torch: "
-          f"{'yes' if with_laplace else 'not importable, its rows are skipped'}")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, float64; laplace-torch: "
+        f"{'yes' if with_laplace else 'not importable, its rows are skipped'}"
+    )
 
     torch.manual_seed(0)
     x, y, xt, yt = regression_data()
@@ -326,18 +403,24 @@ def main() -> None:
     x, y, xt, yt = digits_data(images=False)
     torch.manual_seed(0)
     net = train(mlp([64, 32, 32, 10]), x, y, softmax_loss, steps)
-    case = run_case("Classification MLP, digits", net, x, y, xt, yt, SoftmaxLikelihood(10).to(DTYPE), True, args.samples)
+    case = run_case(
+        "Classification MLP, digits", net, x, y, xt, yt, SoftmaxLikelihood(10).to(DTYPE), True, args.samples
+    )
     print_case(case, run_laplace_torch(case, net, x, y, xt, yt, True) if with_laplace else [])
     if with_laplace:
         free, with_bias = bias_free_agreement(x, y, xt, case["delta"])
-        print(f"\nKFAC GLM covariance, ntkgp vs laplace-torch KronLaplace, max rel. diff: {free:.2g} without biases "
-              f"(same convention), {with_bias:.2g} with biases (ntkgp: one [W | b] block; laplace-torch: W and b "
-              "blocks)")
+        print(
+            f"\nKFAC GLM covariance, ntkgp vs laplace-torch KronLaplace, max rel. diff: {free:.2g} without biases "
+            f"(same convention), {with_bias:.2g} with biases (ntkgp: one [W | b] block; laplace-torch: W and b "
+            "blocks)"
+        )
 
     x, y, xt, yt = digits_data(images=True)
     torch.manual_seed(0)
     net = train(cnn(), x, y, softmax_loss, steps)
-    case = run_case("Small CNN, digits", net, x, y, xt, yt, SoftmaxLikelihood(10).to(DTYPE), True, args.samples)
+    case = run_case(
+        "Small CNN, digits", net, x, y, xt, yt, SoftmaxLikelihood(10).to(DTYPE), True, args.samples
+    )
     print_case(case, run_laplace_torch(case, net, x, y, xt, yt, True) if with_laplace else [])
 
 

@@ -3,7 +3,8 @@ r"""The predictive of a weight-space Laplace posterior, by every estimator of th
 One call, :func:`predict`, turns a posterior :math:`N(\theta^*, \Sigma)` (:mod:`ntkgp.posteriors`) into a GPyTorch
 distribution over the network outputs :math:`f(x)` at test inputs, and for classification into class
 probabilities (``docs/math.md``, "GLM predictive"; ``docs/predictive.md`` measures each method against the
-exact one). The methods (``method=``):
+exact one). "The review" below is *A Short Review of Estimators for the GLM Predictive of Laplace Bayesian
+Neural Networks* (``docs/predictive.md``, "References"). The methods (``method=``):
 
 - ``"glm"``: the closed form of the linearised network, :math:`f(x) \sim N(f(x; \theta^*), J \Sigma J^\top)`,
   dense, KFAC (the review's eq. 16, per layer in the Kronecker eigenbases) or diagonal, as the posterior's
@@ -62,7 +63,15 @@ from .posteriors import WeightPosterior
 #: Network evaluations (samples × test points) vectorised at once by the sampling methods (bounds memory).
 SAMPLE_BUDGET = 16384
 
-__all__ = ["FiniteDifference", "Link", "Method", "Prediction", "default_step_size", "laplace_bridge", "predict"]
+__all__ = [
+    "FiniteDifference",
+    "Link",
+    "Method",
+    "Prediction",
+    "default_step_size",
+    "laplace_bridge",
+    "predict",
+]
 
 
 class Method(Option):
@@ -146,14 +155,18 @@ def laplace_bridge(mean: Tensor, variance: Tensor) -> Tensor:
 
 def _check_args(posterior, x, num_samples, joint, step_size, generator) -> None:
     if not isinstance(posterior, WeightPosterior):
-        raise TypeError(f"posterior must be an ntkgp.posteriors.WeightPosterior, got {type(posterior).__name__}")
+        raise TypeError(
+            f"posterior must be an ntkgp.posteriors.WeightPosterior, got {type(posterior).__name__}"
+        )
     if not torch.is_tensor(x):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
         raise ValueError(f"num_samples must be a positive integer, got {num_samples!r}")
     if not isinstance(joint, bool):
         raise TypeError(f"joint must be a bool, got {type(joint).__name__}")
-    if step_size is not None and not (isinstance(step_size, (int, float)) and math.isfinite(step_size) and step_size > 0):
+    if step_size is not None and not (
+        isinstance(step_size, (int, float)) and math.isfinite(step_size) and step_size > 0
+    ):
         raise ValueError(f"step_size must be a positive number or None, got {step_size!r}")
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
@@ -162,7 +175,9 @@ def _check_args(posterior, x, num_samples, joint, step_size, generator) -> None:
 def _link_for(likelihood: Likelihood, link: str | None) -> Link | None:
     if is_gaussian(likelihood):
         if link is not None:
-            raise ValueError(f"link must be None for the regression likelihood {type(likelihood).__name__}, got {link!r}")
+            raise ValueError(
+                f"link must be None for the regression likelihood {type(likelihood).__name__}, got {link!r}"
+            )
         return None
     chosen = choose(Link, "probit" if link is None else link, "link")
     if chosen is Link.BRIDGE and isinstance(likelihood, LogisticLikelihood):
@@ -173,7 +188,9 @@ def _link_for(likelihood: Likelihood, link: str | None) -> Link | None:
     return chosen
 
 
-def _sample_outputs(posterior: WeightPosterior, x: Tensor, eta: Tensor, method: Method, scheme, step_size) -> Tensor:
+def _sample_outputs(
+    posterior: WeightPosterior, x: Tensor, eta: Tensor, method: Method, scheme, step_size
+) -> Tensor:
     """Function samples minus :math:`f(x;\\theta^*)` (GLM methods) or the network's outputs (``nn_sampling``),
     ``(S, n, C)``, for a prepared chunk ``x`` and draws ``eta`` ``(S, P)``."""
     fn = posterior.function
@@ -267,11 +284,18 @@ def predict(
                 blocks = torch.cat([posterior.glm_covariance(xc) for xc in bar])
         else:
             eta = posterior.sample(num_samples, generator)
-            draws = torch.cat([
-                torch.cat([_sample_outputs(posterior, xc, e, method, scheme, step_size)
-                           for e in eta.split(max(1, SAMPLE_BUDGET // xc.shape[0]))])
-                for xc in bar
-            ], dim=1)
+            draws = torch.cat(
+                [
+                    torch.cat(
+                        [
+                            _sample_outputs(posterior, xc, e, method, scheme, step_size)
+                            for e in eta.split(max(1, SAMPLE_BUDGET // xc.shape[0]))
+                        ]
+                    )
+                    for xc in bar
+                ],
+                dim=1,
+            )
             if method is Method.NN_SAMPLING:
                 mean = draws.mean(dim=0)
                 deviations, divisor = draws - mean, num_samples - 1
@@ -285,17 +309,23 @@ def predict(
                 blocks = torch.einsum("snc,snd->ncd", deviations, deviations) / divisor
     c = mean.shape[1]
     covariance = _covariance(blocks, None if root is None else root.reshape(-1, root.shape[-1]), c)
-    f = MultivariateNormal(mean.reshape(-1), covariance) if c == 1 else (
-        MultitaskMultivariateNormal(mean, covariance, interleaved=True)
+    f = (
+        MultivariateNormal(mean.reshape(-1), covariance)
+        if c == 1
+        else (MultitaskMultivariateNormal(mean, covariance, interleaved=True))
     )
     probs = None
     if link is not None:
         blocks = root @ root.mT if blocks is None else blocks
         probs = _probabilities(mean, blocks, samples, link, num_samples, generator)
-    return Prediction(f=f, probs=probs, samples=samples, method=method.value, link=None if link is None else link.value)
+    return Prediction(
+        f=f, probs=probs, samples=samples, method=method.value, link=None if link is None else link.value
+    )
 
 
-def _probabilities(mean: Tensor, blocks: Tensor, samples: Tensor | None, link: Link, num_samples: int, generator) -> Tensor:
+def _probabilities(
+    mean: Tensor, blocks: Tensor, samples: Tensor | None, link: Link, num_samples: int, generator
+) -> Tensor:
     """Class probabilities from the means ``(N, C)`` and per-point blocks ``(N, C, C)`` (module docstring)."""
     binary = mean.shape[1] == 1
     if link is Link.MC and samples is not None:

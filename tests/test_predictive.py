@@ -60,7 +60,9 @@ def test_glm_closed_form_equals_brute_force(name, structure):
     close(pred.f.variance.reshape(-1, c), blocks.diagonal(dim1=-2, dim2=-1))
     dense = pred.f.covariance_matrix
     close(dense, torch.block_diag(*blocks))
-    pred_joint = predict(posterior, x_test, method="glm", joint=True, link=None if name != "softmax" else "probit")
+    pred_joint = predict(
+        posterior, x_test, method="glm", joint=True, link=None if name != "softmax" else "probit"
+    )
     close(pred_joint.f.covariance_matrix, joint)
     if name == "softmax":
         scaled = f / torch.sqrt(1 + math.pi / 8 * blocks.diagonal(dim1=-2, dim2=-1))
@@ -80,8 +82,12 @@ def test_binary_probit_and_mc_links():
     close(pred.probs, torch.sigmoid(mu / torch.sqrt(1 + math.pi / 8 * var)))
     # E[sigmoid(f)] by 100-point Gauss–Hermite quadrature as the reference of the MC link
     nodes, weights = (torch.from_numpy(a) for a in np.polynomial.hermite_e.hermegauss(100))
-    exact = (torch.sigmoid(mu[:, None] + var.sqrt()[:, None] * nodes) * weights).sum(-1) / math.sqrt(2 * math.pi)
-    mc = predict(posterior, x_test, link="mc", num_samples=S, generator=torch.Generator().manual_seed(0)).probs
+    exact = (torch.sigmoid(mu[:, None] + var.sqrt()[:, None] * nodes) * weights).sum(-1) / math.sqrt(
+        2 * math.pi
+    )
+    mc = predict(
+        posterior, x_test, link="mc", num_samples=S, generator=torch.Generator().manual_seed(0)
+    ).probs
     assert ((mc - exact).abs() < 5 * 0.5 / math.sqrt(S)).all()
     with pytest.raises(ValueError, match="bridge"):
         predict(posterior, x_test, link="bridge")
@@ -95,7 +101,9 @@ def test_laplace_bridge_inverts_the_dirichlet_laplace_approximation():
     mu = alpha.log() - alpha.log().mean(-1, keepdim=True)
     var = (1 - 2 / c) / alpha + (1 / alpha).sum(-1, keepdim=True) / c**2
     close(laplace_bridge(mu, var), alpha / alpha.sum(-1, keepdim=True))
-    close(laplace_bridge(mu + 300.0, var), alpha / alpha.sum(-1, keepdim=True))  # shift-invariant, no overflow
+    close(
+        laplace_bridge(mu + 300.0, var), alpha / alpha.sum(-1, keepdim=True)
+    )  # shift-invariant, no overflow
 
 
 @pytest.mark.parametrize("structure", ["full_ggn", "kfac"])
@@ -105,13 +113,22 @@ def test_glm_mc_converges_to_the_closed_form(structure):
     exact = predict(posterior, x_test)
     blocks = exact.f.lazy_covariance_matrix.to_dense()
     blocks = torch.stack([blocks[3 * i : 3 * i + 3, 3 * i : 3 * i + 3] for i in range(5)])
-    pred = predict(posterior, x_test, method="glm_mc", num_samples=S, generator=torch.Generator().manual_seed(3))
+    pred = predict(
+        posterior, x_test, method="glm_mc", num_samples=S, generator=torch.Generator().manual_seed(3)
+    )
     assert pred.samples.shape == (S, 5, 3)
     close(pred.f.mean, exact.f.mean)  # the linearised model's mean is known
     hat = torch.stack([pred.f.covariance_matrix[3 * i : 3 * i + 3, 3 * i : 3 * i + 3] for i in range(5)])
     within_mc_rate(hat, blocks, pred.samples.mean(0), exact.f.mean)
     close(pred.probs, torch.softmax(pred.f.mean / (1 + math.pi / 8 * pred.f.variance).sqrt(), -1))
-    mc = predict(posterior, x_test, method="glm_mc", link="mc", num_samples=50, generator=torch.Generator().manual_seed(3))
+    mc = predict(
+        posterior,
+        x_test,
+        method="glm_mc",
+        link="mc",
+        num_samples=50,
+        generator=torch.Generator().manual_seed(3),
+    )
     close(mc.probs, torch.softmax(mc.samples, -1).mean(0))
 
 
@@ -119,10 +136,18 @@ def test_mc_glm_finite_differences_match_the_exact_directional_derivatives():
     """Same draws: central differences agree with forward-mode JVPs to O(h²), forward differences to O(h)."""
     net, lik, x, y, x_test = case("multitask")
     posterior = KFACLaplace(net, x, y, lik, prior_precision=0.7)
-    exact = predict(posterior, x_test, method="glm_mc", num_samples=200, generator=torch.Generator().manual_seed(4))
+    exact = predict(
+        posterior, x_test, method="glm_mc", num_samples=200, generator=torch.Generator().manual_seed(4)
+    )
     for scheme, tol in (("central", 1e-7), ("forward", 1e-5)):
-        fd = predict(posterior, x_test, method="mc_glm", num_samples=200, finite_difference=scheme,
-                     generator=torch.Generator().manual_seed(4))
+        fd = predict(
+            posterior,
+            x_test,
+            method="mc_glm",
+            num_samples=200,
+            finite_difference=scheme,
+            generator=torch.Generator().manual_seed(4),
+        )
         rel = (fd.samples - exact.samples).abs().max() / (exact.samples - exact.f.mean).abs().max()
         assert rel < tol, (scheme, rel)
     assert default_step_size(torch.float64) == pytest.approx(torch.finfo(torch.float64).eps ** (1 / 3))
@@ -136,12 +161,20 @@ def test_nn_sampling_equals_glm_when_the_network_is_linear_in_the_weights():
     posterior = LastLayerLaplace(net, x, y, lik, prior_precision=0.4)
     exact = predict(posterior, x_test)
     blocks = torch.stack([exact.f.covariance_matrix[2 * i : 2 * i + 2, 2 * i : 2 * i + 2] for i in range(5)])
-    pred = predict(posterior, x_test, method="nn_sampling", num_samples=S, generator=torch.Generator().manual_seed(5))
+    pred = predict(
+        posterior, x_test, method="nn_sampling", num_samples=S, generator=torch.Generator().manual_seed(5)
+    )
     hat = torch.stack([pred.f.covariance_matrix[2 * i : 2 * i + 2, 2 * i : 2 * i + 2] for i in range(5)])
     within_mc_rate(hat, blocks, pred.f.mean, exact.f.mean)
     close(pred.f.mean, pred.samples.mean(0))
-    joint = predict(posterior, x_test, method="nn_sampling", num_samples=50, joint=True,
-                    generator=torch.Generator().manual_seed(5))
+    joint = predict(
+        posterior,
+        x_test,
+        method="nn_sampling",
+        num_samples=50,
+        joint=True,
+        generator=torch.Generator().manual_seed(5),
+    )
     centred = (joint.samples - joint.samples.mean(0)).reshape(50, -1)
     close(joint.f.covariance_matrix, centred.T @ centred / 49)
 
@@ -155,8 +188,14 @@ def test_predict_on_a_cnn_float32_and_network_untouched():
     posterior = KFACLaplace(net, x, y, lik, input_shape=(1, 6, 6))
     for method in ("glm", "glm_mc", "mc_glm", "nn_sampling"):
         for link in ("probit", "bridge", "mc"):
-            pred = predict(posterior, x[:4].flatten(1), method=method, link=link, num_samples=8,
-                           generator=torch.Generator().manual_seed(0))
+            pred = predict(
+                posterior,
+                x[:4].flatten(1),
+                method=method,
+                link=link,
+                num_samples=8,
+                generator=torch.Generator().manual_seed(0),
+            )
             assert isinstance(pred, Prediction) and pred.probs.dtype == torch.float32
             assert torch.allclose(pred.probs.sum(-1), torch.ones(4), atol=1e-5)
             assert (pred.f.variance >= 0).all()

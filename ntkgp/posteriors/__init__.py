@@ -79,7 +79,9 @@ def laplace_posterior(
     common = {"prior_precision": prior_precision, "prior_structure": prior_structure, **kwargs}
     if subset is Subset.LAST_LAYER:
         if structure not in (Structure.FULL_GGN, Structure.FULL_EF):
-            raise ValueError(f"subset='last_layer' needs structure='full_ggn' or 'full_ef', got {structure.value!r}")
+            raise ValueError(
+                f"subset='last_layer' needs structure='full_ggn' or 'full_ef', got {structure.value!r}"
+            )
         return LastLayerLaplace(net, x, y, likelihood, curvature=structure.value[5:], **common)
     if structure in (Structure.FULL_GGN, Structure.FULL_EF):
         return FullLaplace(net, x, y, likelihood, curvature=structure.value[5:], **common)

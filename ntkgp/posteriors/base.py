@@ -66,7 +66,9 @@ def prior_groups(fn: NetworkFunction, prior_structure: str | Mapping[str, str]) 
         label = {n: trainable.group_names[g] for n, g in zip(trainable.names, trainable.group_of)}
         frozen = [n for n in fn.names if n not in label]
         if frozen:
-            raise ValueError(f"the parameters {frozen} have requires_grad=False; a posterior needs trainable ones")
+            raise ValueError(
+                f"the parameters {frozen} have requires_grad=False; a posterior needs trainable ones"
+            )
         labels = [label[n] for n in fn.names]
     group_names = tuple(dict.fromkeys(labels))
     index = {g: i for i, g in enumerate(group_names)}
@@ -94,7 +96,9 @@ def prior_precision_vector(value: float | Tensor, groups: ParameterGroups, fn: N
     if torch.is_tensor(value):
         delta = value.detach().to(dtype=fn.dtype, device=fn.device)
     else:
-        delta = torch.as_tensor(value, dtype=fn.dtype, device=fn.device)  # a float straight to the net's dtype
+        delta = torch.as_tensor(
+            value, dtype=fn.dtype, device=fn.device
+        )  # a float straight to the net's dtype
     if delta.dim() == 0:
         delta = delta.expand(groups.num_groups).clone()
     if delta.shape != (groups.num_groups,):
@@ -193,7 +197,9 @@ class WeightPosterior(ABC):
     def _matrix(self, v: Tensor, argument: str) -> tuple[Tensor, bool]:
         if not torch.is_tensor(v) or v.dim() not in (1, 2) or v.shape[0] != self.num_params:
             shape = tuple(v.shape) if torch.is_tensor(v) else type(v).__name__
-            raise ValueError(f"{argument} must have shape ({self.num_params},) or ({self.num_params}, k), got {shape}")
+            raise ValueError(
+                f"{argument} must have shape ({self.num_params},) or ({self.num_params}, k), got {shape}"
+            )
         v = v.to(dtype=self.function.dtype, device=self.function.device)
         return (v if v.dim() == 2 else v.unsqueeze(-1)), v.dim() == 1
 
@@ -214,7 +220,11 @@ class WeightPosterior(ABC):
         if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
             raise ValueError(f"num_samples must be a positive integer, got {num_samples!r}")
         z = torch.randn(
-            num_samples, self.num_params, dtype=self.function.dtype, device=self.function.device, generator=generator
+            num_samples,
+            self.num_params,
+            dtype=self.function.dtype,
+            device=self.function.device,
+            generator=generator,
         )
         return self._sample(z)
 

@@ -32,7 +32,13 @@ Data = Tensor | Iterable[tuple[Tensor, Tensor]]
 
 
 def data_batches(
-    fn: NetworkFunction, x: Data, y: Tensor | None, likelihood: Likelihood, batch_size: int, progress: bool, desc: str
+    fn: NetworkFunction,
+    x: Data,
+    y: Tensor | None,
+    likelihood: Likelihood,
+    batch_size: int,
+    progress: bool,
+    desc: str,
 ) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
     """Yield ``(x_b, f_b, y_b)``: prepared inputs, outputs ``(n, C)`` at :math:`\\theta^*` and normalised targets.
 
@@ -71,7 +77,9 @@ def data_batches(
             fb = fn.forward(xb)
         check_outputs(fb, xb.shape[0])
         if fb.shape[1] != expected:
-            raise ValueError(f"net has {fb.shape[1]} outputs but {type(likelihood).__name__} expects {expected}")
+            raise ValueError(
+                f"net has {fb.shape[1]} outputs but {type(likelihood).__name__} expects {expected}"
+            )
         yb = validate_targets(likelihood, yb, expected, num_data=fb.shape[0]).to(fb.device)
         seen += xb.shape[0]
         yield xb, fb, yb
@@ -101,7 +109,9 @@ def dense_curvature(
     s0 = output_scale(likelihood).detach().to(dtype=fn.dtype, device=fn.device)
     size = k if curvature is Curvature.GGN else k * k
     total = torch.zeros(size, fn.num_params, fn.num_params, dtype=fn.dtype, device=fn.device)
-    for xb, fb, yb in data_batches(fn, x, y, likelihood, batch_size, progress, f"dense {curvature.value.upper()}"):
+    for xb, fb, yb in data_batches(
+        fn, x, y, likelihood, batch_size, progress, f"dense {curvature.value.upper()}"
+    ):
         jac = fn.jacobian(xb)  # (n, C, P)
         with torch.no_grad():
             if curvature is Curvature.GGN and k > 1:
@@ -112,8 +122,12 @@ def dense_curvature(
                 total[0] += rows.T @ rows
             else:
                 unit = gradient(likelihood, fb, yb) / s0  # (n, C)
-                grads = jac * unit.unsqueeze(-1) if k > 1 else torch.einsum("nc,ncp->np", unit, jac).unsqueeze(1)
-                total += torch.einsum("nap,nbq->abpq", grads, grads).reshape(size, fn.num_params, fn.num_params)
+                grads = (
+                    jac * unit.unsqueeze(-1) if k > 1 else torch.einsum("nc,ncp->np", unit, jac).unsqueeze(1)
+                )
+                total += torch.einsum("nap,nbq->abpq", grads, grads).reshape(
+                    size, fn.num_params, fn.num_params
+                )
     return total
 
 

@@ -97,7 +97,9 @@ class DiagLaplace(WeightPosterior):
 
     def _setup(self, curvature, net, likelihood, prior_precision, input_shape, chunk_size) -> None:
         if not isinstance(curvature, DiagonalCurvature):
-            raise TypeError(f"curvature must be diagonal (diag_ggn or diag_ef), got {type(curvature).__name__}")
+            raise TypeError(
+                f"curvature must be diagonal (diag_ggn or diag_ef), got {type(curvature).__name__}"
+            )
         fn = NetworkFunction(net, list(curvature.groups.names), input_shape, chunk_size)
         prior_precision_vector(prior_precision, curvature.groups, fn)
         super().__init__(fn, likelihood, curvature.groups, prior_precision, curvature.scale_size)
@@ -108,7 +110,8 @@ class DiagLaplace(WeightPosterior):
     def precision_diagonal(self) -> Tensor:
         r""":math:`h(s) + \delta`, ``(P,)``."""
         return self.cached(
-            "diagonal", lambda: self.curvature.diagonal(self.likelihood).detach() + self.prior_precision_columns()
+            "diagonal",
+            lambda: self.curvature.diagonal(self.likelihood).detach() + self.prior_precision_columns(),
         )
 
     def _precision_matmul(self, v: Tensor) -> Tensor:

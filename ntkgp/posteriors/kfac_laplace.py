@@ -1,7 +1,7 @@
 r"""KFAC Laplace: per layer :math:`(G_l \otimes A_l + \delta_l I)^{-1}` through the eigenbases of the factors.
 
 With :math:`A = U_A \operatorname{diag}(q) U_A^\top` and :math:`G(s) = \sum_k s_k G_k = U_G \operatorname{diag}(w)
-U_G^\top` (``docs/math.md``, "Weight-space posteriors"), the prior is added *exactly*, without damping:
+U_G^\top` (``docs/math.md``, "Curvature structures (KFAC, diagonal)"), the prior is added *exactly*, without damping:
 
 .. math::
     \Sigma_l = (G \otimes A + \delta_l I)^{-1} = (U_G \otimes U_A) \operatorname{diag}(\operatorname{vec} W)
@@ -12,9 +12,10 @@ so that, for :math:`\Theta = [W \mid b]` as a ``(d_out, d_a)`` matrix (row-major
 
 - :math:`\Sigma_l \operatorname{vec}(V) = \operatorname{vec}(U_G [(U_G^\top V U_A) \odot W] U_A^\top)`;
 - the layer-wise factorised sampler: :math:`\eta_l = U_G (Z \odot W^{1/2}) U_A^\top`, :math:`Z` a standard
-  normal ``(d_out, d_a)`` matrix. (The review writes :math:`\mathrm{ch}(Q)^{-1} X \mathrm{ch}(H)^{-1}` for the
-  undamped, prior-free block; a Cholesky factor of :math:`\Sigma_l` needs the inverse *transposed* Cholesky
-  factors, and with the prior the factors no longer separate, hence the eigenbases.)
+  normal ``(d_out, d_a)`` matrix. (The review of GLM-predictive estimators, ``docs/predictive.md``, writes
+  :math:`\mathrm{ch}(Q)^{-1} X \mathrm{ch}(H)^{-1}` for the prior-free block; a factor :math:`B` with
+  :math:`B B^\top = \Sigma_l` needs the inverse *transposed* Cholesky factors, and with the prior the factors
+  no longer separate, hence the eigenbases.)
 - :math:`\log|\Sigma_l^{-1}| = \sum_{oi} \log(w_o q_i + \delta_l)`;
 - the GLM closed form (the review's eq. 16) from the layer inputs and output gradients at the test points,
   :func:`~ntkgp.posteriors.kronecker_form.kronecker_sandwich`.
@@ -165,16 +166,29 @@ class KFACLaplace(WeightPosterior):
         for f in factors:
             layer = Layer(f.module, modules[f.module], f.weight, f.bias)
             q, u_a = torch.linalg.eigh(f.input_factor)
-            w, u_g = torch.linalg.eigh(f.output_factors[0]) if f.output_factors.shape[0] == 1 else (None, None)
-            self.blocks.append(KroneckerBlock(
-                layer, f.group, layer_index(fn, layer), f.input_factor, f.output_factors, q.clamp_min(0), u_a,
-                None if w is None else w.clamp_min(0), u_g,
-            ))
+            w, u_g = (
+                torch.linalg.eigh(f.output_factors[0]) if f.output_factors.shape[0] == 1 else (None, None)
+            )
+            self.blocks.append(
+                KroneckerBlock(
+                    layer,
+                    f.group,
+                    layer_index(fn, layer),
+                    f.input_factor,
+                    f.output_factors,
+                    q.clamp_min(0),
+                    u_a,
+                    None if w is None else w.clamp_min(0),
+                    u_g,
+                )
+            )
         self.diagonal_names = diagonal_names
         self.diagonal_components = diagonal_components
         self.diagonal_index = torch.cat(
-            [torch.arange(fn.offset(n), fn.offset(n) + fn.numels[fn.names.index(n)], device=fn.device)
-             for n in diagonal_names]
+            [
+                torch.arange(fn.offset(n), fn.offset(n) + fn.numels[fn.names.index(n)], device=fn.device)
+                for n in diagonal_names
+            ]
             or [torch.zeros(0, dtype=torch.long, device=fn.device)]
         )
         self._verified = False
@@ -182,6 +196,7 @@ class KFACLaplace(WeightPosterior):
     # ------------------------------------------------------------------ decomposition
     def _block_weights(self) -> list[tuple[Tensor, Tensor, Tensor]]:
         r"""Per block :math:`(U_G, U_A, W)` for the current :math:`\delta` and :math:`s`."""
+
         def compute():
             scale, out = self.scale(), []
             for block in self.blocks:
@@ -265,7 +280,9 @@ class KFACLaplace(WeightPosterior):
                 delta = 0
             index = block.index.reshape(-1)
             kron = torch.kron(g, a)
-            out[index[:, None], index[None, :]] = kron + delta * torch.eye(len(index), dtype=kron.dtype, device=kron.device)
+            out[index[:, None], index[None, :]] = kron + delta * torch.eye(
+                len(index), dtype=kron.dtype, device=kron.device
+            )
         out[self.diagonal_index, self.diagonal_index] = self.diagonal_precision()
         return out
 

@@ -10,8 +10,8 @@ unfolded patches, :math:`t` the location) and :math:`\bar a = [a; 1]` (the 1 onl
 
 a ``(d_out, d_a)`` matrix in the row-major order of :math:`\operatorname{vec}(\Theta)` (output index major),
 the order of the KFAC blocks of :mod:`ntkgp.curvature`. With one location it is the outer product
-:math:`\gamma_{nc} \bar a_n^\top` (the review's :math:`a_{l-1} \otimes g_l`), so the GLM closed forms need
-:math:`\bar a` and :math:`\gamma` only. Both come from ntkgp's one layer-feature machinery
+:math:`\gamma_{nc} \bar a_n^\top` (:math:`a_{l-1} \otimes g_l` in the review of GLM-predictive estimators,
+``docs/predictive.md``), so the GLM closed forms need :math:`\bar a` and :math:`\gamma` only. Both come from ntkgp's one layer-feature machinery
 (:mod:`ntkgp.ntk.features`: one forward pass with hooks, :math:`C` backward passes, one safety rule,
 layers verified against autograd on a probe example).
 """
@@ -42,13 +42,17 @@ def layer_index(fn: NetworkFunction, layer: Layer) -> Tensor:
     rows = torch.arange(d_out(layer), device=fn.device)[:, None]
     parts = []
     if layer.weight is not None:
-        parts.append(fn.offset(layer.weight) + rows * fan_in(layer) + torch.arange(fan_in(layer), device=fn.device))
+        parts.append(
+            fn.offset(layer.weight) + rows * fan_in(layer) + torch.arange(fan_in(layer), device=fn.device)
+        )
     if layer.bias is not None:
         parts.append(fn.offset(layer.bias) + rows)
     return torch.cat(parts, dim=1)
 
 
-def structured_layers(fn: NetworkFunction, probe: Tensor, strict: bool, modules: Sequence[str] | None = None) -> list[Layer]:
+def structured_layers(
+    fn: NetworkFunction, probe: Tensor, strict: bool, modules: Sequence[str] | None = None
+) -> list[Layer]:
     """The layers that take the Kronecker form, verified on the example ``probe[:1]``.
 
     Args:
@@ -65,7 +69,9 @@ def structured_layers(fn: NetworkFunction, probe: Tensor, strict: bool, modules:
     if modules is not None:
         missing = [m for m in modules if m not in {layer.name for layer in candidates} | set(problems)]
         if missing:
-            raise ValueError(f"modules {missing} are not Linear/Conv2d layers with parameters in the posterior")
+            raise ValueError(
+                f"modules {missing} are not Linear/Conv2d layers with parameters in the posterior"
+            )
         candidates = [layer for layer in candidates if layer.name in modules]
         problems = {m: p for m, p in problems.items() if m in modules}
     keep, _, failed = verify_layers(fn.net, fn.params(), candidates, probe[:1].detach())
@@ -75,7 +81,9 @@ def structured_layers(fn: NetworkFunction, probe: Tensor, strict: bool, modules:
     return keep
 
 
-def kronecker_features(fn: NetworkFunction, x: Tensor, layers: Sequence[Layer]) -> dict[str, tuple[Tensor, Tensor]]:
+def kronecker_features(
+    fn: NetworkFunction, x: Tensor, layers: Sequence[Layer]
+) -> dict[str, tuple[Tensor, Tensor]]:
     r"""For a prepared batch ``x``: per layer :math:`\bar a` ``(n, d_a, T)`` and :math:`\gamma` ``(n, C, d_out, T)``."""
     features = layer_features(fn.net, fn.params(), list(layers), x)
     out = {}
@@ -93,7 +101,9 @@ def layer_jacobian(a: Tensor, gamma: Tensor) -> Tensor:
     return torch.einsum("ncot,nit->ncoi", gamma, a)
 
 
-def project(a: Tensor, gamma: Tensor, out_basis: Tensor | None, in_basis: Tensor | None) -> tuple[Tensor, Tensor]:
+def project(
+    a: Tensor, gamma: Tensor, out_basis: Tensor | None, in_basis: Tensor | None
+) -> tuple[Tensor, Tensor]:
     r""":math:`U_A^\top \bar a` and :math:`U_G^\top \gamma` (either basis ``None``: the identity)."""
     if in_basis is not None:
         a = in_basis.T @ a
@@ -108,7 +118,7 @@ def kronecker_sandwich(
     r"""Per-point :math:`J_l \Sigma_l J_l^\top`, ``(n, C, C)``, for a layer covariance
     :math:`\Sigma_l = (U_G \otimes U_A) \operatorname{diag}(\operatorname{vec} W) (U_G \otimes U_A)^\top`.
 
-    With one location (the review's eq. 16, prior included through :math:`W`):
+    With one location (the review's eq. 16, the prior included through :math:`W`):
 
     .. math::
         [J \Sigma_l J^\top]_{cc'} = \sum_o \tilde\gamma_{co} \tilde\gamma_{c'o} \sum_i \tilde a_i^2 W_{oi},

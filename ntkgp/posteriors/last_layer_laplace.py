@@ -61,7 +61,16 @@ class LastLayerLaplace(FullLaplace):
     ) -> None:
         self.layer = layer
         super().__init__(
-            net, x, y, likelihood, curvature, prior_precision, prior_structure, batch_size, progress, input_shape,
+            net,
+            x,
+            y,
+            likelihood,
+            curvature,
+            prior_precision,
+            prior_structure,
+            batch_size,
+            progress,
+            input_shape,
             chunk_size,
         )
         self.structure = f"last_layer_{self.curvature.value}"
@@ -70,7 +79,14 @@ class LastLayerLaplace(FullLaplace):
         if not isinstance(net, nn.Module):
             raise TypeError(f"net must be a torch.nn.Module, got {type(net).__name__}")
         owners = [
-            (name, [f"{name}.{k}" if name else k for k, p in module.named_parameters(recurse=False) if p.requires_grad])
+            (
+                name,
+                [
+                    f"{name}.{k}" if name else k
+                    for k, p in module.named_parameters(recurse=False)
+                    if p.requires_grad
+                ],
+            )
             for name, module in net.named_modules()
         ]
         owners = [(name, params) for name, params in owners if params]

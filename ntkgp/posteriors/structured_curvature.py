@@ -29,10 +29,21 @@ def structured_curvature(
     """:func:`ntkgp.curvature.compute_curvature` with the prior groups given as ``prior_structure``."""
     if not isinstance(prior_structure, Mapping):
         prior_structure = choose(PriorStructure, prior_structure, "prior_structure").value
-    keyword = "prior_structure" if "prior_structure" in inspect.signature(compute_curvature).parameters else "groups"
+    keyword = (
+        "prior_structure"
+        if "prior_structure" in inspect.signature(compute_curvature).parameters
+        else "groups"
+    )
     return compute_curvature(
-        net, x, y, likelihood, structure=structure, batch_size=batch_size, progress=progress,
-        input_shape=input_shape, **{keyword: prior_structure},
+        net,
+        x,
+        y,
+        likelihood,
+        structure=structure,
+        batch_size=batch_size,
+        progress=progress,
+        input_shape=input_shape,
+        **{keyword: prior_structure},
     )
 
 
@@ -63,7 +74,9 @@ def kronecker_blocks(curvature: Curvature) -> tuple[list[KroneckerBlockFactors],
         TypeError: when ``curvature`` is not a KFAC curvature.
     """
     if not isinstance(curvature, KroneckerGGN):
-        raise TypeError(f"curvature must be a KFAC curvature (structure='kfac'), got {type(curvature).__name__}")
+        raise TypeError(
+            f"curvature must be a KFAC curvature (structure='kfac'), got {type(curvature).__name__}"
+        )
     blocks = [
         KroneckerBlockFactors(b.module, b.weight, b.bias, b.group, b.input_factor, b.output_factors)
         for b in curvature.blocks

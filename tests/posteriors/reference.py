@@ -21,7 +21,9 @@ def likelihood_case(name: str):
         lik.noise = 0.3
         return lik, 1, lambda f, y: reference_log_prob("gaussian", f, y, lik.noise.detach().expand(1))
     if name == "multitask":
-        lik = gpytorch.likelihoods.MultitaskGaussianLikelihood(num_tasks=2, rank=0, has_global_noise=False).double()
+        lik = gpytorch.likelihoods.MultitaskGaussianLikelihood(
+            num_tasks=2, rank=0, has_global_noise=False
+        ).double()
         lik.task_noises = torch.tensor([0.2, 0.7], dtype=DTYPE)
         return lik, 2, lambda f, y: reference_log_prob("gaussian", f, y, lik.task_noises.detach())
     if name == "logistic":
@@ -71,7 +73,9 @@ def dense_curvature(net, x, y, log_prob, kind: str = "ggn", names: list[str] | N
     return grads.T @ grads
 
 
-def glm_blocks(net, x_test, sigma: torch.Tensor, names: list[str] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def glm_blocks(
+    net, x_test, sigma: torch.Tensor, names: list[str] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-point ``J Σ Jᵀ`` ``(N, C, C)`` and the joint ``(N·C, N·C)`` from the explicit Jacobian and ``Σ``."""
     jn = jacobian(net, x_test, names)
     n, c, p = jn.shape
@@ -80,7 +84,9 @@ def glm_blocks(net, x_test, sigma: torch.Tensor, names: list[str] | None = None)
     return blocks, joint
 
 
-def kronecker_precision(net: nn.Module, curvature, likelihood, delta_groups: torch.Tensor, damping: bool = False):
+def kronecker_precision(
+    net: nn.Module, curvature, likelihood, delta_groups: torch.Tensor, damping: bool = False
+):
     """The KFAC precision with explicit ``torch.kron`` blocks, placed by an index map written here."""
     names = [n for n, p in net.named_parameters() if p.requires_grad]
     sizes = {n: p.numel() for n, p in net.named_parameters() if p.requires_grad}

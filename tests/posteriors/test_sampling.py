@@ -36,7 +36,12 @@ def test_posterior_samples_converge_to_the_covariance(structure, subset):
     net = mlp(3, 4, c, depth=1, seed=1)
     x = torch.randn(12, 3, dtype=DTYPE, generator=torch.Generator().manual_seed(2))
     posterior = laplace_posterior(
-        net, x, targets("softmax", 12), lik, structure=structure, subset=subset,
+        net,
+        x,
+        targets("softmax", 12),
+        lik,
+        structure=structure,
+        subset=subset,
         prior_precision=torch.tensor([0.5, 2.0], dtype=DTYPE) if subset == "all" else 0.5,
     )
     draws = posterior.sample(NUM_SAMPLES, generator=torch.Generator().manual_seed(11))

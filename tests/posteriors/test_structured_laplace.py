@@ -77,7 +77,9 @@ def test_kfac_equals_the_exact_posterior_for_one_example_and_one_layer():
 def test_diag_laplace_equals_the_diagonal_of_the_explicit_curvature(name, kind):
     net, lik, log_prob, x, y, x_test = mlp_case(name)
     delta = torch.tensor([0.4, 1.1, 1.7, 2.2, 3.0, 0.9], dtype=DTYPE)  # one per parameter tensor
-    posterior = DiagLaplace(net, x, y, lik, curvature=kind, prior_precision=delta, prior_structure="parameter")
+    posterior = DiagLaplace(
+        net, x, y, lik, curvature=kind, prior_precision=delta, prior_structure="parameter"
+    )
     numels = [p.numel() for p in net.parameters()]
     delta_cols = torch.repeat_interleave(delta, torch.tensor(numels))
     precision = torch.diag(dense_curvature(net, x, y, log_prob, kind).diagonal() + delta_cols)
@@ -95,7 +97,10 @@ def test_front_door_dispatch_and_errors():
     net, lik, _, x, y, _ = mlp_case("softmax")
     assert type(laplace_posterior(net, x, y, lik, structure="full_ef")).__name__ == "FullLaplace"
     assert laplace_posterior(net, x, y, lik, structure="diag_ef").structure == "diag_ef"
-    assert type(laplace_posterior(net, x, y, lik, subset="last_layer", structure="full_ggn")).__name__ == "LastLayerLaplace"
+    assert (
+        type(laplace_posterior(net, x, y, lik, subset="last_layer", structure="full_ggn")).__name__
+        == "LastLayerLaplace"
+    )
     with pytest.raises(ValueError, match="structure"):
         laplace_posterior(net, x, y, lik, structure="lowrank")
     with pytest.raises(ValueError, match="subset"):
@@ -125,6 +130,8 @@ def test_kfac_glm_never_forms_a_parameter_square(monkeypatch):
     posterior.glm_covariance(x_test)
     posterior.sample(5)
     posterior.log_det_precision()
-    assert created and all(p not in shape[-2:] or len(shape) < 2 or shape[-1] != shape[-2] for shape in created)
+    assert created and all(
+        p not in shape[-2:] or len(shape) < 2 or shape[-1] != shape[-2] for shape in created
+    )
     blocks = [b.index.numel() for b in posterior.blocks]
     assert all(not (shape[-1] in blocks and shape[-2] in blocks) for shape in created if len(shape) >= 2)
