@@ -93,7 +93,7 @@ class Dense:
 
 
 def sfr_formula(dense: Dense, z_idx, xs, mean="zero", independent=False):
-    """The SFR predictive written out densely (MATH.md), for Z = X[z_idx]."""
+    """The SFR predictive written out densely (docs/math.md, "SFR"), for Z = X[z_idx]."""
     js, _ = brute_jacobian(dense.net, xs)
     c = dense.c
     rows = (z_idx[:, None] * c + torch.arange(c)).reshape(-1)
@@ -234,7 +234,7 @@ def test_update_equals_building_on_the_union_and_never_rereads_old_data(kind, c,
     old_x, old_y = x[:18].clone(), y[:18].clone()
     one_pass = (pair for pair in [(old_x, old_y)])  # a generator: can be read only once
     model = SFR(net, one_pass, None, lik, inducing_points=z, output_coupling=coupling, prior_precision=DELTA)
-    model(xs)  # factorisations are cached before the update and must be refreshed by it
+    model(xs)  # factorizations are cached before the update and must be refreshed by it
     old_x.fill_(float("nan"))  # SFR must not hold on to (or re-read) the old data
     model.update(x[18:], y[18:])
     (m1, c1), (m2, c2) = dense_moments(model(xs)), dense_moments(union(xs))
@@ -462,7 +462,7 @@ def test_bad_inputs_raise_clear_errors():
     assert torch.equal(sfr.statistics.precision, before) and sfr.num_data == 12
 
 
-# ---------------------------------------------------------------------- factorisation by triangular solves
+# ---------------------------------------------------------------------- factorization by triangular solves
 @pytest.mark.parametrize("singular", [False, True])
 def test_whitened_factors_by_solves_match_the_explicit_formulas(singular):
     from ntkgp.models.sfr.whitening import inducing_factors, whitened_factors

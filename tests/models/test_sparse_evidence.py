@@ -14,7 +14,7 @@ from tests.helpers import brute_jacobian, column_groups, mlp
 from tests.models.test_sfr import DELTA, Dense, layer_labels, problem
 
 
-def dense_linearised_evidence(net, x, y, delta, noise):
+def dense_linearized_evidence(net, x, y, delta, noise):
     """log N(y; m(X), K_XX + σ² I) with m = f − Jθ*, differentiable in δ and σ²."""
     j, _ = brute_jacobian(net, x)
     p0 = delta[column_groups(net, layer_labels(net))]
@@ -30,14 +30,14 @@ def gaussian_problem(n=15):
     return net, x, y, lik
 
 
-def test_equals_the_exact_linearised_gp_evidence_at_z_equal_x_with_gradients():
+def test_equals_the_exact_linearized_gp_evidence_at_z_equal_x_with_gradients():
     net, x, y, lik = gaussian_problem()
     sfr = SFR(net, x, y, lik, inducing_points=x, prior_precision=DELTA).train()
     value = sfr.log_marginal_likelihood()
     value.backward()
     delta = DELTA.clone().requires_grad_(True)
     noise = torch.tensor(0.1, dtype=torch.float64, requires_grad=True)
-    ref = dense_linearised_evidence(net, x, y, delta, noise)
+    ref = dense_linearized_evidence(net, x, y, delta, noise)
     ref.backward()
     assert abs(value.item() - ref.item()) < 1e-8 * abs(ref.item())
     # chain rule through the constraints (whatever their transform): d/draw = d/dvalue · dvalue/draw
@@ -54,7 +54,7 @@ def test_equals_the_exact_linearised_gp_evidence_at_z_equal_x_with_gradients():
 
 def test_is_a_lower_bound_for_inducing_subsets_and_tightens_with_more_points():
     net, x, y, lik = gaussian_problem(n=20)
-    ref = dense_linearised_evidence(net, x, y, DELTA, torch.tensor(0.1, dtype=torch.float64)).item()
+    ref = dense_linearized_evidence(net, x, y, DELTA, torch.tensor(0.1, dtype=torch.float64)).item()
     values = [SFR(net, x, y, lik, inducing_points=x[:m], prior_precision=DELTA).log_marginal_likelihood().item() for m in (3, 8, 15)]
     assert all(v < ref for v in values)
     assert values[0] < values[1] < values[2]
