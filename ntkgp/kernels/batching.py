@@ -14,6 +14,7 @@ the user's tensor.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -43,7 +44,7 @@ def tracks_grad(x: torch.Tensor) -> bool:
 
 
 def distinct_slices(x: torch.Tensor) -> Slices:
-    """Split ``x`` of shape ``(*batch, N, D)`` into its distinct slices (by value, unless a graph to ``x`` is needed)."""
+    """Split ``x`` ``(*batch, N, D)`` into distinct slices (by value, unless a graph to ``x`` is needed)."""
     batch = x.shape[:-2]
     n, d = x.shape[-2:]
     count = math.prod(batch)
@@ -58,13 +59,15 @@ def distinct_slices(x: torch.Tensor) -> Slices:
 
 
 def gather(pieces: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``pieces[index]`` of shape ``(*index.shape, *pieces.shape[1:])``, without a copy when one piece serves all."""
+    """``pieces[index]``, shape ``(*index.shape, *pieces.shape[1:])``; no copy when one piece serves all."""
     if pieces.shape[0] == 1:
         return pieces[0].expand(*index.shape, *pieces.shape[1:])
     return pieces[index.reshape(-1)].view(*index.shape, *pieces.shape[1:])
 
 
-def slice_pairs(index1: torch.Tensor, index2: torch.Tensor, batch: torch.Size) -> tuple[list[tuple[int, int]], torch.Tensor]:
+def slice_pairs(
+    index1: torch.Tensor, index2: torch.Tensor, batch: torch.Size
+) -> tuple[list[tuple[int, int]], torch.Tensor]:
     """The distinct pairs ``(slice of x1, slice of x2)`` met over the broadcast ``batch``.
 
     Returns:
@@ -93,3 +96,80 @@ def group_pairs(pairs: list[tuple[int, int]]) -> tuple[int, dict[int, list[int]]
         fixed, partner = (b, a) if side == 2 else (a, b)
         groups.setdefault(fixed, []).append(partner)
     return side, groups
+
+
+#: Entries (all groups) of one stacked Gram when many small distinct slices are computed together.
+STACKED_ENTRIES = 2**22
+
+
+def _stack(pieces: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.stack``, without copying a single piece (a Gram can be most of the memory in use)."""
+    return pieces[0].unsqueeze(0) if len(pieces) == 1 else torch.stack(pieces)
+
+
+def pair_grams(
+    grams: Callable[..., torch.Tensor], s1: Slices, s2: Slices, square: bool, entries_per_point_pair: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-group Grams of each distinct pair of slices, ``(pairs, G, N1·C, N2·C)``, and each batch
+    element's pair.
+
+    Two ways to batch the calls of ``grams`` (``grams(x)``: the symmetric ``(G, N·C, N·C)``;
+    ``grams(x1, x2)``: ``(G, N1·C, N2·C)``), whichever makes fewer calls: group the pairs by the side with
+    fewer distinct slices (one call per slice of that side against all its partners stacked: nothing
+    computed in vain), or stack ``k`` pairs on both sides and keep the diagonal blocks of one Gram (``k``
+    times the work, at most :data:`STACKED_ENTRIES` entries per call: many small slices, such as
+    BoTorch's ``(b, q, d)`` candidates, then cost one call instead of ``b``).
+
+    Args:
+        grams: the (cached) engine Gram.
+        s1, s2: the distinct slices of ``x1`` and ``x2`` (the same object when ``square``).
+        square: ``x1`` is ``x2``: every pair is a slice with itself.
+        entries_per_point_pair: ``G·C²``, the Gram entries one pair of points costs.
+    """
+    if square:
+        pairs, pair_index = [(u, u) for u in range(s1.values.shape[0])], s1.index
+    else:
+        pairs, pair_index = slice_pairs(
+            s1.index, s2.index, torch.broadcast_shapes(s1.index.shape, s2.index.shape)
+        )
+    n1, n2 = s1.values.shape[1], s2.values.shape[1]
+    side, groups = group_pairs(pairs)
+    k = max(1, math.isqrt(STACKED_ENTRIES // (entries_per_point_pair * n1 * n2)))
+    if -(-len(pairs) // k) < len(groups):
+        return _stack(_stacked_pair_grams(grams, pairs, s1, s2, square, k)), pair_index
+    d = s1.values.shape[-1]
+    found: dict[tuple[int, int], torch.Tensor] = {}
+    for fixed, partners in groups.items():
+        if square:  # (u, u): the symmetric Gram of one slice
+            found[(fixed, fixed)] = grams(s1.values[fixed])
+        elif side == 2:
+            g = grams(s1.values[partners].reshape(-1, d), s2.values[fixed])  # (G, k·N1·C, N2·C)
+            g = g.view(g.shape[0], len(partners), -1, g.shape[-1])
+            for i, partner in enumerate(partners):
+                found[(partner, fixed)] = g[:, i]
+        else:
+            g = grams(s1.values[fixed], s2.values[partners].reshape(-1, d))  # (G, N1·C, k·N2·C)
+            g = g.view(*g.shape[:2], len(partners), -1)
+            for i, partner in enumerate(partners):
+                found[(fixed, partner)] = g[:, :, i]
+    return _stack([found[p] for p in pairs]), pair_index
+
+
+def _stacked_pair_grams(
+    grams: Callable[..., torch.Tensor],
+    pairs: list[tuple[int, int]],
+    s1: Slices,
+    s2: Slices,
+    square: bool,
+    k: int,
+) -> list[torch.Tensor]:
+    """The pairs' Grams as diagonal blocks of Grams of ``k`` stacked pairs at a time."""
+    d = s1.values.shape[-1]
+    out: list[torch.Tensor] = []
+    for start in range(0, len(pairs), k):
+        chunk = pairs[start : start + k]
+        rows1 = s1.values[[a for a, _ in chunk]].reshape(-1, d)
+        g = grams(rows1) if square else grams(rows1, s2.values[[b for _, b in chunk]].reshape(-1, d))
+        g = g.view(g.shape[0], len(chunk), g.shape[1] // len(chunk), len(chunk), g.shape[2] // len(chunk))
+        out.extend(g.diagonal(dim1=1, dim2=3).movedim(-1, 0).unbind(0))  # each (G, N1·C, N2·C)
+    return out

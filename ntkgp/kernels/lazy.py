@@ -1,4 +1,5 @@
-"""The lazily evaluated NTK: GPyTorch's ``LazyEvaluatedKernelTensor`` with element reads that do not batch the kernel.
+"""The lazily evaluated NTK: GPyTorch's ``LazyEvaluatedKernelTensor``, with element reads that do not
+re-evaluate the kernel once per entry.
 
 Reading scattered entries of a lazy kernel tensor (``K[..., rows, cols]`` with index tensors, as a per-point
 ``C×C`` block read for a Monte Carlo link does) goes through ``LinearOperator._get_indices``, which by
@@ -21,11 +22,15 @@ class NTKLazyKernelTensor(LazyEvaluatedKernelTensor):
     """What :class:`~ntkgp.kernels.NTKKernel` returns when called in lazy mode (GPyTorch's default)."""
 
     @recall_grad_state
-    def _get_indices(self, row_index: torch.Tensor, col_index: torch.Tensor, *batch_indices: torch.Tensor) -> torch.Tensor:
+    def _get_indices(
+        self, row_index: torch.Tensor, col_index: torch.Tensor, *batch_indices: torch.Tensor
+    ) -> torch.Tensor:
         kernel = self.kernel
         if not self.last_dim_is_batch and kernel.is_square(self.x1, self.x2):
             c = kernel.num_outputs_per_input(self.x1, self.x2)
-            shape = torch.broadcast_shapes(*(i.shape for i in batch_indices), row_index.shape, col_index.shape)
+            shape = torch.broadcast_shapes(
+                *(i.shape for i in batch_indices), row_index.shape, col_index.shape
+            )
             rows, cols = row_index.expand(shape), col_index.expand(shape)
             points = torch.div(rows, c, rounding_mode="floor")
             if torch.equal(points, torch.div(cols, c, rounding_mode="floor")):

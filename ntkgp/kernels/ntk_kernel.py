@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 
 import torch
-from gpytorch.constraints import Interval, Positive
+from gpytorch.constraints import Interval
 from gpytorch.kernels import Kernel
 from gpytorch.lazy import LazyEvaluatedKernelTensor
 from gpytorch.priors import Prior
@@ -20,19 +19,15 @@ from torch import nn
 
 from ..caching import ValueCache
 from ..ntk import GroupSpec, NTKEngine
-from ..options import PriorStructure, Space, Strategy, choose, choose_space, renamed_argument
-from .batching import Slices, distinct_slices, gather, group_pairs, slice_pairs, tracks_grad
+from ..options import Space, choose_space
+from .arguments import kernel_arguments, prior_precision_tensor
+from .batching import Slices, distinct_slices, gather, pair_grams, tracks_grad
 from .lazy import NTKLazyKernelTensor
-
-#: Entries (all groups) of one stacked Gram when many small distinct batch slices are computed together.
-_UNION_ENTRIES = 2**22
-_REPRESENTATION_TO_SPACE = {"auto": "auto", "dense": "function", "root": "weight"}
-_KERNEL_KWARGS = ("batch_shape", "active_dims")
 
 
 class _SharedValueCache(ValueCache):
-    """The kernel's cache: shared by the copies GPyTorch makes (``kernel[i]``, ``expand_batch``, fantasy models),
-    since its entries depend only on the inputs and the (shared) network; pickled empty."""
+    """The kernel's cache: shared by the copies GPyTorch makes (``kernel[i]``, ``expand_batch``, fantasy
+    models), since its entries depend only on the inputs and the (shared) network; pickled empty."""
 
     def __deepcopy__(self, memo: dict) -> _SharedValueCache:
         return self
@@ -41,27 +36,17 @@ class _SharedValueCache(ValueCache):
         return (type(self), (self.size,))
 
 
-def _stack(pieces: list[torch.Tensor]) -> torch.Tensor:
-    """``torch.stack``, without copying a single piece (a Gram can be most of the memory in use)."""
-    return pieces[0].unsqueeze(0) if len(pieces) == 1 else torch.stack(pieces)
-
-
-def _check_int(value: object, argument: str, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{argument} must be an integer >= {minimum}, got {value!r}")
-    return value
-
-
 class NTKKernel(Kernel):
     r"""The empirical NTK of a network at its current weights, :math:`K(x,x') = J(x) P_0^{-1} J(x')^\top`.
 
     .. math::
         K(x, x') = \sum_g \delta_g^{-1} J_g(x) J_g(x')^\top \in \mathbb{R}^{C \times C},
 
-    where :math:`J_g(x) = \partial f(x;\theta)/\partial\theta_g` at :math:`\theta^*` and :math:`\delta_g` is the
-    prior precision of parameter group :math:`g` (``docs/math.md``, "Empirical NTK"). For inputs ``(N1, D)``
-    and ``(N2, D)`` the kernel is a ``(N1·C, N2·C)`` operator in GPyTorch's interleaved multi-output order
-    (row ``n·C + c``), so it plugs into ``MultitaskMultivariateNormal(..., interleaved=True)`` models;
+    where :math:`J_g(x) = \partial f(x;\theta)/\partial\theta_g` at :math:`\theta^*` and :math:`\delta_g` is
+    the prior precision of parameter group :math:`g` (``docs/math.md``, "Empirical NTK"). For inputs
+    ``(N1, D)`` and ``(N2, D)`` the kernel is a ``(N1·C, N2·C)`` operator in GPyTorch's interleaved
+    multi-output order (row ``n·C + c``), so it plugs into ``MultitaskMultivariateNormal(...,
+    interleaved=True)`` models;
     ``num_outputs_per_input`` is ``C``.
 
     **Shapes.** Inputs ``(*batch, N, D)`` follow GPyTorch's broadcasting rules: ``x1`` of batch shape ``b1``,
@@ -75,12 +60,12 @@ class NTKKernel(Kernel):
 
     **Space** (``space=``, the rule of :func:`ntkgp.options.choose_space`): weight space when ``P < N·C``:
     a :class:`~linear_operator.operators.LowRankRootLinearOperator` with root :math:`J P_0^{-1/2}` (or, for
-    ``x1 ≠ x2``, a :class:`~linear_operator.operators.MatmulLinearOperator` :math:`(J_1 P_0^{-1}) J_2^\top`), so
-    that solves and log-determinants after adding noise use Woodbury and the determinant lemma; function
+    ``x1 ≠ x2``, a :class:`~linear_operator.operators.MatmulLinearOperator` :math:`(J_1 P_0^{-1}) J_2^\top`),
+    so that solves and log-determinants after adding noise use Woodbury and the determinant lemma; function
     space otherwise: a :class:`~linear_operator.operators.DenseLinearOperator` of the Gram. The per-group
     pieces (``J`` or the per-group Grams ``J_g J_g^\top``) are cached for the last ``cache_size`` inputs
     (compared by value, together with the network's weights and buffers: any change of the network, by an
-    optimiser, ``.data`` or ``load_state_dict``, is seen) and re-weighted when only :math:`\delta` changes: no
+    optimizer, ``.data`` or ``load_state_dict``, is seen) and re-weighted when only :math:`\delta` changes: no
     new Jacobians, while gradients w.r.t. :math:`\delta` flow through the re-weighting.
 
     **Input gradients.** When ``x1`` or ``x2`` requires grad, nothing is served from or stored in the cache
@@ -107,10 +92,10 @@ class NTKKernel(Kernel):
         space: ``"auto"``, ``"function"`` or ``"weight"`` (see above; ``representation="dense"|"root"`` is the
             deprecated spelling of ``"function"|"weight"``).
         prior_precision_prior: an optional GPyTorch prior on :math:`\delta`.
-        prior_precision_constraint: constraint on :math:`\delta`. The default is ``Positive`` with an exponential
-            transform, i.e. :math:`\log\delta` is the raw parameter: prior precisions span orders of magnitude and
-            an optimiser step then changes :math:`\delta` by a factor, from 1e-3 as from 1e3 (GPyTorch's softplus
-            default would move a large :math:`\delta` by only about the step size).
+        prior_precision_constraint: constraint on :math:`\delta`. The default is ``Positive`` with an
+            exponential transform, i.e. :math:`\log\delta` is the raw parameter: prior precisions span orders
+            of magnitude and an optimizer step then changes :math:`\delta` by a factor, from 1e-3 as from 1e3
+            (GPyTorch's softplus default would move a large :math:`\delta` by only about the step size).
         cache_size: how many inputs (or input pairs) to keep pieces for (0 disables the cache).
         progress: show progress bars over chunks.
         batch_shape: GPyTorch's kernel batch shape (one :math:`\delta` vector per batch element).
@@ -149,72 +134,47 @@ class NTKKernel(Kernel):
         **kwargs,
     ) -> None:
         # ---- validate everything before anything is built
-        prior_structure = renamed_argument(kwargs, "groups", "prior_structure", prior_structure, "layer")
-        if "representation" in kwargs:
-            representation = kwargs.pop("representation")
-            if space != "auto":
-                raise TypeError("pass space= only; representation= is its deprecated name")
-            if representation not in _REPRESENTATION_TO_SPACE:
-                raise ValueError(f"representation must be one of 'auto', 'dense', 'root', got {representation!r}")
-            import warnings
-
-            space = _REPRESENTATION_TO_SPACE[representation]
-            warnings.warn(
-                f"representation= is deprecated; use space={space!r} ('dense' is 'function', 'root' is 'weight')",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-        unknown = sorted(k for k in kwargs if k not in _KERNEL_KWARGS)
-        if unknown:
-            raise TypeError(f"NTKKernel got unexpected keyword arguments {unknown}")
-        space = choose(Space, space, "space")
-        strategy = choose(Strategy, strategy, "strategy")
-        if not isinstance(prior_structure, Mapping):
-            prior_structure = choose(PriorStructure, prior_structure, "prior_structure").value
-        chunk_size = _check_int(chunk_size, "chunk_size", 1)
-        cache_size = _check_int(cache_size, "cache_size", 0)
-        if not isinstance(progress, bool):
-            raise TypeError(f"progress must be a bool, got {progress!r}")
-        if input_shape is not None:
-            if isinstance(input_shape, int):
-                input_shape = (input_shape,)
-            if not isinstance(input_shape, (tuple, list, torch.Size)) or not input_shape:
-                raise ValueError(f"input_shape must be a non-empty tuple of positive integers, got {input_shape!r}")
-            for s in input_shape:
-                _check_int(s, "input_shape", 1)
-            input_shape = tuple(input_shape)
-        batch_shape = kwargs.get("batch_shape", torch.Size([]))
-        if not isinstance(batch_shape, (tuple, list, torch.Size)) or any(
-            isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in batch_shape
-        ):
-            raise ValueError(f"batch_shape must be a tuple of positive integers, got {batch_shape!r}")
-        batch_shape = torch.Size(batch_shape)
-        if prior_precision_prior is not None and not isinstance(prior_precision_prior, Prior):
-            raise TypeError(f"prior_precision_prior must be a gpytorch Prior, got {type(prior_precision_prior).__name__}")
-        if prior_precision_constraint is not None and not isinstance(prior_precision_constraint, Interval):
-            raise TypeError(
-                f"prior_precision_constraint must be a gpytorch constraint, got {type(prior_precision_constraint).__name__}"
-            )
-        constraint = prior_precision_constraint or Positive(transform=torch.exp, inv_transform=torch.log)
-        engine = NTKEngine(
-            net, prior_structure, chunk_size=chunk_size, strategy=strategy.value, input_shape=input_shape, progress=progress
+        args = kernel_arguments(
+            prior_structure,
+            input_shape,
+            chunk_size,
+            strategy,
+            space,
+            prior_precision_prior,
+            prior_precision_constraint,
+            cache_size,
+            progress,
+            kwargs,
         )
-        init = self._validated_prior_precision(
-            prior_precision, engine, batch_shape, engine.dtype, engine.device, constraint, "prior_precision"
+        engine = NTKEngine(
+            net,
+            args.prior_structure,
+            chunk_size=args.chunk_size,
+            strategy=args.strategy.value,
+            input_shape=args.input_shape,
+            progress=args.progress,
+        )
+        init = prior_precision_tensor(
+            prior_precision,
+            engine.groups.group_names,
+            args.batch_shape,
+            engine.dtype,
+            engine.device,
+            args.constraint,
         )
 
         # ---- build
         super().__init__(**kwargs)
         self.engine = engine
-        self.space = space
-        self.prior_structure = prior_structure
-        self._cache = _SharedValueCache(cache_size)
+        self.space = args.space
+        self.prior_structure = args.prior_structure
+        self._cache = _SharedValueCache(args.cache_size)
         self.register_parameter("raw_prior_precision", nn.Parameter(torch.zeros_like(init)))
-        self.register_constraint("raw_prior_precision", constraint)
-        if prior_precision_prior is not None:
+        self.register_constraint("raw_prior_precision", args.constraint)
+        if args.prior_precision_prior is not None:
             self.register_prior(
                 "prior_precision_prior",
-                prior_precision_prior,
+                args.prior_precision_prior,
                 lambda m: m.prior_precision,
                 lambda m, v: m._set_prior_precision(v),
             )
@@ -233,44 +193,13 @@ class NTKKernel(Kernel):
     def _set_prior_precision(self, value: float | torch.Tensor) -> None:
         raw = self.raw_prior_precision
         constraint = self.raw_prior_precision_constraint
-        value = self._validated_prior_precision(value, self.engine, self.batch_shape, raw.dtype, raw.device, constraint)
+        value = prior_precision_tensor(
+            value, self.group_names, self.batch_shape, raw.dtype, raw.device, constraint
+        )
         self.initialize(raw_prior_precision=constraint.inverse_transform(value))
 
-    @staticmethod
-    def _validated_prior_precision(
-        value: object,
-        engine: NTKEngine,
-        batch_shape: torch.Size,
-        dtype: torch.dtype,
-        device: torch.device,
-        constraint: Interval,
-        argument: str = "prior_precision",
-    ) -> torch.Tensor:
-        """``value`` as a ``(*batch_shape, G)`` tensor, or an error naming ``argument`` (the constructor and setter)."""
-        groups = engine.num_groups
-        if isinstance(value, bool) or (isinstance(value, torch.Tensor) and (value.dtype == torch.bool or value.is_complex())):
-            raise TypeError(f"{argument} must be a float or a real tensor, got {value!r}")
-        try:
-            tensor = torch.as_tensor(value.detach() if isinstance(value, torch.Tensor) else value, dtype=dtype, device=device)
-        except (TypeError, ValueError, RuntimeError) as error:
-            raise TypeError(f"{argument} must be a float or a real tensor, got {value!r}") from error
-        expected = torch.Size([*batch_shape, groups])
-        if tensor.dim() == 0 or tensor.shape == (groups,):
-            tensor = tensor.expand(expected)
-        elif tensor.shape != expected:
-            batched = f", or shape {tuple(expected)}" if batch_shape else ""
-            raise ValueError(
-                f"{argument} must be a float or have one value per group ({groups}: "
-                f"{list(engine.groups.group_names)}){batched}, got shape {tuple(tensor.shape)}"
-            )
-        if not (torch.isfinite(tensor).all() and (tensor > 0).all()):
-            raise ValueError(f"{argument} must be positive and finite, got {tensor.tolist()}")
-        if not constraint.check(tensor) or not torch.isfinite(constraint.inverse_transform(tensor)).all():
-            raise ValueError(f"{argument} must lie inside its constraint {constraint}, got {tensor.tolist()}")
-        return tensor.clone()
-
     def column_weights(self, power: float) -> torch.Tensor:
-        r""":math:`\delta_g^{\text{power}}` for every Jacobian column (in parameter order), shape ``(*batch_shape, P)``.
+        r""":math:`\delta_g^{\text{power}}` per Jacobian column (parameter order), ``(*batch_shape, P)``.
 
         Args:
             power: the exponent, e.g. ``-1`` for the prior covariance :math:`P_0^{-1}`, ``-0.5`` for its root.
@@ -304,7 +233,7 @@ class NTKKernel(Kernel):
         return self.engine.num_outputs(None)
 
     def is_square(self, x1: torch.Tensor, x2: torch.Tensor) -> bool:
-        """Whether ``K(x1, x2)`` is a symmetric Gram: ``x2`` is ``x1`` or, when neither needs a graph, equal to it."""
+        """Whether ``K(x1, x2)`` is a symmetric Gram: ``x2`` is ``x1``, or equal to it (no graph needed)."""
         if x1 is x2:
             return True
         if tracks_grad(x1) or tracks_grad(x2) or x1.shape != x2.shape:
@@ -325,7 +254,7 @@ class NTKKernel(Kernel):
         return self._cache.get_or_compute(kind, xs, compute, state=self._network_state())
 
     def group_grams(self, x1: torch.Tensor, x2: torch.Tensor | None = None) -> torch.Tensor:
-        """Cached per-group Grams ``J_g(x1) J_g(x2)ᵀ`` for inputs ``(N, D)``: shape ``(G, N1·C, N2·C)``, network dtype."""
+        """Cached per-group Grams ``J_g(x1) J_g(x2)ᵀ`` of ``(N, D)`` inputs: ``(G, N1·C, N2·C)``."""
         return self._piece("grams", x1) if x2 is None else self._piece("grams", x1, x2)
 
     def jacobian(self, x: torch.Tensor) -> torch.Tensor:
@@ -333,7 +262,7 @@ class NTKKernel(Kernel):
         return self._piece("jacobian", x)
 
     def point_blocks(self, x: torch.Tensor) -> torch.Tensor:
-        """The per-point ``C×C`` blocks :math:`\\sum_g \\delta_g^{-1} J_g(x_n) J_g(x_n)^\\top`, without the Gram.
+        """Per-point ``C×C`` blocks :math:`\\sum_g \\delta_g^{-1} J_g(x_n) J_g(x_n)^\\top` (no Gram formed).
 
         Args:
             x: inputs ``(*batch, N, D)`` (flat or with trailing ``input_shape``).
@@ -366,7 +295,12 @@ class NTKKernel(Kernel):
         if not x.is_floating_point():
             raise TypeError(f"{argument} must be a floating-point tensor, got dtype {x.dtype}")
         shape = self.engine.input_shape
-        if shape is not None and len(shape) > 1 and x.dim() > len(shape) and tuple(x.shape[-len(shape) :]) == shape:
+        if (
+            shape is not None
+            and len(shape) > 1
+            and x.dim() > len(shape)
+            and tuple(x.shape[-len(shape) :]) == shape
+        ):
             x = x.flatten(-len(shape))
         if x.dim() == 0:
             raise ValueError(f"{argument} must have shape (*batch, N, D), got a scalar")
@@ -380,7 +314,12 @@ class NTKKernel(Kernel):
         return x
 
     def __call__(
-        self, x1: torch.Tensor, x2: torch.Tensor | None = None, diag: bool = False, last_dim_is_batch: bool = False, **params
+        self,
+        x1: torch.Tensor,
+        x2: torch.Tensor | None = None,
+        diag: bool = False,
+        last_dim_is_batch: bool = False,
+        **params,
     ):
         if last_dim_is_batch:
             raise NotImplementedError("NTKKernel does not support last_dim_is_batch=True")
@@ -394,7 +333,12 @@ class NTKKernel(Kernel):
 
     # ------------------------------------------------------------------ GPyTorch interface
     def forward(
-        self, x1: torch.Tensor, x2: torch.Tensor, diag: bool = False, last_dim_is_batch: bool = False, **params
+        self,
+        x1: torch.Tensor,
+        x2: torch.Tensor,
+        diag: bool = False,
+        last_dim_is_batch: bool = False,
+        **params,
     ) -> torch.Tensor | LinearOperator:
         if last_dim_is_batch:
             raise NotImplementedError("NTKKernel does not support last_dim_is_batch=True")
@@ -402,7 +346,8 @@ class NTKKernel(Kernel):
             batch = torch.broadcast_shapes(x1.shape[:-2], x2.shape[:-2], self.batch_shape)
         except RuntimeError:
             raise ValueError(
-                f"x1 {tuple(x1.shape)} and x2 {tuple(x2.shape)} do not broadcast with the kernel's batch_shape "
+                f"x1 {tuple(x1.shape)} and x2 {tuple(x2.shape)} do not broadcast with the kernel's "
+                "batch_shape "
                 f"{tuple(self.batch_shape)}"
             ) from None
         square = self.is_square(x1, x2)
@@ -412,7 +357,9 @@ class NTKKernel(Kernel):
         c = self.num_outputs_per_input(x1, x2)
         ref = self.raw_prior_precision
         if n1 == 0 or n2 == 0:
-            return DenseLinearOperator(torch.zeros(*batch, n1 * c, n2 * c, dtype=ref.dtype, device=ref.device))
+            return DenseLinearOperator(
+                torch.zeros(*batch, n1 * c, n2 * c, dtype=ref.dtype, device=ref.device)
+            )
         s1 = distinct_slices(x1)
         s2 = s1 if square else distinct_slices(x2)
         rows = n1 * c if square else min(n1, n2) * c
@@ -423,8 +370,10 @@ class NTKKernel(Kernel):
                 return LowRankRootLinearOperator(root.expand(*batch, *root.shape[-2:]))
             left = j1 * self.column_weights(-1.0).unsqueeze(-2)
             right = self._jacobians(s2, c)
-            return MatmulLinearOperator(left.expand(*batch, *left.shape[-2:]), right.expand(*batch, *right.shape[-2:]).mT)
-        grams, pair_index = self._pair_grams(s1, s2, square, c)
+            return MatmulLinearOperator(
+                left.expand(*batch, *left.shape[-2:]), right.expand(*batch, *right.shape[-2:]).mT
+            )
+        grams, pair_index = pair_grams(self._grams, s1, s2, square, c * c * self.engine.num_groups)
         w = self.prior_precision.reciprocal()
         grams = grams.to(w)
         if w.dim() == 1:
@@ -433,72 +382,18 @@ class NTKKernel(Kernel):
             gram = torch.einsum("...g,...gij->...ij", w, gather(grams, pair_index))
         return DenseLinearOperator(gram.expand(*batch, n1 * c, n2 * c))
 
+    def _grams(self, *xs: torch.Tensor) -> torch.Tensor:
+        return self._piece("grams", *xs)
+
     def _jacobians(self, slices: Slices, c: int) -> torch.Tensor:
-        """``J`` of every batch element, ``(*batch, N·C, P)`` in the kernel's dtype (computed once per distinct slice)."""
+        """``J`` of every batch element, ``(*batch, N·C, P)``, kernel dtype (once per distinct slice)."""
         ref = self.raw_prior_precision
         u, n = slices.values.shape[:2]
         j = self._piece("jacobian", slices.rows).view(u, n * c, -1).to(dtype=ref.dtype, device=ref.device)
         return gather(j, slices.index)
 
-    def _pair_grams(self, s1: Slices, s2: Slices, square: bool, c: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-group Grams of each distinct pair of slices, ``(pairs, G, N1·C, N2·C)``, and each batch element's pair.
-
-        Two ways to batch the engine calls, whichever makes fewer: group the pairs by the side with fewer
-        distinct slices (one call per slice of that side against all its partners stacked: nothing
-        computed in vain), or stack ``k`` pairs on both sides and keep the diagonal blocks of one Gram
-        (``k`` times the work, bounded by ``_UNION_ENTRIES`` entries per call; many small slices, such as
-        BoTorch's ``(b, q, d)`` candidates, then cost one call instead of ``b``).
-        """
-        if square:
-            pairs, pair_index = [(u, u) for u in range(s1.values.shape[0])], s1.index
-        else:
-            batch = torch.broadcast_shapes(s1.index.shape, s2.index.shape)
-            pairs, pair_index = slice_pairs(s1.index, s2.index, batch)
-        n1, n2 = s1.values.shape[1], s2.values.shape[1]
-        side, groups = group_pairs(pairs)
-        per_pair = self.engine.num_groups * n1 * c * n2 * c
-        k = max(1, math.isqrt(_UNION_ENTRIES // per_pair))
-        if -(-len(pairs) // k) < len(groups):
-            return _stack(self._stacked_pair_grams(pairs, s1, s2, square, k, c)), pair_index
-        d = s1.values.shape[-1]
-        found: dict[tuple[int, int], torch.Tensor] = {}
-        for fixed, partners in groups.items():
-            if square:  # (u, u): the symmetric Gram of one slice
-                found[(fixed, fixed)] = self._piece("grams", s1.values[fixed])
-            elif side == 2:
-                stacked = s1.values[partners].reshape(-1, d)
-                g = self._piece("grams", stacked, s2.values[fixed])  # (G, k·N1·C, N2·C)
-                g = g.view(g.shape[0], len(partners), n1 * c, n2 * c)
-                for i, partner in enumerate(partners):
-                    found[(partner, fixed)] = g[:, i]
-            else:
-                stacked = s2.values[partners].reshape(-1, d)
-                g = self._piece("grams", s1.values[fixed], stacked)  # (G, N1·C, k·N2·C)
-                g = g.view(g.shape[0], n1 * c, len(partners), n2 * c)
-                for i, partner in enumerate(partners):
-                    found[(fixed, partner)] = g[:, :, i]
-        return _stack([found[p] for p in pairs]), pair_index
-
-    def _stacked_pair_grams(
-        self, pairs: list[tuple[int, int]], s1: Slices, s2: Slices, square: bool, k: int, c: int
-    ) -> list[torch.Tensor]:
-        """The pairs' Grams as diagonal blocks of Grams of ``k`` stacked pairs at a time."""
-        n1, n2 = s1.values.shape[1], s2.values.shape[1]
-        d = s1.values.shape[-1]
-        out: list[torch.Tensor] = []
-        for start in range(0, len(pairs), k):
-            chunk = pairs[start : start + k]
-            rows1 = s1.values[[a for a, _ in chunk]].reshape(-1, d)
-            if square:
-                g = self._piece("grams", rows1)
-            else:
-                g = self._piece("grams", rows1, s2.values[[b for _, b in chunk]].reshape(-1, d))
-            g = g.view(g.shape[0], len(chunk), n1 * c, len(chunk), n2 * c).diagonal(dim1=1, dim2=3)
-            out.extend(g.movedim(-1, 0).unbind(0))  # each (G, N1·C, N2·C)
-        return out
-
     def _diagonal(self, x1: torch.Tensor, x2: torch.Tensor, square: bool, batch: torch.Size) -> torch.Tensor:
-        """``diag K(x1, x2)``, shape ``(*batch, N·C)``: per-point blocks when square, else chunks of the Gram."""
+        """``diag K(x1, x2)``, ``(*batch, N·C)``: per-point blocks when square, else chunks of the Gram."""
         n1, n2 = x1.shape[-2], x2.shape[-2]
         if n1 != n2:
             raise ValueError(f"diag=True needs x1 and x2 with the same number of points, got {n1} and {n2}")
@@ -507,7 +402,9 @@ class NTKKernel(Kernel):
             return blocks.diagonal(dim1=-2, dim2=-1).reshape(*blocks.shape[:-3], -1).expand(*batch, -1)
         step = self.engine.chunk_size
         parts = [
-            self.forward(x1[..., s : s + step, :], x2[..., s : s + step, :]).to_dense().diagonal(dim1=-2, dim2=-1)
+            self.forward(x1[..., s : s + step, :], x2[..., s : s + step, :])
+            .to_dense()
+            .diagonal(dim1=-2, dim2=-1)
             for s in range(0, n1, step)
         ]
         return torch.cat(parts, dim=-1).expand(*batch, -1)

@@ -1,4 +1,4 @@
-"""NTKKernel on batched inputs, against brute-force Grams slice by slice; lazy indexing, pickling, dtype, device."""
+"""NTKKernel on batches vs brute-force Grams slice by slice; lazy indexing, pickling, dtype, device."""
 
 import copy
 import pickle
@@ -22,7 +22,7 @@ def labels_of(net, prior_structure="layer"):
 
 
 def brute_batched(net, x1, x2, delta):
-    """Slice-by-slice brute-force Grams over the broadcast batch of ``x1 (*b1, N1, D)`` and ``x2 (*b2, N2, D)``."""
+    """Brute-force Grams per slice of the broadcast batch of ``x1 (*b1, N1, D)``, ``x2 (*b2, N2, D)``."""
     batch = torch.broadcast_shapes(x1.shape[:-2], x2.shape[:-2], delta.shape[:-1])
     x1 = x1.expand(*batch, *x1.shape[-2:]).reshape(-1, *x1.shape[-2:])
     x2 = x2.expand(*batch, *x2.shape[-2:]).reshape(-1, *x2.shape[-2:])
@@ -62,7 +62,10 @@ def test_batched_inputs_match_brute_force(c, space):
     assert rel_err(k12.to_dense(), brute_batched(net, x1, x2, delta)) < 1e-10
     # diag of a cross-covariance with equal numbers of points
     x3 = torch.randn(3, 4, 3, dtype=D64)
-    assert rel_err(kernel(x1, x3, diag=True), brute_batched(net, x1, x3, delta).diagonal(dim1=-2, dim2=-1)) < 1e-10
+    assert (
+        rel_err(kernel(x1, x3, diag=True), brute_batched(net, x1, x3, delta).diagonal(dim1=-2, dim2=-1))
+        < 1e-10
+    )
 
 
 @pytest.mark.parametrize("space", ["function", "weight"])
@@ -70,12 +73,18 @@ def test_kernel_batch_shape_gives_one_delta_per_batch_element(space):
     net = mlp(d_out=2)
     delta = torch.tensor([[0.5, 2.0, 3.0], [4.0, 0.25, 1.0]], dtype=D64)
     kernel = NTKKernel(net, prior_precision=delta, batch_shape=torch.Size([2]), space=space)
-    assert kernel.prior_precision.shape == (2, 3) and kernel.column_weights(-1.0).shape == (2, net_params(net))
+    assert kernel.prior_precision.shape == (2, 3) and kernel.column_weights(-1.0).shape == (
+        2,
+        net_params(net),
+    )
     x = torch.randn(6, 3, dtype=D64)  # no batch: broadcast against the kernel's
     assert rel_err(kernel(x).to_dense(), brute_batched(net, x, x, delta)) < 1e-10
     assert rel_err(kernel(x, diag=True), brute_batched(net, x, x, delta).diagonal(dim1=-2, dim2=-1)) < 1e-10
     sub = kernel[1]
-    assert sub.batch_shape == torch.Size([]) and rel_err(sub(x).to_dense(), brute_gram(net, x, x, delta[1], labels_of(net))) < 1e-10
+    assert (
+        sub.batch_shape == torch.Size([])
+        and rel_err(sub(x).to_dense(), brute_gram(net, x, x, delta[1], labels_of(net))) < 1e-10
+    )
     wide = kernel.expand_batch(3, 2)
     xb = torch.randn(3, 2, 5, 3, dtype=D64)
     assert rel_err(wide(xb).to_dense(), brute_batched(net, xb, xb, delta.expand(3, 2, 3))) < 1e-10
@@ -95,7 +104,9 @@ def test_identical_slices_are_computed_once():
         repeated = kernel(train.repeat(5, 1, 1)).to_dense()  # real copies, equal by value
     assert len(calls) == 2 and calls[0] == [torch.Size([7, 3])]
     ref = brute_gram(net, train, train, torch.ones(3, dtype=D64), labels_of(net))
-    assert rel_err(expanded, ref.expand(5, 14, 14)) < 1e-10 and rel_err(repeated, ref.expand(5, 14, 14)) < 1e-10
+    assert (
+        rel_err(expanded, ref.expand(5, 14, 14)) < 1e-10 and rel_err(repeated, ref.expand(5, 14, 14)) < 1e-10
+    )
     # test points against the training inputs broadcast over their batch: one call for the whole batch
     with grams:
         calls.clear()
@@ -116,7 +127,9 @@ def test_getitem_on_lazy_results(space):
     dense = brute_batched(net, x, x, torch.ones(3, dtype=D64))
     lazy = kernel(x)
     assert rel_err(lazy[1].to_dense(), dense[1]) < 1e-10
-    assert rel_err(lazy[..., 2:6, 4:12].to_dense(), dense[..., 2:6, 4:12]) < 1e-10  # whole points: re-evaluated
+    assert (
+        rel_err(lazy[..., 2:6, 4:12].to_dense(), dense[..., 2:6, 4:12]) < 1e-10
+    )  # whole points: re-evaluated
     assert rel_err(lazy[..., 1:6, 3:12].to_dense(), dense[..., 1:6, 3:12]) < 1e-10  # split points
     rows, cols = torch.tensor([0, 3, 5, 15]), torch.tensor([1, 2, 14, 15])
     assert rel_err(lazy[..., rows, cols], dense[..., rows, cols]) < 1e-10
@@ -126,13 +139,16 @@ def test_getitem_on_lazy_results(space):
 
 
 def test_per_point_blocks_are_read_without_the_gram():
-    """``SoftmaxLikelihood(link_approx="mc")`` reads each point's C×C block of a plain GPyTorch model's lazy covariance."""
+    """``SoftmaxLikelihood(link_approx="mc")`` reads each point's C×C block of a plain GPyTorch model's lazy
+    covariance."""
     net = mlp(d_out=3)
     x = torch.randn(9, 3, dtype=D64)
 
     class GP(gpytorch.models.ExactGP):
         def __init__(self):
-            super().__init__(x, torch.zeros(9, 3, dtype=D64), gpytorch.likelihoods.MultitaskGaussianLikelihood(3))
+            super().__init__(
+                x, torch.zeros(9, 3, dtype=D64), gpytorch.likelihoods.MultitaskGaussianLikelihood(3)
+            )
             self.covar_module = NTKKernel(net, prior_precision=torch.tensor([0.5, 2.0, 3.0], dtype=D64))
 
         def forward(self, inputs):
@@ -147,7 +163,9 @@ def test_per_point_blocks_are_read_without_the_gram():
     blocks_ref = dense.view(6, 3, 6, 3).diagonal(dim1=0, dim2=2).permute(2, 0, 1)
     grams, calls = counting("group_grams")
     with grams:
-        probs = SoftmaxLikelihood(3)(prior, link_approx="mc", num_samples=20000, generator=torch.Generator().manual_seed(0)).probs
+        probs = SoftmaxLikelihood(3)(
+            prior, link_approx="mc", num_samples=20000, generator=torch.Generator().manual_seed(0)
+        ).probs
         from ntkgp.likelihoods.link_approximation import output_covariance_blocks
 
         blocks = output_covariance_blocks(prior)
@@ -228,7 +246,10 @@ def test_last_dim_is_batch_and_incompatible_batches_raise():
     x = torch.randn(4, 3, dtype=D64)
     with pytest.raises(NotImplementedError, match="last_dim_is_batch"):
         kernel(x, last_dim_is_batch=True)
-    with gpytorch.settings.lazily_evaluate_kernels(False), pytest.raises(ValueError, match="do not broadcast"):
+    with (
+        gpytorch.settings.lazily_evaluate_kernels(False),
+        pytest.raises(ValueError, match="do not broadcast"),
+    ):
         kernel(torch.randn(2, 4, 3, dtype=D64), torch.randn(3, 4, 3, dtype=D64))
     with pytest.raises(ValueError, match="same number of points"):
         kernel(x, torch.randn(5, 3, dtype=D64), diag=True)
@@ -239,14 +260,20 @@ def plain_exact_gp(net, x, y, c):
 
     class GP(gpytorch.models.ExactGP):
         def __init__(self):
-            likelihood = gpytorch.likelihoods.GaussianLikelihood() if c == 1 else gpytorch.likelihoods.MultitaskGaussianLikelihood(c, rank=0)
+            likelihood = (
+                gpytorch.likelihoods.GaussianLikelihood()
+                if c == 1
+                else gpytorch.likelihoods.MultitaskGaussianLikelihood(c, rank=0)
+            )
             super().__init__(x, y, likelihood)
             self.covar_module = NTKKernel(net, prior_precision=torch.tensor([0.5, 2.0, 3.0], dtype=D64))
 
         def forward(self, z):
             covar = self.covar_module(z)
             if c == 1:
-                return gpytorch.distributions.MultivariateNormal(torch.zeros(z.shape[:-1], dtype=z.dtype), covar)
+                return gpytorch.distributions.MultivariateNormal(
+                    torch.zeros(z.shape[:-1], dtype=z.dtype), covar
+                )
             mean = torch.zeros(*z.shape[:-1], c, dtype=z.dtype)
             return gpytorch.distributions.MultitaskMultivariateNormal(mean, covar)
 
@@ -255,7 +282,7 @@ def plain_exact_gp(net, x, y, c):
 
 @pytest.mark.parametrize("c", [1, 3])
 def test_batched_prediction_in_a_plain_exact_gp(c):
-    """GPyTorch's exact prediction with test inputs ``(b, q, d)`` (as BoTorch sends them) equals one call per batch."""
+    """GPyTorch's exact prediction on ``(b, q, d)`` test inputs (BoTorch's shape) = one call per batch."""
     net = mlp(d_out=c)
     x, y = torch.randn(12, 3, dtype=D64), torch.randn(12, c, dtype=D64).squeeze(-1)
     model = plain_exact_gp(net, x, y, c)
@@ -274,9 +301,11 @@ def test_batched_prediction_in_a_plain_exact_gp(c):
 
 @pytest.mark.parametrize("space", ["function", "weight"])
 def test_many_small_distinct_slices_take_one_engine_call(space):
-    """A batch of distinct candidates ``(b, q, d)`` (BoTorch's shape): one engine call, not one per candidate."""
+    """Distinct candidates ``(b, q, d)`` (BoTorch's shape): one engine call, not one per candidate."""
     net = mlp(d_out=2)
-    kernel = NTKKernel(net, cache_size=0, space=space, prior_precision=torch.tensor([0.5, 2.0, 3.0], dtype=D64))
+    kernel = NTKKernel(
+        net, cache_size=0, space=space, prior_precision=torch.tensor([0.5, 2.0, 3.0], dtype=D64)
+    )
     x, other = torch.randn(64, 2, 3, dtype=D64), torch.randn(64, 2, 3, dtype=D64)
     method = "group_grams" if space == "function" else "jacobian"
     patch, calls = counting(method)

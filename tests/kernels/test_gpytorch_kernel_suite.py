@@ -15,7 +15,7 @@ from ntkgp import NTKKernel
 
 
 class SummaryFeatures(nn.Module):
-    """Maps ``(N, D)`` to ``(N, 3)`` for any ``D``: the suite feeds the same kernel 2, 4, 6 and 10 input dimensions."""
+    """Maps ``(N, D)`` to ``(N, 3)`` for any ``D`` (the suite feeds one kernel 2, 4, 6 and 10 dimensions)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.stack([x.mean(-1), x.square().mean(-1), torch.sin(x).mean(-1)], dim=-1)

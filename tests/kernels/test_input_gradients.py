@@ -41,7 +41,11 @@ def test_kernel_input_gradients_match_finite_differences(make, strategy, space):
     torch.manual_seed(1)
     net, input_shape, x = make()
     kernel = NTKKernel(
-        net, prior_precision=torch.tensor([0.5, 2.0, 3.0], dtype=D64), input_shape=input_shape, strategy=strategy, space=space
+        net,
+        prior_precision=torch.tensor([0.5, 2.0, 3.0], dtype=D64),
+        input_shape=input_shape,
+        strategy=strategy,
+        space=space,
     )
     x2 = torch.randn_like(x)
     kernel(x).to_dense()  # fill the cache with a no-grad result: it must not be served below

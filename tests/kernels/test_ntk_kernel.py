@@ -1,4 +1,4 @@
-"""NTKKernel against brute-force J P0⁻¹ Jᵀ, and its GPyTorch behaviour."""
+"""NTKKernel against brute-force J P0⁻¹ Jᵀ, and its GPyTorch behavior."""
 
 from unittest import mock
 
@@ -38,7 +38,9 @@ def test_kernel_matches_brute_force(c, space):
 def test_cnn_with_batchnorm_and_images():
     net = small_cnn(c_out=2)
     x = torch.randn(6, 1, 6, 6, dtype=torch.float64)
-    kernel = NTKKernel(net, prior_precision=torch.linspace(0.5, 2.0, 3, dtype=torch.float64), input_shape=(1, 6, 6))
+    kernel = NTKKernel(
+        net, prior_precision=torch.linspace(0.5, 2.0, 3, dtype=torch.float64), input_shape=(1, 6, 6)
+    )
     delta = kernel.prior_precision.detach()
     k = kernel(x.flatten(1)).to_dense()
     assert rel_err(k, brute_gram(net, x, x, delta, labels_of(net))) < 1e-10
@@ -67,9 +69,11 @@ def test_reweighting_equals_recomputation_without_new_jacobians(space):
     new_delta = torch.tensor([0.3, 4.0, 1.5], dtype=torch.float64)
     kernel.prior_precision = new_delta
     recomputed = AssertionError("recomputed")
-    with mock.patch.object(NTKEngine, "group_grams", side_effect=recomputed), mock.patch.object(
-        NTKEngine, "jacobian", side_effect=recomputed
-    ), mock.patch.object(NTKEngine, "diag_blocks", side_effect=recomputed):
+    with (
+        mock.patch.object(NTKEngine, "group_grams", side_effect=recomputed),
+        mock.patch.object(NTKEngine, "jacobian", side_effect=recomputed),
+        mock.patch.object(NTKEngine, "diag_blocks", side_effect=recomputed),
+    ):
         reweighted = kernel(x).to_dense()
         diagonal = kernel(x, diag=True)
     fresh = NTKKernel(net, prior_precision=new_delta, space=space)(x).to_dense()
@@ -137,7 +141,9 @@ def test_kernel_in_a_multitask_gp():
 
         def forward(self, inputs):
             covar = self.covar_module(inputs)
-            return gpytorch.distributions.MultitaskMultivariateNormal(torch.zeros(inputs.shape[0], 2, dtype=inputs.dtype), covar)
+            return gpytorch.distributions.MultitaskMultivariateNormal(
+                torch.zeros(inputs.shape[0], 2, dtype=inputs.dtype), covar
+            )
 
     likelihood = gpytorch.likelihoods.MultitaskGaussianLikelihood(num_tasks=2, rank=0).double()
     model = GP(likelihood).double()

@@ -1,4 +1,4 @@
-"""NTKKernel's arguments: validation before any side effect, the prior-precision setter, deprecated names, caching."""
+"""NTKKernel's arguments: validation before any side effect, prior-precision setter, old names, caching."""
 
 import warnings
 from unittest import mock
@@ -51,7 +51,9 @@ def test_setter_respects_the_constraint_and_accepts_good_values():
     kernel.prior_precision = [0.2, 3.0, 9.0]
     assert torch.allclose(kernel.prior_precision, torch.tensor([0.2, 3.0, 9.0], dtype=D64))
     kernel.prior_precision = torch.tensor(2.0)  # a scalar of another dtype
-    assert kernel.prior_precision.dtype == D64 and torch.allclose(kernel.prior_precision, torch.full((3,), 2.0, dtype=D64))
+    assert kernel.prior_precision.dtype == D64 and torch.allclose(
+        kernel.prior_precision, torch.full((3,), 2.0, dtype=D64)
+    )
 
 
 @pytest.mark.parametrize(
@@ -76,7 +78,10 @@ def test_setter_respects_the_constraint_and_accepts_good_values():
 def test_constructor_rejects_bad_arguments_before_building_anything(kwargs, error, match):
     net = mlp()
     before = snapshot(net)
-    with mock.patch.object(NTKEngine, "__init__", side_effect=AssertionError("engine built")), warnings.catch_warnings():
+    with (
+        mock.patch.object(NTKEngine, "__init__", side_effect=AssertionError("engine built")),
+        warnings.catch_warnings(),
+    ):
         warnings.simplefilter("ignore", DeprecationWarning)
         with pytest.raises(error, match=match):
             NTKKernel(net, **kwargs)
@@ -111,7 +116,9 @@ def test_space_forms():
     x1, x2 = torch.randn(10, 3, dtype=D64), torch.randn(12, 3, dtype=D64)
     assert isinstance(NTKKernel(net, space="weight")(x1).evaluate_kernel(), LowRankRootLinearOperator)
     assert isinstance(NTKKernel(net, space="weight")(x1, x2).evaluate_kernel(), MatmulLinearOperator)
-    assert isinstance(NTKKernel(net, space="function")(torch.randn(80, 3, dtype=D64)).evaluate_kernel(), DenseLinearOperator)
+    assert isinstance(
+        NTKKernel(net, space="function")(torch.randn(80, 3, dtype=D64)).evaluate_kernel(), DenseLinearOperator
+    )
 
 
 def test_column_weights():
@@ -128,7 +135,7 @@ def test_column_weights():
 
 @pytest.mark.parametrize("space", ["function", "weight"])
 def test_cache_sees_every_change_of_the_network(space):
-    """Weights written in place, through ``.data``, by ``load_state_dict``, and BatchNorm buffers: never stale."""
+    """Weights written in place, through ``.data``, by ``load_state_dict``; BatchNorm buffers: never stale."""
     net = mlp(d_out=2)
     x = torch.randn(6, 3, dtype=D64)
     kernel = NTKKernel(net, space=space)
@@ -153,7 +160,10 @@ def test_cache_sees_every_change_of_the_network(space):
     cnn.bn.running_var.mul_(3.0)
     second = ck(xi).to_dense()
     delta = torch.ones(3, dtype=D64)
-    assert rel_err(second, brute_gram(cnn, xi.view(3, 1, 6, 6), xi.view(3, 1, 6, 6), delta, labels_of(cnn))) < 1e-10
+    assert (
+        rel_err(second, brute_gram(cnn, xi.view(3, 1, 6, 6), xi.view(3, 1, 6, 6), delta, labels_of(cnn)))
+        < 1e-10
+    )
     assert rel_err(first, second) > 1e-3
 
 
