@@ -50,13 +50,8 @@ def curvature_factor(
 
 
 def column_weights(kernel: NTKKernel, power: float) -> torch.Tensor:
-    r""":math:`\delta_g^{\,\mathrm{power}}` for every Jacobian column, shape ``(P,)``."""
-    public = getattr(kernel, "column_weights", None)
-    if callable(public):
-        return public(power)
-    # Fallback while NTKKernel has no public column_weights: the same expansion from the public groups.
-    cols = kernel.engine.groups.column_groups(device=kernel.prior_precision.device)
-    return kernel.prior_precision.pow(power)[cols]
+    r""":math:`\delta_g^{\,\mathrm{power}}` for every Jacobian column, shape ``(P,)`` (:meth:`NTKKernel.column_weights`)."""
+    return kernel.column_weights(power)
 
 
 def prior_term(kernel: NTKKernel) -> torch.Tensor:

@@ -559,3 +559,23 @@ def test_deprecated_names_keep_working():
         mean = ntkgp.means.LinearisedNetworkMean(model.covar_module.engine)
     assert isinstance(mean, ntkgp.means.LinearizedNetworkMean)
     assert torch.equal(mean(x), model.mean_module(x))
+
+
+def test_train_mode_is_the_prior():
+    """docs/ntkgp.md: train-mode calls give the prior; an ExactNTKGP only at its training inputs."""
+    x_other = torch.randn(4, 3, dtype=torch.float64)
+    for kind in ("regression1", "softmax4"):
+        net, x, y, lik, _ = make_problem(kind)
+        model = ntkgp.NTKGP(net, x, y, lik).train()
+        with torch.no_grad():
+            prior = model.forward(x_other)
+            kernel = model.covar_module(x_other).to_dense()
+            mean = model.mean_module(x_other)
+            assert torch.equal(prior.covariance_matrix, kernel) and torch.equal(prior.mean, mean)
+            at_train = model(x)
+            assert torch.allclose(at_train.covariance_matrix, model.covar_module(x).to_dense())
+            if kind == "regression1":
+                with pytest.raises(RuntimeError, match="training inputs"):
+                    model(x_other)
+            else:
+                assert torch.equal(model(x_other).mean, mean)

@@ -162,3 +162,19 @@ def test_compare_models_checks_its_arguments():
     other = ntkgp.NTKGP(net, data.x_train, data.y_train + 1.0, lik)
     with pytest.raises(ValueError, match="targets"):
         compare_models({"a": model, "b": other})
+
+
+@pytest.mark.parametrize(("batch_size", "steps_per_epoch"), [(None, 1), (32, 3)])
+def test_batch_size_none_is_the_full_batch(batch_size, steps_per_epoch):
+    """docs/training.md: batch_size=None takes one optimizer step per epoch (all N = 80 points)."""
+    data, net, lik = regression_problem()
+    steps = []
+
+    class Counting(torch.optim.SGD):
+        def step(self, closure=None):
+            steps.append(1)
+            return super().step(closure)
+
+    train_marglik(net, data.x_train, data.y_train, lik, epochs=2, batch_size=batch_size, burn_in=5, frequency=5,
+                  hyper_steps=0, optimizer=Counting, lr=1e-3, progress=False)
+    assert len(steps) == 2 * steps_per_epoch
