@@ -226,7 +226,8 @@ def run_case(title, net, x, y, x_test, y_test, likelihood, classification, sampl
             link=sample_link,
             finite_difference="forward",
             generator=torch.Generator().manual_seed(0),
-        )
+        ),
+        repeat=2,
     )
     rows.append(row("full GGN", "mc_glm (forward)", 100, t, variances(pred), ref_var, pred.probs, y_eval))
     pred, t = timed(
@@ -237,7 +238,8 @@ def run_case(title, net, x, y, x_test, y_test, likelihood, classification, sampl
             num_samples=100,
             link=sample_link,
             generator=torch.Generator().manual_seed(0),
-        )
+        ),
+        repeat=2,
     )
     rows.append(row("KFAC", "glm_mc", 100, t, variances(pred), ref_var, pred.probs, y_eval))
     result = {
