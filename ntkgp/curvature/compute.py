@@ -26,6 +26,7 @@ def compute_curvature(
     batch_size: int = 64,
     progress: bool = False,
     input_shape: tuple[int, ...] | None = None,
+    distributed: bool = False,
     **kwargs,
 ) -> Curvature:
     r"""Compute the curvature ``structure`` of ``net`` at its current weights :math:`\theta^*`, once.
@@ -50,6 +51,9 @@ def compute_curvature(
         batch_size: examples per batch when ``x`` is a tensor.
         progress: show a tqdm progress bar over the batches.
         input_shape: shape of one input; flat ``(N, D)`` inputs are reshaped to it.
+        distributed: each rank of an initialized ``torch.distributed`` process group passes its shard of the
+            data (the network replicated on every rank, as in DDP); the sums over the data are all-reduced, so
+            every rank gets the curvature of all the data (docs/scaling.md, "Several processes and GPUs").
         **kwargs: ``groups=``, the deprecated name of ``prior_structure``.
 
     Returns:
@@ -81,5 +85,5 @@ def compute_curvature(
         raise TypeError(f"progress must be True or False, got {progress!r}")
     return _STRUCTURES[chosen](
         net, x, y, likelihood, prior_structure=prior_structure, batch_size=batch_size, progress=progress,
-        input_shape=input_shape,
+        input_shape=input_shape, distributed=distributed,
     )

@@ -16,6 +16,7 @@ from gpytorch.likelihoods import Likelihood
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
+from ..distributed import all_gather_rows, all_reduce_sum, check_distributed, check_replicated, together
 from ..likelihoods import gradient, hessian_sqrt, validate_targets
 from ..ntk import NTKEngine, check_outputs
 from ..ntk.checks import check_count
@@ -37,6 +38,8 @@ class DataPass:
         likelihood: the likelihood.
         params: :math:`\theta^*` per trainable parameter name, detached.
         scale0: the output scale :math:`s_0` of the likelihood at computation time, ``(K,)``, detached.
+        distributed: each rank passes its shard of the data; sums (:meth:`reduce`) and the collected
+            outputs and targets (:meth:`collected`) are over all ranks (:mod:`ntkgp.distributed`).
     """
 
     engine: NTKEngine
@@ -45,6 +48,7 @@ class DataPass:
     scale0: Tensor
     outputs: list[Tensor] = field(default_factory=list)
     targets: list[Tensor] = field(default_factory=list)
+    distributed: bool = False
 
     @classmethod
     def start(
@@ -53,12 +57,16 @@ class DataPass:
         likelihood: Likelihood,
         prior_structure: GroupSpec = "layer",
         input_shape: tuple[int, ...] | None = None,
+        distributed: bool = False,
     ) -> DataPass:
         """Check the network (eval mode, trainable parameters) and the likelihood; record :math:`\\theta^*`
-        and :math:`s_0`."""
-        engine = NTKEngine(net, prior_structure=prior_structure, input_shape=input_shape)
-        scale0 = output_scale(likelihood).detach().to(device=engine.device, dtype=engine.dtype)
-        return cls(engine=engine, likelihood=likelihood, params=engine.params(), scale0=scale0)
+        and :math:`s_0`. With ``distributed``, also check that every rank holds the same network."""
+        distributed = check_distributed(distributed)
+        with together("checking the network", distributed):
+            engine = NTKEngine(net, prior_structure=prior_structure, input_shape=input_shape)
+            scale0 = output_scale(likelihood).detach().to(device=engine.device, dtype=engine.dtype)
+        check_replicated([*net.parameters(), *net.buffers()], "the network's weights", distributed)
+        return cls(engine=engine, likelihood=likelihood, params=engine.params(), scale0=scale0, distributed=distributed)
 
     @property
     def net(self) -> nn.Module:
@@ -101,8 +109,17 @@ class DataPass:
         """Yield ``(x_b, f_b, y_b)``: prepared inputs, outputs ``(n, C)`` (no graph) and normalised targets.
 
         ``x`` is a tensor ``(N, ...)`` with targets ``y``, split into batches of ``batch_size``; or an
-        iterable of ``(x_b, y_b)`` batches (e.g. a ``DataLoader``) with ``y=None``.
+        iterable of ``(x_b, y_b)`` batches (e.g. a ``DataLoader``) with ``y=None``. With :attr:`distributed`,
+        invalid data (or an empty shard) on any rank raises on every rank at the end of the pass.
         """
+        with together("the pass over the data", self.distributed):
+            yield from self._batches(x, y, batch_size, progress, desc)
+            if self.distributed and not self.outputs:
+                raise ValueError("this rank's shard of x holds no data (with distributed=True every rank needs some)")
+
+    def _batches(self, x: Data, y: Tensor | None, batch_size: int, progress: bool, desc: str) -> Iterator[
+        tuple[Tensor, Tensor, Tensor]
+    ]:
         batch_size = self.check(x, y, batch_size)
         if torch.is_tensor(x):
             pairs: Iterable = zip(x.split(batch_size), y.split(batch_size))
@@ -141,8 +158,15 @@ class DataPass:
         r""":math:`\|\theta^*_g\|^2` per group, shape ``(G,)``."""
         return self.engine.group_sq_norms()
 
+    def reduce(self, tensors: list[Tensor]) -> list[Tensor]:
+        """Sum ``tensors`` over the ranks in place (:func:`ntkgp.distributed.all_reduce_sum`; no-op unless
+        :attr:`distributed`)."""
+        return all_reduce_sum(tensors, enabled=self.distributed)
+
     def collected(self) -> tuple[Tensor, Tensor]:
-        """All outputs ``(N, C)`` and normalised targets seen so far."""
+        """All outputs ``(N, C)`` and normalised targets seen so far (of every rank, in rank order, when
+        :attr:`distributed`)."""
         if not self.outputs:
             raise ValueError("the data is empty: no batch was seen")
-        return torch.cat(self.outputs), torch.cat(self.targets)
+        f, y = torch.cat(self.outputs), torch.cat(self.targets)
+        return all_gather_rows(f, self.distributed), all_gather_rows(y, self.distributed)

@@ -175,6 +175,7 @@ def diagonal_ggn(
     batch_size: int = 64,
     progress: bool = False,
     input_shape: tuple[int, ...] | None = None,
+    distributed: bool = False,
     **kwargs,
 ) -> DiagonalGGN:
     r"""The diagonal GGN :math:`\sum_n \sum_m (J_n^\top L_{n,:m})^{\odot 2}` over the data, batch by batch.
@@ -185,7 +186,7 @@ def diagonal_ggn(
     """
     prior_structure = renamed_argument(kwargs, "groups", "prior_structure", prior_structure, "layer")
     unexpected(kwargs, "diagonal_ggn")
-    data = DataPass.start(net, likelihood, prior_structure, input_shape)
+    data = DataPass.start(net, likelihood, prior_structure, input_shape, distributed)
     names = list(data.engine.groups.names)
     layers = structured_layers(net, data.engine.groups, strict=False)
     total = 0
@@ -193,6 +194,7 @@ def diagonal_ggn(
         if step == 0:
             layers = usable_layers(data, layers, xb[:1], strict=False)
         total = total + diagonal_ggn_components(data, xb, fb, yb, names, layers)
+    data.reduce([total])  # sums over every rank's shard
     f_all, y_all = data.collected()
     return DiagonalGGN(data.engine.groups, data.theta_sq_norms(), f_all, y_all, data.scale0.shape[0], total)
 
@@ -206,6 +208,7 @@ def diagonal_ef(
     batch_size: int = 64,
     progress: bool = False,
     input_shape: tuple[int, ...] | None = None,
+    distributed: bool = False,
     **kwargs,
 ) -> DiagonalEF:
     r"""The diagonal empirical Fisher :math:`\sum_n (J_n^\top g_n)^{\odot 2}` over the data, batch by batch.
@@ -216,7 +219,7 @@ def diagonal_ef(
     """
     prior_structure = renamed_argument(kwargs, "groups", "prior_structure", prior_structure, "layer")
     unexpected(kwargs, "diagonal_ef")
-    data = DataPass.start(net, likelihood, prior_structure, input_shape)
+    data = DataPass.start(net, likelihood, prior_structure, input_shape, distributed)
     names = list(data.engine.groups.names)
     layers = structured_layers(net, data.engine.groups, strict=False)
     per_output = data.scale0.shape[0] > 1
@@ -227,5 +230,6 @@ def diagonal_ef(
         g = data.unit_gradient(fb, yb)
         cot = torch.diag_embed(g) if per_output else g.unsqueeze(-1)
         total = total + diagonal_products(data, xb, cot, names, layers, pairs=True)
+    data.reduce([total])  # sums over every rank's shard
     f_all, y_all = data.collected()
     return DiagonalEF(data.engine.groups, data.theta_sq_norms(), f_all, y_all, data.scale0.shape[0], total)

@@ -244,6 +244,7 @@ def kfac_ggn(
     batch_size: int = 64,
     progress: bool = False,
     input_shape: tuple[int, ...] | None = None,
+    distributed: bool = False,
     **kwargs,
 ) -> KroneckerGGN:
     r"""KFAC factors :math:`A_l, G_l` of every ``Linear``/``Conv2d`` layer (module docstring) and the exact
@@ -255,7 +256,7 @@ def kfac_ggn(
     """
     prior_structure = renamed_argument(kwargs, "groups", "prior_structure", prior_structure, "layer")
     unexpected(kwargs, "kfac_ggn")
-    data = DataPass.start(net, likelihood, prior_structure, input_shape)
+    data = DataPass.start(net, likelihood, prior_structure, input_shape, distributed)
     pg = data.engine.groups
     layers = structured_layers(net, pg, strict=True)
     in_blocks = {n for layer in layers for n in (layer.weight, layer.bias) if n is not None}
@@ -281,6 +282,10 @@ def kfac_ggn(
             g_sum[layer.name] = g_sum.get(layer.name, 0) + gg
         if diagonal_names:
             diag_total = diag_total + diagonal_ggn_components(data, xb, fb, yb, diagonal_names, [])
+    counts = torch.tensor([locations[layer.name] for layer in layers], device=data.engine.device)
+    data.reduce([a_sum[layer.name] for layer in layers] + [g_sum[layer.name] for layer in layers] + [counts]
+                + ([diag_total] if diagonal_names else []))  # sums over every rank's shard
+    locations = dict(zip([layer.name for layer in layers], counts.tolist()))
     f_all, y_all = data.collected()
     index = dict(zip(pg.names, pg.group_of))
     blocks = [
