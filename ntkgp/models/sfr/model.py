@@ -14,6 +14,7 @@ from gpytorch.models import GP
 from torch import Tensor, nn
 
 from ...caching import ValueCache
+from ...distributed import check_distributed, check_replicated, together
 from ...kernels import NTKKernel
 from ...likelihoods import num_outputs as likelihood_outputs
 from ...ntk import GroupSpec, NTKEngine
@@ -28,6 +29,7 @@ from ...options import (
 )
 from .covariance import SparsePosteriorCovariance, per_batch_factors
 from .data import InputLayout, StateGuard, check_inputs, positive_int, stream_statistics, training_batches
+from .distributed import choose_inducing_inputs_distributed
 from .inducing_points import choose_inducing_inputs
 from .predictive import PosteriorState, PredictiveTerms
 from .statistics import system_grams
@@ -99,6 +101,11 @@ class SFR(GP):
         chunk_size: examples per Jacobian / feature chunk of the NTK engine, and the most test points per
             prediction chunk (see docs/sfr.md, "Memory").
         pool_size: candidates for ``"greedy_variance"``.
+        distributed: each rank of an initialized ``torch.distributed`` process group passes its shard of the
+            training data (every rank the same network, as in DDP, and the same call); the statistics are
+            all-reduced, so every rank holds the model of all the data, and :meth:`update` takes each rank's
+            shard of the new data too. Inducing inputs chosen from the data are the ones one process would
+            choose from the shards concatenated in rank order (docs/scaling.md, "Several processes and GPUs").
 
     Raises:
         ValueError, TypeError: for any invalid argument, naming it, before anything is computed.
@@ -129,6 +136,7 @@ class SFR(GP):
         input_shape: tuple[int, ...] | None = None,
         chunk_size: int = 1024,
         pool_size: int = 4096,
+        distributed: bool = False,
         **kwargs,
     ) -> None:
         prior_structure = renamed_argument(kwargs, "groups", "prior_structure", prior_structure, "layer")
@@ -150,18 +158,23 @@ class SFR(GP):
         pool_size = positive_int(pool_size, "pool_size")
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"seed must be an integer, got {seed!r}")
-        expected_outputs = likelihood_outputs(likelihood)  # raises for unsupported likelihoods
-        if torch.is_tensor(train_x):
-            if train_y is None:
-                raise ValueError("train_y is required when train_x is a tensor")
-            check_inputs(train_x, "train_x")
+        self.distributed = check_distributed(distributed)
+        with together("checking train_x", self.distributed):  # this rank's shard
+            expected_outputs = likelihood_outputs(likelihood)  # raises for unsupported likelihoods
+            if torch.is_tensor(train_x):
+                if train_y is None:
+                    raise ValueError("train_y is required when train_x is a tensor")
+                check_inputs(train_x, "train_x")
+            if inducing_points is not None:
+                check_inputs(inducing_points, "inducing_points")
+            elif not torch.is_tensor(train_x) and iter(train_x) is train_x:
+                raise ValueError(
+                    "choosing inducing inputs from the data needs two passes over train_x, but it is a one-shot "
+                    "iterator: pass a DataLoader (or tensors), or give inducing_points"
+                )
+        check_replicated([*net.parameters(), *net.buffers()], "the network's weights", self.distributed)
         if inducing_points is not None:
-            check_inputs(inducing_points, "inducing_points")
-        elif not torch.is_tensor(train_x) and iter(train_x) is train_x:
-            raise ValueError(
-                "choosing inducing inputs from the data needs two passes over train_x, but it is a one-shot "
-                "iterator: pass a DataLoader (or tensors), or give inducing_points"
-            )
+            check_replicated([inducing_points], "inducing_points", self.distributed)
         self.likelihood = likelihood
         self.covar_module = NTKKernel(
             net, prior_precision, prior_structure, input_shape=input_shape, chunk_size=self.chunk_size, progress=False
@@ -169,6 +182,45 @@ class SFR(GP):
         self.progress = progress
 
         # ---- the first batch fixes the examples' shape and C
+        with together("checking train_x", self.distributed):
+            pairs, first = self._first_batch(train_x, train_y, expected_outputs)
+        if inducing_points is not None:
+            with together("checking inducing_points", self.distributed):
+                z = self.engine.prepare(self._layout.check(inducing_points, "inducing_points")[0], "inducing_points")
+        elif self.distributed:
+            z = choose_inducing_inputs_distributed(
+                self.engine,
+                lambda: train_x.shape[0] if torch.is_tensor(train_x) else sum(
+                    bx.shape[0] for bx, _ in training_batches(train_x, train_y, "train")),
+                lambda: (self._layout.check(bx, "train_x")[0] for bx, _ in training_batches(train_x, train_y, "train")),
+                num_inducing, method, seed, pool_size, self.covar_module.prior_precision.detach().reciprocal(),
+            )
+            pairs = training_batches(train_x, train_y, "train")
+            first = next(pairs)
+        else:
+            weights = self.covar_module.prior_precision.reciprocal()
+            batches = (self._layout.check(bx, "train_x")[0] for bx, _ in training_batches(train_x, train_y, "train"))
+            z = choose_inducing_inputs(self.engine, batches, num_inducing, method, seed, pool_size, weights)
+            pairs = training_batches(train_x, train_y, "train")
+            first = next(pairs)
+        z = z.detach().clone()
+        self.register_buffer("inducing_points", z)
+        with together("the pass over train_x", self.distributed):
+            self.statistics = stream_statistics(
+                self.engine, likelihood, z, self.output_coupling, self.prior_mean, itertools.chain([first], pairs),
+                self._layout, self._rows_per_step(), "train", progress,
+            )
+        self.statistics.all_reduce_(self.distributed)
+        self.register_buffer("_zz_grams", system_grams(self.engine, z, z, self.output_coupling))
+        self._guard = StateGuard.of(self.engine, z)
+        self._generation = 0  # bumped by load_state_dict
+        self._updates = 0  # bumped by update
+        self._caches = {name: ValueCache(size=1) for name in ("inducing", "posterior", "z_jacobian")}
+        self.register_load_state_dict_post_hook(_reset_after_load)
+        self.eval()
+
+    def _first_batch(self, train_x, train_y, expected_outputs: int):
+        """The training pairs and their first batch; sets the examples' layout and ``C`` from it."""
         pairs = training_batches(train_x, train_y, "train")
         first = next(pairs, None)
         if first is None:
@@ -181,29 +233,10 @@ class SFR(GP):
             raise ValueError(f"train_x (examples of shape {tuple(probe.shape[1:])}) does not fit the network: {error}") from error
         if self.num_outputs != expected_outputs:
             raise ValueError(
-                f"the network has {self.num_outputs} outputs but {type(likelihood).__name__} expects {expected_outputs}"
+                f"the network has {self.num_outputs} outputs but {type(self.likelihood).__name__} expects "
+                f"{expected_outputs}"
             )
-        if inducing_points is not None:
-            z = self.engine.prepare(self._layout.check(inducing_points, "inducing_points")[0], "inducing_points")
-        else:
-            weights = self.covar_module.prior_precision.reciprocal()
-            batches = (self._layout.check(bx, "train_x")[0] for bx, _ in training_batches(train_x, train_y, "train"))
-            z = choose_inducing_inputs(self.engine, batches, num_inducing, method, seed, pool_size, weights)
-            pairs = training_batches(train_x, train_y, "train")
-            first = next(pairs)
-        z = z.detach().clone()
-        self.register_buffer("inducing_points", z)
-        self.statistics = stream_statistics(
-            self.engine, likelihood, z, self.output_coupling, self.prior_mean, itertools.chain([first], pairs),
-            self._layout, self._rows_per_step(), "train", progress,
-        )
-        self.register_buffer("_zz_grams", system_grams(self.engine, z, z, self.output_coupling))
-        self._guard = StateGuard.of(self.engine, z)
-        self._generation = 0  # bumped by load_state_dict
-        self._updates = 0  # bumped by update
-        self._caches = {name: ValueCache(size=1) for name in ("inducing", "posterior", "z_jacobian")}
-        self.register_load_state_dict_post_hook(_reset_after_load)
-        self.eval()
+        return pairs, first
 
     # ------------------------------------------------------------------ construction helpers
     @property
@@ -244,6 +277,7 @@ class SFR(GP):
 
         ``f``, ``g``, :math:`\Lambda` come from the network at :math:`\theta^*`; ``Z`` is unchanged. The result
         equals building SFR on the union of the data with the same ``Z``; cost ``O(b (MC)^2 + (MC)^3)``.
+        A model built with ``distributed=True`` takes each rank's shard of the new data (every rank calls).
 
         Args:
             x_new: inputs ``(b, ...)``, or an iterable of ``(x, y)`` batches (then ``y_new=None``).
@@ -252,14 +286,15 @@ class SFR(GP):
         Returns:
             ``self``. All batches are checked and summed aside first: a bad batch leaves the model unchanged.
         """
-        self._check_state()
-        if torch.is_tensor(x_new) and y_new is None:
-            raise ValueError("y_new is required when x_new is a tensor")
-        new = stream_statistics(
-            self.engine, self.likelihood, self.inducing_points, self.output_coupling, self.prior_mean,
-            training_batches(x_new, y_new, "new"), self._layout, self._rows_per_step(), "new", self.progress,
-        )
-        self.statistics.add_(new)
+        with together("SFR.update", self.distributed):
+            self._check_state()
+            if torch.is_tensor(x_new) and y_new is None:
+                raise ValueError("y_new is required when x_new is a tensor")
+            new = stream_statistics(
+                self.engine, self.likelihood, self.inducing_points, self.output_coupling, self.prior_mean,
+                training_batches(x_new, y_new, "new"), self._layout, self._rows_per_step(), "new", self.progress,
+            )
+        self.statistics.add_(new.all_reduce_(self.distributed))
         self._updates += 1
         return self
 

@@ -40,6 +40,7 @@ import torch
 from gpytorch.likelihoods import Likelihood
 from torch import Tensor, nn
 
+from ...distributed import all_reduce_sum
 from ...likelihoods import (
     gradient,
     hessian,
@@ -220,6 +221,14 @@ class DualStatistics(nn.Module):
         """Add the sums of ``other`` (statistics of more data with the same ``Z``) in place."""
         for name in ("precision", "residual", "trace", "fit", "log_lik", "num_data"):
             getattr(self, name).add_(getattr(other, name))
+        return self
+
+    @torch.no_grad()
+    def all_reduce_(self, enabled: bool = True) -> DualStatistics:
+        """Sum the statistics over the ranks of ``torch.distributed``, in place (each rank summed its shard);
+        a no-op in one process or unless ``enabled`` (:func:`ntkgp.distributed.all_reduce_sum`)."""
+        all_reduce_sum([getattr(self, name) for name in ("precision", "residual", "trace", "fit", "log_lik", "num_data")],
+                       enabled)
         return self
 
     # ------------------------------------------------------------------ evaluation at hyperparameters
