@@ -6,10 +6,13 @@ MLL (:class:`LaplaceGGNMarginalLogLikelihood`), the GLM predictive as a model th
 hyperparameters (:func:`ntkgp.training.train_marglik`). The mathematics is in ``docs/math.md``.
 
 Subpackages: :mod:`~ntkgp.likelihoods`, :mod:`~ntkgp.curvature`, :mod:`~ntkgp.training`,
-:mod:`~ntkgp.options` (every option string), :mod:`~ntkgp.metrics`, :mod:`~ntkgp.datasets`.
+:mod:`~ntkgp.posteriors` (weight-space Laplace posteriors) and :mod:`~ntkgp.predictive` (their predictives),
+:mod:`~ntkgp.fsvi` (function-space variational inference, :class:`FSVI`), :mod:`~ntkgp.options` (every option
+string), :mod:`~ntkgp.metrics`, :mod:`~ntkgp.datasets`.
 """
 
-from . import curvature, datasets, likelihoods, metrics, options, training
+from . import curvature, datasets, fsvi, likelihoods, metrics, options, posteriors, predictive, training
+from .fsvi import FSVI
 from .kernels import NTKKernel
 from .laplace import laplace_log_marginal_likelihood
 from .means import LinearizedNetworkMean, NetworkMean
@@ -24,6 +27,7 @@ from .mlls import SparseLaplaceEvidence  # noqa: F401  isort: skip
 __version__ = "0.1.0"
 
 __all__ = [
+    "FSVI",
     "NTKGP",
     "SFR",
     "ExactNTKGP",
@@ -37,9 +41,12 @@ __all__ = [
     "__version__",
     "curvature",
     "datasets",
+    "fsvi",
     "laplace_log_marginal_likelihood",
     "likelihoods",
     "metrics",
     "options",
+    "posteriors",
+    "predictive",
     "training",
 ]
