@@ -1,7 +1,7 @@
 r"""The predictive of a weight-space Laplace posterior, by every estimator of the GLM predictive.
 
-One call, :func:`predict`, turns a posterior :math:`N(\theta^*, \Sigma)` (:mod:`ntkgp.posteriors`) into a GPyTorch
-distribution over the network outputs :math:`f(x)` at test inputs, and for classification into class
+One call, :func:`predict`, turns a posterior :math:`N(\theta^*, \Sigma)` (:mod:`ntkgp.posteriors`) into a
+GPyTorch distribution over the network outputs :math:`f(x)` at test inputs, and for classification into class
 probabilities (``docs/math.md``, "GLM predictive"; ``docs/predictive.md`` measures each method against the
 exact one). "The review" below is *A Short Review of Estimators for the GLM Predictive of Laplace Bayesian
 Neural Networks* (``docs/predictive.md``, "References"). The methods (``method=``):
@@ -14,12 +14,13 @@ Neural Networks* (``docs/predictive.md``, "References"). The methods (``method=`
   never forming :math:`J`; covariance :math:`\frac1S \sum_s (J \eta_s)(J \eta_s)^\top` (the mean
   :math:`f(x; \theta^*)` is known);
 - ``"mc_glm"``: the review's MC-GLM, the same with finite-difference directional derivatives
-  :math:`A_s = (f(x; \theta^* + t_s \eta_s) - f(x; \theta^* - t_s \eta_s)) / (2 t_s)` (``"central"``, default) or
-  :math:`(f(x; \theta^* + t_s \eta_s) - f(x; \theta^*)) / t_s` (``"forward"``, as in the review), with the step
-  :math:`t_s = h \max(1, \|\theta^*\|_\infty) / \|\eta_s\|_\infty`, so that no weight moves by more than
-  :math:`h \max(1, \|\theta^*\|_\infty)`; :math:`h = \epsilon^{1/3}` (central) or :math:`\epsilon^{1/2}`
-  (forward) by default, :math:`\epsilon` the machine epsilon of the network's dtype: :math:`h = 6.1 \cdot 10^{-6}`
-  / :math:`1.5 \cdot 10^{-8}` in float64, :math:`4.9 \cdot 10^{-3}` / :math:`3.5 \cdot 10^{-4}` in float32;
+  :math:`A_s = (f(x; \theta^* + t_s \eta_s) - f(x; \theta^* - t_s \eta_s)) / (2 t_s)` (``"central"``,
+  default) or :math:`(f(x; \theta^* + t_s \eta_s) - f(x; \theta^*)) / t_s` (``"forward"``, as in the review),
+  with the step :math:`t_s = h \max(1, \|\theta^*\|_\infty) / \|\eta_s\|_\infty`, so that no weight moves
+  by more than :math:`h \max(1, \|\theta^*\|_\infty)`; :math:`h = \epsilon^{1/3}` (central) or
+  :math:`\epsilon^{1/2}` (forward) by default, :math:`\epsilon` the machine epsilon of the network's dtype:
+  :math:`h = 6.1 \cdot 10^{-6}` / :math:`1.5 \cdot 10^{-8}` in float64, :math:`4.9 \cdot 10^{-3}` /
+  :math:`3.5 \cdot 10^{-4}` in float32;
 - ``"nn_sampling"``: the network itself at sampled weights, :math:`f(x; \theta^* + \eta_s)`, with the sample
   mean and the sample covariance (:math:`\frac{1}{S-1}`): not a GLM estimator, the Laplace posterior pushed
   through the nonlinear network.
@@ -129,7 +130,8 @@ def default_step_size(dtype: torch.dtype, scheme: FiniteDifference | str = "cent
 
 def laplace_bridge(mean: Tensor, variance: Tensor) -> Tensor:
     r"""Class probabilities of the Laplace bridge: the Dirichlet :math:`\mathrm{Dir}(\alpha)` whose Laplace
-    approximation in the softmax basis has means :math:`\mu` and variances :math:`\sigma^2` (Hennig et al. 2012),
+    approximation in the softmax basis has means :math:`\mu` and variances :math:`\sigma^2`
+    (Hennig et al. 2012),
 
     .. math::
         \alpha_k = \frac{1}{\sigma_k^2}\Big(1 - \frac{2}{C} + \frac{e^{\mu_k}}{C^2} \sum_l e^{-\mu_l}\Big),
@@ -229,7 +231,8 @@ def predict(
     generator: torch.Generator | None = None,
     progress: bool = False,
 ) -> Prediction:
-    r"""The predictive of ``posterior`` at the test inputs ``x`` by the estimator ``method`` (module docstring).
+    r"""The predictive of ``posterior`` at the test inputs ``x`` by the estimator ``method`` (module
+    docstring).
 
     Args:
         posterior: a weight-space Laplace posterior (:mod:`ntkgp.posteriors`).

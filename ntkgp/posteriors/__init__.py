@@ -71,7 +71,7 @@ def laplace_posterior(
             other than a full one.
 
     Example:
-        >>> posterior = laplace_posterior(net, x, y, SoftmaxLikelihood(10), structure="kfac", prior_precision=1.0)
+        >>> posterior = laplace_posterior(net, x, y, SoftmaxLikelihood(10), structure="kfac")
         >>> prediction = ntkgp.predictive.predict(posterior, x_test, method="glm", link="probit")
     """
     structure = choose(Structure, structure, "structure")

@@ -6,14 +6,16 @@ A Laplace posterior over the weights :math:`\theta` of a trained network is the 
     q(\theta) = N(\theta^*, \Sigma), \qquad \Sigma^{-1} = H(s) + P_0, \qquad
     P_0 = \operatorname{diag}(\delta_{g(p)}),
 
-with :math:`H(s)` a structured GGN or empirical Fisher at :math:`\theta^*` that follows the likelihood's output
-scale :math:`s` (``1/σ²`` for Gaussian likelihoods, ``1/T`` for a tempered classification likelihood, see
-``docs/math.md``, "Laplace-GGN evidence") and :math:`\delta_g` one prior precision per parameter group. It is
-evaluated for the *current* prior precisions and likelihood hyperparameters: change either and the next call
-uses the new values (the factorisations are cached by value, never recomputed from the data).
+with :math:`H(s)` a structured GGN or empirical Fisher at :math:`\theta^*` that follows the likelihood's
+output scale :math:`s` (``1/σ²`` for Gaussian likelihoods, ``1/T`` for a tempered classification
+likelihood, see ``docs/math.md``, "Laplace-GGN evidence") and :math:`\delta_g` one prior precision per
+parameter group. It is evaluated for the *current* prior precisions and likelihood hyperparameters: change
+either and the next call uses the new values (the factorisations are cached by value, never recomputed from
+the data).
 
-Every posterior gives products with :math:`\Sigma` and :math:`\Sigma^{-1}`, samples :math:`\eta \sim N(0, \Sigma)`,
-:math:`\log|\Sigma^{-1}|`, and the two quantities the GLM predictive needs at test inputs :math:`x`:
+Every posterior gives products with :math:`\Sigma` and :math:`\Sigma^{-1}`, samples
+:math:`\eta \sim N(0, \Sigma)`, :math:`\log|\Sigma^{-1}|`, and the two quantities the GLM predictive
+needs at test inputs :math:`x`:
 
 .. math::
     J(x) \Sigma J(x)^\top \ \text{per point, } (N, C, C), \qquad
@@ -45,8 +47,8 @@ def prior_groups(fn: NetworkFunction, prior_structure: str | Mapping[str, str]) 
 
     Args:
         fn: the network function.
-        prior_structure: ``"network"`` (one :math:`\\delta`), ``"layer"`` (one per module), ``"parameter"`` (one
-            per parameter tensor), or a mapping from each name in ``fn.names`` to a group label.
+        prior_structure: ``"network"`` (one :math:`\\delta`), ``"layer"`` (one per module), ``"parameter"``
+            (one per parameter tensor), or a mapping from each name in ``fn.names`` to a group label.
 
     Raises:
         ValueError: for an unknown structure, or a mapping that does not name exactly ``fn.names``.
@@ -88,7 +90,8 @@ def check_likelihood(likelihood: Likelihood) -> None:
 
 
 def prior_precision_vector(value: float | Tensor, groups: ParameterGroups, fn: NetworkFunction) -> Tensor:
-    """``value`` as a detached ``(G,)`` tensor of positive prior precisions (a scalar is shared by all groups).
+    """``value`` as a detached ``(G,)`` tensor of positive prior precisions (a scalar is shared by all
+    groups).
 
     Raises:
         ValueError: for a wrong shape or a non-positive or non-finite value, naming ``prior_precision``.
@@ -112,7 +115,8 @@ def prior_precision_vector(value: float | Tensor, groups: ParameterGroups, fn: N
 
 
 class WeightPosterior(ABC):
-    r"""A Gaussian Laplace posterior :math:`N(\theta^*, (H(s) + P_0)^{-1})` over (some of) a network's weights.
+    r"""A Gaussian Laplace posterior :math:`N(\theta^*, (H(s) + P_0)^{-1})` over (some of) a network's
+    weights.
 
     Args:
         function: the network as a function of :math:`\theta` (:class:`NetworkFunction`).

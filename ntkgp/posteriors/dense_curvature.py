@@ -1,4 +1,5 @@
-r"""Dense GGN and empirical Fisher over the parameters :math:`\theta` of a :class:`NetworkFunction`, for small :math:`P`.
+r"""Dense GGN and empirical Fisher over the parameters :math:`\theta` of a :class:`NetworkFunction` (small
+:math:`P`).
 
 .. math::
     H_{\mathrm{GGN}}(s) = \sum_n J_n^\top \Lambda_n J_n = \sum_k s_k \tilde H_k, \qquad
@@ -40,7 +41,8 @@ def data_batches(
     progress: bool,
     desc: str,
 ) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
-    """Yield ``(x_b, f_b, y_b)``: prepared inputs, outputs ``(n, C)`` at :math:`\\theta^*` and normalised targets.
+    """Yield ``(x_b, f_b, y_b)``: prepared inputs, outputs ``(n, C)`` at :math:`\\theta^*`, normalised
+    targets.
 
     Args:
         fn: the network function.
@@ -52,8 +54,8 @@ def data_batches(
         desc: the bar's label.
 
     Raises:
-        ValueError: for a non-positive ``batch_size``, mismatched ``x``/``y``, an empty data set, or outputs that
-            do not match the likelihood.
+        ValueError: for a non-positive ``batch_size``, mismatched ``x``/``y``, an empty data set, or
+            outputs that do not match the likelihood.
         TypeError: when ``x`` is a tensor and ``y`` is not.
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
@@ -103,7 +105,8 @@ def dense_curvature(
 ) -> Tensor:
     r"""The components of the dense GGN (``(K, P, P)``) or EF (``(K², P, P)``), module docstring.
 
-    One ``vmap(jacrev)`` Jacobian per batch, ``(batch, C, P)``; memory :math:`O(\text{batch} \cdot C P + K P^2)`.
+    One ``vmap(jacrev)`` Jacobian per batch, ``(batch, C, P)``; memory
+    :math:`O(\text{batch} \cdot C P + K P^2)`.
     """
     k = scale_size(likelihood)
     s0 = output_scale(likelihood).detach().to(dtype=fn.dtype, device=fn.device)
@@ -132,5 +135,6 @@ def dense_curvature(
 
 
 def component_weights(scale: Tensor, curvature: Curvature) -> Tensor:
-    """The weights of the components for the output scale :math:`s`: :math:`s` (GGN), :math:`s s^\\top` (EF)."""
+    """The weights of the components for the output scale :math:`s`: :math:`s` (GGN), :math:`s s^\\top`
+    (EF)."""
     return scale if curvature is Curvature.GGN else (scale[:, None] * scale[None, :]).reshape(-1)

@@ -1,11 +1,12 @@
-r"""Diagonal Laplace: :math:`\Sigma = \operatorname{diag}(1 / (H_{pp}(s) + \delta_{g(p)}))` from the diagonal GGN or EF.
+r"""Diagonal Laplace: :math:`\Sigma = \operatorname{diag}(1 / (H_{pp}(s) + \delta_{g(p)}))` from the diagonal
+GGN or EF.
 
 Everything is elementwise: :math:`\Sigma v = v / (h + \delta)`, :math:`\eta = z / \sqrt{h + \delta}`,
 :math:`\log|\Sigma^{-1}| = \sum_p \log(h_p + \delta_{g(p)})`. The GLM closed form
 :math:`J \Sigma J^\top` uses, for ``Linear``/``Conv2d`` layers, the layer inputs and output gradients at the
 test points (:func:`~ntkgp.posteriors.kronecker_form.kronecker_sandwich` with identity bases): with one
-location :math:`[J \Sigma J^\top]_{cc'} = \sum_o \gamma_{co} \gamma_{c'o} \sum_i \bar a_i^2 \Sigma_{oi}`, never the
-Jacobian; other parameters take per-example Jacobians.
+location :math:`[J \Sigma J^\top]_{cc'} = \sum_o \gamma_{co} \gamma_{c'o} \sum_i \bar a_i^2 \Sigma_{oi}`,
+never the Jacobian; other parameters take per-example Jacobians.
 """
 
 from __future__ import annotations

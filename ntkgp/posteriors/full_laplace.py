@@ -58,7 +58,7 @@ class DensePosterior(WeightPosterior):
         return self.curvature_matrix() + torch.diag(self.prior_precision_columns())
 
     def cholesky(self) -> Tensor:
-        r"""The lower Cholesky factor :math:`L` of :math:`H(s) + P_0` (jitter only if it fails, with a warning)."""
+        r"""The lower Cholesky factor :math:`L` of :math:`H(s) + P_0` (jitter only if it fails, warned)."""
         return self.cached("cholesky", lambda: psd_safe_cholesky(self.dense_precision()))
 
     def _precision_matmul(self, v: Tensor) -> Tensor:
@@ -92,14 +92,16 @@ class FullLaplace(DensePosterior):
     r"""The full Laplace posterior :math:`N(\theta^*, (H + P_0)^{-1})` with the dense GGN or empirical Fisher.
 
     .. math::
-        H_{\mathrm{GGN}} = \sum_n J_n^\top \Lambda_n J_n, \qquad H_{\mathrm{EF}} = \sum_n J_n^\top g_n g_n^\top J_n.
+        H_{\mathrm{GGN}} = \sum_n J_n^\top \Lambda_n J_n, \qquad
+        H_{\mathrm{EF}} = \sum_n J_n^\top g_n g_n^\top J_n.
 
     Exact (no structural approximation of :math:`H`) and therefore the reference of every other structure, for
     networks small enough for a ``(P, P)`` matrix: memory :math:`O(P^2)`, one :math:`O(P^3)` Cholesky per
     value of :math:`(\delta, s)`; its GLM predictive equals the function-space one of :class:`~ntkgp.NTKGP`.
 
     Args:
-        net: the trained network ``(N, *input_shape) -> (N, C)``, BatchNorm/dropout in eval mode; never modified.
+        net: the trained network ``(N, *input_shape) -> (N, C)``, BatchNorm/dropout in eval mode; never
+            modified.
         x: training inputs ``(N, ...)``, or an iterable of ``(x_b, y_b)`` batches (e.g. a ``DataLoader``)
             with ``y=None``.
         y: training targets.

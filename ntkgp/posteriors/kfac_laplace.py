@@ -1,7 +1,8 @@
 r"""KFAC Laplace: per layer :math:`(G_l \otimes A_l + \delta_l I)^{-1}` through the eigenbases of the factors.
 
-With :math:`A = U_A \operatorname{diag}(q) U_A^\top` and :math:`G(s) = \sum_k s_k G_k = U_G \operatorname{diag}(w)
-U_G^\top` (``docs/math.md``, "Curvature structures (KFAC, diagonal)"), the prior is added *exactly*, without damping:
+With :math:`A = U_A \operatorname{diag}(q) U_A^\top` and
+:math:`G(s) = \sum_k s_k G_k = U_G \operatorname{diag}(w) U_G^\top` (``docs/math.md``, "Curvature structures
+(KFAC, diagonal)"), the prior is added *exactly*, without damping:
 
 .. math::
     \Sigma_l = (G \otimes A + \delta_l I)^{-1} = (U_G \otimes U_A) \operatorname{diag}(\operatorname{vec} W)
@@ -59,7 +60,8 @@ class KroneckerBlock:
         layer: the layer.
         group: its prior group.
         index: flat positions of :math:`\Theta`, ``(d_out, d_a)``.
-        input_factor: :math:`A`; ``input_eigenvalues`` :math:`q` and ``input_basis`` :math:`U_A` (computed once).
+        input_factor: :math:`A`; ``input_eigenvalues`` :math:`q` and ``input_basis`` :math:`U_A` (computed
+            once).
         output_factors: :math:`G_k`, ``(K, d_out, d_out)``; with ``K = 1`` also its eigenvalues and basis.
     """
 
@@ -94,8 +96,8 @@ class KFACLaplace(WeightPosterior):
         y: training targets.
         likelihood: a supported likelihood; its noise or temperature at each later call sets :math:`s`.
         prior_precision: :math:`\delta`, a float or one per group.
-        prior_structure: ``"layer"`` (default) or ``"network"`` or a mapping that keeps each layer's weight and
-            bias in one group (one Kronecker block per layer).
+        prior_structure: ``"layer"`` (default) or ``"network"`` or a mapping that keeps each layer's weight
+            and bias in one group (one Kronecker block per layer).
         damping: use the damped Kronecker product instead of the exact prior (module docstring).
         batch_size: examples per batch of the curvature pass.
         progress: show a tqdm bar.
@@ -103,7 +105,8 @@ class KFACLaplace(WeightPosterior):
         chunk_size: examples per chunk at prediction time.
 
     Example:
-        >>> posterior = KFACLaplace(net, x, y, SoftmaxLikelihood(10), prior_precision=torch.tensor([1.0, 2.0]))
+        >>> delta = torch.tensor([1.0, 2.0])                 # one per layer
+        >>> posterior = KFACLaplace(net, x, y, SoftmaxLikelihood(10), prior_precision=delta)
         >>> posterior.glm_covariance(x_test).shape          # (N, C, C), never a P×P matrix
         torch.Size([1000, 10, 10])
     """
@@ -141,7 +144,8 @@ class KFACLaplace(WeightPosterior):
         input_shape: tuple[int, ...] | None = None,
         chunk_size: int = 256,
     ) -> KFACLaplace:
-        """The posterior of a KFAC curvature already computed (e.g. the one whose evidence chose :math:`\\delta`).
+        """The posterior of a KFAC curvature already computed (e.g. the one whose evidence chose
+        :math:`\\delta`).
 
         Args:
             curvature: ``compute_curvature(net, ..., structure="kfac")`` at the network's current weights.

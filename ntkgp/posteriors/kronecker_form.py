@@ -11,9 +11,9 @@ unfolded patches, :math:`t` the location) and :math:`\bar a = [a; 1]` (the 1 onl
 a ``(d_out, d_a)`` matrix in the row-major order of :math:`\operatorname{vec}(\Theta)` (output index major),
 the order of the KFAC blocks of :mod:`ntkgp.curvature`. With one location it is the outer product
 :math:`\gamma_{nc} \bar a_n^\top` (:math:`a_{l-1} \otimes g_l` in the review of GLM-predictive estimators,
-``docs/predictive.md``), so the GLM closed forms need :math:`\bar a` and :math:`\gamma` only. Both come from ntkgp's one layer-feature machinery
-(:mod:`ntkgp.ntk.features`: one forward pass with hooks, :math:`C` backward passes, one safety rule,
-layers verified against autograd on a probe example).
+``docs/predictive.md``), so the GLM closed forms need :math:`\bar a` and :math:`\gamma` only. Both come
+from ntkgp's one layer-feature machinery (:mod:`ntkgp.ntk.features`: one forward pass with hooks,
+:math:`C` backward passes, one safety rule, layers verified against autograd on a probe example).
 """
 
 from __future__ import annotations
@@ -84,7 +84,8 @@ def structured_layers(
 def kronecker_features(
     fn: NetworkFunction, x: Tensor, layers: Sequence[Layer]
 ) -> dict[str, tuple[Tensor, Tensor]]:
-    r"""For a prepared batch ``x``: per layer :math:`\bar a` ``(n, d_a, T)`` and :math:`\gamma` ``(n, C, d_out, T)``."""
+    r"""For a prepared batch ``x``: per layer :math:`\bar a` ``(n, d_a, T)`` and :math:`\gamma`
+    ``(n, C, d_out, T)``."""
     features = layer_features(fn.net, fn.params(), list(layers), x)
     out = {}
     for layer in layers:
@@ -97,7 +98,8 @@ def kronecker_features(
 
 
 def layer_jacobian(a: Tensor, gamma: Tensor) -> Tensor:
-    r"""The per-example layer Jacobians :math:`\sum_t \gamma_{nct} \bar a_{nt}^\top`, ``(n, C, d_out, d_a)``."""
+    r"""The per-example layer Jacobians :math:`\sum_t \gamma_{nct} \bar a_{nt}^\top`,
+    ``(n, C, d_out, d_a)``."""
     return torch.einsum("ncot,nit->ncoi", gamma, a)
 
 

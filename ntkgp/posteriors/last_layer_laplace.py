@@ -1,4 +1,5 @@
-r"""Last-layer Laplace: a full Laplace posterior over the parameters of one layer, the others fixed at :math:`\theta^*`."""
+r"""Last-layer Laplace: a full Laplace posterior over the parameters of one layer, the others fixed at
+:math:`\theta^*`."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from .full_laplace import FullLaplace
 
 
 class LastLayerLaplace(FullLaplace):
-    r"""The full Laplace posterior over the last layer's weight and bias; all other weights stay at :math:`\theta^*`.
+    r"""The full Laplace posterior over the last layer's weight and bias; all other weights stay at
+    :math:`\theta^*`.
 
     For a last ``nn.Linear`` layer :math:`f = W \phi(x) + b` the Jacobian is
     :math:`J(x) = I_C \otimes [\phi(x)^\top, 1]`, so :math:`P = C (d + 1)` is small even for a large network

@@ -1,4 +1,5 @@
-r"""The network as a function of (a subset of) its weights, :math:`\theta \mapsto f(x; \theta)`, at :math:`\theta^*`.
+r"""The network as a function of (a subset of) its weights, :math:`\theta \mapsto f(x; \theta)`, at
+:math:`\theta^*`.
 
 Everything a weight-space posterior needs from the network: outputs, outputs at perturbed weights
 :math:`f(x; \theta^* + \eta)`, per-example Jacobians :math:`J(x) = \partial f / \partial \theta` and

@@ -1,5 +1,6 @@
-"""The one place where the posteriors read :mod:`ntkgp.curvature`: computing a KFAC or diagonal curvature and
-taking its pieces (Kronecker factors per layer, diagonals) through the curvature objects' public attributes."""
+"""The one place where the posteriors read :mod:`ntkgp.curvature`: computing a KFAC or diagonal curvature
+and taking its pieces (Kronecker factors per layer, diagonals) through the curvature objects' public
+attributes."""
 
 from __future__ import annotations
 
