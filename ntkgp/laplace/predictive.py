@@ -1,16 +1,27 @@
 r"""The GLM predictive covariance as a lazy ``LinearOperator`` evaluated in chunks of test points.
 
-For test inputs :math:`X_*` (``M`` points, ``C`` outputs) the Laplace-GGN predictive covariance is
-:math:`K_{**} - A A^\top` with :math:`A = K_{*X} L R^{-\top}` (:class:`~ntkgp.laplace.SitePosterior`). Neither
-:math:`K_{**}` (``(MC)²``) nor :math:`A` (``M·C × N·k``) is stored: every method computes what it needs chunk
-by chunk, so that the memory of one evaluation is bounded by a constant times
+For test inputs :math:`X_*` (``M`` points, ``C`` outputs) the Laplace-GGN predictive covariance
+:math:`J_* H^{-1} J_*^\top` is evaluated in the space its :class:`~ntkgp.laplace.SitePosterior` was
+factorized in (:func:`~ntkgp.laplace.posterior_space`, docs/math.md, "GLM predictive"):
+
+* weight space: the sum of squares :math:`A A^\top`, :math:`A = J_* P_0^{-1/2} R^{-1}` (never negative, in any
+  precision);
+* function space: the difference :math:`K_{**} - A A^\top`, :math:`A = K_{*X} L R^{-\top}`. It is exact in
+  exact arithmetic, but it cancels when the posterior variance is much smaller than the prior variance
+  :math:`K_{**}`: in float32 the error is of order :math:`10^{-7}\kappa(B)\,K_{**}`. Variances that come out
+  negative by rounding are set to zero with a :class:`~linear_operator.utils.warnings.NumericalWarning`
+  (docs/guarantees.md, "Predictive variances").
+
+Neither :math:`K_{**}` (``(MC)²``) nor :math:`A` (``M·C × N·k`` or ``M·C × P``) is stored: every method computes
+what it needs chunk by chunk, so that the memory of one evaluation is bounded by a constant times
 ``chunk_size · C · N · C`` numbers (docs/ntkgp.md, "Prediction at scale") whatever ``M`` is:
 
-* :meth:`~GLMPredictiveCovariance.diagonal` (what ``.variance`` reads): per chunk the cross-Gram
-  :math:`K_{cX}`, the root :math:`A_c` and the prior diagonal;
+* :meth:`~GLMPredictiveCovariance.diagonal` (what ``.variance`` reads): per chunk the root :math:`A_c` (and in
+  function space the cross-Gram :math:`K_{cX}` and the prior diagonal);
 * ``__getitem__`` with tensor indices (e.g. the per-point ``C × C`` blocks of
   :func:`ntkgp.likelihoods.output_covariance_blocks`): only the points the indices touch;
-* ``matmul``: two passes over the chunks (:math:`A^\top v`, then :math:`K_{**} v - A (A^\top v)`);
+* ``matmul``: two passes over the chunks (:math:`A^\top v`, then :math:`[K_{**} v] - A (A^\top v)` or
+  :math:`A (A^\top v)`);
 * ``to_dense``: the ``(MC)²`` matrix, built block by block.
 
 Batches: inputs ``(*batch, n, D)`` give a ``(*batch, n·C, n·C)`` operator (the joint covariance within each
@@ -20,12 +31,15 @@ batch element, as GPyTorch's batch semantics require).
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
 from linear_operator.operators import LinearOperator
+from linear_operator.utils.warnings import NumericalWarning
 
 from ..kernels import NTKKernel
+from ..options import Space
 from .site_posterior import SitePosterior
 
 __all__ = ["GLMPredictiveCovariance", "PredictiveContext"]
@@ -65,10 +79,30 @@ class PredictiveContext:
             return t.reshape(-1, c, *t.shape[1:])[:, idx].reshape(-1, *t.shape[1:])
         return t.reshape(t.shape[0], -1, c)[:, :, idx].reshape(t.shape[0], -1)
 
+    @property
+    def weight_space(self) -> bool:
+        """Whether the covariance is the sum of squares ``A Aᵀ`` (weight space) rather than ``K_** − A Aᵀ``."""
+        return self.posterior.space is Space.WEIGHT
+
     def root(self, xs: torch.Tensor) -> torch.Tensor:
-        """``A`` for the points ``xs`` ``(m, D)``, kept outputs only: ``(m·C', N·k)``."""
+        """``A`` for the points ``xs`` ``(m, D)``, kept outputs only: ``(m·C', N·k)`` or ``(m·C', P)``."""
+        if self.weight_space:
+            return self.posterior.weight_root(self.keep(self.kernel.jacobian(xs)))
         cross = self.kernel(xs, self.train_x).to_dense().to(self.posterior.dtype)
         return self.posterior.variance_root(self.keep(cross))
+
+    def variance(self, xs: torch.Tensor) -> torch.Tensor:
+        """The predictive variances at ``xs`` for the kept outputs, ``(m·C',)``, never negative."""
+        root = self.root(xs)
+        if self.weight_space:
+            return root.square().sum(-1)
+        return nonnegative(self.prior_diagonal(xs) - root.square().sum(-1))
+
+    def covariance_block(self, xa: torch.Tensor, xb: torch.Tensor, ra: torch.Tensor, rb: torch.Tensor) -> torch.Tensor:
+        """The covariance between ``xa`` and ``xb`` from their roots ``ra``, ``rb``: ``[K(xa, xb)] − ra rbᵀ`` or ``ra rbᵀ``."""
+        if self.weight_space:
+            return ra @ rb.mT
+        return self.prior_block(xa, xb) - ra @ rb.mT
 
     def prior_diagonal(self, xs: torch.Tensor) -> torch.Tensor:
         """``diag K(xs, xs)`` for the kept outputs, ``(m·C',)``."""
@@ -83,8 +117,25 @@ class PredictiveContext:
         return [(s, min(s + self.chunk_size, m)) for s in range(0, m, self.chunk_size)]
 
 
+def nonnegative(variances: torch.Tensor) -> torch.Tensor:
+    """Variances of the function-space difference ``K_** − A Aᵀ`` with rounding below zero set to zero (warned)."""
+    negative = variances.detach() < 0
+    if negative.any():
+        warnings.warn(
+            f"{int(negative.sum())} GLM predictive variances came out negative by cancellation in "
+            f"{variances.dtype} (largest {variances.detach().min().item():.3g}) and were set to 0: the "
+            "function-space form K** − A Aᵀ loses precision when the posterior variance is much smaller than the "
+            "prior variance; space='weight' computes a sum of squares instead (docs/guarantees.md)",
+            NumericalWarning,
+            stacklevel=4,
+        )
+        return variances.clamp_min(0)
+    return variances
+
+
 class GLMPredictiveCovariance(LinearOperator):
-    r"""The Laplace-GGN predictive covariance :math:`K_{**} - K_{*X} L B^{-1} L^\top K_{X*}` at test inputs ``x``.
+    r"""The Laplace-GGN predictive covariance :math:`J_* H^{-1} J_*^\top = K_{**} - K_{*X} L B^{-1} L^\top K_{X*}` at
+    test inputs ``x`` (a sum of squares in weight space; see the module docstring for the function-space form).
 
     Args:
         x: test inputs ``(*batch, n, D)`` as the kernel takes them (in the network's dtype).
@@ -118,15 +169,14 @@ class GLMPredictiveCovariance(LinearOperator):
         points = self._points()
         parts = []
         for s, e in ctx.chunks(points.shape[0]):
-            xs = points[s:e]
-            parts.append(ctx.prior_diagonal(xs) - ctx.root(xs).square().sum(-1))
+            parts.append(ctx.variance(points[s:e]))
         return torch.cat(parts).reshape(*self.batch_shape, -1)
 
     def _dense_single(self, x: torch.Tensor) -> torch.Tensor:
         ctx = self.context
         chunks = ctx.chunks(x.shape[0])
         # keep the roots A_j when they are no larger than the result (N·k ≤ n·C'), else recompute them
-        store = len(chunks) == 1 or ctx.posterior.chol.shape[0] <= x.shape[0] * ctx.num_kept
+        store = len(chunks) == 1 or ctx.posterior.rank <= x.shape[0] * ctx.num_kept
         stored = [ctx.root(x[s:e]) for s, e in chunks] if store else None
         rows = []
         for i, (s, e) in enumerate(chunks):
@@ -134,9 +184,13 @@ class GLMPredictiveCovariance(LinearOperator):
             blocks = []
             for j, (s2, e2) in enumerate(chunks):
                 root_j = stored[j] if store else (root_i if j == i else ctx.root(x[s2:e2]))
-                blocks.append(ctx.prior_block(x[s:e], x[s2:e2]) - root_i @ root_j.mT)
+                blocks.append(ctx.covariance_block(x[s:e], x[s2:e2], root_i, root_j))
             rows.append(torch.cat(blocks, dim=-1))
-        return torch.cat(rows, dim=-2)
+        dense = torch.cat(rows, dim=-2)
+        if ctx.weight_space:
+            return dense
+        diagonal = dense.diagonal()
+        return dense - torch.diag_embed(diagonal - nonnegative(diagonal))
 
     def to_dense(self) -> torch.Tensor:
         """The full ``(*batch, n·C, n·C)`` matrix (memory ``(n·C)²`` per batch element)."""
@@ -153,9 +207,9 @@ class GLMPredictiveCovariance(LinearOperator):
         for s, e in chunks:  # first pass: Aᵀ v
             at_rhs = at_rhs + ctx.root(x[s:e]).mT @ rhs[s * c : e * c]
         out = []
-        for s, e in chunks:  # second pass: K_** v − A (Aᵀ v), row chunk by row chunk
-            prior = ctx.prior_block(x[s:e], x) @ rhs
-            out.append(prior - ctx.root(x[s:e]) @ at_rhs)
+        for s, e in chunks:  # second pass: K_** v − A (Aᵀ v) (or A (Aᵀ v)), row chunk by row chunk
+            low_rank = ctx.root(x[s:e]) @ at_rhs
+            out.append(low_rank if ctx.weight_space else ctx.prior_block(x[s:e], x) @ rhs - low_rank)
         return torch.cat(out, dim=-2)
 
     def _matmul(self, rhs: torch.Tensor) -> torch.Tensor:
@@ -205,15 +259,21 @@ class GLMPredictiveCovariance(LinearOperator):
                 unique, inv = torch.unique(pr, return_inverse=True)
                 xs = points[unique]
                 root = ctx.root(xs)
-                prior = self._point_blocks(xs)
-                value = prior[inv, orow, ocol] - (root[inv * c + orow] * root[inv * c + ocol]).sum(-1)
+                value = (root[inv * c + orow] * root[inv * c + ocol]).sum(-1)
+                if not ctx.weight_space:
+                    value = self._point_blocks(xs)[inv, orow, ocol] - value
+                    on_diagonal = orow == ocol
+                    value = torch.where(on_diagonal, nonnegative(torch.where(on_diagonal, value, 0)), value)
             else:
                 unique, inv = torch.unique(torch.cat([pr, pc]), return_inverse=True)
                 ir, ic = inv[: pr.shape[0]], inv[pr.shape[0] :]
                 xs = points[unique]
                 root = ctx.root(xs)
-                prior = ctx.prior_block(xs, xs)
-                value = prior[ir * c + orow, ic * c + ocol] - (root[ir * c + orow] * root[ic * c + ocol]).sum(-1)
+                value = (root[ir * c + orow] * root[ic * c + ocol]).sum(-1)
+                if not ctx.weight_space:
+                    value = ctx.prior_block(xs, xs)[ir * c + orow, ic * c + ocol] - value
+                    on_diagonal = (ir == ic) & (orow == ocol)
+                    value = torch.where(on_diagonal, nonnegative(torch.where(on_diagonal, value, 0)), value)
             values.append(value)
         return torch.cat(values).reshape(shape)
 
