@@ -241,3 +241,20 @@ def test_validation_names_the_argument():
     _, soft, xs, ys, _ = case("softmax")
     with pytest.raises(ValueError, match="link"):
         predict(FullLaplace(mlp(3, 4, 3, depth=2), xs, ys, soft), x_test, link="exact")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("structure", ["full_ggn", "kfac", "diag_ggn"])
+def test_posteriors_and_every_method_on_cuda(structure):
+    net, lik, x, y, x_test = case("softmax")
+    posterior = laplace_posterior(net, x, y, lik, structure=structure, prior_precision=0.7)
+    cpu = predict(posterior, x_test).f.variance
+    device = torch.device("cuda")
+    net_gpu = mlp(3, 4, 3, depth=2, seed=1).to(device)
+    gpu_posterior = laplace_posterior(
+        net_gpu, x.to(device), y.to(device), lik.to(device), structure=structure, prior_precision=0.7
+    )
+    close(predict(gpu_posterior, x_test.to(device)).f.variance.cpu(), cpu, 1e-8)
+    for method in ("glm_mc", "mc_glm", "nn_sampling"):
+        pred = predict(gpu_posterior, x_test.to(device), method=method, num_samples=16, link="mc")
+        assert pred.probs.device.type == "cuda" and torch.isfinite(pred.probs).all()
