@@ -133,7 +133,8 @@ class StateGuard:
                 "the network's weights changed after this SFR model was built; its dual statistics were "
                 "accumulated at the old weights, so it no longer describes the network: build a new SFR"
             )
-        if not torch.equal(inducing_points, self.inducing_points):
+        current_z = inducing_points.detach().to(dtype=self.inducing_points.dtype, device=self.inducing_points.device)
+        if current_z.shape != self.inducing_points.shape or not torch.equal(current_z, self.inducing_points):
             raise RuntimeError(
                 "sfr.inducing_points was modified in place; the statistics belong to the old inducing inputs: "
                 "build a new SFR with inducing_points=..."

@@ -120,8 +120,8 @@ class PredictiveTerms:
     def _jacobian_terms(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Route with a graph: :math:`K_{Zx}` per system, prior blocks and :math:`J(x)` from Jacobians."""
         n, c = x.shape[0], self.num_outputs
-        jac = self.engine.jacobian(x).view(n, c, -1)
-        jz = self.z_jacobian()
+        jac = self.engine.jacobian(x).view(n, c, -1).to(self.state.weights)
+        jz = self.z_jacobian().to(self.state.weights)
         jz = jz.view(-1, c, jz.shape[-1])
         weighted = jac * self._column_weights()
         if self.coupling is OutputCoupling.JOINT:
@@ -135,10 +135,14 @@ class PredictiveTerms:
         """Route without a graph: :math:`K_{Zx}` per system and prior blocks from the engine's Grams."""
         grams, diag = system_grams_and_diagonal(self.engine, self.inducing_points, x, self.coupling)
         weights = self.state.weights
-        return torch.einsum("g,gbkr->bkr", weights, grams), torch.einsum("g,gnij->nij", weights, diag)
+        cross_t = torch.einsum("g,gbkr->bkr", weights, grams.to(weights))
+        return cross_t, torch.einsum("g,gnij->nij", weights, diag.to(weights))
 
     def _means(self, x: Tensor, jac: Tensor | None) -> Tensor:
-        """Prior mean (``"gp"``) or network output (``"nn"``), ``(b, C)``."""
+        """Prior mean (``"gp"``) or network output (``"nn"``), ``(b, C)``, in the model's dtype."""
+        return self._network_means(x, jac).to(self.state.weights)
+
+    def _network_means(self, x: Tensor, jac: Tensor | None) -> Tensor:
         if jac is None:
             f = self.engine.outputs(x)
             if self.predictive_mean is PredictiveMean.NN:
@@ -150,8 +154,8 @@ class PredictiveTerms:
             return f
         if self.mean is PriorMean.ZERO:
             return torch.zeros_like(f)
-        theta = torch.cat([p.reshape(-1) for p in params.values()])
-        return f - (jac @ theta).reshape(f.shape)
+        theta = torch.cat([p.reshape(-1) for p in params.values()]).to(jac)
+        return f.to(jac) - (jac @ theta).reshape(f.shape)
 
     def cross(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
         """:math:`K_{Zx}` per system ``(nb, K, R)``, the prior blocks ``(b, C, C)`` and :math:`J(x)` (or ``None``)."""
@@ -186,21 +190,22 @@ class PredictiveTerms:
         the output-diagonal blocks only, by ``C`` masked right-hand sides in one product."""
         weights = self.state.weights
         if self.coupling is OutputCoupling.JOINT or self.num_outputs == 1:
-            return self.engine.matvec(x, rhs, weights)
+            return self.engine.matvec(x, rhs, weights).to(rhs)
         n, c, k = x.shape[0], self.num_outputs, rhs.shape[-1]
         eye = torch.eye(c, dtype=rhs.dtype, device=rhs.device)
         masked = torch.einsum("nck,cd->ncdk", rhs.view(n, c, k), eye).reshape(n * c, c * k)
-        out = self.engine.matvec(x, masked, weights).view(n, c, c, k)
+        out = self.engine.matvec(x, masked, weights).to(rhs).view(n, c, c, k)
         return out.diagonal(dim1=1, dim2=2).permute(0, 2, 1).reshape(n * c, k)
 
     def prior_dense(self, x: Tensor) -> Tensor:
         r"""The prior covariance :math:`K_{xx}`, ``(b·C, b·C)`` interleaved (output-diagonal blocks if independent)."""
         n, c = x.shape[0], self.num_outputs
+        weights = self.state.weights
         if self.with_graph(x):
-            jac = self.engine.jacobian(x)
+            jac = self.engine.jacobian(x).to(weights)
             prior = (jac * self._column_weights()) @ jac.T
         else:
-            prior = torch.einsum("g,gij->ij", self.state.weights, self.engine.group_grams(x))
+            prior = torch.einsum("g,gij->ij", weights, self.engine.group_grams(x).to(weights))
         if self.coupling is OutputCoupling.INDEPENDENT and c > 1:
             mask = torch.eye(c, dtype=torch.bool, device=prior.device).repeat(n, n)
             prior = prior * mask

@@ -196,3 +196,22 @@ def test_observation_noise_needs_a_gaussian_likelihood():
     sfr, xs = model("softmax", 3, "joint", "linearized")
     with pytest.raises(ValueError, match="Gaussian likelihood"):
         sfr.posterior(xs[None], observation_noise=True)
+
+
+def test_batched_classification_predictive_and_dtype_conversion():
+    from ntkgp.likelihoods import SoftmaxLikelihood
+    from tests.helpers import mlp
+
+    net, x, y, _, xs = problem("softmax", 3, n=16)
+    net32 = mlp(3, 6, 3, depth=2, seed=0).float()
+    net32.load_state_dict({k: v.float() for k, v in net.state_dict().items()})
+    sfr = SFR(net32, x.float(), y, SoftmaxLikelihood(3), num_inducing=6)
+    xb = torch.randn(2, 4, 3, generator=torch.Generator().manual_seed(6))
+    probs = sfr.likelihood(sfr(xb)).probs
+    assert probs.shape == (2, 4, 3)
+    assert rel_err(probs[1], sfr.likelihood(sfr(xb[1])).probs) < 1e-6
+    before = sfr(xs)
+    sfr.double()  # the model's buffers and hyperparameters; the network stays float32
+    after = sfr(xs)
+    assert after.mean.dtype == torch.float64 and next(net32.parameters()).dtype == torch.float32
+    assert rel_err(after.mean, before.mean.double()) < 1e-4 and rel_err(after.variance, before.variance.double()) < 1e-3
