@@ -16,11 +16,21 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..curvature import compute_curvature
+from ..distributed import (
+    all_gather_rows,
+    all_reduce_max,
+    all_reduce_sum,
+    broadcast_,
+    check_distributed,
+    rank,
+    together,
+)
 from ..kernels import NTKKernel
 from ..likelihoods import hyperparameter_values, is_gaussian, likelihood_temperature, log_likelihood, noise_variance
 from ..models import NTKGP
 from ..ntk import GroupSpec
 from ..options import Structure, choose, renamed_argument
+from .weight_space import weight_space_curvature
 
 #: The sane range of every prior precision δ_g; outside it training warns and keeps the last sane values.
 PRIOR_PRECISION_RANGE = (1e-8, 1e8)
@@ -87,12 +97,17 @@ def _positive_float(value: object, argument: str) -> float:
     return float(value)
 
 
-def _curvature(net, x, y, likelihood, structure, prior_structure, batch_size, input_shape):
-    """``compute_curvature`` with the prior-structure keyword it takes (``prior_structure=`` or ``groups=``)."""
+def _curvature(net, x, y, likelihood, structure, prior_structure, batch_size, input_shape, distributed=False):
+    """``compute_curvature`` with the prior-structure keyword it takes (``prior_structure=`` or ``groups=``); with
+    ``distributed``, the full structures in weight space (:mod:`~ntkgp.training.weight_space`)."""
+    if structure in (Structure.FULL_GGN, Structure.FULL_EF):
+        return weight_space_curvature(net, x, y, likelihood, "ggn" if structure is Structure.FULL_GGN else "ef",
+                                      prior_structure, batch_size, False, input_shape, distributed)
     params = inspect.signature(compute_curvature).parameters
     key = "prior_structure" if "prior_structure" in params else "groups"
+    extra = {"distributed": True} if distributed else {}
     return compute_curvature(net, x, y, likelihood, structure=structure.value, batch_size=batch_size,
-                             progress=False, input_shape=input_shape, **{key: prior_structure})
+                             progress=False, input_shape=input_shape, **{key: prior_structure}, **extra)
 
 
 def _out_of_range(model: NTKGP, target_variance: float) -> list[str]:
@@ -138,6 +153,7 @@ def train_marglik(
     curvature_batch_size: int = 256,
     seed: int = 0,
     progress: bool = True,
+    distributed: bool = False,
     **kwargs,
 ) -> MarglikResult:
     r"""Train ``net`` on its MAP objective while learning the hyperparameters by the Laplace evidence.
@@ -185,7 +201,16 @@ def train_marglik(
         learn_likelihood: also learn the likelihood's hyperparameters.
         curvature_batch_size: examples per batch of the curvature pass.
         seed: seed of the per-epoch shuffle.
-        progress: a tqdm bar over epochs (with the latest evidence).
+        progress: a tqdm bar over epochs (with the latest evidence); rank 0 only with ``distributed``.
+        distributed: data-parallel over an initialized ``torch.distributed`` process group, as
+            ``DistributedDataParallel``: every rank makes the same call with its shard of the data
+            (:func:`ntkgp.distributed.shard`); the network's weights and buffers are first broadcast from
+            rank 0; each MAP step sums the gradients of every rank's batch (``batch_size`` is per rank; the
+            ranks take the same number of steps per epoch, a rank that runs out of batches contributing
+            nothing); the evidence's sums over the data are all-reduced (the full structures in weight
+            space, :mod:`~ntkgp.training.weight_space`); every rank ends with the same weights and
+            hyperparameters, those of one process on all the data for ``batch_size=None``
+            (docs/scaling.md, "Several processes and GPUs").
 
     Returns:
         A :class:`MarglikResult`.
@@ -211,19 +236,25 @@ def train_marglik(
         raise TypeError(f"optimizer must be an optimizer class (callable), got {optimizer!r}")
     if not isinstance(learn_likelihood, bool) or not isinstance(progress, bool):
         raise TypeError("learn_likelihood and progress must be bools")
+    distributed = check_distributed(distributed)
+    broadcast_([*net.parameters(), *net.buffers()], enabled=distributed)  # replicated, as DDP does
     # Builds the kernel and checks every row of train_x, the outputs and the targets: no side effect on net.
-    model = NTKGP(net, train_x, train_y, likelihood, prior_precision=prior_precision, prior_structure=prior_structure,
-                  chunk_size=curvature_batch_size)
+    with together("checking the training data", distributed):
+        model = NTKGP(net, train_x, train_y, likelihood, prior_precision=prior_precision,
+                      prior_structure=prior_structure, chunk_size=curvature_batch_size)
     model.train()
     engine = model.covar_module.engine
     x_flat = model.train_x
     x = engine.prepare(x_flat, "train_x")
     y = model.train_y
-    n = x.shape[0]
-    batch = n if batch_size is None else min(batch_size, n)
+    n_local = x.shape[0]
+    n = int(all_reduce_sum(torch.tensor([n_local], device=engine.device), distributed).item())
+    batch = n_local if batch_size is None else min(batch_size, n_local)
+    steps = all_reduce_max(-(-n_local // batch), distributed)  # MAP steps per epoch, the same on every rank
     target_variance = 1.0
     if is_gaussian(likelihood):
-        target_variance = max(float(y.to(x.dtype).var(dim=0, unbiased=False).mean()) if n > 1 else 1.0, 1e-12)
+        y_all = all_gather_rows(y, distributed)
+        target_variance = max(float(y_all.to(x.dtype).var(dim=0, unbiased=False).mean()) if n > 1 else 1.0, 1e-12)
 
     params = dict(net.named_parameters())
     trainable = [params[name] for name in engine.groups.names]
@@ -231,6 +262,7 @@ def train_marglik(
     theta_opt = optimizer(trainable, lr=lr)
     hypers = list(model.covar_module.parameters()) + (list(likelihood.parameters()) if learn_likelihood else [])
     hypers = [p for p in hypers if p.requires_grad]
+    broadcast_(hypers, enabled=distributed)
 
     def new_hyper_optimizer() -> torch.optim.Optimizer:
         return torch.optim.Adam(hypers, lr=hyper_lr)
@@ -244,21 +276,43 @@ def train_marglik(
         prior = sum(0.5 * delta[g] * p.pow(2).sum() for p, g in zip(trainable, group_of))
         return (prior - fit) / n
 
+    def distributed_step(idx: torch.Tensor) -> float:
+        """One MAP step on every rank's batch: the data term's gradients summed over the ranks (as DDP)."""
+        theta_opt.zero_grad()
+        fit = torch.zeros((), dtype=x.dtype, device=x.device)
+        if len(idx):
+            fit = log_likelihood(likelihood, net(x[idx]), y[idx]).sum()
+            (-fit).backward()
+        grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in trainable]
+        sums = torch.stack([fit.detach(), torch.tensor(float(len(idx)), dtype=x.dtype, device=x.device)])
+        all_reduce_sum(grads + [sums])
+        fit_sum, count = sums.tolist()
+        delta = model.covar_module.prior_precision.detach()
+        prior = sum(0.5 * delta[g] * p.pow(2).sum() for p, g in zip(trainable, group_of)) / n
+        for p, grad in zip(trainable, grads):
+            p.grad = grad / count  # ∇ of -fit · (n / B) / n
+        prior.backward()
+        theta_opt.step()
+        return (prior.item() - fit_sum / count) * count / n
+
     def evidence_fn() -> Callable[[], torch.Tensor]:
-        if structure in (Structure.FULL_GGN, Structure.FULL_EF):
+        if structure in (Structure.FULL_GGN, Structure.FULL_EF) and not distributed:
             curvature = "ggn" if structure is Structure.FULL_GGN else "ef"
             return lambda: model.log_marginal_likelihood(curvature=curvature)
-        curv = _curvature(net, x, y, likelihood, structure, prior_structure, curvature_batch_size, engine.input_shape)
+        curv = _curvature(net, x, y, likelihood, structure, prior_structure, curvature_batch_size, engine.input_shape,
+                          distributed)
         evaluate = getattr(curv, "log_marginal_likelihood", None) or curv.log_evidence
         return lambda: evaluate(model.covar_module.prior_precision, likelihood)
 
     best = {"value": -float("inf"), "epoch": -1, "state": None, "hypers": None}
     history, losses = [], []
-    bar = tqdm(range(1, epochs + 1), desc="marglik training", disable=not progress)
+    bar = tqdm(range(1, epochs + 1), desc="marglik training", disable=not progress or rank() != 0)
     for epoch in bar:
         total = 0.0
-        order = torch.randperm(n, generator=generator).to(engine.device)
-        for s in range(0, n, batch):
+        order = torch.randperm(n_local, generator=generator).to(engine.device)
+        for step in range(steps if distributed else 0):
+            total += distributed_step(order[step * batch : (step + 1) * batch])
+        for s in range(0, n if not distributed else 0, batch):
             idx = order[s : s + batch]
             theta_opt.zero_grad()
             loss = map_loss(x[idx], y[idx])
@@ -300,6 +354,7 @@ def train_marglik(
                 HyperparameterWarning,
                 stacklevel=2,
             )
+        broadcast_(hypers, enabled=distributed)  # the ranks computed the same steps; make it exact
         try:
             with torch.no_grad():
                 value = evidence().item() / n
