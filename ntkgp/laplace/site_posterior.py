@@ -34,9 +34,11 @@ from .algebra import block_apply, site_cholesky
 from .evidence import curvature_factor
 
 __all__ = [
+    "LOW_PRECISION_WEIGHT_FACTOR",
     "MAX_NEWTON_STEPS",
     "SitePosterior",
     "SiteIterationWarning",
+    "damped_newton",
     "fit_site_posterior",
     "posterior_space",
     "site_mode",
@@ -155,22 +157,69 @@ class SitePosterior:
         return torch.linalg.solve_triangular(self.chol, phi, upper=True, left=False)
 
 
-def posterior_space(kernel: NTKKernel, num_rows: int) -> Space:
-    r"""Where the site posterior is factorized: :func:`ntkgp.options.choose_space` on the kernel's ``space``.
+#: In lower precision than float64, ``"auto"`` takes weight space up to ``P ≤ LOW_PRECISION_WEIGHT_FACTOR · N·k``.
+LOW_PRECISION_WEIGHT_FACTOR = 2
 
-    ``"auto"`` gives weight space when :math:`P < N k` (``num_rows``): the ``P²`` factorization is the smaller
-    one. A kernel with a batch of prior precisions always uses function space.
+
+def posterior_space(kernel: NTKKernel, num_rows: int, dtype: torch.dtype | None = None) -> Space:
+    r"""Where the site posterior is factorized, from the kernel's ``space`` (``"auto"``, ``"function"``, ``"weight"``).
+
+    ``"auto"`` is :func:`ntkgp.options.choose_space`: weight space when :math:`P < N k` (``num_rows``), the
+    smaller factorization. In a precision lower than float64 (``dtype``) it also takes weight space up to
+    :math:`P \le 2 N k` (at most about three times the flops): the function-space variance is a difference
+    that loses every digit in float32 on ill-conditioned problems, the weight-space one is a sum of squares
+    (docs/guarantees.md, "Predictive variances"). A kernel with a batch of prior precisions always uses
+    function space.
     """
     if kernel.batch_shape != torch.Size([]):
         return Space.FUNCTION
-    return choose_space(kernel.space, kernel.engine.num_params, num_rows)
+    num_params = kernel.engine.num_params
+    space = choose_space(kernel.space, num_params, num_rows)
+    low_precision = dtype is not None and torch.finfo(dtype).eps > torch.finfo(torch.float64).eps
+    if kernel.space == Space.AUTO and low_precision and num_params <= LOW_PRECISION_WEIGHT_FACTOR * num_rows:
+        return Space.WEIGHT
+    return space
 
 
-def _log_joint(
-    likelihood: Likelihood, y: torch.Tensor, m: torch.Tensor, a: torch.Tensor, ka: torch.Tensor, c: int
-) -> torch.Tensor:
-    r""":math:`\Psi(a) = \sum_n \log p(y_n \mid m_n + (K a)_n) - \tfrac12 a^\top K a` (the log joint up to a constant)."""
-    return log_likelihood(likelihood, (m + ka).reshape(-1, c), y).sum() - 0.5 * a @ ka
+def damped_newton(
+    first: tuple[torch.Tensor, ...],
+    target: Callable[[tuple[torch.Tensor, ...]], tuple[torch.Tensor, ...]],
+    objective: Callable[[tuple[torch.Tensor, ...]], torch.Tensor],
+    max_steps: int = MAX_NEWTON_STEPS,
+) -> tuple[tuple[torch.Tensor, ...], int, bool]:
+    r"""Maximize a concave objective by Newton steps with a backtracking line search.
+
+    An iterate is a tuple of tensors whose last entry is the vector of function values :math:`f` (everything
+    in it is linear in the parameters, so iterates are interpolated entry by entry). ``target(state)`` is the
+    full Newton step's destination; the step is halved until ``objective`` does not decrease. The iteration
+    stops when the full step moves no entry of :math:`f` by more than :math:`\sqrt{\epsilon}\,(1 + \max|f|)`.
+    Close to the optimum (steps below :math:`\epsilon^{1/4}(1 + \max|f|)`), where the objective no longer
+    resolves the steps, full steps are taken (Newton converges quadratically there).
+
+    Returns:
+        The last iterate, the number of Newton steps and whether the tolerance was met.
+    """
+    tol = math.sqrt(torch.finfo(first[-1].dtype).eps)
+    state, value = first, objective(first)
+    steps = 0
+    for steps in range(1, max_steps + 1):
+        new = target(state)
+        scale = 1.0 + state[-1].abs().max()
+        move = (new[-1] - state[-1]).abs().max()
+        if move <= tol * scale:
+            return new, steps, True
+        local = bool(move <= tol**0.5 * scale)
+        t = 1.0
+        while t >= 2**-30:
+            trial = tuple(a + t * (b - a) for a, b in zip(state, new))
+            trial_value = objective(trial)
+            if torch.isfinite(trial_value) and (trial_value >= value - 1e-12 * value.abs() or (local and t == 1.0)):
+                break
+            t /= 2
+        if t < 2**-30:  # no ascent along the Newton direction: the objective does not resolve the step any more
+            return state, steps, bool(move <= tol**0.5 * scale)
+        state, value = trial, trial_value
+    return state, steps, False
 
 
 def site_mode(
@@ -182,7 +231,7 @@ def site_mode(
     apply_gram: Callable[[torch.Tensor], torch.Tensor],
     max_steps: int = MAX_NEWTON_STEPS,
 ) -> SitePosterior:
-    r"""Newton's method with a backtracking line search for the mode of the linearized model's log joint.
+    r"""The site posterior at the mode of the linearized model's log joint, by damped Newton steps.
 
     In the parametrization :math:`f = m + K a` (GPML, Algorithm 3.1, with a prior mean) the objective
 
@@ -190,11 +239,10 @@ def site_mode(
         \Psi(a) = \sum_n \log p(y_n \mid f_n) - \tfrac12 a^\top K a
 
     is concave for the logistic, softmax and Gaussian likelihoods, and its maximizer is the mode of
-    :math:`p(f_X \mid y)` under the GP prior :math:`GP(m, K)` (the linearized network's log joint in function
-    space). The first iterate is the one-step posterior with sites at ``start`` (the network's outputs); every
-    further Newton target is the site posterior with sites at the current :math:`f`, reached by halving the step
-    until :math:`\Psi` does not decrease. It stops when the full Newton step moves no :math:`f_n` by more than
-    :math:`\sqrt{\epsilon}\,(1 + \max|f|)`; the returned posterior has its sites at the last iterate.
+    :math:`p(f_X \mid y)` under the GP prior :math:`GP(m, K)`: the linearized network's log joint in function
+    space. The first iterate is the one-step posterior with sites at ``start`` (the network's outputs); every
+    Newton target is the site posterior with its sites at the current :math:`f` (:func:`damped_newton`). The
+    returned posterior has its sites at the last iterate.
 
     Args:
         likelihood: the likelihood.
@@ -209,41 +257,23 @@ def site_mode(
         The site posterior at the mode (``sites`` and ``newton_steps`` filled in).
 
     Warns:
-        SiteIterationWarning: when ``max_steps`` are used up or the line search cannot improve :math:`\Psi`
-            any more before the tolerance is met (the last iterate is used).
+        SiteIterationWarning: when the tolerance is not met within ``max_steps`` (the last iterate is used).
     """
     c = start.shape[-1]
     m = prior_mean.reshape(-1)
-    tol = math.sqrt(torch.finfo(start.dtype).eps)
-    post = fit(start)
-    a = post.weights
-    ka = apply_gram(a)
-    value = _log_joint(likelihood, y, m, a, ka, c)
-    steps = 0
-    converged = False
-    for steps in range(1, max_steps + 1):
-        f = (m + ka).reshape(-1, c)
-        post = fit(f)
-        a_new = post.weights
-        ka_new = apply_gram(a_new)
-        scale = 1.0 + f.abs().max()
-        if (ka_new - ka).abs().max() <= tol * scale:
-            converged = True
-            break
-        # close to the mode Newton converges quadratically and Ψ no longer resolves the steps: take them whole
-        local = bool((ka_new - ka).abs().max() <= tol**0.5 * scale)
-        t = 1.0
-        while True:
-            a_t, ka_t = a + t * (a_new - a), ka + t * (ka_new - ka)
-            value_t = _log_joint(likelihood, y, m, a_t, ka_t, c)
-            if torch.isfinite(value_t) and (value_t >= value - 1e-12 * value.abs() or (local and t == 1.0)):
-                break
-            t /= 2
-            if t < 2**-30:
-                break
-        if t < 2**-30:  # no ascent along the Newton direction (Ψ not resolved any more)
-            break
-        a, ka, value = a_t, ka_t, value_t
+
+    def state_of(post: SitePosterior) -> tuple[torch.Tensor, torch.Tensor]:
+        a = post.weights
+        return a, m + apply_gram(a)
+
+    def target(state: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        return state_of(fit(state[1].reshape(-1, c)))
+
+    def objective(state: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        a, f = state
+        return log_likelihood(likelihood, f.reshape(-1, c), y).sum() - 0.5 * a @ (f - m)
+
+    state, steps, converged = damped_newton(state_of(fit(start)), target, objective, max_steps)
     if not converged:
         warnings.warn(
             f"the Newton iteration of the sites stopped after {steps} steps without converging; the last iterate "
@@ -251,7 +281,7 @@ def site_mode(
             SiteIterationWarning,
             stacklevel=3,
         )
-    sites = (m + ka).reshape(-1, c)
+    sites = state[1].reshape(-1, c)
     post = fit(sites)
     post.sites = sites
     post.newton_steps = steps
@@ -290,9 +320,11 @@ def fit_site_posterior(
     """
     prior_mean = prior_mean.reshape(f.shape)
     factor_at = curvature_factor(likelihood, f, y, "ggn")
-    space = posterior_space(kernel, factor_at.shape[0] * factor_at.shape[-1]) if space is None else choose_space(
-        space, kernel.engine.num_params, factor_at.shape[0] * factor_at.shape[-1]
-    )
+    rows = factor_at.shape[0] * factor_at.shape[-1]
+    if space is None:
+        space = posterior_space(kernel, rows, f.dtype)
+    else:
+        space = choose_space(space, kernel.engine.num_params, rows)
     if space is Space.WEIGHT:
         scale = kernel.column_weights(-0.5).to(f)
         root = kernel.jacobian(x).to(f) * scale
