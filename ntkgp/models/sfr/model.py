@@ -17,6 +17,7 @@ from ...caching import ValueCache
 from ...distributed import check_distributed, check_replicated, together
 from ...kernels import NTKKernel
 from ...likelihoods import num_outputs as likelihood_outputs
+from ...likelihoods import validate_targets
 from ...ntk import GroupSpec, NTKEngine
 from ...options import (
     InducingMethod,
@@ -31,6 +32,7 @@ from .covariance import SparsePosteriorCovariance, per_batch_factors
 from .data import InputLayout, StateGuard, check_inputs, positive_int, stream_statistics, training_batches
 from .distributed import choose_inducing_inputs_distributed
 from .inducing_points import choose_inducing_inputs
+from .iterated import iterated_statistics
 from .predictive import PosteriorState, PredictiveTerms
 from .statistics import system_grams
 from .whitening import inducing_factors, whitened_factors
@@ -272,31 +274,68 @@ class SFR(GP):
         self._guard.check(self.engine, self.inducing_points)
 
     # ------------------------------------------------------------------ conditioning on new data
-    def update(self, x_new: Tensor | Iterable[tuple[Tensor, Tensor]], y_new: Tensor | None = None) -> SFR:
+    def update(
+        self, x_new: Tensor | Iterable[tuple[Tensor, Tensor]], y_new: Tensor | None = None, iterate: bool | None = None
+    ) -> SFR:
         r"""Condition on new data: add its terms to :math:`B_u`, :math:`\tilde y_u` (the old data are not read).
 
-        ``f``, ``g``, :math:`\Lambda` come from the network at :math:`\theta^*`; ``Z`` is unchanged. The result
-        equals building SFR on the union of the data with the same ``Z``; cost ``O(b (MC)^2 + (MC)^3)``.
-        A model built with ``distributed=True`` takes each rank's shard of the new data (every rank calls).
+        ``Z`` is unchanged and the network is not retrained. Where the new points' Gaussian sites sit
+        (docs/sfr.md, "Updates"):
+
+        * ``iterate=False`` (one step), and always for a Gaussian likelihood (exact sites): at the network's
+          outputs :math:`f(x;\theta^*)`, as for the training data. The result equals building SFR on the union
+          of the data with the same ``Z``; cost ``O(b (MC)^2 + (MC)^3)``. Classification points that the
+          network gets confidently wrong overshoot (the step uses the curvature at θ*).
+        * ``iterate=True`` (default for classification): at the mode of the sparse model's log joint given the
+          old sites, by damped Newton steps (:mod:`~ntkgp.models.sfr.iterated`), at the current prior
+          precisions and temperature; a few ``(MC)^3`` solves more, and the new data are held in memory
+          during the call.
 
         Args:
             x_new: inputs ``(b, ...)``, or an iterable of ``(x, y)`` batches (then ``y_new=None``).
             y_new: targets.
+            iterate: iterate the new sites to the mode (``None``: the default, ``True``).
 
         Returns:
             ``self``. All batches are checked and summed aside first: a bad batch leaves the model unchanged.
+
+        Raises:
+            TypeError: for a non-bool ``iterate`` and invalid inputs; ValueError: for invalid inputs and targets.
         """
-        with together("SFR.update", self.distributed):
-            self._check_state()
-            if torch.is_tensor(x_new) and y_new is None:
-                raise ValueError("y_new is required when x_new is a tensor")
+        if iterate is None:
+            iterate = True
+        if not isinstance(iterate, bool):
+            raise TypeError(f"iterate must be True, False or None, got {iterate!r}")
+        self._check_state()
+        if torch.is_tensor(x_new) and y_new is None:
+            raise ValueError("y_new is required when x_new is a tensor")
+        if iterate and not self.statistics.gaussian:
+            new = self._iterated_statistics(x_new, y_new)
+        else:
             new = stream_statistics(
                 self.engine, self.likelihood, self.inducing_points, self.output_coupling, self.prior_mean,
                 training_batches(x_new, y_new, "new"), self._layout, self._rows_per_step(), "new", self.progress,
             )
-        self.statistics.add_(new.all_reduce_(self.distributed))
+        self.statistics.add_(new)
         self._updates += 1
         return self
+
+    def _iterated_statistics(self, x_new, y_new):
+        """The new data's statistics with their sites at the mode (all batches checked and held in memory)."""
+        xs, ys = [], []
+        for bx, by in training_batches(x_new, y_new, "new"):
+            xs.append(self.engine.prepare(self._layout.check(bx, "new_x")[0], "new_x"))
+            ys.append(validate_targets(self.likelihood, by, self.num_outputs, num_data=bx.shape[0], name="new_y"))
+        if not xs:
+            raise ValueError("new_x holds no data")
+        with torch.no_grad():
+            weights = self.covar_module.prior_precision.reciprocal().detach()
+            slots = self.statistics.slot_weights(self.likelihood).detach()
+            kzz = self._inducing(weights).kzz
+        return iterated_statistics(
+            self.engine, self.likelihood, self.inducing_points, self.output_coupling, self.prior_mean,
+            torch.cat(xs), torch.cat(ys), self.statistics, kzz, weights, slots, self._rows_per_step(),
+        )
 
     # ------------------------------------------------------------------ posterior factors
     def _key(self) -> Tensor:

@@ -1,0 +1,136 @@
+r"""Iterated sites for :meth:`SFR.update <ntkgp.models.sfr.SFR.update>`: the new points' sites at the mode.
+
+SFR keeps the data it has seen only as their Gaussian sites, projected on the inducing inputs
+(:math:`B_{old}`, :math:`\tilde y_{old}`). New points with a classification likelihood get their sites at the mode
+of the sparse model's log joint, in the parametrization :math:`f(x) = m(x) + K_{xZ}\alpha` (docs/sfr.md,
+"Updates"):
+
+.. math::
+    \Psi(\alpha) = \sum_{n \in \text{new}} \log p(y_n \mid m_n + K_{nZ}\alpha)
+        - \tfrac12 \alpha^\top (K_{ZZ} + B_{old}) \alpha + \alpha^\top \tilde y_{old},
+
+(the DTC prior :math:`u = K_{ZZ}\alpha \sim N(0, K_{ZZ})` times the old sites), concave for the logistic and
+softmax likelihoods. Its Newton step with the new points' sites at :math:`f` is the SFR posterior mean after
+adding those sites, :math:`\alpha^+ = (K_{ZZ} + B_{old} + B_{new}(f))^{-1} (\tilde y_{old} + \tilde y_{new}(f))`;
+the first iterate puts the sites at the network's outputs (the one-step update) and
+:func:`~ntkgp.laplace.site_posterior.damped_newton` takes it from there. The old sites stay where they are
+(their data are gone): this is the mode of the sparse model given the old sites, not of the union. The
+prior precisions, noise and temperature of the call are used; the sites are then fixed like any others.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from gpytorch.likelihoods import Likelihood
+from torch import Tensor
+
+from ...laplace.site_posterior import SiteIterationWarning, damped_newton
+from ...likelihoods import gradient, hessian, log_likelihood, validate_targets
+from ...linalg import cholesky
+from ...ntk import NTKEngine
+from ...options import OutputCoupling, PriorMean
+from .data import prior_mean
+from .statistics import DualStatistics, system_grams_and_diagonal
+
+__all__ = ["iterated_statistics"]
+
+
+def _cross(engine: NTKEngine, z: Tensor, x: Tensor, coupling: OutputCoupling, weights: Tensor, rows: int) -> Tensor:
+    """:math:`K_{Zx}` per system at group weights ``weights``: ``(1, M·C, b·C)`` or ``(C, M, b)``."""
+    parts = []
+    for s in range(0, x.shape[0], rows):
+        grams, _ = system_grams_and_diagonal(engine, z, x[s : s + rows], coupling, with_diagonal=False)
+        parts.append(torch.einsum("g,gbkr->bkr", weights, grams.to(weights)))
+    return torch.cat(parts, dim=-1)  # the points of x are consecutive columns (interleaved for joint coupling)
+
+
+def iterated_statistics(
+    engine: NTKEngine,
+    likelihood: Likelihood,
+    z: Tensor,
+    coupling: OutputCoupling,
+    mean: PriorMean,
+    x: Tensor,
+    y: Tensor,
+    statistics: DualStatistics,
+    kzz: Tensor,
+    weights: Tensor,
+    slots: Tensor,
+    rows: int,
+) -> DualStatistics:
+    r"""Fresh :class:`DualStatistics` of the new points ``(x, y)`` with their sites at the mode of :math:`\Psi`.
+
+    Args:
+        engine: the NTK engine.
+        likelihood: the model's likelihood (not Gaussian).
+        z: inducing inputs ``(M, *example)``.
+        coupling: output coupling.
+        mean: prior mean.
+        x: the new inputs, prepared ``(b, *example)``; y: their targets.
+        statistics: the model's statistics so far (read only).
+        kzz: :math:`K_{ZZ}` per system ``(nb, K, K)`` at ``weights``.
+        weights: group weights :math:`1/\delta` ``(G,)``; slots: the slot weights.
+        rows: points per accumulation step.
+
+    Warns:
+        SiteIterationWarning: when the Newton iteration stops before it converged (the last iterate is used).
+    """
+    dtype = statistics.precision.dtype
+    weights, slots, kzz = weights.to(dtype), slots.to(dtype), kzz.to(dtype)
+    with torch.no_grad():
+        f0 = torch.cat([engine.outputs(x[s : s + rows]) for s in range(0, x.shape[0], rows)]).to(dtype)
+        b, c = f0.shape
+        y = validate_targets(likelihood, y, c, num_data=b, name="y_new").to(device=f0.device)
+        m = torch.cat([prior_mean(engine, x[s : s + rows], f0[s : s + rows].to(engine.dtype), mean) for s in range(0, b, rows)]).to(dtype)
+        b_old, y_old = statistics.projected(weights, slots)
+        cross = _cross(engine, z, x, coupling, weights, rows)  # (nb, K, R)
+        joint = coupling is OutputCoupling.JOINT
+        size = cross.shape[1]
+
+        def values(alpha: Tensor) -> Tensor:  # f = m + K_xZ α, (b, C)
+            if joint:
+                return m + (cross[0].mT @ alpha[0]).view(b, c)
+            return m + torch.einsum("ckb,ck->bc", cross, alpha)
+
+        def target(state: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+            f = state[1].view(b, c)
+            lam, g = hessian(likelihood, f, y), gradient(likelihood, f, y)
+            if joint:
+                per_point = cross[0].view(size, b, c)
+                r = torch.einsum("nij,nj->ni", lam, f - m) + g
+                b_new = torch.einsum("knc,ncd,lnd->kl", per_point, lam, per_point)[None]
+                y_new = (cross[0] @ r.reshape(-1))[None]
+            else:
+                lam = lam.diagonal(dim1=-2, dim2=-1)  # (b, C)
+                r = lam * (f - m) + g
+                b_new = torch.einsum("ckn,nc,cln->ckl", cross, lam, cross)
+                y_new = torch.einsum("ckn,nc->ck", cross, r)
+            system = kzz + b_old + b_new
+            factor = cholesky(0.5 * (system + system.mT), "K_ZZ + B_u (the updated SFR system)")
+            alpha = torch.cholesky_solve((y_old + y_new).unsqueeze(-1), factor).squeeze(-1)
+            return alpha, values(alpha).reshape(-1)
+
+        def objective(state: tuple[Tensor, Tensor]) -> Tensor:
+            alpha, f = state
+            quadratic = torch.einsum("bk,bkl,bl->", alpha, kzz + b_old, alpha)
+            return log_likelihood(likelihood, f.view(b, c), y).sum() - 0.5 * quadratic + (alpha * y_old).sum()
+
+        first = target((None, f0.reshape(-1)))
+        (alpha, f), steps, converged = damped_newton(first, target, objective)
+        if not converged:
+            warnings.warn(
+                f"SFR.update: the Newton iteration of the new sites stopped after {steps} steps without "
+                "converging; the last iterate is used",
+                SiteIterationWarning,
+                stacklevel=3,
+            )
+        sites = f.view(b, c)
+        new = DualStatistics(
+            statistics.num_groups, z.shape[0], c, coupling, statistics.gaussian, dtype, statistics.precision.device
+        )
+        for s in range(0, b, rows):
+            grams, diag = system_grams_and_diagonal(engine, z, x[s : s + rows], coupling)
+            new.accumulate(likelihood, grams.to(dtype), diag.to(dtype), sites[s : s + rows], m[s : s + rows], y[s : s + rows])
+    return new
