@@ -294,7 +294,9 @@ class SFR(GP):
         Args:
             x_new: inputs ``(b, ...)``, or an iterable of ``(x, y)`` batches (then ``y_new=None``).
             y_new: targets.
-            iterate: iterate the new sites to the mode (``None``: the default, ``True``).
+            iterate: iterate the new sites to the mode (``None``: the default, ``True``; ``False`` for a model
+                built with ``distributed=True``, which then takes each rank's shard of the new data and
+                supports the one-step update only).
 
         Returns:
             ``self``. All batches are checked and summed aside first: a bad batch leaves the model unchanged.
@@ -303,20 +305,23 @@ class SFR(GP):
             TypeError: for a non-bool ``iterate`` and invalid inputs; ValueError: for invalid inputs and targets.
         """
         if iterate is None:
-            iterate = True
+            iterate = not self.distributed
         if not isinstance(iterate, bool):
             raise TypeError(f"iterate must be True, False or None, got {iterate!r}")
-        self._check_state()
-        if torch.is_tensor(x_new) and y_new is None:
-            raise ValueError("y_new is required when x_new is a tensor")
-        if iterate and not self.statistics.gaussian:
-            new = self._iterated_statistics(x_new, y_new)
-        else:
-            new = stream_statistics(
-                self.engine, self.likelihood, self.inducing_points, self.output_coupling, self.prior_mean,
-                training_batches(x_new, y_new, "new"), self._layout, self._rows_per_step(), "new", self.progress,
-            )
-        self.statistics.add_(new)
+        if iterate and self.distributed and not self.statistics.gaussian:
+            raise ValueError("iterate=True is not data-parallel: a model built with distributed=True takes iterate=False")
+        with together("SFR.update", self.distributed):  # this rank's shard of the new data
+            self._check_state()
+            if torch.is_tensor(x_new) and y_new is None:
+                raise ValueError("y_new is required when x_new is a tensor")
+            if iterate and not self.statistics.gaussian:
+                new = self._iterated_statistics(x_new, y_new)
+            else:
+                new = stream_statistics(
+                    self.engine, self.likelihood, self.inducing_points, self.output_coupling, self.prior_mean,
+                    training_batches(x_new, y_new, "new"), self._layout, self._rows_per_step(), "new", self.progress,
+                )
+        self.statistics.add_(new.all_reduce_(self.distributed))
         self._updates += 1
         return self
 
