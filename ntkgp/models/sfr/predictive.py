@@ -6,8 +6,10 @@ For test inputs ``x`` (``b`` points) and the posterior factors of :mod:`~ntkgp.m
     \mu(x) = m(x) + K_{xZ}\,\alpha, \qquad
     \Sigma(x, x) = K_{xx} - V^\top V + (R^{-1}V)^\top (R^{-1}V), \quad V = W K_{Zx},
 
-with ``nb`` systems (one for ``"joint"`` coupling, ``C`` for ``"independent"``). :class:`PredictiveTerms`
-computes these for one chunk at a time, so that memory is ``O(b · C · K)`` per chunk (``K = M·C`` or ``M``).
+with ``nb`` systems (one for ``"joint"`` coupling, ``C`` for ``"independent"``). The variances are the
+Nyström residual :math:`\operatorname{diag}(K_{xx} - V^\top V) \ge 0`, clipped at zero where rounding makes it
+negative (it vanishes at the inducing inputs), plus the sum of squares :math:`\lVert R^{-1}V\rVert^2`: never
+negative. :class:`PredictiveTerms` computes these for one chunk at a time, so that memory is ``O(b · C · K)`` per chunk (``K = M·C`` or ``M``).
 
 **Two routes.** Without a graph to ``x`` the cross-Grams come from the NTK engine's Gram routines (layer
 features; no Jacobian). When ``x.requires_grad`` (and grad mode is on), they come from the test points'
@@ -180,7 +182,12 @@ class PredictiveTerms:
             correction = torch.einsum("bkr,bk->br", cross_t, self.state.factors.alpha)
             mean = mean + (correction.view(n, c) if self.coupling is OutputCoupling.JOINT else correction.T)
         low_z, low_s = self.state.factors.project(cross_t)
-        blocks = prior_blocks - point_outer(low_z, n, c) + point_outer(low_s, n, c)
+        # K_xx − VᵀV is the Nyström residual, a Schur complement ≥ 0 that cancels in rounding (it is 0 at Z):
+        # its diagonal is clipped at 0, so that the variances are that plus the sum of squares ‖R⁻¹V‖² ≥ 0
+        residual = prior_blocks - point_outer(low_z, n, c)
+        diagonal = residual.diagonal(dim1=-2, dim2=-1)
+        residual = residual + torch.diag_embed(diagonal.clamp_min(0) - diagonal)
+        blocks = residual + point_outer(low_s, n, c)
         return ChunkPrediction(mean=mean, blocks=blocks, low_rank_z=low_z, low_rank_s=low_s)
 
     # ------------------------------------------------------------------ the prior covariance of f(x)
