@@ -1,9 +1,10 @@
 """Run a function in several ``gloo`` processes on this machine and collect what each returns.
 
-``run(target, world)`` spawns ``world`` fresh processes (``torch.multiprocessing`` with the ``spawn`` start
-method), each initializing a ``gloo`` process group through a file store (no port to pick), calls
-``target(rank, world)`` (a ``"module:function"`` string) and returns the ranks' results. Everything is bounded
-by a timeout: a hung rank is killed and the test fails with each rank's error output.
+``run(target, world)`` starts ``world`` processes with ``torch.multiprocessing`` (``fork`` where the platform
+has it, so the children need not import torch and ntkgp again; ``spawn`` elsewhere). Each joins a ``gloo``
+process group through a file store (no port to pick), calls ``target(rank, world)`` (a ``"module:function"``
+string) and saves the result. Everything is bounded by a timeout: a hung rank is killed and the call fails
+with every rank's error output.
 """
 
 from __future__ import annotations
@@ -40,9 +41,11 @@ def _worker(rank: int, world: int, store: str, target: str, out: str) -> None:
             dist.destroy_process_group()
 
 
-def run(target: str, world: int = 2, timeout: float = 240.0) -> list:
+def run(target: str, world: int = 2, timeout: float = 240.0, start_method: str | None = None) -> list:
     """``[target(0, world), ..., target(world - 1, world)]``, each computed in its own process."""
-    context = mp.get_context("spawn")
+    if start_method is None:
+        start_method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+    context = mp.get_context(start_method)
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
         processes = [

@@ -46,7 +46,7 @@ def sfr_results(rank, world):
     sfr = SFR(net, loader, None, lik, num_inducing=9, prior_precision=torch.tensor([1.0, 2.0, 0.5]),
               output_coupling="joint", batch_size=5, distributed=distributed)
     out["joint"] = _sfr_summary(sfr, x_test)
-    sfr.update(*_part(rank, world, x_new, y_new))
+    sfr.update(*_part(rank, world, x_new, y_new), iterate=False)
     out["joint_updated"] = _sfr_summary(sfr, x_test)
     # Gaussian regression, C = 1, independent outputs, greedy-variance inducing inputs from a small pool
     x, y = _data(37, 3, seed=5)
@@ -164,6 +164,7 @@ def failures(rank, world):
     out["sfr_nan"] = _message(lambda: SFR(net, bad, ys, lik, num_inducing=4, distributed=True))
     sfr = SFR(net, xs, ys, lik, num_inducing=4, distributed=True)
     out["update_nan"] = _message(lambda: sfr.update(bad, ys))
+    out["update_iterate"] = _message(lambda: sfr.update(xs, ys, iterate=True))
     out["update_count"] = sfr.num_data  # unchanged by the failed update
     other = mlp(d_in=2, width=4, d_out=3, depth=1, seed=18 + rank)
     out["sfr_weights"] = _message(lambda: SFR(other, xs, ys, lik, num_inducing=4, distributed=True))

@@ -1,7 +1,7 @@
 """Data parallelism: 2 ``gloo`` processes, each with half the data, against one process on all the data.
 
-One spawn runs every scenario of :mod:`tests.distributed.scenarios` on both ranks (the processes' start-up
-dominates the cost); the single-process results are computed here. Every tensor must agree to 1e-10
+One start of the two processes runs every scenario of :mod:`tests.distributed.scenarios` on both ranks;
+the single-process results are computed here first. Every tensor must agree to 1e-10
 (float64), relative to its magnitude, on both ranks.
 """
 
@@ -21,8 +21,9 @@ def results():
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
     try:
-        ranks = run("tests.distributed.scenarios:everything", WORLD, timeout=600)
+        # one process first: the forked ranks then find torch's lazily imported modules loaded
         single = {name: getattr(scenarios, f"{name}_results")(None, WORLD) for name in ("sfr", "curvature", "marglik")}
+        ranks = run("tests.distributed.scenarios:everything", WORLD, timeout=600)
     finally:
         torch.set_default_dtype(default)
     return single, ranks
@@ -81,6 +82,8 @@ def test_failures_raise_on_every_rank(results):
         assert bad[case].startswith("ValueError") and "NaN" in bad[case], bad[case]
         assert good[case].startswith("RuntimeError") and "another rank" in good[case], good[case]
     assert bad["update_count"] == good["update_count"] == 20
+    for rank in ranks:  # the iterated update is not data-parallel: refused on every rank, before any collective
+        assert rank["failures"]["update_iterate"].startswith("ValueError: iterate=True is not data-parallel")
     for case in ("sfr_weights", "kfac_weights"):
         for rank in ranks:
             assert rank["failures"][case].startswith("ValueError") and "differ between ranks" in rank["failures"][case]
