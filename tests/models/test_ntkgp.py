@@ -113,7 +113,7 @@ def test_condition_on_equals_model_on_the_union(kind):
     net, x, y, lik, _ = make_problem(kind, n=16)
     delta = torch.tensor([0.5, 2.0, 4.0], dtype=torch.float64)
     model = ntkgp.NTKGP(net, x[:10], y[:10], lik, prior_precision=delta).eval()
-    updated = model.condition_on(x[10:], y[10:])
+    updated = model.condition_on(x[10:], y[10:], iterate=False)  # one-step sites: exactly the union
     union = ntkgp.NTKGP(net, x, y, lik, prior_precision=delta).eval()
     x_test = torch.randn(5, 3, dtype=torch.float64)
     with torch.no_grad():
@@ -321,7 +321,12 @@ def test_get_fantasy_model_for_every_variant(kind):
     net, x, y, lik, _ = make_problem(kind, n=16)
     model = ntkgp.NTKGP(net, x[:10], y[:10], lik).eval()
     fantasy = model.get_fantasy_model(x[10:], y[10:])
-    union = ntkgp.NTKGP(net, x, y, lik).eval()
+    # classification: the default of condition_on (iterated sites), checked against the brute-force mode in
+    # tests/models/test_iterated_sites.py; Gaussian: exactly the model on the union
+    if kind.startswith("regression"):
+        union = ntkgp.NTKGP(net, x, y, lik).eval()
+    else:
+        union = model.condition_on(x[10:], y[10:], iterate=True)
     x_test = torch.randn(5, 3, dtype=torch.float64)
     with torch.no_grad():
         assert rel_err(fantasy(x_test).mean, union(x_test).mean) < 1e-10
