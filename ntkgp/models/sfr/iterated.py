@@ -12,7 +12,8 @@ of the sparse model's log joint, in the parametrization :math:`f(x) = m(x) + K_{
 (the DTC prior :math:`u = K_{ZZ}\alpha \sim N(0, K_{ZZ})` times the old sites), concave for the logistic and
 softmax likelihoods. Its Newton step with the new points' sites at :math:`f` is the SFR posterior mean after
 adding those sites, :math:`\alpha^+ = (K_{ZZ} + B_{old} + B_{new}(f))^{-1} (\tilde y_{old} + \tilde y_{new}(f))`;
-the first iterate puts the sites at the network's outputs (the one-step update) and
+solved as SFR solves its posterior (:func:`~ntkgp.models.sfr.whitening.whitened_factors`); the first iterate puts
+the sites at the network's outputs (the one-step update) and
 :func:`~ntkgp.laplace.site_posterior.damped_newton` takes it from there. The old sites stay where they are
 (their data are gone): this is the mode of the sparse model given the old sites, not of the union. The
 prior precisions, noise and temperature of the call are used; the sites are then fixed like any others.
@@ -28,11 +29,11 @@ from torch import Tensor
 
 from ...laplace.site_posterior import SiteIterationWarning, damped_newton
 from ...likelihoods import gradient, hessian, log_likelihood, validate_targets
-from ...linalg import cholesky
 from ...ntk import NTKEngine
 from ...options import OutputCoupling, PriorMean
 from .data import prior_mean
 from .statistics import DualStatistics, system_grams_and_diagonal
+from .whitening import InducingFactors, whitened_factors
 
 __all__ = ["iterated_statistics"]
 
@@ -55,7 +56,7 @@ def iterated_statistics(
     x: Tensor,
     y: Tensor,
     statistics: DualStatistics,
-    kzz: Tensor,
+    inducing: InducingFactors,
     weights: Tensor,
     slots: Tensor,
     rows: int,
@@ -70,21 +71,25 @@ def iterated_statistics(
         mean: prior mean.
         x: the new inputs, prepared ``(b, *example)``; y: their targets.
         statistics: the model's statistics so far (read only).
-        kzz: :math:`K_{ZZ}` per system ``(nb, K, K)`` at ``weights``.
+        inducing: the factors of :math:`K_{ZZ}` per system at ``weights`` (:func:`~ntkgp.models.sfr.whitening.inducing_factors`).
         weights: group weights :math:`1/\delta` ``(G,)``; slots: the slot weights.
         rows: points per accumulation step.
 
     Warns:
         SiteIterationWarning: when the Newton iteration stops before it converged (the last iterate is used).
     """
-    dtype = statistics.precision.dtype
-    weights, slots, kzz = weights.to(dtype), slots.to(dtype), kzz.to(dtype)
+    kzz = inducing.kzz
+    dtype = kzz.dtype  # the model's dtype (the statistics are kept in theirs)
+    weights, slots = weights.to(dtype), slots.to(dtype)
     with torch.no_grad():
         f0 = torch.cat([engine.outputs(x[s : s + rows]) for s in range(0, x.shape[0], rows)]).to(dtype)
         b, c = f0.shape
         y = validate_targets(likelihood, y, c, num_data=b, name="y_new").to(device=f0.device)
-        m = torch.cat([prior_mean(engine, x[s : s + rows], f0[s : s + rows].to(engine.dtype), mean) for s in range(0, b, rows)]).to(dtype)
-        b_old, y_old = statistics.projected(weights, slots)
+        steps = range(0, b, rows)
+        m = torch.cat([prior_mean(engine, x[s : s + rows], f0[s : s + rows].to(engine.dtype), mean) for s in steps])
+        m = m.to(dtype)
+        kept = statistics.precision
+        b_old, y_old = (t.to(dtype) for t in statistics.projected(weights.to(kept), slots.to(kept)))
         cross = _cross(engine, z, x, coupling, weights, rows)  # (nb, K, R)
         joint = coupling is OutputCoupling.JOINT
         size = cross.shape[1]
@@ -107,9 +112,8 @@ def iterated_statistics(
                 r = lam * (f - m) + g
                 b_new = torch.einsum("ckn,nc,cln->ckl", cross, lam, cross)
                 y_new = torch.einsum("ckn,nc->ck", cross, r)
-            system = kzz + b_old + b_new
-            factor = cholesky(0.5 * (system + system.mT), "K_ZZ + B_u (the updated SFR system)")
-            alpha = torch.cholesky_solve((y_old + y_new).unsqueeze(-1), factor).squeeze(-1)
+            # the model's own solve (whitened, dropping K_ZZ's negligible directions: no jitter)
+            alpha = whitened_factors(inducing.kzz, b_old + b_new, y_old + y_new, inducing=inducing).alpha
             return alpha, values(alpha).reshape(-1)
 
         def objective(state: tuple[Tensor, Tensor]) -> Tensor:
@@ -127,10 +131,14 @@ def iterated_statistics(
                 stacklevel=3,
             )
         sites = f.view(b, c)
+        kept = statistics.precision.dtype
         new = DualStatistics(
-            statistics.num_groups, z.shape[0], c, coupling, statistics.gaussian, dtype, statistics.precision.device
+            statistics.num_groups, z.shape[0], c, coupling, statistics.gaussian, kept, statistics.precision.device
         )
         for s in range(0, b, rows):
             grams, diag = system_grams_and_diagonal(engine, z, x[s : s + rows], coupling)
-            new.accumulate(likelihood, grams.to(dtype), diag.to(dtype), sites[s : s + rows], m[s : s + rows], y[s : s + rows])
+            rows_ = slice(s, s + rows)
+            new.accumulate(
+                likelihood, grams.to(kept), diag.to(kept), sites[rows_].to(kept), m[rows_].to(kept), y[rows_]
+            )
     return new

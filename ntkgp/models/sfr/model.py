@@ -13,6 +13,7 @@ from gpytorch.likelihoods import Likelihood
 from gpytorch.models import GP
 from torch import Tensor, nn
 
+from ...botorch import BoTorchInterface, botorch_posterior
 from ...caching import ValueCache
 from ...distributed import check_distributed, check_replicated, together
 from ...kernels import NTKKernel
@@ -46,7 +47,7 @@ def _reset_after_load(module: SFR, incompatible_keys) -> None:
     module._guard = StateGuard.of(module.engine, module.inducing_points)
 
 
-class SFR(GP):
+class SFR(BoTorchInterface, GP):
     r"""Sparse function-space representation of a trained network: an inducing-point GP in closed form.
 
     The network's Laplace-GGN posterior, written with its dual parameters :math:`g_n`, :math:`\Lambda_n`
@@ -336,10 +337,10 @@ class SFR(GP):
         with torch.no_grad():
             weights = self.covar_module.prior_precision.reciprocal().detach()
             slots = self.statistics.slot_weights(self.likelihood).detach()
-            kzz = self._inducing(weights).kzz
+            inducing = self._inducing(weights)
         return iterated_statistics(
             self.engine, self.likelihood, self.inducing_points, self.output_coupling, self.prior_mean,
-            torch.cat(xs), torch.cat(ys), self.statistics, kzz, weights, slots, self._rows_per_step(),
+            torch.cat(xs), torch.cat(ys), self.statistics, inducing, weights, slots, self._rows_per_step(),
         )
 
     # ------------------------------------------------------------------ posterior factors
@@ -433,8 +434,6 @@ class SFR(GP):
             posterior_transform: applied to the result.
             **kwargs: passed to :meth:`forward` (``chunk_size``).
         """
-        from .botorch_posterior import botorch_posterior
-
         return botorch_posterior(self, X, output_indices, observation_noise, posterior_transform, **kwargs)
 
     # ------------------------------------------------------------------ evidence
