@@ -8,26 +8,50 @@ so that :class:`~ntkgp.NTKGP`, :class:`~ntkgp.mlls.LaplaceGGNMarginalLogLikeliho
 * :func:`laplace_log_marginal_likelihood` — :math:`\log q(\mathcal D)` in function or weight space;
 * :class:`SitePosterior`, :func:`fit_site_posterior` — the posterior under Gaussian sites;
 * :class:`GLMPredictiveCovariance` — the predictive covariance, lazy and chunked over test points;
-* :mod:`ntkgp.laplace.algebra` — block-diagonal site factors, :math:`\log|I + L^\top K L|`.
+* :mod:`ntkgp.laplace.algebra` — block-diagonal site factors, :math:`\log|I + L^\top K L|`;
+* :mod:`ntkgp.laplace.routes`, :mod:`ntkgp.laplace.eigen`, :mod:`ntkgp.laplace.matrix_free` — the routes of
+  the evidence's log-determinant (dense Cholesky, one eigendecomposition for one :math:`\delta`, GPyTorch's
+  CG + stochastic Lanczos quadrature on a matrix-free kernel) and their options (``docs/scaling.md``).
 """
 
 from .algebra import block_apply, block_sandwich, low_rank_log_det, site_cholesky
-from .evidence import column_weights, curvature_factor, laplace_log_marginal_likelihood, log_det_term, prior_term
+from .eigen import spectral_log_det
+from .evidence import (
+    column_weights,
+    curvature_factor,
+    evidence_method,
+    laplace_log_marginal_likelihood,
+    log_det_term,
+    prior_term,
+)
+from .kernel_products import NTKProducts
+from .matrix_free import LaplaceSiteOperator, MatrixFreeNTKOperator, NystromPreconditioner, matrix_free_log_det
 from .predictive import GLMPredictiveCovariance, PredictiveContext
+from .routes import DENSE_MEMORY_LIMIT, EvidenceMethod, EvidenceOptions
 from .site_posterior import SitePosterior, fit_site_posterior
 
 __all__ = [
+    "DENSE_MEMORY_LIMIT",
+    "EvidenceMethod",
+    "EvidenceOptions",
     "GLMPredictiveCovariance",
+    "LaplaceSiteOperator",
+    "MatrixFreeNTKOperator",
+    "NTKProducts",
+    "NystromPreconditioner",
     "PredictiveContext",
     "SitePosterior",
     "block_apply",
     "block_sandwich",
     "column_weights",
     "curvature_factor",
+    "evidence_method",
     "fit_site_posterior",
     "laplace_log_marginal_likelihood",
     "log_det_term",
     "low_rank_log_det",
+    "matrix_free_log_det",
     "prior_term",
     "site_cholesky",
+    "spectral_log_det",
 ]

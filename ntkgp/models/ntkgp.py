@@ -13,6 +13,7 @@ from gpytorch.models import GP, ExactGP
 from linear_operator.operators import DiagLinearOperator
 from torch import nn
 
+from ..botorch import BoTorchInterface, to_posterior
 from ..caching import ValueCache
 from ..kernels import NTKKernel
 from ..laplace import (
@@ -47,7 +48,7 @@ def _check_floating(x: object, argument: str) -> torch.Tensor:
     return x
 
 
-class NTKGP(GP):
+class NTKGP(BoTorchInterface, GP):
     r"""The Laplace-GGN posterior of a trained network, as a Gaussian process over its outputs.
 
     The linearized network :math:`f_{lin}(x) = f(x;\theta^*) + J(x)(\theta - \theta^*)` with prior
@@ -316,7 +317,12 @@ class NTKGP(GP):
 
     # ------------------------------------------------------------------ evidence
     def log_marginal_likelihood(
-        self, target: torch.Tensor | None = None, curvature: str = "ggn", space: str = "auto"
+        self,
+        target: torch.Tensor | None = None,
+        curvature: str = "ggn",
+        space: str = "auto",
+        method: str = "auto",
+        options=None,
     ) -> torch.Tensor:
         r"""The Laplace-GGN log marginal likelihood :math:`\log q(D)` (total, not divided by N).
 
@@ -327,9 +333,20 @@ class NTKGP(GP):
             target: targets (default: the training targets).
             curvature: ``"ggn"`` or ``"ef"`` (empirical Fisher).
             space: ``"auto"``, ``"function"`` or ``"weight"``.
+            method: ``"auto"``, ``"cholesky"``, ``"eigen"`` or ``"matrix_free"`` (``docs/scaling.md``).
+            options: an :class:`ntkgp.laplace.EvidenceOptions` (memory limit of ``"auto"``, settings of the
+                matrix-free route).
         """
         return laplace_log_marginal_likelihood(
-            self.covar_module, self.likelihood, self.train_x, self.train_outputs, self._targets(target), curvature, space
+            self.covar_module,
+            self.likelihood,
+            self.train_x,
+            self.train_outputs,
+            self._targets(target),
+            curvature,
+            space,
+            method=method,
+            options=options,
         )
 
     # ------------------------------------------------------------------ posterior in function space
@@ -377,8 +394,29 @@ class NTKGP(GP):
         posterior_transform=None,
         chunk_size: int | None = None,
         **kwargs,
+    ):
+        r"""BoTorch's ``Model.posterior``: the GLM predictive over :math:`f` at ``X`` as a ``GPyTorchPosterior``.
+
+        :meth:`predictive_distribution` wrapped by :func:`ntkgp.botorch.to_posterior` (BoTorch is imported
+        only here; ``pip install 'ntkgp[botorch]'``), then ``posterior_transform`` applied as BoTorch does.
+        ``X`` of shape ``(b, q, d)`` gives a posterior of mean ``(b, q, m)``.
+
+        Raises:
+            ImportError: without BoTorch.
+            TypeError, ValueError: as :meth:`predictive_distribution`.
+        """
+        dist = self.predictive_distribution(X, output_indices, observation_noise, chunk_size=chunk_size, **kwargs)
+        return to_posterior(dist, posterior_transform)
+
+    def predictive_distribution(
+        self,
+        X: torch.Tensor,
+        output_indices: Sequence[int] | None = None,
+        observation_noise: bool | torch.Tensor = False,
+        chunk_size: int | None = None,
+        **kwargs,
     ) -> MultivariateNormal:
-        r"""The GLM predictive over :math:`f` at ``X`` (BoTorch's ``Model.posterior`` signature).
+        r"""The GLM predictive over :math:`f` at ``X`` as a GPyTorch distribution (what eval-mode ``model(X)`` returns).
 
         Test points are processed in chunks of ``chunk_size``: the mean is computed at once (one
         cross-Gram per chunk), the covariance is a lazy
@@ -395,8 +433,6 @@ class NTKGP(GP):
             output_indices: the outputs to return (default all ``C``).
             observation_noise: ``True`` adds the Gaussian likelihood's noise variances; a tensor broadcastable
                 to the mean's shape ``(*batch, n, C')`` adds those variances. Gaussian likelihoods only.
-            posterior_transform: not applied here: it needs BoTorch's posterior objects (the BoTorch adapter
-                applies it); must be ``None``.
             chunk_size: test points per chunk (default :meth:`prediction_chunk`).
 
         Returns:
@@ -406,15 +442,9 @@ class NTKGP(GP):
         Raises:
             TypeError: for unknown keyword arguments or a non-floating ``X``.
             ValueError: for shapes, non-finite inputs, bad ``output_indices`` or ``observation_noise``.
-            NotImplementedError: for a ``posterior_transform``.
         """
         if kwargs:
-            raise TypeError(f"posterior got unexpected keyword arguments {sorted(kwargs)}")
-        if posterior_transform is not None:
-            raise NotImplementedError(
-                "posterior_transform needs BoTorch's posterior objects: apply it through the BoTorch adapter, "
-                "or transform the returned distribution yourself"
-            )
+            raise TypeError(f"predictive_distribution got unexpected keyword arguments {sorted(kwargs)}")
         x = self._flat_inputs(X, "X")
         outputs = self._output_indices(output_indices)
         chunk = self.prediction_chunk(chunk_size)
@@ -450,7 +480,7 @@ class NTKGP(GP):
         if not is_gaussian(self.likelihood):
             raise ValueError(
                 "observation_noise is defined for Gaussian likelihoods only; for class probabilities use "
-                "model.likelihood(model.posterior(x))"
+                "model.likelihood(model(x))"
             )
         return observation_noise
 
@@ -470,7 +500,7 @@ class NTKGP(GP):
 
     # ------------------------------------------------------------------ GPyTorch calls
     def _call_eval(self, x: torch.Tensor, **kwargs) -> MultivariateNormal:
-        return self.posterior(x, **kwargs)
+        return self.predictive_distribution(x, **kwargs)
 
     # ------------------------------------------------------------------ conditioning
     def _new_data(self, x_new: torch.Tensor, y_new: torch.Tensor, x_name: str, y_name: str) -> tuple[torch.Tensor, torch.Tensor]:
