@@ -44,7 +44,7 @@ def test_predictive_equals_dense_glm(kind):
     assert rel_err(cov, cov_ref) < 1e-8
     assert rel_err(pred.variance.reshape(-1), cov_ref.diagonal()) < 1e-8
     if kind != "regression1" and kind != "regression2":
-        assert rel_err(model.posterior(x_test).mean.reshape(-1).detach(), mean_ref) < 1e-8
+        assert rel_err(model.predictive_distribution(x_test).mean.reshape(-1).detach(), mean_ref) < 1e-8
 
 
 def test_classification_predictive_over_y_uses_probit():
@@ -231,7 +231,7 @@ def test_images_are_flattened_for_gpytorch():
 
 @pytest.mark.parametrize("kind", ["regression2", "softmax4"])
 def test_variances_never_form_the_test_gram(kind):
-    """``model.posterior(x)`` (what eval-mode ``LaplaceNTKGP`` calls return) keeps the covariance lazy."""
+    """``model.predictive_distribution(x)`` (what eval-mode ``LaplaceNTKGP`` calls return) keeps the covariance lazy."""
     net, x, y, lik, _ = make_problem(kind)
     model = ntkgp.NTKGP(net, x, y, lik).eval()
     engine = model.covar_module.engine
@@ -244,7 +244,7 @@ def test_variances_never_form_the_test_gram(kind):
     engine.group_grams = spy
     x_test = torch.randn(50, 3, dtype=torch.float64)
     with torch.no_grad():
-        variance = model.posterior(x_test).variance
+        variance = model.predictive_distribution(x_test).variance
         assert calls == [(12, None), (50, 12)]
         reference = model(x_test).covariance_matrix.diagonal()
     assert torch.allclose(variance.reshape(-1), reference, rtol=1e-9, atol=1e-14)
@@ -385,7 +385,7 @@ def test_batched_test_inputs_give_one_joint_per_batch_element(kind):
         assert pred.covariance_matrix.shape == (2, 3, 4 * c, 4 * c)
         for i in range(2):
             for j in range(3):
-                single = model.posterior(x_test[i, j])
+                single = model.predictive_distribution(x_test[i, j])
                 assert rel_err(pred.mean[i, j], single.mean) < 1e-12
                 assert rel_err(pred.covariance_matrix[i, j], single.covariance_matrix) < 1e-12
                 assert rel_err(pred.variance[i, j], single.variance) < 1e-12
@@ -471,10 +471,10 @@ def test_chunked_prediction_equals_one_chunk_and_bounds_the_cross_gram(kind):
         return original(x1, x2)
 
     with torch.no_grad():
-        whole = model.posterior(x_test, chunk_size=100)
+        whole = model.predictive_distribution(x_test, chunk_size=100)
         engine.group_grams = spy
         model.covar_module.clear_cache()
-        chunked = model.posterior(x_test, chunk_size=3)
+        chunked = model.predictive_distribution(x_test, chunk_size=3)
         mean, variance = chunked.mean, chunked.variance
         blocks = output_covariance_blocks(chunked)
         assert rows and max(rows) <= 3
@@ -500,32 +500,30 @@ def test_mc_class_probabilities_of_a_softmax_ntkgp():
     assert probs.shape == (6, 4) and torch.allclose(probs.sum(-1), torch.ones(6, dtype=torch.float64))
 
 
-def test_posterior_takes_botorch_keywords():
+def test_predictive_distribution_takes_botorch_keywords():
     net, x, y, lik, _ = make_problem("regression2")
     model = ntkgp.NTKGP(net, x, y, lik).eval()
     x_test = torch.randn(3, 5, 3, dtype=torch.float64)
     with torch.no_grad():
-        full = model.posterior(x_test)
-        noisy = model.posterior(X=x_test, output_indices=None, observation_noise=True, posterior_transform=None)
-        first = model.posterior(x_test, output_indices=[1])
-        given = model.posterior(x_test, observation_noise=torch.full((3, 5, 2), 0.1, dtype=torch.float64))
+        full = model.predictive_distribution(x_test)
+        noisy = model.predictive_distribution(X=x_test, output_indices=None, observation_noise=True)
+        first = model.predictive_distribution(x_test, output_indices=[1])
+        given = model.predictive_distribution(x_test, observation_noise=torch.full((3, 5, 2), 0.1, dtype=torch.float64))
     noise = lik.task_noises.detach()
     assert rel_err(noisy.variance, full.variance + noise) < 1e-12
     assert rel_err(given.variance, full.variance + 0.1) < 1e-12
     assert type(first) is gpytorch.distributions.MultivariateNormal and first.mean.shape == (3, 5)
     assert rel_err(first.mean, full.mean[..., 1]) < 1e-12
     assert rel_err(first.covariance_matrix, full.covariance_matrix[:, 1::2, 1::2]) < 1e-12
-    with pytest.raises(NotImplementedError, match="posterior_transform"):
-        model.posterior(x_test, posterior_transform=lambda p: p)
     with pytest.raises(TypeError, match="unexpected"):
-        model.posterior(x_test, bogus=1)
+        model.predictive_distribution(x_test, bogus=1)
     with pytest.raises(ValueError, match="output_indices"):
-        model.posterior(x_test, output_indices=[2])
+        model.predictive_distribution(x_test, output_indices=[2])
     with pytest.raises(ValueError, match="chunk_size"):
-        model.posterior(x_test, chunk_size=0)
+        model.predictive_distribution(x_test, chunk_size=0)
     binary, xb, yb, likb, _ = make_problem("binary")
     with pytest.raises(ValueError, match="observation_noise"):
-        ntkgp.NTKGP(binary, xb, yb, likb).eval().posterior(x_test, observation_noise=True)
+        ntkgp.NTKGP(binary, xb, yb, likb).eval().predictive_distribution(x_test, observation_noise=True)
 
 
 def test_inputs_are_validated_before_anything_is_built():
@@ -550,9 +548,9 @@ def test_inputs_are_validated_before_anything_is_built():
     with pytest.raises(ValueError, match="y_new"):
         model.condition_on(x[10:], y[:3])
     with pytest.raises(ValueError, match="X"):
-        model.posterior(torch.randn(4, 2, dtype=torch.float64))
+        model.predictive_distribution(torch.randn(4, 2, dtype=torch.float64))
     with pytest.raises(TypeError, match="X"):
-        model.posterior(torch.ones(4, 3, dtype=torch.long))
+        model.predictive_distribution(torch.ones(4, 3, dtype=torch.long))
 
 
 def test_deprecated_names_keep_working():
