@@ -9,12 +9,11 @@ has the output covariance
 
 an empirical NTK with one variance per weight (docs/fsvi.md, "The linearized covariance"). Unlike
 :class:`ntkgp.NTKEngine`, which works at fixed trained weights with one precision per group, everything here is
-a differentiable function of :math:`\theta` *and* :math:`v` (what FSVI trains), and :math:`J` is never formed
-for ``nn.Linear`` layers:
+a differentiable function of :math:`\theta` *and* :math:`v` (what FSVI trains). It uses the NTK engine's layer
+features (:mod:`ntkgp.ntk.features`, with ``graph=True``), so :math:`J` is never formed for linear layers:
 
-* **structured route** (every ``nn.Linear`` layer ``z = W a + b`` called once per forward pass on ``(N, d_in)``
-  inputs): with the back-propagated output gradients :math:`\gamma_{nc} = \partial f_c(x_n)/\partial z` and the
-  layer inputs :math:`a_n`,
+* **linear layers** ``z = W a + b`` on ``(N, d_in)`` inputs: with the back-propagated output gradients
+  :math:`\gamma_{nc} = \partial f_c(x_n)/\partial z` and the layer inputs :math:`a_n`,
 
   .. math::
       \Sigma_{(n,c),(m,d)} \mathrel{+}= \sum_i \gamma_{nc,i}\, \gamma_{md,i}
@@ -22,15 +21,12 @@ for ``nn.Linear`` layers:
 
   for weight variances :math:`S` and bias variances :math:`s_b`. The bracket is one GEMM over the pairs
   :math:`(n, m)` (only :math:`n \le m` for a symmetric covariance), cost :math:`\tfrac12 N^2 d_\text{in} d_\text{out}`,
-  then :math:`\tfrac12 (NC)^2 d_\text{out}` for the contraction with :math:`\gamma`. A variance that is one number
-  per tensor costs only :math:`\tfrac12 N^2 d_\text{in} + \tfrac12 (NC)^2 d_\text{out}` (the NTK's form).
-  ``a`` and :math:`\gamma` come from one forward pass with hooks and one batched backward pass over the ``C``
-  outputs, built with ``create_graph`` so that :math:`\Sigma` is differentiable in :math:`\theta`.
-* **contraction route** (every other parameter: convolutions, normalization layers, linear layers used more
-  than once or with weights shared): per-example Jacobians by ``torch.func.vmap(jacrev)``, contracted.
-
-Each linear layer is checked once, on a probe example, against autograd's Jacobian before it takes the
-structured route.
+  then :math:`(NC)^2 d_\text{out}` for the contraction with :math:`\gamma`. A variance that is one number per
+  tensor costs only :math:`N^2 d_\text{in} + (NC)^2 d_\text{out}` (the NTK's form).
+* **convolutions** (and linear layers on extra dimensions): per-example Jacobian blocks assembled from the same
+  features, :math:`\sum_t \Gamma_{nct} a_{nt}^\top`, then contracted.
+* **every other parameter** (normalization layers, layers that fail the engine's safety rule): per-example
+  Jacobians by ``torch.func.vmap(jacrev)``, contracted.
 """
 
 from __future__ import annotations
@@ -41,18 +37,21 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call, jacrev, vmap
 
 from ..ntk import check_eval_mode, check_inputs, check_outputs
+from ..ntk.features import Layer, candidate_layers, layer_features, layer_jacobians, verify_layers
+from ..ntk.functional import forward, per_example_jacobians
 
 Params = Mapping[str, Tensor]
 
 
 @dataclass
 class _Plan:
-    """Which parameters take the structured route (per ``nn.Linear`` module) and which are contracted."""
+    """The route of every parameter: linear layers in pair form, layers whose Jacobian blocks come from their
+    features, and parameters contracted from ``vmap(jacrev)`` Jacobians."""
 
-    structured: dict[str, dict[str, str]] = field(default_factory=dict)  # module -> {"weight"|"bias": name}
+    layers: list[Layer] = field(default_factory=list)  # every verified layer (features are computed for these)
+    pairs: list[Layer] = field(default_factory=list)  # the linear layers with one location: pair form
     generic: list[str] = field(default_factory=list)
     num_outputs: int = 0
 
@@ -61,8 +60,8 @@ class _Plan:
 class _Features:
     """Everything the covariance needs at one set of inputs.
 
-    ``inputs[m]`` is ``a`` ``(N, d_in)``, ``grads[m]`` is :math:`\\gamma` ``(N, C, d_out)`` per structured module;
-    ``jacobians[name]`` is ``(N, C, numel)`` per contracted parameter.
+    ``inputs[m]`` is ``a`` ``(N, d_in)`` and ``grads[m]`` is :math:`\\gamma` ``(N, C, d_out)`` per pair-form
+    layer; ``jacobians[name]`` is ``(N, C, numel)`` per other parameter.
     """
 
     outputs: Tensor
@@ -80,8 +79,8 @@ class LinearizedNetwork:
             eval mode. Held by reference and never modified (hooks are attached only during a call).
         input_shape: shape of one input as the network expects it; inputs arriving as flat ``(N, D)``
             matrices (GPyTorch's convention) are reshaped to ``(N, *input_shape)``.
-        strategy: ``"auto"`` (structured route for the linear layers that pass the probe check) or
-            ``"contraction"`` (Jacobians for every parameter; the reference route).
+        strategy: ``"auto"`` (layer features for the linear and convolution layers that pass the engine's
+            safety rule) or ``"contraction"`` (Jacobians for every parameter; the reference route).
         chunk_size: examples per chunk for the covariances used at prediction (memory bound).
 
     Raises:
@@ -103,7 +102,7 @@ class LinearizedNetwork:
             raise TypeError(f"net must be a torch.nn.Module, got {type(net).__name__}")
         if strategy not in self.STRATEGIES:
             raise ValueError(f"strategy must be one of {self.STRATEGIES}, got {strategy!r}")
-        if int(chunk_size) < 1:
+        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
             raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
         check_eval_mode(net)
         named = [(n, p) for n, p in net.named_parameters() if p.requires_grad]
@@ -111,10 +110,9 @@ class LinearizedNetwork:
             raise ValueError("net has no trainable parameters (all have requires_grad=False)")
         self.net = net
         self.names: tuple[str, ...] = tuple(n for n, _ in named)
-        self.shapes: dict[str, torch.Size] = {n: p.shape for n, p in named}
         self.input_shape = None if input_shape is None else tuple(int(s) for s in input_shape)
         self.strategy = strategy
-        self.chunk_size = int(chunk_size)
+        self.chunk_size = chunk_size
         self._plan: _Plan | None = None
 
     def __deepcopy__(self, memo: dict) -> LinearizedNetwork:
@@ -140,7 +138,7 @@ class LinearizedNetwork:
 
     def forward(self, params: Params, x: Tensor) -> Tensor:
         """``f(x; θ)`` of shape ``(N, C)`` for the trainable parameters ``params`` (differentiable in both)."""
-        f = functional_call(self.net, dict(params), (x,))
+        f = forward(self.net, dict(params), x)
         check_outputs(f, x.shape[0])
         return f
 
@@ -148,132 +146,50 @@ class LinearizedNetwork:
         """C (one forward pass of ``x[:1]`` the first time)."""
         return self.plan(params, x).num_outputs
 
-    # ------------------------------------------------------------------ which route for which parameter
-    def _linear_candidates(self) -> dict[str, dict[str, str]]:
-        """``nn.Linear`` modules whose trainable parameters are theirs alone (not shared with another module)."""
-        owners: dict[int, int] = {}
-        for _, module in self.net.named_modules(remove_duplicate=False):
-            for p in module.parameters(recurse=False):
-                owners[id(p)] = owners.get(id(p), 0) + 1
-        trainable = set(self.names)
-        candidates = {}
-        for name, module in self.net.named_modules():
-            if not isinstance(module, nn.Linear):
-                continue
-            kinds = {}
-            for kind in ("weight", "bias"):
-                p = getattr(module, kind)
-                full = f"{name}.{kind}" if name else kind
-                if p is not None and full in trainable:
-                    if owners.get(id(p), 0) != 1:
-                        kinds = {}
-                        break
-                    kinds[kind] = full
-            if kinds:
-                candidates[name] = kinds
-        return candidates
-
     def plan(self, params: Params, x: Tensor) -> _Plan:
-        """Decide the route of every parameter, checked once on the probe ``x[:1]``."""
+        """Decide the route of every parameter, checked once on the probe ``x[:1]`` (the engine's safety rule)."""
         if self._plan is not None:
             return self._plan
-        candidates = {} if self.strategy == "contraction" else self._linear_candidates()
-        probe = {n: p.detach().requires_grad_() for n, p in params.items()}
-        with torch.enable_grad():
-            feats, bad = self._capture(probe, x[:1], candidates, create_graph=False)
-        structured = {m: kinds for m, kinds in candidates.items() if m not in bad}
-        if structured:
-            names = [n for kinds in structured.values() for n in kinds.values()]
-            exact = self._jacobians(probe, x[:1], names)
-            keep = {}
-            for m, kinds in structured.items():
-                a, gam = feats.inputs[m][0], feats.grads[m][0]  # (d_in,), (C, d_out)
-                ok = True
-                for kind, n in kinds.items():
-                    approx = (gam[:, :, None] * a[None, None, :]).flatten(1) if kind == "weight" else gam
-                    ref = exact[n][0]
-                    tol = 1e-4 if ref.dtype == torch.float32 else 1e-9
-                    ok &= bool(torch.allclose(approx, ref, rtol=tol, atol=tol * (1 + ref.abs().max().item())))
-                if ok:
-                    keep[m] = kinds
-            structured = keep
-        taken = {n for kinds in structured.values() for n in kinds.values()}
-        self._plan = _Plan(structured, [n for n in self.names if n not in taken], feats.outputs.shape[1])
+        detached = {n: p.detach() for n, p in params.items()}
+        with torch.no_grad():
+            c = self.forward(detached, x[:1]).shape[1]
+        layers = []
+        if self.strategy == "auto":
+            layers, _ = candidate_layers(self.net, self.names)
+            layers, locations, _ = verify_layers(self.net, detached, layers, x[:1])
+        pairs = [la for la in layers if isinstance(la.module, nn.Linear) and locations[la.name] == 1]
+        taken = {n for la in layers for n in la.parameter_names}
+        self._plan = _Plan(layers, pairs, [n for n in self.names if n not in taken], c)
         return self._plan
 
-    # ------------------------------------------------------------------ features
-    def _capture(
-        self, params: Params, x: Tensor, modules: Mapping[str, object], create_graph: bool
-    ) -> tuple[_Features, set[str]]:
-        """One forward pass with hooks (inputs ``a`` and outputs ``z`` of ``modules``) and one backward pass
-        batched over the ``C`` outputs for :math:`\\gamma`. Returns the features and the modules that cannot
-        take the structured route (called more than once, or not on ``(N, d)`` inputs)."""
-        seen: dict[str, list[tuple[Tensor, Tensor]]] = {m: [] for m in modules}
-        handles = []
-        named = dict(self.net.named_modules())
-        for m in modules:
-            handles.append(named[m].register_forward_hook(lambda mod, inp, out, m=m: seen[m].append((inp[0], out))))
-        try:
-            f = self.forward(params, x)
-        finally:
-            for h in handles:
-                h.remove()
-        n, c = f.shape
-        bad = {m for m, calls in seen.items() if len(calls) != 1 or calls[0][0].dim() != 2 or calls[0][0].shape[0] != n}
-        good = [m for m in modules if m not in bad]
-        inputs, grads = {}, {}
-        if good:
-            outs = [seen[m][0][1] for m in good]
-            cot = torch.eye(c, dtype=f.dtype, device=f.device)[:, None, :].expand(c, n, c)
-            gs = torch.autograd.grad(
-                f, outs, cot, create_graph=create_graph, allow_unused=True, is_grads_batched=True
-            )
-            for m, g, z in zip(good, gs, outs):
-                g = torch.zeros(c, *z.shape, dtype=z.dtype, device=z.device) if g is None else g
-                inputs[m] = seen[m][0][0]
-                grads[m] = g.transpose(0, 1)  # (N, C, d_out)
-        return _Features(f, inputs, grads, {}), bad
-
-    def _jacobians(self, params: Params, x: Tensor, names: Sequence[str]) -> dict[str, Tensor]:
-        """Per-example Jacobians ``(N, C, numel)`` of the parameters ``names`` (differentiable in ``params``)."""
-        if not names:
-            return {}
-        chosen = {n: params[n] for n in names}
-
-        def single(sub: dict[str, Tensor], xi: Tensor) -> Tensor:
-            return functional_call(self.net, {**params, **sub}, (xi.unsqueeze(0),)).squeeze(0)
-
-        jac = vmap(jacrev(single), in_dims=(None, 0))(chosen, x)
-        return {n: jac[n].reshape(x.shape[0], jac[n].shape[1], -1) for n in names}
-
     def features(self, params: Params, x: Tensor, create_graph: bool) -> _Features:
-        """Outputs, layer features and contracted Jacobians at ``x`` (prepared inputs).
+        """Outputs, pair-form features and Jacobian blocks at ``x`` (prepared inputs).
 
-        With ``create_graph=True`` every result is differentiable in ``params`` (and ``x``); otherwise all are
-        detached and ``params`` are only read.
+        With ``create_graph=True`` every result is differentiable in ``params`` (those that require grad) and
+        ``x``; otherwise all are detached.
         """
         plan = self.plan(params, x)
-        with torch.enable_grad():
-            if create_graph:
-                params = {n: p if p.requires_grad else p.detach().requires_grad_() for n, p in params.items()}
-            else:
-                params = {n: p.detach().requires_grad_() for n, p in params.items()}
-                x = x.detach()
-            feats, bad = self._capture(params, x, plan.structured, create_graph)
-            if bad:
-                raise RuntimeError(
-                    f"linear layers {sorted(bad)} behaved differently than on the probe example (called a different "
-                    "number of times or on inputs of another shape); use strategy='contraction'"
-                )
-            feats.jacobians = self._jacobians(params, x, plan.generic)
         if not create_graph:
-            feats = _Features(
-                feats.outputs.detach(),
-                {m: t.detach() for m, t in feats.inputs.items()},
-                {m: t.detach() for m, t in feats.grads.items()},
-                {n: t.detach() for n, t in feats.jacobians.items()},
-            )
-        return feats
+            params = {n: p.detach() for n, p in params.items()}
+            x = x.detach()
+        feats = layer_features(self.net, dict(params), plan.layers, x, graph=create_graph)
+        outputs = feats.outputs
+        inputs, grads, jacobians = {}, {}, {}
+        pair_names = {la.name for la in plan.pairs}
+        for layer in plan.layers:
+            a, g = feats.inputs[layer.name], feats.grads[layer.name]  # (N, d_in, T), (N, C, d_out, T)
+            if layer.name in pair_names:
+                inputs[layer.name], grads[layer.name] = a[..., 0], g[..., 0]
+            else:
+                jacobians.update(layer_jacobians(layer, a, g))
+        if plan.generic:
+            with torch.set_grad_enabled(create_graph and torch.is_grad_enabled()):
+                jacobians.update(per_example_jacobians(self.net, dict(params), x, plan.generic))
+        return _Features(outputs, inputs, grads, jacobians)
+
+    def _variances(self, variances: Params, layer: Layer) -> tuple[Tensor | None, Tensor | None]:
+        return (None if layer.weight is None else variances[layer.weight],
+                None if layer.bias is None else variances[layer.bias])
 
     # ------------------------------------------------------------------ covariances from features
     @staticmethod
@@ -301,15 +217,14 @@ class LinearizedNetwork:
 
     def _grid(self, f1: _Features, f2: _Features, variances: Params, symmetric: bool) -> Tensor:
         r""":math:`J(X_1) \operatorname{diag}(v) J(X_2)^\top`, ``(N1·C, N2·C)``, from the features of both input sets."""
-        plan = self._plan
         n1, c = f1.outputs.shape
         n2 = f2.outputs.shape[0]
         total = f1.outputs.new_zeros(n1 * c, n2 * c)
-        for m, kinds in plan.structured.items():
+        for layer in self._plan.pairs:
+            m = layer.name
             a1, a2, g1, g2 = f1.inputs[m], f2.inputs[m], f1.grads[m], f2.grads[m]
             d_out = g1.shape[-1]
-            vw = variances[kinds["weight"]] if "weight" in kinds else None
-            vb = variances[kinds["bias"]] if "bias" in kinds else None
+            vw, vb = self._variances(variances, layer)
             if (vw is None or vw.dim() == 0) and (vb is None or vb.dim() == 0):
                 # one variance per tensor: the NTK's form (a1·a2 v_w + v_b) ⊙ (γ1·γ2)
                 factor = vw * (a1 @ a2.T) if vw is not None else a1.new_zeros(n1, n2)
@@ -325,7 +240,7 @@ class LinearizedNetwork:
                 u = b[:, :, None, :] * g2[None, :, :, :]  # (N1, N2, C, d_out)
                 term = torch.bmm(g1, u.reshape(n1, n2 * c, d_out).transpose(1, 2))  # (N1, C, N2·C)
             total = total + term.reshape(n1 * c, n2 * c)
-        for n in plan.generic:
+        for n in f1.jacobians:
             v = variances[n]
             j1, j2 = f1.jacobians[n].flatten(0, 1), f2.jacobians[n].flatten(0, 1)
             total = total + (j1 * (v.reshape(-1) if v.dim() > 0 else v)) @ j2.T
@@ -335,23 +250,43 @@ class LinearizedNetwork:
         r"""Per-point blocks :math:`J(x_n) \operatorname{diag}(v) J(x_n)^\top`, ``(N, C, C)``."""
         n, c = feats.outputs.shape
         out = feats.outputs.new_zeros(n, c, c)
-        for m, kinds in self._plan.structured.items():
-            a, g = feats.inputs[m], feats.grads[m]
-            vw = variances[kinds["weight"]] if "weight" in kinds else None
-            vb = variances[kinds["bias"]] if "bias" in kinds else None
+        for layer in self._plan.pairs:
+            a, g = feats.inputs[layer.name], feats.grads[layer.name]
+            vw, vb = self._variances(variances, layer)
             weighted = g.new_zeros(n, g.shape[-1])
             if vw is not None:
                 weighted = a.square() @ vw.expand(g.shape[-1], a.shape[1]).T  # (N, d_out)
             if vb is not None:
                 weighted = weighted + vb
             out = out + (g * weighted[:, None, :]) @ g.transpose(1, 2)
-        for name in self._plan.generic:
+        for name in feats.jacobians:
             v = variances[name]
             j = feats.jacobians[name]
             out = out + (j * (v.reshape(-1) if v.dim() > 0 else v)) @ j.transpose(1, 2)
         return out
 
     # ------------------------------------------------------------------ public covariances
+    def covariance_from_features(self, feats: _Features, variances: Params) -> Tensor:
+        r""":math:`J(x) \operatorname{diag}(v) J(x)^\top` ``(N·C, N·C)`` from the features of ``x`` (:meth:`features`)."""
+        return self._grid(feats, feats, variances, symmetric=True)
+
+    def jvp(self, feats: _Features, tangents: Params) -> Tensor:
+        r""":math:`J_\theta(x) u` ``(N, C)`` for parameter-shaped tangents :math:`u`, from the features of ``x``:
+        :math:`\gamma_{nc} \cdot (U a_n + u_b)` per linear layer, contracted Jacobians for the rest (no extra pass;
+        differentiable in θ, :math:`u` and ``x`` when the features are)."""
+        out = torch.zeros_like(feats.outputs)
+        for layer in self._plan.pairs:
+            a, g = feats.inputs[layer.name], feats.grads[layer.name]
+            z = g.new_zeros(g.shape[0], g.shape[-1])
+            if layer.weight is not None:
+                z = a @ tangents[layer.weight].T
+            if layer.bias is not None:
+                z = z + tangents[layer.bias]
+            out = out + (g @ z[:, :, None]).squeeze(-1)
+        for name, j in feats.jacobians.items():
+            out = out + j @ tangents[name].reshape(-1)
+        return out
+
     def covariance(
         self, params: Params, variances: Sequence[Params], x: Tensor, create_graph: bool = True
     ) -> tuple[Tensor, list[Tensor]]:
@@ -366,7 +301,7 @@ class LinearizedNetwork:
             create_graph: keep the results differentiable in ``params``, ``variances`` and ``x``.
         """
         feats = self.features(params, x, create_graph)
-        return feats.outputs, [self._grid(feats, feats, v, symmetric=True) for v in variances]
+        return feats.outputs, [self.covariance_from_features(feats, v) for v in variances]
 
     def cross_covariance(self, params: Params, variances: Params, x1: Tensor, x2: Tensor) -> Tensor:
         """:math:`J(x_1) \\operatorname{diag}(v) J(x_2)^\\top`, ``(N1·C, N2·C)``, by chunks of rows (temporaries of
@@ -374,7 +309,7 @@ class LinearizedNetwork:
         grad = torch.is_grad_enabled()
         f2 = self.features(params, x2, grad)
         c, n2 = f2.outputs.shape[1], x2.shape[0]
-        width = max([1] + [f2.inputs[m].shape[1] + c * f2.grads[m].shape[2] for m in self._plan.structured])
+        width = max([1] + [f2.inputs[m].shape[1] + c * f2.grads[m].shape[2] for m in f2.inputs])
         step = max(1, min(self.chunk_size, 2**24 // (n2 * width)))
         rows = [self._grid(self.features(params, x1[s : s + step], grad), f2, variances, symmetric=False)
                 for s in range(0, x1.shape[0], step)]

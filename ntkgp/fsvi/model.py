@@ -160,11 +160,14 @@ class FSVI(GP):
 
         .. math::
             q(f_C) = N\big(f(X_C; \mu),\, J_\mu \operatorname{diag}(s^2) J_\mu^\top\big), \qquad
-            p(f_C) = N\big(f(X_C; \mu_0),\, J_{\theta_p} \operatorname{diag}(s_0^2) J_{\theta_p}^\top\big),
+            p(f_C) = N\big(f(X_C; \theta_p) + J_{\theta_p}(\mu_0 - \theta_p),\,
+                J_{\theta_p} \operatorname{diag}(s_0^2) J_{\theta_p}^\top\big),
 
-        :math:`\theta_p = \mu` or :math:`\mu_0` (``prior_linearization``). The covariances come from the structured
-        form (:class:`~ntkgp.fsvi.linearized.LinearizedNetwork`), never from ``J``; with :math:`\theta_p = \mu`
-        both share one forward and one backward pass. Differentiable in :math:`\mu` and :math:`s`.
+        the prior linearized about :math:`\theta_p = \mu` (default) or :math:`\mu_0` (``prior_linearization``; its
+        mean is then :math:`f(X_C; \mu_0)`). About :math:`\mu` the mean difference is :math:`J_\mu(\mu - \mu_0)`, one
+        product with the same features. The covariances come from the structured form
+        (:class:`~ntkgp.fsvi.linearized.LinearizedNetwork`), never from ``J``; about :math:`\mu` both share one
+        forward and one backward pass. Differentiable in :math:`\mu` and :math:`s`.
 
         Args:
             x_context: ``K`` context inputs ``(K, ...)``.
@@ -175,13 +178,17 @@ class FSVI(GP):
         x = self.prepare(self._flat(x_context, "x_context"), "x_context")
         lin, q, p = self.linearized, self.variational_distribution, self.prior
         grad = torch.is_grad_enabled()
+        means = q.means()
         if p.linearization is PriorLinearization.VARIATIONAL_MEAN:
-            f_q, (cov_q, cov_p) = lin.covariance(q.means(), [q.variances(), p.variances()], x, create_graph=grad)
-            with torch.no_grad():
-                f_p = lin.forward(p.means(), x)
-        else:
-            f_q, (cov_q,) = lin.covariance(q.means(), [q.variances()], x, create_graph=grad)
-            f_p, (cov_p,) = lin.covariance(p.means(), [p.variances()], x, create_graph=False)
+            feats = lin.features(means, x, create_graph=grad)
+            cov_q, cov_p = (lin.covariance_from_features(feats, v) for v in (q.variances(), p.variances()))
+            # m_q - m_p = f(X; μ) - [f(X; μ) + J_μ (μ0 - μ)] = J_μ (μ - μ0)
+            prior_means = p.means()
+            difference = lin.jvp(feats, {n: means[n] - prior_means[n] for n in means})
+            zero = torch.zeros_like(difference).reshape(-1)
+            return gaussian_kl(difference.reshape(-1), cov_q, zero, cov_p)
+        f_q, (cov_q,) = lin.covariance(means, [q.variances()], x, create_graph=grad)
+        f_p, (cov_p,) = lin.covariance(p.means(), [p.variances()], x, create_graph=False)
         return gaussian_kl(f_q.reshape(-1), cov_q, f_p.reshape(-1), cov_p)
 
     # ------------------------------------------------------------------ Monte Carlo over weights

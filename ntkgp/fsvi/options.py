@@ -15,7 +15,7 @@ class PriorMean(Option):
 class PriorLinearization(Option):
     """Where the prior's function-space covariance is linearized (``prior_linearization=``)."""
 
-    #: about the variational mean μ: p(f_C) = N(f(X_C; μ0), J_μ diag(s0²) J_μᵀ); never degenerate at μ0 = 0
+    #: about the variational mean μ: p(f_C) = N(f(X_C; μ) + J_μ (μ0 - μ), J_μ diag(s0²) J_μᵀ); never degenerate
     VARIATIONAL_MEAN = "variational_mean"
     #: about the prior mean μ0: p(f_C) = N(f(X_C; μ0), J_μ0 diag(s0²) J_μ0ᵀ), the paper's equation
     PRIOR_MEAN = "prior_mean"

@@ -16,15 +16,20 @@ class GaussianParameterPrior(nn.Module):
     r"""The prior :math:`p(\theta) = N(\mu_0, \operatorname{diag}(s_0^2))` with :math:`s_{0,i}^2 = 1/\delta_g` for
     every weight :math:`i` of group :math:`g`, and where its function-space Gaussian is linearized.
 
-    Linearized about :math:`\theta_p`, the prior induces on context points :math:`X_C`
+    Linearizing the network about :math:`\theta_p`, :math:`f(x; \theta) \approx f(x; \theta_p) + J_{\theta_p}(x)
+    (\theta - \theta_p)`, the prior induces on context points :math:`X_C`
 
-    .. math:: p(f_C) = N\big(f(X_C; \mu_0),\; J_{\theta_p}(X_C) \operatorname{diag}(s_0^2) J_{\theta_p}(X_C)^\top\big),
+    .. math:: p(f_C) = N\big(f(X_C; \theta_p) + J_{\theta_p}(\mu_0 - \theta_p),\;
+        J_{\theta_p}(X_C) \operatorname{diag}(s_0^2) J_{\theta_p}(X_C)^\top\big),
 
-    with :math:`\theta_p = \mu_0` (``prior_linearization="prior_mean"``, the paper's equation) or
-    :math:`\theta_p = \mu`, the variational mean (``"variational_mean"``, the default). At :math:`\mu_0 = 0` the
-    Jacobian of a tanh or ReLU network vanishes except for the last bias, so the paper's form is degenerate
-    there; linearizing about :math:`\mu` keeps the prior's covariance non-degenerate (it is what the FSVI
-    paper's public code does for its last layer, whose features come from the current network).
+    with :math:`\theta_p = \mu_0` (``prior_linearization="prior_mean"``, the paper's equation: mean
+    :math:`f(X_C; \mu_0)`) or :math:`\theta_p = \mu`, the variational mean (``"variational_mean"``, the default).
+    At :math:`\mu_0 = 0` the Jacobian of a tanh or ReLU network vanishes except for the last bias, so the
+    paper's form is degenerate there. About :math:`\mu`, prior and variational distribution share one
+    linearization: the function-space KL is then the weight-space KL seen through :math:`J_\mu` at the context
+    points (equal to it when :math:`J_\mu` is square and invertible), with mean difference
+    :math:`J_\mu(\mu - \mu_0)` that keeps regularizing :math:`\mu` (a prior mean :math:`f(X_C; \mu_0)` with a
+    covariance that grows with :math:`\mu` would not).
 
     Args:
         net: the network (its trainable parameters define the groups; it is not stored).

@@ -79,11 +79,13 @@ def test_routes_chosen():
     lin = LinearizedNetwork(ref.small_cnn(3))
     params = _params(lin.net)
     plan = lin.plan(params, torch.randn(2, 1, 6, 6, dtype=torch.float64))
-    assert set(plan.structured) == {"fc", "head"}
-    assert plan.generic == ["conv.weight", "conv.bias", "bn.weight", "bn.bias"]
+    assert [la.name for la in plan.pairs] == ["fc", "head"]
+    assert [la.name for la in plan.layers] == ["conv", "fc", "head"]  # the convolution from its features
+    assert plan.generic == ["bn.weight", "bn.bias"]
     twice = LinearizedNetwork(TwiceUsed().double())
     plan = twice.plan(_params(twice.net), torch.randn(2, 3, dtype=torch.float64))
-    assert set(plan.structured) == {"b", "out"}  # b keeps only its own bias
+    assert [la.name for la in plan.pairs] == ["out"]  # a is called twice, b shares its weight
+    assert plan.generic == ["a.weight", "a.bias", "b.bias"]
 
 
 @pytest.mark.parametrize("name", ["mlp_c3", "cnn"])
