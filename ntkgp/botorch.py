@@ -9,7 +9,8 @@ without it. Both models implement BoTorch's ``Model`` interface duck-typed, thro
   predictive"); ``X`` of shape ``(b, q, d)`` gives ``b`` joint distributions over ``q`` points, mean
   ``(b, q, m)``;
 * ``model.num_outputs``, ``model.batch_shape`` (``torch.Size([])``);
-* ``model.condition_on_observations(X, Y)``: ``condition_on`` (NTKGP) / ``update`` (SFR), a new model;
+* ``model.condition_on_observations(X, Y)``: ``condition_on`` (NTKGP) / ``update`` on a copy sharing the network
+  (SFR), a new model;
 * ``model.fantasize(X, sampler)``: a :class:`FantasyModel` with the sampler's (and ``X``'s) batch shape in front.
 
 Every BoTorch acquisition function tried (``LogExpectedImprovement``, ``UpperConfidenceBound``,
@@ -22,6 +23,7 @@ The plain GPyTorch distribution (no BoTorch objects) is ``model(x)`` in eval mod
 
 from __future__ import annotations
 
+import copy
 import itertools
 from typing import Any
 
@@ -141,9 +143,13 @@ class BoTorchInterface:
         return torch.Size([])
 
     def _condition(self, X: Tensor, Y: Tensor):
+        """``condition_on`` (a new model), or ``update`` on a copy that shares the network (this model unchanged)."""
         if hasattr(self, "condition_on"):
             return self.condition_on(X, Y)
-        return self.update(X, Y)
+        net = self.covar_module.engine.net
+        memo = {id(net): net}
+        memo.update({id(t): t for t in itertools.chain(net.parameters(), net.buffers())})
+        return copy.deepcopy(self, memo).update(X, Y)
 
     def condition_on_observations(self, X: Tensor, Y: Tensor, **kwargs: Any):
         """BoTorch's name for ``condition_on`` (NTKGP) / ``update`` (SFR): a new model, this one unchanged.
