@@ -6,7 +6,8 @@ so that :class:`~ntkgp.NTKGP`, :class:`~ntkgp.mlls.LaplaceGGNMarginalLogLikeliho
 :func:`~ntkgp.training.train_marglik` share one implementation.
 
 * :func:`laplace_log_marginal_likelihood` — :math:`\log q(\mathcal D)` in function or weight space;
-* :class:`SitePosterior`, :func:`fit_site_posterior` — the posterior under Gaussian sites;
+* :class:`SitePosterior`, :func:`fit_site_posterior` — the posterior under Gaussian sites, in function or weight
+  space (:func:`posterior_space`), at the network's outputs or iterated to the mode (:func:`site_mode`);
 * :class:`GLMPredictiveCovariance` — the predictive covariance, lazy and chunked over test points;
 * :mod:`ntkgp.laplace.algebra` — block-diagonal site factors, :math:`\log|I + L^\top K L|`;
 * :mod:`ntkgp.laplace.routes`, :mod:`ntkgp.laplace.eigen`, :mod:`ntkgp.laplace.matrix_free` — the routes of
@@ -28,7 +29,7 @@ from .kernel_products import NTKProducts
 from .matrix_free import LaplaceSiteOperator, MatrixFreeNTKOperator, NystromPreconditioner, matrix_free_log_det
 from .predictive import GLMPredictiveCovariance, PredictiveContext
 from .routes import DENSE_MEMORY_LIMIT, EvidenceMethod, EvidenceOptions
-from .site_posterior import SitePosterior, fit_site_posterior
+from .site_posterior import SiteIterationWarning, SitePosterior, fit_site_posterior, posterior_space, site_mode
 
 __all__ = [
     "DENSE_MEMORY_LIMIT",
@@ -40,6 +41,7 @@ __all__ = [
     "NTKProducts",
     "NystromPreconditioner",
     "PredictiveContext",
+    "SiteIterationWarning",
     "SitePosterior",
     "block_apply",
     "block_sandwich",
@@ -51,7 +53,9 @@ __all__ = [
     "log_det_term",
     "low_rank_log_det",
     "matrix_free_log_det",
+    "posterior_space",
     "prior_term",
     "site_cholesky",
+    "site_mode",
     "spectral_log_det",
 ]
