@@ -242,13 +242,29 @@ class DualStatistics(nn.Module):
         return one if temperature is None else one / temperature.to(one)
 
     def projected(self, weights: Tensor, slot_weights: Tensor) -> tuple[Tensor, Tensor]:
-        r""":math:`B_u` ``(nb, K, K)`` and :math:`\tilde y_u` ``(nb, K)`` at group weights :math:`w = 1/\delta`."""
+        r""":math:`B_u` ``(nb, K, K)`` and :math:`\tilde y_u` ``(nb, K)`` at group weights :math:`w = 1/\delta`.
+
+        :math:`B_u = \sum_{s,g,h} v_s w_g w_h A_{s,gh}` block by block: no temporary of the size of the
+        statistics (``S·(G·K)²``), only :math:`B_u` itself (and one block per term when differentiating).
+        """
         s, g, k = self.residual.shape
-        per_slot = torch.einsum("g,h,sgihj->sij", weights, weights, self.precision.view(s, g, k, g, k))
+        blocks = self.precision.view(s, g, k, g, k)
         rhs = torch.einsum("g,sgk->sk", weights, self.residual)
-        if self.coupling is OutputCoupling.JOINT:
-            return torch.einsum("s,sij->ij", slot_weights, per_slot)[None], (slot_weights @ rhs)[None]
-        return slot_weights[:, None, None] * per_slot, slot_weights[:, None] * rhs
+        joint = self.coupling is OutputCoupling.JOINT
+        coef = slot_weights[:, None, None] * weights[None, :, None] * weights[None, None, :]  # (S, G, G)
+        if joint:  # one system: the slots are summed too
+            terms = [(coef[i, a, b], blocks[i, a, :, b, :]) for i in range(s) for a in range(g) for b in range(g)]
+        else:  # one system per slot
+            terms = [(coef[:, a, b, None, None], blocks[:, a, :, b, :]) for a in range(g) for b in range(g)]
+        if torch.is_grad_enabled() and coef.requires_grad:
+            out = sum(c * block for c, block in terms)
+        else:
+            out = torch.zeros_like(terms[0][1])
+            for c, block in terms:
+                out.addcmul_(c.detach(), block) if c.dim() else out.add_(block, alpha=float(c))
+        if joint:
+            return out[None], (slot_weights @ rhs)[None]
+        return out, slot_weights[:, None] * rhs
 
     def trace_term(self, weights: Tensor, slot_weights: Tensor) -> Tensor:
         r""":math:`\sum_n \operatorname{tr}(\Lambda_n K(x_n, x_n))` at the given weights, a scalar."""
