@@ -97,12 +97,12 @@ class SFR(BoTorchInterface, GP):
         predictive_mean: ``"gp"`` or ``"nn"`` (the network's output with SFR's covariance).
         output_coupling: ``"joint"`` (one ``MC×MC`` system, full likelihood Hessian) or ``"independent"``.
         inducing_method: ``"random"`` or ``"greedy_variance"`` (:mod:`~ntkgp.models.sfr.inducing_points`).
-        batch_size: training points per accumulation step; default: cross-Gram block under ``2**24`` numbers.
+        batch_size: points per accumulation step, and per prediction chunk (``sfr(x, chunk_size=...)``
+            overrides it); default: as many as keep the ``G`` cross-Grams under ``2**24`` numbers (docs/sfr.md).
         seed: seed of the random choices (inducing subset, candidate pool).
         progress: show a progress bar over the data.
         input_shape: shape of one input, when inputs arrive flat (see :class:`~ntkgp.NTKKernel`).
-        chunk_size: examples per Jacobian / feature chunk of the NTK engine, and the most test points per
-            prediction chunk (see docs/sfr.md, "Memory").
+        chunk_size: examples per Jacobian / feature chunk of the NTK engine.
         pool_size: candidates for ``"greedy_variance"``.
         distributed: each rank of an initialized ``torch.distributed`` process group passes its shard of the
             training data (every rank the same network, as in DDP, and the same call); the statistics are
@@ -263,7 +263,7 @@ class SFR(BoTorchInterface, GP):
         return torch.Size([])
 
     def _rows_per_step(self) -> int:
-        """Points per accumulation step and default prediction chunk: the ``G`` cross-Grams stay under 2²⁴ numbers."""
+        """Points per accumulation step and prediction chunk: ``batch_size``, or the ``G`` cross-Grams under 2²⁴ numbers."""
         if self.batch_size is not None:
             return self.batch_size
         c, m, g = self.num_outputs, self.num_inducing, self.engine.num_groups
@@ -395,20 +395,25 @@ class SFR(BoTorchInterface, GP):
 
         Args:
             x: test inputs (floating point, finite).
-            chunk_size: test points per chunk; default ``min(sfr.chunk_size, rows)`` with ``rows`` the
-                accumulation step (the ``G`` cross-Grams of a chunk stay under ``2**24`` numbers).
+            chunk_size: test points per chunk; default the accumulation step (``batch_size``, or as many
+                points as keep the ``G`` cross-Grams of a chunk under ``2**24`` numbers).
 
         Returns:
             ``MultivariateNormal`` ``(*batch, n)`` (``C = 1``) or ``MultitaskMultivariateNormal`` ``(*batch, n, C)``.
         """
         flat, batch = self._layout.check(x, "x", batched=True)
-        chunk = min(self.chunk_size, self._rows_per_step()) if chunk_size is None else positive_int(chunk_size, "chunk_size")
+        chunk = self._rows_per_step() if chunk_size is None else positive_int(chunk_size, "chunk_size")
         x = self.engine.prepare(flat, "x")
         terms = PredictiveTerms(
             self.engine, self.inducing_points, self.output_coupling, self.num_outputs, self._factors(),
             self.prior_mean, self.predictive_mean, self._z_jacobian,
         )
-        parts = [terms.chunk(x[s : s + chunk]) for s in range(0, x.shape[0], chunk)]
+        parts = []
+        for start in range(0, x.shape[0], chunk):
+            part = terms.chunk(x[start : start + chunk])
+            if start + chunk < x.shape[0] or parts:  # more than one chunk: keep only the per-point results
+                part.low_rank_z = part.low_rank_s = None
+            parts.append(part)
         count, c = x.shape[0] // max(1, batch.numel()), self.num_outputs
         mean = torch.cat([p.mean for p in parts]).reshape(*batch, count, c)
         blocks = torch.cat([p.blocks for p in parts]).reshape(*batch, count, c, c)

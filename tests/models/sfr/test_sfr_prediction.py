@@ -141,7 +141,7 @@ def test_prediction_memory_is_bounded_by_the_chunk():
     op = dist.lazy_covariance_matrix
     stored = [t for t in op.representation()]
     assert sum(t.numel() for t in stored) == xs.numel() + 50 * 3 * 3
-    sfr.chunk_size = 16  # the default chunk is min(chunk_size, accumulation step)
+    sfr.batch_size = 16  # the default chunk is the accumulation step
     sizes.clear()
     with mock.patch.object(predictive, "system_grams_and_diagonal", side_effect=spy):
         sfr(xs)
