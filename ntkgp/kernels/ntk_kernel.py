@@ -326,6 +326,10 @@ class NTKKernel(Kernel):
         same = x2 is x1
         x1 = self._as_input(x1, "x1")
         x2 = x1 if same else (None if x2 is None else self._as_input(x2, "x2"))
+        if x2 is not None and (x1.shape[-1] if x1.dim() > 1 else 1) != (x2.shape[-1] if x2.dim() > 1 else 1):
+            raise ValueError(
+                f"x1 and x2 must have the same number of features, got shapes {tuple(x1.shape)} and {tuple(x2.shape)}"
+            )
         res = super().__call__(x1, x2, diag=diag, **params)
         if type(res) is LazyEvaluatedKernelTensor:
             res = NTKLazyKernelTensor(res.x1, res.x2, kernel=self, last_dim_is_batch=False, **res.params)
