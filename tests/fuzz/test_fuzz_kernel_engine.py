@@ -1,0 +1,133 @@
+"""Property-based tests of NTKKernel and NTKEngine (see tests/fuzz/common.py for the property)."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import ntkgp
+from tests.fuzz.common import (
+    ACCEPTED_INPUT_CORRUPTIONS,
+    INPUT_CORRUPTIONS,
+    check_call,
+    corrupt_inputs,
+    dtypes,
+    inputs,
+    make_network,
+    networks,
+)
+
+SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+
+PRIOR_PRECISIONS = ("ok", "zero", "negative", "nan", "inf", "length", "string", "bool")
+
+
+def prior_precision(kind: str, groups: int, dtype: torch.dtype) -> object:
+    return {
+        "ok": torch.linspace(0.5, 2.0, groups, dtype=dtype),
+        "zero": 0.0,
+        "negative": -1.0,
+        "nan": float("nan"),
+        "inf": torch.full((groups,), float("inf"), dtype=dtype),
+        "length": torch.ones(groups + 1, dtype=dtype),
+        "string": "1.0",
+        "bool": True,
+    }[kind]
+
+
+@SETTINGS
+@given(data=st.data())
+def test_kernel_calls(data):
+    kind, dtype = data.draw(networks), data.draw(dtypes)
+    c, n1, n2 = data.draw(st.integers(1, 3)), data.draw(st.integers(1, 4)), data.draw(st.integers(1, 4))
+    network = make_network(kind, c, dtype, seed=data.draw(st.integers(0, 3)))
+    x1, x2 = inputs(network, n1, dtype, 1), inputs(network, n2, dtype, 2)
+    corruption = data.draw(st.sampled_from([None, *INPUT_CORRUPTIONS]))
+    target = data.draw(st.sampled_from(["x1", "x2"]))
+    if corruption is not None:
+        bad = corrupt_inputs(x1 if target == "x1" else x2, corruption, data.draw(st.integers(0, 3)))
+        x1, x2 = (bad, x2) if target == "x1" else (x1, bad)
+    kernel = ntkgp.NTKKernel(network.net, input_shape=network.input_shape)
+    accepted = corruption in ACCEPTED_INPUT_CORRUPTIONS or corruption == "empty"  # an empty Gram is a Gram
+    diag = data.draw(st.booleans()) and corruption is None and n1 == n2
+    result = check_call(
+        lambda: kernel(x1, x2, diag=diag) if diag else kernel(x1, x2).to_dense(),
+        network.net, [x1, x2], corruption, [target], accepted,
+    )
+    if result is not None and corruption is None and not diag:
+        assert result.shape == (n1 * c, n2 * c)
+        square = kernel(x1).to_dense()
+        assert torch.allclose(square, square.mT) and bool((square.diagonal() >= 0).all())
+
+
+@SETTINGS
+@given(data=st.data())
+def test_kernel_prior_precision(data):
+    kind, dtype = data.draw(networks), data.draw(dtypes)
+    network = make_network(kind, 2, dtype, seed=0)
+    groups = len(ntkgp.NTKEngine(network.net, input_shape=network.input_shape).groups.group_names)
+    bad = data.draw(st.sampled_from(PRIOR_PRECISIONS))
+    value = prior_precision(bad, groups, dtype)
+    corrupted = None if bad == "ok" else bad
+    kernel = check_call(
+        lambda: ntkgp.NTKKernel(network.net, prior_precision=value, input_shape=network.input_shape),
+        network.net, [value], corrupted, ["prior_precision"],
+    )
+    kernel = kernel or ntkgp.NTKKernel(network.net, input_shape=network.input_shape)
+    before = kernel.prior_precision.detach().clone()
+
+    def set_value():
+        kernel.prior_precision = value
+        return kernel(inputs(network, 3, dtype, 0)).to_dense()
+
+    check_call(set_value, network.net, [value], corrupted, ["prior_precision"])
+    if corrupted is not None:  # a rejected value leaves the kernel as it was
+        assert torch.equal(kernel.prior_precision.detach(), before)
+
+
+@SETTINGS
+@given(data=st.data())
+def test_engine_products(data):
+    kind, dtype = data.draw(networks), data.draw(dtypes)
+    c, n = data.draw(st.integers(1, 3)), data.draw(st.integers(1, 4))
+    network = make_network(kind, c, dtype, seed=1)
+    engine = ntkgp.NTKEngine(network.net, input_shape=network.input_shape)
+    x = inputs(network, n, dtype, 3)
+    v = torch.randn(n * c, 2, dtype=dtype)
+    weights = torch.ones(engine.num_groups, dtype=dtype)
+    corruption = data.draw(
+        st.sampled_from([None, "x", "v_length", "v_nan", "v_integer", "weights_negative", "weights_length", "weights_nan"])
+    )
+    name = None
+    if corruption == "x":
+        x = corrupt_inputs(x, data.draw(st.sampled_from([k for k in INPUT_CORRUPTIONS if k != "other_float"])), 0)
+        name = "x"
+    elif corruption == "v_length":
+        v, name = torch.randn(n * c + 1, dtype=dtype), "v"
+    elif corruption == "v_nan":
+        v, name = v.clone().fill_(float("nan")), "v"
+    elif corruption == "v_integer":
+        v, name = torch.ones(n * c, dtype=torch.long), "v"
+    elif corruption == "weights_negative":
+        weights, name = -weights, "weights"
+    elif corruption == "weights_length":
+        weights, name = torch.ones(engine.num_groups + 1, dtype=dtype), "weights"
+    elif corruption == "weights_nan":
+        weights, name = weights * float("nan"), "weights"
+    method = data.draw(st.sampled_from(["matvec", "jacobian", "group_grams", "diag_blocks", "vjp"]))
+    if method != "matvec" and corruption not in (None, "x") and not (method == "vjp" and name == "v"):
+        corruption = None  # the corrupted argument is not one of this method's
+    calls = {
+        "matvec": lambda: engine.matvec(x, v, weights),
+        "jacobian": lambda: engine.jacobian(x),
+        "group_grams": lambda: engine.group_grams(x),
+        "diag_blocks": lambda: engine.diag_blocks(x),
+        "vjp": lambda: engine.vjp(x, v),
+    }
+    result = check_call(calls[method], network.net, [x, v, weights], corruption, [name or "x"])
+    if result is not None and method == "matvec":
+        j = engine.jacobian(x)
+        cols = engine.groups.column_groups()
+        expected = j @ ((weights[cols].unsqueeze(-1) * j.T) @ v)
+        assert torch.allclose(result, expected, rtol=1e-4 if dtype == torch.float32 else 1e-10, atol=1e-6)
