@@ -262,3 +262,31 @@ def test_public_api_names_resolve_and_old_names_warn():
     assert any(issubclass(w.category, DeprecationWarning) and "LinearizedNetworkMean" in str(w.message)
                for w in caught)
     assert issubclass(ntkgp.SparseLaplaceEvidence, ntkgp.SparseLaplaceMarginalLogLikelihood)
+
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "cli_and_examples.md"
+
+
+def documented_demo_table() -> list[list[str]]:
+    """The rows of the table under "Measured output" in docs/cli_and_examples.md."""
+    text = DOCS.read_text()
+    block = text.split("### Measured output", 1)[1].split("```", 2)[1]
+    return table_rows(block.strip("\n"))
+
+
+@pytest.mark.slow
+def test_documented_demo_table_matches_a_run(tmp_path, capsys):
+    """The demo table in the docs is the output of ``ntkgp demo --no-progress``: every column but the
+    timings agrees with a fresh run (to the 3 printed decimals, ±0.002 for rounding across platforms)."""
+    assert main(["demo", "--no-progress", "--output-dir", str(tmp_path)]) == 0
+    ran, documented = table_rows(capsys.readouterr().out), documented_demo_table()
+    assert len(ran) == len(documented) == 10
+    for got, want in zip(ran, documented):
+        # cells: task, model words..., N, evidence, NLPD, RMSE, accuracy, ECE, build, predict, update
+        got_cells, want_cells = got[-9:-3], want[-9:-3]
+        assert got[: len(got) - 9] == want[: len(want) - 9]
+        for a, b in zip(got_cells, want_cells):
+            if b == "-":
+                assert a == "-"
+            else:
+                assert float(a) == pytest.approx(float(b), abs=2e-3), (got, want)
