@@ -47,8 +47,9 @@ class FSVI(GP):
     Carlo over :math:`\theta \sim q` through the network itself.
 
     Train it with :func:`~ntkgp.fsvi.train_fsvi` (or your own loop over :class:`~ntkgp.fsvi.FunctionSpaceELBO`).
-    The network is held by reference and never modified: ``model.parameters()`` are :math:`\mu`,
-    :math:`\log s` (``variational_distribution.*``) and the likelihood's; the prior lives in buffers.
+    The network is held by reference and never modified: ``model.parameters()`` are :math:`\mu` and the raw
+    standard deviations (``variational_distribution.*``; :math:`s \le s_0`, see
+    :class:`~ntkgp.fsvi.MeanFieldGaussian`) and the likelihood's; the prior lives in buffers.
 
     Args:
         net: the network ``(N, *input_shape) → (N, C)``; BatchNorm and dropout in eval mode.
@@ -59,7 +60,7 @@ class FSVI(GP):
         prior_mean: ``"zero"`` (default), ``"initial"`` or a mapping name → tensor, see
             :class:`~ntkgp.fsvi.GaussianParameterPrior`.
         prior_linearization: ``"variational_mean"`` (default) or ``"prior_mean"`` (the paper's equation).
-        init_std: initial :math:`s` of every weight.
+        init_std: initial :math:`s` of every weight (below the prior's :math:`s_0`).
         input_shape: the shape of one input as the network expects it (inputs with more than one feature
             dimension are flattened for GPyTorch and reshaped for the network; inferred from the first such input).
         strategy: ``"auto"`` (structured route for linear layers) or ``"contraction"``.
@@ -90,7 +91,7 @@ class FSVI(GP):
         num_outputs(likelihood)  # raises for unsupported likelihoods
         linearized = LinearizedNetwork(net, input_shape=input_shape, strategy=strategy, chunk_size=chunk_size)
         prior = GaussianParameterPrior(net, prior_precision, prior_structure, prior_mean, prior_linearization, **kwargs)
-        variational = MeanFieldGaussian(net, init_std)
+        variational = MeanFieldGaussian(net, init_std, max_std={n: v.sqrt() for n, v in prior.variances().items()})
         super().__init__()
         self.likelihood = likelihood
         self.variational_distribution = variational
@@ -130,7 +131,7 @@ class FSVI(GP):
         return self.linearized.prepare(x, self._reference(), argument)
 
     def named_variational_parameters(self):
-        r""":math:`\mu` and :math:`\log s` (GPyTorch's split: ``model.variational_parameters()``)."""
+        r""":math:`\mu` and the raw :math:`s` (GPyTorch's split: ``model.variational_parameters()``)."""
         yield from self.variational_distribution.named_parameters(prefix="variational_distribution")
 
     def named_hyperparameters(self):

@@ -133,7 +133,7 @@ def train_fsvi(
 ) -> FSVIResult:
     r"""Fit a mean-field Gaussian over all the weights of ``net`` by function-space variational inference.
 
-    Maximizes :class:`~ntkgp.fsvi.FunctionSpaceELBO` with ``optimizer`` over :math:`\mu` and :math:`\log s`
+    Maximizes :class:`~ntkgp.fsvi.FunctionSpaceELBO` with ``optimizer`` over :math:`\mu` and the raw :math:`s`
     (and the likelihood's noise or temperature with ``learn_likelihood=True``):
 
     .. math::

@@ -57,7 +57,7 @@ def _model(c, prior_mean, prior_linearization, prior_precision=1.0, seed=0):
                  prior_linearization=prior_linearization, prior_structure="parameter")
     g = torch.Generator().manual_seed(seed + 5)
     with torch.no_grad():  # move μ and s away from their initial values: every term of the KL matters
-        for m, t in zip(model.variational_distribution.mean, model.variational_distribution.log_std):
+        for m, t in zip(model.variational_distribution.mean, model.variational_distribution.raw_std):
             m.add_(0.3 * torch.randn(m.shape, generator=g, dtype=m.dtype))
             t.copy_(-1.0 + 0.5 * torch.randn(t.shape, generator=g, dtype=t.dtype))
     return net, model

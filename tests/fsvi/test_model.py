@@ -19,7 +19,7 @@ from . import reference as ref
 def _perturbed(model, seed=0):
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for m, t in zip(model.variational_distribution.mean, model.variational_distribution.log_std):
+        for m, t in zip(model.variational_distribution.mean, model.variational_distribution.raw_std):
             m.add_(0.3 * torch.randn(m.shape, generator=g, dtype=m.dtype))
             t.copy_(-1.0 + 0.5 * torch.randn(t.shape, generator=g, dtype=t.dtype))
     return model
@@ -64,7 +64,7 @@ def test_gradients_flow_to_inputs_and_variational_parameters():
     dist = model(x)
     (dist.mean.sum() + dist.variance.sum()).backward()
     assert x.grad is not None and x.grad.abs().sum() > 0
-    assert all(t.grad is not None for t in model.variational_distribution.log_std)
+    assert all(t.grad is not None for t in model.variational_distribution.raw_std)
     assert net[0].weight.grad is None  # the network is not touched
 
 
@@ -116,7 +116,7 @@ def test_state_holds_variational_parameters_not_the_network():
     model = FSVI(net, GaussianLikelihood().double())
     keys = set(model.state_dict())
     assert not any(k.startswith(("0.", "2.", "4.")) for k in keys)
-    assert {"variational_distribution.mean.0", "variational_distribution.log_std.0", "prior.prior_precision"} <= keys
+    assert {"variational_distribution.mean.0", "variational_distribution.raw_std.0", "prior.prior_precision"} <= keys
     names = {n for n, _ in model.named_parameters()}
     variational = {n for n, _ in model.named_variational_parameters()}
     assert variational == {n for n in names if n.startswith("variational_distribution.")} and len(variational) == 12
@@ -124,7 +124,7 @@ def test_state_holds_variational_parameters_not_the_network():
     twin = copy.deepcopy(model)
     assert twin.net is net  # the network is shared, never copied
     with torch.no_grad():
-        twin.variational_distribution.log_std[0].fill_(0.0)
+        twin.variational_distribution.raw_std[0].fill_(0.0)
         x = torch.randn(3, 2, dtype=torch.float64)
         assert not torch.allclose(twin(x).variance, model(x).variance)
 

@@ -63,7 +63,7 @@ def test_gradients_match_finite_differences(kind):
     def objective():
         return elbo(x, y, xc, generator=torch.Generator().manual_seed(11)).value
 
-    params = list(q.mean) + list(q.log_std)
+    params = list(q.mean) + list(q.raw_std)
     grads = torch.autograd.grad(objective(), params)
     base = [p.detach().clone() for p in params]
     g = torch.Generator().manual_seed(1)
