@@ -3,6 +3,8 @@ memory, a covariance operator whose products never form the dense matrix, and Bo
 
 from __future__ import annotations
 
+import gc
+import weakref
 from unittest import mock
 
 import pytest
@@ -141,6 +143,19 @@ def test_prediction_memory_is_bounded_by_the_chunk():
     op = dist.lazy_covariance_matrix
     stored = [t for t in op.representation()]
     assert sum(t.numel() for t in stored) == xs.numel() + 50 * 3 * 3
+    factors = []  # the chunks' low-rank factors (b·M·C² numbers each) must not outlive their chunk
+    original_chunk = PredictiveTerms.chunk
+
+    def recording_chunk(self, x):
+        gc.collect()
+        assert all(ref() is None for ref in factors), "an earlier chunk's factors are still held"
+        part = original_chunk(self, x)
+        factors.append(weakref.ref(part.low_rank_z))
+        return part
+
+    with mock.patch.object(PredictiveTerms, "chunk", recording_chunk):
+        sfr(xs, chunk_size=8)
+    assert len(factors) == 7
     sfr.batch_size = 16  # the default chunk is the accumulation step
     sizes.clear()
     with mock.patch.object(predictive, "system_grams_and_diagonal", side_effect=spy):
