@@ -22,7 +22,15 @@ from ...ntk import NTKEngine
 from ...options import OutputCoupling, PriorMean
 from .statistics import DualStatistics, system_grams_and_diagonal
 
-__all__ = ["InputLayout", "StateGuard", "check_inputs", "positive_int", "stream_statistics", "training_batches"]
+__all__ = [
+    "InputLayout",
+    "StateGuard",
+    "check_inputs",
+    "data_names",
+    "positive_int",
+    "stream_statistics",
+    "training_batches",
+]
 
 
 def positive_int(value: object, argument: str) -> int:
@@ -141,33 +149,39 @@ class StateGuard:
             )
 
 
+def data_names(argument: str) -> tuple[str, str]:
+    """The public names of the inputs and targets: ``train_x``, ``train_y`` or ``x_new``, ``y_new`` (``"new"``)."""
+    return ("x_new", "y_new") if argument == "new" else (f"{argument}_x", f"{argument}_y")
+
+
 def training_batches(x: object, y: object, argument: str) -> Iterator[tuple[Tensor, Tensor]]:
     """``(x, y)`` batches from tensors or an iterable of pairs, each checked (:func:`check_inputs`, row counts).
 
-    ``argument`` is the prefix of the names in errors (``"train"`` → ``train_x``, ``train_y``).
+    ``argument`` names the data in errors (``"train"`` → ``train_x``, ``train_y``; ``"new"`` → ``x_new``, ``y_new``).
     """
+    name_x, name_y = data_names(argument)
     if torch.is_tensor(x):
         if not torch.is_tensor(y):
-            raise TypeError(f"{argument}_y must be a tensor when {argument}_x is, got {type(y).__name__}")
-        check_inputs(x, f"{argument}_x")
+            raise TypeError(f"{name_y} must be a tensor when {name_x} is, got {type(y).__name__}")
+        check_inputs(x, name_x)
         if y.dim() == 0 or x.shape[0] != y.shape[0]:
             raise ValueError(
-                f"{argument}_x and {argument}_y must have the same number of rows, got {tuple(x.shape)} and "
+                f"{name_x} and {name_y} must have the same number of rows, got {tuple(x.shape)} and "
                 f"{tuple(y.shape)}"
             )
         yield x, y
         return
     if y is not None:
-        raise ValueError(f"{argument}_y must be None when {argument}_x is a DataLoader or iterable of (x, y) batches")
+        raise ValueError(f"{name_y} must be None when {name_x} is a DataLoader or iterable of (x, y) batches")
     if not isinstance(x, Iterable):
-        raise TypeError(f"{argument}_x must be a tensor or an iterable of (x, y) batches, got {type(x).__name__}")
+        raise TypeError(f"{name_x} must be a tensor or an iterable of (x, y) batches, got {type(x).__name__}")
     for batch in x:
         if not isinstance(batch, (tuple, list)) or len(batch) != 2:
-            raise TypeError(f"each batch of {argument}_x must be a pair (x, y), got {type(batch).__name__}")
+            raise TypeError(f"each batch of {name_x} must be a pair (x, y), got {type(batch).__name__}")
         bx, by = batch
         if not (torch.is_tensor(bx) and torch.is_tensor(by)) or by.dim() == 0 or bx.dim() == 0 or bx.shape[0] != by.shape[0]:
-            raise ValueError(f"each (x, y) batch of {argument}_x must hold tensors with the same number of rows")
-        check_inputs(bx, f"{argument}_x")
+            raise ValueError(f"each (x, y) batch of {name_x} must hold tensors with the same number of rows")
+        check_inputs(bx, name_x)
         yield bx, by
 
 
@@ -208,13 +222,14 @@ def stream_statistics(
     Returns:
         The statistics (raises before returning anything if any batch is bad).
     """
+    name_x, name_y = data_names(argument)
     c = engine.num_outputs(z)
     stats = DualStatistics(engine.num_groups, z.shape[0], c, coupling, is_gaussian(likelihood), z.dtype, z.device)
     bar = tqdm(desc="SFR dual statistics", unit="pt", disable=not progress, leave=False)
     with torch.no_grad():
         for x, y in batches:
-            x = engine.prepare(layout.check(x, f"{argument}_x")[0], f"{argument}_x")
-            validate_targets(likelihood, y, c, num_data=x.shape[0], name=f"{argument}_y")
+            x = engine.prepare(layout.check(x, name_x)[0], name_x)
+            validate_targets(likelihood, y, c, num_data=x.shape[0], name=name_y)
             for s in range(0, x.shape[0], rows):
                 xb, yb = x[s : s + rows], y[s : s + rows]
                 f = engine.outputs(xb)
@@ -223,6 +238,6 @@ def stream_statistics(
                 bar.update(xb.shape[0])
     bar.close()
     if int(stats.num_data) == 0:
-        raise ValueError(f"{argument}_x holds no data")
+        raise ValueError(f"{name_x} holds no data")
     return stats
 

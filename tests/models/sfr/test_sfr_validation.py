@@ -92,10 +92,10 @@ def test_update_validates_everything_before_changing_the_model(gaussian):
     batches = [(x[:4], y[:4]), (x[4:8].long(), y[4:8])]  # the second batch is bad
     for args, error, match in [
         ((x[:4], y[:3]), ValueError, "same number of rows"),
-        ((x[:4, :2], y[:4]), ValueError, "new_x must have shape"),
-        ((x[:4].long(), y[:4]), TypeError, "new_x must be a floating-point"),
+        ((x[:4, :2], y[:4]), ValueError, "x_new must have shape"),
+        ((x[:4].long(), y[:4]), TypeError, "x_new must be a floating-point"),
         ((x[:4], None), ValueError, "y_new is required"),
-        ((batches, None), TypeError, "new_x must be a floating-point"),
+        ((batches, None), TypeError, "x_new must be a floating-point"),
     ]:
         with pytest.raises(error, match=match):
             sfr.update(*args)
