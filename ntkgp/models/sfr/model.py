@@ -330,10 +330,10 @@ class SFR(BoTorchInterface, GP):
         """The new data's statistics with their sites at the mode (all batches checked and held in memory)."""
         xs, ys = [], []
         for bx, by in training_batches(x_new, y_new, "new"):
-            xs.append(self.engine.prepare(self._layout.check(bx, "new_x")[0], "new_x"))
-            ys.append(validate_targets(self.likelihood, by, self.num_outputs, num_data=bx.shape[0], name="new_y"))
+            xs.append(self.engine.prepare(self._layout.check(bx, "x_new")[0], "x_new"))
+            ys.append(validate_targets(self.likelihood, by, self.num_outputs, num_data=bx.shape[0], name="y_new"))
         if not xs:
-            raise ValueError("new_x holds no data")
+            raise ValueError("x_new holds no data")
         with torch.no_grad():
             weights = self.covar_module.prior_precision.reciprocal().detach()
             slots = self.statistics.slot_weights(self.likelihood).detach()
