@@ -82,6 +82,8 @@ class NTKProducts:
                 kinds = plan.structured[m]
                 gam = feats.grads[m].detach().reshape(n, c, -1)
                 self.layers.append((feats.inputs[m].detach(), gam, kinds.get("weight"), kinds.get("bias")))
+        #: Preconditioner sketches kept for later hyperparameter steps (:func:`ntkgp.laplace.matrix_free_log_det`).
+        self.sketches: dict = {}
         generic = set(plan.generic) | {i for m in plan.expanded for i in plan.structured[m].values()}
         self.generic = sorted(generic)
 

@@ -132,15 +132,22 @@ class LaplaceSiteOperator(LinearOperator):
         products: NTKProducts,
         preconditioner_rank: int = 0,
         generator: torch.Generator | None = None,
+        sketch: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         super().__init__(
-            factor, prior_precision, products=products, preconditioner_rank=preconditioner_rank, generator=generator
+            factor,
+            prior_precision,
+            products=products,
+            preconditioner_rank=preconditioner_rank,
+            generator=generator,
+            sketch=sketch,
         )
         self.factor = factor
         self.prior_precision = prior_precision
         self.products = products
         self.preconditioner_rank = preconditioner_rank
         self.generator = generator
+        self._sketch = sketch
         self._nystrom: NystromPreconditioner | None = None
 
     # ------------------------------------------------------------------ the matrix
@@ -199,12 +206,12 @@ class LaplaceSiteOperator(LinearOperator):
     def _randn(self, *shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=self.generator, dtype=self.dtype, device=self.device)
 
-    def nystrom(self) -> NystromPreconditioner | None:
-        r"""The preconditioner :math:`P = I + L^\top \hat K(\delta) L` (:class:`NystromPreconditioner`), built
-        once per operator (``None`` for rank 0) from per-group sketches :math:`K_g \Omega` of the test matrix
+    def sketch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        r"""The per-group sketches :math:`Y_g = K_g \Omega` (``(G, N·C, r)``) of the test matrix
         :math:`\Omega = L Q` (:math:`Q` Gaussian ``N·k × r``, orthonormalized): one product with :math:`r`
-        columns."""
-        if self._nystrom is None and self.preconditioner_rank > 0:
+        columns. They do not depend on :math:`\delta`, and any test matrix gives a valid preconditioner, so one
+        sketch serves every hyperparameter step at the same weights and inputs (``sketch=`` of the constructor)."""
+        if self._sketch is None:
             m = self.shape[-1]
             rank = min(self.preconditioner_rank, m)
             products = self.products
@@ -215,8 +222,17 @@ class LaplaceSiteOperator(LinearOperator):
                 sketches = torch.stack(
                     [products.apply(products.group_part(jt, g)).to(q) for g in range(products.num_groups)]
                 )
-                y = torch.einsum("g,gmr->mr", self.prior_precision.detach().reciprocal().to(q), sketches)
-                shift = math.sqrt(m) * torch.finfo(self.dtype).eps * torch.linalg.norm(y)
+            self._sketch = (sketches, omega)
+        return self._sketch
+
+    def nystrom(self) -> NystromPreconditioner | None:
+        r"""The preconditioner :math:`P = I + L^\top \hat K(\delta) L` (:class:`NystromPreconditioner`) from
+        :meth:`sketch`, built once per operator (``None`` for rank 0)."""
+        if self._nystrom is None and self.preconditioner_rank > 0:
+            sketches, omega = self.sketch()
+            with torch.no_grad():
+                y = torch.einsum("g,gmr->mr", self.prior_precision.detach().reciprocal().to(omega), sketches)
+                shift = math.sqrt(self.shape[-1]) * torch.finfo(self.dtype).eps * torch.linalg.norm(y)
             self._nystrom = NystromPreconditioner(self.factor, self.prior_precision, sketches, omega, shift)
         return self._nystrom
 
@@ -347,7 +363,9 @@ def matrix_free_log_det(
     :math:`K`; differentiable in :math:`\delta` and in ``factor`` (a stochastic gradient).
 
     Memory: the layer features of the structured layers, :math:`N(C\sum_l d^{out}_l + \sum_l d^{in}_l)`
-    numbers, plus :math:`O(Nk(t + r))` for the CG vectors and the preconditioner (``docs/scaling.md``).
+    numbers, plus :math:`O(Nk\,t + NC\,r\,G)` for the CG vectors and the preconditioner's sketches
+    (``docs/scaling.md``). The features and the sketches are kept with the kernel (per network state and
+    inputs, compared by value) and reused by later hyperparameter steps.
 
     Args:
         kernel: the NTK kernel (unbatched prior precisions).
@@ -376,7 +394,15 @@ def matrix_free_log_det(
     generator = None
     if options.seed is not None:
         generator = torch.Generator(device=factor.device).manual_seed(options.seed)
-    operator = LaplaceSiteOperator(factor, delta.to(factor), products, rank, generator)
+    key = (rank, options.seed, tuple(factor.shape), factor.dtype)
+    sketch = products.sketches.get(key)
+    if rank > 0 and sketch is None:  # its own random stream: a seed gives the same probes at every step
+        sketch_generator = None
+        if options.seed is not None:
+            sketch_generator = torch.Generator(device=factor.device).manual_seed(options.seed + 1)
+        builder = LaplaceSiteOperator(factor.detach(), delta.detach().to(factor), products, rank, sketch_generator)
+        sketch = products.sketches[key] = builder.sketch()
+    operator = LaplaceSiteOperator(factor, delta.to(factor), products, rank, generator, sketch)
     with _gpytorch_settings(options):
         _, log_det = operator.inv_quad_logdet(logdet=True)
     return log_det
