@@ -170,11 +170,15 @@ class GLMPredictiveCovariance(LinearOperator):
         parts = []
         for s, e in ctx.chunks(points.shape[0]):
             parts.append(ctx.variance(points[s:e]))
+        if not parts:  # no test points
+            return torch.zeros(*self.batch_shape, 0, dtype=self.dtype, device=self.x.device)
         return torch.cat(parts).reshape(*self.batch_shape, -1)
 
     def _dense_single(self, x: torch.Tensor) -> torch.Tensor:
         ctx = self.context
         chunks = ctx.chunks(x.shape[0])
+        if not chunks:
+            return torch.zeros(0, 0, dtype=self.dtype, device=x.device)
         # keep the roots A_j when they are no larger than the result (N·k ≤ n·C'), else recompute them
         store = len(chunks) == 1 or ctx.posterior.rank <= x.shape[0] * ctx.num_kept
         stored = [ctx.root(x[s:e]) for s, e in chunks] if store else None
@@ -195,6 +199,8 @@ class GLMPredictiveCovariance(LinearOperator):
     def to_dense(self) -> torch.Tensor:
         """The full ``(*batch, n·C, n·C)`` matrix (memory ``(n·C)²`` per batch element)."""
         n, d = self.x.shape[-2:]
+        if self.x.numel() == 0:  # no test points (or an empty batch)
+            return torch.zeros(self.shape, dtype=self.dtype, device=self.x.device)
         flat = self.x.reshape(-1, n, d)
         dense = torch.stack([self._dense_single(xb) for xb in flat])
         return dense.reshape(*self.batch_shape, *dense.shape[-2:])
@@ -203,6 +209,8 @@ class GLMPredictiveCovariance(LinearOperator):
         ctx = self.context
         c = ctx.num_kept
         chunks = ctx.chunks(x.shape[0])
+        if not chunks:
+            return rhs[..., :0, :]
         at_rhs = 0
         for s, e in chunks:  # first pass: Aᵀ v
             at_rhs = at_rhs + ctx.root(x[s:e]).mT @ rhs[s * c : e * c]
@@ -219,6 +227,9 @@ class GLMPredictiveCovariance(LinearOperator):
         batch = self.batch_shape
         out_batch = torch.broadcast_shapes(batch, rhs.shape[:-2])
         rhs = rhs.expand(*out_batch, *rhs.shape[-2:]).to(self.dtype)
+        if self.x.numel() == 0:  # no test points: the product of an empty matrix
+            res = torch.zeros(*out_batch, *rhs.shape[-2:], dtype=self.dtype, device=rhs.device)
+            return res.squeeze(-1) if vector else res
         extra = len(out_batch) - len(batch)
         # move the leading dims the operator does not have to the columns: (*batch, n·C', t·extra)
         perm = list(range(extra, rhs.dim())) + list(range(extra))

@@ -14,13 +14,28 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
+from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from torch import nn
+
+
+def fuzz_settings(examples: int) -> settings:
+    """``examples`` per test, derandomized (the same examples in every run) so the suite stays fast and
+    reproducible; ``NTKGP_FUZZ_EXAMPLES=k`` runs ``k`` random examples instead (a longer exploration)."""
+    explore = os.environ.get("NTKGP_FUZZ_EXAMPLES")
+    return settings(
+        max_examples=int(explore) if explore else examples,
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+        derandomize=not explore,
+        database=None,
+    )
 
 #: The error types ntkgp documents for bad arguments.
 DOCUMENTED_ERRORS = (ValueError, TypeError)

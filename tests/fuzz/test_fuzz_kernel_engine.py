@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import ntkgp
@@ -11,6 +11,7 @@ from tests.fuzz.common import (
     ACCEPTED_INPUT_CORRUPTIONS,
     INPUT_CORRUPTIONS,
     check_call,
+    fuzz_settings,
     corrupt_inputs,
     dtypes,
     inputs,
@@ -18,7 +19,7 @@ from tests.fuzz.common import (
     networks,
 )
 
-SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+SETTINGS = fuzz_settings(25)
 
 PRIOR_PRECISIONS = ("ok", "zero", "negative", "nan", "inf", "length", "string", "bool")
 
