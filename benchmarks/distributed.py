@@ -155,7 +155,8 @@ def main() -> None:
           f"joint coupling, float64, {args.backend}, {args.threads} thread(s) per rank, best of {args.repeats}")
     results = {world: launch(world, args) for world in args.worlds}
     reference = results[args.worlds[0]][0]
-    header = f"{'ranks':>5}  {'rows/rank':>9}  {'SFR build s':>11}  {'KFAC s':>7}  {'SFR max rel diff':>16}  {'KFAC max rel diff':>17}"
+    header = (f"{'ranks':>5}  {'rows/rank':>9}  {'SFR build s':>11}  {'KFAC s':>7}  {'SFR max rel diff':>16}  "
+              f"{'KFAC max rel diff':>17}")
     print(header)
     print("-" * len(header))
     for world, ranks in results.items():

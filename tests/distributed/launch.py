@@ -60,7 +60,8 @@ def run(target: str, world: int = 2, timeout: float = 240.0, start_method: str |
         for p in hung:
             p.kill()
             p.join(5)
-        errors = {r: (Path(tmp) / f"rank{r}.err").read_text() for r in range(world) if (Path(tmp) / f"rank{r}.err").exists()}
+        logs = {r: Path(tmp) / f"rank{r}.err" for r in range(world)}
+        errors = {r: log.read_text() for r, log in logs.items() if log.exists()}
         if hung or errors or any(p.exitcode != 0 for p in processes):
             raise AssertionError(
                 f"distributed run of {target} failed (hung ranks: {[processes.index(p) for p in hung]}, exit codes "

@@ -15,7 +15,7 @@ a GPU's non-deterministic reductions cannot make ranks disagree).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import Tensor
@@ -60,8 +60,8 @@ def _bottom_keys(batches: Iterable[Tensor], size: int, seed: int, offset: int) -
 
 def choose_inducing_inputs_distributed(
     engine: NTKEngine,
-    count: callable,
-    batches: callable,
+    count: Callable[[], int],
+    batches: Callable[[], Iterable[Tensor]],
     size: int,
     method: InducingMethod,
     seed: int,
