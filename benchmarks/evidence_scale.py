@@ -62,11 +62,15 @@ def vehicle_data(data_dir: str | None):
 
 def train_map(x, y, seed=0, steps=1000):
     torch.manual_seed(seed)
-    net = nn.Sequential(nn.Linear(x.shape[1], 50), nn.Tanh(), nn.Linear(50, 50), nn.Tanh(), nn.Linear(50, 4)).double()
+    net = nn.Sequential(
+        nn.Linear(x.shape[1], 50), nn.Tanh(), nn.Linear(50, 50), nn.Tanh(), nn.Linear(50, 4)
+    ).double()
     opt = torch.optim.Adam(net.parameters(), lr=1e-2)
     for _ in range(steps):
         opt.zero_grad()
-        loss = nn.functional.cross_entropy(net(x), y) + 1e-3 * sum(p.square().sum() for p in net.parameters()) / len(x)
+        loss = nn.functional.cross_entropy(net(x), y) + 1e-3 * sum(
+            p.square().sum() for p in net.parameters()
+        ) / len(x)
         loss.backward()
         opt.step()
     for p in net.parameters():
@@ -76,7 +80,9 @@ def train_map(x, y, seed=0, steps=1000):
 
 def evidence_steps(net, x, y, structure, method, steps, seed=0):
     torch.manual_seed(seed)
-    model = ntkgp.NTKGP(net, x, y, SoftmaxLikelihood(4).double(), prior_precision=1.0, prior_structure=structure)
+    model = ntkgp.NTKGP(
+        net, x, y, SoftmaxLikelihood(4).double(), prior_precision=1.0, prior_structure=structure
+    )
     options = EvidenceOptions(**VEHICLE_FREE) if method == "matrix_free" else None
     params = [model.covar_module.raw_prior_precision]
     opt = torch.optim.Adam(params, lr=0.1)
@@ -97,9 +103,14 @@ def part_vehicle(args):
     net = train_map(x, y)
     p = sum(q.numel() for q in net.parameters())
     print(f"\n== Part 1: {args.steps} evidence steps, {source}: N = {len(x)}, C = 4, P = {p}, float64 ==")
-    print(f"matrix-free settings: {VEHICLE_FREE}, Lanczos steps = gpytorch default (20), fresh probes every step")
+    print(
+        f"matrix-free settings: {VEHICLE_FREE}, Lanczos steps = gpytorch default (20), fresh probes every step"
+    )
     rows = []
-    for structure, methods in (("network", ("cholesky", "eigen", "matrix_free")), ("layer", ("cholesky", "matrix_free"))):
+    for structure, methods in (
+        ("network", ("cholesky", "eigen", "matrix_free")),
+        ("layer", ("cholesky", "matrix_free")),
+    ):
         reference = None
         for method in methods:
             with warnings.catch_warnings():
@@ -139,8 +150,14 @@ def one_run(method: str, n: int) -> dict:
     elapsed = time.perf_counter() - start
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     grad = model.covar_module.raw_prior_precision.grad
-    return {"method": method, "n": n, "seconds": elapsed, "peak_bytes": peak, "value": value.item(),
-            "grad": grad.tolist()}
+    return {
+        "method": method,
+        "n": n,
+        "seconds": elapsed,
+        "peak_bytes": peak,
+        "value": value.item(),
+        "grad": grad.tolist(),
+    }
 
 
 def dense_bytes(method: str, n: int) -> int:
@@ -150,10 +167,14 @@ def dense_bytes(method: str, n: int) -> int:
 
 
 def part_scale(args):
-    print(f"\n== Part 2: largest N·C within {args.budget_seconds:g} s and {args.memory_gib:g} GiB (one value + "
-          "gradient), MLP 784-128-128-10, C = 10, random data, float32 ==")
-    print(f"matrix-free settings: {SCALE_FREE}, Lanczos steps 20 (gpytorch default); torch threads: "
-          f"{torch.get_num_threads()}")
+    print(
+        f"\n== Part 2: largest N·C within {args.budget_seconds:g} s and {args.memory_gib:g} GiB (one value + "
+        "gradient), MLP 784-128-128-10, C = 10, random data, float32 =="
+    )
+    print(
+        f"matrix-free settings: {SCALE_FREE}, Lanczos steps 20 (gpytorch default); torch threads: "
+        f"{torch.get_num_threads()}"
+    )
     limit = int(args.memory_gib * 2**30)
     results = {}
     for method in ("cholesky", "eigen", "matrix_free"):
@@ -162,27 +183,44 @@ def part_scale(args):
             fitting = [n for n in sizes if dense_bytes(method, n) <= limit]
             for n in sizes:
                 if n not in fitting:
-                    print(f"  {method:12s} N = {n:6d} (N·C = {10 * n:7d}): not started, dense memory "
-                          f"{dense_bytes(method, n) / 2**30:.1f} GiB > {args.memory_gib:g} GiB")
+                    print(
+                        f"  {method:12s} N = {n:6d} (N·C = {10 * n:7d}): not started, dense memory "
+                        f"{dense_bytes(method, n) / 2**30:.1f} GiB > {args.memory_gib:g} GiB"
+                    )
             sizes = fitting
         best = None
         n = sizes[0] if sizes else None
         while n is not None and n >= min(args.sizes) // 2:
-            command = [sys.executable, __file__, "--one", method, str(n), "--threads", str(torch.get_num_threads())]
+            command = [
+                sys.executable,
+                __file__,
+                "--one",
+                method,
+                str(n),
+                "--threads",
+                str(torch.get_num_threads()),
+            ]
             try:
-                out = subprocess.run(command, capture_output=True, text=True, timeout=args.budget_seconds, check=True)
+                out = subprocess.run(
+                    command, capture_output=True, text=True, timeout=args.budget_seconds, check=True
+                )
                 run = json.loads(out.stdout.strip().splitlines()[-1])
             except subprocess.TimeoutExpired:
-                print(f"  {method:12s} N = {n:6d} (N·C = {10 * n:7d}): over the budget of {args.budget_seconds:g} s")
+                print(
+                    f"  {method:12s} N = {n:6d} (N·C = {10 * n:7d}): over the budget of {args.budget_seconds:g} s"
+                )
                 n //= 2
                 continue
             except subprocess.CalledProcessError as error:
                 print(f"  {method:12s} N = {n:6d}: failed: {error.stderr.strip().splitlines()[-1]}")
                 n //= 2
                 continue
-            print(f"  {method:12s} N = {n:6d} (N·C = {10 * n:7d}): {run['seconds']:7.1f} s, peak RSS "
-                  f"{run['peak_bytes'] / 2**30:5.2f} GiB, log q = {run['value']:.1f}, "
-                  f"∂/∂ raw δ = {[round(g, 2) for g in run['grad']]}", flush=True)
+            print(
+                f"  {method:12s} N = {n:6d} (N·C = {10 * n:7d}): {run['seconds']:7.1f} s, peak RSS "
+                f"{run['peak_bytes'] / 2**30:5.2f} GiB, log q = {run['value']:.1f}, "
+                f"∂/∂ raw δ = {[round(g, 2) for g in run['grad']]}",
+                flush=True,
+            )
             best = run
             break
         results[method] = best
@@ -192,7 +230,9 @@ def part_scale(args):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--part", choices=["vehicle", "scale", "all"], default="all")
     parser.add_argument("--data-dir", default=os.environ.get("NTKGP_DATA_DIR"))
     parser.add_argument("--steps", type=int, default=100)

@@ -26,10 +26,21 @@ from .evidence import (
     prior_term,
 )
 from .kernel_products import NTKProducts
-from .matrix_free import LaplaceSiteOperator, MatrixFreeNTKOperator, NystromPreconditioner, matrix_free_log_det
+from .matrix_free import (
+    LaplaceSiteOperator,
+    MatrixFreeNTKOperator,
+    NystromPreconditioner,
+    matrix_free_log_det,
+)
 from .predictive import GLMPredictiveCovariance, PredictiveContext
 from .routes import DENSE_MEMORY_LIMIT, EvidenceMethod, EvidenceOptions
-from .site_posterior import SiteIterationWarning, SitePosterior, fit_site_posterior, posterior_space, site_mode
+from .site_posterior import (
+    SiteIterationWarning,
+    SitePosterior,
+    fit_site_posterior,
+    posterior_space,
+    site_mode,
+)
 
 __all__ = [
     "DENSE_MEMORY_LIMIT",

@@ -57,7 +57,11 @@ def site_scale(likelihood: Likelihood, curvature: Curvature | str = "ggn") -> to
     """
     power = 1.0 if choose(Curvature, curvature, "curvature") is Curvature.GGN else 2.0
     if is_gaussian(likelihood):
-        if isinstance(likelihood, MultitaskGaussianLikelihood) and likelihood.has_task_noise and likelihood.num_tasks > 1:
+        if (
+            isinstance(likelihood, MultitaskGaussianLikelihood)
+            and likelihood.has_task_noise
+            and likelihood.num_tasks > 1
+        ):
             return None
         return noise_variance(likelihood)[0].pow(-power / 2)
     temperature = likelihood_temperature(likelihood)
@@ -66,7 +70,9 @@ def site_scale(likelihood: Likelihood, curvature: Curvature | str = "ggn") -> to
     return temperature.pow(-power / 2)
 
 
-def eigen_problem(kernel: NTKKernel, likelihood: Likelihood, x: torch.Tensor, curvature: Curvature | str) -> str | None:
+def eigen_problem(
+    kernel: NTKKernel, likelihood: Likelihood, x: torch.Tensor, curvature: Curvature | str
+) -> str | None:
     """Why the eigen route does not apply to this problem, or ``None`` when it does."""
     if kernel.engine.num_groups != 1:
         return f"it needs one prior precision (prior_structure='network'); the kernel has {kernel.engine.num_groups} groups"

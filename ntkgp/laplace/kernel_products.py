@@ -30,8 +30,7 @@ from torch.func import jvp as func_jvp
 from torch.func import vjp as func_vjp
 from torch.func import vmap
 
-from ..ntk import NTKEngine
-from ..ntk import structured
+from ..ntk import NTKEngine, structured
 from ..ntk.functional import forward
 
 __all__ = ["NTKProducts"]
@@ -150,7 +149,11 @@ class NTKProducts:
             tb = u[bi] if bi is not None else None
             if tw is None and tb is None:
                 continue
-            w = tw.to(a).reshape(d_out, d_in, k).transpose(0, 1).reshape(d_in, d_out * k) if tw is not None else None
+            w = (
+                tw.to(a).reshape(d_out, d_in, k).transpose(0, 1).reshape(d_in, d_out * k)
+                if tw is not None
+                else None
+            )
             b = tb.to(a).reshape(1, d_out, k) if tb is not None else None
             for s, e in self._blocks(max(d_out, d_in) * k):
                 if w is not None:
@@ -160,7 +163,10 @@ class NTKProducts:
                     z = b.expand(e - s, d_out, k)
                 out[s:e].baddbmm_(gam[s:e], z)
         if self.generic and any(u[i] is not None for i in self.generic):
-            zeros = [torch.zeros(self.engine.groups.numels[i], k, dtype=self.dtype, device=self.device) for i in self.generic]
+            zeros = [
+                torch.zeros(self.engine.groups.numels[i], k, dtype=self.dtype, device=self.device)
+                for i in self.generic
+            ]
             tangents = [z if u[i] is None else u[i] for i, z in zip(self.generic, zeros)]
             out += self._generic_apply(tangents).view(n, c, k)
         return out.view(n * c, k)
@@ -193,7 +199,9 @@ class NTKProducts:
     def _generic_transpose(self, vv: Tensor) -> list[Tensor]:
         params, sub = self._generic_params()
         k = vv.shape[-1]
-        total = {name: torch.zeros(p.numel(), k, dtype=self.dtype, device=self.device) for name, p in sub.items()}
+        total = {
+            name: torch.zeros(p.numel(), k, dtype=self.dtype, device=self.device) for name, p in sub.items()
+        }
         for s, e in self.engine._chunks(self.num_data, "J^T v"):
 
             def f(ps, xs=self.x[s:e]):

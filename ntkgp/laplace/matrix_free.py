@@ -382,7 +382,9 @@ def matrix_free_log_det(
     options = check_options(options)
     delta = kernel.prior_precision
     if delta.dim() != 1:
-        raise ValueError(f"the matrix-free route needs an unbatched kernel, got prior precisions {tuple(delta.shape)}")
+        raise ValueError(
+            f"the matrix-free route needs an unbatched kernel, got prior precisions {tuple(delta.shape)}"
+        )
     if x.requires_grad and torch.is_grad_enabled():
         raise ValueError("x requires grad: the matrix-free route gives gradients in the hyperparameters only")
     products = kernel_products(kernel, x)
@@ -390,7 +392,11 @@ def matrix_free_log_det(
         raise ValueError(
             f"factor must have shape ({products.num_data}, {products.num_outputs}, k), got {tuple(factor.shape)}"
         )
-    rank = settings.max_preconditioner_size.value() if options.preconditioner_rank is None else options.preconditioner_rank
+    rank = (
+        settings.max_preconditioner_size.value()
+        if options.preconditioner_rank is None
+        else options.preconditioner_rank
+    )
     generator = None
     if options.seed is not None:
         generator = torch.Generator(device=factor.device).manual_seed(options.seed)
@@ -400,7 +406,9 @@ def matrix_free_log_det(
         sketch_generator = None
         if options.seed is not None:
             sketch_generator = torch.Generator(device=factor.device).manual_seed(options.seed + 1)
-        builder = LaplaceSiteOperator(factor.detach(), delta.detach().to(factor), products, rank, sketch_generator)
+        builder = LaplaceSiteOperator(
+            factor.detach(), delta.detach().to(factor), products, rank, sketch_generator
+        )
         sketch = products.sketches[key] = builder.sketch()
     operator = LaplaceSiteOperator(factor, delta.to(factor), products, rank, generator, sketch)
     with _gpytorch_settings(options):

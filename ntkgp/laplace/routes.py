@@ -106,12 +106,20 @@ def check_options(options: EvidenceOptions | None) -> EvidenceOptions:
     if options is None:
         return EvidenceOptions()
     if not isinstance(options, EvidenceOptions):
-        raise TypeError(f"options must be an ntkgp.laplace.EvidenceOptions or None, got {type(options).__name__}")
+        raise TypeError(
+            f"options must be an ntkgp.laplace.EvidenceOptions or None, got {type(options).__name__}"
+        )
     return options
 
 
 def dense_memory_bytes(
-    num_params: int, num_groups: int, num_data: int, num_outputs: int, rank: int, dtype: torch.dtype, space: Space | str
+    num_params: int,
+    num_groups: int,
+    num_data: int,
+    num_outputs: int,
+    rank: int,
+    dtype: torch.dtype,
+    space: Space | str,
 ) -> int:
     r"""Bytes the dense routes hold at once, in ``space`` (``"auto"``: the space they would take).
 

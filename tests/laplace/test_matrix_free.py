@@ -58,7 +58,9 @@ def test_products_match_brute_force_jacobians(case):
     w = torch.rand(engine.num_groups, dtype=torch.float64)
     cols = engine.groups.column_groups()
     assert rel_err(products.matvec(v, w), (j * w[cols]) @ (j.T @ v)) < 1e-12
-    inner = torch.zeros(engine.num_groups, dtype=torch.float64).index_add_(0, cols, (torch.cat(t) * torch.cat(u)).sum(-1))
+    inner = torch.zeros(engine.num_groups, dtype=torch.float64).index_add_(
+        0, cols, (torch.cat(t) * torch.cat(u)).sum(-1)
+    )
     assert rel_err(products.group_inner(t, u), inner) < 1e-12
     assert_unchanged(net, before)
 
@@ -113,7 +115,9 @@ def test_nystrom_preconditioner():
     generator = torch.Generator().manual_seed(0)
     dense = LaplaceSiteOperator(factor, DELTA, products).to_dense()
     # full rank: P = B (up to the shift)
-    full = LaplaceSiteOperator(factor, DELTA, products, preconditioner_rank=3 * n, generator=generator).nystrom()
+    full = LaplaceSiteOperator(
+        factor, DELTA, products, preconditioner_rank=3 * n, generator=generator
+    ).nystrom()
     assert rel_err(full.log_det(), torch.linalg.slogdet(dense)[1]) < 1e-8
     # low rank: I ⪯ P ⪯ B, and the closure solves with P
     low = LaplaceSiteOperator(factor, DELTA, products, preconditioner_rank=5, generator=generator).nystrom()
@@ -132,7 +136,9 @@ def errors(model, settings, seeds=range(3)):
     ref_grads = torch.autograd.grad(ref, params)
     value_errors, grad_errors = [], []
     for seed in seeds:
-        value = model.log_marginal_likelihood(method="matrix_free", options=EvidenceOptions(seed=seed, **settings))
+        value = model.log_marginal_likelihood(
+            method="matrix_free", options=EvidenceOptions(seed=seed, **settings)
+        )
         grads = torch.autograd.grad(value, params)
         value_errors.append(rel_err(value.detach(), ref.detach()))
         grad_errors.append(max(rel_err(g, r) for g, r in zip(grads, ref_grads)))
@@ -142,7 +148,9 @@ def errors(model, settings, seeds=range(3)):
 @pytest.mark.parametrize("kind", ["regression1", "softmax3"])
 def test_evidence_and_gradient_agree_with_cholesky_and_tighten(kind):
     net, x, y, lik = make_problem(kind, n=40)
-    model = ntkgp.NTKGP(net, x, y, lik, prior_precision=DELTA)  # per-layer δ and a learnable noise/temperature
+    model = ntkgp.NTKGP(
+        net, x, y, lik, prior_precision=DELTA
+    )  # per-layer δ and a learnable noise/temperature
     assert len([p for p in model.hyperparameters() if p.requires_grad]) == 2
     loose, medium, tight = (errors(model, s) for s in (LOOSE, MEDIUM, TIGHT))
     assert tight[0] < VALUE_TOL and tight[1] < GRAD_TOL
@@ -165,7 +173,7 @@ def test_auto_goes_matrix_free_beyond_the_memory_limit(monkeypatch):
     model = ntkgp.NTKGP(net, x, y, lik, prior_precision=DELTA)
     options = EvidenceOptions(dense_memory_limit=0, seed=0, **TIGHT)
     assert evidence_method(model.covar_module, lik, x, model.train_outputs, options=options) == "matrix_free"
-    import ntkgp.laplace.evidence as evidence
+    from ntkgp.laplace import evidence
 
     calls = []
     original = evidence.matrix_free_log_det
@@ -229,7 +237,13 @@ def test_invalid_uses_are_named():
         laplace_log_marginal_likelihood(kernel, lik, x_grad, f, model.train_y, method="matrix_free")
     with pytest.raises(ValueError, match="factor"):
         matrix_free_log_det(kernel, x, torch.ones(3, 1, 1, dtype=torch.float64))
-    for field, bad in [("num_probes", 0), ("cg_tolerance", -1.0), ("preconditioner_rank", -1), ("seed", 1.5),
-                       ("dense_memory_limit", -1), ("lanczos_iterations", True)]:
+    for field, bad in [
+        ("num_probes", 0),
+        ("cg_tolerance", -1.0),
+        ("preconditioner_rank", -1),
+        ("seed", 1.5),
+        ("dense_memory_limit", -1),
+        ("lanczos_iterations", True),
+    ]:
         with pytest.raises(ValueError, match=field):
             EvidenceOptions(**{field: bad})

@@ -23,15 +23,23 @@ def make_problem(kind: str, n: int = 12, seed: int = 0, dtype=torch.float64):
         y = torch.randn(n, dtype=dtype)
     elif kind == "regression_global_noise":
         net = mlp(d_out=2, seed=seed, dtype=dtype)
-        lik = gpytorch.likelihoods.MultitaskGaussianLikelihood(num_tasks=2, rank=0, has_task_noise=False).to(dtype)
+        lik = gpytorch.likelihoods.MultitaskGaussianLikelihood(num_tasks=2, rank=0, has_task_noise=False).to(
+            dtype
+        )
         lik.noise = 0.2
         y = torch.randn(n, 2, dtype=dtype)
     elif kind == "binary":
-        net, lik = mlp(d_out=1, seed=seed, dtype=dtype), LogisticLikelihood(temperature=0.7, learn_temperature=True)
+        net, lik = (
+            mlp(d_out=1, seed=seed, dtype=dtype),
+            LogisticLikelihood(temperature=0.7, learn_temperature=True),
+        )
         lik = lik.to(dtype)
         y = (torch.rand(n) > 0.5).to(dtype)
     else:
-        net, lik = mlp(d_out=3, seed=seed, dtype=dtype), SoftmaxLikelihood(3, temperature=1.3, learn_temperature=True)
+        net, lik = (
+            mlp(d_out=3, seed=seed, dtype=dtype),
+            SoftmaxLikelihood(3, temperature=1.3, learn_temperature=True),
+        )
         lik = lik.to(dtype)
         y = torch.randint(0, 3, (n,))
     return net, x, y, lik
@@ -139,7 +147,7 @@ def test_the_mll_takes_the_eigen_route_through_the_kernels_own_covariance(monkey
     mll = ntkgp.LaplaceGGNMarginalLogLikelihood(lik, model)
     model.train()
     ref = model.log_marginal_likelihood(method="cholesky").detach() / 15
-    import ntkgp.laplace.evidence as evidence
+    from ntkgp.laplace import evidence
 
     calls = []
     spectral = evidence.spectral_log_det
