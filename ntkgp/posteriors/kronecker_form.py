@@ -141,8 +141,8 @@ def kronecker_sandwich(
     if a.shape[-1] == 1:
         g = gamma[..., 0]
         return (g * (a[..., 0].square() @ weights.T).unsqueeze(1)) @ g.mT
-    m = layer_jacobian(a, gamma)
-    return torch.einsum("ncoi,ndoi,oi->ncd", m, m, weights)
+    m = layer_jacobian(a, gamma).flatten(-2)  # (n, C, d_out d_a)
+    return (m * weights.reshape(-1)) @ m.mT
 
 
 def kronecker_root(
