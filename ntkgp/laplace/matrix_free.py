@@ -248,7 +248,7 @@ class LaplaceSiteOperator(LinearOperator):
             z = self._randn(m, t)
             precond = self.nystrom()
             if precond is not None:
-                root = precond.root().detach()
+                root = precond.detached_root()
                 z = z + root @ self._randn(root.shape[-1], t)
             norms = torch.linalg.norm(z, dim=-2, keepdim=True)
         return z / norms, norms
@@ -318,6 +318,10 @@ class NystromPreconditioner(LinearOperator):
                 inner = torch.eye(w.shape[-1], dtype=w.dtype, device=w.device) + w.mT @ w
                 self._detached = (w, torch.linalg.cholesky(inner))
         return self._detached
+
+    def detached_root(self) -> torch.Tensor:
+        """:meth:`root` without a graph (computed once)."""
+        return self._woodbury()[0]
 
     def solve_closure(self):
         r"""A function ``v ↦ P⁻¹ v = v − W (I + WᵀW)⁻¹ Wᵀ v`` (detached)."""
