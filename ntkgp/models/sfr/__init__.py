@@ -7,7 +7,9 @@ r"""SFR: a trained network as a sparse function-space GP (Scannell et al.), as a
 * :mod:`.predictive` — the predictive's terms at test points, chunk by chunk, with or without input gradients;
 * :mod:`.covariance` — :class:`SparsePosteriorCovariance`, the lazy posterior covariance (never densified
   by products);
-* :mod:`.data` — argument validation and streaming of the data into the statistics.
+* :mod:`.data` — argument validation and streaming of the data into the statistics;
+* :mod:`.iterated` — ``update(iterate=True)``: new classification sites at the mode (damped Newton);
+* :mod:`.distributed` — ``distributed=True``: each rank's shard, statistics all-reduced.
 """
 
 from .covariance import SparsePosteriorCovariance
