@@ -77,7 +77,14 @@ class Curvature(ABC):
     def prior_precision_vector(self, prior_precision: float | Tensor) -> Tensor:
         r"""The prior precisions :math:`\delta` as a ``(G,)`` tensor (a scalar is shared by all groups)."""
         if not torch.is_tensor(prior_precision):
-            prior_precision = torch.tensor(prior_precision, dtype=self.dtype)
+            if isinstance(prior_precision, (str, bytes, bool)):
+                raise TypeError(f"prior_precision must be a number or a tensor, got {prior_precision!r}")
+            try:
+                prior_precision = torch.tensor(prior_precision, dtype=self.dtype)
+            except (TypeError, ValueError, RuntimeError):
+                raise TypeError(f"prior_precision must be a number or a tensor, got {prior_precision!r}") from None
+        elif prior_precision.is_complex() or prior_precision.dtype == torch.bool:
+            raise TypeError(f"prior_precision must be a real tensor, got dtype {prior_precision.dtype}")
         delta = prior_precision.to(device=self.f.device, dtype=self.dtype)
         if delta.dim() == 0:
             delta = delta.expand(self.groups.num_groups)
