@@ -86,8 +86,8 @@ def test_train_marglik(problem):
 
 
 @fuzz_settings(15)
-@given(problem=training_problem(["kfac", "diag_ggn", "diag_ef"]))
-def test_compute_curvature(problem):
+@given(problem=training_problem(["kfac", "diag_ggn", "diag_ef"]), delta=st.sampled_from([1.0, 0.0, float("nan"), "2", True]))
+def test_compute_curvature(problem, delta):
     network, x, y, lik, structure, kwargs, corruption, names, accepted = problem
     if corruption not in (None, "train_x", "train_y", "structure"):
         corruption, names = None, []
@@ -106,8 +106,7 @@ def test_compute_curvature(problem):
         network.net, [x, y], corruption, [*names, "x", "y"], accepted,
     )
     if curvature is not None:
-        delta = [1.0, 0.0, float("nan"), "2"][hash(structure) % 4] if corruption is None else 1.0
-        bad = None if delta == 1.0 else "prior_precision"
+        bad = None if delta == 1.0 and delta is not True else "prior_precision"
         check_call(lambda: curvature.log_marginal_likelihood(delta, lik), network.net, [], bad, ["prior_precision"])
 
 
@@ -140,14 +139,14 @@ def test_metrics(data):
         name, y_cls = "y", y_cls.to(dtype) + 0.5
     elif corruption == "empty":
         name, probs, y_cls, mean, var, y_reg = "all", probs[:0], y_cls[:0], mean[:0], var[:0], y_reg[:0]
-    elif corruption == "integer":
-        name, probs, mean = "probs", (probs > 0.5).long(), mean.long()
-    elif corruption == "list":
-        name, probs, mean = "probs", probs.tolist(), mean.tolist()
     metric = data.draw(
         st.sampled_from(["gaussian_nlpd", "rmse", "categorical_nlpd", "accuracy", "expected_calibration_error", "brier_score", "predictive_entropy"])
     )
     regression = metric in ("gaussian_nlpd", "rmse")
+    if corruption == "integer":
+        name, probs, mean = ("mean" if regression else "probs"), (probs > 0.5).long(), mean.long()
+    elif corruption == "list":
+        name, probs, mean = ("mean" if regression else "probs"), probs.tolist(), mean.tolist()
     calls = {
         "gaussian_nlpd": lambda: metrics.gaussian_nlpd(mean, var, y_reg),
         "rmse": lambda: metrics.rmse(mean, y_reg),
@@ -160,16 +159,16 @@ def test_metrics(data):
     uses = {
         "gaussian_nlpd": {"mean", "var", "y"}, "rmse": {"mean", "y"}, "predictive_entropy": {"probs"},
     }.get(metric, {"probs", "y"})
-    if name is not None and name != "all" and name not in uses or (corruption in ("labels_out", "labels_fraction") and regression):
+    if (
+        name is not None and name != "all" and name not in uses
+        or (corruption in ("labels_out", "labels_fraction") and regression)
+        or (corruption == "nan" and name == "y" and not regression)  # the NaN went into the regression targets
+    ):
         corruption = None  # the corrupted argument is not one this metric takes
     names = {"probs": ["probs"], "mean": ["mean", "pred"], "var": ["var"], "y": ["y"]}.get(name, [])
-    if corruption == "integer" and regression:
-        names = ["mean", "pred"]
-    if corruption == "list" and regression:
-        names = ["mean", "pred"]
     if corruption == "empty":
         names = ["mean", "pred", "y", "var", "probs"]
     args = [probs, mean, var, y_reg, y_cls]
-    accepted = corruption == "integer" and metric == "rmse"  # integer predictions are numbers too
+    accepted = corruption == "integer" and regression  # integer predictions are numbers too
     net = torch.nn.Linear(1, 1)
     check_call(calls[metric], net, args, corruption, names, accepted)
