@@ -45,7 +45,7 @@ DTYPES = (torch.float32, torch.float64)
 
 # ---------------------------------------------------------------------- networks
 class TinyCNN(nn.Module):
-    """Conv2d → tanh → Linear on (N, 1, 4, 4) images."""
+    """Conv2d → tanh → Linear on (N, 1, 4, 4) images (given with ``input_shape``)."""
 
     def __init__(self, c_out: int) -> None:
         super().__init__()
@@ -76,8 +76,10 @@ class Network:
 
 def make_network(kind: str, outputs: int, dtype: torch.dtype, seed: int, d_in: int = 2) -> Network:
     torch.manual_seed(seed)
-    if kind == "mlp":
+    if kind in ("mlp", "frozen"):
         net = nn.Sequential(nn.Linear(d_in, 3), nn.Tanh(), nn.Linear(3, outputs))
+        if kind == "frozen":  # a parameter the user froze: not in the kernel, never unfrozen
+            net[0].weight.requires_grad_(False)
         example = (d_in,)
     elif kind == "batchnorm":
         net = nn.Sequential(nn.Linear(d_in, 3), nn.BatchNorm1d(3), nn.Tanh(), nn.Linear(3, outputs))
@@ -90,7 +92,7 @@ def make_network(kind: str, outputs: int, dtype: torch.dtype, seed: int, d_in: i
     return Network(net.to(dtype).eval(), kind, example, outputs)
 
 
-networks = st.sampled_from(["mlp", "batchnorm", "cnn"])
+networks = st.sampled_from(["mlp", "batchnorm", "cnn", "frozen"])
 dtypes = st.sampled_from(DTYPES)
 
 
