@@ -60,9 +60,20 @@ def test_demo_quick(tmp_path, capsys):
         assert str(path) in out
 
 
+def test_python_m_ntkgp_reaches_the_cli_and_its_exit_codes(tmp_path):
+    """``python -m ntkgp`` is the ``ntkgp`` command: a usage error exits 2 with argparse's message (no
+    training; the full run through ``python -m`` is the slow test below)."""
+    done = subprocess.run([sys.executable, "-m", "ntkgp", *QUICK, "--epochs", "0", "--output-dir", str(tmp_path)],
+                          check=False, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert "usage: ntkgp demo" in done.stderr and "--epochs must be positive" in done.stderr
+    assert not list(tmp_path.glob("*.png"))
+
+
+@pytest.mark.slow
 def test_python_m_ntkgp_demo(tmp_path):
     done = subprocess.run([sys.executable, "-m", "ntkgp", *QUICK, "--epochs", "10", "--output-dir", str(tmp_path)],
-                          check=False, capture_output=True, text=True, timeout=120)
+                          check=False, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "evidence/N" in done.stdout and "two_moons" in done.stdout
     assert len(list(tmp_path.glob("*.png"))) == 4
