@@ -221,7 +221,7 @@ def together(what: str, enabled: bool = True) -> Iterator[None]:
         return
     try:
         yield
-    except BaseException:
+    except Exception:
         _any_failed(True)
         raise
     if _any_failed(False):
