@@ -119,6 +119,7 @@ def train_fsvi(
     prior_mean: str | Mapping[str, Tensor] = "zero",
     prior_linearization: str = "variational_mean",
     init_std: float = 1e-3,
+    context_jitter: float = 1e-2,
     num_samples: int = 1,
     epochs: int = 100,
     batch_size: int | None = 128,
@@ -161,7 +162,8 @@ def train_fsvi(
         prior_structure: ``"network"``, ``"layer"`` (default), ``"parameter"`` or a mapping.
         prior_mean: ``"zero"``, ``"initial"`` or a mapping, see :class:`~ntkgp.fsvi.GaussianParameterPrior`.
         prior_linearization: ``"variational_mean"`` (default) or ``"prior_mean"``.
-        init_std: the initial :math:`s` of every weight.
+        init_std: the initial :math:`s` of every weight (below the prior's).
+        context_jitter: relative shared noise on the context outputs, see :class:`~ntkgp.fsvi.FSVI`.
         num_samples: ``S``, weight draws per step for the expected log-likelihood.
         epochs: passes over the data.
         batch_size: mini-batch size for tensors (``None``: full batch); ignored for loaders.
@@ -237,6 +239,7 @@ def train_fsvi(
         prior_mean=prior_mean,
         prior_linearization=prior_linearization,
         init_std=init_std,
+        context_jitter=context_jitter,
         input_shape=input_shape,
         strategy=strategy,
     )

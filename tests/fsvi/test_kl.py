@@ -50,11 +50,11 @@ def test_gaussian_kl_errors():
         gaussian_kl(torch.zeros(2), torch.zeros(2, 2), torch.zeros(2), torch.eye(2))
 
 
-def _model(c, prior_mean, prior_linearization, prior_precision=1.0, seed=0):
+def _model(c, prior_mean, prior_linearization, prior_precision=1.0, seed=0, jitter=0.0):
     net = ref.mlp(d_in=2, width=5, d_out=c, seed=seed)
     lik = GaussianLikelihood().double() if c == 1 else MultitaskGaussianLikelihood(c, rank=0).double()
     model = FSVI(net, lik, prior_precision=prior_precision, prior_mean=prior_mean,
-                 prior_linearization=prior_linearization, prior_structure="parameter")
+                 prior_linearization=prior_linearization, prior_structure="parameter", context_jitter=jitter)
     g = torch.Generator().manual_seed(seed + 5)
     with torch.no_grad():  # move μ and s away from their initial values: every term of the KL matters
         for m, t in zip(model.variational_distribution.mean, model.variational_distribution.raw_std):
@@ -63,7 +63,7 @@ def _model(c, prior_mean, prior_linearization, prior_precision=1.0, seed=0):
     return net, model
 
 
-def _dense_kl(net, model, x):
+def _dense_kl(net, model, x, jitter=0.0):
     q, p = model.variational_distribution, model.prior
     names = q.names
     mu = {n: t.detach() for n, t in q.means().items()}
@@ -78,7 +78,8 @@ def _dense_kl(net, model, x):
         f_p = f_q + ref.jacobian(net, mu, names, x) @ (ref.flat(mu0, names) - ref.flat(mu, names))
     else:
         f_p = functional_call(net, mu0, (x,)).reshape(-1)
-    return kl_divergence(MultivariateNormal(f_q, cov_q), MultivariateNormal(f_p, cov_p))
+    noise = jitter * cov_p.diagonal().mean() * torch.eye(cov_p.shape[0], dtype=cov_p.dtype)
+    return kl_divergence(MultivariateNormal(f_q, cov_q + noise), MultivariateNormal(f_p, cov_p + noise))
 
 
 @pytest.mark.parametrize("c", [1, 3])
@@ -99,7 +100,7 @@ def test_function_space_kl_equals_dense_gaussians(c, prior):
 def test_function_space_kl_cnn():
     net = ref.small_cnn(3)
     model = FSVI(net, MultitaskGaussianLikelihood(3, rank=0).double(), prior_mean="initial",
-                 prior_linearization="prior_mean", init_std=0.1)
+                 prior_linearization="prior_mean", init_std=0.1, context_jitter=0.0)
     with torch.no_grad():
         for m in model.variational_distribution.mean:
             m.add_(0.2 * torch.randn_like(m))
@@ -108,7 +109,7 @@ def test_function_space_kl_cnn():
 
 
 def test_float32_close_to_float64():
-    net64, model64 = _model(3, "zero", "variational_mean")
+    net64, model64 = _model(3, "zero", "variational_mean", jitter=1e-2)
     net32 = ref.mlp(d_in=2, width=5, d_out=3, seed=0, dtype=torch.float32)
     model32 = FSVI(net32, MultitaskGaussianLikelihood(3, rank=0), prior_mean="zero", prior_structure="parameter")
     model32.load_state_dict({k: v.float() for k, v in model64.state_dict().items()}, strict=False)
@@ -122,11 +123,29 @@ def test_float32_close_to_float64():
 def test_singular_covariance_gets_warned_jitter():
     """K·C > P: the linearized covariances are singular; jitter is added and a NumericalWarning says so."""
     net = ref.mlp(d_in=1, width=2, d_out=1, depth=1)  # P = 7
-    model = FSVI(net, GaussianLikelihood().double())
+    model = FSVI(net, GaussianLikelihood().double(), context_jitter=0.0)
     x = torch.linspace(-1, 1, 12, dtype=torch.float64)[:, None]
     with pytest.warns(NumericalWarning):
         kl = model.function_space_kl(x)
     assert torch.isfinite(kl)
+
+
+@pytest.mark.parametrize("c", [1, 3])
+def test_context_jitter_is_shared_noise(c):
+    net, model = _model(c, "zero", "variational_mean", jitter=1e-2)
+    x = torch.randn(6, 2, dtype=torch.float64)
+    torch.testing.assert_close(model.function_space_kl(x), _dense_kl(net, model, x, 1e-2), rtol=1e-10, atol=1e-10)
+
+
+def test_context_jitter_removes_null_directions():
+    """K·C > P: with shared noise the KL is finite without Cholesky jitter and is the KL on the noisy outputs."""
+    net = ref.mlp(d_in=1, width=2, d_out=1, depth=1)
+    model = FSVI(net, GaussianLikelihood().double(), context_jitter=1e-3)
+    x = torch.linspace(-1, 1, 12, dtype=torch.float64)[:, None]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NumericalWarning)
+        kl = model.function_space_kl(x)
+    torch.testing.assert_close(kl, _dense_kl(net, model, x, 1e-3), rtol=1e-8, atol=1e-8)
 
 
 def test_degenerate_prior_is_refused():
