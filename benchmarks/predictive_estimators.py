@@ -202,6 +202,20 @@ def run_case(title, net, x, y, x_test, y_test, likelihood, classification, sampl
     ref_var = variances(ref)
     y_eval = y_test if classification else None
     rows = [row("full GGN", "glm", None, t_ref, ref_var, ref_var, ref.probs, y_eval)]
+    if (
+        classification
+    ):  # the target of the sampling methods' MC link: the exact predictive, MC link, 10^4 draws
+        pred, t = timed(
+            lambda: predict(
+                posteriors["full GGN"],
+                x_test,
+                method="glm",
+                link="mc",
+                num_samples=10000,
+                generator=torch.Generator().manual_seed(0),
+            )
+        )
+        rows.append(row("full GGN", "glm, MC link", 10000, t, variances(pred), ref_var, pred.probs, y_eval))
     for label in ["KFAC", "diag GGN", "diag EF", "last-layer GGN"]:
         pred, t = timed(lambda p=posteriors[label]: predict(p, x_test, method="glm", link=link), repeat=2)
         rows.append(row(label, "glm", None, t, variances(pred), ref_var, pred.probs, y_eval))
