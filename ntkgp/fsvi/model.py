@@ -68,7 +68,8 @@ class FSVI(GP):
         chunk_size: examples per chunk when predicting.
         context_jitter: :math:`\tau`, the relative variance of a noise shared by both Gaussians of the
             function-space KL: :math:`\tau \bar\sigma_p^2 I` (:math:`\bar\sigma_p^2` the mean prior variance at the
-            context points) is added to both covariances, so that a direction contributes at most
+            context points, held constant within a step: no gradient flows through it, or inflating the prior's
+            variance would lower the KL) is added to both covariances, so that a direction contributes at most
             :math:`\tfrac12 \log(1 + \sigma_p^2 / \tau\bar\sigma_p^2)`. ``0`` gives the exact KL. The noise is
             needed because (1) the linearized covariances are singular whenever ``K·C`` exceeds their rank (a
             ReLU network is affine between its kinks, so context points share few Jacobian directions), and (2)
@@ -210,7 +211,7 @@ class FSVI(GP):
             f_p, (cov_p,) = lin.covariance(p.means(), [p.variances()], x, create_graph=False)
             mean_q, mean_p = f_q.reshape(-1), f_p.reshape(-1)
         if self.context_jitter > 0:
-            noise = self.context_jitter * cov_p.diagonal().mean()
+            noise = self.context_jitter * cov_p.diagonal().mean().detach()  # a constant of the step
             eye = torch.eye(cov_p.shape[0], dtype=cov_p.dtype, device=cov_p.device)
             cov_q, cov_p = cov_q + noise * eye, cov_p + noise * eye
         return gaussian_kl(mean_q, cov_q, mean_p, cov_p)
