@@ -129,7 +129,7 @@ def gap_problem(args, rows) -> None:
         model, seconds = timed(build)
         model.eval()
         with torch.no_grad():
-            (dist, mid), more = timed(lambda: (model(data.x_test), model(x_mid)))
+            (dist, mid), more = timed(lambda model=model: (model(data.x_test), model(x_mid)))
         predictives[name] = (dist.mean, dist.variance.sqrt(),
                              (mid.variance.sqrt()[gap].mean() / mid.variance.sqrt()[on_data].mean()).item(),
                              seconds + more)
@@ -175,7 +175,8 @@ def moons_problem(args, rows) -> None:
         model, seconds = timed(build)
         model.eval()
         with torch.no_grad():
-            value, more = timed(lambda: tuple(model.likelihood(model(t)).probs for t in (x_test, grid.points)))
+            value, more = timed(lambda model=model: tuple(model.likelihood(model(t)).probs
+                                                          for t in (x_test, grid.points)))
         probs[name] = (value, seconds + more)
     result = train_fsvi(relu_mlp(2, 32, 1, args.seed), x, y, LogisticLikelihood().double(), prior_precision=1.0,
                         epochs=epochs, batch_size=None, lr=1e-2, num_context=32, seed=args.seed, progress=False)
@@ -232,7 +233,7 @@ def digits_problem(args, rows) -> None:
     predictives["FSVI-lin"] = (lambda t: model.predict(t, method="linearized").probs, result.seconds)
     for name, (predict, seconds) in predictives.items():
         with torch.no_grad():
-            (p_test, p_rot, p_noise), more = timed(lambda: (predict(x_test), predict(x_rot), predict(x_noise)))
+            (p_test, p_rot, p_noise), more = timed(lambda predict=predict: tuple(predict(t) for t in (x_test, x_rot, x_noise)))
         h_in = metrics.predictive_entropy(p_test)
         rows.append(["digits (CNN)", name, metrics.categorical_nlpd(p_test, y_test), metrics.accuracy(p_test, y_test),
                      metrics.expected_calibration_error(p_test, y_test), None,

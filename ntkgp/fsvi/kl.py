@@ -8,7 +8,8 @@ from torch import Tensor
 
 
 def _normalized_cholesky(cov: Tensor, name: str) -> tuple[Tensor, Tensor]:
-    r"""``(L, d)`` with :math:`\Sigma = D L L^\top D`, :math:`D = \operatorname{diag}(d)`, :math:`d = \sqrt{\operatorname{diag}\Sigma}`.
+    r"""``(L, d)`` with :math:`\Sigma = D L L^\top D`, :math:`D = \operatorname{diag}(d)`,
+    :math:`d = \sqrt{\operatorname{diag}\Sigma}`.
 
     The Cholesky factor is taken of the correlation matrix (unit diagonal), so GPyTorch's jitter, added only
     when the plain factorization fails (with a ``NumericalWarning``), is relative to the variances whatever

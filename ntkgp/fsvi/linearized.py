@@ -193,7 +193,9 @@ class LinearizedNetwork:
 
     # ------------------------------------------------------------------ covariances from features
     @staticmethod
-    def _weighted_inputs(a1: Tensor, a2: Tensor, vw: Tensor | None, vb: Tensor | None, d_out: int, symmetric: bool) -> Tensor:
+    def _weighted_inputs(
+        a1: Tensor, a2: Tensor, vw: Tensor | None, vb: Tensor | None, d_out: int, symmetric: bool
+    ) -> Tensor:
         r""":math:`B_{nm,i} = \sum_j S_{ij} a_{1,nj} a_{2,mj} + s_{b,i}`, shape ``(N1, N2, d_out)``.
 
         One GEMM of the element-wise products of input pairs with :math:`S^\top`; for a symmetric covariance only
@@ -216,7 +218,8 @@ class LinearizedNetwork:
         return b.view(n1, n2, d_out)
 
     def _grid(self, f1: _Features, f2: _Features, variances: Params, symmetric: bool) -> Tensor:
-        r""":math:`J(X_1) \operatorname{diag}(v) J(X_2)^\top`, ``(N1·C, N2·C)``, from the features of both input sets."""
+        r""":math:`J(X_1) \operatorname{diag}(v) J(X_2)^\top`, ``(N1·C, N2·C)``, from the features of both
+        input sets."""
         n1, c = f1.outputs.shape
         n2 = f2.outputs.shape[0]
         total = f1.outputs.new_zeros(n1 * c, n2 * c)
@@ -267,7 +270,8 @@ class LinearizedNetwork:
 
     # ------------------------------------------------------------------ public covariances
     def covariance_from_features(self, feats: _Features, variances: Params) -> Tensor:
-        r""":math:`J(x) \operatorname{diag}(v) J(x)^\top` ``(N·C, N·C)`` from the features of ``x`` (:meth:`features`)."""
+        r""":math:`J(x) \operatorname{diag}(v) J(x)^\top` ``(N·C, N·C)`` from the features of ``x``
+        (:meth:`features`)."""
         return self._grid(feats, feats, variances, symmetric=True)
 
     def jvp(self, feats: _Features, tangents: Params) -> Tensor:

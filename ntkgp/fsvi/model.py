@@ -18,7 +18,7 @@ from .kernel import MeanFieldNTKKernel
 from .kl import gaussian_kl
 from .linearized import LinearizedNetwork
 from .mean import VariationalNetworkMean
-from .options import PriorLinearization, Predictive
+from .options import Predictive, PriorLinearization
 from .prior import GaussianParameterPrior
 from .variational import MeanFieldGaussian
 

@@ -15,7 +15,14 @@ from tqdm.auto import tqdm
 
 from ..likelihoods import num_outputs, validate_targets
 from ..options import choose
-from .context import BatchMixedContext, ContextDistribution, DatasetContext, MonochromeContext, SamplerContext, UniformBoxContext
+from .context import (
+    BatchMixedContext,
+    ContextDistribution,
+    DatasetContext,
+    MonochromeContext,
+    SamplerContext,
+    UniformBoxContext,
+)
 from .model import FSVI
 from .objective import FunctionSpaceELBO
 from .options import ContextKind
@@ -100,9 +107,6 @@ class _TensorBatches:
         for s in range(0, self.x.shape[0], self.batch_size):
             idx = order[s : s + self.batch_size]
             yield self.x[idx], self.y[idx]
-
-    def __len__(self) -> int:
-        return -(-self.x.shape[0] // self.batch_size)
 
 
 def train_fsvi(

@@ -101,7 +101,9 @@ class MeanFieldGaussian(nn.Module):
         r""":math:`s` per parameter name (differentiable)."""
         if not self.capped:
             return {n: r.exp() for n, r in zip(self.names, self.raw_std)}
-        return {n: getattr(self, f"max_std_{i}") * torch.sigmoid(r) for i, (n, r) in enumerate(zip(self.names, self.raw_std))}
+        return {
+            n: getattr(self, f"max_std_{i}") * torch.sigmoid(r) for i, (n, r) in enumerate(zip(self.names, self.raw_std))
+        }
 
     def variances(self) -> dict[str, Tensor]:
         r""":math:`s^2` per parameter name (differentiable)."""

@@ -82,8 +82,12 @@ def _dense_kl(net, model, x, jitter=0.0):
     return kl_divergence(MultivariateNormal(f_q, cov_q + noise), MultivariateNormal(f_p, cov_p + noise))
 
 
+PRIORS = [("zero", "variational_mean"), ("mapping", "variational_mean"), ("initial", "prior_mean"),
+          ("mapping", "prior_mean")]
+
+
 @pytest.mark.parametrize("c", [1, 3])
-@pytest.mark.parametrize("prior", [("zero", "variational_mean"), ("mapping", "variational_mean"), ("initial", "prior_mean"), ("mapping", "prior_mean")])
+@pytest.mark.parametrize("prior", PRIORS)
 def test_function_space_kl_equals_dense_gaussians(c, prior):
     prior_mean, linearization = prior
     net = ref.mlp(d_in=2, width=5, d_out=c, seed=7)
@@ -109,7 +113,7 @@ def test_function_space_kl_cnn():
 
 
 def test_float32_close_to_float64():
-    net64, model64 = _model(3, "zero", "variational_mean", jitter=1e-2)
+    _, model64 = _model(3, "zero", "variational_mean", jitter=1e-2)
     net32 = ref.mlp(d_in=2, width=5, d_out=3, seed=0, dtype=torch.float32)
     model32 = FSVI(net32, MultitaskGaussianLikelihood(3, rank=0), prior_mean="zero", prior_structure="parameter")
     model32.load_state_dict({k: v.float() for k, v in model64.state_dict().items()}, strict=False)
