@@ -98,7 +98,9 @@ class PredictiveContext:
             return root.square().sum(-1)
         return nonnegative(self.prior_diagonal(xs) - root.square().sum(-1))
 
-    def covariance_block(self, xa: torch.Tensor, xb: torch.Tensor, ra: torch.Tensor, rb: torch.Tensor) -> torch.Tensor:
+    def covariance_block(
+        self, xa: torch.Tensor, xb: torch.Tensor, ra: torch.Tensor, rb: torch.Tensor
+    ) -> torch.Tensor:
         """The covariance between ``xa`` and ``xb`` from their roots ``ra``, ``rb``: ``[K(xa, xb)] − ra rbᵀ`` or ``ra rbᵀ``."""
         if self.weight_space:
             return ra @ rb.mT
@@ -262,10 +264,15 @@ class GLMPredictiveCovariance(LinearOperator):
         num = rows.shape[0]
         # at most 2·step points per step, so that a K_UU block stays within chunk·N·C numbers
         budget = ctx.chunk_size * ctx.train_x.shape[0] * ctx.num_outputs
-        step = max(1, min(ctx.chunk_size, int(math.isqrt(budget)) // (2 * c)))
+        step = max(1, min(ctx.chunk_size, math.isqrt(budget) // (2 * c)))
         values = []
         for s in range(0, num, step):
-            pr, pc, orow, ocol = p_row[s : s + step], p_col[s : s + step], o_row[s : s + step], o_col[s : s + step]
+            pr, pc, orow, ocol = (
+                p_row[s : s + step],
+                p_col[s : s + step],
+                o_row[s : s + step],
+                o_col[s : s + step],
+            )
             if torch.equal(pr, pc):  # entries inside per-point blocks (e.g. output_covariance_blocks)
                 unique, inv = torch.unique(pr, return_inverse=True)
                 xs = points[unique]

@@ -5,9 +5,9 @@ Two exact forms of the same posterior (docs/math.md, "GLM predictive"); :func:`p
 * **function space** factorizes the ``(N·k)²`` matrix :math:`B = I + L^\top K_{XX} L`; the covariance at test
   points is the difference :math:`K_{**} - A A^\top`, :math:`A = K_{*X} L R^{-\top}`;
 * **weight space** factorizes the ``P²`` matrix :math:`I + W^\top W = R^\top R` with
-  :math:`W = L^\top J_X P_0^{-1/2}` (formed in float64 for lower-precision models); the covariance is the sum of squares :math:`A A^\top`, :math:`A = J_* P_0^{-1/2} R^{-1}`, i.e.
-  :math:`J_* H^{-1} J_*^\top` with :math:`H = P_0 + \sum_n J_n^\top \Lambda_n J_n`. It cannot be negative in
-  any precision.
+  :math:`W = L^\top J_X P_0^{-1/2}` (formed in float64 for lower-precision models); the covariance is the sum
+  of squares :math:`A A^\top`, :math:`A = J_* P_0^{-1/2} R^{-1}`, i.e. :math:`J_* H^{-1} J_*^\top` with
+  :math:`H = P_0 + \sum_n J_n^\top \Lambda_n J_n`. It cannot be negative in any precision.
 
 :func:`fit_site_posterior` places the sites at the network's outputs :math:`f(X;\theta^*)` (one Newton step from
 :math:`\theta^*`, the Laplace-GGN posterior) or, with ``iterate=True``, moves them by damped Newton steps to the
@@ -28,16 +28,16 @@ from linear_operator.operators import LinearOperator
 
 from ..kernels import NTKKernel
 from ..likelihoods import gradient, hessian, is_gaussian, log_likelihood
-from ..options import Space, choose_space
 from ..linalg import cholesky
+from ..options import Space, choose_space
 from .algebra import block_apply, site_cholesky
 from .evidence import curvature_factor
 
 __all__ = [
     "LOW_PRECISION_WEIGHT_FACTOR",
     "MAX_NEWTON_STEPS",
-    "SitePosterior",
     "SiteIterationWarning",
+    "SitePosterior",
     "damped_newton",
     "fit_site_posterior",
     "posterior_space",
@@ -213,10 +213,14 @@ def damped_newton(
         while t >= 2**-30:
             trial = tuple(a + t * (b - a) for a, b in zip(state, new))
             trial_value = objective(trial)
-            if torch.isfinite(trial_value) and (trial_value >= value - 1e-12 * value.abs() or (local and t == 1.0)):
+            if torch.isfinite(trial_value) and (
+                trial_value >= value - 1e-12 * value.abs() or (local and t == 1.0)
+            ):
                 break
             t /= 2
-        if t < 2**-30:  # no ascent along the Newton direction: the objective does not resolve the step any more
+        if (
+            t < 2**-30
+        ):  # no ascent along the Newton direction: the objective does not resolve the step any more
             return state, steps, bool(move <= tol**0.5 * scale)
         state, value = trial, trial_value
     return state, steps, False

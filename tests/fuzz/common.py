@@ -37,6 +37,7 @@ def fuzz_settings(examples: int) -> settings:
         database=None,
     )
 
+
 #: The error types ntkgp documents for bad arguments.
 DOCUMENTED_ERRORS = (ValueError, TypeError)
 
@@ -137,13 +138,26 @@ ACCEPTED_INPUT_CORRUPTIONS = {"other_float"}
 def labels(likelihood_kind: str, n: int, outputs: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     if likelihood_kind == "gaussian":
-        return torch.randn(n, generator=g).to(dtype) if outputs == 1 else torch.randn(n, outputs, generator=g).to(dtype)
+        return (
+            torch.randn(n, generator=g).to(dtype)
+            if outputs == 1
+            else torch.randn(n, outputs, generator=g).to(dtype)
+        )
     if likelihood_kind == "logistic":
         return torch.randint(0, 2, (n,), generator=g).to(dtype)
     return torch.randint(0, outputs, (n,), generator=g)
 
 
-LABEL_CORRUPTIONS = ("nan", "out_of_range", "negative", "non_integer", "length", "three_dim", "list", "whole_floats")
+LABEL_CORRUPTIONS = (
+    "nan",
+    "out_of_range",
+    "negative",
+    "non_integer",
+    "length",
+    "three_dim",
+    "list",
+    "whole_floats",
+)
 
 
 def corrupt_labels(y: torch.Tensor, kind: str, likelihood_kind: str, outputs: int, row: int) -> object:
@@ -225,9 +239,13 @@ class Snapshot:
         for k, v in self.state.items():
             assert not state or torch.equal(bits(current[k]), v), f"the network's {k} changed"
         assert {n: m.training for n, m in self.net.named_modules()} == self.modes, "a module's mode changed"
-        assert {n: p.requires_grad for n, p in self.net.named_parameters()} == self.flags, "requires_grad changed"
+        assert {n: p.requires_grad for n, p in self.net.named_parameters()} == self.flags, (
+            "requires_grad changed"
+        )
         for t, copy_bits, dtype, shape, requires_grad in self.copies:
-            assert t.dtype == dtype and t.shape == shape and t.requires_grad == requires_grad, "an input changed"
+            assert t.dtype == dtype and t.shape == shape and t.requires_grad == requires_grad, (
+                "an input changed"
+            )
             assert torch.equal(bits(t), copy_bits), "an input tensor was modified"
 
 

@@ -11,9 +11,9 @@ from tests.fuzz.common import (
     ACCEPTED_INPUT_CORRUPTIONS,
     INPUT_CORRUPTIONS,
     check_call,
-    fuzz_settings,
     corrupt_inputs,
     dtypes,
+    fuzz_settings,
     inputs,
     make_network,
     networks,
@@ -54,7 +54,11 @@ def test_kernel_calls(data):
     diag = data.draw(st.booleans()) and corruption is None and n1 == n2
     result = check_call(
         lambda: kernel(x1, x2, diag=diag) if diag else kernel(x1, x2).to_dense(),
-        network.net, [x1, x2], corruption, [target], accepted,
+        network.net,
+        [x1, x2],
+        corruption,
+        [target],
+        accepted,
     )
     if result is not None and corruption is None and not diag:
         assert result.shape == (n1 * c, n2 * c)
@@ -73,7 +77,10 @@ def test_kernel_prior_precision(data):
     corrupted = None if bad == "ok" else bad
     kernel = check_call(
         lambda: ntkgp.NTKKernel(network.net, prior_precision=value, input_shape=network.input_shape),
-        network.net, [value], corrupted, ["prior_precision"],
+        network.net,
+        [value],
+        corrupted,
+        ["prior_precision"],
     )
     kernel = kernel or ntkgp.NTKKernel(network.net, input_shape=network.input_shape)
     before = kernel.prior_precision.detach().clone()
@@ -98,11 +105,15 @@ def test_engine_products(data):
     v = torch.randn(n * c, 2, dtype=dtype)
     weights = torch.ones(engine.num_groups, dtype=dtype)
     corruption = data.draw(
-        st.sampled_from([None, "x", "v_length", "v_nan", "v_integer", "weights_negative", "weights_length", "weights_nan"])
+        st.sampled_from(
+            [None, "x", "v_length", "v_nan", "v_integer", "weights_negative", "weights_length", "weights_nan"]
+        )
     )
     name = None
     if corruption == "x":
-        x = corrupt_inputs(x, data.draw(st.sampled_from([k for k in INPUT_CORRUPTIONS if k != "other_float"])), 0)
+        x = corrupt_inputs(
+            x, data.draw(st.sampled_from([k for k in INPUT_CORRUPTIONS if k != "other_float"])), 0
+        )
         name = "x"
     elif corruption == "v_length":
         v, name = torch.randn(n * c + 1, dtype=dtype), "v"

@@ -16,10 +16,10 @@ from tests.fuzz.common import (
     INPUT_CORRUPTIONS,
     LABEL_CORRUPTIONS,
     check_call,
-    fuzz_settings,
     corrupt_inputs,
     corrupt_labels,
     dtypes,
+    fuzz_settings,
     inputs,
     labels,
     make_network,
@@ -46,12 +46,16 @@ def likelihood(kind: str, outputs: int, dtype: torch.dtype):
 def problems(draw):
     """A network, a likelihood, training data, and at most one corrupted argument of the constructor."""
     lik_kind = draw(st.sampled_from(["gaussian", "logistic", "softmax"]))
-    outputs = {"gaussian": draw(st.integers(1, 2)), "logistic": 1, "softmax": draw(st.integers(2, 3))}[lik_kind]
+    outputs = {"gaussian": draw(st.integers(1, 2)), "logistic": 1, "softmax": draw(st.integers(2, 3))}[
+        lik_kind
+    ]
     dtype = draw(dtypes)
     network = make_network(draw(networks), outputs, dtype, seed=draw(st.integers(0, 3)))
     n = draw(st.integers(2, 6))
     x, y = inputs(network, n, dtype, 5), labels(lik_kind, n, outputs, dtype, 6)
-    corruption = draw(st.sampled_from([None, None, "train_x", "train_y", "net_mode", "prior_precision", "outputs"]))
+    corruption = draw(
+        st.sampled_from([None, None, "train_x", "train_y", "net_mode", "prior_precision", "outputs"])
+    )
     detail, names, accepted = None, [], False
     lik = likelihood(lik_kind, outputs, dtype)
     kwargs = {}
@@ -73,11 +77,23 @@ def problems(draw):
         kwargs["prior_precision"] = draw(st.sampled_from([0.0, -2.0, float("nan"), float("inf"), "1"]))
         names = ["prior_precision"]
     elif corruption == "outputs":  # a likelihood that does not match the network's outputs
-        lik = likelihood("softmax", outputs + 1, dtype) if lik_kind != "logistic" else likelihood("softmax", 3, dtype)
+        lik = (
+            likelihood("softmax", outputs + 1, dtype)
+            if lik_kind != "logistic"
+            else likelihood("softmax", 3, dtype)
+        )
         names = ["outputs", "expects"]
     return {
-        "network": network, "x": x, "y": y, "lik": lik, "lik_kind": lik_kind, "kwargs": kwargs,
-        "corruption": corruption, "names": names, "accepted": accepted, "dtype": dtype,
+        "network": network,
+        "x": x,
+        "y": y,
+        "lik": lik,
+        "lik_kind": lik_kind,
+        "kwargs": kwargs,
+        "corruption": corruption,
+        "names": names,
+        "accepted": accepted,
+        "dtype": dtype,
     }
 
 
@@ -87,7 +103,11 @@ def test_ntkgp(problem, data):
     network, dtype = problem["network"], problem["dtype"]
     model = check_call(
         lambda: ntkgp.NTKGP(network.net, problem["x"], problem["y"], problem["lik"], **problem["kwargs"]),
-        network.net, [problem["x"], problem["y"]], problem["corruption"], problem["names"], problem["accepted"],
+        network.net,
+        [problem["x"], problem["y"]],
+        problem["corruption"],
+        problem["names"],
+        problem["accepted"],
     )
     if model is None:
         return
@@ -97,7 +117,9 @@ def test_ntkgp(problem, data):
     corruption = data.draw(st.sampled_from([None, *INPUT_CORRUPTIONS]))
     if corruption is not None:
         x_test = corrupt_inputs(x_test, corruption, data.draw(st.integers(0, 3)))
-    accepted = corruption in ACCEPTED_INPUT_CORRUPTIONS or corruption == "empty"  # no test point: an empty posterior
+    accepted = (
+        corruption in ACCEPTED_INPUT_CORRUPTIONS or corruption == "empty"
+    )  # no test point: an empty posterior
     check_call(lambda: model(x_test), network.net, [x_test], corruption, ["X", "x"], accepted)
     # condition_on with new data, possibly corrupted
     m = data.draw(st.integers(1, 3))
@@ -128,7 +150,9 @@ def test_ntkgp(problem, data):
 def test_sfr(problem, data):
     network, dtype = problem["network"], problem["dtype"]
     n = problem["x"].shape[0] if torch.is_tensor(problem["x"]) and problem["x"].dim() > 0 else 2
-    choice = data.draw(st.sampled_from([None, "num_inducing", "inducing_points", "batch_size", "output_coupling"]))
+    choice = data.draw(
+        st.sampled_from([None, "num_inducing", "inducing_points", "batch_size", "output_coupling"])
+    )
     kwargs = {"num_inducing": max(1, min(n, 3))}
     corruption, names = problem["corruption"], problem["names"]
     if corruption == "outputs":
@@ -138,7 +162,9 @@ def test_sfr(problem, data):
         if choice == "num_inducing":
             kwargs["num_inducing"] = data.draw(st.sampled_from([0, 2.7, "3", -1]))
         elif choice == "inducing_points":
-            z = corrupt_inputs(inputs(network, 2, dtype, 11), data.draw(st.sampled_from(["nan", "integer", "features"])), 0)
+            z = corrupt_inputs(
+                inputs(network, 2, dtype, 11), data.draw(st.sampled_from(["nan", "integer", "features"])), 0
+            )
             kwargs = {"inducing_points": z}
         elif choice == "batch_size":
             kwargs["batch_size"] = data.draw(st.sampled_from([0, 1.5, -3]))
@@ -147,7 +173,11 @@ def test_sfr(problem, data):
     kwargs.update(problem["kwargs"])
     sfr = check_call(
         lambda: ntkgp.SFR(network.net, problem["x"], problem["y"], problem["lik"], **kwargs),
-        network.net, [problem["x"], problem["y"], *kwargs.values()], corruption, names, problem["accepted"],
+        network.net,
+        [problem["x"], problem["y"], *kwargs.values()],
+        corruption,
+        names,
+        problem["accepted"],
     )
     if sfr is None:
         return

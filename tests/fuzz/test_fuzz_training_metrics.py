@@ -71,22 +71,39 @@ def test_train_marglik(problem):
     network, x, y, lik, structure, kwargs, corruption, names, accepted = problem
     if network.kind == "batchnorm" or (network.kind == "cnn" and structure == "kfac"):
         return  # training mode needs a network without BatchNorm; KFAC covers Linear/Conv2d with "layer" groups
-    options = {"structure": structure, "epochs": 2, "burn_in": 0, "frequency": 1, "hyper_steps": 2, "progress": False}
+    options = {
+        "structure": structure,
+        "epochs": 2,
+        "burn_in": 0,
+        "frequency": 1,
+        "hyper_steps": 2,
+        "progress": False,
+    }
     if structure != "kfac":
         options["prior_structure"] = "network"
     options.update(kwargs)
     result = check_call(
         lambda: train_marglik(network.net, x, y, lik, **options),
-        network.net, [x, y], corruption, names, accepted, trains=True,
+        network.net,
+        [x, y],
+        corruption,
+        names,
+        accepted,
+        trains=True,
     )
     if result is not None:
         for p in network.net.parameters():
             assert bool(torch.isfinite(p).all())
-        assert bool(torch.isfinite(result.prior_precision).all()) if hasattr(result, "prior_precision") else True
+        assert (
+            bool(torch.isfinite(result.prior_precision).all()) if hasattr(result, "prior_precision") else True
+        )
 
 
 @fuzz_settings(15)
-@given(problem=training_problem(["kfac", "diag_ggn", "diag_ef"]), delta=st.sampled_from([1.0, 0.0, float("nan"), "2", True]))
+@given(
+    problem=training_problem(["kfac", "diag_ggn", "diag_ef"]),
+    delta=st.sampled_from([1.0, 0.0, float("nan"), "2", True]),
+)
 def test_compute_curvature(problem, delta):
     network, x, y, lik, structure, kwargs, corruption, names, accepted = problem
     if corruption not in (None, "train_x", "train_y", "structure"):
@@ -100,17 +117,39 @@ def test_compute_curvature(problem, delta):
     prior_structure = "layer"
     curvature = check_call(
         lambda: compute_curvature(
-            network.net, x, y, lik, structure, prior_structure=prior_structure, batch_size=2,
+            network.net,
+            x,
+            y,
+            lik,
+            structure,
+            prior_structure=prior_structure,
+            batch_size=2,
             input_shape=network.input_shape,
         ),
-        network.net, [x, y], corruption, [*names, "x", "y"], accepted,
+        network.net,
+        [x, y],
+        corruption,
+        [*names, "x", "y"],
+        accepted,
     )
     if curvature is not None:
         bad = None if delta == 1.0 and delta is not True else "prior_precision"
-        check_call(lambda: curvature.log_marginal_likelihood(delta, lik), network.net, [], bad, ["prior_precision"])
+        check_call(
+            lambda: curvature.log_marginal_likelihood(delta, lik), network.net, [], bad, ["prior_precision"]
+        )
 
 
-METRIC_CORRUPTIONS = [None, "nan", "shape", "negative_var", "labels_out", "labels_fraction", "empty", "integer", "list"]
+METRIC_CORRUPTIONS = [
+    None,
+    "nan",
+    "shape",
+    "negative_var",
+    "labels_out",
+    "labels_fraction",
+    "empty",
+    "integer",
+    "list",
+]
 
 
 @fuzz_settings(40)
@@ -121,14 +160,21 @@ def test_metrics(data):
     g = torch.Generator().manual_seed(data.draw(st.integers(0, 9)))
     probs = torch.softmax(torch.randn(n, c, generator=g), -1).to(dtype)
     y_cls = torch.randint(0, c, (n,), generator=g)
-    mean, var, y_reg = torch.randn(n, generator=g).to(dtype), torch.rand(n, generator=g).to(dtype) + 0.1, torch.randn(n).to(dtype)
+    mean, var, y_reg = (
+        torch.randn(n, generator=g).to(dtype),
+        torch.rand(n, generator=g).to(dtype) + 0.1,
+        torch.randn(n).to(dtype),
+    )
     corruption = data.draw(st.sampled_from(METRIC_CORRUPTIONS))
     name = None
     if corruption == "nan":
         name = data.draw(st.sampled_from(["probs", "mean", "var", "y"]))
         target = {"probs": probs, "mean": mean, "var": var, "y": y_reg}[name].clone()
         target.reshape(-1)[0] = float("nan")
-        probs, mean, var, y_reg = [target if k == name else v for k, v in (("probs", probs), ("mean", mean), ("var", var), ("y", y_reg))]
+        probs, mean, var, y_reg = [
+            target if k == name else v
+            for k, v in (("probs", probs), ("mean", mean), ("var", var), ("y", y_reg))
+        ]
     elif corruption == "shape":
         name, y_cls, y_reg = "y", torch.cat([y_cls, y_cls]), torch.cat([y_reg, y_reg])
     elif corruption == "negative_var":
@@ -140,7 +186,17 @@ def test_metrics(data):
     elif corruption == "empty":
         name, probs, y_cls, mean, var, y_reg = "all", probs[:0], y_cls[:0], mean[:0], var[:0], y_reg[:0]
     metric = data.draw(
-        st.sampled_from(["gaussian_nlpd", "rmse", "categorical_nlpd", "accuracy", "expected_calibration_error", "brier_score", "predictive_entropy"])
+        st.sampled_from(
+            [
+                "gaussian_nlpd",
+                "rmse",
+                "categorical_nlpd",
+                "accuracy",
+                "expected_calibration_error",
+                "brier_score",
+                "predictive_entropy",
+            ]
+        )
     )
     regression = metric in ("gaussian_nlpd", "rmse")
     if corruption == "integer":
@@ -157,12 +213,18 @@ def test_metrics(data):
         "predictive_entropy": lambda: metrics.predictive_entropy(probs),
     }
     uses = {
-        "gaussian_nlpd": {"mean", "var", "y"}, "rmse": {"mean", "y"}, "predictive_entropy": {"probs"},
+        "gaussian_nlpd": {"mean", "var", "y"},
+        "rmse": {"mean", "y"},
+        "predictive_entropy": {"probs"},
     }.get(metric, {"probs", "y"})
     if (
-        name is not None and name != "all" and name not in uses
+        name is not None
+        and name != "all"
+        and name not in uses
         or (corruption in ("labels_out", "labels_fraction") and regression)
-        or (corruption == "nan" and name == "y" and not regression)  # the NaN went into the regression targets
+        or (
+            corruption == "nan" and name == "y" and not regression
+        )  # the NaN went into the regression targets
     ):
         corruption = None  # the corrupted argument is not one this metric takes
     names = {"probs": ["probs"], "mean": ["mean", "pred"], "var": ["var"], "y": ["y"]}.get(name, [])

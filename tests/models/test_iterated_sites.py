@@ -27,11 +27,11 @@ def problem(kind: str, n: int = 18, seed: int = 0):
     if kind == "binary":
         net, lik = mlp(d_in=2, width=5, d_out=1, seed=seed), LogisticLikelihood(temperature=0.8).double()
         y = (torch.rand(n) > 0.5).double()
-        log_prob = lambda f, yy: reference_log_prob("logistic", f, yy, temperature=0.8)  # noqa: E731
+        log_prob = lambda f, yy: reference_log_prob("logistic", f, yy, temperature=0.8)
     else:
         net, lik = mlp(d_in=2, width=5, d_out=3, seed=seed), SoftmaxLikelihood(num_classes=3).double()
         y = torch.randint(0, 3, (n,))
-        log_prob = lambda f, yy: reference_log_prob("softmax", f, yy)  # noqa: E731
+        log_prob = lambda f, yy: reference_log_prob("softmax", f, yy)
     with torch.no_grad():  # large weights: confident outputs, far from the mode of the linearized model
         for p in net.parameters():
             p.mul_(3.0)
@@ -73,7 +73,9 @@ def brute_force_linearized_mode(net, x, y, log_prob, delta: float):
 @pytest.mark.parametrize("space", ["function", "weight"])
 def test_condition_on_iterates_to_the_brute_force_mode(kind, space):
     net, x, y, lik, log_prob = problem(kind)
-    model = ntkgp.NTKGP(net, x[:12], y[:12], lik, prior_precision=DELTA, prior_structure="network", space=space).eval()
+    model = ntkgp.NTKGP(
+        net, x[:12], y[:12], lik, prior_precision=DELTA, prior_structure="network", space=space
+    ).eval()
     updated = model.condition_on(x[12:], y[12:])  # iterate=True is the default
     assert updated.iterated_sites and not model.iterated_sites
     theta_hat, theta_star, j = brute_force_linearized_mode(net, x, y, log_prob, DELTA)
@@ -89,7 +91,12 @@ def test_condition_on_iterates_to_the_brute_force_mode(kind, space):
         f_test = net(x_test) + (j_test @ (theta_hat - theta_star)).reshape(5, -1)
         n, c = f_hat.shape
         lam = -torch.stack(
-            [torch.autograd.functional.hessian(lambda f, i=i: log_prob(f.unsqueeze(0), y[i : i + 1]).sum(), f_hat[i]) for i in range(n)]
+            [
+                torch.autograd.functional.hessian(
+                    lambda f, i=i: log_prob(f.unsqueeze(0), y[i : i + 1]).sum(), f_hat[i]
+                )
+                for i in range(n)
+            ]
         )
         jn = j.reshape(n, c, -1)
         h = torch.einsum("ncp,ncd,ndq->pq", jn, lam, jn) + DELTA * torch.eye(j.shape[1], dtype=torch.float64)
@@ -146,6 +153,7 @@ def test_gaussian_sites_are_exact_and_iterate_is_validated():
 # ---------------------------------------------------------------------- SFR
 def brute_force_sfr_mode(net, x_old, y_old, x_new, y_new, z, log_prob, delta: float):
     """α̂ maximizing Σ_new log p(y | m + K_nZ α) − ½ αᵀ(K_ZZ + B_old)α + αᵀ ỹ_old (joint outputs, dense)."""
+
     def gram(a, b):
         ja, _ = brute_jacobian(net, a)
         jb, _ = brute_jacobian(net, b)
@@ -160,10 +168,10 @@ def brute_force_sfr_mode(net, x_old, y_old, x_new, y_new, z, log_prob, delta: fl
 
     with torch.no_grad():
         f_old = net(x_old)
-    n, c = f_old.shape
+    n = f_old.shape[0]
     g_old, lam_old = [], []
     for i in range(n):
-        fn = lambda f, i=i: log_prob(f.unsqueeze(0), y_old[i : i + 1]).sum()  # noqa: E731
+        fn = lambda f, i=i: log_prob(f.unsqueeze(0), y_old[i : i + 1]).sum()
         g_old.append(torch.autograd.functional.jacobian(fn, f_old[i]))
         lam_old.append(-torch.autograd.functional.hessian(fn, f_old[i]))
     g_old, lam_old = torch.stack(g_old), torch.stack(lam_old)
@@ -186,7 +194,9 @@ def brute_force_sfr_mode(net, x_old, y_old, x_new, y_new, z, log_prob, delta: fl
 def test_sfr_update_iterates_to_the_brute_force_mode(kind):
     net, x, y, lik, log_prob = problem(kind)
     z = x[:7].clone()
-    sfr = ntkgp.SFR(net, x[:12], y[:12], lik, inducing_points=z, prior_precision=DELTA, prior_structure="network")
+    sfr = ntkgp.SFR(
+        net, x[:12], y[:12], lik, inducing_points=z, prior_precision=DELTA, prior_structure="network"
+    )
     sfr.update(x[12:], y[12:])  # iterate=True is the default for classification
     alpha, mean, gram = brute_force_sfr_mode(net, x[:12], y[:12], x[12:], y[12:], z, log_prob, DELTA)
     x_test = torch.cat([x[12:], torch.randn(4, 2, dtype=torch.float64)])
@@ -219,9 +229,13 @@ def test_damped_newton_warns_without_convergence():
     def objective(state):
         return -(state[0] ** 2).sum()
 
-    state, steps, converged = damped_newton((torch.ones(3, dtype=torch.float64),), target, objective, max_steps=3)
+    state, steps, converged = damped_newton(
+        (torch.ones(3, dtype=torch.float64),), target, objective, max_steps=3
+    )
     assert steps == 3 and not converged
-    state, steps, converged = damped_newton((torch.ones(3, dtype=torch.float64),), target, objective, max_steps=200)
+    state, steps, converged = damped_newton(
+        (torch.ones(3, dtype=torch.float64),), target, objective, max_steps=200
+    )
     assert converged and state[0].abs().max() < 1e-7
     assert issubclass(SiteIterationWarning, RuntimeWarning)
 
@@ -244,11 +258,15 @@ def moon_tip(seed: int = 0):
     tip = (y == 1) & (x[:, 0] > 1.5)
     torch.manual_seed(seed)
     net = nn.Sequential(nn.Linear(2, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1)).double()
-    optimizer = torch.optim.LBFGS(net.parameters(), max_iter=300, tolerance_grad=1e-7, line_search_fn="strong_wolfe")
+    optimizer = torch.optim.LBFGS(
+        net.parameters(), max_iter=300, tolerance_grad=1e-7, line_search_fn="strong_wolfe"
+    )
 
     def closure():
         optimizer.zero_grad()
-        loss = nn.functional.binary_cross_entropy_with_logits(net(x[~tip]).squeeze(-1), y[~tip].double(), reduction="sum")
+        loss = nn.functional.binary_cross_entropy_with_logits(
+            net(x[~tip]).squeeze(-1), y[~tip].double(), reduction="sum"
+        )
         loss = loss + 0.05 * sum((p**2).sum() for p in net.parameters())
         loss.backward()
         return loss

@@ -38,13 +38,17 @@ from .whitening import InducingFactors, whitened_factors
 __all__ = ["iterated_statistics"]
 
 
-def _cross(engine: NTKEngine, z: Tensor, x: Tensor, coupling: OutputCoupling, weights: Tensor, rows: int) -> Tensor:
+def _cross(
+    engine: NTKEngine, z: Tensor, x: Tensor, coupling: OutputCoupling, weights: Tensor, rows: int
+) -> Tensor:
     """:math:`K_{Zx}` per system at group weights ``weights``: ``(1, M·C, b·C)`` or ``(C, M, b)``."""
     parts = []
     for s in range(0, x.shape[0], rows):
         grams, _ = system_grams_and_diagonal(engine, z, x[s : s + rows], coupling, with_diagonal=False)
         parts.append(torch.einsum("g,gbkr->bkr", weights, grams.to(weights)))
-    return torch.cat(parts, dim=-1)  # the points of x are consecutive columns (interleaved for joint coupling)
+    return torch.cat(
+        parts, dim=-1
+    )  # the points of x are consecutive columns (interleaved for joint coupling)
 
 
 def iterated_statistics(
@@ -86,7 +90,9 @@ def iterated_statistics(
         b, c = f0.shape
         y = validate_targets(likelihood, y, c, num_data=b, name="y_new").to(device=f0.device)
         steps = range(0, b, rows)
-        m = torch.cat([prior_mean(engine, x[s : s + rows], f0[s : s + rows].to(engine.dtype), mean) for s in steps])
+        m = torch.cat(
+            [prior_mean(engine, x[s : s + rows], f0[s : s + rows].to(engine.dtype), mean) for s in steps]
+        )
         m = m.to(dtype)
         kept = statistics.precision
         b_old, y_old = (t.to(dtype) for t in statistics.projected(weights.to(kept), slots.to(kept)))
@@ -122,7 +128,7 @@ def iterated_statistics(
             return log_likelihood(likelihood, f.view(b, c), y).sum() - 0.5 * quadratic + (alpha * y_old).sum()
 
         first = target((None, f0.reshape(-1)))
-        (alpha, f), steps, converged = damped_newton(first, target, objective)
+        (_, f), steps, converged = damped_newton(first, target, objective)
         if not converged:
             warnings.warn(
                 f"SFR.update: the Newton iteration of the new sites stopped after {steps} steps without "
@@ -133,7 +139,13 @@ def iterated_statistics(
         sites = f.view(b, c)
         kept = statistics.precision.dtype
         new = DualStatistics(
-            statistics.num_groups, z.shape[0], c, coupling, statistics.gaussian, kept, statistics.precision.device
+            statistics.num_groups,
+            z.shape[0],
+            c,
+            coupling,
+            statistics.gaussian,
+            kept,
+            statistics.precision.device,
         )
         for s in range(0, b, rows):
             grams, diag = system_grams_and_diagonal(engine, z, x[s : s + rows], coupling)
