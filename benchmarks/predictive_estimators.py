@@ -4,7 +4,7 @@ Three cases on scikit-learn's bundled data sets (offline): a regression MLP on `
 tanh, 300 train / 142 test points), a classification MLP on the 8×8 ``load_digits`` (64-32-32-10 tanh) and a
 small CNN on the same images (conv 8 → pool → conv 16 → pool → linear), both 797 train / 1,000 test points.
 Each network is trained to a MAP of its Laplace objective (weight decay δ = 1; regression noise σ = 0.5 in
-standardised units) in float64; the posterior's prior precision δ (one for all layers) is then chosen post hoc
+standardized units) in float64; the posterior's prior precision δ (one for all layers) is then chosen post hoc
 by the full-GGN Laplace evidence on a log grid, and every structure uses that δ.
 
 The reference is the closed-form GLM predictive of the full-GGN posterior (``FullLaplace``, ``method="glm"``).

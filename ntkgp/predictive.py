@@ -6,10 +6,10 @@ probabilities (``docs/math.md``, "GLM predictive"; ``docs/predictive.md`` measur
 exact one). "The review" below is *A Short Review of Estimators for the GLM Predictive of Laplace Bayesian
 Neural Networks* (``docs/predictive.md``, "References"). The methods (``method=``):
 
-- ``"glm"``: the closed form of the linearised network, :math:`f(x) \sim N(f(x; \theta^*), J \Sigma J^\top)`,
+- ``"glm"``: the closed form of the linearized network, :math:`f(x) \sim N(f(x; \theta^*), J \Sigma J^\top)`,
   dense, KFAC (the review's eq. 16, per layer in the Kronecker eigenbases) or diagonal, as the posterior's
   structure dictates;
-- ``"glm_mc"``: samples of the linearised network, :math:`f(x; \theta^*) + J(x) \eta_s`,
+- ``"glm_mc"``: samples of the linearized network, :math:`f(x; \theta^*) + J(x) \eta_s`,
   :math:`\eta_s \sim N(0, \Sigma)`, with exact Jacobian-vector products (forward mode, ``torch.func.jvp``),
   never forming :math:`J`; covariance :math:`\frac1S \sum_s (J \eta_s)(J \eta_s)^\top` (the mean
   :math:`f(x; \theta^*)` is known);
@@ -61,7 +61,7 @@ from .likelihoods import (
 from .options import Option, choose
 from .posteriors import WeightPosterior
 
-#: Network evaluations (samples × test points) vectorised at once by the sampling methods (bounds memory).
+#: Network evaluations (samples × test points) vectorized at once by the sampling methods (bounds memory).
 SAMPLE_BUDGET = 16384
 
 __all__ = [

@@ -118,7 +118,7 @@ def test_glm_mc_converges_to_the_closed_form(structure):
         posterior, x_test, method="glm_mc", num_samples=S, generator=torch.Generator().manual_seed(3)
     )
     assert pred.samples.shape == (S, 5, 3)
-    close(pred.f.mean, exact.f.mean)  # the linearised model's mean is known
+    close(pred.f.mean, exact.f.mean)  # the linearized model's mean is known
     hat = torch.stack([pred.f.covariance_matrix[3 * i : 3 * i + 3, 3 * i : 3 * i + 3] for i in range(5)])
     within_mc_rate(hat, blocks, pred.samples.mean(0), exact.f.mean)
     close(pred.probs, torch.softmax(pred.f.mean / (1 + math.pi / 8 * pred.f.variance).sqrt(), -1))

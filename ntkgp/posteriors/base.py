@@ -10,7 +10,7 @@ with :math:`H(s)` a structured GGN or empirical Fisher at :math:`\theta^*` that 
 output scale :math:`s` (``1/σ²`` for Gaussian likelihoods, ``1/T`` for a tempered classification
 likelihood, see ``docs/math.md``, "Laplace-GGN evidence") and :math:`\delta_g` one prior precision per
 parameter group. It is evaluated for the *current* prior precisions and likelihood hyperparameters: change
-either and the next call uses the new values (the factorisations are cached by value, never recomputed from
+either and the next call uses the new values (the factorizations are cached by value, never recomputed from
 the data).
 
 Every posterior gives products with :math:`\Sigma` and :math:`\Sigma^{-1}`, samples

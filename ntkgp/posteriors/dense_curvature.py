@@ -41,7 +41,7 @@ def data_batches(
     progress: bool,
     desc: str,
 ) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
-    """Yield ``(x_b, f_b, y_b)``: prepared inputs, outputs ``(n, C)`` at :math:`\\theta^*`, normalised
+    """Yield ``(x_b, f_b, y_b)``: prepared inputs, outputs ``(n, C)`` at :math:`\\theta^*`, normalized
     targets.
 
     Args:

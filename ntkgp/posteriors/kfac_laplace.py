@@ -12,7 +12,7 @@ so that, for :math:`\Theta = [W \mid b]` as a ``(d_out, d_a)`` matrix (row-major
 :mod:`ntkgp.curvature.kfac`),
 
 - :math:`\Sigma_l \operatorname{vec}(V) = \operatorname{vec}(U_G [(U_G^\top V U_A) \odot W] U_A^\top)`;
-- the layer-wise factorised sampler: :math:`\eta_l = U_G (Z \odot W^{1/2}) U_A^\top`, :math:`Z` a standard
+- the layer-wise factorized sampler: :math:`\eta_l = U_G (Z \odot W^{1/2}) U_A^\top`, :math:`Z` a standard
   normal ``(d_out, d_a)`` matrix. (The review of GLM-predictive estimators, ``docs/predictive.md``, writes
   :math:`\mathrm{ch}(Q)^{-1} X \mathrm{ch}(H)^{-1}` for the prior-free block; a factor :math:`B` with
   :math:`B B^\top = \Sigma_l` needs the inverse *transposed* Cholesky factors, and with the prior the factors
@@ -22,7 +22,7 @@ so that, for :math:`\Theta = [W \mid b]` as a ``(d_out, d_a)`` matrix (row-major
   :func:`~ntkgp.posteriors.kronecker_form.kronecker_sandwich`.
 
 Nothing of size :math:`P \times P` (nor a layer's :math:`d_{out} d_a \times d_{out} d_a` block) is formed:
-memory :math:`O(\sum_l d_a^2 + d_{out}^2)`. Parameters outside ``Linear``/``Conv2d`` layers (normalisation
+memory :math:`O(\sum_l d_a^2 + d_{out}^2)`. Parameters outside ``Linear``/``Conv2d`` layers (normalization
 layers, ...) have the curvature's exact diagonal. ``damping=True`` replaces :math:`W` by
 :math:`1/((w_o + \sqrt{\delta})(q_i + \sqrt{\delta}))`, the damped Kronecker product
 :math:`(G + \sqrt\delta I) \otimes (A + \sqrt\delta I)` of laplace-torch's ``KronLaplace(damping=True)``.

@@ -151,7 +151,7 @@ class NetworkFunction:
     def jvp(self, x: Tensor, tangents: Tensor) -> Tensor:
         r"""Jacobian-vector products :math:`J(x) \eta_s` for flat tangents ``(S, P)``, shape ``(S, N, C)``.
 
-        Forward mode (``torch.func.jvp``, vectorised over the tangents by ``vmap``): the cost of about
+        Forward mode (``torch.func.jvp``, vectorized over the tangents by ``vmap``): the cost of about
         three forward passes per tangent, memory of one forward pass per tangent; :math:`J` is never formed.
         """
         params = self.params()
