@@ -14,7 +14,11 @@ resident memory of that process); sizes whose dense memory formula (``ntkgp.lapl
 exceeds the limit are not started. The search starts at the largest size in ``--sizes`` that fits and halves
 N after a failure.
 
-    python benchmarks/evidence_scale.py [--part vehicle|scale|all] [--data-dir DATA] [--steps 100]
+Part 3 (``--part accuracy``): the matrix-free value and gradient with the part-2 settings against the Cholesky
+route at N = ``--accuracy-n`` (default 1000; three seeds), and the spread between two seeds at the largest
+size of ``--sizes``.
+
+    python benchmarks/evidence_scale.py [--part vehicle|scale|accuracy|all] [--data-dir DATA] [--steps 100]
         [--budget-seconds 600] [--memory-gib 16] [--sizes 20000 10000 5000 2000 1000 500] [--threads T]
 """
 
@@ -229,11 +233,57 @@ def part_scale(args):
     return results
 
 
+# ---------------------------------------------------------------------------------------------- part 3
+def matrix_free_runs(n: int, seeds, reference: bool):
+    net, x, y = mnist_like(n)
+    model = ntkgp.NTKGP(net, x, y, SoftmaxLikelihood(10), prior_precision=1.0, prior_structure="layer")
+    raw = model.covar_module.raw_prior_precision
+    out = {}
+    methods = (["cholesky"] if reference else []) + [f"matrix_free:{seed}" for seed in seeds]
+    for method in methods:
+        name, _, seed = method.partition(":")
+        options = EvidenceOptions(seed=int(seed), **SCALE_FREE) if seed else None
+        start = time.perf_counter()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            value = model.log_marginal_likelihood(method=name, options=options)
+            (grad,) = torch.autograd.grad(value, raw)
+        out[method] = (value.item(), grad, time.perf_counter() - start)
+    return out
+
+
+def part_accuracy(args):
+    print(
+        "\n== Part 3: accuracy of the matrix-free route with the part-2 settings (MLP 784-128-128-10, C = 10, "
+        "float32, per-layer δ) =="
+    )
+    runs = matrix_free_runs(args.accuracy_n, (0, 1, 2), reference=True)
+    ref_value, ref_grad, ref_time = runs.pop("cholesky")
+    print(
+        f"  N = {args.accuracy_n}: Cholesky log q = {ref_value:.2f} ({ref_time:.1f} s), ∂/∂ raw δ = "
+        f"{[round(g, 2) for g in ref_grad.tolist()]}"
+    )
+    for method, (value, grad, seconds) in runs.items():
+        print(
+            f"    {method:14s} log q = {value:.2f} (relative error {abs(value - ref_value) / abs(ref_value):.1e}), "
+            f"gradient relative error {float((grad - ref_grad).norm() / ref_grad.norm()):.1e} ({seconds:.1f} s)"
+        )
+    big = max(args.sizes)
+    runs = list(matrix_free_runs(big, (0, 1), reference=False).values())
+    (v0, g0, t0), (v1, g1, t1) = runs
+    print(
+        f"  N = {big}: two seeds: log q = {v0:.1f} and {v1:.1f} (relative spread {abs(v0 - v1) / abs(v0):.1e}), "
+        f"gradient spread {float((g0 - g1).norm() / g0.norm()):.1e}; {t0:.1f} s and {t1:.1f} s (the second reuses "
+        "the layer features)"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--part", choices=["vehicle", "scale", "all"], default="all")
+    parser.add_argument("--part", choices=["vehicle", "scale", "accuracy", "all"], default="all")
+    parser.add_argument("--accuracy-n", type=int, default=1000)
     parser.add_argument("--data-dir", default=os.environ.get("NTKGP_DATA_DIR"))
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--budget-seconds", type=float, default=600)
@@ -252,6 +302,8 @@ def main() -> None:
         part_vehicle(args)
     if args.part in ("scale", "all"):
         part_scale(args)
+    if args.part in ("accuracy", "all"):
+        part_accuracy(args)
 
 
 if __name__ == "__main__":
