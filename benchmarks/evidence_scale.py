@@ -274,7 +274,7 @@ def part_accuracy(args):
     print(
         f"  N = {big}: two seeds: log q = {v0:.1f} and {v1:.1f} (relative spread {abs(v0 - v1) / abs(v0):.1e}), "
         f"gradient spread {float((g0 - g1).norm() / g0.norm()):.1e}; {t0:.1f} s and {t1:.1f} s (the second reuses "
-        "the layer features)"
+        "the layer features, not the seed's sketch)"
     )
 
 
