@@ -240,8 +240,9 @@ class LinearizedNetwork:
             if c == 1:
                 term = ((g1[:, 0, None, :] * b) * g2[None, :, 0, :]).sum(-1)
             else:
-                u = b[:, :, None, :] * g2[None, :, :, :]  # (N1, N2, C, d_out)
-                term = torch.bmm(g1, u.reshape(n1, n2 * c, d_out).transpose(1, 2))  # (N1, C, N2·C)
+                # (N1, d_out, N2, C): the layout that keeps the batched product and its backward contiguous
+                u = b.permute(0, 2, 1)[:, :, :, None] * g2.permute(2, 0, 1)[None]
+                term = torch.bmm(g1, u.reshape(n1, d_out, n2 * c))  # (N1, C, N2·C)
             total = total + term.reshape(n1 * c, n2 * c)
         for n in f1.jacobians:
             v = variances[n]
