@@ -247,3 +247,17 @@ def test_invalid_uses_are_named():
     ]:
         with pytest.raises(ValueError, match=field):
             EvidenceOptions(**{field: bad})
+
+
+def test_empirical_fisher_sites():
+    net, x, y, lik = make_problem("softmax3", n=40)
+    model = ntkgp.NTKGP(net, x, y, lik, prior_precision=DELTA)
+    params = [p for p in model.hyperparameters() if p.requires_grad]
+    ref = model.log_marginal_likelihood(curvature="ef", method="cholesky")
+    ref_grads = torch.autograd.grad(ref, params)
+    options = EvidenceOptions(seed=0, **TIGHT)
+    value = model.log_marginal_likelihood(curvature="ef", method="matrix_free", options=options)
+    grads = torch.autograd.grad(value, params)
+    assert rel_err(value.detach(), ref.detach()) < VALUE_TOL
+    for g, r in zip(grads, ref_grads):
+        assert rel_err(g, r) < GRAD_TOL
