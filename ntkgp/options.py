@@ -92,6 +92,46 @@ class InducingMethod(Option):
     GREEDY_VARIANCE = "greedy_variance"
 
 
+class EvidenceMethod(Option):
+    """How the log-determinant of the Laplace evidence is computed (``method=``)."""
+
+    AUTO = "auto"
+    CHOLESKY = "cholesky"  #: dense Cholesky in function or weight space (exact)
+    EIGEN = "eigen"  #: one eigendecomposition, then O(N·k) per step (one δ, fixed sites; exact)
+    MATRIX_FREE = "matrix_free"  #: CG + stochastic Lanczos quadrature on a matrix-free operator (estimate)
+
+
+class Subset(Option):
+    """Which weights a posterior is over (``subset=``)."""
+
+    ALL = "all"
+    LAST_LAYER = "last_layer"
+
+
+class Method(Option):
+    """How the GLM predictive is estimated (``method=``)."""
+
+    GLM = "glm"  #: closed form J Σ Jᵀ
+    GLM_MC = "glm_mc"  #: samples f + J η by exact Jacobian-vector products
+    MC_GLM = "mc_glm"  #: samples f + A η with finite-difference directional derivatives
+    NN_SAMPLING = "nn_sampling"  #: samples f(x; θ* + η) through the network
+
+
+class Link(Option):
+    """How class probabilities are approximated (``link=``)."""
+
+    PROBIT = "probit"
+    BRIDGE = "bridge"
+    MC = "mc"
+
+
+class FiniteDifference(Option):
+    """The finite-difference scheme of ``method="mc_glm"`` (``finite_difference=``)."""
+
+    CENTRAL = "central"
+    FORWARD = "forward"
+
+
 #: Old spellings still accepted for one release, with a ``DeprecationWarning``: ``{enum: {old: new}}``.
 DEPRECATED_VALUES: dict[type[Option], dict[str, str]] = {
     PriorStructure: {"scalar": "network", "layerwise": "layer"},

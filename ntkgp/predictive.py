@@ -58,7 +58,7 @@ from .likelihoods import (
     softmax_monte_carlo,
     softmax_probit,
 )
-from .options import Option, choose
+from .options import FiniteDifference, Link, Method, choose
 from .posteriors import WeightPosterior
 
 #: Network evaluations (samples × test points) vectorized at once by the sampling methods (bounds memory).
@@ -73,30 +73,6 @@ __all__ = [
     "laplace_bridge",
     "predict",
 ]
-
-
-class Method(Option):
-    """How the GLM predictive is estimated (``method=``)."""
-
-    GLM = "glm"  #: closed form J Σ Jᵀ
-    GLM_MC = "glm_mc"  #: samples f + J η by exact Jacobian-vector products
-    MC_GLM = "mc_glm"  #: samples f + A η with finite-difference directional derivatives
-    NN_SAMPLING = "nn_sampling"  #: samples f(x; θ* + η) through the network
-
-
-class Link(Option):
-    """How class probabilities are approximated (``link=``)."""
-
-    PROBIT = "probit"
-    BRIDGE = "bridge"
-    MC = "mc"
-
-
-class FiniteDifference(Option):
-    """The finite-difference scheme of ``method="mc_glm"`` (``finite_difference=``)."""
-
-    CENTRAL = "central"
-    FORWARD = "forward"
 
 
 @dataclass

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..options import Option, Space, choose, choose_space
+from ..options import EvidenceMethod, Space, choose, choose_space
 
 __all__ = [
     "DENSE_MEMORY_LIMIT",
@@ -34,15 +34,6 @@ __all__ = [
 
 #: Default bytes the dense routes may use before ``method="auto"`` switches to the matrix-free route (4 GiB).
 DENSE_MEMORY_LIMIT = 4 * 2**30
-
-
-class EvidenceMethod(Option):
-    """How the log-determinant of the Laplace evidence is computed (``method=``)."""
-
-    AUTO = "auto"
-    CHOLESKY = "cholesky"  #: dense Cholesky in function or weight space (exact)
-    EIGEN = "eigen"  #: one eigendecomposition, then O(N·k) per step (one δ, fixed sites; exact)
-    MATRIX_FREE = "matrix_free"  #: CG + stochastic Lanczos quadrature on a matrix-free operator (estimate)
 
 
 def _optional_count(value: object, name: str, minimum: int) -> int | None:

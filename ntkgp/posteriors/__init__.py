@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from gpytorch.likelihoods import Likelihood
 from torch import Tensor, nn
 
-from ..options import Option, Structure, choose
+from ..options import Structure, Subset, choose
 from .base import WeightPosterior
 from .dense_curvature import Data
 from .diag_laplace import DiagLaplace
@@ -28,13 +28,6 @@ from .full_laplace import FullLaplace
 from .kfac_laplace import KFACLaplace
 from .last_layer_laplace import LastLayerLaplace
 from .network_function import NetworkFunction
-
-
-class Subset(Option):
-    """Which weights a posterior is over (``subset=``)."""
-
-    ALL = "all"
-    LAST_LAYER = "last_layer"
 
 
 def laplace_posterior(
