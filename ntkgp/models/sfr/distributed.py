@@ -23,39 +23,9 @@ from torch import Tensor
 from ...distributed import all_gather_rows, broadcast_, rank, together, world_size
 from ...ntk import NTKEngine
 from ...options import InducingMethod
-from .inducing_points import greedy_variance
+from .inducing_points import greedy_variance, smallest_keys
 
 __all__ = ["choose_inducing_inputs_distributed"]
-
-_SKIP_CHUNK = 1 << 20
-
-
-def _bottom_keys(batches: Iterable[Tensor], size: int, seed: int, offset: int) -> tuple[Tensor, Tensor, Tensor]:
-    """The rows with the ``size`` smallest keys of this rank's batches, their keys and global indices.
-
-    Keys are the draws ``offset, offset + 1, ...`` of ``torch.rand`` (float64) from a generator seeded with
-    ``seed``, the same numbers one process draws for these rows.
-    """
-    generator = torch.Generator().manual_seed(int(seed))
-    for start in range(0, offset, _SKIP_CHUNK):
-        torch.rand(min(_SKIP_CHUNK, offset - start), generator=generator, dtype=torch.float64)
-    kept: Tensor | None = None
-    keys = torch.empty(0, dtype=torch.float64)
-    index = torch.empty(0, dtype=torch.long)
-    position = offset
-    for x in batches:
-        batch_keys = torch.rand(x.shape[0], generator=generator, dtype=torch.float64)
-        candidates = x if kept is None else torch.cat([kept, x.to(kept)])
-        keys = torch.cat([keys, batch_keys])
-        index = torch.cat([index, torch.arange(position, position + x.shape[0])])
-        position += x.shape[0]
-        if keys.numel() > size:
-            chosen = torch.topk(keys, size, largest=False).indices
-            candidates, keys, index = candidates[chosen], keys[chosen], index[chosen]
-        kept = candidates
-    if kept is None:
-        raise ValueError("this rank's shard of train_x holds no data")
-    return kept, keys, index
 
 
 def choose_inducing_inputs_distributed(
@@ -98,7 +68,8 @@ def choose_inducing_inputs_distributed(
     if total < size:
         raise ValueError(f"cannot choose {size} inducing inputs from {total} training inputs (num_inducing > N)")
     with together("choosing inducing inputs"):
-        rows, keys, index = _bottom_keys(batches(), keep, seed, offset)
+        empty = "this rank's shard of train_x holds no data"
+        rows, keys, index, _ = smallest_keys(batches(), keep, seed, offset, empty)
         rows = engine.prepare(rows, "train_x").detach()
     rows = all_gather_rows(rows.contiguous())
     keys = all_gather_rows(keys.to(device)).cpu()

@@ -29,7 +29,58 @@ from ...ntk import NTKEngine
 from ...options import InducingMethod, OutputCoupling
 from .statistics import system_grams
 
-__all__ = ["choose_inducing_inputs", "greedy_variance", "uniform_subset"]
+__all__ = ["choose_inducing_inputs", "greedy_variance", "smallest_keys", "uniform_subset"]
+
+
+_SKIP_CHUNK = 1 << 20
+
+
+def smallest_keys(
+    batches: Iterable[Tensor],
+    size: int,
+    seed: int,
+    offset: int = 0,
+    empty: str = "train_x holds no data",
+) -> tuple[Tensor, Tensor, Tensor, int]:
+    """The rows of ``batches`` with the ``size`` smallest keys, their keys, their indices and the row count.
+
+    Row ``i`` of the batches gets the key number ``offset + i`` of one stream of ``torch.rand`` (float64) seeded
+    with ``seed``: with ``offset`` a rank skips the keys of the rows before its shard, so that every row keeps
+    the key one process gives it on all the data.
+
+    Args:
+        batches: input batches ``(n_b, ...)``.
+        size: how many rows to keep.
+        seed: seed of the keys.
+        offset: number of keys to skip (rows before these batches).
+        empty: the message of the error for no rows.
+
+    Returns:
+        The kept rows (in key order), their keys, their indices ``offset + i`` and the number of rows seen.
+
+    Raises:
+        ValueError: with ``empty`` if ``batches`` is empty.
+    """
+    generator = torch.Generator().manual_seed(int(seed))
+    for start in range(0, offset, _SKIP_CHUNK):
+        torch.rand(min(_SKIP_CHUNK, offset - start), generator=generator, dtype=torch.float64)
+    kept: Tensor | None = None
+    keys = torch.empty(0, dtype=torch.float64)
+    index = torch.empty(0, dtype=torch.long)
+    position = offset
+    for x in batches:
+        batch_keys = torch.rand(x.shape[0], generator=generator, dtype=torch.float64)
+        candidates = x if kept is None else torch.cat([kept, x.to(kept)])
+        keys = torch.cat([keys, batch_keys])
+        index = torch.cat([index, torch.arange(position, position + x.shape[0])])
+        position += x.shape[0]
+        if keys.numel() > size:
+            chosen = torch.topk(keys, size, largest=False).indices
+            candidates, keys, index = candidates[chosen], keys[chosen], index[chosen]
+        kept = candidates
+    if kept is None:
+        raise ValueError(empty)
+    return kept, keys, index, position - offset
 
 
 def uniform_subset(batches: Iterable[Tensor], size: int, seed: int) -> tuple[Tensor, int]:
@@ -46,24 +97,9 @@ def uniform_subset(batches: Iterable[Tensor], size: int, seed: int) -> tuple[Ten
     Raises:
         ValueError: if ``batches`` is empty.
     """
-    generator = torch.Generator().manual_seed(int(seed))
-    kept: Tensor | None = None
-    keys = torch.empty(0, dtype=torch.float64)
-    order = torch.empty(0, dtype=torch.long)
-    total = 0
-    for x in batches:
-        batch_keys = torch.rand(x.shape[0], generator=generator, dtype=torch.float64)
-        candidates = x if kept is None else torch.cat([kept, x.to(kept)])
-        keys = torch.cat([keys, batch_keys])
-        order = torch.cat([order, torch.arange(total, total + x.shape[0])])
-        total += x.shape[0]
-        if keys.numel() > size:
-            chosen = torch.topk(keys, size, largest=False).indices
-            candidates, keys, order = candidates[chosen], keys[chosen], order[chosen]
-        kept = candidates
-    if kept is None:
-        raise ValueError("train_x holds no data to choose inducing inputs from")
-    return kept[torch.argsort(order)], total
+    empty = "train_x holds no data to choose inducing inputs from"
+    kept, _, index, total = smallest_keys(batches, size, seed, empty=empty)
+    return kept[torch.argsort(index)], total
 
 
 def pool_gram(engine: NTKEngine, pool: Tensor, weights: Tensor, max_elements: int = 2**25) -> Tensor:
