@@ -44,8 +44,8 @@ def smallest_keys(
 ) -> tuple[Tensor, Tensor, Tensor, int]:
     """The rows of ``batches`` with the ``size`` smallest keys, their keys, their indices and the row count.
 
-    Row ``i`` of the batches gets the key number ``offset + i`` of one stream of ``torch.rand`` (float64) seeded
-    with ``seed``: with ``offset`` a rank skips the keys of the rows before its shard, so that every row keeps
+    Row ``i`` of the batches gets the key number ``offset + i`` of one stream of ``torch.rand`` (float64)
+    seeded with ``seed``: with ``offset`` a rank skips the keys of the rows before its shard, so that every row keeps
     the key one process gives it on all the data.
 
     Args:
