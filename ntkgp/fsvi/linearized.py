@@ -31,14 +31,14 @@ features (:mod:`ntkgp.ntk.features`, with ``graph=True``), so :math:`J` is never
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
 
-from ..ntk import check_eval_mode, check_inputs, check_outputs
+from ..ntk import check_eval_mode, check_outputs
+from ..ntk.checks import prepare_inputs
 from ..ntk.features import Layer, candidate_layers, layer_features, layer_jacobians, verify_layers
 from ..ntk.functional import forward, per_example_jacobians
 
@@ -125,16 +125,7 @@ class LinearizedNetwork:
     # ------------------------------------------------------------------ inputs and outputs
     def prepare(self, x: Tensor, like: Tensor, argument: str = "x") -> Tensor:
         """Check ``x`` and bring it to the dtype and device of ``like`` and to the network's input shape."""
-        check_inputs(x, argument)
-        x = x.to(dtype=like.dtype, device=like.device) if x.is_floating_point() else x.to(device=like.device)
-        if self.input_shape is not None and tuple(x.shape[1:]) != self.input_shape:
-            if x.dim() == 2 and x.shape[1] == math.prod(self.input_shape):
-                return x.reshape(x.shape[0], *self.input_shape)
-            raise ValueError(
-                f"{argument} must have shape (N, {', '.join(map(str, self.input_shape))}) or "
-                f"(N, {math.prod(self.input_shape)}), got {tuple(x.shape)}"
-            )
-        return x
+        return prepare_inputs(x, argument, like.dtype, like.device, self.input_shape)
 
     def forward(self, params: Params, x: Tensor) -> Tensor:
         """``f(x; θ)`` of shape ``(N, C)`` for the trainable parameters ``params`` (differentiable in both)."""

@@ -14,14 +14,14 @@ its parameters: its weights, ``requires_grad`` flags, mode and hooks are left as
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
 from torch.func import jvp, vmap
 
-from ..ntk import check_eval_mode, check_inputs, check_outputs
+from ..ntk import check_eval_mode, check_outputs
+from ..ntk.checks import prepare_inputs
 from ..ntk.functional import forward, per_example_jacobians
 
 
@@ -108,17 +108,8 @@ class NetworkFunction:
     # ------------------------------------------------------------------ inputs and outputs
     def prepare(self, x: Tensor, argument: str = "x") -> Tensor:
         """Check ``x`` and bring it to the network's dtype, device and input shape (a copy when needed)."""
-        check_inputs(x, argument)
         check_eval_mode(self.net)
-        x = x.to(dtype=self.dtype, device=self.device) if x.is_floating_point() else x.to(device=self.device)
-        if self.input_shape is not None and tuple(x.shape[1:]) != self.input_shape:
-            if x.dim() == 2 and x.shape[1] == math.prod(self.input_shape):
-                return x.reshape(x.shape[0], *self.input_shape)
-            raise ValueError(
-                f"{argument} must have shape (N, {', '.join(map(str, self.input_shape))}) or "
-                f"(N, {math.prod(self.input_shape)}), got {tuple(x.shape)}"
-            )
-        return x
+        return prepare_inputs(x, argument, self.dtype, self.device, self.input_shape)
 
     def forward(self, x: Tensor, perturbation: Tensor | None = None) -> Tensor:
         r""":math:`f(x; \theta^* + \eta)` for a prepared batch ``x`` and a flat ``perturbation`` :math:`\eta`
