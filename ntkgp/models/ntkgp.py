@@ -24,12 +24,15 @@ from ..laplace import (
     laplace_log_marginal_likelihood,
 )
 from ..likelihoods import is_gaussian, noise_variance, num_outputs, validate_targets
-from ..means import LinearizedNetworkMean
+from ..means import LinearizedNetworkMean, NetworkMean
 from ..ntk import GroupSpec
-from ..options import renamed_argument
+from ..options import PredictiveMean, choose, renamed_argument
 
 #: Numbers one chunk of test points may occupy in the predictive (``(G + 3)·chunk·C·N·C`` ≤ this), 256 MB in float64.
 PREDICTION_BUDGET = 2**25
+
+#: The default ``predictive_mean=`` of :class:`NTKGP`, chosen by measurement (docs/ntkgp.md, "Predictive mean").
+DEFAULT_PREDICTIVE_MEAN = "gp"
 
 
 def _positive_int(value: object, argument: str) -> int:
@@ -67,6 +70,8 @@ class NTKGP(BoTorchInterface, GP):
     posterior mean :math:`\theta^* + H^{-1}\nabla_\theta \log p(D, \theta^*)`: it equals :math:`f(x_*;\theta^*)`
     when :math:`\theta^*` is a stationary point of the regularized loss under these hyperparameters (a MAP),
     and it is what makes conditioning on new data an exact Bayesian update of the linearized model.
+    ``predictive_mean="nn"`` uses :math:`f(x_*;\theta^*)` itself instead (laplace-torch's and the papers'
+    GLM predictive; the covariance is the same), see docs/ntkgp.md, "Predictive mean".
 
     ``NTKGP(net, train_x, train_y, likelihood)`` returns
 
@@ -104,6 +109,11 @@ class NTKGP(BoTorchInterface, GP):
             or a mapping (``groups=`` is its deprecated name).
         prediction_chunk_size: test points per chunk of the predictive (default: as many as fit
             :data:`PREDICTION_BUDGET` numbers, see docs/ntkgp.md, "Prediction at scale").
+        predictive_mean: the predictive's mean (:class:`ntkgp.options.PredictiveMean`, as SFR's): ``"gp"``, the
+            linearized model's posterior mean :math:`\mu(x_*)` (one Newton step from :math:`\theta^*`; moves
+            with :meth:`condition_on`), or ``"nn"``, the network output :math:`f(x_*;\theta^*)` (what
+            laplace-torch and the papers use; conditioning on new data changes only the covariance). Default
+            :data:`DEFAULT_PREDICTIVE_MEAN`, chosen by measurement (docs/ntkgp.md, "Predictive mean").
         **kernel_kwargs: passed to :class:`~ntkgp.NTKKernel` (``chunk_size``, ``strategy``, ``space``,
             ``input_shape``, ``progress``, ...).
 
@@ -111,6 +121,7 @@ class NTKGP(BoTorchInterface, GP):
         TypeError: for a non-tensor or non-floating ``train_x``, a non-likelihood.
         ValueError: for shapes, non-finite values, a mismatch of outputs and likelihood, bad targets.
         NotImplementedError: for an unsupported likelihood.
+        ValueError: for an unknown ``predictive_mean``, before anything is computed.
 
     Example:
         >>> model = ntkgp.NTKGP(net, x, y, gpytorch.likelihoods.GaussianLikelihood()).eval()
@@ -137,11 +148,13 @@ class NTKGP(BoTorchInterface, GP):
         prior_precision: float | torch.Tensor = 1.0,
         prior_structure: GroupSpec = "layer",
         prediction_chunk_size: int | None = None,
+        predictive_mean: str = DEFAULT_PREDICTIVE_MEAN,
         **kernel_kwargs,
     ) -> None:
         prior_structure = renamed_argument(kernel_kwargs, "groups", "prior_structure", prior_structure, "layer")
         if prediction_chunk_size is not None:
             _positive_int(prediction_chunk_size, "prediction_chunk_size")
+        predictive_mean = choose(PredictiveMean, predictive_mean, "predictive_mean")
         x, y, kernel, f = self._setup(net, train_x, train_y, likelihood, prior_precision, prior_structure, kernel_kwargs)
         self._init_data(x, y, likelihood)
         self._train_y = y
@@ -150,12 +163,15 @@ class NTKGP(BoTorchInterface, GP):
             "prior_precision": prior_precision,
             "prior_structure": prior_structure,
             "prediction_chunk_size": prediction_chunk_size,
+            "predictive_mean": predictive_mean,
             "input_shape": kernel.engine.input_shape,
             **kernel_kwargs,
         }
         self.prediction_chunk_size = prediction_chunk_size
         self.covar_module = kernel
         self.mean_module = LinearizedNetworkMean(kernel.engine)
+        self._predictive_mean = predictive_mean
+        self._network_mean = NetworkMean(kernel.engine)
         self._train_cache = ValueCache(size=1)
         self._posterior_cache = ValueCache(size=1)
         self._train_cache.get_or_compute("train_outputs", [x], lambda: f, state=self._network_state())
@@ -214,6 +230,18 @@ class NTKGP(BoTorchInterface, GP):
     def dtype(self) -> torch.dtype:
         """The dtype of the GP algebra (the hyperparameters'; the network's unless the model was converted)."""
         return self.covar_module.raw_prior_precision.dtype
+
+    @property
+    def predictive_mean(self) -> PredictiveMean:
+        r"""The mean of the predictive (docs/ntkgp.md, "Predictive mean"): ``"gp"``, the linearized model's
+        posterior mean, or ``"nn"``, the network's output :math:`f(x_*;\theta^*)`. Settable (validated); the
+        covariance is the same for both."""
+        return self._predictive_mean
+
+    @predictive_mean.setter
+    def predictive_mean(self, value: str) -> None:
+        self._predictive_mean = choose(PredictiveMean, value, "predictive_mean")
+        self._init_args["predictive_mean"] = self._predictive_mean
 
     @property
     def num_outputs(self) -> int:
@@ -456,6 +484,9 @@ class NTKGP(BoTorchInterface, GP):
         means = []
         for s, e in context.chunks(points.shape[0]):
             xs = points[s:e]
+            if self._predictive_mean is PredictiveMean.NN:
+                means.append(self._network_mean.values(xs).to(post.dtype))
+                continue
             cross = self.covar_module(xs, self.train_x).to_dense().to(post.dtype)
             prior = self.mean_module.values(xs).to(post.dtype).reshape(-1)
             means.append((prior + post.mean_correction(cross)).reshape(e - s, self.num_outputs))

@@ -28,7 +28,7 @@ def delta_columns(net, delta):
 def test_predictive_equals_dense_glm(kind):
     net, x, y, lik, log_prob = make_problem(kind)
     delta = torch.tensor([0.5, 2.0, 4.0], dtype=torch.float64)
-    model = ntkgp.NTKGP(net, x, y, lik, prior_precision=delta)
+    model = ntkgp.NTKGP(net, x, y, lik, prior_precision=delta, predictive_mean="gp")
     x_test = torch.randn(5, 3, dtype=torch.float64)
     mean_ref, cov_ref = dense_glm_predictive(net, x_test, dense_laplace(net, x, y, log_prob, delta_columns(net, delta)))
     model.eval()
