@@ -10,6 +10,7 @@ from torch import nn
 
 from ..options import PriorStructure, choose, renamed_argument
 
+#: A grouping of the parameters: a :class:`~ntkgp.options.PriorStructure` string or a mapping name → group.
 GroupSpec = str | Mapping[str, str]
 #: What ``prior_structure=`` accepts: ``"network"``, ``"layer"``, ``"parameter"`` or a mapping name → group.
 PriorStructureSpec = GroupSpec
