@@ -100,14 +100,14 @@ class Store:
         start = time.perf_counter()
         print(f"[run] {key} ...", flush=True)
         result = fn()
-        result.setdefault("seconds", time.perf_counter() - start)
+        result["run_seconds"] = time.perf_counter() - start
         result["key"] = key
         result["machine"] = f"{platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}"
         result["threads"] = torch.get_num_threads()
         tmp = self.path(key).with_suffix(".tmp")
         tmp.write_text(json.dumps(result, indent=1, default=float))
         tmp.replace(self.path(key))
-        print(f"[done] {key} in {result['seconds']:.1f} s", flush=True)
+        print(f"[done] {key} in {result['run_seconds']:.1f} s", flush=True)
         return result
 
 
