@@ -201,17 +201,35 @@ class NTKGP(BoTorchInterface, GP):
                 f"train_x must have shape (N, ...) with N ≥ 1 and a feature dimension, got {tuple(train_x.shape)}"
             )
         input_shape = kernel_kwargs.pop("input_shape", None)
-        if train_x.dim() > 2 and input_shape is None:
+        inferred = train_x.dim() > 2 and input_shape is None
+        if inferred:
             input_shape = tuple(train_x.shape[1:])
-        kernel = NTKKernel(
-            net, prior_precision=prior_precision, prior_structure=prior_structure, input_shape=input_shape, **kernel_kwargs
+        # GPyTorch's batch-mode training data (*batch, N, D) is not supported: train_x (N, *input_shape) is N
+        # inputs of the network's shape. When that reading fails, say so naming train_x.
+        batch_hint = (
+            f" (train_x of shape {tuple(train_x.shape)} is read as {train_x.shape[0]} inputs of shape "
+            f"{tuple(train_x.shape[1:])}; batches of training sets, GPyTorch's (*batch, N, D), are not supported: "
+            "build one model per training set)" if inferred else ""
         )
+        try:
+            kernel = NTKKernel(
+                net, prior_precision=prior_precision, prior_structure=prior_structure, input_shape=input_shape,
+                **kernel_kwargs,
+            )
+        except ValueError as error:
+            if not inferred or "must map a batch" not in str(error):
+                raise
+            raise ValueError(f"net could not be applied to train_x: {error}{batch_hint}") from None
         engine = kernel.engine
         x = train_x.flatten(1).to(dtype=kernel.raw_prior_precision.dtype, device=kernel.raw_prior_precision.device)
         try:
             f = engine.outputs(x, "train_x")
-        except RuntimeError as error:  # the network itself rejects the inputs (wrong feature count, ...)
-            raise ValueError(f"net could not be applied to train_x of shape {tuple(train_x.shape)}: {error}") from None
+        except (RuntimeError, ValueError) as error:  # the network rejects the inputs (wrong feature count, ...)
+            if isinstance(error, ValueError) and not inferred:
+                raise
+            raise ValueError(
+                f"net could not be applied to train_x of shape {tuple(train_x.shape)}: {error}{batch_hint}"
+            ) from None
         if f.shape[1] != expected:
             raise ValueError(
                 f"net has {f.shape[1]} outputs but the likelihood {type(likelihood).__name__} expects {expected}"
