@@ -41,10 +41,13 @@ extensions = [
     "sphinx.ext.viewcode",  # "[source]" links to highlighted source pages, built locally
 ]
 
-# MathJax for reading the site offline. sphinx-mathjax-offline ships the unmodified MathJax 3.2.2
-# distribution (the same major version Sphinx's default CDN URL loads) and an 11-line extension that sets
-# mathjax_path and copies the files into _static/mathjax. It has had no release since 2022, but it needs
-# none: its Python part only uses sphinx.util.fileutil.copy_asset, and MathJax 3.2.2 is a final release.
+# MathJax for reading the site offline. sphinx-mathjax-offline (PyPI) ships the MathJax 3.2.2 distribution
+# unmodified (its files are byte-identical to es5/ of npm's mathjax@3.2.2; the same major version as
+# Sphinx's default CDN URL) and an 11-line extension that sets mathjax_path and copies the files into
+# _static/mathjax after a successful build. It has had no release since 2022, but needs none: its Python part
+# only calls sphinx.util.fileutil.copy_asset, and MathJax 3.2.2 is the final 3.x release. It is the one
+# Sphinx extension on PyPI we found that bundles MathJax (sphinxcontrib-katex loads KaTeX from a CDN unless
+# Node prerenders the math).
 # Without the package the pages load MathJax from its CDN (the build itself never needs the network).
 try:
     importlib.import_module("sphinx-mathjax-offline")

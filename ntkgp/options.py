@@ -22,8 +22,8 @@ class Option(str, Enum):
 class PriorStructure(Option):
     """How prior precisions :math:`\\delta` are shared between parameters (``prior_structure=``)."""
 
-    NETWORK = "network"  #: one δ for the whole network (laplace-torch: "scalar")
-    LAYER = "layer"  #: one δ per module that owns parameters (laplace-torch: "layerwise")
+    NETWORK = "network"  #: one δ for the whole network (laplace-torch's "scalar")
+    LAYER = "layer"  #: one δ per module that owns parameters (laplace-torch's "layerwise")
     PARAMETER = "parameter"  #: one δ per parameter tensor (weight and bias separately)
 
 

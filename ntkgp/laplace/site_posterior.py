@@ -135,7 +135,7 @@ class SitePosterior:
 
     @property
     def rank(self) -> int:
-        """Columns of the variance root: ``N·k`` (function space) or ``P`` (weight space)."""
+        """The number of columns of the variance root, ``N·k`` (function space) or ``P`` (weight space)."""
         return self.chol.shape[-1]
 
     def log_det(self) -> torch.Tensor:

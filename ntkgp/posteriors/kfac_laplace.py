@@ -151,7 +151,10 @@ class KFACLaplace(WeightPosterior):
             curvature: ``compute_curvature(net, ..., structure="kfac")`` at the network's current weights.
             net: the same network.
             likelihood: the likelihood it was computed with.
-            Other arguments as the constructor.
+            prior_precision: as the constructor's.
+            damping: as the constructor's.
+            input_shape: as the constructor's.
+            chunk_size: as the constructor's.
         """
         check_likelihood(likelihood)
         self = cls.__new__(cls)
