@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import os
+import re
 import sys
 from datetime import date
 from pathlib import Path
@@ -195,6 +196,25 @@ def _reexported_attr_doc(app, what, name, obj, options, lines):
     lines[:] = []  # no comment anywhere: show the value alone, not the docstring of its type
 
 
+# --- Docstrings cite the guide pages as docs/NAME.md: make that a link -------------------------------------------
+
+_PAGE_CITATION = re.compile(r"(``)?\bdocs/(?P<page>[a-z_]+)\.md\b(``)?")
+
+
+def _link_page_citations(app, what, name, obj, options, lines):
+    docs = Path(app.srcdir)
+
+    def link(match):
+        page = match["page"]
+        if not (docs / f"{page}.md").exists():
+            return match[0]
+        return f":doc:`docs/{page}.md </{page}>`"
+
+    for i, line in enumerate(lines):
+        if "docs/" in line and not line.lstrip().startswith(">>>") and not line.lstrip().startswith("..."):
+            lines[i] = _PAGE_CITATION.sub(link, line)
+
+
 def _reset_documented(app, env, docnames):
     global _DOCUMENTED
     _DOCUMENTED = None
@@ -204,3 +224,4 @@ def setup(app):
     app.connect("env-before-read-docs", _reset_documented)
     app.connect("missing-reference", _resolve_reexport)
     app.connect("autodoc-process-docstring", _reexported_attr_doc)
+    app.connect("autodoc-process-docstring", _link_page_citations)
