@@ -15,6 +15,8 @@ iteration budgets, and the wall-clock time per iteration (surrogate update + acq
 Saved: ``bo_regret.png`` (log regret per iteration, mean over seeds) in ``--output-dir``.
 
     python examples/bayesian_optimization.py [--quick] [--seeds 5] [--iterations 40] [--output-dir DIR]
+
+(``--quick``: 2 seeds, 12 iterations, 300 training steps; an explicit option overrides it.)
 """
 
 from __future__ import annotations
@@ -134,15 +136,19 @@ def run(problem, surrogate, iterations: int, seed: int) -> tuple[list[float], fl
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="2 seeds, 12 iterations")
-    parser.add_argument("--seeds", type=int, default=5)
-    parser.add_argument("--iterations", type=int, default=40)
+    parser.add_argument("--quick", action="store_true", help="2 seeds, 12 iterations, 300 training steps")
+    parser.add_argument("--seeds", type=int, help="runs per problem and surrogate (default: 5; 2 with --quick)")
+    parser.add_argument("--iterations", type=int, help="BO iterations per run (default: 40; 12 with --quick)")
     parser.add_argument("--retrain-every", type=int, default=5)
-    parser.add_argument("--train-steps", type=int, default=500)
+    parser.add_argument("--train-steps", type=int, help="Adam steps per training (default: 500; 300 with --quick)")
     parser.add_argument("--output-dir", type=Path, default=Path("examples-output"))
     args = parser.parse_args()
-    if args.quick:
-        args.seeds, args.iterations, args.train_steps = 2, 12, 300
+    for name, full, quick in (("seeds", 5, 2), ("iterations", 40, 12), ("train_steps", 500, 300)):
+        if getattr(args, name) is None:
+            setattr(args, name, quick if args.quick else full)
+    for name in ("seeds", "iterations", "train_steps", "retrain_every"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     torch.set_num_threads(1)
     budgets = sorted({b for b in (5, 10, 20, 40, args.iterations) if b <= args.iterations})
     names = ["NTKGP", "SFR", "SingleTaskGP"]

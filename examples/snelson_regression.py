@@ -15,9 +15,11 @@ full Laplace-GGN evidence, 1000 epochs. Part 2 takes K = 50 steps of size 0.1 ev
 the start at δ = 1e3 (the paper starts at 1e2) travels the six orders of magnitude within the 1000 epochs. Prints two tables and writes ``snelson_regression.png``.
 
     python examples/snelson_regression.py --data-dir DATA --output-dir examples-output
+    python examples/snelson_regression.py --quick     # width 20, 100 epochs, a 3-value grid: about a minute
 
 ``DATA`` is the benchmark data folder (``toy/``, ``uci_regression/``, ...); without ``--data-dir`` the
-``NTKGP_DATA_DIR`` environment variable is used.
+``NTKGP_DATA_DIR`` environment variable is used; without either, a synthetic 1-D stand-in (200 points of
+``ntkgp.datasets.gap_regression``, noise 0.3) replaces the Snelson data, and the output says so.
 """
 
 from __future__ import annotations
@@ -30,33 +32,54 @@ import gpytorch
 import torch
 
 from ntkgp import plotting
-from ntkgp.datasets import load_snelson
+from ntkgp.datasets import gap_regression, load_snelson
 from ntkgp.training import MarglikResult, compare_models, train_marglik
 
-from _common import add_data_arguments, format_table, load_data, mlp
+from _common import add_data_arguments, format_table, load_data_or_stand_in, mlp
 
 INITIAL_PRECISIONS = (1e-3, 1.0, 1e3)
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_data_arguments(parser)
-    parser.add_argument("--epochs", type=int, default=1000, help="training epochs per network (default: 1000)")
-    parser.add_argument("--grid-size", type=int, default=9, help="δ values of the grid search, 1e-3..1e3")
+    add_data_arguments(parser, quick_help="width 20, 100 epochs and a 3-value grid (a smoke test; the tables "
+                       "will not match the paper's)")
+    parser.add_argument("--width", type=int, help="units per hidden layer (default: 50; 20 with --quick)")
+    parser.add_argument("--epochs", type=int, help="training epochs per network (default: 1000; 100 with --quick)")
+    parser.add_argument("--grid-size", type=int,
+                        help="δ values of the grid search, 1e-3..1e3 (default: 9; 3 with --quick)")
     parser.add_argument("--seed", type=int, default=0)
-    return parser.parse_args()
+    args = parser.parse_args()
+    if args.epochs is None:
+        args.epochs = 100 if args.quick else 1000
+    if args.grid_size is None:
+        args.grid_size = 3 if args.quick else 9
+    if args.width is None:
+        args.width = 20 if args.quick else 50
+    if args.epochs < 1 or args.grid_size < 2 or args.width < 1:
+        parser.error(f"--epochs and --width must be >= 1 and --grid-size >= 2, got {args.epochs}, {args.width} "
+                     f"and {args.grid_size}")
+    return args
 
 
-def train(x: torch.Tensor, y: torch.Tensor, depth: int, epochs: int, seed: int, *, prior_precision: float = 1.0,
+def stand_in() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Synthetic 1-D data in place of Snelson's: 200 noisy points of sin(4x) with a gap, a test grid."""
+    data = gap_regression(n=200, noise_std=0.3, seed=0)
+    return data.x_train, data.y_train, data.x_test
+
+
+def train(x: torch.Tensor, y: torch.Tensor, depth: int, epochs: int, seed: int, width: int, *,
+          prior_precision: float = 1.0,
           prior_structure: str = "layer", noise: float | None = None, learn_hypers: bool = True,
           hyper_lr: float = 1e-2, frequency: int = 1, hyper_steps: int = 1) -> MarglikResult:
-    """Algorithm 1 on a width-50 tanh net; ``noise`` fixes σ² (not learned); ``learn_hypers=False`` keeps δ
+    """Algorithm 1 on a tanh net with ``depth`` hidden layers of ``width`` units; ``noise`` fixes σ² (not
+    learned); ``learn_hypers=False`` keeps δ
     fixed too and evaluates the evidence once, at the end of training (the grid search)."""
     likelihood = gpytorch.likelihoods.GaussianLikelihood().double()
     if noise is not None:
         likelihood.noise = noise
     return train_marglik(
-        mlp(1, 1, width=50, depth=depth, seed=seed), x, y, likelihood, prior_structure=prior_structure,
+        mlp(1, 1, width=width, depth=depth, seed=seed), x, y, likelihood, prior_structure=prior_structure,
         prior_precision=prior_precision, epochs=epochs, lr=1e-2, burn_in=0 if learn_hypers else epochs,
         frequency=frequency, hyper_steps=hyper_steps if learn_hypers else 0, hyper_lr=hyper_lr, learn_likelihood=noise is None,
         seed=seed, progress=False,
@@ -65,7 +88,9 @@ def train(x: torch.Tensor, y: torch.Tensor, depth: int, epochs: int, seed: int, 
 
 def main() -> int:
     args = parse_args()
-    x_raw, y_raw, x_plot_raw = load_data(args.data_dir, load_snelson)
+    (x_raw, y_raw, x_plot_raw), data_name = load_data_or_stand_in(
+        args.data_dir, load_snelson, "Snelson (toy/snelson_*.dat)", stand_in, "synthetic 1-D gap regression")
+    print(f"data: {data_name}, N = {len(x_raw)}; width {args.width}, {args.epochs} epochs per network, grid of {args.grid_size}\n")
     x, y = x_raw, y_raw
     x_plot = x_plot_raw.sort(dim=0).values
     n = len(x)
@@ -75,7 +100,8 @@ def main() -> int:
     nets = {}
     for depth in (1, 3):
         t = time.perf_counter()
-        nets[f"{depth} hidden layer{'s' if depth > 1 else ''}"] = (train(x, y, depth, args.epochs, args.seed),
+        nets[f"{depth} hidden layer{'s' if depth > 1 else ''}"] = (train(x, y, depth, args.epochs, args.seed,
+                                                                        args.width),
                                                                   time.perf_counter() - t)
     models = {name: result.model(x, y) for name, (result, _) in nets.items()}
     table = compare_models(models)
@@ -90,11 +116,13 @@ def main() -> int:
 
     # 2. prior-precision selection: online from three initialisations vs grid search (σ fixed)
     noise = nets["3 hidden layers"][0].likelihood.noise.item()
-    online = {delta0: train(x, y, 3, args.epochs, args.seed, prior_precision=delta0, prior_structure="network", noise=noise,
+    online = {delta0: train(x, y, 3, args.epochs, args.seed, args.width, prior_precision=delta0,
+                            prior_structure="network", noise=noise,
                             hyper_lr=0.1, frequency=50, hyper_steps=50)
               for delta0 in INITIAL_PRECISIONS}
     grid = torch.logspace(-3, 3, args.grid_size, dtype=torch.float64).tolist()
-    searched = [train(x, y, 3, args.epochs, args.seed, prior_precision=d, prior_structure="network", noise=noise,
+    searched = [train(x, y, 3, args.epochs, args.seed, args.width, prior_precision=d, prior_structure="network",
+                      noise=noise,
                       learn_hypers=False).log_evidence for d in grid]
     best = max(range(len(grid)), key=searched.__getitem__)
     print(f"\n2. Scalar δ of the 3-hidden-layer net, σ fixed at {noise ** 0.5:.3f}: online vs grid search\n")

@@ -168,8 +168,8 @@ def csv_task(path: str | Path, input_columns: Sequence[str], target_column: str,
 
     Raises:
         FileNotFoundError: if the file does not exist.
-        ValueError: for any problem of the file (naming the line and column), fewer than 10 data rows, or a
-            single class.
+        ValueError: for any problem of the file (naming the line and column), fewer than 10 data rows, a
+            single class, or a column whose values overflow when standardized (e.g. ``1e308``).
     """
     data = load_csv(path, input_columns, target_column, task=kind)
     n = data.x.shape[0]
@@ -180,14 +180,20 @@ def csv_task(path: str | Path, input_columns: Sequence[str], target_column: str,
     n_new = round(0.2 * (n - n_test))
     test, new, train = order[:n_test], order[n_test : n_test + n_new], order[n_test + n_new :]
 
-    def standardize(values: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def standardize(values: Tensor, names: Sequence[str]) -> tuple[Tensor, Tensor, Tensor]:
         mean, std = values[train].mean(0), values[train].std(0, unbiased=False)
-        return (values - mean) / torch.where(std > 0, std, torch.ones_like(std)), mean, std
+        scaled = (values - mean) / torch.where(std > 0, std, torch.ones_like(std))
+        bad = ~(mean.isfinite() & std.isfinite() & scaled.isfinite().all(0))
+        if bad.any():
+            name = names[int(bad.nonzero()[0, 0])]
+            raise ValueError(f"column {name!r} of {path}: its values are too large to standardize in float64 "
+                             "(the mean or standard deviation overflows); rescale the column")
+        return scaled, mean, std
 
-    x, _, _ = standardize(data.x)
+    x, _, _ = standardize(data.x, data.input_names)
     y, y_scale = data.y, 1.0
     if kind == "regression":
-        y, _, y_std = standardize(data.y)
+        y, _, y_std = standardize(data.y, [target_column])
         y_scale = float(y_std[0]) if y_std[0] > 0 else 1.0
     num_classes = len(data.class_names) if kind == "classification" else 0
     if kind == "classification" and num_classes < 2:
