@@ -6,16 +6,18 @@ the negative evidence; the GLM predictive on 50 points. laplace-torch is used wh
 (it is kept out of ntkgp's dependencies); its hyperparameter loop can be shortened with
 ``--laplace-steps`` (the time per step is reported and extrapolated to 100, clearly labelled).
 
-    python benchmarks/evidence.py [--data-dir DATA] [--laplace-steps 100]
+    python benchmarks/evidence.py [--data-dir DATA] [--laplace-steps 100] [--write-docs]
 
 DATA is the benchmark data folder (its ``toy/`` holds the Snelson files; default: ``$NTKGP_DATA_DIR``);
-without it a synthetic set of the same size is used.
+without it a synthetic set of the same size is used. ``--write-docs`` writes the results into README.md
+(generated region ``readme-evidence``).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -24,6 +26,7 @@ import torch
 from torch import nn
 
 import ntkgp
+from ntkgp._doctable import markdown_table, write_block
 from ntkgp.datasets import load_snelson
 
 
@@ -109,20 +112,21 @@ def main() -> None:
     parser.add_argument("--data-dir", default=os.environ.get("NTKGP_DATA_DIR"))
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--laplace-steps", type=int, default=100)
+    parser.add_argument("--write-docs", action="store_true", help="write the results into README.md (readme-evidence)")
     args = parser.parse_args()
     torch.manual_seed(0)
     x, y, source = make_data(args.data_dir)
     net = train(nn.Sequential(nn.Linear(1, 50), nn.Tanh(), nn.Linear(50, 50), nn.Tanh(), nn.Linear(50, 50), nn.Tanh(), nn.Linear(50, 1)).double(), x, y)
     x_test = torch.linspace(x.min().item() - 1, x.max().item() + 1, 50, dtype=torch.float64).unsqueeze(-1)
     delta0, sigma0 = 1.0, 0.3
-    print(f"data: {source}, N = {len(x)}, P = {sum(p.numel() for p in net.parameters())}, float64, torch {torch.__version__}")
+    num_params = sum(p.numel() for p in net.parameters())
+    print(f"data: {source}, N = {len(x)}, P = {num_params}, float64, torch {torch.__version__}")
     ours = run_ntkgp(net, x, y, x_test, delta0, sigma0, args.steps)
     rows = [("ntkgp", ours, args.steps)]
     try:
         import laplace  # noqa: F401
     except ImportError:
-        print("laplace-torch is not installed: its side is skipped (measured on a 2-core CPU machine with "
-              "laplace-torch 0.3, FullLaplace: 1.5 s evidence, 488 s for 100 steps, 6.1 s predict)")
+        print("laplace-torch is not installed: its side is skipped")
         theirs = None
     else:
         theirs = run_laplace(net, x, y, x_test, delta0, sigma0, args.laplace_steps)
@@ -138,6 +142,44 @@ def main() -> None:
         print(f"speed-up: 100 steps {s100 / ours['steps']:.0f}x, predictive {theirs['pred'] / ours['pred']:.0f}x, "
               f"first evidence {theirs['first'] / ours['first']:.0f}x")
     print(f"ntkgp evidence after {args.steps} steps: {ours['evidence']:.4f}")
+    if args.write_docs:
+        write_docs(args, source, len(x), num_params, ours, theirs)
+
+
+def write_docs(args, source, n, num_params, ours, theirs) -> None:
+    steps = f"{args.steps} evidence steps (Adam on δ per parameter tensor and σ)"
+    header = ["Snelson-size regression, float64", "ntkgp `NTKGP`"]
+    ours_cells = [f"{ours['first']:.3g} s", f"{ours['steps']:.3g} s", f"{ours['pred']:.3g} s"]
+    if theirs is None:
+        rows = [[what, cell] for what, cell in zip(["build + first evidence", steps, "GLM predictive, 50 points"],
+                                                   ours_cells)]
+        agreement = "laplace-torch was not importable in this run: its side is absent."
+    else:
+        header += ["laplace-torch `FullLaplace`", "ntkgp faster by"]
+        measured = args.laplace_steps
+        per = theirs["steps"] / max(measured, 1) * args.steps
+        label = f"{per:.3g} s" + ("" if measured == args.steps else f" ({measured} steps measured, × {args.steps / measured:g})")
+        theirs_cells = [f"{theirs['first']:.3g} s", label, f"{theirs['pred']:.3g} s"]
+        ratios = [theirs["first"] / ours["first"], per / ours["steps"], theirs["pred"] / ours["pred"]]
+        rows = [[what, a, b, f"{r:.0f}×"] for what, a, b, r in zip(
+            ["build + first evidence", steps, "GLM predictive, 50 points"], ours_cells, theirs_cells, ratios)]
+        diff = abs(ours["evidence0"] - theirs["evidence0"])
+        agreement = (f"Both evidences at the initial hyperparameters: ntkgp {ours['evidence0']:.4f}, laplace-torch "
+                     f"{theirs['evidence0']:.4f} (difference {diff:.1e}, {diff / abs(ours['evidence0']):.1e} relative).")
+    note = f"Data: {source}, N = {n}, 1-50-50-50-1 tanh MLP (P = {num_params}); wall times of one run."
+    write_block("README.md", "readme-evidence", note + "\n\n" + markdown_table(header, rows) + "\n\n" + agreement,
+                "python benchmarks/evidence.py " + " ".join(sys.argv[1:]) + _with_laplace())
+
+
+def _with_laplace() -> str:
+    """A comment for the command line in the docs: the laplace-torch version the run imported, if any."""
+    try:
+        from importlib.metadata import version
+
+        import laplace  # noqa: F401
+    except ImportError:
+        return ""
+    return f"  # with laplace-torch {version('laplace-torch')} importable"
 
 
 if __name__ == "__main__":

@@ -6,7 +6,9 @@ the negative evidence. laplace-torch's round is slow (its evidence is a P×P log
 its hyperparameter steps can be capped with ``--laplace-steps``; its per-step time is then extrapolated
 to K and labelled so. The laplace side runs only when laplace-torch is importable.
 
-    python -m benchmarks.marglik_round [--data-dir DATA] [--laplace-steps 5]
+    python -m benchmarks.marglik_round [--data-dir DATA] [--laplace-steps 5] [--write-docs]
+
+``--write-docs`` writes the result into README.md (generated region ``readme-marglik-round``).
 
 DATA as in ``benchmarks/evidence.py`` (default: ``$NTKGP_DATA_DIR``; without it, synthetic data).
 """
@@ -16,13 +18,15 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import sys
 import time
 
 import gpytorch
 import torch
 from torch import nn
 
-from benchmarks.evidence import make_data
+from benchmarks.evidence import _with_laplace, make_data
+from ntkgp._doctable import markdown_table, write_block
 from ntkgp.training import train_marglik
 
 
@@ -54,7 +58,9 @@ def main() -> None:
     parser.add_argument("--data-dir", default=os.environ.get("NTKGP_DATA_DIR"))
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--laplace-steps", type=int, default=5)
+    parser.add_argument("--write-docs", action="store_true", help="write the result into README.md")
     args = parser.parse_args()
+    command = "python -m benchmarks.marglik_round " + " ".join(sys.argv[1:]) + _with_laplace()
     x, y, source = make_data(args.data_dir)
     net = snelson_net()
     print(f"data: {source}, N = {len(x)}, P = {sum(p.numel() for p in net.parameters())}, float64, K = {args.steps}")
@@ -64,8 +70,12 @@ def main() -> None:
     try:
         import laplace  # noqa: F401
     except ImportError:
-        print("laplace-torch is not installed: its side is skipped (measured on a 2-core CPU machine with "
-              "laplace-torch 0.3, full GGN: ≈ 9 s + 100 × 4.9 s ≈ 500 s per round)")
+        print("laplace-torch is not installed: its side is skipped")
+        if args.write_docs:
+            write_block("README.md", "readme-marglik-round", markdown_table(
+                ["one Algorithm-1 round", "ntkgp `train_marglik`"],
+                [[f"1 epoch + curvature + {args.steps} steps, {source}", f"{ours:.3g} s"]]) +
+                "\n\nlaplace-torch was not importable in this run: its side is absent.", command)
         return
     t1 = laplace_round(copy.deepcopy(net), x, y, 1)
     tk = laplace_round(copy.deepcopy(net), x, y, args.laplace_steps)
@@ -74,6 +84,14 @@ def main() -> None:
     print(f"laplace-torch marglik_training full GGN: 1 step {t1:.2f} s, {args.laplace_steps} steps {tk:.2f} s "
           f"→ {per_step:.2f} s/step, one round with {args.steps} steps ≈ {theirs:.1f} s (extrapolated)")
     print(f"speed-up per round: {theirs / ours:.0f}x")
+    if args.write_docs:
+        table = markdown_table(
+            ["one Algorithm-1 round (full GGN)", "ntkgp `train_marglik`", "laplace-torch `marglik_training`",
+             "ntkgp faster by"],
+            [[f"1 epoch + curvature + {args.steps} steps, {source}", f"{ours:.3g} s",
+              f"≈ {theirs:.3g} s ({args.laplace_steps} steps measured: {per_step:.3g} s/step, extrapolated to "
+              f"{args.steps})", f"≈ {theirs / ours:.0f}×"]])
+        write_block("README.md", "readme-marglik-round", table, command)
 
 
 if __name__ == "__main__":

@@ -4,13 +4,16 @@ MLP 8-50-50-C (tanh), N = 1000, C ∈ {1, 10}, float32. Both sides are warmed
 up on a small input, then timed on the full one; results are checked equal; peak memory is the growth of
 the process's resident set during each computation (sampled by a background thread).
 
-    python benchmarks/ntk_gram.py [--n 1000] [--outputs 1 10] [--repeats 3]
+    python benchmarks/ntk_gram.py [--n 1000] [--outputs 1 10] [--repeats 3] [--write-docs]
+
+``--write-docs`` writes the table into README.md (generated region ``readme-ntk-gram``).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import sys
 import threading
 import time
 
@@ -19,6 +22,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, jacrev, vmap
 
+from ntkgp._doctable import markdown_table, write_block
 from ntkgp.ntk import NTKEngine
 
 
@@ -81,7 +85,9 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=1000)
     parser.add_argument("--outputs", type=int, nargs="+", default=[1, 10])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--write-docs", action="store_true", help="write the table into README.md (readme-ntk-gram)")
     args = parser.parse_args()
+    rows = []
     torch.manual_seed(0)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32, N = {args.n}")
     print(f"{'C':>3} {'P':>6} | {'recipe s':>9} {'MiB':>7} | {'ntkgp s':>8} {'MiB':>7} | {'time ratio':>10} | {'max rel err':>11}")
@@ -94,7 +100,16 @@ def main() -> None:
         err = ((k_new - k_ref).abs().max() / k_ref.abs().max()).item()
         assert err < 1e-4, f"Grams differ: {err}"
         print(f"{c:>3} {p:>6} | {t_ref:>9.3f} {m_ref:>7.0f} | {t_new:>8.3f} {m_new:>7.0f} | {t_new / t_ref:>10.3f} | {err:>11.1e}")
+        rows.append([f"8-50-50-{c}", p, args.n, f"{t_new:.3g} s, {m_new:.0f} MiB", f"{t_ref:.3g} s, {m_ref:.0f} MiB",
+                     f"{t_new / t_ref:.2f}×", f"{err:.1e}"])
         del k_ref, k_new
+    if args.write_docs:
+        table = markdown_table(["MLP (tanh), float32", "P", "N", "ntkgp `group_grams`", "`vmap(jacrev)` + einsum",
+                                "time ratio", "max rel. difference"], rows)
+        note = (f"Wall time (best of {args.repeats}) and peak resident-memory growth of one NTK Gram, "
+                f"{torch.get_num_threads()} threads, both sides in the same run.")
+        write_block("README.md", "readme-ntk-gram", note + "\n\n" + table,
+                    "python benchmarks/ntk_gram.py " + " ".join(sys.argv[1:]))
 
 
 if __name__ == "__main__":
