@@ -262,3 +262,63 @@ class FSVI(GP):
             return self._mvn(mean, DiagLinearOperator(var.reshape(-1)))
         conditional = self.likelihood(samples)
         return type(conditional)(probs=conditional.probs.mean(0))
+
+    # ------------------------------------------------------------------ BoTorch
+    @property
+    def batch_shape(self) -> torch.Size:
+        """BoTorch's ``Model.batch_shape``: one model, ``torch.Size([])``."""
+        return torch.Size([])
+
+    def posterior(
+        self,
+        X: Tensor,
+        output_indices: Sequence[int] | None = None,
+        observation_noise: bool | Tensor = False,
+        posterior_transform=None,
+        **kwargs,
+    ):
+        r"""BoTorch's ``Model.posterior``: the linearized GP over :math:`f` at ``X`` as a ``GPyTorchPosterior``.
+
+        ``X`` of shape ``(*batch, q, d)`` (flat inputs; ``d`` the product of ``input_shape``) gives ``batch``
+        joint distributions over ``q`` points, mean ``(*batch, q, m)``, each that of ``model(X[b])``. BoTorch's
+        acquisition functions (``LogExpectedImprovement``, ``UpperConfidenceBound``, ...) and ``optimize_acqf``
+        take the model itself (:func:`ntkgp.botorch.botorch_posterior`; BoTorch is imported only here).
+        Conditioning (``condition_on_observations``, ``fantasize``) is not defined for FSVI.
+
+        Args:
+            X: inputs ``(*batch, q, d)``.
+            output_indices: outputs to keep (default all).
+            observation_noise: ``True`` adds the Gaussian likelihood's noise; a tensor adds those variances.
+            posterior_transform: applied to the posterior, as BoTorch does.
+
+        Raises:
+            ImportError: without BoTorch.
+            TypeError, ValueError: for invalid inputs.
+        """
+        from ..botorch import botorch_posterior
+
+        if kwargs:
+            raise TypeError(f"posterior got unexpected keyword arguments {sorted(kwargs)}")
+        return botorch_posterior(_BatchedLinearizedGP(self), X, output_indices, observation_noise, posterior_transform)
+
+
+class _BatchedLinearizedGP:
+    """``model(X)`` for BoTorch's ``(*batch, q, d)`` inputs: one joint distribution per batch element, stacked."""
+
+    def __init__(self, model: FSVI) -> None:
+        self.model, self.likelihood, self.num_outputs = model, model.likelihood, model.num_outputs
+
+    def __call__(self, X: Tensor) -> MultivariateNormal:
+        if not isinstance(X, Tensor) or X.dim() < 2:
+            raise ValueError(f"X must be a tensor of shape (*batch, q, d), got {getattr(X, 'shape', type(X))}")
+        if X.dim() == 2:
+            return self.model(X)
+        batch = X.shape[:-2]
+        dists = [self.model(x) for x in X.reshape(-1, *X.shape[-2:])]
+        mean = torch.stack([d.mean for d in dists]).reshape(*batch, *dists[0].mean.shape)
+        covar = torch.stack([d.covariance_matrix for d in dists])
+        covar = covar.reshape(*batch, *covar.shape[-2:])
+        if mean.dim() == len(batch) + 1:
+            return MultivariateNormal(mean, covar)
+        return MultitaskMultivariateNormal(mean, covar, interleaved=True)
+
