@@ -12,6 +12,10 @@ J_{nc}`, and per pair of outputs for the EF with :math:`\tilde g_n = g_n / s`; o
 tempered classification likelihood) a single component with :math:`\tilde\Lambda_n = \Lambda_n / s_0`,
 :math:`\tilde g_n = g_n / s_0`. A new noise or temperature re-weights the components without a pass over
 the data. Memory :math:`O(K P^2)` (:math:`K = C^2` for the EF of a multi-output Gaussian likelihood).
+
+The components are summed by :func:`ntkgp.curvature.full.curvature_components`, the one implementation shared
+with the weight-space curvature of the evidence (:func:`ntkgp.curvature.full.full_ggn` / ``full_ef``); this
+module only produces the per-example rows from a :class:`NetworkFunction`'s Jacobians.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from ..curvature import output_scale
+from ..curvature.full import component_weights as _component_weights
+from ..curvature.full import curvature_components
 from ..likelihoods import gradient, hessian_sqrt, is_gaussian, num_outputs, validate_targets
 from ..ntk import check_outputs
 from ..options import Curvature
@@ -110,31 +116,27 @@ def dense_curvature(
     """
     k = scale_size(likelihood)
     s0 = output_scale(likelihood).detach().to(dtype=fn.dtype, device=fn.device)
-    size = k if curvature is Curvature.GGN else k * k
+    fisher = curvature is Curvature.EF
+    size = k * k if fisher else k
     total = torch.zeros(size, fn.num_params, fn.num_params, dtype=fn.dtype, device=fn.device)
     for xb, fb, yb in data_batches(
         fn, x, y, likelihood, batch_size, progress, f"dense {curvature.value.upper()}"
     ):
         jac = fn.jacobian(xb)  # (n, C, P)
         with torch.no_grad():
-            if curvature is Curvature.GGN and k > 1:
-                total += torch.einsum("ncp,ncq->cpq", jac, jac)
-            elif curvature is Curvature.GGN:
+            if not fisher and k > 1:
+                rows = jac
+            elif not fisher:
                 root = hessian_sqrt(likelihood, fb, yb) / s0.sqrt()  # (n, C, C), unit factor
-                rows = torch.einsum("ncp,ncm->nmp", jac, root).reshape(-1, fn.num_params)
-                total[0] += rows.T @ rows
+                rows = torch.einsum("ncp,ncm->nmp", jac, root)
             else:
                 unit = gradient(likelihood, fb, yb) / s0  # (n, C)
-                grads = (
-                    jac * unit.unsqueeze(-1) if k > 1 else torch.einsum("nc,ncp->np", unit, jac).unsqueeze(1)
-                )
-                total += torch.einsum("nap,nbq->abpq", grads, grads).reshape(
-                    size, fn.num_params, fn.num_params
-                )
+                rows = jac * unit.unsqueeze(-1) if k > 1 else torch.einsum("nc,ncp->np", unit, jac).unsqueeze(1)
+            total += curvature_components(rows, fisher, k > 1)
     return total
 
 
 def component_weights(scale: Tensor, curvature: Curvature) -> Tensor:
     """The weights of the components for the output scale :math:`s`: :math:`s` (GGN), :math:`s s^\\top`
     (EF)."""
-    return scale if curvature is Curvature.GGN else (scale[:, None] * scale[None, :]).reshape(-1)
+    return _component_weights(scale, curvature is Curvature.EF)

@@ -26,11 +26,19 @@ from ..distributed import (
     together,
 )
 from ..kernels import NTKKernel
-from ..likelihoods import hyperparameter_values, is_gaussian, likelihood_temperature, log_likelihood, noise_variance
+from ..likelihoods import (
+    hyperparameter_values,
+    is_gaussian,
+    likelihood_temperature,
+    log_likelihood,
+    noise_variance,
+    validate_targets,
+)
 from ..models import NTKGP
 from ..ntk import GroupSpec
 from ..options import Structure, choose, renamed_argument
-from .weight_space import weight_space_curvature
+from ..posteriors.base import WeightPosterior
+from ..curvature.full import exact_curvature, full_curvature
 
 #: The sane range of every prior precision δ_g; outside it training warns and keeps the last sane values.
 PRIOR_PRECISION_RANGE = (1e-8, 1e8)
@@ -59,6 +67,12 @@ class MarglikResult:
             (``noise`` and ``task_noises`` hold the noise **variances** σ², ``temperature`` T), and
             ``train_loss`` (the MAP objective per data point).
         train_loss: the MAP objective per data point, per epoch.
+        structure: the curvature structure the hyperparameters were learned with
+            (:class:`ntkgp.options.Structure` value).
+
+    The predictive of the structure that was trained is :meth:`posterior` (a weight-space Laplace posterior,
+    for :func:`ntkgp.predictive.predict`); :meth:`model` is the function-space GP of the full GGN (exact GLM
+    predictive), whatever the structure.
     """
 
     net: nn.Module
@@ -68,6 +82,7 @@ class MarglikResult:
     best_epoch: int
     history: list[dict] = field(default_factory=list)
     train_loss: list[float] = field(default_factory=list)
+    structure: str = "full_ggn"
 
     @property
     def prior_precision(self) -> torch.Tensor:
@@ -80,9 +95,26 @@ class MarglikResult:
         return self.log_evidence
 
     def model(self, train_x: torch.Tensor, train_y: torch.Tensor, **kwargs) -> NTKGP:
-        """An :class:`~ntkgp.NTKGP` of the trained network with the learned hyperparameters."""
+        """An :class:`~ntkgp.NTKGP` of the trained network with the learned hyperparameters: the GP of the
+        **full GGN** (its evidence and GLM predictive are exact). For ``structure="full_ggn"`` that is the
+        trained structure; for the others use :meth:`posterior`."""
         return NTKGP(self.net, train_x, train_y, self.likelihood, prior_precision=self.prior_precision,
                      prior_structure=self.kernel.prior_structure, input_shape=self.kernel.engine.input_shape, **kwargs)
+
+    def posterior(self, train_x: torch.Tensor, train_y: torch.Tensor | None, **kwargs) -> WeightPosterior:
+        r"""The weight-space Laplace posterior of the **structure that was trained** (``"full_ggn"`` /
+        ``"full_ef"``: :class:`~ntkgp.posteriors.FullLaplace`; ``"kfac"``: :class:`~ntkgp.posteriors.KFACLaplace`
+        without damping, as the training evidence; ``"diag_ggn"`` / ``"diag_ef"``:
+        :class:`~ntkgp.posteriors.DiagLaplace`) with the learned :math:`\delta` and the learned likelihood:
+        its ``log_det_precision`` is the one of the training evidence, and
+        ``ntkgp.predictive.predict(result.posterior(x, y), x_test)`` its predictive
+        (:func:`ntkgp.posteriors.laplace_posterior`; ``kwargs`` are passed to it)."""
+        from ..posteriors import laplace_posterior
+
+        kwargs.setdefault("input_shape", self.kernel.engine.input_shape)
+        return laplace_posterior(self.net, train_x, train_y, self.likelihood, structure=self.structure,
+                                 prior_precision=self.prior_precision, prior_structure=self.kernel.prior_structure,
+                                 **kwargs)
 
 
 def _positive_int(value: object, argument: str, minimum: int = 1) -> int:
@@ -97,12 +129,19 @@ def _positive_float(value: object, argument: str) -> float:
     return float(value)
 
 
-def _curvature(net, x, y, likelihood, structure, prior_structure, batch_size, input_shape, distributed=False):
-    """``compute_curvature`` with the prior-structure keyword it takes (``prior_structure=`` or ``groups=``); with
-    ``distributed``, the full structures in weight space (:mod:`~ntkgp.training.weight_space`)."""
+def _curvature(net, x, y, likelihood, structure, prior_structure, batch_size, input_shape, distributed=False,
+               spectral=False, engine=None):
+    """The curvature of one round at the current θ*, built once; its evidence is then cheap to re-evaluate.
+
+    The full structures are exact, in the cheaper space (:func:`ntkgp.curvature.full.exact_curvature`; with
+    ``distributed``, weight space summed over the ranks); the scalable ones through ``compute_curvature``."""
     if structure in (Structure.FULL_GGN, Structure.FULL_EF):
-        return weight_space_curvature(net, x, y, likelihood, "ggn" if structure is Structure.FULL_GGN else "ef",
-                                      prior_structure, batch_size, False, input_shape, distributed)
+        kind = "ggn" if structure is Structure.FULL_GGN else "ef"
+        if distributed:
+            return full_curvature(net, x, y, likelihood, kind, prior_structure, batch_size, False, input_shape,
+                                  distributed, spectral)
+        return exact_curvature(net, x, y, likelihood, kind, prior_structure, batch_size, input_shape, spectral,
+                               engine=engine, validated=engine is not None)
     params = inspect.signature(compute_curvature).parameters
     key = "prior_structure" if "prior_structure" in params else "groups"
     extra = {"distributed": True} if distributed else {}
@@ -247,10 +286,13 @@ def train_marglik(
     x_flat = model.train_x
     x = engine.prepare(x_flat, "train_x")
     y = model.train_y
+    # the targets in the likelihood's normal form, checked once, for the curvature of every round
+    y_curvature = validate_targets(likelihood, y, engine.num_outputs(x), num_data=x.shape[0])
     n_local = x.shape[0]
     n = int(all_reduce_sum(torch.tensor([n_local], device=engine.device), distributed).item())
     batch = n_local if batch_size is None else min(batch_size, n_local)
     steps = all_reduce_max(-(-n_local // batch), distributed)  # MAP steps per epoch, the same on every rank
+    full_batch = batch >= n_local
     target_variance = 1.0
     if is_gaussian(likelihood):
         y_all = all_gather_rows(y, distributed)
@@ -270,10 +312,18 @@ def train_marglik(
     hyper_opt = new_hyper_optimizer()
     generator = torch.Generator(device="cpu").manual_seed(seed)
 
+    # ½ δ_g per trainable tensor, as Python floats: read once per hyperparameter round, not per MAP step
+    half_delta: list[float] = []
+
+    def refresh_prior() -> None:
+        delta = model.covar_module.prior_precision.detach().tolist()
+        half_delta[:] = [0.5 * delta[g] for g in group_of]
+
+    refresh_prior()
+
     def map_loss(xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
-        delta = model.covar_module.prior_precision.detach()
         fit = log_likelihood(likelihood, net(xb), yb).sum() * (n / xb.shape[0])
-        prior = sum(0.5 * delta[g] * p.pow(2).sum() for p, g in zip(trainable, group_of))
+        prior = sum(w * p.square().sum() for p, w in zip(trainable, half_delta))
         return (prior - fit) / n
 
     def distributed_step(idx: torch.Tensor) -> float:
@@ -295,13 +345,14 @@ def train_marglik(
         theta_opt.step()
         return (prior.item() - fit_sum / count) * count / n
 
+    # One eigendecomposition per round instead of a factorization per step pays from a few steps on
+    # (an eigendecomposition costs about as much as three Cholesky factorizations with their gradients).
+    spectral = engine.groups.num_groups == 1 and hyper_steps >= 3
+
     def evidence_fn() -> Callable[[], torch.Tensor]:
-        if structure in (Structure.FULL_GGN, Structure.FULL_EF) and not distributed:
-            curvature = "ggn" if structure is Structure.FULL_GGN else "ef"
-            return lambda: model.log_marginal_likelihood(curvature=curvature)
-        curv = _curvature(net, x, y, likelihood, structure, prior_structure, curvature_batch_size, engine.input_shape,
-                          distributed)
-        evaluate = getattr(curv, "log_marginal_likelihood", None) or curv.log_evidence
+        curv = _curvature(net, x, y_curvature, likelihood, structure, prior_structure, curvature_batch_size,
+                          engine.input_shape, distributed, spectral, engine)
+        evaluate = curv.log_marginal_likelihood
         return lambda: evaluate(model.covar_module.prior_precision, likelihood)
 
     best = {"value": -float("inf"), "epoch": -1, "state": None, "hypers": None}
@@ -309,23 +360,23 @@ def train_marglik(
     bar = tqdm(range(1, epochs + 1), desc="marglik training", disable=not progress or rank() != 0)
     for epoch in bar:
         total = 0.0
-        order = torch.randperm(n_local, generator=generator).to(engine.device)
+        order = None if full_batch and not distributed else torch.randperm(n_local, generator=generator).to(engine.device)
         for step in range(steps if distributed else 0):
             total += distributed_step(order[step * batch : (step + 1) * batch])
         for s in range(0, n if not distributed else 0, batch):
-            idx = order[s : s + batch]
+            idx = None if order is None else order[s : s + batch]
             theta_opt.zero_grad()
-            loss = map_loss(x[idx], y[idx])
+            loss = map_loss(x, y) if full_batch else map_loss(x[idx], y[idx])  # full batch: no copy
             loss.backward()
             theta_opt.step()
-            total += loss.item() * len(idx) / n
+            total += loss.item() * (n if idx is None else len(idx)) / n
         losses.append(total)
         round_due = epoch > burn_in and (epoch - burn_in) % frequency == 0
         if not (round_due or epoch == epochs):
             continue
         evidence = evidence_fn()
         sane = [p.detach().clone() for p in hypers]
-        problem = None
+        problem, value = None, None
         for _ in range(hyper_steps):
             hyper_opt.zero_grad()
             try:
@@ -337,6 +388,9 @@ def train_marglik(
                 problem = "the evidence became non-finite"
                 break
             objective.backward()
+            # the round's evidence is the last one evaluated, at the hyperparameters before this step: an
+            # exact (θ*, hyperparameters, evidence) triple without another factorization
+            value, at = -objective.item() / n, sane
             hyper_opt.step()
             out = _out_of_range(model, target_variance)
             if out:
@@ -355,20 +409,31 @@ def train_marglik(
                 stacklevel=2,
             )
         broadcast_(hypers, enabled=distributed)  # the ranks computed the same steps; make it exact
-        try:
-            with torch.no_grad():
-                value = evidence().item() / n
-        except NotPSDError:
-            value = float("nan")
+        if value is None or problem is not None or distributed:
+            try:
+                with torch.no_grad():
+                    value = evidence().item() / n
+            except NotPSDError:
+                value = float("nan")
+            at = [p.detach().clone() for p in hypers]
         for p in trainable:
             p.grad = None
-        record = {"epoch": epoch, "log_evidence": value, "prior_precision": model.covar_module.prior_precision.detach().tolist(),
-                  "train_loss": total, **hyperparameter_values(likelihood)}
+        current = [p.detach().clone() for p in hypers]
+        with torch.no_grad():  # the record shows the hyperparameters the evidence was evaluated at
+            for p, v in zip(hypers, at):
+                p.copy_(v)
+            record = {"epoch": epoch, "log_evidence": value,
+                      "prior_precision": model.covar_module.prior_precision.detach().tolist(), "train_loss": total,
+                      **hyperparameter_values(likelihood)}
+            for p, v in zip(hypers, current):
+                p.copy_(v)
         history.append(record)
-        bar.set_postfix(log_evidence=f"{value:.4f}")
+        refresh_prior()
+        if progress:
+            bar.set_postfix(log_evidence=f"{value:.4f}")
         if math.isfinite(value) and value > best["value"]:
-            best.update(value=value, epoch=epoch, state=copy.deepcopy(net.state_dict()),
-                        hypers=[p.detach().clone() for p in hypers])
+            best.update(value=value, epoch=epoch, state={k: v.detach().clone() for k, v in net.state_dict().items()},
+                        hypers=at)
     for p in hypers:
         p.grad = None
     if best["state"] is not None:
@@ -379,4 +444,4 @@ def train_marglik(
     else:
         warnings.warn("train_marglik: no hyperparameter round gave a finite evidence", HyperparameterWarning, stacklevel=2)
     return MarglikResult(net=net, kernel=model.covar_module, likelihood=likelihood, log_evidence=best["value"],
-                         best_epoch=best["epoch"], history=history, train_loss=losses)
+                         best_epoch=best["epoch"], history=history, train_loss=losses, structure=structure.value)
