@@ -6,7 +6,7 @@ on a CSV file. Exit status:
 - ``0``: the demo ran; the table went to stdout, the figures to ``--output-dir``.
 - ``2``: a usage or input error, reported on stderr before any training: an unknown option, a missing or
   unreadable CSV file, an unknown column, a cell that is not a finite number (naming file, line and column),
-  a duplicated header name, too few rows or a single class, ``--epochs`` < 1, a negative ``--seed``, an
+  a column whose values overflow when standardized, a duplicated header name, too few rows or a single class, ``--epochs`` < 1, a negative ``--seed``, an
   ``--output-dir`` that is not a folder, or a missing optional dependency (matplotlib, scikit-learn).
 - ``1``: anything else (an unexpected error, with its traceback).
 

@@ -291,7 +291,7 @@ def write_page(entry: Entry, data_dir: str | None, output: str, seconds: float, 
             raise SystemExit(f"[gallery] {entry.name} wrote no {figure} in {output_dir}")
         target = figure_name(entry, figure)
         shrink_png(source, GALLERY / target)
-        images.append(f"![{entry.name}: {Path(figure).stem.replace('_', ' ')}]({target})")
+        images.append(f"![{entry.name}: {Path(figure).stem}]({target})")
     page = GALLERY / f"{entry.name}.md"
     page.write_text(page_text(entry, data_dir))
     body = [f"Wall time of the {'quick ' if entry.quick else ''}run: {seconds:.0f} s.", "", "```text", output, "```"]
@@ -326,16 +326,19 @@ def wall_time(entry: Entry) -> str:
 def write_index(command: str) -> None:
     """Write ``docs/gallery/index.md`` (a table of the pages and their quick-run wall times)."""
     index = GALLERY / "index.md"
+    written = [entry for entry in ENTRIES if (GALLERY / f"{entry.name}.md").is_file()]  # linked pages must exist
     index.write_text(f"""# Examples gallery
 
 <!-- This page is written by scripts/gallery.py; do not edit it by hand. -->
 
 The demo (with its default settings) and each script of `examples/` (with quick settings), run by
 `scripts/gallery.py`, which writes these pages: the purpose of each example, the commands of its full and
-quick runs, its printed output and its figures. The wall times are those of the machine named under the
-table, which was shared with other jobs: they vary several-fold with its load. The examples that read the benchmark data folder (`--data-dir DATA` or `NTKGP_DATA_DIR`) fall back to
-a synthetic or bundled stand-in without it; their output names the data they used. Regenerate everything
-with `python scripts/gallery.py` (add `--data-dir DATA` for the benchmark data).
+quick runs, its printed output and its figures. The wall times are those of the machine named on each page,
+which was shared with other jobs: they vary several-fold with its load. The examples that read the benchmark
+data folder (`--data-dir DATA` or `NTKGP_DATA_DIR`) fall back to a synthetic or bundled stand-in without it;
+their output names the data they used. Regenerate everything with `python scripts/gallery.py` (add
+`--data-dir DATA` for the benchmark data); `python scripts/gallery.py --pages-only` rewrites the text of the
+pages and this index around their generated regions without running anything.
 
 <!-- generated: {INDEX_REGION} -->
 <!-- end generated: {INDEX_REGION} -->
@@ -343,11 +346,11 @@ with `python scripts/gallery.py` (add `--data-dir DATA` for the benchmark data).
 ```{{toctree}}
 :hidden:
 
-{chr(10).join(entry.name for entry in ENTRIES)}
+{chr(10).join(entry.name for entry in written)}
 ```
 """)
     rows = [[f"[{entry.title}]({entry.name}.md)", "quick" if entry.quick else "default", wall_time(entry)]
-            for entry in ENTRIES]
+            for entry in written]
     write_block(index, INDEX_REGION, markdown_table(["page", "settings shown", "wall time"], rows), command)
 
 

@@ -319,10 +319,10 @@ def test_documented_demo_table_matches_a_run(tmp_path, capsys):
     sfr = next(name for name in cells if name.startswith("SFR ("))
     # the GP predictives beat the network's own on the regression test set
     assert max(nlpd["NTKGP"], nlpd[sfr]) < nlpd["network (MAP)"]
-    # conditioning on the gap batch lowers test NLPD and RMSE of both models, in a fraction of a second
+    # conditioning on the gap batch lowers test NLPD and RMSE of both models, in < 1/10 of the training time
     for before, after in (("NTKGP", "NTKGP + new batch"), (sfr, "SFR + new batch")):
         assert nlpd[after] < nlpd[before] and rmse[after] < rmse[before]
-        assert float(cells[after][-1]) < 1.0
+        assert float(cells[after][-1]) < 0.1 * float(cells["network (MAP)"][-3])
     # SFR with a quarter of the points matches NTKGP's test NLPD to within 0.05
     assert abs(nlpd[sfr] - nlpd["NTKGP"]) < 0.05
     # on two moons the GP models stay within a few points of the network's accuracy
