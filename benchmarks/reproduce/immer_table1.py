@@ -81,6 +81,14 @@ _published("map", "diag_ef", {"boston": (2.89, 0.03), "concrete": (3.11, 0.02), 
                               "wine": (0.96, 0.02), "yacht": (3.15, 0.02)})
 
 
+# The regions of docs/reproductions.md this script writes (with --write-docs): full protocol, then --quick.
+REGIONS = {
+    "map": ("immer-table1-map", "immer-table1-map-quick"),
+    "glm": ("immer-table1-glm", "immer-table1-glm-quick"),
+    "time": ("immer-table1-time", "immer-table1-time-quick"),
+}
+
+
 def run_one(data_dir, dataset: str, split: int, structure: str, args) -> dict:
     data = load_uci_regression(data_dir, dataset, split=split)
     net = _common.mlp(data.x_train.shape[1], 1, 50, 1, nn.ReLU, seed=split)
@@ -157,7 +165,6 @@ def main() -> None:
                 if r is not None:
                     runs.setdefault((dataset, structure), []).append(r)
 
-    suffix = "_quick" if args.quick else ""
     verdicts = []
     for predictive, title in (("map", "MAP predictive N(f(x*), σ²): Table 1 and Table C3"),
                               ("glm", "GLM (Bayes) predictive: Tables C2 and C3")):
@@ -171,7 +178,7 @@ def main() -> None:
                 verdicts.append((predictive, dataset, structure, verdict))
             rows.append(row)
         header = ["data set"] + [f"{LABEL[s]}: ntkgp (n) / paper" for s in args.structures]
-        _common.publish(args, f"immer-table1-{predictive}{suffix}", _common.table(header, rows), title)
+        _common.publish(args, REGIONS[predictive][args.quick], _common.table(header, rows), title)
     rows = []
     for dataset in args.datasets:
         row = [dataset]
@@ -182,7 +189,7 @@ def main() -> None:
     header = ["data set"] + [f"{LABEL[s]} s/run" for s in args.structures]
     note = f"\n\nSettings: {args.epochs} epochs, F = {args.frequency}, K = {args.hyper_steps}, B = {args.burn_in}, " \
            f"lr {args.lr:g}, hyper lr {args.hyper_lr:g}, {args.splits} splits requested, {args.threads} thread(s)."
-    _common.publish(args, f"immer-table1-time{suffix}", _common.table(header, rows) + note, "training seconds per run")
+    _common.publish(args, REGIONS["time"][args.quick], _common.table(header, rows) + note, "training seconds per run")
     outside = [v for v in verdicts if v[3] in ("worse", "better")]
     print("cells outside ±2 SE:", ", ".join(f"{d}/{s}/{p}: {v}" for p, d, s, v in outside) or "none")
 

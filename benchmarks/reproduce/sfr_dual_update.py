@@ -45,6 +45,10 @@ GRID = [10.0**e for e in torch.arange(-4.0, 2.01, 0.5).tolist()]
 CONFIGS = {"public": "zero", "ntkgp": "linearized"}
 
 
+# The regions of docs/reproductions.md this script writes (with --write-docs): full protocol, then --quick.
+REGIONS = ("sfr-dual-update", "sfr-dual-update-quick")
+
+
 def train_network(x, y, args, seed: int) -> tuple[nn.Module, float, dict]:
     """(network at its best validation checkpoint, noise variance, training info)."""
     g = torch.Generator().manual_seed(seed)
@@ -181,7 +185,6 @@ def main() -> None:
             r = store.run(k, lambda: run_one(data_dir, dataset, split, args), enabled=data_dir is not None)
             if r is not None:
                 runs.setdefault(dataset, []).append(r)
-    suffix = "_quick" if args.quick else ""
     header = ["route"] + [f"{d}: NLPD (n)" for d in args.datasets] + [f"{d}: seconds" for d in args.datasets]
     rows = []
     for route, label in ROUTES:
@@ -198,7 +201,7 @@ def main() -> None:
             details.append(f"{d}: N_A = {rs[0]['n_a']}, N_B = {rs[0]['n_b']}, M = {rs[0]['num_inducing']}")
     note = "\n\n" + "; ".join(details) + f". Training δ = {args.delta:g}, at most {args.max_steps} steps, " \
            f"{args.threads} thread(s)."
-    _common.publish(args, f"sfr-dual-update{suffix}", _common.table(header, rows) + note, "SFR dual update")
+    _common.publish(args, REGIONS[args.quick], _common.table(header, rows) + note, "SFR dual update")
 
 
 if __name__ == "__main__":

@@ -62,6 +62,10 @@ METHODS = list(REFERENCE)
 GRID = [10.0**e for e in torch.arange(-4.0, 2.01, 0.5).tolist()]
 
 
+# The regions of docs/reproductions.md this script writes (with --write-docs): full protocol, then --quick.
+REGIONS = {"nlpd": ("sfr-table1", "sfr-table1-quick"), "details": ("sfr-table1-details", "sfr-table1-details-quick")}
+
+
 def train_network(data, delta: float, args, seed: int) -> tuple[nn.Module, dict]:
     """Adam, minibatches, early stopping on the validation NLPD (patience in steps); the best checkpoint."""
     c = data.num_classes
@@ -201,7 +205,6 @@ def main() -> None:
             r = store.run(k, lambda: run_one(data_dir, dataset, seed, args), enabled=data_dir is not None)
             if r is not None:
                 runs.setdefault(dataset, []).append(r)
-    suffix = "_quick" if args.quick else ""
     header = ["method", "paper column"] + [f"{d}: ntkgp (n) / paper" for d in args.datasets]
     rows, outside = [], []
     for method in METHODS:
@@ -213,7 +216,7 @@ def main() -> None:
             if verdict in ("worse", "better"):
                 outside.append(f"{dataset}/{method}: {verdict}")
         rows.append(row)
-    _common.publish(args, f"sfr-table1{suffix}", _common.table(header, rows), "SFR Table 1 (NLPD)")
+    _common.publish(args, REGIONS["nlpd"][args.quick], _common.table(header, rows), "SFR Table 1 (NLPD)")
     rows = []
     for dataset in args.datasets:
         rs = runs.get(dataset, [])
@@ -227,7 +230,7 @@ def main() -> None:
               "δ tuned GLM", "δ tuned SFR public"]
     note = f"\n\nTraining δ = {args.delta:g}, lr {args.lr:g}, batch {args.batch_size}, patience {args.patience} steps, " \
            f"at most {args.max_steps} steps, M = {args.inducing_fraction:.0%} of N, {args.threads} thread(s)."
-    _common.publish(args, f"sfr-table1-details{suffix}", _common.table(header, rows) + note, "details")
+    _common.publish(args, REGIONS["details"][args.quick], _common.table(header, rows) + note, "details")
     print("cells outside ±2 SE:", ", ".join(outside) or "none")
 
 
