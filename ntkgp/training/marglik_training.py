@@ -206,9 +206,20 @@ def train_marglik(
     ``learn_likelihood``, the likelihood's hyperparameters (noise, one or per output; a learnable
     temperature). The checkpoint with the best evidence is kept and loaded at the end.
 
-    The full structures go through the same public evidence as :class:`~ntkgp.NTKGP`
-    (:meth:`~ntkgp.NTKGP.log_marginal_likelihood` of one model of the network, which follows its weights);
-    the scalable ones through :func:`ntkgp.curvature.compute_curvature`.
+    **Cost.** Every round builds the curvature **once** at the current :math:`\theta^*` and every
+    hyperparameter step re-evaluates the evidence from it. The full structures are exact
+    (:func:`ntkgp.curvature.full.exact_curvature`): in function space, the per-group NTK Grams of the
+    structured route and one :math:`R \times R` Cholesky factorization per step (:math:`R = NC` for the GGN,
+    :math:`N` for the EF), when :math:`R < P`; in weight space, the :math:`P \times P` components and one
+    :math:`P \times P` factorization per step otherwise. With a single prior precision (``prior_structure=
+    "network"``) and ``hyper_steps >= 3``, one eigendecomposition per round makes every step :math:`O(\min(R,
+    P))`. The evidence of a round is the one evaluated by its last step, at the hyperparameters before that
+    step's update (recorded in ``history`` and kept with a checkpoint together), so ``hyper_steps=1`` costs
+    one factorization and its gradient per round. The value equals :meth:`ntkgp.NTKGP.log_marginal_likelihood`
+    of the network (``curvature="ggn"`` / ``"ef"``). The scalable structures go through
+    :func:`ntkgp.curvature.compute_curvature`. With ``frequency=1`` (the paper's F = 1) θ changes every
+    epoch, so the curvature is built every epoch: :math:`O(R^2 P)` work against :math:`O(NP)` for a
+    full-batch MAP step (docs/training.md, "Measured").
 
     **Safeguards.** All inputs are validated before the network is touched. A hyperparameter round stops
     early, restores the last sane hyperparameters and warns (:class:`HyperparameterWarning`) when the
