@@ -31,7 +31,8 @@ from ..options import PredictiveMean, choose, renamed_argument
 #: Numbers one chunk of test points may occupy in the predictive (``(G + 3)·chunk·C·N·C`` ≤ this), 256 MB in float64.
 PREDICTION_BUDGET = 2**25
 
-#: The default ``predictive_mean=`` of :class:`NTKGP`, chosen by measurement (docs/ntkgp.md, "Predictive mean").
+#: The default ``predictive_mean=`` of :class:`NTKGP`, chosen by measurement (benchmarks/predictive_mean.py,
+#: docs/ntkgp.md, "Predictive mean"): the lower NLPD with evidence-learned hyperparameters on classification.
 DEFAULT_PREDICTIVE_MEAN = "gp"
 
 
@@ -251,9 +252,10 @@ class NTKGP(BoTorchInterface, GP):
 
     @property
     def predictive_mean(self) -> PredictiveMean:
-        r"""The mean of the predictive (docs/ntkgp.md, "Predictive mean"): ``"gp"``, the linearized model's
-        posterior mean, or ``"nn"``, the network's output :math:`f(x_*;\theta^*)`. Settable (validated); the
-        covariance is the same for both."""
+        r"""The mean of the predictive, ``"gp"`` or ``"nn"`` (settable, validated).
+
+        ``"gp"`` is the linearized model's posterior mean, ``"nn"`` the network's output
+        :math:`f(x_*;\theta^*)`; the covariance is the same for both (docs/ntkgp.md, "Predictive mean")."""
         return self._predictive_mean
 
     @predictive_mean.setter
@@ -464,8 +466,9 @@ class NTKGP(BoTorchInterface, GP):
     ) -> MultivariateNormal:
         r"""The GLM predictive over :math:`f` at ``X`` as a GPyTorch distribution (what eval-mode ``model(X)`` returns).
 
-        Test points are processed in chunks of ``chunk_size``: the mean is computed at once (one
-        cross-Gram per chunk), the covariance is a lazy
+        The mean is the one :attr:`predictive_mean` names (``"gp"``: the linearized posterior mean, one
+        cross-Gram per chunk; ``"nn"``: the network's output). Test points are processed in chunks of
+        ``chunk_size``: the mean is computed at once, the covariance is a lazy
         :class:`~ntkgp.laplace.GLMPredictiveCovariance` that evaluates what is asked for (``.variance``,
         per-point blocks, products) chunk by chunk. Memory is bounded by about
         ``(G + 3)·chunk·C·N·C`` numbers whatever the number of test points (docs/ntkgp.md).

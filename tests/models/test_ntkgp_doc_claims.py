@@ -76,3 +76,17 @@ def test_the_model_computes_in_the_float32_network_dtype(kind):
     values = over_y.probs if kind == "softmax4" else over_y.variance
     assert values.dtype == torch.float32
     assert all(p.dtype == torch.float32 for p in net.parameters())  # the network is never converted
+
+
+def test_kernel_dtype_follows_the_network():
+    """docs/ntk.md: "Jacobians are computed in the network's dtype ... the kernel matrix is returned in the dtype
+    of the kernel's hyperparameters ... by default everything follows the network"."""
+    net = mlp(d_out=2).float()
+    kernel = ntkgp.NTKKernel(net)
+    x = torch.randn(5, 3, dtype=torch.float64)
+    gram = kernel(x).to_dense()
+    assert kernel.prior_precision.dtype == torch.float32 and gram.dtype == torch.float32
+    kernel.double()
+    gram64 = kernel(x).to_dense()
+    assert gram64.dtype == torch.float64 and rel_err(gram64, gram.double()) < 1e-6
+    assert all(p.dtype == torch.float32 for p in net.parameters())
