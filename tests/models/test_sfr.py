@@ -479,10 +479,12 @@ def test_whitened_factors_by_solves_match_the_explicit_formulas(singular):
     again = whitened_factors(kzz, 2 * b_u, y_u, inducing=inducing)  # reuses K_ZZ's factors and tests
     fresh = whitened_factors(kzz, 2 * b_u, y_u)
     assert singular or inducing.inverse_norm is not None  # computed once, kept for the next B_u
-    for name in ("a", "chol", "alpha", "y_white"):
+    for name in ("a_diagonal", "chol", "alpha", "y_white"):
         assert rel_err(getattr(again, name), getattr(fresh, name)) < 1e-12
     white = fac.white
-    assert rel_err(fac.a, white @ b_u @ white.mT) < 1e-10
+    a = white @ b_u @ white.mT  # the dense A = W B_u Wᵀ (not kept by the factors: only its diagonal and R)
+    assert rel_err(fac.chol @ fac.chol.mT, torch.eye(k, dtype=torch.float64) + a) < 1e-10
+    assert rel_err(fac.a_diagonal, a.diagonal(dim1=-2, dim2=-1)) < 1e-10
     assert rel_err(fac.solve, torch.linalg.solve_triangular(fac.chol, white, upper=False)) < 1e-10
     cross_t = torch.randn(nb, k, 5, dtype=torch.float64, generator=gen)
     v, s = fac.project(cross_t)
@@ -495,7 +497,34 @@ def test_whitened_factors_by_solves_match_the_explicit_formulas(singular):
         assert rel_err(white, torch.linalg.inv(torch.linalg.cholesky(kzz))) < 1e-10
         assert rel_err(fac.alpha, torch.linalg.solve(kzz + b_u, y_u.unsqueeze(-1)).squeeze(-1)) < 1e-10
         trace = torch.linalg.solve(kzz, b_u).diagonal(dim1=-2, dim2=-1).sum(-1)  # tr(K_ZZ⁻¹ B_u) = tr A
-        assert rel_err(fac.a.diagonal(dim1=-2, dim2=-1).sum(-1), trace) < 1e-10
+        assert rel_err(fac.a_diagonal.sum(-1), trace) < 1e-10
+    # overwrite_b_u: the same numbers bit for bit, in the storage of a temporary B_u; the caller's B_u is kept
+    # without it; K_ZZ given as a function is recomputed on demand, not kept
+    kept = b_u.clone()
+    scratch = b_u.clone()
+    lazy = inducing_factors(lambda: kzz.clone())
+    inplace = whitened_factors(None, scratch, y_u, inducing=lazy, overwrite_b_u=True)
+    assert torch.equal(b_u, kept)
+    for name in ("a_diagonal", "chol", "alpha", "y_white", "rank"):
+        assert torch.equal(getattr(inplace, name), getattr(fac, name)), name
+    assert torch.equal(lazy.kzz, kzz) and lazy.kzz is not lazy.kzz
+    with torch.enable_grad():  # a tracked gradient never takes the in-place route (and B_u stays intact)
+        tracked = b_u.clone().requires_grad_()
+        grad_fac = whitened_factors(kzz, tracked, y_u, overwrite_b_u=True)
+        grad_fac.a_diagonal.sum().backward()
+    assert torch.equal(tracked.detach(), b_u) and rel_err(grad_fac.chol.detach(), fac.chol) < 1e-14
+    with pytest.raises(ValueError, match="kzz or inducing"):
+        whitened_factors(None, b_u, y_u)
+
+
+@pytest.mark.parametrize("size", [1, 5, 7, 12])
+def test_symmetrize_in_place_is_the_out_of_place_formula(size):
+    from ntkgp.models.sfr.whitening import _symmetrize_
+
+    x = torch.randn(2, size, size, dtype=torch.float64, generator=torch.Generator().manual_seed(size))
+    expected = 0.5 * (x + x.mT)
+    assert torch.equal(_symmetrize_(x.clone(), block=3), expected)
+    assert torch.equal(_symmetrize_(x.clone()), expected)
 
 
 def test_update_and_noise_change_reuse_the_inducing_factorization():

@@ -82,7 +82,7 @@ def iterated_statistics(
     Warns:
         SiteIterationWarning: when the Newton iteration stops before it converged (the last iterate is used).
     """
-    kzz = inducing.kzz
+    kzz = inducing.kzz  # formed once for the call (the model keeps only its Cholesky factor)
     dtype = kzz.dtype  # the model's dtype (the statistics are kept in theirs)
     weights, slots = weights.to(dtype), slots.to(dtype)
     with torch.no_grad():
@@ -119,7 +119,9 @@ def iterated_statistics(
                 b_new = torch.einsum("ckn,nc,cln->ckl", cross, lam, cross)
                 y_new = torch.einsum("ckn,nc->ck", cross, r)
             # the model's own solve (whitened, dropping K_ZZ's negligible directions: no jitter)
-            alpha = whitened_factors(inducing.kzz, b_old + b_new, y_old + y_new, inducing=inducing).alpha
+            alpha = whitened_factors(
+                kzz, b_old + b_new, y_old + y_new, inducing=inducing, overwrite_b_u=True
+            ).alpha
             return alpha, values(alpha).reshape(-1)
 
         def objective(state: tuple[Tensor, Tensor]) -> Tensor:

@@ -362,19 +362,31 @@ class SFR(BoTorchInterface, GP):
             return self._solve(weights, slots, self._inducing(weights))
         weights, slots = weights.detach(), slots.detach()
         generation = torch.tensor([self._generation])
-        inducing = self._caches["inducing"].get_or_compute(
-            "K_ZZ", [], lambda: self._inducing(weights), state=[weights, generation]
-        )
-        return self._caches["posterior"].get_or_compute(
-            "posterior", [], lambda: self._solve(weights, slots, inducing), state=[weights, slots, self._key()]
+        posterior = self._caches["posterior"]
+
+        def new_inducing():  # a miss: drop the stale factors first, so that old and new never coexist
+            posterior.clear()
+            self._caches["inducing"].clear()
+            return self._inducing(weights)
+
+        def new_posterior(inducing):
+            posterior.clear()
+            return self._solve(weights, slots, inducing)
+
+        inducing = self._caches["inducing"].get_or_compute("K_ZZ", [], new_inducing, state=[weights, generation])
+        return posterior.get_or_compute(
+            "posterior", [], lambda: new_posterior(inducing), state=[weights, slots, self._key()]
         )
 
     def _inducing(self, weights: Tensor):
-        return inducing_factors(torch.einsum("g,gbij->bij", weights, self._zz_grams))
+        r"""The factors of :math:`K_{ZZ} = \sum_g w_g K_{g,ZZ}`; :math:`K_{ZZ}` itself is formed, factorized and
+        released (recomputed from the per-group Grams only when needed again)."""
+        grams = self._zz_grams
+        return inducing_factors(lambda: torch.einsum("g,gbij->bij", weights, grams))
 
     def _solve(self, weights: Tensor, slots: Tensor, inducing) -> PosteriorState:
-        b_u, y_u = self.statistics.projected(weights, slots)
-        factors = whitened_factors(inducing.kzz, b_u, y_u, inducing=inducing)
+        b_u, y_u = self.statistics.projected(weights, slots)  # a fresh B_u, overwritten by the factorization
+        factors = whitened_factors(None, b_u, y_u, inducing=inducing, overwrite_b_u=True)
         return PosteriorState(weights=weights, slots=slots, factors=factors)
 
     def _z_jacobian(self) -> Tensor:
@@ -462,7 +474,7 @@ class SFR(BoTorchInterface, GP):
         state = self._factors()
         fac, stats = state.factors, self.statistics
         log_det = 2 * fac.chol.diagonal(dim1=-2, dim2=-1).log().sum()  # log|I + A| = log(|K_ZZ + B_u| / |K_ZZ|)
-        nystrom_trace = fac.a.diagonal(dim1=-2, dim2=-1).sum()  # tr(A) = tr(K_ZZ⁻¹ B_u)
+        nystrom_trace = fac.a_diagonal.sum()  # tr(A) = tr(K_ZZ⁻¹ B_u)
         return (
             stats.data_fit(self.likelihood, state.slots)
             + 0.5 * fac.y_white.square().sum()

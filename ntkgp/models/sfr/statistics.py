@@ -246,6 +246,7 @@ class DualStatistics(nn.Module):
 
         :math:`B_u = \sum_{s,g,h} v_s w_g w_h A_{s,gh}` block by block: no temporary of the size of the
         statistics (``S·(G·K)²``), only :math:`B_u` itself (and one block per term when differentiating).
+        Both results are fresh tensors, never views of the statistics: the caller may overwrite them.
         """
         s, g, k = self.residual.shape
         blocks = self.precision.view(s, g, k, g, k)

@@ -7,6 +7,7 @@ Nothing here knows about networks or kernels: the inputs are the (batched) matri
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -21,27 +22,45 @@ __all__ = ["InducingFactors", "WhitenedFactors", "Whitening", "inducing_factors"
 class InducingFactors:
     r"""What :func:`whitened_factors` needs of :math:`K_{ZZ}` alone (reusable for any :math:`B_u`).
 
+    :math:`K_{ZZ}` itself is not kept when it was given as a function (as :class:`~ntkgp.models.sfr.SFR`
+    does, from its per-group Grams): only its Cholesky factor is, and :attr:`kzz` recomputes it on the
+    rare occasions it is needed (a numerically singular :math:`K_{ZZ}`, the iterated update).
+
     Attributes:
-        kzz: :math:`K_{ZZ}`, ``(nb, K, K)``.
+        gram: returns :math:`K_{ZZ}`, ``(nb, K, K)``.
         k_trace: :math:`\operatorname{tr} K_{ZZ}`, ``(nb,)`` (detached).
         chol: its Cholesky factor :math:`L_Z`, or ``None`` when that fails.
         inverse_trace: :math:`\operatorname{tr}(K_{ZZ}^{-1})`, filled in lazily by :func:`whitened_factors`.
         inverse_norm: power-iteration estimate of :math:`1/s_{\min}(K_{ZZ})`, filled in lazily.
     """
 
-    kzz: Tensor
+    gram: Callable[[], Tensor]
     k_trace: Tensor
     chol: Tensor | None
     inverse_trace: Tensor | None = None
     inverse_norm: Tensor | None = None
 
+    @property
+    def kzz(self) -> Tensor:
+        """:math:`K_{ZZ}`, ``(nb, K, K)`` (recomputed by :attr:`gram` at each access unless given as a tensor)."""
+        return self.gram()
 
-def inducing_factors(kzz: Tensor) -> InducingFactors:
+
+def inducing_factors(kzz: Tensor | Callable[[], Tensor]) -> InducingFactors:
     r"""The factors of :math:`K_{ZZ}` alone, ``(nb, K, K)`` (an update of the statistics refactorizes only
-    :math:`I + A`)."""
-    chol_z, info = torch.linalg.cholesky_ex(kzz)
+    :math:`I + A`).
+
+    Args:
+        kzz: :math:`K_{ZZ}`, or a function that computes it: then it is computed once here, factorized and
+            released (only :math:`L_Z` is kept), and recomputed only when needed again.
+    """
+    if callable(kzz):
+        gram, matrix = kzz, kzz()
+    else:
+        gram, matrix = (lambda: kzz), kzz
+    chol_z, info = torch.linalg.cholesky_ex(matrix)
     return InducingFactors(
-        kzz=kzz, k_trace=kzz.detach().diagonal(dim1=-2, dim2=-1).sum(-1), chol=None if info.any() else chol_z
+        gram=gram, k_trace=matrix.detach().diagonal(dim1=-2, dim2=-1).sum(-1), chol=None if info.any() else chol_z
     )
 
 
@@ -70,11 +89,22 @@ class Whitening:
         out = torch.linalg.solve_triangular(self.chol.mT, rhs, upper=True)
         return out if self.basis is None else self.basis @ out
 
-    def sandwich(self, b: Tensor) -> Tensor:
-        r""":math:`W B W^\top` (symmetrized) for symmetric ``B`` ``(nb, K, K)``: two triangular solves."""
+    def sandwich(self, b: Tensor, overwrite: bool = False) -> Tensor:
+        r""":math:`W B W^\top` (symmetrized) for symmetric ``B`` ``(nb, K, K)``: two triangular solves.
+
+        With ``overwrite=True`` (no gradient needed) the result is written into ``b``'s storage and
+        symmetrized in place, tile by tile: one temporary of the size of ``B`` instead of three. The numbers
+        are the same either way.
+        """
         if self.basis is not None:
             b = self.basis.mT @ b @ self.basis
         half = torch.linalg.solve_triangular(self.chol, b, upper=False)  # L⁻¹ B
+        if overwrite:
+            # L⁻¹ B L⁻ᵀ into B, column-major as torch lays out a fresh result (so the same rounding)
+            out = torch.linalg.solve_triangular(self.chol, half.mT, upper=False, out=b.mT)
+            del half
+            _symmetrize_(out)
+            return out
         out = torch.linalg.solve_triangular(self.chol, half.mT, upper=False)  # L⁻¹ B L⁻ᵀ (B symmetric)
         return 0.5 * (out + out.mT)
 
@@ -96,21 +126,24 @@ class Whitening:
 class WhitenedFactors:
     r"""The result of :func:`whitened_factors`, per system (``nb`` systems of size ``K``).
 
+    Only what prediction and the evidence read is kept: the two triangular factors (:math:`L_Z` inside
+    :attr:`whitening`, :math:`R`) and vectors. :math:`K_{ZZ}`, :math:`B_u` and :math:`A` are not (the evidence
+    needs only :math:`\operatorname{tr} A`), which is what bounds SFR's memory (docs/scaling.md, "Memory of SFR").
+
     Attributes:
-        kzz: :math:`K_{ZZ}`; b_u: :math:`B_u`; y_u: :math:`\tilde y_u`.
+        y_u: :math:`\tilde y_u`, ``(nb, K)``.
         whitening: :math:`W` (:class:`Whitening`).
-        a: :math:`A = W B_u W^\top`, ``(nb, K, K)``.
+        a_diagonal: the diagonal of :math:`A = W B_u W^\top`, ``(nb, K)`` (its sum is
+            :math:`\operatorname{tr}(K_{ZZ}^{-1} B_u)`).
         chol: :math:`R`, the Cholesky factor of :math:`I + A`.
         y_white: :math:`R^{-1} W \tilde y_u`, ``(nb, K)``.
         alpha: :math:`(K_{ZZ} + B_u)^{-1} \tilde y_u` (pseudo-inverse in the dropped case), ``(nb, K)``.
         rank: directions kept per system, ``(nb,)``.
     """
 
-    kzz: Tensor
-    b_u: Tensor
     y_u: Tensor
     whitening: Whitening
-    a: Tensor
+    a_diagonal: Tensor
     chol: Tensor
     y_white: Tensor
     alpha: Tensor
@@ -134,12 +167,13 @@ class WhitenedFactors:
 
 
 def whitened_factors(
-    kzz: Tensor,
+    kzz: Tensor | None,
     b_u: Tensor,
     y_u: Tensor,
     gram_factor: float = 10.0,
     site_factor: float = 10.0,
     inducing: InducingFactors | None = None,
+    overwrite_b_u: bool = False,
 ) -> WhitenedFactors:
     r"""SFR's posterior in whitened ("SGPR") form, batched over systems ``(nb, K, K)``; no jitter in ordinary cases.
 
@@ -187,21 +221,30 @@ def whitened_factors(
     ``inducing`` (:func:`inducing_factors`) when given, so a change of the statistics refactorizes only
     :math:`I + A`.
 
+    **Memory.** With ``overwrite_b_u=True`` and no gradient to track, :math:`A` is formed in the storage of
+    ``b_u`` and :math:`I + A` in that of :math:`A`: the factorization needs :math:`2K^2` numbers beyond
+    its inputs and keeps only :math:`R` (and :math:`L_Z`); without it, :math:`4K^2` transiently. The
+    results are the same.
+
     Args:
-        kzz: :math:`K_{ZZ}`, ``(nb, K, K)``.
+        kzz: :math:`K_{ZZ}`, ``(nb, K, K)``; may be ``None`` when ``inducing`` is given (then
+            ``inducing.kzz`` is used, and recomputed only when directions must be dropped).
         b_u: :math:`B_u`, ``(nb, K, K)``.
         y_u: :math:`\tilde y_u`, ``(nb, K)``.
         gram_factor: :math:`c_K`.
         site_factor: :math:`c_B`.
         inducing: :func:`inducing_factors` of ``kzz``, reused (and completed) when given.
+        overwrite_b_u: ``b_u`` is a temporary of the caller, which may be overwritten (its content is
+            undefined afterwards); ignored when a gradient is tracked.
 
     Returns:
         The :class:`WhitenedFactors`.
     """
+    if kzz is None and inducing is None:
+        raise ValueError("whitened_factors needs kzz or inducing")
     zz = inducing_factors(kzz) if inducing is None else inducing
-    size = kzz.shape[-1]
-    eps = torch.finfo(kzz.dtype).eps
-    eye = torch.eye(size, dtype=kzz.dtype, device=kzz.device)
+    size = b_u.shape[-1]
+    eps = torch.finfo(b_u.dtype).eps
     b_trace = b_u.detach().diagonal(dim1=-2, dim2=-1).sum(-1).clamp_min(0)
     threshold = torch.maximum(gram_factor * eps * zz.k_trace, site_factor * eps * b_trace)  # (nb,)
     whitening = None
@@ -217,15 +260,41 @@ def whitened_factors(
         if fast:
             whitening = Whitening(zz.chol)
     if whitening is None:
-        whitening = _truncated_whitening(kzz, threshold)
-    a = whitening.sandwich(b_u)
-    chol = cholesky(eye + a, "I + A (whitened SFR system)")
+        whitening = _truncated_whitening(zz.kzz if kzz is None else kzz, threshold)
+    tracked = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (b_u, whitening.chol, whitening.basis)
+    )
+    in_place = overwrite_b_u and not tracked
+    a = whitening.sandwich(b_u, overwrite=in_place)
+    a_diagonal = a.diagonal(dim1=-2, dim2=-1).clone()
+    if in_place:  # I + A in A's storage: the same numbers as eye + a, without two more K² temporaries
+        a.diagonal(dim1=-2, dim2=-1).add_(1)
+        chol = cholesky(a, "I + A (whitened SFR system)")
+    else:
+        chol = cholesky(torch.eye(size, dtype=a.dtype, device=a.device) + a, "I + A (whitened SFR system)")
+    del a
     y_white = torch.linalg.solve_triangular(chol, whitening.apply(y_u.unsqueeze(-1)), upper=False)
     alpha = whitening.apply_t(torch.linalg.solve_triangular(chol.mT, y_white, upper=True)).squeeze(-1)
     return WhitenedFactors(
-        kzz=kzz, b_u=b_u, y_u=y_u, whitening=whitening, a=a, chol=chol, y_white=y_white.squeeze(-1), alpha=alpha,
+        y_u=y_u, whitening=whitening, a_diagonal=a_diagonal, chol=chol, y_white=y_white.squeeze(-1), alpha=alpha,
         rank=whitening.rank(),
     )
+
+
+def _symmetrize_(x: Tensor, block: int = 1024) -> Tensor:
+    r"""``x ← ½(x + xᵀ)`` in place for square ``x`` ``(..., K, K)``, one pair of ``block × block`` tiles at a
+    time (bit for bit the out-of-place ``0.5 * (x + x.mT)``: the sum is commutative)."""
+    size = x.shape[-1]
+    for i in range(0, size, block):
+        rows = slice(i, min(i + block, size))
+        tile = x[..., rows, rows]
+        tile.copy_(0.5 * (tile + tile.mT))
+        for j in range(i + block, size, block):
+            cols = slice(j, min(j + block, size))
+            pair = 0.5 * (x[..., rows, cols] + x[..., cols, rows].mT)
+            x[..., rows, cols] = pair
+            x[..., cols, rows] = pair.mT
+    return x
 
 
 def _inverse_norm(white: Whitening, iterations: int = 30) -> Tensor:

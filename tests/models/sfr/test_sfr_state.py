@@ -166,3 +166,42 @@ def test_eval_caches_are_reused_and_train_mode_recomputes_with_gradients():
     assert a is not b and a.factors.alpha.requires_grad
     sfr.log_marginal_likelihood().backward()
     assert sfr.covar_module.raw_prior_precision.grad is not None
+
+
+def _square_tensors(obj, size, seen=None):
+    """The ``(..., size, size)`` tensors reachable from a cached value (dataclasses and plain attributes)."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return []
+    seen.add(id(obj))
+    if torch.is_tensor(obj):
+        return [obj] if obj.dim() >= 2 and obj.shape[-2:] == (size, size) else []
+    found = []
+    for value in vars(obj).values() if hasattr(obj, "__dict__") else []:
+        found += _square_tensors(value, size, seen)
+    return found
+
+
+def test_cached_factors_keep_only_the_two_triangular_factors_and_never_touch_the_statistics():
+    """Memory (docs/scaling.md): the caches hold L_Z and R only (no K_ZZ, B_u or A), stale factors are dropped
+    on a change of δ, and the factorization that reuses B_u's storage never writes into the statistics."""
+    net, x, y, lik, xs = problem("softmax", 3, n=20)
+    kw = {"inducing_points": x[:6], "output_coupling": "joint"}
+    sfr = SFR(net, x, y, lik, prior_precision=DELTA, **kw)
+    statistics = {name: buffer.clone() for name, buffer in sfr.statistics.named_buffers()}
+    first = predictions(sfr, xs)
+    size = 6 * 3
+    cached = [v for cache in sfr._caches.values() for _, _, v in cache._entries.values()]
+    squares = {id(t): t for value in cached for t in _square_tensors(value, size)}
+    state = sfr._factors()
+    assert set(squares) == {id(state.factors.chol), id(state.factors.whitening.chol)}
+    delta = change_delta(sfr, "setter")
+    second = predictions(sfr, xs)
+    assert all(len(sfr._caches[name]) == 1 for name in ("inducing", "posterior"))
+    assert sfr._factors().factors.whitening.chol is not state.factors.whitening.chol
+    for name, buffer in sfr.statistics.named_buffers():
+        assert torch.equal(buffer, statistics[name]), name
+    fresh = SFR(net, x, y, SoftmaxLikelihood(3).double(), prior_precision=delta, **kw)
+    assert_same(second, predictions(fresh, xs))
+    sfr.covar_module.prior_precision = DELTA
+    assert_same(predictions(sfr, xs), first, tol=1e-12)
