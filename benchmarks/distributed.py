@@ -16,7 +16,9 @@ magnitude (``max|a - b| / max(1, max|a|)``), of the SFR statistics (all :math:`A
 :math:`b_g`), of SFR's predictive mean and variance at 200 test points and sparse evidence, and of the KFAC
 factors and evidence.
 
-    python benchmarks/distributed.py [--n 6000 --m 64 --c 10 --width 64 --threads 1 --repeats 2]
+    python benchmarks/distributed.py [--n 6000 --m 64 --c 10 --width 64 --threads 1 --repeats 2] [--write-docs]
+
+``--write-docs`` writes the table into docs/scaling.md (region ``distributed-benchmark``).
 
 The machine's cores are shared by the ranks (``--threads`` each): on a 2-core machine 2 ranks of 1 thread
 can at best halve the time of 1 rank of 1 thread.
@@ -151,6 +153,7 @@ def main() -> None:
     parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2], help="process counts (default: 1 2)")
     parser.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--write-docs", action="store_true", help="write the table into docs/scaling.md")
     args = parser.parse_args()
     print(f"N = {args.n}, M = {args.m}, C = {args.c}, MLP {args.d}-{args.width}-{args.width}-{args.c}, per-layer δ, "
           f"joint coupling, float64, {args.backend}, {args.threads} thread(s) per rank, best of {args.repeats}")
@@ -160,6 +163,7 @@ def main() -> None:
               f"{'diff SFR predictive':>19}  {'diff KFAC':>9}")
     print(header)
     print("-" * len(header))
+    table = []
     for world, ranks in results.items():
         sfr_time = max(r["times"]["sfr"] for r in ranks)
         kfac_time = max(r["times"]["kfac"] for r in ranks)
@@ -170,6 +174,20 @@ def main() -> None:
         rows = "/".join(str(r["rows"]) for r in ranks)
         print(f"{world:>5}  {rows:>9}  {sfr_time:>11.2f}  {kfac_time:>7.2f}  {stats:>14.2e}  {predictive:>19.2e}  "
               f"{kfac_diff:>9.2e}")
+        table.append([world, rows.replace("/", " / "), f"{sfr_time:.2f}", f"{kfac_time:.2f}", f"{stats:.1e}",
+                      f"{predictive:.1e}", f"{kfac_diff:.1e}"])
+    if args.write_docs:
+        import sys
+
+        from ntkgp._doctable import markdown_table, write_block
+
+        content = markdown_table(["ranks", "rows per rank", "SFR build, s", "KFAC, s", "statistics",
+                                  "predictive and evidence", "KFAC factors and evidence"], table)
+        content += (f"\n\n`N = {args.n}`, `M = {args.m}`, MLP {args.d}-{args.width}-{args.width}-{args.c}, "
+                    f"float64, `{args.backend}`, {args.threads} thread(s) per rank, best of {args.repeats}; the last "
+                    "three columns are the largest difference from one process relative to the magnitude.")
+        write_block("docs/scaling.md", "distributed-benchmark", content,
+                    "python " + " ".join(["benchmarks/distributed.py", *sys.argv[1:]]))
 
 
 if __name__ == "__main__":

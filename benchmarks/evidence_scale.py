@@ -18,8 +18,15 @@ Part 3 (``--part accuracy``): the matrix-free value and gradient with the part-2
 route at N = ``--accuracy-n`` (default 1000; three seeds), and the spread between two seeds at the largest
 size of ``--sizes``.
 
-    python benchmarks/evidence_scale.py [--part vehicle|scale|accuracy|all] [--data-dir DATA] [--steps 100]
-        [--budget-seconds 600] [--memory-gib 16] [--sizes 20000 10000 5000 2000 1000 500] [--threads T]
+Part 0 (``--part formulas``): the memory formulas of the routes at three sizes of part 2 (computed, not
+measured).
+
+``--write-docs`` writes each part's table into docs/scaling.md (regions ``evidence-scale-steps``,
+``evidence-scale-largest``, ``evidence-scale-accuracy``, ``evidence-memory-examples``), with the command.
+
+    python benchmarks/evidence_scale.py [--part formulas|vehicle|scale|accuracy|all] [--data-dir DATA]
+        [--steps 100] [--budget-seconds 600] [--memory-gib 16] [--sizes 20000 10000 5000 2000 1000 500]
+        [--threads T] [--write-docs]
 """
 
 from __future__ import annotations
@@ -38,10 +45,12 @@ import torch
 from torch import nn
 
 import ntkgp
+from ntkgp._doctable import markdown_table, write_block
 from ntkgp.laplace import EvidenceOptions
 from ntkgp.laplace.routes import dense_memory_bytes
 from ntkgp.likelihoods import SoftmaxLikelihood
 
+DOC = "docs/scaling.md"
 VEHICLE_FREE = {"num_probes": 10, "cg_tolerance": 0.01, "preconditioner_rank": 100, "max_cg_iterations": 200}
 SCALE_FREE = {"num_probes": 10, "cg_tolerance": 0.01, "preconditioner_rank": 50, "max_cg_iterations": 100}
 
@@ -130,7 +139,21 @@ def part_vehicle(args):
                 f"δ = {[round(d, 4) for d in delta.tolist()]}",
                 flush=True,
             )
-    return rows
+    return rows, source, p
+
+
+def vehicle_table(rows, steps: int) -> str:
+    table = [
+        [
+            "one" if structure == "network" else "per layer", f"`{method}`", f"{elapsed:.1f} s",
+            f"{1e3 * per_step:.0f} ms", f"{exact:.6f}",
+            ", ".join(f"{d:.4f}" for d in delta) + ("" if method == "cholesky" else f" ({drift:.1e})"),
+        ]
+        for structure, method, elapsed, per_step, exact, drift, delta in rows
+    ]
+    return markdown_table(
+        ["δ", "route", f"{steps} steps", "per step", "exact log q/N at the end",
+         "δ reached (max rel. diff. to Cholesky)"], table)
 
 
 # ---------------------------------------------------------------------------------------------- part 2
@@ -233,6 +256,17 @@ def part_scale(args):
     return results
 
 
+def scale_table(results) -> str:
+    rows = []
+    for method, best in results.items():
+        if best is None:
+            rows.append([f"`{method}`", "none within the limits", "", "", ""])
+        else:
+            rows.append([f"`{method}`", f"{best['n']:,}", f"{10 * best['n']:,}", f"{best['seconds']:.0f} s",
+                         f"{best['peak_bytes'] / 2**30:.1f} GiB"])
+    return markdown_table(["route", "largest N run", "N·C", "value + gradient", "peak resident memory"], rows)
+
+
 # ---------------------------------------------------------------------------------------------- part 3
 def matrix_free_runs(n: int, seeds, reference: bool):
     net, x, y = mnist_like(n)
@@ -259,6 +293,11 @@ def part_accuracy(args):
     )
     runs = matrix_free_runs(args.accuracy_n, (0, 1, 2), reference=True)
     ref_value, ref_grad, ref_time = runs.pop("cholesky")
+    rows = [[f"N = {args.accuracy_n}", "`cholesky`", f"{ref_value:.1f}", "reference", "reference", f"{ref_time:.1f} s"]]
+    for method, (value, grad, seconds) in runs.items():
+        rows.append([f"N = {args.accuracy_n}", f"`{method}`", f"{value:.1f}",
+                     f"{abs(value - ref_value) / abs(ref_value):.1e}",
+                     f"{float((grad - ref_grad).norm() / ref_grad.norm()):.1e}", f"{seconds:.1f} s"])
     print(
         f"  N = {args.accuracy_n}: Cholesky log q = {ref_value:.2f} ({ref_time:.1f} s), ∂/∂ raw δ = "
         f"{[round(g, 2) for g in ref_grad.tolist()]}"
@@ -276,13 +315,39 @@ def part_accuracy(args):
         f"gradient spread {float((g0 - g1).norm() / g0.norm()):.1e}; {t0:.1f} s and {t1:.1f} s (the second reuses "
         "the layer features, not the seed's sketch)"
     )
+    rows.append([f"N = {big}", "`matrix_free` seeds 0 and 1", f"{v0:.1f}, {v1:.1f}",
+                 f"{abs(v0 - v1) / abs(v0):.1e} (spread)", f"{float((g0 - g1).norm() / g0.norm()):.1e} (spread)",
+                 f"{t0:.1f} s, {t1:.1f} s"])
+    return markdown_table(["size", "route", "log q", "value: rel. error", "gradient: rel. error", "time"], rows)
+
+
+# ---------------------------------------------------------------------------------------------- part 0
+def formulas_table() -> str:
+    """Memory of the routes at three sizes of part 2, from the formulas (float32, per-layer δ, G = 3)."""
+    widths_in, widths_out = (784, 128, 128), (128, 128, 10)
+    p = 784 * 128 + 128 + 128 * 128 + 128 + 128 * 10 + 10
+    rows = []
+    for n in (1000, 2000, 20000):
+        function = dense_memory_bytes(p, 3, n, 10, 10, torch.float32, "function")
+        chosen = dense_memory_bytes(p, 3, n, 10, 10, torch.float32, "auto")
+        dense = f"{function / 2**30:.1f} GiB"
+        if chosen != function:
+            dense += f" (weight space, which `\"auto\"` takes since `P < N·k`: {chosen / 2**30:.0f} GiB)"
+        features = n * (10 * sum(widths_out) + sum(widths_in)) * 4
+        cg = n * 10 * 10 * 6 * 4
+        sketch = n * 10 * 50 * 3 * 4
+        rows.append([f"{n:,}", f"{10 * n:,}", dense,
+                     f"{features / 2**20:.0f} MiB + {cg / 2**20:.1f} MiB + {sketch / 2**20:.1f} MiB"])
+    return markdown_table(["N", "N·C", "dense (function space)",
+                           "matrix-free: features + CG vectors (t = 10, ≈ 6 blocks) + sketch (r = 50)"], rows)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--part", choices=["vehicle", "scale", "accuracy", "all"], default="all")
+    parser.add_argument("--part", choices=["formulas", "vehicle", "scale", "accuracy", "all"], default="all")
+    parser.add_argument("--write-docs", action="store_true", help=f"write the tables into {DOC}")
     parser.add_argument("--accuracy-n", type=int, default=1000)
     parser.add_argument("--data-dir", default=os.environ.get("NTKGP_DATA_DIR"))
     parser.add_argument("--steps", type=int, default=100)
@@ -298,12 +363,33 @@ def main() -> None:
         print(json.dumps(one_run(args.one[0], int(args.one[1]))))
         return
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs")
+    command = "python " + " ".join(["benchmarks/evidence_scale.py", *sys.argv[1:]])
+    threads = f"torch.set_num_threads({torch.get_num_threads()})"
+    if args.part in ("formulas", "all"):
+        table = formulas_table()
+        print(table)
+        if args.write_docs:
+            write_block(DOC, "evidence-memory-examples", table + "\n\nComputed from the formulas, not measured.",
+                        command)
     if args.part in ("vehicle", "all"):
-        part_vehicle(args)
+        rows, source, p = part_vehicle(args)
+        if args.write_docs:
+            note = (f"\n\n{source}: N = 600, C = 4, 2×50 tanh MLP (P = {p:,}) trained to its MAP, softmax, float64, "
+                    f"{threads}; matrix-free settings {VEHICLE_FREE}, 20 Lanczos steps, fresh probes every step. "
+                    "\"exact log q/N\" is computed by the Cholesky route at the δ reached.")
+            write_block(DOC, "evidence-scale-steps", vehicle_table(rows, args.steps) + note, command)
     if args.part in ("scale", "all"):
-        part_scale(args)
+        results = part_scale(args)
+        if args.write_docs:
+            note = (f"\n\nMLP 784-128-128-10, C = 10, random data, float32, per-layer δ (`eigen`: one δ), {threads}; "
+                    f"limits {args.budget_seconds:g} s and {args.memory_gib:g} GiB; sizes tried: {args.sizes}; "
+                    f"matrix-free settings {SCALE_FREE}.")
+            write_block(DOC, "evidence-scale-largest", scale_table(results) + note, command)
     if args.part in ("accuracy", "all"):
-        part_accuracy(args)
+        table = part_accuracy(args)
+        if args.write_docs:
+            note = f"\n\nMLP 784-128-128-10, C = 10, random data, float32, per-layer δ, {threads}; settings {SCALE_FREE}."
+            write_block(DOC, "evidence-scale-accuracy", table + note, command)
 
 
 if __name__ == "__main__":

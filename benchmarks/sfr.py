@@ -8,7 +8,9 @@ best of ``--repeats`` runs is reported (the machine has 2 cores; other load infl
 mean, independent outputs and one prior precision (``prior_structure="network"``); the other rows show per-layer
 prior precisions (statistics kept per group pair, so δ stays learnable) and joint C×C coupling (``output_coupling="joint"``).
 
-    python benchmarks/sfr.py [--repeats 2]
+    python benchmarks/sfr.py [--repeats 2] [--write-docs]
+
+``--write-docs`` writes the table into docs/sfr.md (region ``sfr-times``).
 """
 
 from __future__ import annotations
@@ -76,6 +78,7 @@ def run(c: int, prior_structure: str, coupling: str, repeats: int) -> tuple[floa
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--write-docs", action="store_true", help="write the table into docs/sfr.md")
     args = parser.parse_args()
     settings = [
         (1, "network", "independent", "comparable (1 δ)"),
@@ -87,11 +90,24 @@ def main() -> None:
     header = f"{'N, M, C':<16}{'setting':<20}{'build s (ref, ratio)':<26}{'predict s (ref, ratio)':<26}{'update s (ref, ratio)':<26}"
     print(header)
     print("-" * len(header))
+    table = []
     for c, prior_structure, coupling, label in settings:
         times = run(c, prior_structure, coupling, args.repeats)
         n, m = SIZES[c]
         cells = [f"{t:6.3f} ({r:.2f}, {t / r:.2f}x)" for t, r in zip(times, REFERENCE[c])]
         print(f"{f'{n}, {m}, {c}':<16}{label:<20}" + "".join(f"{cell:<26}" for cell in cells), flush=True)
+        table.append([f"{n}, {m}, {c}", label] + [f"{t:.2f} ({r:.2f})" for t, r in zip(times, REFERENCE[c])])
+    if args.write_docs:
+        import sys
+
+        from ntkgp._doctable import markdown_table, write_block
+
+        content = markdown_table(["N, M, C", "setting", "build s (public code)", "predict 2000 s (public code)",
+                                  "update 1000 s (public code)"], table)
+        content += (f"\n\nBest of {args.repeats}, float64, MLP 8-50-50-C, `torch.get_num_threads() = "
+                    f"{torch.get_num_threads()}`. The public code's figures in parentheses are constants of the "
+                    "script (`REFERENCE`), measured once on a quiet 2-core machine, not in this run.")
+        write_block("docs/sfr.md", "sfr-times", content, "python " + " ".join(["benchmarks/sfr.py", *sys.argv[1:]]))
 
 
 if __name__ == "__main__":

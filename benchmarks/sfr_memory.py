@@ -1,41 +1,63 @@
 """Peak memory of SFR with joint C×C output coupling against the formula of docs/scaling.md ("Memory of SFR").
 
-Classification, MLP 784-64-64-10, N = 6000 random inputs, M = 256 inducing inputs (K = M·C = 2560), one
-process on the CPU, one thread. Each case runs in a fresh interpreter; its peak resident memory
-(``ru_maxrss``) above the resident memory before the model is built (network, data and a small warm-up model
-already there) is compared with the formula
+Classification, MLP 784-64-64-10, ``--n`` random inputs, ``--m`` inducing inputs (``K = M·C``), one process on
+the CPU, one thread. Each case runs in a fresh interpreter. After a small warm-up model, the peak resident
+memory is reset (``/proc/self/clear_refs``) and measured (``VmHWM``) above the resident memory before the
+model is built, for two stages: the build (dual statistics and per-group ``K_ZZ``), and the first prediction
+of 200 test points plus the sparse evidence (the factorization). The peak is the larger of the two. It is
+compared with the formula
 
-    bytes × [S·(G·K)² + (G + 8)·K² + 3·2²⁴]
+    bytes × [S·(G·K)² + (G + 4)·K² + 3·2²⁴]
 
-(``S`` = 1 slot for classification, ``G`` prior groups, the last term the streaming buffers). Stages: the
-build (dual statistics), then the first prediction of 500 test points and the sparse evidence (the
-factorization).
+(``S`` = 1 slot for classification, ``G`` prior groups, the last term the streaming and prediction buffers);
+before the change that stopped keeping ``K_ZZ``, ``B_u`` and ``A`` the constant was ``G + 8``.
 
-    python benchmarks/sfr_memory.py [--n 6000 --m 256] [--cases float32:network float32:layer ...]
+``--before PATH`` runs every case a second time with the ``ntkgp`` package found in ``PATH`` (a copy of an
+earlier tree) and prints both side by side. ``--write-docs`` writes the regions ``sfr-memory`` (the measured
+table) and ``sfr-memory-mnist`` (the formula at the MNIST scale of issue 11; a computation, not a measurement)
+of docs/scaling.md.
+
+    python benchmarks/sfr_memory.py [--n 1000 --m 512] [--cases float32:network float32:layer ...]
+        [--before /tmp/old_tree] [--write-docs]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import resource
+import os
+import re
 import subprocess
 import sys
 import time
 
 import torch
 
+DOC = "docs/scaling.md"
+OLD_CONSTANT, NEW_CONSTANT = 8, 4
 
-def formula(dtype: torch.dtype, groups: int, k: int, slots: int = 1) -> float:
-    """The bound of docs/scaling.md in MiB."""
-    numbers = slots * (groups * k) ** 2 + (groups + 8) * k**2 + 3 * 2**24
+
+def formula(dtype: torch.dtype, groups: int, k: int, slots: int = 1, constant: int = NEW_CONSTANT) -> float:
+    """The bound of docs/scaling.md in MiB: ``bytes × [S·(G·K)² + (G + constant)·K² + 3·2²⁴]``."""
+    numbers = slots * (groups * k) ** 2 + (groups + constant) * k**2 + 3 * 2**24
     return numbers * torch.finfo(dtype).bits / 8 / 2**20
+
+
+def _high_water_mib() -> float:
+    with open("/proc/self/status") as status:
+        return int(re.search(r"VmHWM:\s+(\d+)", status.read())[1]) / 1024
+
+
+def _reset_high_water() -> None:
+    with open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")
 
 
 def case(dtype_name: str, structure: str, n: int, m: int) -> dict:
     import psutil
     from torch import nn
 
+    import ntkgp
     from ntkgp.likelihoods import SoftmaxLikelihood
     from ntkgp.models.sfr import SFR
 
@@ -47,49 +69,118 @@ def case(dtype_name: str, structure: str, n: int, m: int) -> dict:
     net = net.to(dtype).eval()
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(n, 784, dtype=dtype, generator=g), torch.randint(0, c, (n,), generator=g)
-    x_test = torch.randn(500, 784, dtype=dtype, generator=g)
+    x_test = torch.randn(200, 784, dtype=dtype, generator=g)
     likelihood = SoftmaxLikelihood(c).to(dtype)
     SFR(net, x[:40], y[:40], likelihood, num_inducing=4, prior_structure=structure)(x_test[:5]).variance  # warm-up
 
-    def peak() -> float:
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-
     base = psutil.Process().memory_info().rss / 2**20
+    _reset_high_water()
     start = time.perf_counter()
     sfr = SFR(net, x, y, likelihood, num_inducing=m, prior_structure=structure, output_coupling="joint")
-    built, build_peak = time.perf_counter() - start, peak() - base
+    built, build_peak = time.perf_counter() - start, _high_water_mib() - base
+    _reset_high_water()
+    start = time.perf_counter()
     with torch.no_grad():
-        sfr(x_test).variance
-        sfr.log_marginal_likelihood()
+        variance = sfr(x_test).variance
+        evidence = sfr.log_marginal_likelihood()
+    solved, solve_peak = time.perf_counter() - start, _high_water_mib() - base
     return {"dtype": dtype_name, "structure": structure, "groups": sfr.engine.num_groups, "k": m * c,
-            "build_s": built, "build_peak": build_peak, "peak": peak() - base,
-            "formula": formula(dtype, sfr.engine.num_groups, m * c)}
+            "build_s": built, "solve_s": solved, "build_peak": build_peak, "solve_peak": solve_peak,
+            "peak": max(build_peak, solve_peak), "evidence": float(evidence), "variance": float(variance.sum()),
+            "ntkgp": os.path.dirname(ntkgp.__file__)}
+
+
+def run_case(spec: str, n: int, m: int, tree: str | None = None) -> dict:
+    env = dict(os.environ)
+    if tree is not None:
+        env["PYTHONPATH"] = os.path.abspath(tree) + os.pathsep + env.get("PYTHONPATH", "")
+    done = subprocess.run([sys.executable, os.path.abspath(__file__), "--case", spec, "--n", str(n), "--m", str(m)],
+                          capture_output=True, text=True, env=env, cwd=tree or None)
+    if done.returncode != 0:
+        raise RuntimeError(f"case {spec} ({tree or 'this tree'}) failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--n", type=int, default=6000)
-    parser.add_argument("--m", type=int, default=256)
+    parser.add_argument("--n", type=int, default=1000)
+    parser.add_argument("--m", type=int, default=512)
     parser.add_argument("--cases", nargs="+",
                         default=["float32:network", "float64:network", "float32:layer", "float64:layer"],
                         help="dtype:prior_structure pairs")
+    parser.add_argument("--before", help="a folder holding an earlier ntkgp package, measured side by side")
+    parser.add_argument("--write-docs", action="store_true", help=f"write the tables into {DOC}")
     parser.add_argument("--case", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.case:
         print(json.dumps(case(*args.case.split(":"), args.n, args.m)))
         return
-    print(f"SFR, softmax C = 10, joint coupling, MLP 784-64-64-10, N = {args.n}, M = {args.m}, one thread; MiB")
-    header = (f"{'dtype':>8} {'G':>2} {'K=MC':>5} {'unit K²':>8} {'build s':>8} {'build peak':>10} {'peak':>7} "
-              f"{'formula':>8} {'peak/formula':>12}")
-    print(header)
-    print("-" * len(header))
+    print(f"SFR, softmax C = 10, joint coupling, MLP 784-64-64-10, N = {args.n}, M = {args.m}, one thread; MiB",
+          flush=True)
+    rows = []
     for spec in args.cases:
-        done = subprocess.run([sys.executable, __file__, "--case", spec, "--n", str(args.n), "--m", str(args.m)],
-                              capture_output=True, text=True, check=True)
-        r = json.loads(done.stdout.strip().splitlines()[-1])
-        unit = r["k"] ** 2 * torch.finfo(getattr(torch, r["dtype"])).bits / 8 / 2**20
-        print(f"{r['dtype']:>8} {r['groups']:>2} {r['k']:>5} {unit:>8.1f} {r['build_s']:>8.1f} "
-              f"{r['build_peak']:>10.0f} {r['peak']:>7.0f} {r['formula']:>8.0f} {r['peak'] / r['formula']:>12.2f}")
+        before = run_case(spec, args.n, args.m, args.before) if args.before else None
+        after = run_case(spec, args.n, args.m)
+        dtype = getattr(torch, after["dtype"])
+        unit = after["k"] ** 2 * torch.finfo(dtype).bits / 8 / 2**20
+        new = formula(dtype, after["groups"], after["k"])
+        old = formula(dtype, after["groups"], after["k"], constant=OLD_CONSTANT)
+        same = None if before is None else max(
+            abs(before[key] - after[key]) / max(abs(after[key]), 1e-300) for key in ("evidence", "variance"))
+        rows.append((after, before, unit, old, new, same))
+        line = (f"{after['dtype']} G={after['groups']} K={after['k']} K²={unit:.0f} MiB: after: build "
+                f"{after['build_s']:.1f} s, build peak {after['build_peak']:.0f}, factorization peak "
+                f"{after['solve_peak']:.0f}, peak {after['peak']:.0f} (formula {new:.0f}, ratio {after['peak'] / new:.2f})")
+        if before is not None:
+            line += (f"; before: build peak {before['build_peak']:.0f}, factorization peak {before['solve_peak']:.0f}, "
+                     f"peak {before['peak']:.0f} (old formula {old:.0f}); results differ by {same:.1e}")
+        print(line, flush=True)
+
+    header = ["dtype", "`G`", "`K²`, MiB", "build s"]
+    if args.before:
+        header += ["peak before, MiB (build / factorization)", "old formula `G + 8`, MiB"]
+    header += ["peak after, MiB (build / factorization)", "formula `G + 4`, MiB", "peak / formula"]
+    if args.before:
+        header += ["evidence, variances: largest rel. diff."]
+    table = []
+    for after, before, unit, old, new, same in rows:
+        cells = [after["dtype"], f"{after['groups']} (`\"{after['structure']}\"`)", f"{unit:.0f}", f"{after['build_s']:.0f}"]
+        if before is not None:
+            cells += [f"{before['peak']:.0f} ({before['build_peak']:.0f} / {before['solve_peak']:.0f})", f"{old:.0f}"]
+        cells += [f"{after['peak']:.0f} ({after['build_peak']:.0f} / {after['solve_peak']:.0f})", f"{new:.0f}",
+                  f"{after['peak'] / new:.2f}"]
+        if before is not None:
+            cells.append(f"{same:.0e}")
+        table.append(cells)
+
+    # the formula at the MNIST scale of issue 11 (M = 2048, C = 10, float32): a computation, not a measurement
+    k = 2048 * 10
+    gib = 2**10
+    mnist = []
+    for groups, label in ((1, '`"network"`'), (3, '`"layer"` (3 layers)')):
+        mnist.append([label, f"{k:,}", f"{formula(torch.float32, groups, k, constant=OLD_CONSTANT) / gib:.1f}",
+                      f"{formula(torch.float32, groups, k) / gib:.1f}",
+                      f"{groups**2 * k**2 * 4 / 2**30:.1f}"])
+    from ntkgp._doctable import markdown_table, write_block
+
+    measured = markdown_table(header, table)
+    extrapolated = markdown_table(
+        ["prior structure", "`K = M·C`", "old formula (`G + 8`), GiB", "formula (`G + 4`), GiB",
+         "of which the statistics `(G·K)²`, GiB"], mnist)
+    print()
+    print(measured)
+    print()
+    print(extrapolated)
+    if args.write_docs:
+        command = "python benchmarks/sfr_memory.py"
+        command += f" --n {args.n} --m {args.m}" + (" --before <copy of the tree before>" if args.before else "")
+        command += " --write-docs"
+        note = (f"\n\nN = {args.n}, M = {args.m} (`K = {args.m * 10}`), MLP 784-64-64-10, softmax, "
+                "one thread on the CPU; each case in a fresh interpreter. \"before\" is the same script run on "
+                "the tree before the change.")
+        write_block(DOC, "sfr-memory", measured + note, command)
+        write_block(DOC, "sfr-memory-mnist", extrapolated + "\n\nComputed from the formulas (float32, "
+                    "`S = 1`, `M = 2048`, `C = 10`), not measured: no GPU was available.", command)
 
 
 if __name__ == "__main__":
