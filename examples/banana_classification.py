@@ -42,8 +42,11 @@ def parse_args() -> argparse.Namespace:
     add_data_arguments(parser, quick_help="300 epochs (a smoke test; the table will not match the paper's)")
     parser.add_argument("--epochs", type=int, help="training epochs per network (default: 2000; 300 with --quick)")
     parser.add_argument("--baseline-precision", type=float, default=1e-4, help="the baseline's fixed δ")
+    parser.add_argument("--width", type=int, default=50, help="units per hidden layer (default: 50)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    if args.width < 1:
+        parser.error(f"--width must be >= 1, got {args.width}")
     if args.epochs is None:
         args.epochs = 300 if args.quick else 2000
     if args.epochs < 1:
@@ -80,7 +83,7 @@ def main() -> int:
     models, rows = {}, []
     for name, setting in settings.items():
         t = time.perf_counter()
-        result = train_marglik(mlp(2, 1, width=50, depth=2, seed=args.seed), x_train, y_train,
+        result = train_marglik(mlp(2, 1, width=args.width, depth=2, seed=args.seed), x_train, y_train,
                                LogisticLikelihood().double(), epochs=args.epochs, lr=1e-2, frequency=100,
                                seed=args.seed, progress=False, **setting)
         seconds = time.perf_counter() - t

@@ -46,9 +46,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batches", type=int, help="number of batches (default: 5; 3 with --quick)")
     parser.add_argument("--num-inducing", type=int, help="M, inducing inputs (default: 100; 50 with --quick)")
     parser.add_argument("--epochs", type=int, help="epochs per training (default: 500; 100 with --quick)")
+    parser.add_argument("--width", type=int, default=50, help="units per hidden layer (default: 50)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    for name, full, quick in (("batches", 5, 3), ("num_inducing", 100, 50), ("epochs", 500, 100)):
+    for name, full, quick in (("batches", 5, 3), ("num_inducing", 100, 50), ("epochs", 500, 100),
+                              ("width", 50, 50)):
         if getattr(args, name) is None:
             setattr(args, name, quick if args.quick else full)
         if getattr(args, name) < 1:
@@ -76,7 +78,7 @@ def diabetes(seed: int = 0) -> RegressionSplit:
 
 def train_sfr(x: torch.Tensor, y: torch.Tensor, args: argparse.Namespace) -> SFR:
     """Algorithm 1 on a fresh network, then SFR with the learned hyperparameters."""
-    result = train_marglik(mlp(x.shape[1], 1, width=50, depth=2, seed=args.seed), x, y,
+    result = train_marglik(mlp(x.shape[1], 1, width=args.width, depth=2, seed=args.seed), x, y,
                            gpytorch.likelihoods.GaussianLikelihood().double(), epochs=args.epochs, lr=1e-2,
                            burn_in=100, frequency=100, hyper_steps=50, seed=args.seed, progress=False)
     return SFR(result.net, x, y, result.likelihood, num_inducing=min(args.num_inducing, len(x)),

@@ -63,8 +63,8 @@ def test_snelson_tiny_on_the_stand_in(tmp_path, monkeypatch, capsys):
 
 
 def test_banana_tiny_on_the_stand_in(tmp_path, monkeypatch, capsys):
-    out = run_example("banana_classification", ["--quick", "--epochs", "3", "--output-dir", str(tmp_path)],
-                      monkeypatch, capsys)
+    out = run_example("banana_classification", ["--quick", "--epochs", "3", "--width", "8", "--output-dir",
+                                                str(tmp_path)], monkeypatch, capsys)
     assert "data: two moons (stand-in" in out and "N_train = 280, N_test = 120, 3 epochs" in out
     rows = table(out, "model")
     assert [row[:2] for row in rows] == [["online", "MAP"], ["online", "NTKGP"], ["baseline", "MAP"],
@@ -77,7 +77,7 @@ def test_banana_tiny_on_the_stand_in(tmp_path, monkeypatch, capsys):
 
 def test_sequential_tiny_on_the_stand_in(tmp_path, monkeypatch, capsys):
     out = run_example("sequential_updates", ["--quick", "--epochs", "3", "--batches", "2", "--num-inducing", "10",
-                                             "--output-dir", str(tmp_path)], monkeypatch, capsys)
+                                             "--width", "8", "--output-dir", str(tmp_path)], monkeypatch, capsys)
     assert "data: scikit-learn's diabetes (stand-in" in out and "398 training points in 2 batches" in out
     rows = table(out, "batch")
     assert [int(row[1]) for row in rows] == [199, 398]
