@@ -14,13 +14,16 @@ The acquisition is ``qLogNoisyExpectedImprovement`` (q = 1, X_baseline = the obs
 samples) optimised by ``optimize_acqf`` with ``num_restarts=2, raw_samples=32`` (gradients on). The median of
 ``--repeats`` steps is reported, one CPU thread.
 
-    python benchmarks/botorch_loop.py [--sizes 50 200 1000] [--repeats 3]
+    python benchmarks/botorch_loop.py [--sizes 50 200 1000] [--repeats 3] [--write-docs]
+
+``--write-docs`` writes the table into docs/gpytorch_and_botorch.md (generated region ``botorch-loop``).
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 
 import gpytorch
@@ -34,6 +37,7 @@ from botorch.test_functions import Hartmann
 from gpytorch.mlls import ExactMarginalLogLikelihood
 
 import ntkgp
+from ntkgp._doctable import markdown_table, write_block
 
 D = 6
 NOISE = 0.05**2
@@ -86,6 +90,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[50, 200, 1000])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--write-docs", action="store_true",
+                        help="write the table into docs/gpytorch_and_botorch.md (region botorch-loop)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     rows = []
@@ -114,11 +120,16 @@ def main() -> None:
             extra = f"{refit:.2f}" if name == "SingleTaskGP" else "—"
             rows.append((n, name, cond, opt, cond + opt, extra))
             print(f"N={n:5d} {name:13s} condition {cond:7.3f} s  optimise {opt:7.3f} s  step {cond + opt:7.3f} s  refit {extra}", flush=True)
+    table = markdown_table(
+        ["N", "surrogate", "condition (s)", "optimise qLogNEI (s)", "step (s)", "hyperparameter refit (s)"],
+        [[n, name, f"{cond:.3f}", f"{opt:.3f}", f"{total:.3f}", extra] for n, name, cond, opt, total, extra in rows],
+    )
     print()
-    print("| N | surrogate | condition (s) | optimise qLogNEI (s) | step (s) | hyperparameter refit (s) |")
-    print("|---|---|---|---|---|---|")
-    for n, name, cond, opt, total, extra in rows:
-        print(f"| {n} | {name} | {cond:.3f} | {opt:.3f} | {total:.3f} | {extra} |")
+    print(table)
+    if args.write_docs:
+        note = f"Median of {args.repeats} steps, one CPU thread, wall time."
+        write_block("docs/gpytorch_and_botorch.md", "botorch-loop", note + "\n\n" + table,
+                    "python benchmarks/botorch_loop.py " + " ".join(sys.argv[1:]))
 
 
 if __name__ == "__main__":

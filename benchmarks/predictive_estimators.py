@@ -22,6 +22,10 @@ classification MLP checks that ntkgp's KFAC agrees with laplace-torch's where th
 block).
 
     python benchmarks/predictive_estimators.py [--samples 10 100 1000] [--threads 1] [--cases regression mlp cnn] [--quick]
+        [--write-docs]
+
+``--write-docs`` writes each case's results into ``docs/predictive.md`` (generated regions
+``predictive-estimators-regression``, ``-mlp``, ``-cnn``).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
+import sys
 import time
 from collections.abc import Callable
 
@@ -36,6 +41,7 @@ import gpytorch
 import torch
 from torch import nn
 
+from ntkgp._doctable import write_block
 from ntkgp.likelihoods import SoftmaxLikelihood, log_likelihood
 from ntkgp.metrics import categorical_nlpd, expected_calibration_error
 from ntkgp.posteriors import laplace_posterior
@@ -385,36 +391,54 @@ def bias_free_agreement(x, y, x_test, delta: float) -> tuple[float, float]:
 
 
 # ---------------------------------------------------------------------------------------------- report
-def print_case(case: dict, lt_rows: list[dict]) -> None:
+REGIONS = {"regression": "predictive-estimators-regression", "mlp": "predictive-estimators-mlp",
+           "cnn": "predictive-estimators-cnn"}
+DOC = "docs/predictive.md"
+
+
+def format_case(case: dict, lt_rows: list[dict], extra: str = "") -> str:
+    """The case's results as Markdown: sizes, δ and fit times, the table, the laplace-torch comparisons."""
     classification = "map" in case
-    print(f"\n### {case['title']} (P = {case['P']}, {case['n_test']} test points)\n")
+    lines = []
     fits = ", ".join(f"{k} {v:.2f} s" for k, v in case["fits"].items())
-    print(
-        f"Prior precision δ = {case['delta']:.3g} (the full-GGN evidence's best on a grid). Posterior fit: {fits}.\n"
+    lines.append(
+        f"P = {case['P']}, {case['n_test']} test points. Prior precision δ = {case['delta']:.3g} (the full-GGN "
+        f"evidence's best on a grid). Posterior fit (CPU): {fits}.\n"
     )
     head = "| posterior | method | S | CPU time (s) | variance rel. error |"
     sep = "|---|---|---:|---:|---:|"
     if classification:
         head += " NLPD | ECE |"
         sep += "---:|---:|"
-    print(head)
-    print(sep)
+    lines += [head, sep]
     for r in case["rows"] + lt_rows:
         s = "" if r["S"] is None else str(r["S"])
         line = f"| {r['posterior']} | {r['method']} | {s} | {r['seconds']:.3f} | {r['var_rel_err']:.3g} |"
         if classification:
             line += f" {r['nlpd']:.4f} | {r['ece']:.4f} |"
-        print(line)
+        lines.append(line)
     if classification:
-        print(
+        lines.append(
             f"| MAP network (no uncertainty) | | | | | {case['map']['nlpd']:.4f} | {case['map']['ece']:.4f} |"
         )
     for r in lt_rows:
         ours = next(q for q in case["rows"] if q["posterior"] == r["ours"] and q["method"] == "glm")
-        print(
+        lines.append(
             f"\n{r['posterior']}: fit {r['fit']:.2f} s; its variances vs ntkgp {r['ours']}: max rel. diff "
             f"{r['vs_ntkgp']:.2g}; ntkgp's {r['ours']} GLM predictive is {r['seconds'] / ours['seconds']:.1f}x faster"
         )
+    if not lt_rows:
+        lines.append("\n(laplace-torch was not importable in this run: its rows are absent.)")
+    if extra:
+        lines.append("\n" + extra)
+    return "\n".join(lines)
+
+
+def print_case(case: dict, lt_rows: list[dict], extra: str = "") -> str:
+    text = format_case(case, lt_rows, extra)
+    print(f"\n### {case['title']}\n")
+    print(text)
+    return text
 
 
 def main() -> None:
@@ -427,11 +451,18 @@ def main() -> None:
     parser.add_argument(
         "--cases", nargs="+", default=["regression", "mlp", "cnn"], choices=["regression", "mlp", "cnn"]
     )
+    parser.add_argument("--write-docs", action="store_true",
+                        help=f"write each case's results into {DOC} (regions {', '.join(REGIONS.values())})")
     args = parser.parse_args()
+    command = "python benchmarks/predictive_estimators.py " + " ".join(sys.argv[1:])
     torch.set_num_threads(args.threads)
     torch.set_default_dtype(DTYPE)  # laplace-torch's curvlinops backend builds matrices in the default dtype
     steps = 100 if args.quick else 1000
     with_laplace = laplace_available()
+    if with_laplace:
+        from importlib.metadata import version
+
+        command += f"  # with laplace-torch {version('laplace-torch')} importable"
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, float64; laplace-torch: "
         f"{'yes' if with_laplace else 'not importable, its rows are skipped'}"
@@ -444,7 +475,9 @@ def main() -> None:
         lik = gpytorch.likelihoods.GaussianLikelihood().to(DTYPE)
         lik.noise = SIGMA**2
         case = run_case("Regression MLP, diabetes", net, x, y, xt, yt, lik, False, args.samples)
-        print_case(case, run_laplace_torch(case, net, x, y, xt, yt, False) if with_laplace else [])
+        text = print_case(case, run_laplace_torch(case, net, x, y, xt, yt, False) if with_laplace else [])
+        if args.write_docs:
+            write_block(DOC, REGIONS["regression"], text, command.strip())
     for name, images in (("mlp", False), ("cnn", True)):
         if name not in args.cases:
             continue
@@ -453,14 +486,18 @@ def main() -> None:
         net = train(cnn() if images else mlp([64, 32, 32, 10]), x, y, softmax_loss, steps)
         title = "Small CNN, digits" if images else "Classification MLP, digits"
         case = run_case(title, net, x, y, xt, yt, SoftmaxLikelihood(10).to(DTYPE), True, args.samples)
-        print_case(case, run_laplace_torch(case, net, x, y, xt, yt, True) if with_laplace else [])
+        lt_rows = run_laplace_torch(case, net, x, y, xt, yt, True) if with_laplace else []
+        extra = ""
         if with_laplace and not images:
             free, with_bias = bias_free_agreement(x, y, xt, case["delta"])
-            print(
-                f"\nKFAC GLM covariance, ntkgp vs laplace-torch KronLaplace, max rel. diff: {free:.2g} without "
+            extra = (
+                f"KFAC GLM covariance, ntkgp vs laplace-torch KronLaplace, max rel. diff: {free:.2g} without "
                 f"biases (same convention), {with_bias:.2g} with biases (ntkgp: one [W | b] block; laplace-torch: "
                 "W and b blocks)"
             )
+        text = print_case(case, lt_rows, extra)
+        if args.write_docs:
+            write_block(DOC, REGIONS[name], text, command.strip())
 
 
 if __name__ == "__main__":
