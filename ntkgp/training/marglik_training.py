@@ -420,7 +420,7 @@ def train_marglik(
                 stacklevel=2,
             )
         broadcast_(hypers, enabled=distributed)  # the ranks computed the same steps; make it exact
-        if value is None or problem is not None or distributed:
+        if value is None or problem is not None:
             try:
                 with torch.no_grad():
                     value = evidence().item() / n
