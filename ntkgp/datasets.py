@@ -108,7 +108,7 @@ class RegressionSplit(NamedTuple):
     y_mean: float
     """Mean of the training targets (original units)."""
     y_std: float
-    """Std of the training targets (original units): original = normalized * y_std + y_mean."""
+    """Std of the training targets in original units; original = normalized * y_std + y_mean."""
     x_val: Tensor | None = None
     """``(N_val, D)`` validation inputs drawn from the training split (``val_fraction > 0``), else ``None``."""
     y_val: Tensor | None = None
@@ -144,7 +144,7 @@ class CsvData(NamedTuple):
     input_names: list[str]
     """Header names of the input columns."""
     class_names: list[str] | None
-    """Classification: the text of each class, ``class_names[k]`` is label ``k``. Regression: ``None``."""
+    """The text of each class for classification (``class_names[k]`` is label ``k``); ``None`` for regression."""
 
 
 def resolve_data_dir(data_dir: PathType | None = None) -> Path:
@@ -413,7 +413,9 @@ def load_uci_regression(
     val = None
     if val_fraction > 0:
         if len(train) < 2:
-            raise ValueError(f"val_fraction > 0 needs at least 2 training rows; {name} split {split} has {len(train)}")
+            raise ValueError(
+                f"val_fraction > 0 needs at least 2 training rows; {name} split {split} has {len(train)}"
+            )
         n_val = min(max(round(val_fraction * len(train)), 1), len(train) - 1)
         order = np.random.default_rng(seed).permutation(len(train))
         val, train = np.sort(train[order[:n_val]]), np.sort(train[order[n_val:]])
@@ -488,7 +490,9 @@ def load_uci_classification(
     except (TypeError, ValueError):
         raise ValueError(f"fractions must be two numbers (train, validation); got {fractions!r}") from None
     if not (train_fraction > 0 and val_fraction > 0 and train_fraction + val_fraction < 1):
-        raise ValueError(f"fractions must be positive with a sum below 1 (the rest is the test part); got {fractions!r}")
+        raise ValueError(
+            f"fractions must be positive with a sum below 1 (the rest is the test part); got {fractions!r}"
+        )
 
     def load(filename: str) -> np.ndarray:
         return np.loadtxt(
@@ -506,7 +510,8 @@ def load_uci_classification(
     else:
         x_tr, x_te = load(f"{name}_scale_X_tr.csv"), load(f"{name}_scale_X_te.csv")
         raw_tr, raw_te = load(f"{name}_scale_y_tr.csv"), load(f"{name}_scale_y_te.csv")
-        x, raw = np.concatenate([x_tr.reshape(len(raw_tr), -1), x_te.reshape(len(raw_te), -1)]), np.concatenate([raw_tr, raw_te])
+        x = np.concatenate([x_tr.reshape(len(raw_tr), -1), x_te.reshape(len(raw_te), -1)])
+        raw = np.concatenate([raw_tr, raw_te])
         if split == "distributed":
             labels, classes = _encode_labels(raw)
             n_train = len(raw_tr)
