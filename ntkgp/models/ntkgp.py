@@ -568,8 +568,9 @@ class NTKGP(BoTorchInterface, GP):
         r"""A new model conditioned on the union of the training data and ``(x_new, y_new)``, same θ*.
 
         A Bayesian update of the linearized model: the network is not retrained. The current
-        hyperparameters are copied; the network is shared (never copied). All inputs are checked before
-        anything is built.
+        hyperparameters and :attr:`predictive_mean` are copied; the network is shared (never copied). All
+        inputs are checked before anything is built. With ``predictive_mean="nn"`` the new data move the
+        covariance only (the mean stays :math:`f(x_*;\theta^*)`).
 
         **Sites.** With a Gaussian likelihood the sites are exact and the update is the exact GP posterior
         (``iterate`` changes nothing). With a classification likelihood the new points enter through Gaussian
