@@ -214,3 +214,25 @@ def test_paper_protocol_one_step_per_epoch_records_exact_triples():
     best = next(h for h in result.history if h["epoch"] == result.best_epoch)
     assert best["prior_precision"] == pytest.approx(result.prior_precision.tolist(), rel=1e-12)
     assert best["noise"] == [pytest.approx(lik.noise.item(), rel=1e-12)]
+
+
+@pytest.mark.parametrize("prior_structure", ["layer", "network"])
+def test_the_curvature_is_built_once_per_round_not_per_step(monkeypatch, prior_structure):
+    import ntkgp.training.marglik_training as module
+
+    calls = []
+    original = module.exact_curvature
+
+    def counting(*args, **kwargs):
+        curvature = original(*args, **kwargs)
+        calls.append(curvature)
+        return curvature
+
+    monkeypatch.setattr(module, "exact_curvature", counting)
+    data, net, lik = regression_problem()
+    result = train_marglik(net, data.x_train, data.y_train, lik, prior_structure=prior_structure, epochs=40, lr=1e-2,
+                           burn_in=0, frequency=20, hyper_steps=6, progress=False)
+    assert len(result.history) == 2 and len(calls) == 2  # two rounds (epochs 20 and 40), six steps each
+    # P = 61 < N = 80: the weight space; one δ: the spectral form (one eigendecomposition per round)
+    assert all(c.structure == "full_ggn" and c.num_params == 61 for c in calls)
+    assert all(c.spectral == (prior_structure == "network") for c in calls)
