@@ -110,8 +110,11 @@ def accuracy(model, x, y) -> float:
         return ((model(x).mean.reshape(-1) > 0).long() == y).double().mean().item()
 
 
-def sites_table(seeds: list[int]) -> str:
+def sites_table(seeds: list[int], on_row=None) -> str:
+    """The table; ``on_row(table_so_far)`` is called after each seed (the docs are written as seeds finish)."""
     rows = []
+    header = ["seed", "tip points", "network on the tip (min f)", "NTKGP before", "NTKGP one step", "NTKGP iterated",
+              "SFR one step", "SFR iterated"]
     for seed in seeds:
         x, y = moons(200, seed)
         x_test, y_test = moons(1000, seed + 100)
@@ -132,8 +135,11 @@ def sites_table(seeds: list[int]) -> str:
         rows.append([seed, int(tip.sum()), f"{min_f:.1f}", f"{before:.3f}", f"{one:.3f}", f"{iterated:.3f}",
                      f"{accuracy(sfr_one.eval(), x_test, y_test):.3f}", f"{accuracy(sfr.eval(), x_test, y_test):.3f}"])
         print(rows[-1], flush=True)
-    return markdown_table(["seed", "tip points", "network on the tip (min f)", "NTKGP before", "NTKGP one step",
-                           "NTKGP iterated", "SFR one step", "SFR iterated"], rows)
+        if on_row is not None:
+            done = len(rows) == len(seeds)
+            note = "" if done else f"\n\n(Seeds {', '.join(str(r[0]) for r in rows)} of {seeds} done when written.)"
+            on_row(markdown_table(header, rows) + note)
+    return markdown_table(header, rows)
 
 
 def main() -> None:
@@ -149,10 +155,10 @@ def main() -> None:
         if args.write_docs:
             write_block(DOC, "guarantees-float32", table, command)
     if "sites" in args.parts:
-        table = sites_table(args.seeds)
-        print(table)
-        if args.write_docs:
+        def write(table: str) -> None:
             write_block(DOC, "guarantees-iterated-sites", table, command)
+
+        print(sites_table(args.seeds, write if args.write_docs else None))
 
 
 if __name__ == "__main__":
