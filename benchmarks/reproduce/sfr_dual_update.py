@@ -11,9 +11,9 @@ Per split: the training part of the standard 90/10 split is shuffled (seeded) an
 
 Network and training: a two-layer MLP of width 50 (tanh), Adam at 1e-3, batches of 128, objective
 ``mean 0.5 (f - y)^2 + delta / (2 N) ||theta||^2`` on standardized targets, early stopping on the held-out
-NLPD-equivalent squared error (patience in steps), the best checkpoint kept. The Gaussian noise is then set to
-the network's mean squared training residual, and delta for SFR is chosen by SFR's sparse evidence
-(``log_marginal_likelihood``) on a grid 1e-4 ... 1e2. M = ``--inducing-fraction`` of the data (capped at
+squared error (patience in steps), the best checkpoint kept. The Gaussian noise is then set to the
+network's mean squared error on the held-out part at that checkpoint, and delta for SFR is chosen by SFR's
+sparse evidence (``log_marginal_likelihood``) on a grid 1e-4 ... 1e4. M = ``--inducing-fraction`` of the data (capped at
 ``--max-inducing``), chosen from A (and kept by the update). Both SFR configurations are reported: the public
 code's (zero prior mean) and ntkgp's default (linearized prior mean); one output, so the coupling does not
 matter. NLPD in the original units.
@@ -41,7 +41,7 @@ from ntkgp.datasets import load_uci_regression
 from ntkgp.models.sfr import SFR
 
 DATASETS = ["boston", "protein"]
-GRID = [10.0**e for e in torch.arange(-4.0, 2.01, 0.5).tolist()]
+GRID = [10.0**e for e in torch.arange(-4.0, 4.01, 0.5).tolist()]
 CONFIGS = {"public": "zero", "ntkgp": "linearized"}
 
 
@@ -77,8 +77,10 @@ def train_network(x, y, args, seed: int) -> tuple[nn.Module, float, dict]:
     net.load_state_dict(best_state)
     net.eval()
     with torch.no_grad():
-        noise = float((net(x[fit]) - y[fit]).square().mean())
-    return net, noise, {"steps": step, "best_step": best_step, "val_mse": best}
+        train_mse = float((net(x[fit]) - y[fit]).square().mean())
+    # The noise is the held-out squared error at the checkpoint: the training residuals of a network trained long
+    # underestimate it (measured: a residual variance of 0.011 against a held-out one several times larger).
+    return net, best, {"steps": step, "best_step": best_step, "val_mse": best, "train_mse": train_mse}
 
 
 def build_sfr(net, x, y, noise: float, z, prior_mean: str, seed: int) -> tuple[SFR, float]:
@@ -181,7 +183,7 @@ def main() -> None:
     runs: dict[str, list[dict]] = {}
     for dataset in args.datasets:
         for split in range(args.splits):
-            k = f"{dataset}_split{split}_delta{args.delta:g}_max{args.max_steps}_M{args.inducing_fraction:g}"
+            k = f"{dataset}_split{split}_delta{args.delta:g}_max{args.max_steps}_M{args.inducing_fraction:g}_valnoise"
             r = store.run(k, lambda: run_one(data_dir, dataset, split, args), enabled=data_dir is not None)
             if r is not None:
                 runs.setdefault(dataset, []).append(r)
