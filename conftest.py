@@ -81,3 +81,47 @@ if Sybil is not None:
         setup=_setup,
         teardown=_teardown,
     ).pytest()
+
+
+# Docstring examples (``pytest --doctest-modules``, on in pyproject.toml) run with a small classification
+# setting in their namespace: ``net`` (4 inputs, a hidden layer, a ``head`` layer of 10 logits, float64, eval
+# mode), ``x``/``y`` = ``x_train``/``y_train`` (40 points), ``x_test`` (1000 points), ``x_new``/``y_new``,
+# ``x_batch``/``y_batch``, ``x_context``, ``likelihood``, ``model`` (an FSVI of ``net``) and the usual imports.
+collect_ignore = ["ntkgp/__main__.py"]
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _docstring_namespace(request):
+    from _pytest.doctest import DoctestItem
+
+    if not isinstance(request.node, DoctestItem):
+        yield
+        return
+    from collections import OrderedDict
+
+    import gpytorch
+    import torch
+
+    import ntkgp
+    from ntkgp.fsvi import FSVI
+    from ntkgp.likelihoods import SoftmaxLikelihood
+    from ntkgp.posteriors import KFACLaplace
+
+    generator = torch.Generator().manual_seed(0)
+    net = torch.nn.Sequential(OrderedDict(body=torch.nn.Linear(4, 16), act=torch.nn.Tanh(),
+                                          head=torch.nn.Linear(16, 10))).double().eval()
+    x = torch.randn(40, 4, generator=generator, dtype=torch.float64)
+    y = torch.randint(0, 10, (40,), generator=generator)
+    namespace = request.getfixturevalue("doctest_namespace")
+    namespace.update(
+        torch=torch, gpytorch=gpytorch, ntkgp=ntkgp, SoftmaxLikelihood=SoftmaxLikelihood, KFACLaplace=KFACLaplace,
+        GaussianLikelihood=gpytorch.likelihoods.GaussianLikelihood, net=net, x=x, y=y, x_train=x, y_train=y,
+        x_test=torch.randn(1000, 4, generator=generator, dtype=torch.float64),
+        x_new=torch.randn(8, 4, generator=generator, dtype=torch.float64),
+        y_new=torch.randint(0, 10, (8,), generator=generator), x_batch=x[:16], y_batch=y[:16],
+        x_context=torch.randn(8, 4, generator=generator, dtype=torch.float64),
+        likelihood=SoftmaxLikelihood(10), model=FSVI(net, SoftmaxLikelihood(10), prior_precision=1.0),
+    )
+    yield

@@ -43,7 +43,7 @@ class ValueCache:
         >>> x = torch.randn(3, 2)
         >>> w = torch.ones(2)
         >>> y = cache.get_or_compute("scaled", [x], lambda: x * w, state=[w])
-        >>> w.data.mul_(2)                      # a change the version counter would miss
+        >>> _ = w.data.mul_(2)                  # a change the version counter would miss
         >>> torch.equal(cache.get_or_compute("scaled", [x], lambda: x * w, state=[w]), x * w)
         True
     """

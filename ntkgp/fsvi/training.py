@@ -187,7 +187,10 @@ def train_fsvi(
         ValueError / TypeError: naming the argument, before anything is computed.
 
     Example:
-        >>> result = train_fsvi(net, x, y, GaussianLikelihood(), prior_precision=1.0, epochs=2000, lr=1e-2)
+        >>> reg_net = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)).double()
+        >>> y_reg = torch.sin(x.sum(-1))
+        >>> result = train_fsvi(reg_net, x, y_reg, GaussianLikelihood(), prior_precision=1.0, epochs=20, lr=1e-2,
+        ...                     progress=False)
         >>> dist = result.model.predict(x_test, method="linearized")      # N(mean, var) over y
     """
     if not isinstance(net, nn.Module):

@@ -125,9 +125,12 @@ class NTKGP(BoTorchInterface, GP):
         ValueError: for an unknown ``predictive_mean``, before anything is computed.
 
     Example:
-        >>> model = ntkgp.NTKGP(net, x, y, gpytorch.likelihoods.GaussianLikelihood()).eval()
+        >>> reg_net = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)).double()
+        >>> y_reg = torch.sin(x.sum(-1))                 # a trained regression network and its targets
+        >>> model = ntkgp.NTKGP(reg_net, x, y_reg, gpytorch.likelihoods.GaussianLikelihood()).eval()
         >>> pred = model(x_test)                     # the GLM predictive over f
-        >>> pred.mean, pred.variance
+        >>> pred.mean.shape, pred.variance.shape
+        (torch.Size([1000]), torch.Size([1000]))
     """
 
     def __new__(cls, *args, **kwargs):

@@ -114,9 +114,9 @@ class SFR(BoTorchInterface, GP):
         ValueError, TypeError: for any invalid argument, naming it, before anything is computed.
 
     Example:
-        >>> sfr = SFR(net, x, y, SoftmaxLikelihood(10), num_inducing=512, output_coupling="independent")
+        >>> sfr = SFR(net, x, y, SoftmaxLikelihood(10), num_inducing=16, output_coupling="independent")
         >>> probs = sfr.likelihood(sfr(x_test)).probs
-        >>> sfr.update(x_new, y_new)                    # condition on new data, no retraining
+        >>> sfr = sfr.update(x_new, y_new)              # condition on new data, no retraining
     """
 
     def __init__(
