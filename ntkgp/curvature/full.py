@@ -48,7 +48,7 @@ from torch import Tensor, nn
 from ..ntk import ParameterGroups
 from ..ntk.groups import GroupSpec
 from ..options import Curvature as CurvatureKind
-from ..options import choose
+from ..options import Space, choose, choose_space
 from .base import Curvature
 from .data_pass import Data, DataPass
 from .scaling import output_scale
@@ -412,24 +412,23 @@ def exact_curvature(
     validated: bool = False,
 ) -> FullCurvature | FunctionSpaceCurvature:
     r"""The exact full GGN / EF in the cheaper space: function space when its side :math:`R` (``N·C`` for the
-    GGN, ``N`` for the EF) is smaller than :math:`P`, weight space otherwise (``space="auto"``), or as
-    ``space="weight"`` / ``"function"`` says. The multi-output Gaussian EF is weight space only.
+    GGN, ``N`` for the EF) is at most :math:`P`, weight space otherwise (``space="auto"``, by
+    :func:`~ntkgp.options.choose_space`), or as ``space="weight"`` / ``"function"`` says. The multi-output Gaussian EF is weight space only.
 
     Cost of the build: :math:`O(R^2 P)` or :math:`O(R P^2)`; of each evaluation :math:`O(R^3)` or
     :math:`O(P^3)`, :math:`O(\min(R, P))` with ``spectral`` (one group, one output scale).
     """
-    if space not in ("auto", "weight", "function"):
-        raise ValueError(f"space must be 'auto', 'weight' or 'function', got {space!r}")
+    space = choose(Space, space, "space")
     fisher = _fisher(curvature)
-    if space == "auto":
+    if space is Space.AUTO:
         from ..likelihoods import is_gaussian, num_outputs
 
         c = num_outputs(likelihood)
-        multi_scale = is_gaussian(likelihood) and c > 1
-        rows = int(x.shape[0]) * (1 if fisher else c)
         num_params = sum(p.numel() for p in net.parameters() if p.requires_grad)
-        space = "weight" if (fisher and multi_scale) or rows >= num_params else "function"
-    if space == "function":
+        space = choose_space(space, num_params, int(x.shape[0]) * (1 if fisher else c))
+        if fisher and is_gaussian(likelihood) and c > 1:  # the multi-output Gaussian EF is weight space only
+            space = Space.WEIGHT
+    if space is Space.FUNCTION:
         return function_space_curvature(net, x, y, likelihood, curvature, prior_structure, input_shape, spectral,
                                         engine, validated)
     return full_curvature(net, x, y, likelihood, curvature, prior_structure, batch_size, False, input_shape,
