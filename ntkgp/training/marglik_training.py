@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import inspect
 import math
 import warnings
 from collections.abc import Callable
@@ -142,11 +141,8 @@ def _curvature(net, x, y, likelihood, structure, prior_structure, batch_size, in
                                   distributed, spectral)
         return exact_curvature(net, x, y, likelihood, kind, prior_structure, batch_size, input_shape, spectral,
                                engine=engine, validated=engine is not None)
-    params = inspect.signature(compute_curvature).parameters
-    key = "prior_structure" if "prior_structure" in params else "groups"
-    extra = {"distributed": True} if distributed else {}
-    return compute_curvature(net, x, y, likelihood, structure=structure.value, batch_size=batch_size,
-                             progress=False, input_shape=input_shape, **{key: prior_structure}, **extra)
+    return compute_curvature(net, x, y, likelihood, structure=structure.value, prior_structure=prior_structure,
+                             batch_size=batch_size, progress=False, input_shape=input_shape, distributed=distributed)
 
 
 def _out_of_range(model: NTKGP, target_variance: float) -> list[str]:
