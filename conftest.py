@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent
 ILLUSTRATIVE = "# illustrative"
 
@@ -89,7 +91,6 @@ if Sybil is not None:
 # ``x_batch``/``y_batch``, ``x_context``, ``likelihood``, ``model`` (an FSVI of ``net``) and the usual imports.
 collect_ignore = ["ntkgp/__main__.py"]
 
-import pytest  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
