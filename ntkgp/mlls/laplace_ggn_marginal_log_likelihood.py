@@ -7,10 +7,11 @@ from gpytorch.distributions import MultivariateNormal
 from gpytorch.likelihoods import Likelihood
 from gpytorch.mlls import MarginalLogLikelihood
 
-from ..laplace import laplace_log_marginal_likelihood
+from ..laplace import EvidenceOptions, laplace_log_marginal_likelihood
+from ..laplace.routes import check_options
 from ..likelihoods import num_outputs, validate_targets
 from ..models import NTKGP
-from ..options import Curvature, Space, choose
+from ..options import Curvature, EvidenceMethod, Space, choose
 
 
 class LaplaceGGNMarginalLogLikelihood(MarginalLogLikelihood):
@@ -48,19 +49,36 @@ class LaplaceGGNMarginalLogLikelihood(MarginalLogLikelihood):
         model: an :class:`~ntkgp.NTKGP`.
         curvature: ``"ggn"`` or ``"ef"`` (empirical Fisher).
         space: ``"auto"`` (by cost), ``"function"`` or ``"weight"``.
+        method: the route of the log-determinant, as for
+            :func:`~ntkgp.laplace.laplace_log_marginal_likelihood`: ``"auto"`` (by size: matrix-free above
+            ``options.dense_memory_limit``, else ``"eigen"`` where one δ allows it, else ``"cholesky"``),
+            ``"cholesky"``, ``"eigen"`` or ``"matrix_free"`` (docs/scaling.md).
+        options: :class:`~ntkgp.laplace.EvidenceOptions` (memory limit of ``"auto"``; probes, CG tolerance,
+            preconditioner and seed of the matrix-free route).
 
     Raises:
-        TypeError: when ``model`` is not an NTKGP or ``likelihood`` not a GPyTorch likelihood.
+        TypeError: when ``model`` is not an NTKGP, ``likelihood`` not a GPyTorch likelihood or ``options`` not
+            an ``EvidenceOptions``.
         ValueError: for an unknown option or a likelihood with another number of outputs.
     """
 
-    def __init__(self, likelihood: Likelihood, model: NTKGP, curvature: str = "ggn", space: str = "auto") -> None:
+    def __init__(
+        self,
+        likelihood: Likelihood,
+        model: NTKGP,
+        curvature: str = "ggn",
+        space: str = "auto",
+        method: str = "auto",
+        options: EvidenceOptions | None = None,
+    ) -> None:
         if not isinstance(model, NTKGP):
             raise TypeError(f"model must be an ntkgp.NTKGP, got {type(model).__name__}")
         if not isinstance(likelihood, Likelihood):
             raise TypeError(f"likelihood must be a gpytorch Likelihood, got {type(likelihood).__name__}")
         curvature = choose(Curvature, curvature, "curvature")
         space = choose(Space, space, "space")
+        method = choose(EvidenceMethod, method, "method")
+        options = check_options(options)
         if num_outputs(likelihood) != model.num_outputs:
             raise ValueError(
                 f"likelihood {type(likelihood).__name__} expects {num_outputs(likelihood)} outputs but the model's "
@@ -69,6 +87,8 @@ class LaplaceGGNMarginalLogLikelihood(MarginalLogLikelihood):
         super().__init__(likelihood, model)
         self.curvature = curvature
         self.space = space
+        self.method = method
+        self.options = options
 
     def forward(self, function_dist: MultivariateNormal, target: torch.Tensor, *params, **kwargs) -> torch.Tensor:
         """The evidence per data point for the prior ``function_dist = model(train_x)`` and ``target``.
@@ -108,6 +128,8 @@ class LaplaceGGNMarginalLogLikelihood(MarginalLogLikelihood):
             self.curvature,
             self.space,
             covariance=covariance,
+            method=self.method,
+            options=self.options,
         )
         for _, module, prior, closure, _ in self.named_priors():
             evidence = evidence + prior.log_prob(closure(module)).sum()

@@ -153,3 +153,46 @@ def test_mll_checks_its_arguments():
     model.eval()
     with pytest.raises(RuntimeError, match="model.train"):
         mll(model(x), y)
+
+
+@pytest.mark.parametrize("method", ["cholesky", "eigen", "matrix_free"])
+def test_mll_method_override_matches_dense_formula(method, monkeypatch):
+    """The MLL's ``method=`` reaches the evidence routes (the route's own function is called): each equals the
+    dense weight-space formula (exactly for the dense routes; within the stochastic estimate's tolerance for the
+    matrix-free one), value and gradient."""
+    import ntkgp.laplace.evidence as evidence_module
+
+    route_function = {"cholesky": "log_det_term", "eigen": "spectral_log_det", "matrix_free": "matrix_free_log_det"}
+    calls = []
+    original = getattr(evidence_module, route_function[method])
+    monkeypatch.setattr(evidence_module, route_function[method], lambda *a, **k: calls.append(1) or original(*a, **k))
+    net, x, y, lik, log_prob = make_problem("softmax4", n=10)
+    delta = torch.tensor(2.0, dtype=torch.float64)
+    model = ntkgp.NTKGP(net, x, y, lik, prior_precision=delta, prior_structure="network")  # one δ: eigen applies
+    num_params = sum(p.numel() for p in net.parameters())
+    ref = dense_laplace(net, x, y, log_prob, delta.expand(num_params), "ggn")["evidence"]
+    options = ntkgp.laplace.EvidenceOptions(num_probes=2000, cg_tolerance=1e-10, max_cg_iterations=200,
+                                            lanczos_iterations=60, seed=0)
+    mll = ntkgp.LaplaceGGNMarginalLogLikelihood(lik, model, method=method, options=options)
+    model.train()
+    value = mll(model(x), y) * x.shape[0]
+    assert calls, f"method={method!r} did not take its route"
+    tol = 1e-8 if method != "matrix_free" else 2e-2
+    assert rel_err(value.detach(), ref) < tol
+    # the gradient in the raw prior precision against the Cholesky route
+    (grad,) = torch.autograd.grad(value, [p for p in model.hyperparameters() if p.requires_grad][0])
+    exact = ntkgp.LaplaceGGNMarginalLogLikelihood(lik, model, method="cholesky")
+    (grad_ref,) = torch.autograd.grad(exact(model(x), y) * x.shape[0],
+                                      [p for p in model.hyperparameters() if p.requires_grad][0])
+    assert rel_err(grad, grad_ref) < (1e-8 if method != "matrix_free" else 0.1)
+
+
+def test_mll_rejects_bad_method_and_options_before_any_side_effect():
+    net, x, y, lik, _ = make_problem("regression1")
+    model = ntkgp.NTKGP(net, x, y, lik, prior_precision=1.0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match="method"):
+        ntkgp.LaplaceGGNMarginalLogLikelihood(lik, model, method="lanczos")
+    with pytest.raises(TypeError, match="options"):
+        ntkgp.LaplaceGGNMarginalLogLikelihood(lik, model, options={"num_probes": 3})
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
