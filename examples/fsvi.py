@@ -3,7 +3,12 @@
 * **1-D regression with a gap** (``ntkgp.datasets.gap_regression``, 60 points, noise 0.1): 2×50 ReLU network,
   prior precision 1/fan-in per layer (δ = 1, 50, 50), fixed noise variance 0.01. Test targets: the noise-free
   function on the grid [-1.5, 1.5] plus fresh noise. Also reported: the mean predictive standard deviation of f
-  in the middle of the gap (|x| < 0.2) over the one on the data (0.45 < |x| < 0.9).
+  in the middle of the gap (|x| < 0.2) over the one on the data (0.45 < |x| < 0.9). FSVI's context points are
+  uniform on [-2, 2], a box that covers every input the model is asked about (the training inputs span only
+  [-0.93, 1.00]): the KL pulls the variational distribution towards the prior only where there are context
+  points, so with the box of the training inputs FSVI is as confident as MAP outside it (test NLPD 5.9
+  instead of 1.0 on seed 0, 1,000 steps each). MAP trains for 1,000 full-batch steps (longer makes NTKGP and SFR,
+  built on it, overconfident in the gap), FSVI for 3,000 (its standard deviations start at 1e-3 and grow slowly).
 * **Two moons** (``ntkgp.datasets.two_moons``, 100 training and 1000 test points, noise 0.2): 2×32 ReLU
   network, δ = 1 for every layer.
 * **Digits** (scikit-learn's bundled 8×8 digits, offline; 1200 training and 597 test images): a small CNN
@@ -14,7 +19,8 @@
 
 MAP is trained with Adam on the negative log joint (likelihood plus the same Gaussian prior), NTKGP and SFR
 linearize the MAP network with the same prior precisions; FSVI (``ntkgp.fsvi.train_fsvi``) starts from the same
-initial weights as MAP and trains a mean-field Gaussian over all weights for the same number of steps. FSVI's
+initial weights as MAP and trains a mean-field Gaussian over all weights for the same number of steps (except
+on the gap regression, see above). FSVI's
 predictive is Monte Carlo over weights (200 draws; "FSVI"), and the linearized GP ("FSVI-lin"). Times are
 training (MAP: the network; NTKGP/SFR: building the model on top of the MAP network) plus prediction.
 
@@ -41,7 +47,7 @@ from torch import nn
 from ntkgp import NTKGP, SFR, metrics, plotting
 from ntkgp._doctable import write_block
 from ntkgp.datasets import gap_regression, two_moons
-from ntkgp.fsvi import BatchMixedContext, MonochromeContext, train_fsvi
+from ntkgp.fsvi import BatchMixedContext, MonochromeContext, UniformBoxContext, train_fsvi
 from ntkgp.likelihoods import LogisticLikelihood, SoftmaxLikelihood, log_likelihood
 
 DOC, REGION = "docs/fsvi.md", "EXAMPLE_TABLE"
@@ -106,7 +112,7 @@ def timed(fn):
 
 
 def gap_problem(args, rows) -> None:
-    epochs = 60 if args.quick else 1000
+    epochs, fsvi_epochs = (60, 60) if args.quick else (1000, 3000)
     data = gap_regression(n=60, noise_std=0.1, seed=args.seed)
     noise = 0.01
     y_test = data.f_test + 0.1 * torch.randn(data.f_test.shape, generator=torch.Generator().manual_seed(1),
@@ -140,7 +146,9 @@ def gap_problem(args, rows) -> None:
                              (mid.variance.sqrt()[gap].mean() / mid.variance.sqrt()[on_data].mean()).item(),
                              seconds + more)
     result = train_fsvi(relu_mlp(1, 50, 1, args.seed), data.x_train, data.y_train, likelihood(),
-                        prior_precision=precisions, epochs=epochs, batch_size=None, lr=1e-2, num_context=32,
+                        context=UniformBoxContext(torch.tensor([-2.0], dtype=torch.float64),
+                                                  torch.tensor([2.0], dtype=torch.float64)),
+                        prior_precision=precisions, epochs=fsvi_epochs, batch_size=None, lr=1e-2, num_context=32,
                         context_jitter=1e-6, seed=args.seed, progress=False)
     model = result.model
     with torch.no_grad():
