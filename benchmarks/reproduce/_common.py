@@ -60,19 +60,25 @@ def setup(args: argparse.Namespace) -> Path | None:
     return resolve_data_dir(args.data_dir)
 
 
+PLACEHOLDERS = {"--data-dir": "DATA", "--laplace-python": "LAPLACE_PYTHON"}
+
+
 def command_line() -> str:
-    """The command as typed from the repository root, with the data folder written as ``DATA``."""
+    """The command as typed from the repository root, with the data folder written as ``DATA`` and the
+    laplace-torch interpreter as ``LAPLACE_PYTHON``."""
     argv, out = [], []
-    skip = False
+    placeholder = None
     for token in sys.argv[1:]:
-        if skip:
-            out.append("DATA")
-            skip = False
+        if placeholder:
+            out.append(placeholder)
+            placeholder = None
             continue
-        if token == "--data-dir":
-            skip = True
-        elif token.startswith("--data-dir="):
-            token = "--data-dir=DATA"
+        option = token.split("=", 1)[0]
+        if option in PLACEHOLDERS:
+            if "=" in token:
+                token = f"{option}={PLACEHOLDERS[option]}"
+            else:
+                placeholder = PLACEHOLDERS[option]
         out.append(token)
     argv = [os.path.relpath(sys.argv[0], REPO_ROOT), *out]
     return "python " + " ".join(shlex.quote(t) for t in argv)

@@ -26,6 +26,7 @@ from ..laplace import (
 from ..likelihoods import is_gaussian, noise_variance, num_outputs, validate_targets
 from ..means import LinearizedNetworkMean, NetworkMean
 from ..ntk import GroupSpec
+from ..ntk.checks import OutputShapeError
 from ..options import PredictiveMean, choose, renamed_argument
 
 #: Numbers one chunk of test points may occupy in the predictive (``(G + 3)·chunk·C·N·C`` ≤ this), 256 MB in float64.
@@ -220,8 +221,8 @@ class NTKGP(BoTorchInterface, GP):
                 net, prior_precision=prior_precision, prior_structure=prior_structure, input_shape=input_shape,
                 **kernel_kwargs,
             )
-        except ValueError as error:
-            if not inferred or "must map a batch" not in str(error):
+        except OutputShapeError as error:
+            if not inferred:
                 raise
             raise ValueError(f"net could not be applied to train_x: {error}{batch_hint}") from None
         engine = kernel.engine

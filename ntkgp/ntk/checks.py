@@ -39,10 +39,15 @@ def check_inputs(x: torch.Tensor, argument: str = "x") -> None:
         raise ValueError(f"{argument} contains NaN or Inf values")
 
 
+class OutputShapeError(ValueError):
+    """The network's outputs for a batch of ``N`` inputs are not an ``(N, C)`` matrix (a ``ValueError``, so that
+    callers can tell this case from other bad inputs without reading the message)."""
+
+
 def check_outputs(f: torch.Tensor, n: int, argument: str = "net") -> None:
-    """Raise unless the network output is a finite ``(N, C)`` matrix."""
+    """Raise unless the network output is a finite ``(N, C)`` matrix (:class:`OutputShapeError` for the shape)."""
     if f.dim() != 2 or f.shape[0] != n:
-        raise ValueError(
+        raise OutputShapeError(
             f"{argument} must map a batch of {n} inputs to outputs of shape ({n}, C), got {tuple(f.shape)} "
             "(for a single output, return shape (N, 1))"
         )
