@@ -571,7 +571,7 @@ def load_csv(
         FileNotFoundError: if ``path`` is not a file.
         ValueError: naming the file, the line and the column: a file that is not UTF-8 text, an empty file, a duplicated header name, an
             unknown column, a row with the wrong number of fields, a cell that is not a number, a NaN or
-            infinite cell, a missing label; or an unknown ``task``.
+            infinite cell, a missing label, a NaN or infinite label among numeric ones; or an unknown ``task``.
 
     Example:
         >>> import tempfile
@@ -628,10 +628,16 @@ def load_csv(
             raise ValueError(f"{path}, line {line}, column {header[target]!r}: missing label")
     try:
         keys: list[float] | list[str] = [float(text) for text in texts]
-        if not all(math.isfinite(key) for key in keys):
-            keys = texts
     except ValueError:
         keys = texts
+    else:
+        # numeric labels: a NaN or infinite one is a missing or corrupt value, not a class of its own
+        for line, key, text in zip(lines, keys, texts):
+            if not math.isfinite(key):
+                raise ValueError(
+                    f"{path}, line {line}, column {header[target]!r}: label {text!r} is NaN or infinite while the "
+                    "other labels are numbers"
+                )
     classes = sorted(set(keys))
     first_text: dict[float | str, str] = {}
     for key, text in zip(keys, texts):

@@ -454,13 +454,6 @@ def test_load_csv_strips_utf8_byte_order_mark(tmp_path):
     torch.testing.assert_close(data.x, torch.tensor([[1.0], [3.0]], dtype=torch.float64))
 
 
-def test_load_csv_non_finite_numeric_labels_are_text_classes(tmp_path):
-    path = tmp_path / "labels.csv"
-    path.write_text("x,label\n0,nan\n1,2\n2,nan\n")
-    data = load_csv(path, ["x"], "label", task="classification")
-    assert data.class_names == ["2", "nan"] and data.y.tolist() == [1, 0, 1]
-
-
 def test_resolve_data_dir_argument_then_environment(tmp_path, monkeypatch):
     monkeypatch.delenv(DATA_DIR_VARIABLE, raising=False)
     assert resolve_data_dir(tmp_path) == tmp_path.resolve()
@@ -470,3 +463,14 @@ def test_resolve_data_dir_argument_then_environment(tmp_path, monkeypatch):
     assert resolve_data_dir() == tmp_path.resolve()
     with pytest.raises(FileNotFoundError, match="not found: pass --data-dir"):
         resolve_data_dir(tmp_path / "missing")
+
+
+@pytest.mark.parametrize("bad", ["inf", "nan", "-Infinity"])
+def test_load_csv_rejects_a_non_finite_label_among_numeric_labels(tmp_path, bad):
+    path = tmp_path / "labels.csv"
+    path.write_text(f"x,label\n0.1,2\n0.2,10\n0.3,{bad}\n0.4,2\n")
+    with pytest.raises(ValueError, match=r"line 4, column 'label'.*NaN or infinite"):
+        load_csv(path, ["x"], "label", task="classification")
+    # text labels stay text, whatever they spell
+    path.write_text("x,label\n0.1,cat\n0.2,inf\n")
+    assert load_csv(path, ["x"], "label", task="classification").class_names == ["cat", "inf"]
