@@ -45,6 +45,61 @@ from ..ntk.functional import forward, per_example_jacobians
 Params = Mapping[str, Tensor]
 
 
+class _PairContraction(torch.autograd.Function):
+    r""":math:`T_{n c, m d} = \sum_i \gamma_{1, n c i} B_{n m i} \gamma_{2, m d i}` as ``(N1, C, N2·C)``, by chunks of
+    rows ``n``.
+
+    Autograd through the broadcast product ``B[n, m, i] γ2[m, d, i]`` would keep the ``N1·N2·C·d_out`` product
+    for the backward pass and reduce over broadcast dimensions there, which on a CPU is memory-bound and
+    dominated FSVI's step. Here the product is formed for a few rows at a time (small enough to stay in cache)
+    in the forward pass and formed again in the backward pass, whose gradients are two batched products and
+    two contiguous reductions per chunk. First-order only (FSVI needs the gradient of its objective, not its
+    Hessian)."""
+
+    CHUNK_ELEMENTS = 2**16  # elements of one chunk's product (256 KiB in float32; tuned on the benchmark of docs/fsvi.md)
+
+    @staticmethod
+    def _chunk(n2: int, c: int, d_out: int) -> int:
+        return max(1, _PairContraction.CHUNK_ELEMENTS // (n2 * c * d_out))
+
+    @staticmethod
+    def forward(ctx, g1: Tensor, b: Tensor, g2: Tensor) -> Tensor:
+        n1, c, d_out = g1.shape
+        n2 = g2.shape[0]
+        g2t = g2.permute(2, 0, 1)  # (d_out, N2, C)
+        out = g1.new_empty(n1, c, n2 * c)
+        step = _PairContraction._chunk(n2, c, d_out)
+        for s in range(0, n1, step):
+            u = b[s : s + step].transpose(1, 2)[..., None] * g2t  # (k, d_out, N2, C)
+            out[s : s + step] = torch.bmm(g1[s : s + step], u.reshape(-1, d_out, n2 * c))
+        ctx.save_for_backward(g1, b, g2)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: Tensor):
+        g1, b, g2 = ctx.saved_tensors
+        n1, c, d_out = g1.shape
+        n2 = g2.shape[0]
+        g2t = g2.permute(2, 0, 1)
+        grad_g1 = torch.empty_like(g1) if ctx.needs_input_grad[0] else None
+        grad_b = torch.empty_like(b) if ctx.needs_input_grad[1] else None
+        grad_g2t = g2.new_zeros(d_out, n2, c) if ctx.needs_input_grad[2] else None
+        step = _PairContraction._chunk(n2, c, d_out)
+        for s in range(0, n1, step):
+            bt = b[s : s + step].transpose(1, 2)[..., None]  # (k, d_out, N2, 1)
+            gs = grad[s : s + step]  # (k, C, N2·C)
+            if grad_g1 is not None:
+                u = (bt * g2t).reshape(-1, d_out, n2 * c)
+                grad_g1[s : s + step] = torch.bmm(gs, u.transpose(1, 2))
+            grad_u = torch.bmm(g1[s : s + step].transpose(1, 2), gs).view(-1, d_out, n2, c)
+            if grad_b is not None:
+                grad_b[s : s + step] = (grad_u * g2t).sum(-1).transpose(1, 2)
+            if grad_g2t is not None:
+                grad_g2t += (grad_u * bt).sum(0)
+        return grad_g1, grad_b, None if grad_g2t is None else grad_g2t.permute(1, 2, 0)
+
+
 @dataclass
 class _Plan:
     """The route of every parameter: linear layers in pair form, layers whose Jacobian blocks come from their
@@ -231,9 +286,7 @@ class LinearizedNetwork:
             if c == 1:
                 term = ((g1[:, 0, None, :] * b) * g2[None, :, 0, :]).sum(-1)
             else:
-                # (N1, d_out, N2, C): the layout that keeps the batched product and its backward contiguous
-                u = b.permute(0, 2, 1)[:, :, :, None] * g2.permute(2, 0, 1)[None]
-                term = torch.bmm(g1, u.reshape(n1, d_out, n2 * c))  # (N1, C, N2·C)
+                term = _PairContraction.apply(g1, b, g2)  # (N1, C, N2·C)
             total = total + term.reshape(n1 * c, n2 * c)
         for n in f1.jacobians:
             v = variances[n]
