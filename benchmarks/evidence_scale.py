@@ -363,7 +363,8 @@ def main() -> None:
         print(json.dumps(one_run(args.one[0], int(args.one[1]))))
         return
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs")
-    command = "python " + " ".join(["benchmarks/evidence_scale.py", *sys.argv[1:]])
+    shown = ["DATA" if previous == "--data-dir" else token for previous, token in zip(["", *sys.argv[1:]], sys.argv[1:])]
+    command = "python " + " ".join(["benchmarks/evidence_scale.py", *shown])  # the data folder written as DATA
     threads = f"torch.set_num_threads({torch.get_num_threads()})"
     if args.part in ("formulas", "all"):
         table = formulas_table()

@@ -386,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--data-dir {args.data_dir!r} is not a folder")
     entries = [BY_NAME[name] for name in args.only] if args.only else ENTRIES
     GALLERY.mkdir(parents=True, exist_ok=True)
-    data_option = f" --data-dir {args.data_dir}" if args.data_dir else ""
+    data_option = " --data-dir DATA" if args.data_dir else ""  # the folder is machine-specific: shown as DATA
     for entry in entries:
         command = f"python scripts/gallery.py --only {entry.name}{data_option if entry.uses_data else ''}"
         with tempfile.TemporaryDirectory() as folder:
