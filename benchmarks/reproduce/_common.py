@@ -130,14 +130,21 @@ def mean_se(values: Iterable[float]) -> tuple[float, float, int]:
     return mean, math.sqrt(var / n), n
 
 
-def compare(ours: tuple[float, float, int], published: tuple[float, float] | None) -> str:
+def compare(ours: tuple[float, float, int], published: tuple[float, float] | None, paper_runs: int | None = None) -> str:
     """``within``, ``worse`` or ``better`` (lower is better) at two standard errors of the difference;
-    ``n/a`` without a published value or a result."""
+    ``n/a`` without a published value or a result.
+
+    Our standard error comes from our runs. With a single run it cannot be estimated from them; its spread is
+    that of one run of the paper, ``SE_paper · sqrt(paper_runs)`` (the paper's per-run standard deviation),
+    when ``paper_runs`` is given, else it is taken as 0 (only the published SE counts)."""
     mean, se, n = ours
     if published is None or n == 0 or not math.isfinite(mean):
         return "n/a"
     p_mean, p_se = published
-    se_ours = se if math.isfinite(se) else 0.0
+    if math.isfinite(se):
+        se_ours = se
+    else:
+        se_ours = p_se * math.sqrt(paper_runs) if paper_runs else 0.0
     bound = 2 * math.sqrt(se_ours**2 + p_se**2)
     if abs(mean - p_mean) <= bound:
         return "within"
@@ -155,9 +162,10 @@ def fmt(mean: float, se: float | None = None, digits: int = 2) -> str:
 MARK = {"within": "", "worse": " ✗", "better": " ↑", "n/a": ""}
 
 
-def cell(ours: tuple[float, float, int], published: tuple[float, float] | None) -> tuple[str, str]:
-    """A table cell ``ours (n) / published`` and the comparison."""
-    verdict = compare(ours, published)
+def cell(ours: tuple[float, float, int], published: tuple[float, float] | None,
+         paper_runs: int | None = None) -> tuple[str, str]:
+    """A table cell ``ours (n) / published`` and the comparison (:func:`compare`)."""
+    verdict = compare(ours, published, paper_runs)
     mean, se, n = ours
     text = "not run" if n == 0 else f"{fmt(mean, se)} (n={n})"
     if published is not None:

@@ -216,7 +216,7 @@ def main() -> None:
         row = [method, REFERENCE[method]]
         for dataset in args.datasets:
             values = [r["nlpd"].get(method) for r in runs.get(dataset, [])]
-            text, verdict = _common.cell(_common.mean_se(values), PUBLISHED[dataset].get(REFERENCE[method]))
+            text, verdict = _common.cell(_common.mean_se(values), PUBLISHED[dataset].get(REFERENCE[method]), paper_runs=5)
             row.append(text)
             if verdict in ("worse", "better"):
                 outside.append(f"{dataset}/{method}: {verdict}")

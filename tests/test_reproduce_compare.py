@@ -1,0 +1,30 @@
+"""The verdict rule of the reproduction tables (benchmarks/reproduce/_common.py: ``compare``)."""
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "reproduce"))
+import _common  # noqa: E402
+
+
+@pytest.mark.parametrize(
+    "ours, published, runs, expected",
+    [
+        ((1.0, 0.1, 5), (1.5, 0.1), None, "better"),  # |Δ| = 0.5 > 2·sqrt(0.02) = 0.283
+        ((1.0, 0.1, 5), (1.2, 0.1), None, "within"),  # 0.2 < 0.283
+        ((1.3, 0.1, 5), (1.0, 0.1), None, "worse"),
+        # one run: without the paper's run count only its SE counts, 0.25 > 2·0.1
+        ((1.25, math.nan, 1), (1.0, 0.1), None, "worse"),
+        # with 10 paper runs, one run spreads as SE·sqrt(10) = 0.316: bound 2·sqrt(0.1 + 0.01) = 0.663
+        ((1.6, math.nan, 1), (1.0, 0.1), 10, "within"),
+        ((1.7, math.nan, 1), (1.0, 0.1), 10, "worse"),
+        ((0.3, math.nan, 1), (1.0, 0.1), 10, "better"),
+        ((0.3, math.nan, 0), (1.0, 0.1), 10, "n/a"),
+        ((0.3, 0.1, 3), None, 10, "n/a"),
+    ],
+)
+def test_compare(ours, published, runs, expected):
+    assert _common.compare(ours, published, runs) == expected
