@@ -227,6 +227,19 @@ def main() -> None:
         rows.append([dataset, _common.cell(nn_mean, None)[0], _common.cell(gp_mean, None)[0], _common.fmt(diff[0], diff[1])])
     header = ["data set", "GLM, mean f(x*)", "GLM, linearized mean", "difference (linearized − f(x*))"]
     _common.publish(args, REGIONS["means"][args.quick], _common.table(header, rows), "full GGN: the GLM's two means")
+    if not args.quick:  # what the MAP predictive N(f(x*), σ²) is made of: the fit and the learned noise
+        rows = []
+        for dataset in args.datasets:
+            row = [dataset]
+            for structure in args.structures:
+                rs = runs.get((dataset, structure), [])
+                rmse, noise = (_common.mean_se(r[k] for r in rs)[0] for k in ("rmse", "noise"))
+                row.append("—" if not rs else f"{rmse:.3f} / {noise:.3g}")
+            rows.append(row)
+        header = ["data set"] + [f"{LABEL[s]}: test RMSE / σ²" for s in args.structures]
+        note = "\n\nTest RMSE in the original units; σ² learned by Algorithm 1, on the standardized targets " \
+               "(mean over the runs of the cell)."
+        _common.publish(args, "immer-table1-noise", _common.table(header, rows) + note, "test RMSE and learned noise")
     outside = [v for v in verdicts if v[3] in ("worse", "better")]
     print("cells outside ±2 SE:", ", ".join(f"{d}/{s}/{p}: {v}" for p, d, s, v in outside) or "none")
 
