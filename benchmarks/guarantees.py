@@ -22,12 +22,16 @@ import argparse
 import copy
 import sys
 import warnings
+from pathlib import Path
 
 import gpytorch
 import torch
 from torch import nn
 
-import ntkgp
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or with -m
+from map_fit import fit_map  # noqa: E402
+
+import ntkgp  # noqa: E402
 from ntkgp._doctable import markdown_table, write_block
 from ntkgp.likelihoods import LogisticLikelihood
 
@@ -86,23 +90,7 @@ def train(x, y, seed: int, delta: float = 0.1) -> nn.Module:
         loss = nn.functional.binary_cross_entropy_with_logits(net(x).squeeze(-1), y.double(), reduction="sum")
         return loss + 0.5 * delta * sum(p.square().sum() for p in net.parameters())
 
-    adam = torch.optim.Adam(net.parameters(), lr=1e-2)
-    for _ in range(500):
-        adam.zero_grad()
-        objective().backward()
-        adam.step()
-    lbfgs = torch.optim.LBFGS(net.parameters(), max_iter=300, line_search_fn="strong_wolfe")
-
-    def closure():
-        lbfgs.zero_grad()
-        loss = objective()
-        loss.backward()
-        return loss
-
-    lbfgs.step(closure)
-    for p in net.parameters():
-        p.grad = None
-    return net.eval()
+    return fit_map(net, objective, adam_steps=500, lbfgs_iterations=300)
 
 
 def accuracy(model, x, y) -> float:

@@ -36,12 +36,16 @@ import math
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import gpytorch
 import torch
 from torch import nn
 
-from ntkgp._doctable import write_block
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or with -m
+from map_fit import fit_map  # noqa: E402
+
+from ntkgp._doctable import write_block  # noqa: E402
 from ntkgp.likelihoods import SoftmaxLikelihood, log_likelihood
 from ntkgp.metrics import categorical_nlpd, expected_calibration_error
 from ntkgp.posteriors import laplace_posterior
@@ -103,27 +107,11 @@ def cnn() -> nn.Module:
 
 def train(net: nn.Module, x, y, loss_fn: Callable, steps: int) -> nn.Module:
     """Full-batch Adam on the negative log joint (sum over the data + δ/2 ‖θ‖²), then L-BFGS to a MAP."""
-    opt = torch.optim.Adam(net.parameters(), lr=1e-2)
 
     def objective():
         return loss_fn(net(x), y) + 0.5 * DELTA * sum(p.square().sum() for p in net.parameters())
 
-    for _ in range(steps):
-        opt.zero_grad()
-        objective().backward()
-        opt.step()
-    lbfgs = torch.optim.LBFGS(net.parameters(), max_iter=200, line_search_fn="strong_wolfe")
-
-    def closure():
-        lbfgs.zero_grad()
-        loss = objective()
-        loss.backward()
-        return loss
-
-    lbfgs.step(closure)
-    for p in net.parameters():
-        p.grad = None
-    return net.eval()
+    return fit_map(net, objective, adam_steps=steps, lbfgs_iterations=200)
 
 
 def gaussian_loss(f, y):
