@@ -117,6 +117,19 @@ class Store:
         return result
 
 
+def run_grid(store: Store, data_dir: Path | None, datasets: Iterable[str], count: int,
+             key: Callable[[str, int], str], run: Callable[[Path, str, int], dict]) -> dict[str, list[dict]]:
+    """Every run ``i < count`` of every data set through ``store`` (stored results are loaded, missing ones run
+    unless ``data_dir`` is ``None``), grouped by data set."""
+    runs: dict[str, list[dict]] = {}
+    for dataset in datasets:
+        for i in range(count):
+            r = store.run(key(dataset, i), lambda: run(data_dir, dataset, i), enabled=data_dir is not None)
+            if r is not None:
+                runs.setdefault(dataset, []).append(r)
+    return runs
+
+
 def mean_se(values: Iterable[float]) -> tuple[float, float, int]:
     """Mean, standard error (``std(ddof=1) / sqrt(n)``, NaN for n < 2) and n of the finite values."""
     xs = [float(v) for v in values if v is not None and math.isfinite(float(v))]

@@ -109,14 +109,14 @@ def main() -> None:
     args.splits = args.splits or 1
     args.epochs = args.epochs or 10_000
     data_dir = _common.setup(args)
-    store = _common.Store(args.out)
+    runs = _common.run_grid(
+        _common.Store(args.out), data_dir, args.datasets, args.splits,
+        lambda d, split: f"{d}_split{split}_e{args.epochs}_F{args.frequency}_K{args.hyper_steps}",
+        lambda folder, d, split: run_one(folder, d, split, args))
     rows = []
     for dataset in args.datasets:
-        for split in range(args.splits):
-            key = f"{dataset}_split{split}_e{args.epochs}_F{args.frequency}_K{args.hyper_steps}"
-            r = store.run(key, lambda: run_one(data_dir, dataset, split, args), enabled=data_dir is not None)
-            if r is None:
-                continue
+        for r in runs.get(dataset, []):
+            split = r["split"]
             rows.append([dataset, str(split), f"{r['nll_map']:.2f}", f"{r['nll_glm_full_ef']:.2f}",
                          f"{r['nll_glm_full_ggn']:.2f}", f"{r['mean_r2_over_sigma2']:.3f}",
                          f"{r['mean_var_f_full_ef']:.4g}", f"{r['mean_var_f_full_ggn']:.4g}", f"{r['noise']:.4g}"])

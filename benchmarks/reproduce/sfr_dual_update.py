@@ -179,14 +179,10 @@ def main() -> None:
     args.splits = args.splits or 3
     args.max_steps = args.max_steps or 20_000
     data_dir = _common.setup(args)
-    store = _common.Store(args.out)
-    runs: dict[str, list[dict]] = {}
-    for dataset in args.datasets:
-        for split in range(args.splits):
-            k = f"{dataset}_split{split}_delta{args.delta:g}_max{args.max_steps}_M{args.inducing_fraction:g}_valnoise"
-            r = store.run(k, lambda: run_one(data_dir, dataset, split, args), enabled=data_dir is not None)
-            if r is not None:
-                runs.setdefault(dataset, []).append(r)
+    runs = _common.run_grid(
+        _common.Store(args.out), data_dir, args.datasets, args.splits,
+        lambda d, split: f"{d}_split{split}_delta{args.delta:g}_max{args.max_steps}_M{args.inducing_fraction:g}_valnoise",
+        lambda folder, d, split: run_one(folder, d, split, args))
     header = ["route"] + [f"{d}: NLPD (n)" for d in args.datasets] + [f"{d}: seconds" for d in args.datasets]
     rows = []
     for route, label in ROUTES:

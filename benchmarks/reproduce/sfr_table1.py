@@ -201,14 +201,10 @@ def main() -> None:
     args.seeds = args.seeds or 5
     args.max_steps = args.max_steps or 50_000
     data_dir = _common.setup(args)
-    store = _common.Store(args.out)
-    runs: dict[str, list[dict]] = {}
-    for dataset in args.datasets:
-        for seed in range(args.seeds):
-            k = f"{dataset}_seed{seed}_delta{args.delta:g}_lr{args.lr:g}_max{args.max_steps}_ev{args.evidence_steps}"
-            r = store.run(k, lambda: run_one(data_dir, dataset, seed, args), enabled=data_dir is not None)
-            if r is not None:
-                runs.setdefault(dataset, []).append(r)
+    runs = _common.run_grid(
+        _common.Store(args.out), data_dir, args.datasets, args.seeds,
+        lambda d, seed: f"{d}_seed{seed}_delta{args.delta:g}_lr{args.lr:g}_max{args.max_steps}_ev{args.evidence_steps}",
+        lambda folder, d, seed: run_one(folder, d, seed, args))
     regions = REGIONS if args.delta == DEFAULT_DELTA else OTHER_DELTA_REGIONS
     header = ["method", "paper column"] + [f"{d}: ntkgp (n) / paper" for d in args.datasets]
     rows, outside = [], []
