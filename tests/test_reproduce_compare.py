@@ -1,13 +1,16 @@
 """The verdict rule of the reproduction tables (benchmarks/reproduce/_common.py: ``compare``)."""
 
+import importlib.util
 import math
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "reproduce"))
-import _common  # noqa: E402
+# Loaded under its own name: examples/ has a module called _common too, and neither may shadow the other.
+_SPEC = importlib.util.spec_from_file_location(
+    "reproduce_common", Path(__file__).resolve().parents[1] / "benchmarks" / "reproduce" / "_common.py")
+_common = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(_common)
 
 
 @pytest.mark.parametrize(
