@@ -82,12 +82,3 @@ def cholesky(a: torch.Tensor, name: str = "matrix", max_tries: int | None = None
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     return factor
 
-
-def __getattr__(name: str):
-    # The block algebra moved to ntkgp.laplace.algebra (imported lazily: this module is below ntkgp.laplace).
-    if name in ("block_apply", "block_sandwich", "site_cholesky"):
-        from .laplace import algebra
-
-        warnings.warn(f"ntkgp.linalg.{name} moved to ntkgp.laplace.algebra.{name}", DeprecationWarning, stacklevel=2)
-        return getattr(algebra, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -83,10 +83,3 @@ def test_low_rank_log_det_is_the_determinant_lemma():
     big = dense_factor(blocks)
     reference = torch.linalg.slogdet(torch.eye(n * k, dtype=torch.float64) + big.T @ root @ root.T @ big)[1]
     assert abs(low_rank_log_det(blocks, root) - reference) < 1e-10
-
-
-def test_old_linalg_names_are_deprecated_aliases():
-    import ntkgp.linalg
-
-    with pytest.warns(DeprecationWarning, match="ntkgp.laplace.algebra"):
-        assert ntkgp.linalg.site_cholesky is site_cholesky
