@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 import ntkgp
-from ntkgp._doctable import markdown_table, write_block
+from ntkgp._doctable import command_line, markdown_table, write_block
 from ntkgp.laplace import EvidenceOptions
 from ntkgp.laplace.routes import dense_memory_bytes
 from ntkgp.likelihoods import SoftmaxLikelihood
@@ -363,8 +363,7 @@ def main() -> None:
         print(json.dumps(one_run(args.one[0], int(args.one[1]))))
         return
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs")
-    shown = ["DATA" if previous == "--data-dir" else token for previous, token in zip(["", *sys.argv[1:]], sys.argv[1:])]
-    command = "python " + " ".join(["benchmarks/evidence_scale.py", *shown])  # the data folder written as DATA
+    command = command_line()
     threads = f"torch.set_num_threads({torch.get_num_threads()})"
     if args.part in ("formulas", "all"):
         table = formulas_table()

@@ -18,12 +18,39 @@ import datetime
 import os
 import platform
 import re
+import shlex
+import sys
 from pathlib import Path
 
-__all__ = ["write_block", "markdown_table", "block_pattern", "REPO_ROOT"]
+__all__ = ["write_block", "markdown_table", "block_pattern", "command_line", "REPO_ROOT"]
 
 #: The repository root (this file lives in ``ntkgp/``).
 REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+#: Options whose values are machine-specific, and what a footer writes in their place.
+PLACEHOLDERS = {"--data-dir": "DATA", "--laplace-python": "LAPLACE_PYTHON"}
+
+
+def command_line() -> str:
+    """The running script's command as typed from the repository root, for a footer: the data folder written
+    as ``DATA`` and the laplace-torch interpreter as ``LAPLACE_PYTHON`` (:data:`PLACEHOLDERS`)."""
+    out = []
+    placeholder = None
+    for token in sys.argv[1:]:
+        if placeholder:
+            out.append(placeholder)
+            placeholder = None
+            continue
+        option = token.split("=", 1)[0]
+        if option in PLACEHOLDERS:
+            if "=" in token:
+                token = f"{option}={PLACEHOLDERS[option]}"
+            else:
+                placeholder = PLACEHOLDERS[option]
+        out.append(token)
+    argv = [os.path.relpath(sys.argv[0], REPO_ROOT), *out]
+    return "python " + " ".join(shlex.quote(t) for t in argv)
 
 
 def block_pattern(name: str | None = None) -> re.Pattern:

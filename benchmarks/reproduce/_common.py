@@ -23,8 +23,6 @@ import json
 import math
 import os
 import platform
-import shlex
-import sys
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -32,7 +30,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ntkgp._doctable import REPO_ROOT, markdown_table, write_block
+from ntkgp._doctable import REPO_ROOT, command_line, markdown_table, write_block
 from ntkgp.datasets import resolve_data_dir
 
 DOC = "docs/reproductions.md"
@@ -58,30 +56,6 @@ def setup(args: argparse.Namespace) -> Path | None:
     if args.table_only:
         return None
     return resolve_data_dir(args.data_dir)
-
-
-PLACEHOLDERS = {"--data-dir": "DATA", "--laplace-python": "LAPLACE_PYTHON"}
-
-
-def command_line() -> str:
-    """The command as typed from the repository root, with the data folder written as ``DATA`` and the
-    laplace-torch interpreter as ``LAPLACE_PYTHON``."""
-    argv, out = [], []
-    placeholder = None
-    for token in sys.argv[1:]:
-        if placeholder:
-            out.append(placeholder)
-            placeholder = None
-            continue
-        option = token.split("=", 1)[0]
-        if option in PLACEHOLDERS:
-            if "=" in token:
-                token = f"{option}={PLACEHOLDERS[option]}"
-            else:
-                placeholder = PLACEHOLDERS[option]
-        out.append(token)
-    argv = [os.path.relpath(sys.argv[0], REPO_ROOT), *out]
-    return "python " + " ".join(shlex.quote(t) for t in argv)
 
 
 class Store:
