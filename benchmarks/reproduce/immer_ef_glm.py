@@ -45,13 +45,11 @@ REGION = "immer-ef-glm"
 def run_one(data_dir, dataset: str, split: int, args) -> dict:
     data = load_uci_regression(data_dir, dataset, split=split)
     result, seconds = immer_table1.train_run(data, "full_ef", split, args)
-    noise = float(result.likelihood.noise.detach().reshape(-1)[0])
+    _, noise, nll_map = immer_table1.map_prediction(result, data)
     with torch.no_grad():
-        f_test = result.net(data.x_test)
         residuals = result.net(data.x_train).reshape(-1) - data.y_train.reshape(-1)
     out = {"dataset": dataset, "split": split, "epochs": args.epochs, "train_seconds": seconds, "noise": noise,
-           "prior_precision": result.prior_precision.tolist(),
-           "nll_map": metrics.gaussian_nlpd(f_test, torch.full_like(f_test, noise), data.y_test, y_scale=data.y_std),
+           "prior_precision": result.prior_precision.tolist(), "nll_map": nll_map,
            "mean_r2_over_sigma2": float((residuals.square() / noise).mean())}
     for structure in ("full_ef", "full_ggn"):
         mean, var = immer_table1.glm_prediction(result, data, structure, args)

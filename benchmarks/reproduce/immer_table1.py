@@ -114,13 +114,18 @@ def glm_prediction(result, data, structure: str, args) -> tuple[torch.Tensor, to
     return prediction.f.mean.detach().reshape(-1, 1), prediction.f.variance.detach().reshape(-1, 1)
 
 
-def run_one(data_dir, dataset: str, split: int, structure: str, args) -> dict:
-    data = load_uci_regression(data_dir, dataset, split=split)
-    result, train_seconds = train_run(data, structure, split, args)
+def map_prediction(result, data) -> tuple[torch.Tensor, float, float]:
+    """The MAP predictive N(f(x*), σ²) at the test inputs: ``(f(x*), σ², test NLL in the original units)``."""
     noise = float(result.likelihood.noise.detach().reshape(-1)[0])
     with torch.no_grad():
         f = result.net(data.x_test)
-    nll_map = metrics.gaussian_nlpd(f, torch.full_like(f, noise), data.y_test, y_scale=data.y_std)
+    return f, noise, metrics.gaussian_nlpd(f, torch.full_like(f, noise), data.y_test, y_scale=data.y_std)
+
+
+def run_one(data_dir, dataset: str, split: int, structure: str, args) -> dict:
+    data = load_uci_regression(data_dir, dataset, split=split)
+    result, train_seconds = train_run(data, structure, split, args)
+    f, noise, nll_map = map_prediction(result, data)
     start = time.perf_counter()
     try:
         mean, var = glm_prediction(result, data, structure, args)
