@@ -30,14 +30,13 @@ core, whatever else runs on the machine.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 
 import torch
 from torch import nn
 from torch.func import functional_call, jacrev, vmap
 
-from ntkgp._doctable import markdown_table, write_block
+from ntkgp._doctable import command_line, markdown_table, write_block
 from ntkgp.fsvi import FSVI, FunctionSpaceELBO, gaussian_kl
 from ntkgp.likelihoods import SoftmaxLikelihood, log_likelihood
 
@@ -233,10 +232,8 @@ def main() -> None:
         rows = [[name, f"{1e3 * wall[name]:.1f}", f"{wall[name] / wall[map_]:.2f}", f"{1e3 * cpu[name]:.1f}",
                  f"{cpu[name] / cpu[map_]:.2f}"] for name in steps]
         table = markdown_table(["step", "wall ms / step", "÷ MAP (wall)", "CPU ms / step", "÷ MAP (CPU)"], rows)
-        command = "python benchmarks/fsvi.py --write-docs" + "".join(
-            f" {a}" for a in sys.argv[1:] if a != "--write-docs")
         text = f"{settings}.\n\n{table}\n\n" + "\n".join(f"- {v}." for v in verdicts)
-        print("wrote", write_block(DOC, REGION, text, command))
+        print("wrote", write_block(DOC, REGION, text, command_line()))
 
 if __name__ == "__main__":
     main()

@@ -45,7 +45,7 @@ from gpytorch.likelihoods import GaussianLikelihood
 from torch import nn
 
 from ntkgp import NTKGP, SFR, metrics, plotting
-from ntkgp._doctable import write_block
+from ntkgp._doctable import command_line, write_block
 from ntkgp.datasets import gap_regression, two_moons
 from ntkgp.fsvi import BatchMixedContext, MonochromeContext, UniformBoxContext, train_fsvi
 from ntkgp.likelihoods import LogisticLikelihood, SoftmaxLikelihood, log_likelihood
@@ -276,8 +276,7 @@ def main() -> int:
         note = ("With `--quick` (a smoke test: 60 steps for the 1-D problems, one epoch on 200 digits; the models "
                 "are not converged, so the numbers show that everything runs, not how the methods compare).\n\n"
                 if args.quick else "")
-        command = "python examples/fsvi.py --write-docs" + "".join(f" {a}" for a in sys.argv[1:] if a != "--write-docs")
-        print("wrote", write_block(DOC, REGION, note + table, command))
+        print("wrote", write_block(DOC, REGION, note + table, command_line()))
     return 0
 
 
