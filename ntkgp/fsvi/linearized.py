@@ -47,57 +47,82 @@ Params = Mapping[str, Tensor]
 
 class _PairContraction(torch.autograd.Function):
     r""":math:`T_{n c, m d} = \sum_i \gamma_{1, n c i} B_{n m i} \gamma_{2, m d i}` as ``(N1, C, N2·C)``, by chunks of
-    rows ``n``.
+    columns ``m``, every step a batched matrix product over ``m``.
 
-    Autograd through the broadcast product ``B[n, m, i] γ2[m, d, i]`` would keep the ``N1·N2·C·d_out`` product
-    for the backward pass and reduce over broadcast dimensions there, which on a CPU is memory-bound and
-    dominated FSVI's step. Here the product is formed for a few rows at a time (small enough to stay in cache)
-    in the forward pass and formed again in the backward pass, whose gradients are two batched products and
-    two contiguous reductions per chunk. First-order only (FSVI needs the gradient of its objective, not its
-    Hessian)."""
+    With :math:`W_{m, nc, i} = \gamma_{1, nci} B_{nmi}` (one element-wise product per chunk),
+    :math:`T_{\cdot, m \cdot} = W_m \gamma_{2, m}^\top` is a product of a ``(N1·C, d_out)`` and a ``(d_out, C)``
+    matrix for each ``m``. The backward pass uses the same shapes: with the output gradient :math:`\bar T_m`
+    ``(N1·C, C)``, :math:`\bar\gamma_{2, m} = \bar T_m^\top W_m`, :math:`V_m = \bar T_m \gamma_{2, m}` and then
+    :math:`\bar B_{nmi} = \sum_c \gamma_{1,nci} V_{m,nci}` and :math:`\bar\gamma_{1,nci} = \sum_m B_{nmi} V_{m,nci}`.
+    Autograd through a broadcast product would keep the ``N1·N2·C·d_out`` product for the backward pass and
+    reduce over the broadcast dimensions there, which on a CPU is memory-bound and dominated FSVI's step.
 
-    CHUNK_ELEMENTS = 2**16  # elements of one chunk's product (256 KiB in float32; tuned on the benchmark of docs/fsvi.md)
+    ``symmetric=True`` (the same :math:`\gamma` on both sides, ``B`` symmetric: a covariance) computes only the
+    blocks :math:`n \le m` and mirrors them (half the work, forward and backward); the backward pass then takes
+    the gradient of each computed block from both places it fills, :math:`\bar T_{nm} + \bar T_{mn}^\top`. The
+    lower blocks of ``B`` receive no gradient (they are not read). First-order only (FSVI needs the gradient of
+    its objective, not its Hessian)."""
+
+    CHUNK_ELEMENTS = 2**20  # elements of one chunk's W (512 KiB in float32: stays in cache; tuned on docs/fsvi.md's benchmark)
 
     @staticmethod
-    def _chunk(n2: int, c: int, d_out: int) -> int:
-        return max(1, _PairContraction.CHUNK_ELEMENTS // (n2 * c * d_out))
+    def _chunk(n1: int, c: int, d_out: int) -> int:
+        return max(1, _PairContraction.CHUNK_ELEMENTS // (n1 * c * d_out))
 
     @staticmethod
-    def forward(ctx, g1: Tensor, b: Tensor, g2: Tensor) -> Tensor:
+    def _weighted(g1: Tensor, b: Tensor, s: int, e: int) -> Tensor:
+        """:math:`W_{m, n c, i}` for the columns ``s ≤ m < e``, ``(e - s, N1·C, d_out)``."""
+        n1, c, d_out = g1.shape
+        return (g1[None] * b[:, s:e].transpose(0, 1).contiguous()[:, :, None, :]).view(e - s, n1 * c, d_out)
+
+    @staticmethod
+    def forward(ctx, g1: Tensor, b: Tensor, g2: Tensor, symmetric: bool = False) -> Tensor:
         n1, c, d_out = g1.shape
         n2 = g2.shape[0]
-        g2t = g2.permute(2, 0, 1)  # (d_out, N2, C)
-        out = g1.new_empty(n1, c, n2 * c)
-        step = _PairContraction._chunk(n2, c, d_out)
-        for s in range(0, n1, step):
-            u = b[s : s + step].transpose(1, 2)[..., None] * g2t  # (k, d_out, N2, C)
-            out[s : s + step] = torch.bmm(g1[s : s + step], u.reshape(-1, d_out, n2 * c))
+        out = g1.new_empty(n1, c, n2, c)
+        step = _PairContraction._chunk(n1, c, d_out)
+        for s in range(0, n2, step):
+            e = min(s + step, n2)
+            r = e if symmetric else n1  # rows n < e suffice for the blocks n ≤ m
+            t = torch.bmm(_PairContraction._weighted(g1[:r], b[:r], s, e), g2[s:e].transpose(1, 2))
+            t = t.view(e - s, r, c, c).permute(1, 2, 0, 3)  # (r, C, k, C)
+            out[:r, :, s:e] = t
+            if symmetric and s > 0:
+                out[s:e, :, :s] = t[:s].permute(2, 3, 0, 1)
         ctx.save_for_backward(g1, b, g2)
-        return out
+        ctx.symmetric = symmetric
+        return out.view(n1, c, n2 * c)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad: Tensor):
         g1, b, g2 = ctx.saved_tensors
+        symmetric = ctx.symmetric
         n1, c, d_out = g1.shape
         n2 = g2.shape[0]
-        g2t = g2.permute(2, 0, 1)
-        grad_g1 = torch.empty_like(g1) if ctx.needs_input_grad[0] else None
-        grad_b = torch.empty_like(b) if ctx.needs_input_grad[1] else None
-        grad_g2t = g2.new_zeros(d_out, n2, c) if ctx.needs_input_grad[2] else None
-        step = _PairContraction._chunk(n2, c, d_out)
-        for s in range(0, n1, step):
-            bt = b[s : s + step].transpose(1, 2)[..., None]  # (k, d_out, N2, 1)
-            gs = grad[s : s + step]  # (k, C, N2·C)
-            if grad_g1 is not None:
-                u = (bt * g2t).reshape(-1, d_out, n2 * c)
-                grad_g1[s : s + step] = torch.bmm(gs, u.transpose(1, 2))
-            grad_u = torch.bmm(g1[s : s + step].transpose(1, 2), gs).view(-1, d_out, n2, c)
-            if grad_b is not None:
-                grad_b[s : s + step] = (grad_u * g2t).sum(-1).transpose(1, 2)
-            if grad_g2t is not None:
-                grad_g2t += (grad_u * bt).sum(0)
-        return grad_g1, grad_b, None if grad_g2t is None else grad_g2t.permute(1, 2, 0)
+        need_g1, need_b, need_g2 = ctx.needs_input_grad[:3]
+        grad = grad.reshape(n1, c, n2, c)
+        if symmetric:  # each block n < m was used twice (T_nm and its mirror), the diagonal blocks once
+            upper = torch.ones(n1, n1, dtype=torch.bool, device=grad.device).triu(1)
+            grad = torch.where(upper[:, None, :, None], grad + grad.permute(2, 3, 0, 1), grad)
+            grad = grad * upper.logical_or(torch.eye(n1, dtype=torch.bool, device=grad.device))[:, None, :, None]
+        grad_g1 = g1.new_zeros(n1, c, d_out) if need_g1 else None
+        grad_b = (torch.zeros_like if symmetric else torch.empty_like)(b) if need_b else None
+        grad_g2 = torch.empty_like(g2) if need_g2 else None
+        step = _PairContraction._chunk(n1, c, d_out)
+        for s in range(0, n2, step):
+            e = min(s + step, n2)
+            k, r = e - s, (e if symmetric else n1)
+            gm = grad[:r, :, s:e].permute(2, 0, 1, 3).reshape(k, r * c, c)  # T̄_m, (k, r·C, C)
+            if need_g2:
+                grad_g2[s:e] = torch.bmm(gm.transpose(1, 2), _PairContraction._weighted(g1[:r], b[:r], s, e))
+            if need_g1 or need_b:
+                v = torch.bmm(gm, g2[s:e]).view(k, r, c, d_out)  # V_m
+                if need_b:
+                    grad_b[:r, s:e] = (v * g1[None, :r]).sum(2).transpose(0, 1)
+                if need_g1:
+                    grad_g1[:r] += (v * b[:r, s:e].transpose(0, 1).contiguous()[:, :, None, :]).sum(0)
+        return grad_g1, grad_b, grad_g2, None
 
 
 @dataclass
@@ -286,7 +311,7 @@ class LinearizedNetwork:
             if c == 1:
                 term = ((g1[:, 0, None, :] * b) * g2[None, :, 0, :]).sum(-1)
             else:
-                term = _PairContraction.apply(g1, b, g2)  # (N1, C, N2·C)
+                term = _PairContraction.apply(g1, b, g2, symmetric)  # (N1, C, N2·C)
             total = total + term.reshape(n1 * c, n2 * c)
         for n in f1.jacobians:
             v = variances[n]

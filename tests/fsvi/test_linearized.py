@@ -141,10 +141,11 @@ def test_errors_name_the_argument():
         lin.prepare(torch.randn(2, 4), next(ref.mlp().parameters()), "x_test")
 
 
-@pytest.mark.parametrize("chunk_elements", [1, 50, 2**18])
+@pytest.mark.parametrize("chunk_elements", [1, 50, 100, 2**18])
 def test_pair_contraction_value_and_gradients_against_autograd(monkeypatch, chunk_elements):
-    """The chunked contraction T[n,c,m,d] = Σ_i γ1[n,c,i] B[n,m,i] γ2[m,d,i] (one row per chunk, a few, all)
-    equals the einsum, and its hand-written backward passes torch.autograd.gradcheck."""
+    """The chunked contraction T[n,c,m,d] = Σ_i γ1[n,c,i] B[n,m,i] γ2[m,d,i] (one column per chunk, a few, all)
+    equals the einsum, and its hand-written backward passes torch.autograd.gradcheck; so does the symmetric
+    variant (blocks n ≤ m computed and mirrored)."""
     from ntkgp.fsvi.linearized import _PairContraction
 
     monkeypatch.setattr(_PairContraction, "CHUNK_ELEMENTS", chunk_elements)
@@ -155,7 +156,13 @@ def test_pair_contraction_value_and_gradients_against_autograd(monkeypatch, chun
     reference = torch.einsum("nci,nmi,mdi->ncmd", g1, b, g2).reshape(5, 3, 18)
     torch.testing.assert_close(_PairContraction.apply(g1, b, g2), reference, rtol=1e-12, atol=1e-12)
     assert torch.autograd.gradcheck(_PairContraction.apply, (g1, b, g2))
-    # the symmetric use: the same γ on both sides
+    # the same γ on both sides, general and symmetric routes
     g = g2.detach().clone().requires_grad_()
     bs = torch.randn(6, 6, 4, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda gg, bb: _PairContraction.apply(gg, bb, gg), (g, bs))
+    sym = (bs + bs.transpose(0, 1)).detach() / 2
+    torch.testing.assert_close(_PairContraction.apply(g, sym, g, True),
+                               torch.einsum("nci,nmi,mdi->ncmd", g, sym, g).reshape(6, 3, 18), rtol=1e-12, atol=1e-12)
+    # the symmetric route reads only the blocks n ≤ m of B: differentiate through a symmetric B
+    assert torch.autograd.gradcheck(
+        lambda gg, bb: _PairContraction.apply(gg, (bb + bb.transpose(0, 1)) / 2, gg, True), (g, bs))
