@@ -63,7 +63,7 @@ class _PairContraction(torch.autograd.Function):
     lower blocks of ``B`` receive no gradient (they are not read). First-order only (FSVI needs the gradient of
     its objective, not its Hessian)."""
 
-    CHUNK_ELEMENTS = 2**20  # elements of one chunk's W (512 KiB in float32: stays in cache; tuned on docs/fsvi.md's benchmark)
+    CHUNK_ELEMENTS = 2**17  # elements of one chunk's W (512 KiB in float32: stays in cache; tuned on docs/fsvi.md's benchmark)
 
     @staticmethod
     def _chunk(n1: int, c: int, d_out: int) -> int:
