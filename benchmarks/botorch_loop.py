@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 
 import gpytorch
@@ -37,7 +36,7 @@ from botorch.test_functions import Hartmann
 from gpytorch.mlls import ExactMarginalLogLikelihood
 
 import ntkgp
-from ntkgp._doctable import markdown_table, write_block
+from ntkgp._doctable import command_line, markdown_table, write_block
 
 D = 6
 NOISE = 0.05**2
@@ -129,7 +128,7 @@ def main() -> None:
     if args.write_docs:
         note = f"Median of {args.repeats} steps, one CPU thread, wall time."
         write_block("docs/gpytorch_and_botorch.md", "botorch-loop", note + "\n\n" + table,
-                    "python benchmarks/botorch_loop.py " + " ".join(sys.argv[1:]))
+                    command_line())
 
 
 if __name__ == "__main__":

@@ -177,17 +177,14 @@ def main() -> None:
         table.append([world, rows.replace("/", " / "), f"{sfr_time:.2f}", f"{kfac_time:.2f}", f"{stats:.1e}",
                       f"{predictive:.1e}", f"{kfac_diff:.1e}"])
     if args.write_docs:
-        import sys
-
-        from ntkgp._doctable import markdown_table, write_block
+        from ntkgp._doctable import command_line, markdown_table, write_block
 
         content = markdown_table(["ranks", "rows per rank", "SFR build, s", "KFAC, s", "statistics",
                                   "predictive and evidence", "KFAC factors and evidence"], table)
         content += (f"\n\n`N = {args.n}`, `M = {args.m}`, MLP {args.d}-{args.width}-{args.width}-{args.c}, "
                     f"float64, `{args.backend}`, {args.threads} thread(s) per rank, best of {args.repeats}; the last "
                     "three columns are the largest difference from one process relative to the magnitude.")
-        write_block("docs/scaling.md", "distributed-benchmark", content,
-                    "python " + " ".join(["benchmarks/distributed.py", *sys.argv[1:]]))
+        write_block("docs/scaling.md", "distributed-benchmark", content, command_line())
 
 
 if __name__ == "__main__":

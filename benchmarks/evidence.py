@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -26,7 +25,7 @@ import torch
 from torch import nn
 
 import ntkgp
-from ntkgp._doctable import markdown_table, write_block
+from ntkgp._doctable import command_line, markdown_table, write_block
 from ntkgp.datasets import load_snelson
 
 
@@ -168,7 +167,7 @@ def write_docs(args, source, n, num_params, ours, theirs) -> None:
                      f"{theirs['evidence0']:.4f} (difference {diff:.1e}, {diff / abs(ours['evidence0']):.1e} relative).")
     note = f"Data: {source}, N = {n}, 1-50-50-50-1 tanh MLP (P = {num_params}); wall times of one run."
     write_block("README.md", "readme-evidence", note + "\n\n" + markdown_table(header, rows) + "\n\n" + agreement,
-                "python benchmarks/evidence.py " + " ".join(sys.argv[1:]) + _with_laplace())
+                command_line() + _with_laplace())
 
 
 def _with_laplace() -> str:

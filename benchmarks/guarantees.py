@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or w
 from map_fit import fit_map  # noqa: E402
 
 import ntkgp  # noqa: E402
-from ntkgp._doctable import markdown_table, write_block
+from ntkgp._doctable import command_line, markdown_table, write_block
 from ntkgp.likelihoods import LogisticLikelihood
 
 DOC = "docs/guarantees.md"
@@ -136,7 +136,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     parser.add_argument("--write-docs", action="store_true", help=f"write the tables into {DOC}")
     args = parser.parse_args()
-    command = "python benchmarks/guarantees.py " + " ".join(sys.argv[1:])
+    command = command_line()
     if "float32" in args.parts:
         table = float32_table()
         print(table)

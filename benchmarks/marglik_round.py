@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import sys
 import time
 
 import gpytorch
@@ -26,7 +25,7 @@ import torch
 from torch import nn
 
 from benchmarks.evidence import _with_laplace, make_data
-from ntkgp._doctable import markdown_table, write_block
+from ntkgp._doctable import command_line, markdown_table, write_block
 from ntkgp.training import train_marglik
 
 
@@ -60,7 +59,7 @@ def main() -> None:
     parser.add_argument("--laplace-steps", type=int, default=5)
     parser.add_argument("--write-docs", action="store_true", help="write the result into README.md")
     args = parser.parse_args()
-    command = "python -m benchmarks.marglik_round " + " ".join(sys.argv[1:]) + _with_laplace()
+    command = command_line() + _with_laplace()
     x, y, source = make_data(args.data_dir)
     net = snelson_net()
     print(f"data: {source}, N = {len(x)}, P = {sum(p.numel() for p in net.parameters())}, float64, K = {args.steps}")

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import sys
 import threading
 import time
 
@@ -22,7 +21,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, jacrev, vmap
 
-from ntkgp._doctable import markdown_table, write_block
+from ntkgp._doctable import command_line, markdown_table, write_block
 from ntkgp.ntk import NTKEngine
 
 
@@ -109,7 +108,7 @@ def main() -> None:
         note = (f"Wall time (best of {args.repeats}) and peak resident-memory growth of one NTK Gram, "
                 f"{torch.get_num_threads()} threads, both sides in the same run.")
         write_block("README.md", "readme-ntk-gram", note + "\n\n" + table,
-                    "python benchmarks/ntk_gram.py " + " ".join(sys.argv[1:]))
+                    command_line())
 
 
 if __name__ == "__main__":

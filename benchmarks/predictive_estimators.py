@@ -45,7 +45,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or with -m
 from map_fit import fit_map  # noqa: E402
 
-from ntkgp._doctable import write_block  # noqa: E402
+from ntkgp._doctable import command_line, write_block  # noqa: E402
 from ntkgp.likelihoods import SoftmaxLikelihood, log_likelihood
 from ntkgp.metrics import categorical_nlpd, expected_calibration_error
 from ntkgp.posteriors import laplace_posterior
@@ -442,7 +442,7 @@ def main() -> None:
     parser.add_argument("--write-docs", action="store_true",
                         help=f"write each case's results into {DOC} (regions {', '.join(REGIONS.values())})")
     args = parser.parse_args()
-    command = "python benchmarks/predictive_estimators.py " + " ".join(sys.argv[1:])
+    command = command_line()
     torch.set_num_threads(args.threads)
     torch.set_default_dtype(DTYPE)  # laplace-torch's curvlinops backend builds matrices in the default dtype
     steps = 100 if args.quick else 1000

@@ -31,7 +31,7 @@ import gpytorch
 import torch
 
 import ntkgp
-from ntkgp._doctable import markdown_table, write_block
+from ntkgp._doctable import command_line, markdown_table, write_block
 from ntkgp.likelihoods import SoftmaxLikelihood
 
 DOC = "docs/ntkgp.md"
@@ -181,9 +181,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     print(settings)
     if args.write_docs:
-        command = "python benchmarks/predictive_mean.py --write-docs" + "".join(
-            f" {a}" for a in sys.argv[1:] if a != "--write-docs")
-        print("wrote", write_block(DOC, REGION, f"{settings}.\n\n{table}", command))
+        print("wrote", write_block(DOC, REGION, f"{settings}.\n\n{table}", command_line()))
 
 
 if __name__ == "__main__":

@@ -98,16 +98,14 @@ def main() -> None:
         print(f"{f'{n}, {m}, {c}':<16}{label:<20}" + "".join(f"{cell:<26}" for cell in cells), flush=True)
         table.append([f"{n}, {m}, {c}", label] + [f"{t:.2f} ({r:.2f})" for t, r in zip(times, REFERENCE[c])])
     if args.write_docs:
-        import sys
-
-        from ntkgp._doctable import markdown_table, write_block
+        from ntkgp._doctable import command_line, markdown_table, write_block
 
         content = markdown_table(["N, M, C", "setting", "build s (public code)", "predict 2000 s (public code)",
                                   "update 1000 s (public code)"], table)
         content += (f"\n\nBest of {args.repeats}, float64, MLP 8-50-50-C, `torch.get_num_threads() = "
                     f"{torch.get_num_threads()}`. The public code's figures in parentheses are constants of the "
                     "script (`REFERENCE`), measured once on a quiet 2-core machine, not in this run.")
-        write_block("docs/sfr.md", "sfr-times", content, "python " + " ".join(["benchmarks/sfr.py", *sys.argv[1:]]))
+        write_block("docs/sfr.md", "sfr-times", content, command_line())
 
 
 if __name__ == "__main__":

@@ -32,9 +32,21 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 PLACEHOLDERS = {"--data-dir": "DATA", "--laplace-python": "LAPLACE_PYTHON"}
 
 
+def _program() -> list[str]:
+    """How the running script was started: ``["-m", "package.module"]`` when run with ``python -m``, else its
+    path relative to the repository root."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    name = getattr(spec, "name", None)
+    if name and name != "__main__":
+        return ["-m", name.removesuffix(".__main__")]
+    return [os.path.relpath(sys.argv[0], REPO_ROOT)]
+
+
 def command_line() -> str:
     """The running script's command as typed from the repository root, for a footer: the data folder written
-    as ``DATA`` and the laplace-torch interpreter as ``LAPLACE_PYTHON`` (:data:`PLACEHOLDERS`)."""
+    as ``DATA`` and the laplace-torch interpreter as ``LAPLACE_PYTHON`` (:data:`PLACEHOLDERS`). A script run
+    with ``python -m package.module`` is written so. A note (such as ``  # with laplace-torch 0.3 importable``)
+    is appended by the caller, after the command."""
     out = []
     placeholder = None
     for token in sys.argv[1:]:
@@ -49,7 +61,7 @@ def command_line() -> str:
             else:
                 placeholder = PLACEHOLDERS[option]
         out.append(token)
-    argv = [os.path.relpath(sys.argv[0], REPO_ROOT), *out]
+    argv = [*_program(), *out]
     return "python " + " ".join(shlex.quote(t) for t in argv)
 
 

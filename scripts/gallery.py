@@ -189,8 +189,9 @@ DEMO_TABLE_REGION = "demo-table"
 
 
 def shown_command(entry: Entry, data_dir: str | None) -> str:
-    """The command as a user types it from the repository root."""
-    data = ["--data-dir", data_dir] if entry.uses_data and data_dir else []
+    """The command as a user types it from the repository root; the data folder, which is machine-specific,
+    is written ``DATA`` (as in the footers, see ``ntkgp._doctable.PLACEHOLDERS``)."""
+    data = ["--data-dir", "DATA"] if entry.uses_data and data_dir else []
     if entry.program == "python":
         return " ".join(["python", *entry.argv, *data])
     if entry.program == "ntkgp":
@@ -241,12 +242,13 @@ def figure_name(entry: Entry, figure: str) -> str:
 def page_text(entry: Entry, data_dir: str | None) -> str:
     """The page around its (empty) generated region."""
     shown = shown_command(entry, data_dir)
-    data_note = "; DATA is the benchmark data folder" if entry.uses_data else ""
+    data_note = (", where `DATA` is the benchmark data folder (see [metrics_and_data.md](../metrics_and_data.md))"
+                 if entry.uses_data else "")
     if entry.quick:
-        run = f"""The full run ({entry.full_note}):
+        run = f"""The full run ({entry.full_note}){data_note}:
 
 ```bash
-# illustrative: the full run takes minutes{data_note}
+# illustrative: the full run takes minutes
 {entry.full_command}
 ```
 

@@ -20,7 +20,7 @@ pytest.importorskip("sklearn")
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
-SHARED_DATA = ROOT.parent / "shared" / "data"
+BENCHMARK_DATA = Path(os.environ.get(DATA_DIR_VARIABLE) or "/nonexistent")  # the data folder, if the user set it
 
 
 def run_example(name: str, args: list[str], monkeypatch, capsys) -> str:
@@ -157,9 +157,9 @@ def test_quick_run_as_in_the_gallery(name, tmp_path, monkeypatch, capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not (SHARED_DATA / "toy").is_dir(), reason="the benchmark data folder is not here")
+@pytest.mark.skipif(not (BENCHMARK_DATA / "toy").is_dir(), reason=f"set {DATA_DIR_VARIABLE} to the benchmark data folder")
 def test_quick_run_on_the_benchmark_data(tmp_path, monkeypatch, capsys):
-    out = run_example("banana_classification", ["--quick", "--data-dir", str(SHARED_DATA), "--output-dir",
+    out = run_example("banana_classification", ["--quick", "--data-dir", str(BENCHMARK_DATA), "--output-dir",
                                                 str(tmp_path)], monkeypatch, capsys)
     assert "data: banana (toy/banana_400_*.csv), N_train = 280" in out
 
