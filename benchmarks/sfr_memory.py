@@ -10,15 +10,17 @@ compared with the formula
     bytes × [S·(G·K)² + (G + 4)·K² + 3·2²⁴]
 
 (``S`` = 1 slot for classification, ``G`` prior groups, the last term the streaming and prediction buffers);
-before the change that stopped keeping ``K_ZZ``, ``B_u`` and ``A`` the constant was ``G + 8``.
+before the change that stopped keeping ``K_ZZ``, ``B_u`` and ``A`` the constant was ``G + 8``. With
+``statistics="combined"`` the statistics and ``K_ZZ`` are one group whatever ``G``: ``bytes × [S·K² + 5·K² + 3·2²⁴]``.
 
 ``--before PATH`` runs every case a second time with the ``ntkgp`` package found in ``PATH`` (a copy of an
 earlier tree) and prints both side by side. ``--write-docs`` writes the regions ``sfr-memory`` (the measured
 table) and ``sfr-memory-mnist`` (the formula at the MNIST scale of issue 11; a computation, not a measurement)
-of docs/scaling.md.
+of docs/scaling.md. ``--mnist-only`` computes (and, with ``--write-docs``, writes) only the second, in a moment.
 
     python benchmarks/sfr_memory.py [--n 1000 --m 512] [--cases float32:network float32:layer ...]
         [--before /tmp/old_tree] [--write-docs]
+    python benchmarks/sfr_memory.py --mnist-only [--write-docs]
 """
 
 from __future__ import annotations
@@ -37,8 +39,12 @@ DOC = "docs/scaling.md"
 OLD_CONSTANT, NEW_CONSTANT = 8, 4
 
 
-def formula(dtype: torch.dtype, groups: int, k: int, slots: int = 1, constant: int = NEW_CONSTANT) -> float:
-    """The bound of docs/scaling.md in MiB: ``bytes × [S·(G·K)² + (G + constant)·K² + 3·2²⁴]``."""
+def formula(
+    dtype: torch.dtype, groups: int, k: int, slots: int = 1, constant: int = NEW_CONSTANT, combined: bool = False
+) -> float:
+    """The bound of docs/scaling.md in MiB: ``bytes × [S·(G·K)² + (G + constant)·K² + 3·2²⁴]``; with
+    ``combined`` (``statistics="combined"``) the statistics and ``K_ZZ`` are one group: ``G = 1`` in it."""
+    groups = 1 if combined else groups
     numbers = slots * (groups * k) ** 2 + (groups + constant) * k**2 + 3 * 2**24
     return numbers * torch.finfo(dtype).bits / 8 / 2**20
 
@@ -101,6 +107,29 @@ def run_case(spec: str, n: int, m: int, tree: str | None = None) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def mnist_table() -> str:
+    """The formulas at the MNIST scale of issue 11 (``M = 2048``, ``C = 10``, float32, ``S = 1``): a computation,
+    not a measurement."""
+    from ntkgp._doctable import markdown_table
+
+    k = 2048 * 10
+    gib = 2**10
+    rows = []
+    for groups, label, combined in ((1, '`"network"`', False), (3, '`"layer"` (3 layers)', False),
+                                    (3, '`"layer"` (3 layers), `statistics="combined"` (one group: `G = 1`)', True)):
+        old = "—" if combined else f"{formula(torch.float32, groups, k, constant=OLD_CONSTANT) / gib:.1f}"
+        stored = 1 if combined else groups
+        rows.append([label, f"{k:,}", old, f"{formula(torch.float32, groups, k, combined=combined) / gib:.1f}",
+                     f"{stored**2 * k**2 * 4 / 2**30:.1f}"])
+    return markdown_table(
+        ["prior structure", "`K = M·C`", "old formula (`G + 8`), GiB", "formula (`G + 4`), GiB",
+         "of which the statistics `(G·K)²`, GiB"], rows)
+
+
+MNIST_NOTE = ("\n\nComputed from the formulas (float32, `S = 1`, `M = 2048`, `C = 10`), not measured: no GPU was "
+              "available.")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--n", type=int, default=1000)
@@ -110,10 +139,20 @@ def main() -> None:
                         help="dtype:prior_structure pairs")
     parser.add_argument("--before", help="a folder holding an earlier ntkgp package, measured side by side")
     parser.add_argument("--write-docs", action="store_true", help=f"write the tables into {DOC}")
+    parser.add_argument("--mnist-only", action="store_true",
+                        help="only the formula table at the MNIST scale (no measurement)")
     parser.add_argument("--case", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.case:
         print(json.dumps(case(*args.case.split(":"), args.n, args.m)))
+        return
+    if args.mnist_only:
+        from ntkgp._doctable import write_block
+
+        print(mnist_table())
+        if args.write_docs:
+            write_block(DOC, "sfr-memory-mnist", mnist_table() + MNIST_NOTE,
+                        "python benchmarks/sfr_memory.py --mnist-only --write-docs")
         return
     print(f"SFR, softmax C = 10, joint coupling, MLP 784-64-64-10, N = {args.n}, M = {args.m}, one thread; MiB",
           flush=True)
@@ -153,20 +192,10 @@ def main() -> None:
             cells.append(f"{same:.0e}")
         table.append(cells)
 
-    # the formula at the MNIST scale of issue 11 (M = 2048, C = 10, float32): a computation, not a measurement
-    k = 2048 * 10
-    gib = 2**10
-    mnist = []
-    for groups, label in ((1, '`"network"`'), (3, '`"layer"` (3 layers)')):
-        mnist.append([label, f"{k:,}", f"{formula(torch.float32, groups, k, constant=OLD_CONSTANT) / gib:.1f}",
-                      f"{formula(torch.float32, groups, k) / gib:.1f}",
-                      f"{groups**2 * k**2 * 4 / 2**30:.1f}"])
     from ntkgp._doctable import markdown_table, write_block
 
     measured = markdown_table(header, table)
-    extrapolated = markdown_table(
-        ["prior structure", "`K = M·C`", "old formula (`G + 8`), GiB", "formula (`G + 4`), GiB",
-         "of which the statistics `(G·K)²`, GiB"], mnist)
+    extrapolated = mnist_table()
     print()
     print(measured)
     print()
@@ -179,8 +208,7 @@ def main() -> None:
                 "one thread on the CPU; each case in a fresh interpreter. \"before\" is the same script run on "
                 "the tree before the change.")
         write_block(DOC, "sfr-memory", measured + note, command)
-        write_block(DOC, "sfr-memory-mnist", extrapolated + "\n\nComputed from the formulas (float32, "
-                    "`S = 1`, `M = 2048`, `C = 10`), not measured: no GPU was available.", command)
+        write_block(DOC, "sfr-memory-mnist", extrapolated + MNIST_NOTE, command)
 
 
 if __name__ == "__main__":

@@ -71,6 +71,13 @@ class OutputCoupling(Option):
     INDEPENDENT = "independent"  #: C systems of size M² (diagonal of the Hessian)
 
 
+class StatisticsMode(Option):
+    """How SFR keeps its dual statistics across the prior groups (``statistics=``)."""
+
+    PER_GROUP = "per_group"  #: per pair of groups: δ may change (and be learned) without the data; G² × the memory
+    COMBINED = "combined"  #: for the combined kernel at the δ of the pass over the data: one group; δ fixed
+
+
 class PriorMean(Option):
     """The GP prior mean of SFR (``prior_mean=``)."""
 

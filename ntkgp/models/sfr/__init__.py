@@ -1,7 +1,8 @@
 r"""SFR: a trained network as a sparse function-space GP (Scannell et al.), as a package.
 
 * :mod:`.model` — :class:`SFR`, the GPyTorch model (construction, update, prediction, evidence);
-* :mod:`.statistics` — :class:`DualStatistics`, the streamed sums over the data, per parameter group;
+* :mod:`.statistics` — :class:`DualStatistics`, the streamed sums over the data, per parameter group (or for
+  the combined kernel at a fixed :math:`\delta`, ``statistics="combined"``);
 * :mod:`.whitening` — the whitened ("SGPR") linear algebra on :math:`K_{ZZ}`, :math:`B_u` (no NTK in it);
 * :mod:`.inducing_points` — random and greedy-variance (pivoted Cholesky) choice of :math:`Z`;
 * :mod:`.predictive` — the predictive's terms at test points, chunk by chunk, with or without input gradients;

@@ -204,8 +204,9 @@ def stream_statistics(
     rows: int,
     argument: str,
     progress: bool = False,
+    prior_precision: Tensor | None = None,
 ) -> DualStatistics:
-    """Fresh :class:`DualStatistics` of ``batches`` at inducing inputs ``z`` (nothing else is changed).
+    r"""Fresh :class:`DualStatistics` of ``batches`` at inducing inputs ``z`` (nothing else is changed).
 
     Args:
         engine: the NTK engine of the network.
@@ -218,13 +219,17 @@ def stream_statistics(
         rows: points per accumulation step.
         argument: prefix for error messages (``"train"``, ``"new"``).
         progress: show a progress bar.
+        prior_precision: ``None`` (statistics per group), or the :math:`\delta` at which the groups are combined
+            (``statistics="combined"``, :class:`DualStatistics`).
 
     Returns:
         The statistics (raises before returning anything if any batch is bad).
     """
     name_x, name_y = data_names(argument)
     c = engine.num_outputs(z)
-    stats = DualStatistics(engine.num_groups, z.shape[0], c, coupling, is_gaussian(likelihood), z.dtype, z.device)
+    stats = DualStatistics(
+        engine.num_groups, z.shape[0], c, coupling, is_gaussian(likelihood), z.dtype, z.device, prior_precision
+    )
     bar = tqdm(desc="SFR dual statistics", unit="pt", disable=not progress, leave=False)
     with torch.no_grad():
         for x, y in batches:

@@ -74,7 +74,8 @@ def iterated_statistics(
         coupling: output coupling.
         mean: prior mean.
         x: the new inputs, prepared ``(b, *example)``; y: their targets.
-        statistics: the model's statistics so far (read only).
+        statistics: the model's statistics so far (read only); the new ones are kept the same way (per group,
+            or combined at the same :math:`\delta`, which must then be ``1/weights``).
         inducing: the factors of :math:`K_{ZZ}` per system at ``weights`` (:func:`~ntkgp.models.sfr.whitening.inducing_factors`).
         weights: group weights :math:`1/\delta` ``(G,)``; slots: the slot weights.
         rows: points per accumulation step.
@@ -140,15 +141,7 @@ def iterated_statistics(
             )
         sites = f.view(b, c)
         kept = statistics.precision.dtype
-        new = DualStatistics(
-            statistics.num_groups,
-            z.shape[0],
-            c,
-            coupling,
-            statistics.gaussian,
-            kept,
-            statistics.precision.device,
-        )
+        new = statistics.empty_like()  # per group, or combined at the same δ
         for s in range(0, b, rows):
             grams, diag = system_grams_and_diagonal(engine, z, x[s : s + rows], coupling)
             rows_ = slice(s, s + rows)

@@ -26,6 +26,7 @@ from ...options import (
     PredictiveMean,
     PriorMean,
     PriorStructure,
+    StatisticsMode,
     choose,
     renamed_argument,
 )
@@ -35,7 +36,7 @@ from .distributed import choose_inducing_inputs_distributed
 from .inducing_points import choose_inducing_inputs
 from .iterated import iterated_statistics
 from .predictive import PosteriorState, PredictiveTerms
-from .statistics import system_grams
+from .statistics import combined_system_gram, system_grams
 from .whitening import inducing_factors, whitened_factors
 
 __all__ = ["SFR"]
@@ -82,6 +83,16 @@ class SFR(BoTorchInterface, GP):
     ``RuntimeError`` (build a new model). In ``eval()`` mode (the state after construction) factorizations are
     cached and detached; in ``train()`` mode they are recomputed with gradients.
 
+    **Combined statistics** (``statistics="combined"``, opt-in). The statistics and :math:`K_{ZZ}` are kept for
+    the combined kernel :math:`\sum_g K_g/\delta_g` at the :math:`\delta` of the pass over the data (recorded in
+    ``sfr.statistics.prior_precision``): ``G²`` times less memory for the statistics, ``G`` times less for
+    :math:`K_{ZZ}` (docs/scaling.md, "Memory of SFR with joint coupling"), the same numbers as the default at
+    that :math:`\delta`. In exchange :math:`\delta` is fixed: the constructor sets
+    ``sfr.covar_module.raw_prior_precision.requires_grad_(False)`` (the noise and the temperature stay
+    differentiable); once :math:`\delta` differs from the recorded one, every call raises ``RuntimeError``
+    (nothing is mixed), and so does a computation that would differentiate through the statistics with respect
+    to :math:`\delta` (if its gradient is switched on again).
+
     Args:
         net: the trained network ``(N, *input_shape) -> (N, C)``; never modified.
         train_x: training inputs ``(N, ...)``, or an iterable of ``(x, y)`` batches (a ``DataLoader``);
@@ -109,6 +120,9 @@ class SFR(BoTorchInterface, GP):
             all-reduced, so every rank holds the model of all the data, and :meth:`update` takes each rank's
             shard of the new data too. Inducing inputs chosen from the data are the ones one process would
             choose from the shards concatenated in rank order (docs/scaling.md, "Several processes and GPUs").
+        statistics: ``"per_group"`` (default: per pair of prior groups, so that :math:`\delta` can change, and
+            be learned by the evidence, without the data) or ``"combined"`` (for the combined kernel at the
+            initial :math:`\delta`, ``G²`` times less memory; :math:`\delta` fixed, see above).
 
     Raises:
         ValueError, TypeError: for any invalid argument, naming it, before anything is computed.
@@ -140,6 +154,7 @@ class SFR(BoTorchInterface, GP):
         chunk_size: int = 1024,
         pool_size: int = 4096,
         distributed: bool = False,
+        statistics: str = "per_group",
         **kwargs,
     ) -> None:
         prior_structure = renamed_argument(kwargs, "groups", "prior_structure", prior_structure, "layer")
@@ -147,6 +162,7 @@ class SFR(BoTorchInterface, GP):
             raise TypeError(f"SFR got unexpected keyword arguments {sorted(kwargs)}")
         super().__init__()
         # ---- validate every argument before anything is computed
+        self.statistics_mode = choose(StatisticsMode, statistics, "statistics")
         self.prior_mean = choose(PriorMean, prior_mean, "prior_mean")
         self.predictive_mean = choose(PredictiveMean, predictive_mean, "predictive_mean")
         self.output_coupling = choose(OutputCoupling, output_coupling, "output_coupling")
@@ -208,13 +224,22 @@ class SFR(BoTorchInterface, GP):
             first = next(pairs)
         z = z.detach().clone()
         self.register_buffer("inducing_points", z)
+        combined = self.statistics_mode is StatisticsMode.COMBINED
+        delta = self.covar_module.prior_precision.detach()
         with together("the pass over train_x", self.distributed):
             self.statistics = stream_statistics(
                 self.engine, likelihood, z, self.output_coupling, self.prior_mean, itertools.chain([first], pairs),
-                self._layout, self._rows_per_step(), "train", progress,
+                self._layout, self._rows_per_step(), "train", progress, prior_precision=delta if combined else None,
             )
         self.statistics.all_reduce_(self.distributed)
-        self.register_buffer("_zz_grams", system_grams(self.engine, z, z, self.output_coupling))
+        # per group: (G, nb, K, K); combined: (1, nb, K, K), K_ZZ(δ) at the δ of the statistics
+        if combined:
+            zz = combined_system_gram(self.engine, z, self.output_coupling, delta.reciprocal(), self._rows_per_step())
+        else:
+            zz = system_grams(self.engine, z, z, self.output_coupling)
+        self.register_buffer("_zz_grams", zz)
+        if combined:  # δ is fixed with combined statistics: no optimizer or evidence gradient should touch it
+            self.covar_module.raw_prior_precision.requires_grad_(False)
         self._guard = StateGuard.of(self.engine, z)
         self._generation = 0  # bumped by load_state_dict
         self._updates = 0  # bumped by update
@@ -271,8 +296,10 @@ class SFR(BoTorchInterface, GP):
         return max(1, (1 << 24) // per_point)
 
     def _check_state(self) -> None:
-        """Raise if the network's weights or the inducing inputs changed since the statistics were computed."""
+        """Raise if the network's weights or the inducing inputs changed since the statistics were computed, or,
+        with combined statistics, the prior precisions."""
         self._guard.check(self.engine, self.inducing_points)
+        self.statistics.check_prior_precision(self.covar_module.prior_precision)
 
     # ------------------------------------------------------------------ conditioning on new data
     def update(
@@ -291,6 +318,9 @@ class SFR(BoTorchInterface, GP):
           old sites, by damped Newton steps (:mod:`~ntkgp.models.sfr.iterated`), at the current prior
           precisions and temperature; a few ``(MC)^3`` solves more, and the new data are held in memory
           during the call.
+
+        With ``statistics="combined"`` the new data are accumulated at the recorded :math:`\delta`, like the old
+        ones; the call raises ``RuntimeError`` (before anything changes) if :math:`\delta` differs from it.
 
         Args:
             x_new: inputs ``(b, ...)``, or an iterable of ``(x, y)`` batches (then ``y_new=None``).
@@ -321,6 +351,7 @@ class SFR(BoTorchInterface, GP):
                 new = stream_statistics(
                     self.engine, self.likelihood, self.inducing_points, self.output_coupling, self.prior_mean,
                     training_batches(x_new, y_new, "new"), self._layout, self._rows_per_step(), "new", self.progress,
+                    prior_precision=self.statistics.prior_precision,
                 )
         self.statistics.add_(new.all_reduce_(self.distributed))
         self._updates += 1
@@ -380,8 +411,11 @@ class SFR(BoTorchInterface, GP):
 
     def _inducing(self, weights: Tensor):
         r"""The factors of :math:`K_{ZZ} = \sum_g w_g K_{g,ZZ}`; :math:`K_{ZZ}` itself is formed, factorized and
-        released (recomputed from the per-group Grams only when needed again)."""
+        released (recomputed from the per-group Grams only when needed again). Combined statistics keep
+        :math:`K_{ZZ}(\delta)` itself, at the :math:`\delta` checked by :meth:`_check_state`: it is used as it is."""
         grams = self._zz_grams
+        if self.statistics.combined:
+            return inducing_factors(lambda: grams[0])
         return inducing_factors(lambda: torch.einsum("g,gbij->bij", weights, grams))
 
     def _solve(self, weights: Tensor, slots: Tensor, inducing) -> PosteriorState:

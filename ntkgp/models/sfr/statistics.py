@@ -1,4 +1,5 @@
-r"""SFR's dual statistics: the training data projected onto the inducing inputs, kept per parameter group.
+r"""SFR's dual statistics: the training data projected onto the inducing inputs, kept per parameter group
+(or, with ``statistics="combined"``, for the combined kernel at fixed prior precisions).
 
 SFR (Scannell et al.) summarizes :math:`N` points by sums over the data (docs/math.md, "SFR"):
 
@@ -16,6 +17,17 @@ the prior precisions (and learning them by the sparse evidence) never touches th
 again. The price is :math:`G^2` times the memory of :math:`B_u` and about :math:`G^2` times the flops of the
 accumulation (one GEMM with the :math:`G` cross-Grams stacked); with ``prior_structure="network"`` (:math:`G = 1`)
 there is no overhead.
+
+**Combined** (``SFR(..., statistics="combined")``). The statistics are accumulated for the combined kernel
+:math:`K = \sum_g w_g K_g` at the :math:`\delta` current when the data are passed, i.e. as one group: each
+batch's cross-Grams are summed with the weights :math:`w_g` before the accumulation, which gives
+:math:`A = \sum_{gh} w_g w_h A_{gh}`, :math:`b = \sum_g w_g b_g`, :math:`t = \sum_g w_g t_g` (equal to rounding)
+in :math:`G^2` times less memory (``(S, K, K)``) and about :math:`G^2` times fewer accumulation flops. The
+:math:`\delta` used is kept in the buffer ``prior_precision``; the statistics hold for that :math:`\delta` only
+and carry no gradient in it, so :meth:`DualStatistics.projected` and :meth:`DualStatistics.trace_term` raise
+for any other weights and for weights that require grad (the model checks :math:`\delta` first, at every
+call, with :meth:`DualStatistics.check_prior_precision`). The slot weights (noise, temperature) are applied afterwards as in the per-group mode, so they stay
+differentiable.
 
 **Why per "slot".** Likelihood hyperparameters stay differentiable too. For Gaussian likelihoods the
 statistics are accumulated without the noise (:math:`\Lambda = 1`, :math:`r = y - m`) and weighted by
@@ -40,7 +52,7 @@ import torch
 from gpytorch.likelihoods import Likelihood
 from torch import Tensor, nn
 
-from ...distributed import all_reduce_sum
+from ...distributed import all_reduce_sum, check_replicated
 from ...likelihoods import (
     gradient,
     hessian,
@@ -52,8 +64,9 @@ from ...likelihoods import (
 )
 from ...ntk import NTKEngine
 from ...options import OutputCoupling, choose
+from .whitening import _symmetrize_
 
-__all__ = ["DualStatistics", "system_grams", "system_grams_and_diagonal"]
+__all__ = ["DualStatistics", "combined_system_gram", "system_grams", "system_grams_and_diagonal"]
 
 
 def system_grams(engine: NTKEngine, x1: Tensor, x2: Tensor, coupling: OutputCoupling | str) -> Tensor:
@@ -86,6 +99,32 @@ def system_grams_and_diagonal(
     return full.unsqueeze(1), engine.diag_blocks(x2) if with_diagonal else None
 
 
+def combined_system_gram(
+    engine: NTKEngine, z: Tensor, coupling: OutputCoupling | str, weights: Tensor, rows: int
+) -> Tensor:
+    r""":math:`K_{ZZ} = \sum_g w_g K_{g,ZZ}` arranged as :func:`system_grams` of ``(Z, Z)``, ``(1, nb, K, K)``.
+
+    Built ``rows`` inducing inputs (columns) at a time, so that the ``G`` per-group Grams are never held at
+    once (``G·K·rows·C'`` numbers per step instead of ``G·K²``), and symmetrized in place.
+
+    Args:
+        engine: the NTK engine; z: the inducing inputs ``(M, *example)``, prepared.
+        coupling: output coupling.
+        weights: group weights :math:`1/\delta`, ``(G,)``.
+        rows: inducing inputs per step.
+    """
+    joint = choose(OutputCoupling, coupling, "output_coupling") is OutputCoupling.JOINT
+    m, c = z.shape[0], engine.num_outputs(z)
+    size, per_point = (m * c, c) if joint else (m, 1)
+    out = torch.empty(1 if joint else c, size, size, dtype=engine.dtype, device=engine.device)
+    for s in range(0, m, rows):
+        e = min(s + rows, m)
+        grams = system_grams(engine, z, z[s:e], coupling)  # (G, nb, K, (e - s)·C')
+        out[..., s * per_point : e * per_point] = torch.tensordot(weights.to(grams), grams, dims=1)
+    _symmetrize_(out)
+    return out.unsqueeze(0)
+
+
 def _add_symmetric_product(out: Tensor, w: Tensor, block: int = 256) -> None:
     """``out += w wᵀ`` for ``w`` ``(..., K, n)``, computing only the lower block triangle and mirroring it
     (about half the flops of the plain product for ``K ≫ block``)."""
@@ -103,7 +142,8 @@ def _add_symmetric_product(out: Tensor, w: Tensor, block: int = 256) -> None:
 class DualStatistics(nn.Module):
     r"""Streamed sums over the training data that define SFR, per parameter group and slot (see module doc).
 
-    Buffers (``S`` slots, ``G`` groups, ``K = M·C`` for joint coupling or ``M`` for independent outputs):
+    Buffers (``S`` slots, ``G`` groups stored, ``K = M·C`` for joint coupling or ``M`` for independent outputs;
+    ``G = 1`` when combined):
 
     * ``precision`` :math:`A`, ``(S, G·K, G·K)``: :math:`\sum_n K_{g,Zn} \Lambda_n K_{h,nZ}` in block ``(g, h)``;
     * ``residual`` :math:`b`, ``(S, G, K)``: :math:`\sum_n K_{g,Zn} r_n`;
@@ -111,9 +151,19 @@ class DualStatistics(nn.Module):
     * ``fit``, ``(S,)``: Gaussian: :math:`\sum_n (y_{nc} - m_{nc})^2`; otherwise
       :math:`\sum_n g_n^\top d_n - \frac12 d_n^\top \Lambda_n d_n`, :math:`d_n = m_n - f_n`;
     * ``log_lik``, ``()``: :math:`\sum_n \log p(y_n|f_n)` (untempered; unused for Gaussian);
-    * ``num_data``: :math:`N`.
+    * ``num_data``: :math:`N`;
+    * ``prior_precision``: combined only (``None`` otherwise, not in the ``state_dict``): the :math:`\delta`,
+      ``(G_kernel,)``, at which the groups were combined.
 
-    Memory ``O(S·(G·K)²)``: never ``O(N²)``.
+    Memory ``O(S·(G·K)²)``, ``O(S·K²)`` combined: never ``O(N²)``.
+
+    Args:
+        num_groups: ``G``, the kernel's prior groups (the groups of the cross-Grams given to :meth:`accumulate`).
+        num_inducing: ``M``; num_outputs: ``C``; coupling: output coupling.
+        gaussian: whether the likelihood is Gaussian (slots per output, noise divided out).
+        dtype, device: of the statistics.
+        prior_precision: ``None`` (per group), or the :math:`\delta` ``(G,)`` at which the groups are combined
+            (``statistics="combined"``).
     """
 
     def __init__(
@@ -125,13 +175,25 @@ class DualStatistics(nn.Module):
         gaussian: bool,
         dtype: torch.dtype,
         device: torch.device,
+        prior_precision: Tensor | None = None,
     ) -> None:
         super().__init__()
         coupling = choose(OutputCoupling, coupling, "output_coupling")
         self.coupling = coupling
         self.gaussian = gaussian
         self.num_outputs = num_outputs
-        self.num_groups = num_groups
+        self.num_inducing = num_inducing
+        self.kernel_groups = num_groups
+        self.combined = prior_precision is not None
+        if self.combined:
+            if prior_precision.shape != (num_groups,):
+                shape = tuple(prior_precision.shape)
+                raise ValueError(f"prior_precision must have shape ({num_groups},), got {shape}")
+            self.register_buffer("prior_precision", prior_precision.detach().to(device=device).clone())
+            num_groups = 1
+        else:
+            self.register_buffer("prior_precision", None)
+        self.num_groups = num_groups  # groups stored
         self.size = num_inducing * num_outputs if coupling is OutputCoupling.JOINT else num_inducing
         slots = num_outputs if (coupling is OutputCoupling.INDEPENDENT or gaussian) else 1
         gk = num_groups * self.size
@@ -146,6 +208,37 @@ class DualStatistics(nn.Module):
     @property
     def num_systems(self) -> int:
         return 1 if self.coupling is OutputCoupling.JOINT else self.num_outputs
+
+    def empty_like(self) -> DualStatistics:
+        r"""Fresh zero statistics of the same structure (groups, slots, dtype, device and combined :math:`\delta`)."""
+        return DualStatistics(
+            self.kernel_groups, self.num_inducing, self.num_outputs, self.coupling, self.gaussian,
+            self.precision.dtype, self.precision.device, self.prior_precision,
+        )
+
+    # ------------------------------------------------------------------ combined statistics: δ is fixed
+    def check_prior_precision(self, prior_precision: Tensor) -> None:
+        r"""Raise ``RuntimeError`` if the statistics are combined and ``prior_precision`` differs from the
+        :math:`\delta` they were accumulated at; a no-op per group. Values within a few units in the last place
+        count as the same (:func:`_same_values`: setting δ back through the constraint's ``log``/``exp`` may
+        move it by one)."""
+        if not self.combined:
+            return
+        current = prior_precision.detach().to(self.prior_precision)
+        if not _same_values(current, self.prior_precision):
+            raise RuntimeError(_changed_message(self.prior_precision, current))
+
+    def _stored_weights(self, weights: Tensor) -> Tensor:
+        """The weights of the stored groups: ``weights`` per group; combined, ``ones(1)`` after checking that
+        ``weights`` are those the statistics were combined at and that no gradient is asked for."""
+        if not self.combined:
+            return weights
+        if torch.is_grad_enabled() and weights.requires_grad:
+            raise RuntimeError(_GRADIENT_MESSAGE)
+        expected = self.prior_precision.reciprocal().to(weights)
+        if not _same_values(weights.detach(), expected):
+            raise RuntimeError(_changed_message(self.prior_precision, weights.reciprocal()))
+        return torch.ones(1, dtype=weights.dtype, device=weights.device)
 
     # ------------------------------------------------------------------ accumulation
     @torch.no_grad()
@@ -162,11 +255,16 @@ class DualStatistics(nn.Module):
 
         Args:
             likelihood: the model's likelihood (its current noise / temperature is divided out).
-            cross: :func:`system_grams` of ``(Z, x_batch)``: ``(G, 1, M·C, b·C)`` or ``(G, C, M, b)``.
+            cross: :func:`system_grams` of ``(Z, x_batch)``: ``(G, 1, M·C, b·C)`` or ``(G, C, M, b)`` (``G`` the
+                kernel's groups; combined statistics sum them with the weights :math:`1/\delta` first).
             diag: per-group diagonal blocks :math:`K_g(x_n, x_n)`, ``(G, b, C, C)``.
             f: network outputs ``(b, C)``; m: prior mean ``(b, C)``; y: targets of the batch.
         """
         b, c = f.shape
+        if self.combined:  # one group: the cross-Grams and point blocks of the combined kernel
+            weights = self.prior_precision.reciprocal().to(cross)
+            cross = torch.tensordot(weights, cross, dims=1).unsqueeze(0)
+            diag = torch.tensordot(weights, diag.to(cross), dims=1).unsqueeze(0)
         g_count = self.num_groups
         if self.gaussian:
             e = validate_targets(likelihood, y, c, num_data=b).to(f) - m  # (b, C), noise divided out
@@ -218,15 +316,29 @@ class DualStatistics(nn.Module):
 
     @torch.no_grad()
     def add_(self, other: DualStatistics) -> DualStatistics:
-        """Add the sums of ``other`` (statistics of more data with the same ``Z``) in place."""
+        r"""Add the sums of ``other`` (statistics of more data with the same ``Z``) in place.
+
+        Raises:
+            ValueError: if one is combined and the other not, or they were combined at different :math:`\delta`.
+        """
+        if self.combined != other.combined or (
+            self.combined and not torch.equal(self.prior_precision, other.prior_precision.to(self.prior_precision))
+        ):
+            raise ValueError(
+                "cannot add dual statistics kept differently (per group and combined, or combined at different "
+                "prior precisions δ)"
+            )
         for name in ("precision", "residual", "trace", "fit", "log_lik", "num_data"):
             getattr(self, name).add_(getattr(other, name))
         return self
 
     @torch.no_grad()
     def all_reduce_(self, enabled: bool = True) -> DualStatistics:
-        """Sum the statistics over the ranks of ``torch.distributed``, in place (each rank summed its shard);
-        a no-op in one process or unless ``enabled`` (:func:`ntkgp.distributed.all_reduce_sum`)."""
+        r"""Sum the statistics over the ranks of ``torch.distributed``, in place (each rank summed its shard);
+        a no-op in one process or unless ``enabled`` (:func:`ntkgp.distributed.all_reduce_sum`). Combined
+        statistics first check that every rank combined at the same :math:`\delta` (not summed)."""
+        if self.combined:
+            check_replicated([self.prior_precision], 'the prior precisions δ of statistics="combined"', enabled)
         all_reduce_sum([getattr(self, name) for name in ("precision", "residual", "trace", "fit", "log_lik", "num_data")],
                        enabled)
         return self
@@ -247,7 +359,10 @@ class DualStatistics(nn.Module):
         :math:`B_u = \sum_{s,g,h} v_s w_g w_h A_{s,gh}` block by block: no temporary of the size of the
         statistics (``S·(G·K)²``), only :math:`B_u` itself (and one block per term when differentiating).
         Both results are fresh tensors, never views of the statistics: the caller may overwrite them.
+        Combined statistics take only the weights they were combined at, without gradient (else
+        ``RuntimeError``).
         """
+        weights = self._stored_weights(weights)
         s, g, k = self.residual.shape
         blocks = self.precision.view(s, g, k, g, k)
         rhs = torch.einsum("g,sgk->sk", weights, self.residual)
@@ -268,8 +383,9 @@ class DualStatistics(nn.Module):
         return out, slot_weights[:, None] * rhs
 
     def trace_term(self, weights: Tensor, slot_weights: Tensor) -> Tensor:
-        r""":math:`\sum_n \operatorname{tr}(\Lambda_n K(x_n, x_n))` at the given weights, a scalar."""
-        return torch.einsum("s,g,sg->", slot_weights, weights, self.trace)
+        r""":math:`\sum_n \operatorname{tr}(\Lambda_n K(x_n, x_n))` at the given weights, a scalar (combined: as
+        :meth:`projected`)."""
+        return torch.einsum("s,g,sg->", slot_weights, self._stored_weights(weights), self.trace)
 
     def data_fit(self, likelihood: Likelihood, slot_weights: Tensor) -> Tensor:
         r"""The part of the Gaussian-site evidence that does not involve the kernel, a scalar.
@@ -282,3 +398,33 @@ class DualStatistics(nn.Module):
             n = self.num_data.to(self.fit)
             return -0.5 * (n * torch.log(2 * math.pi * variance) + self.fit / variance).sum()
         return slot_weights[0] * (self.log_lik + self.fit.sum())
+
+
+_GRADIENT_MESSAGE = (
+    'this SFR was built with statistics="combined": its dual statistics were accumulated at fixed prior '
+    "precisions δ and carry no gradient in δ, so the evidence (or a train()-mode prediction) cannot be "
+    "differentiated with respect to δ. To learn δ by the evidence, build with statistics=\"per_group\"; to "
+    "differentiate in the noise or temperature only, freeze δ first: "
+    "sfr.covar_module.raw_prior_precision.requires_grad_(False) (or compute under torch.no_grad() / in eval() "
+    "mode when no gradient is needed)"
+)
+
+
+def _same_values(a: Tensor, b: Tensor, ulps: int = 16) -> bool:
+    """Same shape and equal to ``ulps`` units of rounding, relatively (a change that small moves the model by
+    as little as rounding does)."""
+    return a.shape == b.shape and torch.allclose(a, b, rtol=ulps * torch.finfo(b.dtype).eps, atol=0.0)
+
+
+def _changed_message(recorded: Tensor, current: Tensor) -> str:
+    def show(t: Tensor) -> str:
+        return "[" + ", ".join(f"{v:.10g}" for v in t.detach().reshape(-1).tolist()) + "]"
+
+    return (
+        f'this SFR was built with statistics="combined": its dual statistics hold the combined kernel '
+        f"Σ_g K_g/δ_g at the prior precisions δ = {show(recorded)} of the pass over the data, and cannot be "
+        f"re-weighted to the current δ = {show(current)}. Set sfr.covar_module.prior_precision back to "
+        "sfr.statistics.prior_precision; or build a new SFR on the data at the new δ (inducing_points="
+        "sfr.inducing_points keeps Z); or use statistics=\"per_group\", whose statistics follow any δ without "
+        "the data (G² times their memory)"
+    )
