@@ -13,14 +13,21 @@ compared with the formula
 before the change that stopped keeping ``K_ZZ``, ``B_u`` and ``A`` the constant was ``G + 8``. With
 ``statistics="combined"`` the statistics and ``K_ZZ`` are one group whatever ``G``: ``bytes × [S·K² + 5·K² + 3·2²⁴]``.
 
+A case is ``dtype:prior_structure``, or ``dtype:prior_structure:combined`` for ``statistics="combined"``
+(measured the same way, compared with the combined formula).
+
 ``--before PATH`` runs every case a second time with the ``ntkgp`` package found in ``PATH`` (a copy of an
 earlier tree) and prints both side by side. ``--write-docs`` writes the regions ``sfr-memory`` (the measured
 table) and ``sfr-memory-mnist`` (the formula at the MNIST scale of issue 11; a computation, not a measurement)
 of docs/scaling.md. ``--mnist-only`` computes (and, with ``--write-docs``, writes) only the second, in a moment.
+``--combined-table`` measures instead ``float32:layer`` and ``float32:layer:combined`` side by side (peaks,
+formulas, and the largest relative difference of the evidence and predictive variances between the two modes)
+and, with ``--write-docs``, writes only the region ``sfr-memory-combined``.
 
     python benchmarks/sfr_memory.py [--n 1000 --m 512] [--cases float32:network float32:layer ...]
         [--before /tmp/old_tree] [--write-docs]
     python benchmarks/sfr_memory.py --mnist-only [--write-docs]
+    python benchmarks/sfr_memory.py --combined-table [--n 300 --m 256] [--write-docs]
 """
 
 from __future__ import annotations
@@ -59,7 +66,8 @@ def _reset_high_water() -> None:
         refs.write("5")
 
 
-def case(dtype_name: str, structure: str, n: int, m: int) -> dict:
+def case(spec: str, n: int, m: int) -> dict:
+    """One case ``dtype:prior_structure[:combined]``, measured in this interpreter."""
     import psutil
     from torch import nn
 
@@ -67,6 +75,10 @@ def case(dtype_name: str, structure: str, n: int, m: int) -> dict:
     from ntkgp.likelihoods import SoftmaxLikelihood
     from ntkgp.models.sfr import SFR
 
+    dtype_name, structure, *mode = spec.split(":")
+    if mode not in ([], ["combined"]):
+        raise ValueError(f"a case is dtype:prior_structure[:combined], got {spec!r}")
+    statistics = "combined" if mode else "per_group"
     torch.set_num_threads(1)
     dtype = getattr(torch, dtype_name)
     c = 10
@@ -77,12 +89,14 @@ def case(dtype_name: str, structure: str, n: int, m: int) -> dict:
     x, y = torch.randn(n, 784, dtype=dtype, generator=g), torch.randint(0, c, (n,), generator=g)
     x_test = torch.randn(200, 784, dtype=dtype, generator=g)
     likelihood = SoftmaxLikelihood(c).to(dtype)
-    SFR(net, x[:40], y[:40], likelihood, num_inducing=4, prior_structure=structure)(x_test[:5]).variance  # warm-up
+    SFR(net, x[:40], y[:40], likelihood, num_inducing=4, prior_structure=structure,  # warm-up
+        statistics=statistics)(x_test[:5]).variance
 
     base = psutil.Process().memory_info().rss / 2**20
     _reset_high_water()
     start = time.perf_counter()
-    sfr = SFR(net, x, y, likelihood, num_inducing=m, prior_structure=structure, output_coupling="joint")
+    sfr = SFR(net, x, y, likelihood, num_inducing=m, prior_structure=structure, output_coupling="joint",
+              statistics=statistics)
     built, build_peak = time.perf_counter() - start, _high_water_mib() - base
     _reset_high_water()
     start = time.perf_counter()
@@ -90,9 +104,11 @@ def case(dtype_name: str, structure: str, n: int, m: int) -> dict:
         variance = sfr(x_test).variance
         evidence = sfr.log_marginal_likelihood()
     solved, solve_peak = time.perf_counter() - start, _high_water_mib() - base
-    return {"dtype": dtype_name, "structure": structure, "groups": sfr.engine.num_groups, "k": m * c,
+    return {"dtype": dtype_name, "structure": structure, "statistics": statistics,
+            "groups": sfr.engine.num_groups, "k": m * c,
             "build_s": built, "solve_s": solved, "build_peak": build_peak, "solve_peak": solve_peak,
             "peak": max(build_peak, solve_peak), "evidence": float(evidence), "variance": float(variance.sum()),
+            "variances": variance.double().flatten().tolist(),
             "ntkgp": os.path.dirname(ntkgp.__file__)}
 
 
@@ -126,6 +142,54 @@ def mnist_table() -> str:
          "of which the statistics `(G·K)²`, GiB"], rows)
 
 
+def _largest_difference(a: dict, b: dict) -> tuple[float, float]:
+    """The relative difference of the evidence, and the largest relative difference of the predictive variances
+    (each point and output), of two cases."""
+    evidence = abs(a["evidence"] - b["evidence"]) / abs(b["evidence"])
+    variances = max(abs(u - v) / abs(v) for u, v in zip(a["variances"], b["variances"], strict=True))
+    return evidence, variances
+
+
+def combined_table(n: int, m: int, write_docs: bool) -> None:
+    """``float32:layer`` with per-group and with combined statistics at the same ``N``, ``M``, side by side."""
+    from ntkgp._doctable import command_line, markdown_table, write_block
+
+    print(f"SFR, softmax C = 10, joint coupling, MLP 784-64-64-10, N = {n}, M = {m}, one thread; MiB", flush=True)
+    results = {}
+    for spec in ("float32:layer", "float32:layer:combined"):
+        result = results[spec] = run_case(spec, n, m)
+        combined = result["statistics"] == "combined"
+        bound = formula(torch.float32, result["groups"], result["k"], combined=combined)
+        print(f"{spec}: G={result['groups']} K={result['k']}: build {result['build_s']:.1f} s, build peak "
+              f"{result['build_peak']:.0f}, factorization peak {result['solve_peak']:.0f} (formula {bound:.0f}, "
+              f"ratio {result['peak'] / bound:.2f}); evidence {result['evidence']:.6g}", flush=True)
+    per_group, combined = results["float32:layer"], results["float32:layer:combined"]
+    evidence, variances = _largest_difference(combined, per_group)
+    print(f"combined against per-group: evidence {evidence:.1e}, variances (largest) {variances:.1e}")
+    labels = {"per_group": ('`"per_group"` (default)', "`S·(G·K)² + (G + 4)·K² + 3·2²⁴`"),
+              "combined": ('`"combined"`', "`S·K² + 5·K² + 3·2²⁴`")}
+    rows = []
+    for result in (per_group, combined):
+        label, expression = labels[result["statistics"]]
+        bound = formula(torch.float32, result["groups"], result["k"], combined=result["statistics"] == "combined")
+        difference = "—" if result is per_group else f"{evidence:.0e} / {variances:.0e}"
+        rows.append([label, f"{result['build_s']:.1f}",
+                     f"{result['peak']:.0f} ({result['build_peak']:.0f} / {result['solve_peak']:.0f})",
+                     expression, f"{bound:.0f}", f"{result['peak'] / bound:.2f}", difference])
+    table = markdown_table(
+        ["`statistics`", "build s", "peak, MiB (build / factorization)", "formula", "formula, MiB",
+         "peak / formula", "rel. diff. from per-group: evidence / variances (largest)"], rows)
+    note = (f"\n\nfloat32, `prior_structure=\"layer\"` (`G = {per_group['groups']}`), N = {n}, M = {m} "
+            f"(`K = {per_group['k']}`, `K² = {per_group['k'] ** 2 * 4 / 2**20:.0f} MiB`), MLP 784-64-64-10, softmax, "
+            "joint coupling, `S = 1`, one thread on the CPU; each case in a fresh interpreter, in the same run. The "
+            "last column compares the evidence and the 200 × 10 predictive variances of the combined case with "
+            "those of the per-group case.")
+    print()
+    print(table)
+    if write_docs:
+        write_block(DOC, "sfr-memory-combined", table + note, command_line())
+
+
 MNIST_NOTE = ("\n\nComputed from the formulas (float32, `S = 1`, `M = 2048`, `C = 10`), not measured: no GPU was "
               "available.")
 
@@ -141,10 +205,16 @@ def main() -> None:
     parser.add_argument("--write-docs", action="store_true", help=f"write the tables into {DOC}")
     parser.add_argument("--mnist-only", action="store_true",
                         help="only the formula table at the MNIST scale (no measurement)")
+    parser.add_argument("--combined-table", action="store_true",
+                        help="measure float32:layer with per-group and with combined statistics side by side "
+                             "(with --write-docs, write only the region sfr-memory-combined)")
     parser.add_argument("--case", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.case:
-        print(json.dumps(case(*args.case.split(":"), args.n, args.m)))
+        print(json.dumps(case(args.case, args.n, args.m)))
+        return
+    if args.combined_table:
+        combined_table(args.n, args.m, args.write_docs)
         return
     if args.mnist_only:
         from ntkgp._doctable import write_block
@@ -162,7 +232,7 @@ def main() -> None:
         after = run_case(spec, args.n, args.m)
         dtype = getattr(torch, after["dtype"])
         unit = after["k"] ** 2 * torch.finfo(dtype).bits / 8 / 2**20
-        new = formula(dtype, after["groups"], after["k"])
+        new = formula(dtype, after["groups"], after["k"], combined=after["statistics"] == "combined")
         old = formula(dtype, after["groups"], after["k"], constant=OLD_CONSTANT)
         same = None if before is None else max(
             abs(before[key] - after[key]) / max(abs(after[key]), 1e-300) for key in ("evidence", "variance"))
@@ -183,7 +253,9 @@ def main() -> None:
         header += ["evidence, variances: largest rel. diff."]
     table = []
     for after, before, unit, old, new, same in rows:
-        cells = [after["dtype"], f"{after['groups']} (`\"{after['structure']}\"`)", f"{unit:.0f}", f"{after['build_s']:.0f}"]
+        mode = ", combined" if after["statistics"] == "combined" else ""
+        cells = [after["dtype"], f"{after['groups']} (`\"{after['structure']}\"`{mode})", f"{unit:.0f}",
+                 f"{after['build_s']:.0f}"]
         if before is not None:
             cells += [f"{before['peak']:.0f} ({before['build_peak']:.0f} / {before['solve_peak']:.0f})", f"{old:.0f}"]
         cells += [f"{after['peak']:.0f} ({after['build_peak']:.0f} / {after['solve_peak']:.0f})", f"{new:.0f}",
