@@ -138,20 +138,34 @@ def _features(engine: NTKEngine, x: Tensor, plan: Plan, graph: bool) -> Features
     return (engine._features(x, plan) if not graph else factored_features(engine, x, plan, graph))[1]
 
 
+def _shared_factor(engine: NTKEngine, kinds: dict[str, int]) -> bool:
+    """Whether the layer's weight and bias are in one group (one term with the factor ``a·a' + 1``)."""
+    group_of = engine.groups.group_of
+    return "weight" in kinds and "bias" in kinds and group_of[kinds["weight"]] == group_of[kinds["bias"]]
+
+
 def _terms(engine: NTKEngine, kinds: dict[str, int], aa: Tensor | None) -> list[tuple[int, Tensor | None]]:
     """(group, factor on the output-gradient kernel or None) for one layer: weight and bias in one group
     share the factor ``a·a' + 1``."""
     group_of = engine.groups.group_of
-    if "weight" in kinds and "bias" in kinds and group_of[kinds["weight"]] == group_of[kinds["bias"]]:
+    if _shared_factor(engine, kinds):
         return [(group_of[kinds["weight"]], aa + 1)]
     return [(group_of[i], aa if k == "weight" else None) for k, i in kinds.items()]
+
+
+def _term_groups(engine: NTKEngine, kinds: dict[str, int]) -> list[int]:
+    """The groups of :func:`_terms`, in the same order."""
+    group_of = engine.groups.group_of
+    return [group_of[kinds["weight"]]] if _shared_factor(engine, kinds) else [group_of[i] for i in kinds.values()]
 
 
 def structured_grams(engine: NTKEngine, out, x1, x2, sym, plan: Plan, c: int, graph: bool) -> set[int]:
     """Write the factored layers' terms into ``out`` ``(G, N1·C, N2·C)``; returns the groups written.
 
-    A group met for the first time is written in place (``mm`` into ``out[g]``, then ``mul_``), so a layer
-    costs one GEMM and one pass over its block; with ``graph`` the same terms are formed out of place.
+    Without ``graph`` every term is formed a block of rows at a time, its input factor ``a·a' (+ 1)`` too: a group
+    met for the first time is written in place (``mm`` into the rows of ``out[g]``, then ``mul_``), later ones are
+    added, so nothing of the size of ``out`` is allocated besides ``out`` itself (temporaries of at most about
+    2²⁴ numbers). With ``graph`` the same terms are formed out of place (differentiable).
     """
     f1 = _features(engine, x1, plan, graph)
     f2 = f1 if sym else _features(engine, x2, plan, graph)
@@ -160,27 +174,34 @@ def structured_grams(engine: NTKEngine, out, x1, x2, sym, plan: Plan, c: int, gr
     for m in plan.factored:
         kinds = plan.structured[m]
         g1, g2 = f1.grads[m], f2.grads[m]
-        aa = f1.inputs[m] @ f2.inputs[m].T if "weight" in kinds else None
-        for g, factor in _terms(engine, kinds, aa):
-            if graph:
+        weight = "weight" in kinds
+        if graph:
+            aa = f1.inputs[m] @ f2.inputs[m].T if weight else None
+            for g, factor in _terms(engine, kinds, aa):
                 term = g1 @ g2.T
                 if factor is not None:
                     term = (term.view(n1, c, n2, c) * factor[:, None, :, None]).view(n1 * c, n2 * c)
                 out[g] = out[g] + term if g in written else term
                 written.add(g)
-            elif g in written:  # accumulate over row slices: temporaries stay small
-                rows = max(1, (1 << 24) // max(1, n2 * c * c))
-                for s in range(0, n1, rows):
-                    e = min(s + rows, n1)
+            continue
+        a1, a2 = (f1.inputs[m], f2.inputs[m]) if weight else (None, None)
+        fresh = {g for g in _term_groups(engine, kinds) if g not in written}
+        rows = max(1, (1 << 24) // max(1, n2 * c * max(c, a1.shape[1] if weight else 1)))
+        for s in range(0, n1, rows):
+            e = min(s + rows, n1)
+            aa = a1[s:e] @ a2.T if weight else None
+            for g, factor in _terms(engine, kinds, aa):
+                target = out[g, s * c : e * c]
+                if g in fresh:
+                    torch.mm(g1[s * c : e * c], g2.T, out=target)
+                    if factor is not None:
+                        target.view(e - s, c, n2, c).mul_(factor[:, None, :, None])
+                else:
                     block = (g1[s * c : e * c] @ g2.T).view(e - s, c, n2, c)
                     if factor is not None:
-                        block.mul_(factor[s:e, None, :, None])
-                    out[g, s * c : e * c].add_(block.view((e - s) * c, n2 * c))
-            else:
-                torch.mm(g1, g2.T, out=out[g])
-                if factor is not None:
-                    out[g].view(n1, c, n2, c).mul_(factor[:, None, :, None])
-                written.add(g)
+                        block.mul_(factor[:, None, :, None])
+                    target.add_(block.view((e - s) * c, n2 * c))
+        written |= fresh
     return written
 
 
