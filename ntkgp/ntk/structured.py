@@ -164,8 +164,8 @@ def structured_grams(engine: NTKEngine, out, x1, x2, sym, plan: Plan, c: int, gr
 
     Without ``graph`` every term is formed a block of rows at a time, its input factor ``a·a' (+ 1)`` too: a group
     met for the first time is written in place (``mm`` into the rows of ``out[g]``, then ``mul_``), later ones are
-    added, so nothing of the size of ``out`` is allocated besides ``out`` itself (temporaries of at most about
-    2²⁴ numbers). With ``graph`` the same terms are formed out of place (differentiable).
+    added, so nothing of the size of ``out`` is allocated besides ``out`` itself (a few temporaries of about
+    2²² numbers each). With ``graph`` the same terms are formed out of place (differentiable).
     """
     f1 = _features(engine, x1, plan, graph)
     f2 = f1 if sym else _features(engine, x2, plan, graph)
@@ -186,7 +186,7 @@ def structured_grams(engine: NTKEngine, out, x1, x2, sym, plan: Plan, c: int, gr
             continue
         a1, a2 = (f1.inputs[m], f2.inputs[m]) if weight else (None, None)
         fresh = {g for g in _term_groups(engine, kinds) if g not in written}
-        rows = max(1, (1 << 24) // max(1, n2 * c * max(c, a1.shape[1] if weight else 1)))
+        rows = max(1, (1 << 22) // max(1, n2 * c * c))  # a block of the term: rows·C × N2·C numbers
         for s in range(0, n1, rows):
             e = min(s + rows, n1)
             aa = a1[s:e] @ a2.T if weight else None
