@@ -15,10 +15,10 @@ from ntkgp.likelihoods import SoftmaxLikelihood
 from ntkgp.models.sfr import SFR
 from ntkgp.options import StatisticsMode
 from tests.helpers import brute_jacobian, column_groups, rel_err
+from tests.models.sfr.test_sfr_state import NEW_DELTA, change_delta  # the four routes of changing δ
 from tests.models.test_sfr import DELTA, Dense, dense_moments, layer_labels, problem, sfr_formula, site_terms
 
 Z_IDX = torch.tensor([0, 3, 5, 8, 13, 17])
-NEW_DELTA = torch.tensor([0.3, 4.0, 2.0], dtype=torch.float64)
 COMBINED = 'statistics="combined"'
 
 
@@ -146,23 +146,6 @@ def test_iterated_update_equals_the_per_group_iterated_update():
 
 
 # ---------------------------------------------------------------------- δ is fixed: errors, never mixing
-def change_delta(sfr, route):
-    kernel = sfr.covar_module
-    constraint = kernel.raw_prior_precision_constraint
-    if route == "setter":
-        kernel.prior_precision = NEW_DELTA
-    elif route == "data":
-        kernel.raw_prior_precision.data.copy_(constraint.inverse_transform(NEW_DELTA))
-    elif route == "load_state_dict":
-        state = sfr.state_dict()
-        state["covar_module.raw_prior_precision"] = constraint.inverse_transform(NEW_DELTA)
-        sfr.load_state_dict(state)
-    else:
-        optimizer = torch.optim.SGD([kernel.raw_prior_precision], lr=0.5)
-        kernel.raw_prior_precision.grad = torch.tensor([1.0, -1.0, 0.5], dtype=torch.float64)
-        optimizer.step()
-
-
 @pytest.mark.parametrize("route", ["setter", "data", "load_state_dict", "optimizer"])
 def test_changing_delta_after_the_build_raises_until_it_is_restored(route):
     _, combined, (net, x, y, lik, xs) = pair("softmax", 3, "joint")
