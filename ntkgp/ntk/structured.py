@@ -225,8 +225,14 @@ def structured_output_grams(engine: NTKEngine, out, diag, x1, x2, sym, plan: Pla
             terms = [(group_of[kinds["weight"]], aa + 1, None if a2 is None else a2 + 1)]
         else:
             terms = [(group_of[i], aa if k == "weight" else None, a2 if k == "weight" else None) for k, i in kinds.items()]
-        for g, factor, factor_diag in terms:
-            out[g] += per_output if factor is None else per_output * factor
+        terms.sort(key=lambda t: t[1] is not None)  # the plain term first: the factored one may then scale in place
+        for i, (g, factor, factor_diag) in enumerate(terms):
+            if factor is None:
+                out[g] += per_output
+            elif not graph and i == len(terms) - 1:  # its last use: no second (C, N1, N2) temporary
+                out[g] += per_output.mul_(factor)
+            else:
+                out[g] += per_output * factor
             if diag is not None:
                 diag[g] += g2 if factor_diag is None else g2 * factor_diag
 
