@@ -7,7 +7,8 @@ layers). The result is a GPyTorch model (docs/fsvi.md).
 
 * :func:`train_fsvi` — the one-call entry point; :class:`FSVIResult`.
 * :class:`FSVI` — the model: ``model(x)`` is the linearized GP, :meth:`FSVI.predict` the MC or linearized
-  predictive; :class:`FunctionSpaceELBO` its objective (for your own training loop).
+  predictive, :meth:`FSVI.condition_on` its exact posterior given new observations (Gaussian likelihoods);
+  :class:`FunctionSpaceELBO` its objective (for your own training loop).
 * :class:`MeanFieldGaussian`, :class:`GaussianParameterPrior` — :math:`q(\theta)` and :math:`p(\theta)`.
 * :class:`VariationalNetworkMean`, :class:`MeanFieldNTKKernel` — the GP's mean and kernel.
 * Context distributions: :class:`UniformBoxContext`, :class:`MonochromeContext`, :class:`DatasetContext`,

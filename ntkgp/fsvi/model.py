@@ -2,6 +2,8 @@ r"""``FSVI``: a network with a mean-field Gaussian over its weights, as a GPyTor
 
 from __future__ import annotations
 
+import copy
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 
@@ -9,10 +11,14 @@ import torch
 from gpytorch.distributions import MultitaskMultivariateNormal, MultivariateNormal
 from gpytorch.likelihoods import Likelihood
 from gpytorch.models import GP
-from linear_operator.operators import DiagLinearOperator
+from linear_operator.operators import DiagLinearOperator, RootLinearOperator
 from torch import Tensor, distributions, nn
 
-from ..likelihoods import is_gaussian, noise_variance, num_outputs
+from ..botorch import BoTorchInterface
+from ..caching import ValueCache
+from ..likelihoods import is_gaussian, noise_variance, num_outputs, validate_targets
+from ..linalg import cholesky
+from ..ntk.checks import OutputShapeError, check_fits
 from ..options import choose
 from .kernel import MeanFieldNTKKernel
 from .kl import gaussian_kl
@@ -29,7 +35,7 @@ def _check_num_samples(num_samples: object) -> int:
     return num_samples
 
 
-class FSVI(GP):
+class FSVI(BoTorchInterface, GP):
     r"""Function-space variational inference (Rudner et al. 2022) for a whole network, as a GPyTorch model.
 
     The variational distribution over the trainable weights is mean-field Gaussian,
@@ -46,6 +52,10 @@ class FSVI(GP):
     so ``.variance`` costs one forward and backward pass per chunk. ``model.likelihood(model(x))`` is the
     linearized predictive over ``y``; :meth:`predict` with ``method="mc"`` is the paper's predictive, Monte
     Carlo over :math:`\theta \sim q` through the network itself.
+
+    :meth:`condition_on` (BoTorch: ``condition_on_observations``, ``fantasize``) returns a new model whose
+    ``model(x)`` is the exact posterior of this GP given further observations under a Gaussian likelihood's
+    noise, without retraining (docs/fsvi.md, "Conditioning on new observations").
 
     Train it with :func:`~ntkgp.fsvi.train_fsvi` (or your own loop over :class:`~ntkgp.fsvi.FunctionSpaceELBO`).
     The network is held by reference and never modified: ``model.parameters()`` are :math:`\mu` and the raw
@@ -118,6 +128,8 @@ class FSVI(GP):
         self.mean_module = VariationalNetworkMean(linearized, variational)
         self.covar_module = MeanFieldNTKKernel(linearized, variational)
         self.context_jitter = float(context_jitter)
+        self._observed: tuple[Tensor, Tensor] | None = None  # (x (M, D) flat, y (M, C)) after condition_on
+        self._conditioning_cache = ValueCache(size=1)
 
     # ------------------------------------------------------------------ basic properties
     @property
@@ -167,11 +179,169 @@ class FSVI(GP):
         return MultitaskMultivariateNormal(mean, covar, interleaved=True)
 
     def forward(self, x: Tensor) -> MultivariateNormal:
-        r""":math:`q(f(x)) = N(f(x; \mu), J_\mu(x) \operatorname{diag}(s^2) J_\mu(x)^\top)`, lazy covariance."""
-        return self._mvn(self.mean_module(x), self.covar_module(x))
+        r""":math:`q(f(x)) = N(f(x; \mu), J_\mu(x) \operatorname{diag}(s^2) J_\mu(x)^\top)`, lazy covariance; on a
+        conditioned model (:meth:`condition_on`) its exact posterior given the observations."""
+        return self._distribution(x, None if self._observations is None else self._conditioning())
+
+    def _distribution(self, x: Tensor, state: tuple[Tensor, Tensor, Tensor] | None) -> MultivariateNormal:
+        r"""The GP at flat inputs ``x``; with ``state = (X, L, α)`` (:meth:`_conditioning`) conditioned on the
+        observations: mean :math:`m(x) + K(x, X) \alpha`, covariance :math:`K(x, x) - A^\top A` with
+        :math:`A = L^{-1} K(X, x)` (lazy: the diagonal never forms the ``(N·C)²`` matrix)."""
+        mean, covar = self.mean_module(x), self.covar_module(x)
+        if state is None:
+            return self._mvn(mean, covar)
+        x_obs, factor, alpha = state
+        cross = self.covar_module(x, x_obs).to_dense()  # K(x, X), (N·C, M·C), interleaved
+        root = torch.linalg.solve_triangular(factor, cross.mT, upper=False)  # L⁻¹ K(X, x), (M·C, N·C)
+        mean = mean + (cross @ alpha).reshape(mean.shape)
+        return self._mvn(mean, covar - RootLinearOperator(root.mT))
 
     def __call__(self, x: Tensor) -> MultivariateNormal:
         return super().__call__(self._flat(x))
+
+    # ------------------------------------------------------------------ conditioning
+    @property
+    def _observations(self) -> tuple[Tensor, Tensor] | None:
+        return getattr(self, "_observed", None)  # models pickled before conditioning existed have none
+
+    @property
+    def observations(self) -> tuple[Tensor, Tensor] | None:
+        """The observations this model is conditioned on: ``(x, y)`` of shapes ``(M, D)`` (inputs flattened) and
+        ``(M, C)``, detached copies, or ``None`` for a model that was not conditioned."""
+        if self._observations is None:
+            return None
+        return tuple(t.detach().clone() for t in self._observations)
+
+    def _check_observations(self, x_new: Tensor, y_new: Tensor) -> tuple[Tensor, Tensor, tuple[int, ...] | None]:
+        """``x_new`` flat ``(M, D)`` and ``y_new`` ``(M, C)`` in the model's dtype (copies), and the input shape
+        that images fix; everything is checked here, before anything is built."""
+        if not is_gaussian(self.likelihood):
+            raise NotImplementedError(
+                f"condition_on needs a Gaussian likelihood (GaussianLikelihood or MultitaskGaussianLikelihood); "
+                f"under {type(self.likelihood).__name__} the observations are not Gaussian in f, so the linearized "
+                "GP has no closed-form posterior given them. Train on the union of the data instead."
+            )
+        if not isinstance(x_new, Tensor):
+            raise TypeError(f"x_new must be a torch.Tensor, got {type(x_new).__name__}")
+        if not x_new.is_floating_point():
+            raise TypeError(f"x_new must be a floating-point tensor, got dtype {x_new.dtype}")
+        if x_new.dim() < 2 or x_new.shape[0] == 0:
+            raise ValueError(
+                "x_new must have shape (M, ...) with M >= 1 and a feature dimension (no batch dimensions; "
+                f"condition_on_observations handles fantasy batches), got {tuple(x_new.shape)}"
+            )
+        if not isinstance(y_new, Tensor):
+            raise TypeError(f"y_new must be a torch.Tensor, got {type(y_new).__name__}")
+        if y_new.is_complex():
+            raise TypeError(f"y_new must be a real tensor, got dtype {y_new.dtype}")
+        reference = self._reference()
+        c = self.num_outputs
+        x = self.prepare(x_new, "x_new")  # finite values, the input shape, the model's dtype
+        y = validate_targets(self.likelihood, y_new, c, num_data=x.shape[0], name="y_new")  # (M, C), finite
+        means = {n: t.detach() for n, t in self.variational_distribution.means().items()}
+        try:  # the network takes x_new and gives C outputs
+            check_fits(self.net, means, x.detach(), "x_new", c)
+        except OutputShapeError as error:
+            raise ValueError(
+                f"x_new of shape {tuple(x_new.shape)} does not give one row of network outputs per input ({error}); "
+                "x_new must have shape (M, ...) without batch dimensions"
+            ) from error
+        input_shape = tuple(x.shape[1:]) if x.dim() > 2 and self.linearized.input_shape is None else None
+        x = x.flatten(1)
+        if self._observations is not None and x.shape[1] != self._observations[0].shape[1]:
+            raise ValueError(
+                f"x_new has {x.shape[1]} features per input (flattened), the observations this model is "
+                f"conditioned on {self._observations[0].shape[1]}"
+            )
+        return x.clone(), y.to(reference).clone(), input_shape
+
+    def condition_on(self, x_new: Tensor, y_new: Tensor) -> FSVI:
+        r"""A new model: this one's linearized GP conditioned on ``(x_new, y_new)`` under the likelihood's noise.
+
+        Exact GP regression with this model as the prior, :math:`\mu`, :math:`s` and the noise fixed (nothing is
+        retrained). With :math:`K(x, x') = J_\mu(x) \operatorname{diag}(s^2) J_\mu(x')^\top`, :math:`m(x) =
+        f(x; \mu)`, the observed inputs :math:`X` and targets :math:`Y` (``M·C`` values in GPyTorch's interleaved
+        order) and :math:`\Sigma` the noise variance of each task (``noise``, or ``task_noises`` plus the global
+        ``noise``), the new model's ``model(x)`` is
+
+        .. math::
+            N\big(m(x) + K(x, X) (K(X, X) + \Sigma)^{-1} (Y - m(X)),\;
+                K(x, x') - K(x, X) (K(X, X) + \Sigma)^{-1} K(X, x')\big),
+
+        from a Cholesky factor of :math:`K(X, X) + \Sigma` (jitter only if that fails, with a warning) and the
+        structured cross-covariances :math:`K(x, X)` (never the Jacobian). Conditioning a conditioned model
+        adds to its observations: the result equals conditioning the original once on all of them.
+
+        The new model holds copies of :math:`\mu`, :math:`s`, the prior and the likelihood (this model is
+        unchanged; changing one does not change the other) and the same network (shared, never modified). Its
+        factorization is recomputed from the current values whenever :math:`\mu`, :math:`s`, the noise or the
+        network's fixed weights and buffers change (e.g. after an optimizer step); it is reused between calls
+        only when no gradient with respect to them is needed (under ``torch.no_grad()``, or with
+        ``requires_grad_(False)``), keyed by their values. The observations keep their autograd graph:
+        gradients flow to ``x_new`` (as BoTorch's look-ahead acquisition functions need).
+
+        On the new model ``model(x)``, ``predict(x, method="linearized")`` and :meth:`posterior` are
+        conditioned; ``predict(x, method="mc")`` and :meth:`function_samples` raise (draws from
+        :math:`q(\theta)` are not conditioned on the observations); :meth:`function_space_kl` is still the KL
+        of :math:`q`.
+
+        Args:
+            x_new: new inputs ``(M, D)`` or ``(M, *input_shape)``, floating point, finite.
+            y_new: their targets ``(M, C)`` (``(M,)`` for one output), finite.
+
+        Returns:
+            A new :class:`FSVI`, in the same train/eval mode.
+
+        Raises:
+            NotImplementedError: for a classification likelihood.
+            TypeError: for a non-tensor or non-floating ``x_new``, a non-tensor or complex ``y_new``.
+            ValueError: for shapes (no batch dimensions), non-finite values, inputs that do not fit the network, a
+                number of outputs that does not match, naming the argument.
+        """
+        x, y, input_shape = self._check_observations(x_new, y_new)
+        if self._observations is not None:
+            x_old, y_old = self._observations
+            x, y = torch.cat([x_old.to(x), x]), torch.cat([y_old.to(y), y])
+        net = self.net
+        memo = {id(net): net}  # the network (and its tensors) is shared, never copied
+        memo.update({id(t): t for t in itertools.chain(net.parameters(), net.buffers())})
+        memo[id(self._conditioning_cache)] = ValueCache(size=1)
+        if self._observations is not None:
+            memo[id(self._observed)] = None  # replaced below (may hold an autograd graph: not deep-copyable)
+        new = copy.deepcopy(self, memo)
+        if input_shape is not None:
+            new.linearized.input_shape = input_shape
+        new._observed = (x, y)
+        return new
+
+    def _conditioning(self) -> tuple[Tensor, Tensor, Tensor]:
+        r"""``(X, L, α)``: the observed inputs in the model's dtype, the lower Cholesky factor :math:`L` of
+        :math:`K(X, X) + \Sigma` and :math:`\alpha = (K(X, X) + \Sigma)^{-1} (Y - m(X))`, at the current
+        :math:`\mu`, :math:`s` and noise.
+
+        Differentiable (and recomputed at every call) when gradients are enabled and one of those, or the
+        observations, requires grad; otherwise computed without a graph and cached, keyed by the values of
+        everything it depends on, so a change is never missed."""
+        x_obs, y_obs = self._observations
+        q = self.variational_distribution
+        noise = noise_variance(self.likelihood)
+        names = set(self.linearized.names)
+        fixed = [t for n, t in self.net.named_parameters() if n not in names]
+        state = [*q.means().values(), *q.variances().values(), noise, *fixed, *self.net.buffers()]
+
+        def compute() -> tuple[Tensor, Tensor, Tensor]:
+            reference = self._reference()
+            x, y = x_obs.to(reference), y_obs.to(reference)
+            residual = (y - self.mean_module(x).reshape(y.shape)).reshape(-1)
+            k = self.covar_module(x).to_dense()
+            sigma = noise.to(k).repeat(x.shape[0])  # interleaved: entry m·C + c is task c's noise
+            factor = cholesky(k + torch.diag(sigma), name="K(X, X) + noise of the observations")
+            return x, factor, torch.cholesky_solve(residual[:, None], factor)[:, 0]
+
+        if torch.is_grad_enabled() and any(t.requires_grad for t in [*state, x_obs, y_obs]):
+            return compute()
+        with torch.no_grad():  # nothing kept holds a graph (the kernel's features build one internally)
+            return self._conditioning_cache.get_or_compute("conditioning", [x_obs, y_obs], compute, state)
 
     # ------------------------------------------------------------------ function-space KL
     def function_space_kl(self, x_context: Tensor) -> Tensor:
@@ -221,7 +391,12 @@ class FSVI(GP):
         self, x: Tensor, num_samples: int = 100, generator: torch.Generator | None = None
     ) -> Tensor:
         r"""Network outputs :math:`f(x; \theta_s)` for draws :math:`\theta_s \sim q(\theta)`: shape ``(S, N, C)``
-        (``(S, N)`` for ``C = 1``). Differentiable in :math:`\mu`, :math:`s` when gradients are enabled."""
+        (``(S, N)`` for ``C = 1``). Differentiable in :math:`\mu`, :math:`s` when gradients are enabled.
+
+        Raises:
+            NotImplementedError: on a conditioned model (:meth:`condition_on`).
+        """
+        self._check_unconditioned("function_samples")
         num_samples = _check_num_samples(num_samples)
         x = self.prepare(x)
         q = self.variational_distribution
@@ -243,17 +418,22 @@ class FSVI(GP):
           Gaussian (mean and variance of the samples plus the noise variance), a ``MultivariateNormal`` with
           diagonal covariance (``MultitaskMultivariateNormal`` for ``C > 1``).
         * ``method="linearized"``: ``likelihood(model(x))``, the linearized GP through the likelihood (probit
-          or the likelihood's own approximation for classes; Gaussian noise added for regression).
+          or the likelihood's own approximation for classes; Gaussian noise added for regression). The only
+          method on a conditioned model (:meth:`condition_on`).
 
         Args:
             x: inputs ``(N, ...)``.
             method: ``"mc"`` or ``"linearized"``.
             num_samples: ``S`` for ``"mc"``.
             generator: random number generator for ``"mc"``.
+
+        Raises:
+            NotImplementedError: ``method="mc"`` on a conditioned model.
         """
         method = choose(Predictive, method, "method")
         if method is Predictive.LINEARIZED:
             return self.likelihood(self(x))
+        self._check_unconditioned('predict(method="mc")')
         samples = self.function_samples(self._flat(x), num_samples, generator)
         if is_gaussian(self.likelihood):
             mean, var = samples.mean(0), samples.var(0, unbiased=False)
@@ -263,12 +443,15 @@ class FSVI(GP):
         conditional = self.likelihood(samples)
         return type(conditional)(probs=conditional.probs.mean(0))
 
-    # ------------------------------------------------------------------ BoTorch
-    @property
-    def batch_shape(self) -> torch.Size:
-        """BoTorch's ``Model.batch_shape``: one model, ``torch.Size([])``."""
-        return torch.Size([])
+    def _check_unconditioned(self, what: str) -> None:
+        if self._observations is not None:
+            raise NotImplementedError(
+                f"{what} is not defined for a conditioned FSVI model: draws θ ~ q(θ) through the network are not "
+                'conditioned on the observations. Use model(x) or predict(x, method="linearized") (the exact '
+                "posterior of the linearized GP)."
+            )
 
+    # ------------------------------------------------------------------ BoTorch
     def posterior(
         self,
         X: Tensor,
@@ -282,8 +465,12 @@ class FSVI(GP):
         ``X`` of shape ``(*batch, q, d)`` (flat inputs; ``d`` the product of ``input_shape``) gives ``batch``
         joint distributions over ``q`` points, mean ``(*batch, q, m)``, each that of ``model(X[b])``. BoTorch's
         acquisition functions (``LogExpectedImprovement``, ``UpperConfidenceBound``, ...) and ``optimize_acqf``
-        take the model itself (:func:`ntkgp.botorch.botorch_posterior`; BoTorch is imported only here).
-        Conditioning (``condition_on_observations``, ``fantasize``) is not defined for FSVI.
+        take the model itself (:func:`ntkgp.botorch.botorch_posterior`; BoTorch is imported only here). On a
+        conditioned model it is the conditioned GP (the factorization computed once for all batch elements).
+        ``condition_on_observations(X, Y)`` is :meth:`condition_on` (``Y`` of shape ``(n, m)``; with batch
+        dimensions a :class:`~ntkgp.botorch.FantasyModel`) and ``fantasize(X, sampler)`` conditions on
+        observations sampled from this posterior with the noise (:class:`~ntkgp.botorch.BoTorchInterface`);
+        both need a Gaussian likelihood.
 
         Args:
             X: inputs ``(*batch, q, d)``.
@@ -314,7 +501,8 @@ class _BatchedLinearizedGP:
         if X.dim() == 2:
             return self.model(X)
         batch = X.shape[:-2]
-        dists = [self.model(x) for x in X.reshape(-1, *X.shape[-2:])]
+        state = None if self.model._observations is None else self.model._conditioning()
+        dists = [self.model._distribution(x, state) for x in X.reshape(-1, *X.shape[-2:])]
         mean = torch.stack([d.mean for d in dists]).reshape(*batch, *dists[0].mean.shape)
         covar = torch.stack([d.covariance_matrix for d in dists])
         covar = covar.reshape(*batch, *covar.shape[-2:])
