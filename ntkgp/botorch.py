@@ -1,7 +1,8 @@
-r"""BoTorch adapter for :class:`~ntkgp.NTKGP` and :class:`~ntkgp.SFR` (``pip install 'ntkgp[botorch]'``).
+r"""BoTorch adapter for :class:`~ntkgp.NTKGP`, :class:`~ntkgp.SFR` and :class:`~ntkgp.fsvi.FSVI`
+(``pip install 'ntkgp[botorch]'``).
 
 BoTorch is imported lazily, only when one of these functions is called, so that ``import ntkgp`` works
-without it. Both models implement BoTorch's ``Model`` interface duck-typed, through
+without it. The models implement BoTorch's ``Model`` interface duck-typed, through
 :class:`BoTorchInterface`:
 
 * ``model.posterior(X, output_indices=None, observation_noise=False, posterior_transform=None)`` returns a
@@ -9,8 +10,8 @@ without it. Both models implement BoTorch's ``Model`` interface duck-typed, thro
   predictive"); ``X`` of shape ``(b, q, d)`` gives ``b`` joint distributions over ``q`` points, mean
   ``(b, q, m)``;
 * ``model.num_outputs``, ``model.batch_shape`` (``torch.Size([])``);
-* ``model.condition_on_observations(X, Y)``: ``condition_on`` (NTKGP) / ``update`` on a copy sharing the network
-  (SFR), a new model;
+* ``model.condition_on_observations(X, Y)``: ``condition_on`` (NTKGP, FSVI) / ``update`` on a copy sharing the
+  network (SFR), a new model;
 * ``model.fantasize(X, sampler)``: a :class:`FantasyModel` with the sampler's (and ``X``'s) batch shape in front.
 
 Every BoTorch acquisition function tried (``LogExpectedImprovement``, ``UpperConfidenceBound``,
