@@ -26,6 +26,14 @@ _SPEC.loader.exec_module(_common)
         ((1.7, math.nan, 1), (1.0, 0.1), 10, "worse"),
         ((0.3, math.nan, 1), (1.0, 0.1), 10, "better"),
         ((0.3, math.nan, 0), (1.0, 0.1), 10, "n/a"),
+        # three runs with a tiny spread of their own: their SE is at least 0.1·sqrt(10/3) = 0.183,
+        # bound 2·sqrt(0.0333 + 0.01) = 0.416
+        ((0.6, 0.01, 3), (1.0, 0.1), 10, "within"),
+        ((0.55, 0.01, 3), (1.0, 0.1), 10, "better"),
+        # their own SE when it is larger than the floor
+        ((1.6, 0.3, 3), (1.0, 0.1), 10, "within"),
+        # as many runs as the paper: their own SE only (bound 2·sqrt(0.0001 + 0.01) = 0.201)
+        ((1.25, 0.01, 10), (1.0, 0.1), 10, "worse"),
         ((0.3, 0.1, 3), None, 10, "n/a"),
     ],
 )

@@ -121,17 +121,18 @@ def compare(ours: tuple[float, float, int], published: tuple[float, float] | Non
     """``within``, ``worse`` or ``better`` (lower is better) at two standard errors of the difference;
     ``n/a`` without a published value or a result.
 
-    Our standard error comes from our runs. With a single run it cannot be estimated from them; its spread is
-    that of one run of the paper, ``SE_paper · sqrt(paper_runs)`` (the paper's per-run standard deviation),
-    when ``paper_runs`` is given, else it is taken as 0 (only the published SE counts)."""
+    Our standard error comes from our runs. With fewer runs than the paper's (``paper_runs``, when given) it is at
+    least ``SE_paper · sqrt(paper_runs / n)``, the standard error of a mean of ``n`` runs that spread as the paper's
+    (per-run standard deviation ``SE_paper · sqrt(paper_runs)``): a standard error estimated from two or three
+    runs can be far too small, and a single run has none (it then takes that floor, one run of the paper). Without
+    ``paper_runs`` a single run's SE is taken as 0 (only the published SE counts)."""
     mean, se, n = ours
     if published is None or n == 0 or not math.isfinite(mean):
         return "n/a"
     p_mean, p_se = published
-    if math.isfinite(se):
-        se_ours = se
-    else:
-        se_ours = p_se * math.sqrt(paper_runs) if paper_runs else 0.0
+    se_ours = se if math.isfinite(se) else 0.0
+    if paper_runs and n < paper_runs:
+        se_ours = max(se_ours, p_se * math.sqrt(paper_runs / n))
     bound = 2 * math.sqrt(se_ours**2 + p_se**2)
     if abs(mean - p_mean) <= bound:
         return "within"
