@@ -281,9 +281,12 @@ class FSVI(BoTorchInterface, GP):
         gradients flow to ``x_new`` (as BoTorch's look-ahead acquisition functions need).
 
         On the new model ``model(x)``, ``predict(x, method="linearized")`` and :meth:`posterior` are
-        conditioned; ``predict(x, method="mc")`` and :meth:`function_samples` raise (draws from
-        :math:`q(\theta)` are not conditioned on the observations); :meth:`function_space_kl` is still the KL
-        of :math:`q`.
+        conditioned. ``predict(x, method="mc")`` and :meth:`function_samples` are too, by Matheron's rule in
+        weight space: each draw :math:`\theta \sim q` with noise :math:`\epsilon \sim N(0, \Sigma)` becomes
+        :math:`\theta' = \theta + \operatorname{diag}(s^2) J_\mu(X)^\top (K(X, X) + \Sigma)^{-1}
+        (Y - f(X; \mu) - J_\mu(X)(\theta - \mu) - \epsilon)`, then goes through the network (exact draws from
+        the conditioned GP for a network linear in :math:`\theta`; otherwise the linear-Gaussian update of
+        :math:`q` pushed through the network). :meth:`function_space_kl` is still the KL of :math:`q`.
 
         Args:
             x_new: new inputs ``(M, D)`` or ``(M, *input_shape)``, floating point, finite.
@@ -393,15 +396,44 @@ class FSVI(BoTorchInterface, GP):
         r"""Network outputs :math:`f(x; \theta_s)` for draws :math:`\theta_s \sim q(\theta)`: shape ``(S, N, C)``
         (``(S, N)`` for ``C = 1``). Differentiable in :math:`\mu`, :math:`s` when gradients are enabled.
 
-        Raises:
-            NotImplementedError: on a conditioned model (:meth:`condition_on`).
+        On a conditioned model (:meth:`condition_on`) each draw is first updated by Matheron's rule in weight
+        space (:meth:`_matheron_update`, docs/fsvi.md, "Conditioning on new observations"): with
+        :math:`\epsilon \sim N(0, \Sigma)` the observation noise,
+
+        .. math::
+            \theta' = \theta + \operatorname{diag}(s^2) J_\mu(X)^\top (K(X, X) + \Sigma)^{-1}
+                \big(Y - f(X; \mu) - J_\mu(X)(\theta - \mu) - \epsilon\big),
+
+        and the outputs are :math:`f(x; \theta')`. For a network linear in :math:`\theta` these are exact draws
+        from the conditioned GP ``model(x)``; otherwise they are the linear-Gaussian update of :math:`q` given the
+        observations, pushed through the network.
         """
-        self._check_unconditioned("function_samples")
         num_samples = _check_num_samples(num_samples)
         x = self.prepare(x)
         q = self.variational_distribution
-        samples = torch.stack([self.linearized.forward(q.sample(generator), x) for _ in range(num_samples)])
+        if self._observations is None:
+            thetas = (q.sample(generator) for _ in range(num_samples))
+        else:
+            update = self._matheron()
+            thetas = (update(q.sample(generator), update.noise(generator)) for _ in range(num_samples))
+        samples = torch.stack([self.linearized.forward(theta, x) for theta in thetas])
         return samples.squeeze(-1) if samples.shape[-1] == 1 else samples
+
+    def _matheron(self) -> _MatheronUpdate:
+        """Matheron's rule in weight space for this conditioned model, at the current μ, s and noise."""
+        x_obs, factor, _ = self._conditioning()
+        q = self.variational_distribution
+        y = self._observations[1].to(factor)
+        return _MatheronUpdate(self.linearized, q.means(), q.variances(), x_obs, y, factor,
+                               noise_variance(self.likelihood).to(factor))
+
+    def _matheron_update(self, theta: Mapping[str, Tensor], eps: Tensor) -> dict[str, Tensor]:
+        r"""The conditioned draw :math:`\theta' = \theta + \operatorname{diag}(s^2) J_\mu(X)^\top
+        (K(X, X) + \Sigma)^{-1} (Y - f(X; \mu) - J_\mu(X)(\theta - \mu) - \epsilon)` for a draw ``theta``
+        (name → tensor) and the noise ``eps`` ``(M·C,)`` (interleaved), on a conditioned model."""
+        if self._observations is None:
+            raise RuntimeError("_matheron_update needs a conditioned model (condition_on)")
+        return self._matheron()(theta, eps)
 
     def predict(
         self,
@@ -418,22 +450,22 @@ class FSVI(BoTorchInterface, GP):
           Gaussian (mean and variance of the samples plus the noise variance), a ``MultivariateNormal`` with
           diagonal covariance (``MultitaskMultivariateNormal`` for ``C > 1``).
         * ``method="linearized"``: ``likelihood(model(x))``, the linearized GP through the likelihood (probit
-          or the likelihood's own approximation for classes; Gaussian noise added for regression). The only
-          method on a conditioned model (:meth:`condition_on`).
+          or the likelihood's own approximation for classes; Gaussian noise added for regression).
+
+        On a conditioned model (:meth:`condition_on`, Gaussian likelihoods only) ``"linearized"`` is the exact
+        posterior of the linearized GP plus the noise, and ``"mc"`` uses draws conditioned by Matheron's rule in
+        weight space (:meth:`function_samples`): exact for a network linear in its weights, otherwise the
+        linear-Gaussian update of :math:`q` given the observations pushed through the network.
 
         Args:
             x: inputs ``(N, ...)``.
             method: ``"mc"`` or ``"linearized"``.
             num_samples: ``S`` for ``"mc"``.
             generator: random number generator for ``"mc"``.
-
-        Raises:
-            NotImplementedError: ``method="mc"`` on a conditioned model.
         """
         method = choose(Predictive, method, "method")
         if method is Predictive.LINEARIZED:
             return self.likelihood(self(x))
-        self._check_unconditioned('predict(method="mc")')
         samples = self.function_samples(self._flat(x), num_samples, generator)
         if is_gaussian(self.likelihood):
             mean, var = samples.mean(0), samples.var(0, unbiased=False)
@@ -442,14 +474,6 @@ class FSVI(BoTorchInterface, GP):
             return self._mvn(mean, DiagLinearOperator(var.reshape(-1)))
         conditional = self.likelihood(samples)
         return type(conditional)(probs=conditional.probs.mean(0))
-
-    def _check_unconditioned(self, what: str) -> None:
-        if self._observations is not None:
-            raise NotImplementedError(
-                f"{what} is not defined for a conditioned FSVI model: draws θ ~ q(θ) through the network are not "
-                'conditioned on the observations. Use model(x) or predict(x, method="linearized") (the exact '
-                "posterior of the linearized GP)."
-            )
 
     # ------------------------------------------------------------------ BoTorch
     def posterior(
@@ -510,3 +534,33 @@ class _BatchedLinearizedGP:
             return MultivariateNormal(mean, covar)
         return MultitaskMultivariateNormal(mean, covar, interleaved=True)
 
+
+class _MatheronUpdate:
+    r"""Matheron's rule in weight space: :math:`\theta \mapsto \theta + \operatorname{diag}(s^2) J_\mu(X)^\top
+    (K(X, X) + \Sigma)^{-1} (Y - f(X; \mu) - J_\mu(X)(\theta - \mu) - \epsilon)`, with the features of
+    :math:`X` (for :math:`J_\mu u`, never the Jacobian) and the VJP of the network at :math:`\mu` on :math:`X`
+    (for :math:`J_\mu^\top v`) computed once for all draws. Differentiable in :math:`\mu`, :math:`s`, the noise
+    and :math:`X` when gradients are enabled (as the factor :math:`L` from ``FSVI._conditioning`` then is)."""
+
+    def __init__(self, linearized: LinearizedNetwork, means: Mapping[str, Tensor], variances: Mapping[str, Tensor],
+                 x: Tensor, y: Tensor, factor: Tensor, noise: Tensor) -> None:
+        grad = torch.is_grad_enabled()
+        self.linearized, self.means, self.variances, self.factor = linearized, dict(means), dict(variances), factor
+        self.features = linearized.features(self.means, x, create_graph=grad)
+        # f(X; μ) and v ↦ J_μ(X)ᵀ v; torch.func composes with the surrounding autograd (and ignores no_grad)
+        outputs, self._vjp = torch.func.vjp(lambda params: linearized.forward(params, x), self.means)
+        self.residual = (y.reshape(outputs.shape) - outputs).reshape(-1)  # Y - f(X; μ), interleaved
+        self.shape = outputs.shape
+        self.scale = noise.repeat(x.shape[0]).sqrt()  # entry m·C + c: task c's noise standard deviation
+
+    def noise(self, generator: torch.Generator | None = None) -> Tensor:
+        r""":math:`\epsilon \sim N(0, \Sigma)` ``(M·C,)``, interleaved."""
+        z = torch.randn(self.scale.shape, dtype=self.scale.dtype, device=self.scale.device, generator=generator)
+        return self.scale * z
+
+    def __call__(self, theta: Mapping[str, Tensor], eps: Tensor) -> dict[str, Tensor]:
+        shift = self.linearized.jvp(self.features, {n: theta[n] - m for n, m in self.means.items()})
+        r = self.residual - shift.reshape(-1) - eps.to(self.residual).reshape(-1)
+        v = torch.cholesky_solve(r[:, None], self.factor)[:, 0]
+        (pulled,) = self._vjp(v.reshape(self.shape))
+        return {n: theta[n] + self.variances[n] * pulled[n] for n in self.means}

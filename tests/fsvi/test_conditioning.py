@@ -1,5 +1,6 @@
 """``FSVI.condition_on``: the exact GP posterior of the linearized GP given new observations, against the dense
-posterior from autograd Jacobians (float64); BoTorch's conditioning; validation; changes of μ, s and the noise."""
+posterior from autograd Jacobians (float64); the Monte Carlo predictive by Matheron's rule in weight space;
+BoTorch's conditioning; validation; changes of μ, s and the noise."""
 
 from __future__ import annotations
 
@@ -178,16 +179,130 @@ def test_changes_of_mu_s_and_noise_are_never_missed():
         torch.testing.assert_close(new(x).mean, before, rtol=0, atol=0)
 
 
-def test_monte_carlo_raises_linearized_works():
-    _, model = _model(1)
-    new = model.condition_on(*_data(4, 1))
+# ---------------------------------------------------------------------- Monte Carlo: Matheron's rule in weight space
+def _linear_model(c, seed=0):
+    """A network linear in its trainable weights: fixed random tanh features, then a trainable linear layer."""
+    torch.manual_seed(seed)
+    net = torch.nn.Sequential(torch.nn.Linear(2, 6), torch.nn.Tanh(), torch.nn.Linear(6, c)).double()
+    net[0].requires_grad_(False)
+    return net, _perturbed(FSVI(net, _likelihood(c)), seed=seed).eval()
+
+
+def _dense_update(net, model, theta, eps, x_obs, y_obs, create_graph=False):
+    """θ + diag(s²) Jᵀ (J diag(s²) Jᵀ + Σ)⁻¹ (Y - f(X; μ) - J (θ - μ) - ε), by the dense Jacobian (flat)."""
+    q = model.variational_distribution
+    mu = q.means() if create_graph else {n: t.detach() for n, t in q.means().items()}
+    var = q.variances() if create_graph else {n: t.detach() for n, t in q.variances().items()}
+    names = q.names
+    jac = ref.jacobian(net, mu, names, x_obs, create_graph=create_graph)  # (M·C, P), rows m·C + c
+    v = ref.flat(var, names)
+    gram = (jac * v) @ jac.T + torch.diag(_noise(model).repeat(x_obs.shape[0]))
+    f = functional_call(net, mu, (x_obs,)).reshape(-1)
+    residual = y_obs.reshape(-1) - f - jac @ (ref.flat(theta, names) - ref.flat(mu, names)) - eps
+    return ref.flat(theta, names) + v * (jac.T @ torch.linalg.solve(gram, residual))
+
+
+@pytest.mark.parametrize("c", [1, 3])
+@pytest.mark.parametrize("linear", [True, False])
+def test_matheron_update_equals_dense(c, linear):
+    net, model = _linear_model(c) if linear else _model(c)
+    x_obs, y_obs = _data(6, c)
+    new = model.condition_on(x_obs, y_obs)
+    q = new.variational_distribution
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(4, 2, generator=g, dtype=F64)
+    with torch.no_grad():
+        samples = new.function_samples(x, 3, generator=torch.Generator().manual_seed(5))
+    g = torch.Generator().manual_seed(5)  # the same draws: θ, then ε, per sample
+    for s in range(3):
+        with torch.no_grad():
+            theta = q.sample(g)
+            eps = (_noise(new).repeat(6).sqrt() * torch.randn(6 * c, generator=g, dtype=F64))
+            got = new._matheron_update(theta, eps)
+        want = _dense_update(net, new, theta, eps, x_obs, y_obs)
+        torch.testing.assert_close(ref.flat(got, q.names), want, rtol=1e-10, atol=1e-10)
+        f = functional_call(net, got, (x,))
+        torch.testing.assert_close(samples[s], f.squeeze(-1) if c == 1 else f, rtol=1e-10, atol=1e-10)
+        if linear:  # f(·; θ') is the function-space Matheron update of the GP draw f(·; θ)
+            mu = {n: t.detach() for n, t in q.means().items()}
+            var = {n: t.detach() for n, t in q.variances().items()}
+            both = torch.cat([x, x_obs])
+            cov = ref.covariance(net, mu, var, q.names, both)
+            gram = cov[4 * c:, 4 * c:] + torch.diag(_noise(new).repeat(6))
+            prior = functional_call(net, theta, (both,)).reshape(-1)
+            conditioned = prior[:4 * c] + cov[:4 * c, 4 * c:] @ torch.linalg.solve(
+                gram, y_obs.reshape(-1) - prior[4 * c:] - eps)
+            torch.testing.assert_close(f.reshape(-1), conditioned, rtol=1e-10, atol=1e-10)
+    # differentiable in μ and s, as the dense formula
+    theta = {n: t.detach() for n, t in q.sample(g).items()}
+    eps = torch.randn(6 * c, generator=g, dtype=F64)
+    params = [*q.mean, *q.raw_std]
+    got = torch.autograd.grad(ref.flat(new._matheron_update(theta, eps), q.names).pow(2).sum(), params)
+    want = torch.autograd.grad(_dense_update(net, new, theta, eps, x_obs, y_obs, True).pow(2).sum(), params)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10)
+
+
+@pytest.mark.parametrize("c", [1, 3])
+def test_monte_carlo_of_a_linear_network_matches_the_conditioned_gp(c):
+    _, model = _linear_model(c)
+    new = model.condition_on(*_data(5, c))
+    x = torch.cat([_data(5, c)[0][:2], torch.randn(3, 2, generator=torch.Generator().manual_seed(2), dtype=F64)])
+    s = 4000
+    with torch.no_grad():
+        exact = new(x)
+        mean, cov = exact.mean.reshape(-1), exact.covariance_matrix
+        draws = new.function_samples(x, s, generator=torch.Generator().manual_seed(0)).reshape(s, -1)
+        predictive = new.predict(x, num_samples=50, generator=torch.Generator().manual_seed(0))
+    sd = cov.diagonal().sqrt()
+    assert ((draws.mean(0) - mean).abs() <= 4 * sd / s**0.5).all()
+    centred = draws - draws.mean(0)
+    mc_cov = centred.T @ centred / s
+    se = ((cov.diagonal()[:, None] * cov.diagonal()[None, :] + cov**2) / s).sqrt()
+    assert ((mc_cov - cov).abs() <= 5 * se).all()
+    # the predictive (the default method): moments of the same draws, plus the noise
+    first = draws[:50]
+    torch.testing.assert_close(predictive.mean.reshape(-1), first.mean(0), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(predictive.variance.reshape(-1), first.var(0, unbiased=False) + _noise(new).repeat(5),
+                               rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("c", [1, 3])
+def test_monte_carlo_of_a_nonlinear_network(c):
+    from gpytorch.distributions import MultitaskMultivariateNormal, MultivariateNormal
+
+    _, model = _model(c)
+    with torch.no_grad():
+        for t in model.variational_distribution.raw_std:
+            t.sub_(2.0)  # s small enough that the network is nearly linear over q
+    x_obs, y_obs = _data(4, c)
+    new = model.condition_on(x_obs, y_obs)
+    x = torch.cat([x_obs, torch.randn(2, 2, generator=torch.Generator().manual_seed(4), dtype=F64)])
+    with torch.no_grad():
+        predictive = new.predict(x, num_samples=2000, generator=torch.Generator().manual_seed(1))
+        exact, prior = new(x), model(x)
+    assert type(predictive) is (MultivariateNormal if c == 1 else MultitaskMultivariateNormal)
+    assert predictive.mean.shape == ((6,) if c == 1 else (6, c))
+    assert predictive.variance.shape == predictive.mean.shape
+    error = (predictive.mean - exact.mean).abs()
+    assert (error[:4] <= 0.1 * (exact.mean - prior.mean)[:4].abs() + 0.02).all()  # near the observations
+    assert torch.isfinite(predictive.variance).all() and (predictive.variance > _noise(new)).all()
+    assert new.function_samples(x, 3).shape == ((3, 6) if c == 1 else (3, 6, c))
+
+
+def test_conditioning_leaves_the_original_monte_carlo_unchanged():
+    _, model = _model(3)
     x = torch.randn(3, 2, dtype=F64)
-    with pytest.raises(NotImplementedError, match="linearized"):
-        new.predict(x, method="mc")
-    with pytest.raises(NotImplementedError, match="conditioned"):
-        new.function_samples(x, 2)
-    assert new.predict(x, method="linearized").mean.shape == (3,)
-    assert model.predict(x, method="mc", num_samples=2).mean.shape == (3,)  # the original is not conditioned
+    with torch.no_grad():
+        before = model.predict(x, num_samples=5, generator=torch.Generator().manual_seed(0))
+        new = model.condition_on(*_data(4, 3))
+        conditioned = new.predict(x, num_samples=5, generator=torch.Generator().manual_seed(0))
+        after = model.predict(x, num_samples=5, generator=torch.Generator().manual_seed(0))
+    assert model.observations is None
+    torch.testing.assert_close(after.mean, before.mean, rtol=0, atol=0)
+    torch.testing.assert_close(after.variance, before.variance, rtol=0, atol=0)
+    assert not torch.allclose(conditioned.mean, before.mean)
+    assert new.predict(x, method="linearized").mean.shape == (3, 3)
 
 
 @pytest.mark.parametrize("likelihood", [LogisticLikelihood, lambda: SoftmaxLikelihood(3)])
