@@ -60,7 +60,7 @@ class _PairContraction(torch.autograd.Function):
     ``symmetric=True`` (the same :math:`\gamma` on both sides, ``B`` symmetric: a covariance) computes only the
     blocks :math:`n \le m` and mirrors them (half the work, forward and backward); the backward pass then takes
     the gradient of each computed block from both places it fills, :math:`\bar T_{nm} + \bar T_{mn}^\top`. The
-    lower blocks of ``B`` receive no gradient (they are not read). First-order only (FSVI needs the gradient of
+    lower blocks of ``B`` are never read (they may be left zero) and receive no gradient. First-order only (FSVI needs the gradient of
     its objective, not its Hessian)."""
 
     CHUNK_ELEMENTS = 2**17  # elements of one chunk's W (512 KiB in float32: stays in cache; tuned on docs/fsvi.md's benchmark)
@@ -86,6 +86,10 @@ class _PairContraction(torch.autograd.Function):
             r = e if symmetric else n1  # rows n < e suffice for the blocks n ≤ m
             t = torch.bmm(_PairContraction._weighted(g1[:r], b[:r], s, e), g2[s:e].transpose(1, 2))
             t = t.view(e - s, r, c, c).permute(1, 2, 0, 3)  # (r, C, k, C)
+            if symmetric and e - s > 1:  # the chunk's corner: blocks n > m from their mirror (B is read for n ≤ m)
+                lower = torch.ones(e - s, e - s, dtype=torch.bool, device=t.device).tril(-1)
+                corner = t[s:e]
+                t = torch.cat([t[:s], torch.where(lower[:, None, :, None], corner.permute(2, 3, 0, 1), corner)])
             out[:r, :, s:e] = t
             if symmetric and s > 0:
                 out[s:e, :, :s] = t[:s].permute(2, 3, 0, 1)
@@ -265,12 +269,14 @@ class LinearizedNetwork:
     # ------------------------------------------------------------------ covariances from features
     @staticmethod
     def _weighted_inputs(
-        a1: Tensor, a2: Tensor, vw: Tensor | None, vb: Tensor | None, d_out: int, symmetric: bool
+        a1: Tensor, a2: Tensor, vw: Tensor | None, vb: Tensor | None, d_out: int, symmetric: bool,
+        upper_only: bool = False,
     ) -> Tensor:
         r""":math:`B_{nm,i} = \sum_j S_{ij} a_{1,nj} a_{2,mj} + s_{b,i}`, shape ``(N1, N2, d_out)``.
 
         One GEMM of the element-wise products of input pairs with :math:`S^\top`; for a symmetric covariance only
-        the pairs :math:`n \le m` are multiplied (half the cost) and mirrored."""
+        the pairs :math:`n \le m` are multiplied (half the cost) and mirrored, or, with ``upper_only`` (for a
+        reader of the blocks :math:`n \le m` only: the symmetric :class:`_PairContraction`), left zero below."""
         n1, n2 = a1.shape[0], a2.shape[0]
         if vw is None:
             return vb.expand(d_out).expand(n1, n2, d_out)
@@ -281,7 +287,9 @@ class LinearizedNetwork:
             if vb is not None:
                 half = half + vb
             full = half.new_zeros(n1 * n1, d_out)
-            full = full.index_copy(0, iu * n1 + ju, half).index_copy(0, ju * n1 + iu, half)
+            full = full.index_copy(0, iu * n1 + ju, half)
+            if not upper_only:
+                full = full.index_copy(0, ju * n1 + iu, half)
             return full.view(n1, n1, d_out)
         b = (a1[:, None, :] * a2[None, :, :]).reshape(n1 * n2, -1) @ s.T
         if vb is not None:
@@ -307,7 +315,7 @@ class LinearizedNetwork:
                 gram = (g1.reshape(n1 * c, d_out) @ g2.reshape(n2 * c, d_out).T).view(n1, c, n2, c)
                 total = total + (gram * factor[:, None, :, None]).view(n1 * c, n2 * c)
                 continue
-            b = self._weighted_inputs(a1, a2, vw, vb, d_out, symmetric)  # (N1, N2, d_out)
+            b = self._weighted_inputs(a1, a2, vw, vb, d_out, symmetric, upper_only=symmetric and c > 1)
             if c == 1:
                 term = ((g1[:, 0, None, :] * b) * g2[None, :, 0, :]).sum(-1)
             else:
