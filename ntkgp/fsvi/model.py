@@ -3,7 +3,6 @@ r"""``FSVI``: a network with a mean-field Gaussian over its weights, as a GPyTor
 from __future__ import annotations
 
 import copy
-import itertools
 import math
 from collections.abc import Mapping, Sequence
 
@@ -305,10 +304,8 @@ class FSVI(BoTorchInterface, GP):
         if self._observations is not None:
             x_old, y_old = self._observations
             x, y = torch.cat([x_old.to(x), x]), torch.cat([y_old.to(y), y])
-        net = self.net
-        memo = {id(net): net}  # the network (and its tensors) is shared, never copied
-        memo.update({id(t): t for t in itertools.chain(net.parameters(), net.buffers())})
-        memo[id(self._conditioning_cache)] = ValueCache(size=1)
+        # the network is shared, never copied: LinearizedNetwork.__deepcopy__ keeps the reference
+        memo = {id(self._conditioning_cache): ValueCache(size=1)}
         if self._observations is not None:
             memo[id(self._observed)] = None  # replaced below (may hold an autograd graph: not deep-copyable)
         new = copy.deepcopy(self, memo)
@@ -397,7 +394,7 @@ class FSVI(BoTorchInterface, GP):
         (``(S, N)`` for ``C = 1``). Differentiable in :math:`\mu`, :math:`s` when gradients are enabled.
 
         On a conditioned model (:meth:`condition_on`) each draw is first updated by Matheron's rule in weight
-        space (:meth:`_matheron_update`, docs/fsvi.md, "Conditioning on new observations"): with
+        space (:class:`_MatheronUpdate`, docs/fsvi.md, "Conditioning on new observations"): with
         :math:`\epsilon \sim N(0, \Sigma)` the observation noise,
 
         .. math::
@@ -426,14 +423,6 @@ class FSVI(BoTorchInterface, GP):
         y = self._observations[1].to(factor)
         return _MatheronUpdate(self.linearized, q.means(), q.variances(), x_obs, y, factor,
                                noise_variance(self.likelihood).to(factor))
-
-    def _matheron_update(self, theta: Mapping[str, Tensor], eps: Tensor) -> dict[str, Tensor]:
-        r"""The conditioned draw :math:`\theta' = \theta + \operatorname{diag}(s^2) J_\mu(X)^\top
-        (K(X, X) + \Sigma)^{-1} (Y - f(X; \mu) - J_\mu(X)(\theta - \mu) - \epsilon)` for a draw ``theta``
-        (name → tensor) and the noise ``eps`` ``(M·C,)`` (interleaved), on a conditioned model."""
-        if self._observations is None:
-            raise RuntimeError("_matheron_update needs a conditioned model (condition_on)")
-        return self._matheron()(theta, eps)
 
     def predict(
         self,

@@ -218,7 +218,7 @@ def test_matheron_update_equals_dense(c, linear):
         with torch.no_grad():
             theta = q.sample(g)
             eps = (_noise(new).repeat(6).sqrt() * torch.randn(6 * c, generator=g, dtype=F64))
-            got = new._matheron_update(theta, eps)
+            got = new._matheron()(theta, eps)
         want = _dense_update(net, new, theta, eps, x_obs, y_obs)
         torch.testing.assert_close(ref.flat(got, q.names), want, rtol=1e-10, atol=1e-10)
         f = functional_call(net, got, (x,))
@@ -237,7 +237,7 @@ def test_matheron_update_equals_dense(c, linear):
     theta = {n: t.detach() for n, t in q.sample(g).items()}
     eps = torch.randn(6 * c, generator=g, dtype=F64)
     params = [*q.mean, *q.raw_std]
-    got = torch.autograd.grad(ref.flat(new._matheron_update(theta, eps), q.names).pow(2).sum(), params)
+    got = torch.autograd.grad(ref.flat(new._matheron()(theta, eps), q.names).pow(2).sum(), params)
     want = torch.autograd.grad(_dense_update(net, new, theta, eps, x_obs, y_obs, True).pow(2).sum(), params)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10)
