@@ -60,10 +60,10 @@ class _PairContraction(torch.autograd.Function):
     ``symmetric=True`` (the same :math:`\gamma` on both sides, ``B`` symmetric: a covariance) computes only the
     blocks :math:`n \le m` and mirrors them (half the work, forward and backward); the backward pass then takes
     the gradient of each computed block from both places it fills, :math:`\bar T_{nm} + \bar T_{mn}^\top`. The
-    lower blocks of ``B`` are never read (they may be left zero) and receive no gradient. First-order only (FSVI needs the gradient of
-    its objective, not its Hessian)."""
+    lower blocks of ``B`` are never read (they may be left zero) and receive no gradient. First-order only (FSVI
+    needs the gradient of its objective, not its Hessian)."""
 
-    CHUNK_ELEMENTS = 2**17  # elements of one chunk's W (512 KiB in float32: stays in cache; tuned on docs/fsvi.md's benchmark)
+    CHUNK_ELEMENTS = 2**17  # elements of one chunk's W (512 KiB in float32: stays in cache; tuned on docs/fsvi.md)
 
     @staticmethod
     def _chunk(n1: int, c: int, d_out: int) -> int:

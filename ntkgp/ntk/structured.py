@@ -221,7 +221,7 @@ def structured_output_grams(engine: NTKEngine, out, diag, x1, x2, sym, plan: Pla
         aa = f1.inputs[m] @ f2.inputs[m].T if weight else None
         a2 = f2.inputs[m].square().sum(-1)[:, None] if weight and diag is not None else None
         g2 = gam2.square().sum(-1).T if diag is not None else None  # (N2, C)
-        if weight and "bias" in kinds and group_of[kinds["weight"]] == group_of[kinds["bias"]]:
+        if _shared_factor(engine, kinds):
             terms = [(group_of[kinds["weight"]], aa + 1, None if a2 is None else a2 + 1)]
         else:
             terms = [(group_of[i], aa if k == "weight" else None, a2 if k == "weight" else None) for k, i in kinds.items()]
