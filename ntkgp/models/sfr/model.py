@@ -235,11 +235,11 @@ class SFR(BoTorchInterface, GP):
         # per group: (G, nb, K, K); combined: (1, nb, K, K), K_ZZ(δ) at the δ of the statistics
         if combined:
             zz = combined_system_gram(self.engine, z, self.output_coupling, delta.reciprocal(), self._rows_per_step())
+            # δ is fixed with combined statistics: no optimizer or evidence gradient should touch it
+            self.covar_module.raw_prior_precision.requires_grad_(False)
         else:
             zz = system_grams(self.engine, z, z, self.output_coupling)
         self.register_buffer("_zz_grams", zz)
-        if combined:  # δ is fixed with combined statistics: no optimizer or evidence gradient should touch it
-            self.covar_module.raw_prior_precision.requires_grad_(False)
         self._guard = StateGuard.of(self.engine, z)
         self._generation = 0  # bumped by load_state_dict
         self._updates = 0  # bumped by update

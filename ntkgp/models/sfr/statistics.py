@@ -235,9 +235,7 @@ class DualStatistics(nn.Module):
             return weights
         if torch.is_grad_enabled() and weights.requires_grad:
             raise RuntimeError(_GRADIENT_MESSAGE)
-        expected = self.prior_precision.reciprocal().to(weights)
-        if not _same_values(weights.detach(), expected):
-            raise RuntimeError(_changed_message(self.prior_precision, weights.reciprocal()))
+        self.check_prior_precision(weights.detach().reciprocal())
         return torch.ones(1, dtype=weights.dtype, device=weights.device)
 
     # ------------------------------------------------------------------ accumulation
