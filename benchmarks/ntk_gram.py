@@ -111,11 +111,9 @@ def main() -> None:
     if args.write_docs:
         table = markdown_table(["MLP (tanh), float32", "P", "N", "ntkgp `group_grams`", "`vmap(jacrev)` + einsum",
                                 "time ratio", "max rel. difference"], rows)
-        note = (f"Wall time (best of {args.repeats}; one run for N = {args.large_n}) and peak resident-memory growth "
-                f"of one NTK Gram, {torch.get_num_threads()} threads, both sides in the same run."
-                if args.large_n is not None else
-                f"Wall time (best of {args.repeats}) and peak resident-memory growth of one NTK Gram, "
-                f"{torch.get_num_threads()} threads, both sides in the same run.")
+        runs = f"best of {args.repeats}" + (f"; one run for N = {args.large_n}" if args.large_n is not None else "")
+        note = (f"Wall time ({runs}) and peak resident-memory growth of one NTK Gram, {torch.get_num_threads()} "
+                "threads, both sides in the same run.")
         write_block("README.md", "readme-ntk-gram", note + "\n\n" + table,
                     command_line())
 
