@@ -12,6 +12,10 @@ step each:
   by ``torch.func.vmap(jacrev)``, differentiated through.
 * **FSVI, one term only** (the breakdown of its cost): the same step with only the expected log-likelihood,
   and with only the KL.
+* **FSVI with a cheaper KL**: ``kl_covariance="block"`` (each context point's 10 outputs jointly, the points
+  independent) and ``"diagonal"`` (every output independent, what FSVI's public JAX code computes by default):
+  ``O(K)`` instead of ``O(K²)`` products per layer. They are other objectives, not faster routes to the same
+  one; the targets are about the full KL.
 * **lower bound** (not an FSVI step): the MAP step plus the products over pairs of context points that the
   exact KL needs with element-wise variances (``floor_step``); its ratio to MAP is what no implementation of
   the structured route can go below, so it says how far the 3× target is reachable at this K and width.
@@ -66,10 +70,10 @@ def map_step(net: nn.Module, device: torch.device):
     return step
 
 
-def fsvi_step(net: nn.Module, device: torch.device, part: str = "both"):
+def fsvi_step(net: nn.Module, device: torch.device, part: str = "both", kl_covariance: str = "full"):
     """One Adam step on FSVI's objective; ``part="likelihood"`` or ``"kl"`` keeps only that term (the
-    breakdown of the step's cost)."""
-    model = FSVI(net, SoftmaxLikelihood(C), prior_precision=1.0)
+    breakdown of the step's cost); ``kl_covariance`` as ``FSVI``'s."""
+    model = FSVI(net, SoftmaxLikelihood(C), prior_precision=1.0, kl_covariance=kl_covariance)
     elbo = FunctionSpaceELBO(model, N_DATA)
     opt = torch.optim.Adam(model.variational_distribution.parameters(), lr=1e-3)
     x = torch.randn(BATCH, 784, device=device)
@@ -209,18 +213,21 @@ def main() -> None:
     print(f"KL of ntkgp vs naive at the same point: relative difference {check_same_kl(net, device):.1e}")
     floor = "lower bound: MAP + pair products"
     ell, kl = "FSVI, likelihood term only", "FSVI, KL term only"
+    block, diagonal = 'FSVI, kl_covariance="block"', 'FSVI, kl_covariance="diagonal"'
     steps = {"MAP": map_step(net, device), floor: floor_step(net, device),
              "FSVI (ntkgp, structured)": fsvi_step(net, device), ell: fsvi_step(net, device, "likelihood"),
-             kl: fsvi_step(net, device, "kl"), "FSVI (naive, vmap(jacrev))": naive_step(net, device)}
+             kl: fsvi_step(net, device, "kl"), block: fsvi_step(net, device, kl_covariance="block"),
+             diagonal: fsvi_step(net, device, kl_covariance="diagonal"),
+             "FSVI (naive, vmap(jacrev))": naive_step(net, device)}
     counts = dict.fromkeys(steps, args.steps) | {"FSVI (naive, vmap(jacrev))": args.naive_steps}
     wall, cpu = timed(steps, counts, args.repeats, device)
     settings = (f"MLP 784-256-256-10, batch {BATCH}, K = {K} context points, float32, {device.type}, "
                 f"{torch.get_num_threads()} threads; best of {args.repeats} rounds of {args.steps} steps "
                 f"({args.naive_steps} for the naive variant)")
     print(settings)
-    print(f"{'step':<34}{'wall ms':>10}{'× MAP':>8}{'CPU ms':>10}{'× MAP':>8}")
+    print(f"{'step':<36}{'wall ms':>10}{'× MAP':>8}{'CPU ms':>10}{'× MAP':>8}")
     for name in steps:
-        print(f"{name:<34}{1e3 * wall[name]:>10.1f}{wall[name] / wall['MAP']:>8.2f}"
+        print(f"{name:<36}{1e3 * wall[name]:>10.1f}{wall[name] / wall['MAP']:>8.2f}"
               f"{1e3 * cpu[name]:>10.1f}{cpu[name] / cpu['MAP']:>8.2f}")
     fsvi, naive, map_ = "FSVI (ntkgp, structured)", "FSVI (naive, vmap(jacrev))", "MAP"
     verdicts = []
@@ -229,7 +236,8 @@ def main() -> None:
         met_naive = "met" if t[fsvi] <= 0.3 * t[naive] else "not met"
         verdicts.append(f"{label}: FSVI ÷ MAP = {t[fsvi] / t[map_]:.2f} (target ≤ 3: {met_map}), "
                         f"FSVI ÷ naive = {t[fsvi] / t[naive]:.3f} (target ≤ 0.3: {met_naive}); "
-                        f"lower bound ÷ MAP = {t[floor] / t[map_]:.2f}")
+                        f"lower bound ÷ MAP = {t[floor] / t[map_]:.2f}; with the block KL ÷ MAP = "
+                        f"{t[block] / t[map_]:.2f}, with the diagonal KL {t[diagonal] / t[map_]:.2f}")
         print(verdicts[-1])
     if args.write_docs:
         rows = [[name, f"{1e3 * wall[name]:.1f}", f"{wall[name] / wall[map_]:.2f}", f"{1e3 * cpu[name]:.1f}",

@@ -327,10 +327,11 @@ class LinearizedNetwork:
             total = total + (j1 * (v.reshape(-1) if v.dim() > 0 else v)) @ j2.T
         return total
 
-    def _diag(self, feats: _Features, variances: Params) -> Tensor:
-        r"""Per-point blocks :math:`J(x_n) \operatorname{diag}(v) J(x_n)^\top`, ``(N, C, C)``."""
+    def _diag(self, feats: _Features, variances: Params, variances_only: bool = False) -> Tensor:
+        r"""Per-point blocks :math:`J(x_n) \operatorname{diag}(v) J(x_n)^\top`, ``(N, C, C)``, or only their
+        diagonals ``(N, C)``."""
         n, c = feats.outputs.shape
-        out = feats.outputs.new_zeros(n, c, c)
+        out = feats.outputs.new_zeros((n, c) if variances_only else (n, c, c))
         for layer in self._plan.pairs:
             a, g = feats.inputs[layer.name], feats.grads[layer.name]
             vw, vb = self._variances(variances, layer)
@@ -339,11 +340,15 @@ class LinearizedNetwork:
                 weighted = a.square() @ vw.expand(g.shape[-1], a.shape[1]).T  # (N, d_out)
             if vb is not None:
                 weighted = weighted + vb
-            out = out + (g * weighted[:, None, :]) @ g.transpose(1, 2)
+            if variances_only:
+                out = out + (g.square() * weighted[:, None, :]).sum(-1)
+            else:
+                out = out + (g * weighted[:, None, :]) @ g.transpose(1, 2)
         for name in feats.jacobians:
             v = variances[name]
             j = feats.jacobians[name]
-            out = out + (j * (v.reshape(-1) if v.dim() > 0 else v)) @ j.transpose(1, 2)
+            v = v.reshape(-1) if v.dim() > 0 else v
+            out = out + ((j.square() * v).sum(-1) if variances_only else (j * v) @ j.transpose(1, 2))
         return out
 
     # ------------------------------------------------------------------ public covariances
@@ -351,6 +356,13 @@ class LinearizedNetwork:
         r""":math:`J(x) \operatorname{diag}(v) J(x)^\top` ``(N·C, N·C)`` from the features of ``x``
         (:meth:`features`)."""
         return self._grid(feats, feats, variances, symmetric=True)
+
+    def blocks_from_features(self, feats: _Features, variances: Params, variances_only: bool = False) -> Tensor:
+        r"""Per-point blocks :math:`J(x_n) \operatorname{diag}(v) J(x_n)^\top`, ``(N, C, C)`` (with
+        ``variances_only``, their diagonals ``(N, C)``), from the features of ``x`` (:meth:`features`):
+        :math:`\gamma_n \operatorname{diag}(S a_n^{\odot 2} + s_b) \gamma_n^\top` per linear layer, cost
+        :math:`N d_\text{in} d_\text{out} + N C^2 d_\text{out}`."""
+        return self._diag(feats, variances, variances_only)
 
     def jvp(self, feats: _Features, tangents: Params) -> Tensor:
         r""":math:`J_\theta(x) u` ``(N, C)`` for parameter-shaped tangents :math:`u`, from the features of ``x``:

@@ -23,7 +23,7 @@ from .kernel import MeanFieldNTKKernel
 from .kl import gaussian_kl
 from .linearized import LinearizedNetwork
 from .mean import VariationalNetworkMean
-from .options import Predictive, PriorLinearization
+from .options import KLCovariance, Predictive, PriorLinearization
 from .prior import GaussianParameterPrior
 from .variational import MeanFieldGaussian
 
@@ -32,6 +32,15 @@ def _check_num_samples(num_samples: object) -> int:
     if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
         raise ValueError(f"num_samples must be a positive integer, got {num_samples!r}")
     return num_samples
+
+
+def _diagonal_kl(mean_q: Tensor, var_q: Tensor, mean_p: Tensor, var_p: Tensor) -> Tensor:
+    r""":math:`\sum_i \mathrm{KL}(N(m_{q,i}, v_{q,i}) \,\|\, N(m_{p,i}, v_{p,i}))
+    = \tfrac12 \sum_i \big[v_{q,i}/v_{p,i} + (m_{q,i} - m_{p,i})^2/v_{p,i} - 1 + \log v_{p,i} - \log v_{q,i}\big]`."""
+    for name, v in (("the variational variances", var_q), ("the prior variances", var_p)):
+        if not (v > 0).all():
+            raise ValueError(f"{name} at the context points include zeros: the KL is undefined (use context_jitter > 0)")
+    return 0.5 * (var_q / var_p + (mean_q - mean_p).square() / var_p - 1 + var_p.log() - var_q.log()).sum()
 
 
 class FSVI(BoTorchInterface, GP):
@@ -87,6 +96,11 @@ class FSVI(BoTorchInterface, GP):
             :math:`\tau \le 10^{-3}` ended in a constant classifier, :math:`10^{-2}` (the default) did not. With a
             Gaussian likelihood the data pin the network, and a near-exact KL (``1e-6``) gives the larger
             in-between uncertainty (docs/fsvi.md, "Context jitter").
+        kl_covariance: which covariance over the ``K·C`` context outputs the KL keeps: ``"full"`` (default: the
+            exact KL of the linearized Gaussians), ``"block"`` (each point's ``C`` outputs jointly, points
+            independent) or ``"diagonal"`` (every output independent, as the public JAX code of FSVI does by
+            default). The last two cost :math:`O(K)` instead of :math:`O(K^2)` per layer (docs/fsvi.md, "Which
+            covariance the KL keeps").
         **kwargs: ``groups=`` (deprecated name of ``prior_structure``).
 
     Example:
@@ -107,6 +121,7 @@ class FSVI(BoTorchInterface, GP):
         strategy: str = "auto",
         chunk_size: int = 256,
         context_jitter: float = 1e-2,
+        kl_covariance: str = "full",
         **kwargs,
     ) -> None:
         if not isinstance(likelihood, Likelihood):
@@ -116,6 +131,7 @@ class FSVI(BoTorchInterface, GP):
             0 <= context_jitter < math.inf
         ):
             raise ValueError(f"context_jitter must be a non-negative number, got {context_jitter!r}")
+        kl_covariance = choose(KLCovariance, kl_covariance, "kl_covariance")
         linearized = LinearizedNetwork(net, input_shape=input_shape, strategy=strategy, chunk_size=chunk_size)
         prior = GaussianParameterPrior(net, prior_precision, prior_structure, prior_mean, prior_linearization, **kwargs)
         variational = MeanFieldGaussian(net, init_std, max_std={n: v.sqrt() for n, v in prior.variances().items()})
@@ -127,6 +143,7 @@ class FSVI(BoTorchInterface, GP):
         self.mean_module = VariationalNetworkMean(linearized, variational)
         self.covar_module = MeanFieldNTKKernel(linearized, variational)
         self.context_jitter = float(context_jitter)
+        self.kl_covariance = kl_covariance
         self._observed: tuple[Tensor, Tensor] | None = None  # (x (M, D) flat, y (M, C)) after condition_on
         self._conditioning_cache = ValueCache(size=1)
 
@@ -346,7 +363,7 @@ class FSVI(BoTorchInterface, GP):
     # ------------------------------------------------------------------ function-space KL
     def function_space_kl(self, x_context: Tensor) -> Tensor:
         r"""KL from the prior to the variational distribution over the outputs at context points,
-        :math:`\mathrm{KL}(q(f_C) \,\|\, p(f_C))` on all ``K·C`` outputs (docs/fsvi.md, "The function-space KL").
+        :math:`\mathrm{KL}(q(f_C) \,\|\, p(f_C))` on the ``K·C`` outputs (docs/fsvi.md, "The function-space KL").
 
         .. math::
             q(f_C) = N\big(f(X_C; \mu),\, J_\mu \operatorname{diag}(s^2) J_\mu^\top\big), \qquad
@@ -357,7 +374,9 @@ class FSVI(BoTorchInterface, GP):
         mean is then :math:`f(X_C; \mu_0)`). About :math:`\mu` the mean difference is :math:`J_\mu(\mu - \mu_0)`, one
         product with the same features. The covariances come from the structured form
         (:class:`~ntkgp.fsvi.linearized.LinearizedNetwork`), never from ``J``; about :math:`\mu` both share one
-        forward and one backward pass. Differentiable in :math:`\mu` and :math:`s`.
+        forward and one backward pass. With ``kl_covariance="block"`` both Gaussians keep only their ``K`` blocks
+        ``C × C`` (the KL is the sum of the points' KLs), with ``"diagonal"`` only their variances (the sum of
+        ``K·C`` one-dimensional KLs). Differentiable in :math:`\mu` and :math:`s`.
 
         Args:
             x_context: ``K`` context inputs ``(K, ...)``.
@@ -368,23 +387,35 @@ class FSVI(BoTorchInterface, GP):
         x = self.prepare(self._flat(x_context, "x_context"), "x_context")
         lin, q, p = self.linearized, self.variational_distribution, self.prior
         grad = torch.is_grad_enabled()
+        kind = self.kl_covariance
         means = q.means()
+        feats = lin.features(means, x, create_graph=grad)
         if p.linearization is PriorLinearization.VARIATIONAL_MEAN:
-            feats = lin.features(means, x, create_graph=grad)
-            cov_q, cov_p = (lin.covariance_from_features(feats, v) for v in (q.variances(), p.variances()))
+            feats_p = feats
             # m_q - m_p = f(X; μ) - [f(X; μ) + J_μ (μ0 - μ)] = J_μ (μ - μ0)
             prior_means = p.means()
-            difference = lin.jvp(feats, {n: means[n] - prior_means[n] for n in means})
-            mean_q, mean_p = difference.reshape(-1), torch.zeros_like(difference).reshape(-1)
+            mean_q = lin.jvp(feats, {n: means[n] - prior_means[n] for n in means})
+            mean_p = torch.zeros_like(mean_q)
         else:
-            f_q, (cov_q,) = lin.covariance(means, [q.variances()], x, create_graph=grad)
-            f_p, (cov_p,) = lin.covariance(p.means(), [p.variances()], x, create_graph=False)
-            mean_q, mean_p = f_q.reshape(-1), f_p.reshape(-1)
+            feats_p = lin.features(p.means(), x, create_graph=False)
+            mean_q, mean_p = feats.outputs, feats_p.outputs
+        pairs = ((feats, q.variances()), (feats_p, p.variances()))
+        if kind is KLCovariance.FULL:
+            cov_q, cov_p = (lin.covariance_from_features(f, v) for f, v in pairs)
+            mean_q, mean_p = mean_q.reshape(-1), mean_p.reshape(-1)
+        else:  # (K, C, C) blocks, or (K, C) variances
+            only = kind is KLCovariance.DIAGONAL
+            cov_q, cov_p = (lin.blocks_from_features(f, v, variances_only=only) for f, v in pairs)
         if self.context_jitter > 0:
-            noise = self.context_jitter * cov_p.diagonal().mean().detach()  # a constant of the step
-            eye = torch.eye(cov_p.shape[0], dtype=cov_p.dtype, device=cov_p.device)
-            cov_q, cov_p = cov_q + noise * eye, cov_p + noise * eye
-        return gaussian_kl(mean_q, cov_q, mean_p, cov_p)
+            # a constant of the step: τ times the mean prior variance at the context points
+            prior_variances = cov_p if kind is KLCovariance.DIAGONAL else cov_p.diagonal(dim1=-2, dim2=-1)
+            noise = self.context_jitter * prior_variances.mean().detach()
+            if kind is not KLCovariance.DIAGONAL:
+                noise = noise * torch.eye(cov_p.shape[-1], dtype=cov_p.dtype, device=cov_p.device)
+            cov_q, cov_p = cov_q + noise, cov_p + noise
+        if kind is KLCovariance.DIAGONAL:
+            return _diagonal_kl(mean_q, cov_q, mean_p, cov_p)
+        return gaussian_kl(mean_q, cov_q, mean_p, cov_p).sum()
 
     # ------------------------------------------------------------------ Monte Carlo over weights
     def function_samples(

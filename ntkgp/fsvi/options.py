@@ -34,3 +34,16 @@ class ContextKind(Option):
     AUTO = "auto"  #: "uniform" for (N, D) inputs, "monochrome" for images (N, channels, H, W)
     UNIFORM = "uniform"  #: uniform in the box of the training inputs
     MONOCHROME = "monochrome"  #: random monochrome images from the training pixels
+
+
+class KLCovariance(Option):
+    """Which covariance over the ``K·C`` outputs at the context points the function-space KL keeps
+    (``kl_covariance=``)."""
+
+    #: all outputs jointly, (K·C)² covariances: the exact KL of the linearized Gaussians (the paper's equation)
+    FULL = "full"
+    #: each context point's C outputs jointly, the points independent: a sum of K KLs in C dimensions
+    BLOCK = "block"
+    #: every output independent: a sum of K·C one-dimensional KLs (what the public JAX code of FSVI computes
+    #: unless its ``full_ntk`` flag is set)
+    DIAGONAL = "diagonal"

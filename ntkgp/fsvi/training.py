@@ -124,6 +124,7 @@ def train_fsvi(
     prior_linearization: str = "variational_mean",
     init_std: float = 1e-3,
     context_jitter: float = 1e-2,
+    kl_covariance: str = "full",
     num_samples: int = 1,
     epochs: int = 100,
     batch_size: int | None = 128,
@@ -168,6 +169,8 @@ def train_fsvi(
         prior_linearization: ``"variational_mean"`` (default) or ``"prior_mean"``.
         init_std: the initial :math:`s` of every weight (below the prior's).
         context_jitter: relative shared noise on the context outputs, see :class:`~ntkgp.fsvi.FSVI`.
+        kl_covariance: ``"full"`` (default), ``"block"`` or ``"diagonal"``: the covariance over the context
+            outputs that the KL keeps, see :class:`~ntkgp.fsvi.FSVI`.
         num_samples: ``S``, weight draws per step for the expected log-likelihood.
         epochs: passes over the data.
         batch_size: mini-batch size for tensors (``None``: full batch); ignored for loaders.
@@ -247,6 +250,7 @@ def train_fsvi(
         prior_linearization=prior_linearization,
         init_std=init_std,
         context_jitter=context_jitter,
+        kl_covariance=kl_covariance,
         input_shape=input_shape,
         strategy=strategy,
     )
