@@ -15,7 +15,7 @@ Gram at C = 1 against the ``vmap(jacrev)`` recipe, on one device.
 
 Random inputs: memory and time do not depend on the values. ``--small`` shrinks every size (a smoke test that
 runs on the CPU in seconds; ``tests/test_gpu_scale.py`` runs it). Results are printed and, with ``--json PATH``,
-written as one JSON object. ``scripts/gpu_checks.sh`` runs this with the CUDA tests on a GPU machine.
+written as one JSON object (rewritten after every case). ``scripts/gpu_checks.sh`` runs this with the CUDA tests on a GPU machine.
 
     python benchmarks/gpu_scale.py [--device cuda] [--part sfr gram] [--n 60000 --m 2048] [--gram-n 20000]
         [--json out.json] [--small]
@@ -149,10 +149,16 @@ def main() -> int:
     machine = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {os.cpu_count()} cores"
     report = {"device": str(device), "machine": machine, "torch": torch.__version__, "sfr": [], "gram": None}
     print(f"{machine}, torch {torch.__version__}", flush=True)
+
+    def save() -> None:  # after every case: a run stopped by its time limit keeps what it measured
+        if args.json is not None:
+            args.json.write_text(json.dumps(report, indent=1))
+
     if "sfr" in args.part:
         for coupling, statistics in SFR_CASES:
             r = sfr_case(coupling, statistics, args.n, args.m, device)
             report["sfr"].append(r)
+            save()
             bound = "" if r["formula_mib"] is None else f" (formula {r['formula_mib']:.0f} MiB)"
             print(f"SFR {coupling:<11} {str(r['statistics']):<9} N={r['n']} M={r['m']}: build {r['build_s']:.1f} s "
                   f"{r['build_mib']:.0f} MiB, predict+evidence {r['solve_s']:.1f} s {r['solve_mib']:.0f} MiB, "
@@ -162,8 +168,8 @@ def main() -> int:
         print(f"Gram C=1 N={r['n']}: ntkgp {r['ntkgp_s']:.2f} s {r['ntkgp_mib']:.0f} MiB, recipe {r['recipe_s']:.2f} s "
               f"{r['recipe_mib']:.0f} MiB, time ratio {r['time_ratio']:.2f}, max rel. difference "
               f"{r['max_rel_difference']:.1e}", flush=True)
+    save()
     if args.json is not None:
-        args.json.write_text(json.dumps(report, indent=1))
         print("wrote", args.json)
     return 0
 
