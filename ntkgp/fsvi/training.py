@@ -214,6 +214,21 @@ def train_fsvi(
         raise ValueError(f"lr must be a positive number, got {lr!r}")
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"seed must be an integer, got {seed!r}")
+    # the model first: it checks its own options before a loader is read (reading one can draw from the global
+    # random generator); the input shape, if it comes from the first batch, is set afterwards
+    model = FSVI(
+        net,
+        copy.deepcopy(likelihood),
+        prior_precision=prior_precision,
+        prior_structure=prior_structure,
+        prior_mean=prior_mean,
+        prior_linearization=prior_linearization,
+        init_std=init_std,
+        context_jitter=context_jitter,
+        kl_covariance=kl_covariance,
+        input_shape=input_shape,
+        strategy=strategy,
+    )
 
     generator = torch.Generator().manual_seed(seed)
     if isinstance(train_x, Tensor):
@@ -240,20 +255,7 @@ def train_fsvi(
             num_data = len(dataset) if dataset is not None else sum(int(x.shape[0]) for x, _ in batches)
     if input_shape is None and x_first.dim() > 2:
         input_shape = tuple(x_first.shape[1:])
-
-    model = FSVI(
-        net,
-        copy.deepcopy(likelihood),
-        prior_precision=prior_precision,
-        prior_structure=prior_structure,
-        prior_mean=prior_mean,
-        prior_linearization=prior_linearization,
-        init_std=init_std,
-        context_jitter=context_jitter,
-        kl_covariance=kl_covariance,
-        input_shape=input_shape,
-        strategy=strategy,
-    )
+        model.linearized.input_shape = input_shape
     reference = model.variational_distribution.mean[0]
     model.likelihood.to(device=reference.device, dtype=reference.dtype)
     with torch.no_grad():

@@ -207,6 +207,27 @@ def test_unknown_kl_covariance_is_refused_before_anything_is_built():
         assert torch.equal(p, before[n])
 
 
+@pytest.mark.parametrize("argument, value", [("kl_covariance", "blocks"), ("context_jitter", -1.0),
+                                             ("prior_linearization", "nowhere"), ("init_std", -1.0),
+                                             ("strategy", "magic"), ("prior_precision", -2.0)])
+def test_train_fsvi_checks_the_model_options_before_reading_a_loader(argument, value):
+    """Reading a loader is a side effect (a shuffling DataLoader draws from the global generator): every option
+    of the model is checked first."""
+    x = torch.randn(8, 2, dtype=torch.float64)
+
+    class Loader:
+        read = False
+
+        def __iter__(self):
+            Loader.read = True
+            yield x, x[:, 0]
+
+    with pytest.raises(ValueError, match=argument):
+        train_fsvi(ref.mlp(d_in=2, width=5, d_out=1), Loader(), None, GaussianLikelihood().double(),
+                   progress=False, **{argument: value})
+    assert not Loader.read
+
+
 @pytest.mark.slow
 def test_gap_regression_in_between_uncertainty():
     """The setting of test_training's gap test (2×50 ReLU, 1000 full-batch steps, K = 32), with the diagonal KL
