@@ -14,9 +14,11 @@ from . import reference as ref
 pytestmark = pytest.mark.cuda
 
 
-def test_kl_and_covariance_match_the_cpu():
-    cpu = FSVI(ref.small_cnn(3), SoftmaxLikelihood(3).double(), init_std=0.1)
-    gpu = FSVI(ref.small_cnn(3).cuda(), SoftmaxLikelihood(3).double(), init_std=0.1).cuda()
+@pytest.mark.parametrize("kl_covariance", ["full", "block", "diagonal"])
+def test_kl_and_covariance_match_the_cpu(kl_covariance):
+    cpu = FSVI(ref.small_cnn(3), SoftmaxLikelihood(3).double(), init_std=0.1, kl_covariance=kl_covariance)
+    gpu = FSVI(ref.small_cnn(3).cuda(), SoftmaxLikelihood(3).double(), init_std=0.1,
+               kl_covariance=kl_covariance).cuda()
     gpu.load_state_dict(cpu.state_dict())
     x = torch.randn(5, 1, 6, 6, dtype=torch.float64)
     torch.testing.assert_close(gpu.function_space_kl(x.cuda()).cpu(), cpu.function_space_kl(x), rtol=1e-8, atol=1e-8)
