@@ -23,6 +23,7 @@ import math
 import time
 
 import torch
+from gpytorch.constraints import GreaterThan
 from gpytorch.likelihoods import GaussianLikelihood
 from torch import nn
 
@@ -94,7 +95,7 @@ REGIONS = {
 def train_run(data, structure: str, split: int, args):
     """Algorithm 1 with the paper's protocol on one split: ``(result of train_marglik, seconds)``."""
     net = _common.mlp(data.x_train.shape[1], 1, 50, 1, nn.ReLU, seed=split)
-    likelihood = GaussianLikelihood().double()
+    likelihood = gaussian_likelihood(getattr(args, "noise_parameterization", "softplus")).double()
     likelihood.noise = args.initial_noise
     start = time.perf_counter()
     result = train_marglik(
@@ -103,6 +104,15 @@ def train_run(data, structure: str, split: int, args):
         frequency=args.frequency, hyper_steps=args.hyper_steps, hyper_lr=args.hyper_lr, seed=split, progress=False,
     )
     return result, time.perf_counter() - start
+
+
+def gaussian_likelihood(parameterization: str = "softplus") -> GaussianLikelihood:
+    """GPyTorch's Gaussian likelihood: ``"softplus"`` (its default, σ² = 1e-4 + softplus(r)) or ``"log_sigma"``
+    (σ² = 1e-4 + e^{2r}: Adam then steps log σ, as laplace-torch's ``marglik_training`` does)."""
+    if parameterization == "softplus":
+        return GaussianLikelihood()
+    return GaussianLikelihood(noise_constraint=GreaterThan(1e-4, transform=lambda r: torch.exp(2 * r),
+                                                           inv_transform=lambda n: 0.5 * torch.log(n)))
 
 
 def glm_prediction(result, data, structure: str, args) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,7 +165,8 @@ def run_one(data_dir, dataset: str, split: int, structure: str, args) -> dict:
 
 
 def key(dataset: str, split: int, structure: str, args) -> str:
-    return f"{dataset}_split{split}_{structure}_e{args.epochs}_F{args.frequency}_K{args.hyper_steps}"
+    suffix = "_logsigma" if getattr(args, "noise_parameterization", "softplus") == "log_sigma" else ""
+    return f"{dataset}_split{split}_{structure}_e{args.epochs}_F{args.frequency}_K{args.hyper_steps}{suffix}"
 
 
 def protocol_parser(description: str, name: str):
@@ -171,6 +182,9 @@ def protocol_parser(description: str, name: str):
     p.add_argument("--burn-in", type=int, default=0, help="B (paper: 0)")
     p.add_argument("--initial-noise", type=float, default=1.0, help="initial sigma^2 on standardized targets")
     p.add_argument("--prior-structure", default="layer", help="one delta per layer (KFAC needs 'layer')")
+    p.add_argument("--noise-parameterization", choices=["softplus", "log_sigma"], default="softplus",
+                   help="the coordinate Adam steps for the noise: GPyTorch's softplus (default) or log sigma "
+                        "(laplace-torch's); log_sigma runs are stored under their own keys")
     return p
 
 
