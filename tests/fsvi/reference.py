@@ -84,3 +84,25 @@ def random_variances(params: dict[str, torch.Tensor], seed: int = 2) -> dict[str
     """Element-wise variances in [0.1, 1.1], different for every weight."""
     g = torch.Generator().manual_seed(seed)
     return {n: 0.1 + torch.rand(p.shape, generator=g, dtype=p.dtype) for n, p in params.items()}
+
+
+def check_directional_derivatives(fn, params, groups, directions: int, generator: torch.Generator, h: float = 1e-5,
+                                  rtol: float = 1e-6, atol: float = 1e-8) -> None:
+    """Autograd's ``∂fn/∂params`` against central differences along ``directions`` random directions per group
+    of parameter indices (every parameter of the group moves; the parameters are restored afterwards)."""
+    grads = torch.autograd.grad(fn(), params)
+    base = [p.detach().clone() for p in params]
+    for group in groups:
+        for _ in range(directions):
+            d = {i: torch.randn(base[i].shape, generator=generator, dtype=base[i].dtype) for i in group}
+            values = []
+            for sign in (1, -1):
+                with torch.no_grad():
+                    for i in group:
+                        params[i].copy_(base[i] + sign * h * d[i])
+                    values.append(fn())
+            with torch.no_grad():
+                for i in group:
+                    params[i].copy_(base[i])
+            numeric = (values[0] - values[1]) / (2 * h)
+            torch.testing.assert_close(sum((grads[i] * d[i]).sum() for i in group), numeric, rtol=rtol, atol=atol)

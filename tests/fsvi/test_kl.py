@@ -87,11 +87,12 @@ def test_gaussian_kl_errors():
         gaussian_kl(torch.zeros(2), torch.zeros(2, 2), torch.zeros(2), torch.eye(2))
 
 
-def _model(c, prior_mean, prior_linearization, prior_precision=1.0, seed=0, jitter=0.0):
+def _model(c, prior_mean, prior_linearization, prior_precision=1.0, seed=0, jitter=0.0, kl_covariance="full"):
     net = ref.mlp(d_in=2, width=5, d_out=c, seed=seed)
     lik = GaussianLikelihood().double() if c == 1 else MultitaskGaussianLikelihood(c, rank=0).double()
     model = FSVI(net, lik, prior_precision=prior_precision, prior_mean=prior_mean,
-                 prior_linearization=prior_linearization, prior_structure="parameter", context_jitter=jitter)
+                 prior_linearization=prior_linearization, prior_structure="parameter", context_jitter=jitter,
+                 kl_covariance=kl_covariance)
     g = torch.Generator().manual_seed(seed + 5)
     with torch.no_grad():  # move μ and s away from their initial values: every term of the KL matters
         for m, t in zip(model.variational_distribution.mean, model.variational_distribution.raw_std):
@@ -100,7 +101,9 @@ def _model(c, prior_mean, prior_linearization, prior_precision=1.0, seed=0, jitt
     return net, model
 
 
-def _dense_kl(net, model, x, jitter=0.0):
+def _dense_gaussians(net, model, x, jitter=0.0):
+    """Means ``(K·C,)`` and covariances ``(K·C)²`` of q and p on the context points (rows n·C + c), by
+    brute-force Jacobians, with the shared context noise."""
     q, p = model.variational_distribution, model.prior
     names = q.names
     mu = {n: t.detach() for n, t in q.means().items()}
@@ -116,7 +119,12 @@ def _dense_kl(net, model, x, jitter=0.0):
     else:
         f_p = functional_call(net, mu0, (x,)).reshape(-1)
     noise = jitter * cov_p.diagonal().mean() * torch.eye(cov_p.shape[0], dtype=cov_p.dtype)
-    return kl_divergence(MultivariateNormal(f_q, cov_q + noise), MultivariateNormal(f_p, cov_p + noise))
+    return f_q, cov_q + noise, f_p, cov_p + noise
+
+
+def _dense_kl(net, model, x, jitter=0.0):
+    f_q, cov_q, f_p, cov_p = _dense_gaussians(net, model, x, jitter)
+    return kl_divergence(MultivariateNormal(f_q, cov_q), MultivariateNormal(f_p, cov_p))
 
 
 PRIORS = [("zero", "variational_mean"), ("mapping", "variational_mean"), ("initial", "prior_mean"),

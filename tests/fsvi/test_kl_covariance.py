@@ -11,13 +11,14 @@ import torch
 from gpytorch.likelihoods import GaussianLikelihood, MultitaskGaussianLikelihood
 from linear_operator.utils.warnings import NumericalWarning
 from torch.distributions import MultivariateNormal, Normal, kl_divergence
-from torch.func import functional_call
 
 from ntkgp import metrics
 from ntkgp.datasets import gap_regression
 from ntkgp.fsvi import FSVI, gaussian_kl, train_fsvi
 
 from . import reference as ref
+from .test_kl import _dense_gaussians
+from .test_kl import _model as _kl_model
 
 
 def _spd(batch, n, g, scale):
@@ -67,38 +68,13 @@ def test_gaussian_kl_shape_errors():
         gaussian_kl(torch.tensor(0.0), torch.eye(1), torch.tensor(0.0), torch.eye(1))
 
 
+PRECISIONS = torch.tensor([0.5, 2.0, 1.0, 3.0, 0.7, 1.5])
+
+
 def _model(c, kl_covariance, prior_mean="zero", linearization="variational_mean", jitter=0.0, seed=0):
-    net = ref.mlp(d_in=2, width=5, d_out=c, seed=seed)
-    lik = GaussianLikelihood().double() if c == 1 else MultitaskGaussianLikelihood(c, rank=0).double()
-    model = FSVI(net, lik, prior_precision=torch.tensor([0.5, 2.0, 1.0, 3.0, 0.7, 1.5]), prior_mean=prior_mean,
-                 prior_linearization=linearization, prior_structure="parameter", context_jitter=jitter,
-                 kl_covariance=kl_covariance)
-    g = torch.Generator().manual_seed(seed + 5)
-    with torch.no_grad():  # away from the initial values: every term of the KL matters
-        for m, t in zip(model.variational_distribution.mean, model.variational_distribution.raw_std):
-            m.add_(0.3 * torch.randn(m.shape, generator=g, dtype=m.dtype))
-            t.copy_(-1.0 + 0.5 * torch.randn(t.shape, generator=g, dtype=t.dtype))
-    return net, model
-
-
-def _dense_gaussians(net, model, x, jitter):
-    """Means (K, C) and covariances (K·C)² of q and p on the context points, by brute-force Jacobians."""
-    q, p = model.variational_distribution, model.prior
-    names = q.names
-    mu = {n: t.detach() for n, t in q.means().items()}
-    mu0 = p.means()
-    var_q = {n: t.detach() for n, t in q.variances().items()}
-    var_p = {n: t.expand(mu[n].shape) for n, t in p.variances().items()}
-    at = mu if p.linearization == "variational_mean" else mu0
-    cov_q, cov_p = ref.covariance(net, mu, var_q, names, x), ref.covariance(net, at, var_p, names, x)
-    f_q = functional_call(net, mu, (x,)).reshape(-1)
-    if p.linearization == "variational_mean":
-        f_p = f_q + ref.jacobian(net, mu, names, x) @ (ref.flat(mu0, names) - ref.flat(mu, names))
-    else:
-        f_p = functional_call(net, mu0, (x,)).reshape(-1)
-    noise = jitter * cov_p.diagonal().mean()
-    eye = torch.eye(cov_p.shape[0], dtype=cov_p.dtype)
-    return f_q, cov_q + noise * eye, f_p, cov_p + noise * eye
+    """test_kl's model (μ and s moved off their initial values) with per-parameter precisions and ``kl_covariance``."""
+    return _kl_model(c, prior_mean, linearization, prior_precision=PRECISIONS, seed=seed, jitter=jitter,
+                     kl_covariance=kl_covariance)
 
 
 def _blocks(cov, k, c):
@@ -109,30 +85,25 @@ def _blocks(cov, k, c):
 PRIORS = [("zero", "variational_mean"), ("initial", "prior_mean")]
 
 
+@pytest.mark.parametrize("kind", ["block", "diagonal"])
 @pytest.mark.parametrize("c", [1, 3])
 @pytest.mark.parametrize("prior", PRIORS)
 @pytest.mark.parametrize("jitter", [0.0, 1e-2])
-def test_block_kl_is_the_sum_of_the_points_kls(c, prior, jitter):
-    net, model = _model(c, "block", *prior, jitter=jitter)
+def test_cheaper_kl_is_the_sum_of_the_points_or_outputs_kls(kind, c, prior, jitter):
+    """Block: the sum over points of the C-dimensional KLs of the dense Gaussians' diagonal blocks; diagonal: the
+    sum over outputs of the one-dimensional KLs of their variances. No jitter needed on the way."""
+    net, model = _model(c, kind, *prior, jitter=jitter)
     x = torch.randn(5, 2, dtype=torch.float64)
     f_q, cov_q, f_p, cov_p = _dense_gaussians(net, model, x, jitter)
-    expected = kl_divergence(MultivariateNormal(f_q.view(5, c), _blocks(cov_q, 5, c)),
-                             MultivariateNormal(f_p.view(5, c), _blocks(cov_p, 5, c))).sum()
+    if kind == "block":
+        expected = kl_divergence(MultivariateNormal(f_q.view(5, c), _blocks(cov_q, 5, c)),
+                                 MultivariateNormal(f_p.view(5, c), _blocks(cov_p, 5, c))).sum()
+    else:
+        expected = kl_divergence(Normal(f_q, cov_q.diagonal().sqrt()), Normal(f_p, cov_p.diagonal().sqrt())).sum()
     with warnings.catch_warnings():
         warnings.simplefilter("error", NumericalWarning)
         kl = model.function_space_kl(x)
     torch.testing.assert_close(kl, expected, rtol=1e-10, atol=1e-10)
-
-
-@pytest.mark.parametrize("c", [1, 3])
-@pytest.mark.parametrize("prior", PRIORS)
-@pytest.mark.parametrize("jitter", [0.0, 1e-2])
-def test_diagonal_kl_is_the_sum_of_the_outputs_kls(c, prior, jitter):
-    net, model = _model(c, "diagonal", *prior, jitter=jitter)
-    x = torch.randn(5, 2, dtype=torch.float64)
-    f_q, cov_q, f_p, cov_p = _dense_gaussians(net, model, x, jitter)
-    expected = kl_divergence(Normal(f_q, cov_q.diagonal().sqrt()), Normal(f_p, cov_p.diagonal().sqrt())).sum()
-    torch.testing.assert_close(model.function_space_kl(x), expected, rtol=1e-10, atol=1e-10)
 
 
 def test_block_kl_on_a_cnn_takes_the_jacobian_route():
@@ -157,29 +128,13 @@ def test_gradients_match_finite_differences(kind):
     x = torch.randn(4, 2, dtype=torch.float64)
     q = model.variational_distribution
     params = list(q.mean) + list(q.raw_std)
-    grads = torch.autograd.grad(model.function_space_kl(x), params)
-    base = [p.detach().clone() for p in params]
-    g = torch.Generator().manual_seed(3)
-    h = 1e-5
-    for group in (range(len(q.mean)), range(len(q.mean), len(params))):
-        for _ in range(3):
-            d = {i: torch.randn(base[i].shape, generator=g, dtype=base[i].dtype) for i in group}
-            values = []
-            for sign in (1, -1):
-                with torch.no_grad():
-                    for i in group:
-                        params[i].copy_(base[i] + sign * h * d[i])
-                    values.append(model.function_space_kl(x))
-            with torch.no_grad():
-                for i in group:
-                    params[i].copy_(base[i])
-            numeric = (values[0] - values[1]) / (2 * h)
-            analytic = sum((grads[i] * d[i]).sum() for i in group)
-            torch.testing.assert_close(analytic, numeric, rtol=1e-6, atol=1e-8)
+    groups = (range(len(q.mean)), range(len(q.mean), len(params)))
+    ref.check_directional_derivatives(lambda: model.function_space_kl(x), params, groups, directions=3,
+                                      generator=torch.Generator().manual_seed(3))
 
 
 def test_orderings_of_the_kls():
-    """Σ_q = Σ_p gives 0 for all three; otherwise the three differ (the block and diagonal KLs drop the
+    """At the same μ, s and context points the three KLs differ (the block and diagonal KLs drop the
     cross-covariances): a check that the option is applied, not only accepted."""
     values = {}
     for kind in ("full", "block", "diagonal"):
@@ -259,7 +214,7 @@ def test_float32_close_to_float64(kind):
     _, model64 = _model(3, kind, jitter=1e-2)
     net32 = ref.mlp(d_in=2, width=5, d_out=3, seed=0, dtype=torch.float32)
     model32 = FSVI(net32, MultitaskGaussianLikelihood(3, rank=0), prior_structure="parameter",
-                   prior_precision=torch.tensor([0.5, 2.0, 1.0, 3.0, 0.7, 1.5]), kl_covariance=kind)
+                   prior_precision=PRECISIONS, kl_covariance=kind)
     model32.load_state_dict({k: v.float() for k, v in model64.state_dict().items()}, strict=False)
     x = torch.randn(6, 2, dtype=torch.float64)
     kl32 = model32.function_space_kl(x.float())
