@@ -329,9 +329,11 @@ class LinearizedNetwork:
             total = total + (j1 * (v.reshape(-1) if v.dim() > 0 else v)) @ j2.T
         return total
 
-    def _diag(self, feats: _Features, variances: Params, variances_only: bool = False) -> Tensor:
-        r"""Per-point blocks :math:`J(x_n) \operatorname{diag}(v) J(x_n)^\top`, ``(N, C, C)``, or only their
-        diagonals ``(N, C)``."""
+    def blocks_from_features(self, feats: _Features, variances: Params, variances_only: bool = False) -> Tensor:
+        r"""Per-point blocks :math:`J(x_n) \operatorname{diag}(v) J(x_n)^\top`, ``(N, C, C)`` (with
+        ``variances_only``, their diagonals ``(N, C)``), from the features of ``x`` (:meth:`features`):
+        :math:`\gamma_n \operatorname{diag}(S a_n^{\odot 2} + s_b) \gamma_n^\top` per linear layer, cost
+        :math:`N d_\text{in} d_\text{out} + N C^2 d_\text{out}`."""
         n, c = feats.outputs.shape
         out = feats.outputs.new_zeros((n, c) if variances_only else (n, c, c))
         for layer in self._plan.pairs:
@@ -358,13 +360,6 @@ class LinearizedNetwork:
         r""":math:`J(x) \operatorname{diag}(v) J(x)^\top` ``(N·C, N·C)`` from the features of ``x``
         (:meth:`features`)."""
         return self._grid(feats, feats, variances, symmetric=True)
-
-    def blocks_from_features(self, feats: _Features, variances: Params, variances_only: bool = False) -> Tensor:
-        r"""Per-point blocks :math:`J(x_n) \operatorname{diag}(v) J(x_n)^\top`, ``(N, C, C)`` (with
-        ``variances_only``, their diagonals ``(N, C)``), from the features of ``x`` (:meth:`features`):
-        :math:`\gamma_n \operatorname{diag}(S a_n^{\odot 2} + s_b) \gamma_n^\top` per linear layer, cost
-        :math:`N d_\text{in} d_\text{out} + N C^2 d_\text{out}`."""
-        return self._diag(feats, variances, variances_only)
 
     def jvp(self, feats: _Features, tangents: Params) -> Tensor:
         r""":math:`J_\theta(x) u` ``(N, C)`` for parameter-shaped tangents :math:`u`, from the features of ``x``:
@@ -419,5 +414,5 @@ class LinearizedNetwork:
         for s in range(0, x.shape[0], self.chunk_size):
             feats = self.features(params, x[s : s + self.chunk_size], grad)
             outs.append(feats.outputs)
-            blocks.append(self._diag(feats, variances))
+            blocks.append(self.blocks_from_features(feats, variances))
         return torch.cat(outs), torch.cat(blocks)
