@@ -49,86 +49,112 @@ class _PairContraction(torch.autograd.Function):
     r""":math:`T_{n c, m d} = \sum_i \gamma_{1, n c i} B_{n m i} \gamma_{2, m d i}` as ``(N1, C, N2·C)``, by chunks of
     columns ``m``, every step a batched matrix product over ``m``.
 
-    With :math:`W_{m, nc, i} = \gamma_{1, nci} B_{nmi}` (one element-wise product per chunk),
-    :math:`T_{\cdot, m \cdot} = W_m \gamma_{2, m}^\top` is a product of a ``(N1·C, d_out)`` and a ``(d_out, C)``
-    matrix for each ``m``. The backward pass uses the same shapes: with the output gradient :math:`\bar T_m`
-    ``(N1·C, C)``, :math:`\bar\gamma_{2, m} = \bar T_m^\top W_m`, :math:`V_m = \bar T_m \gamma_{2, m}` and then
-    :math:`\bar B_{nmi} = \sum_c \gamma_{1,nci} V_{m,nci}` and :math:`\bar\gamma_{1,nci} = \sum_m B_{nmi} V_{m,nci}`.
-    Autograd through a broadcast product would keep the ``N1·N2·C·d_out`` product for the backward pass and
-    reduce over the broadcast dimensions there, which on a CPU is memory-bound and dominated FSVI's step.
+    With :math:`W_{m, nc, i} = \gamma_{1, nci} B_{nmi}` (one element-wise product per chunk, from
+    :math:`B^\top` transposed once), :math:`T_{\cdot, m \cdot}^\top = \gamma_{2, m} W_m^\top` is a product of a
+    ``(C, d_out)`` and a ``(d_out, N1·C)`` matrix for each ``m`` (``C`` rows: the other way round, ``C`` columns,
+    is several times slower on a CPU). The backward pass uses the same shapes: with the output gradient
+    :math:`\bar T_m^\top` ``(C, N1·C)``, :math:`\bar\gamma_{2, m} = \bar T_m^\top W_m`,
+    :math:`V_m = \bar T_m \gamma_{2, m}` and then :math:`\bar B_{nmi} = \sum_c \gamma_{1,nci} V_{m,nci}` and
+    :math:`\bar\gamma_{1,nci} = \sum_m B_{nmi} V_{m,nci}`. Autograd through a broadcast product would keep the
+    ``N1·N2·C·d_out`` product for the backward pass and reduce over the broadcast dimensions there, which on a
+    CPU is memory-bound and dominated FSVI's step.
 
-    ``symmetric=True`` (the same :math:`\gamma` on both sides, ``B`` symmetric: a covariance) computes only the
-    blocks :math:`n \le m` and mirrors them (half the work, forward and backward); the backward pass then takes
-    the gradient of each computed block from both places it fills, :math:`\bar T_{nm} + \bar T_{mn}^\top`. The
-    lower blocks of ``B`` are never read (they may be left zero) and receive no gradient. First-order only (FSVI
-    needs the gradient of its objective, not its Hessian)."""
+    ``symmetric=True`` (the same :math:`\gamma` on both sides, ``B`` symmetric: a covariance) reads only the
+    blocks :math:`n \le m` of ``B`` (the lower ones may be left zero; they receive no gradient) and computes
+    :math:`T = T' + T'^\top` with :math:`T'` the contraction of :math:`B'_{nm} = B_{nm}` for :math:`n < m`,
+    :math:`\tfrac12 B_{nn}` on the diagonal and 0 below (:math:`B = B' + B'^\top`, :math:`T` is linear in
+    :math:`B` and :math:`T(B'^\top) = T(B')^\top`): only the blocks :math:`n \le m` are contracted (half the
+    work, forward and backward); the backward pass is that of :math:`T'` for :math:`\bar T' = \bar T + \bar T^\top`.
+    First-order only (FSVI needs the gradient of its objective, not its Hessian)."""
 
-    # elements of one chunk's W (2 MiB in float32). Fewer, larger chunks: the loop's per-chunk overhead outweighs
-    # keeping W in cache; 2¹⁸–2¹⁹ were fastest for K = 16–64, C = 3–10 on a 2-core CPU (one thread)
-    CHUNK_ELEMENTS = 2**19
+    # elements of one chunk's W (1 MiB in float32). Per-chunk overhead against keeping W in cache: 2¹⁸ was
+    # fastest for K = 32, C = 10, d_out = 256 on a 2-core CPU (one thread), 2¹⁹ close
+    CHUNK_ELEMENTS = 2**18
 
     @staticmethod
     def _chunk(n1: int, c: int, d_out: int) -> int:
         return max(1, _PairContraction.CHUNK_ELEMENTS // (n1 * c * d_out))
 
     @staticmethod
-    def _weighted(g1: Tensor, b: Tensor, s: int, e: int) -> Tensor:
-        """:math:`W_{m, n c, i}` for the columns ``s ≤ m < e``, ``(e - s, N1·C, d_out)``."""
-        n1, c, d_out = g1.shape
-        return (g1[None] * b[:, s:e].transpose(0, 1).contiguous()[:, :, None, :]).view(e - s, n1 * c, d_out)
+    def _upper(n: int, like: Tensor) -> Tensor:
+        """The factors of :math:`B'` ``(n, n, 1)``: 1 for ``n < m``, ½ for ``n = m``, 0 for ``n > m``."""
+        ones = torch.ones(n, n, dtype=like.dtype, device=like.device)
+        return (ones.triu(1) + 0.5 * torch.eye(n, dtype=like.dtype, device=like.device))[:, :, None]
 
     @staticmethod
     def forward(ctx, g1: Tensor, b: Tensor, g2: Tensor, symmetric: bool = False) -> Tensor:
         n1, c, d_out = g1.shape
         n2 = g2.shape[0]
-        out = g1.new_empty(n1, c, n2, c)
+        bt = (b * _PairContraction._upper(n1, b) if symmetric else b).transpose(0, 1).contiguous()  # (N2, N1, d)
+        out = (g1.new_zeros if symmetric else g1.new_empty)(n2, c, n1 * c)  # Tᵀ (T'ᵀ), [m, d, (n, c)]
         step = _PairContraction._chunk(n1, c, d_out)
         for s in range(0, n2, step):
             e = min(s + step, n2)
-            r = e if symmetric else n1  # rows n < e suffice for the blocks n ≤ m
-            t = torch.bmm(_PairContraction._weighted(g1[:r], b[:r], s, e), g2[s:e].transpose(1, 2))
-            t = t.view(e - s, r, c, c).permute(1, 2, 0, 3)  # (r, C, k, C)
-            if symmetric and e - s > 1:  # the chunk's corner: blocks n > m from their mirror (B is read for n ≤ m)
-                lower = torch.ones(e - s, e - s, dtype=torch.bool, device=t.device).tril(-1)
-                corner = t[s:e]
-                t = torch.cat([t[:s], torch.where(lower[:, None, :, None], corner.permute(2, 3, 0, 1), corner)])
-            out[:r, :, s:e] = t
-            if symmetric and s > 0:
-                out[s:e, :, :s] = t[:s].permute(2, 3, 0, 1)
-        ctx.save_for_backward(g1, b, g2)
+            r = e if symmetric else n1  # rows n < e hold the blocks n ≤ m
+            w = (g1[None, :r] * bt[s:e, :r, None, :]).view(e - s, r * c, d_out)  # W_m
+            out[s:e, :, : r * c] = torch.bmm(g2[s:e], w.transpose(1, 2))
+        ctx.save_for_backward(g1, bt, g2)
         ctx.symmetric = symmetric
-        return out.view(n1, c, n2 * c)
+        out = out.view(n2 * c, n1 * c)
+        return (out + out.T if symmetric else out.T.contiguous()).view(n1, c, n2 * c)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad: Tensor):
-        g1, b, g2 = ctx.saved_tensors
+        g1, bt, g2 = ctx.saved_tensors
         symmetric = ctx.symmetric
         n1, c, d_out = g1.shape
         n2 = g2.shape[0]
         need_g1, need_b, need_g2 = ctx.needs_input_grad[:3]
-        grad = grad.reshape(n1, c, n2, c)
-        if symmetric:  # each block n < m was used twice (T_nm and its mirror), the diagonal blocks once
-            upper = torch.ones(n1, n1, dtype=torch.bool, device=grad.device).triu(1)
-            grad = torch.where(upper[:, None, :, None], grad + grad.permute(2, 3, 0, 1), grad)
-            grad = grad * upper.logical_or(torch.eye(n1, dtype=torch.bool, device=grad.device))[:, None, :, None]
+        grad = grad.reshape(n1 * c, n2 * c)
+        # T̄ᵀ (T̄'ᵀ when symmetric), [m, d, (n, c)]
+        grad = (grad + grad.T if symmetric else grad.T.contiguous()).view(n2, c, n1 * c)
         grad_g1 = g1.new_zeros(n1, c, d_out) if need_g1 else None
-        grad_b = (torch.zeros_like if symmetric else torch.empty_like)(b) if need_b else None
+        grad_bt = (bt.new_zeros if symmetric else bt.new_empty)(bt.shape) if need_b else None
         grad_g2 = torch.empty_like(g2) if need_g2 else None
         step = _PairContraction._chunk(n1, c, d_out)
         for s in range(0, n2, step):
             e = min(s + step, n2)
             k, r = e - s, (e if symmetric else n1)
-            gm = grad[:r, :, s:e].permute(2, 0, 1, 3).reshape(k, r * c, c)  # T̄_m, (k, r·C, C)
+            gm = grad[s:e, :, : r * c]  # T̄_mᵀ, (k, C, r·C)
             if need_g2:
-                grad_g2[s:e] = torch.bmm(gm.transpose(1, 2), _PairContraction._weighted(g1[:r], b[:r], s, e))
+                w = (g1[None, :r] * bt[s:e, :r, None, :]).view(k, r * c, d_out)
+                grad_g2[s:e] = torch.bmm(gm, w)
             if need_g1 or need_b:
-                v = torch.bmm(gm, g2[s:e]).view(k, r, c, d_out)  # V_m
+                v = torch.bmm(gm.transpose(1, 2), g2[s:e]).view(k, r, c, d_out)  # V_m
                 if need_b:
-                    grad_b[:r, s:e] = (v * g1[None, :r]).sum(2).transpose(0, 1)
+                    grad_bt[s:e, :r] = (v * g1[None, :r]).sum(2)
                 if need_g1:
-                    grad_g1[:r] += (v * b[:r, s:e].transpose(0, 1).contiguous()[:, :, None, :]).sum(0)
+                    grad_g1[:r] += (v * bt[s:e, :r, None, :]).sum(0)
+        grad_b = None
+        if need_b:
+            grad_b = grad_bt.transpose(0, 1)
+            grad_b = grad_b * _PairContraction._upper(n1, grad_b) if symmetric else grad_b.contiguous()
         return grad_g1, grad_b, grad_g2, None
+
+
+class _SymmetricGram(torch.autograd.Function):
+    r""":math:`X X^\top` with the backward pass :math:`\bar X = (\bar G + \bar G^\top) X`: one product, where
+    autograd through ``x @ x.T`` takes one for each of the two operands."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:
+        ctx.save_for_backward(x)
+        return x @ x.T
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: Tensor) -> Tensor:
+        (x,) = ctx.saved_tensors
+        return (grad + grad.T) @ x
+
+
+def _unit_gradients(g: Tensor) -> bool:
+    r"""Whether the output gradients ``(N, C, d_out)`` are the unit vectors, :math:`\gamma_{nci} = \delta_{ci}`: those
+    of the network's output layer (``f = z``), constants without a graph."""
+    _, c, d_out = g.shape
+    unit = torch.eye(c, dtype=g.dtype, device=g.device)
+    return d_out == c and not g.requires_grad and torch.equal(g, unit.expand_as(g))
 
 
 @dataclass
@@ -314,8 +340,16 @@ class LinearizedNetwork:
                 factor = vw * (a1 @ a2.T) if vw is not None else a1.new_zeros(n1, n2)
                 if vb is not None:
                     factor = factor + vb
-                gram = (g1.reshape(n1 * c, d_out) @ g2.reshape(n2 * c, d_out).T).view(n1, c, n2, c)
-                total = total + (gram * factor[:, None, :, None]).view(n1 * c, n2 * c)
+                if symmetric:
+                    gram = _SymmetricGram.apply(g1.reshape(n1 * c, d_out))
+                else:
+                    gram = g1.reshape(n1 * c, d_out) @ g2.reshape(n2 * c, d_out).T
+                total = total + (gram.view(n1, c, n2, c) * factor[:, None, :, None]).view(n1 * c, n2 * c)
+                continue
+            if _unit_gradients(g1) and _unit_gradients(g2):
+                # the output layer: T_{nc,md} = δ_cd B_{nm,c}, no contraction
+                b = self._weighted_inputs(a1, a2, vw, vb, d_out, symmetric)
+                total = total + torch.diag_embed(b).transpose(1, 2).reshape(n1 * c, n2 * c)
                 continue
             b = self._weighted_inputs(a1, a2, vw, vb, d_out, symmetric, upper_only=symmetric and c > 1)
             if c == 1:

@@ -40,9 +40,22 @@ class TwiceUsed(nn.Module):
         return self.out(torch.tanh(self.b(torch.tanh(self.a(self.a(x))))))
 
 
+class Scaled(nn.Module):
+    """A network whose outputs are its last layer's times 2: that layer's output gradients are not the unit vectors
+    (the pair contraction, not the output layer's shortcut)."""
+
+    def __init__(self, net):
+        super().__init__()
+        self.net = net
+
+    def forward(self, x):
+        return 2 * self.net(x)
+
+
 NETS = {
     "mlp_c1": lambda: (ref.mlp(d_out=1), (3,)),
     "mlp_c3": lambda: (ref.mlp(d_out=3), (3,)),
+    "mlp_c3_scaled": lambda: (Scaled(ref.mlp(d_out=3)), (3,)),
     "cnn": lambda: (ref.small_cnn(3), (1, 6, 6)),
     "twice": lambda: (TwiceUsed().double(), (3,)),
 }
@@ -88,14 +101,19 @@ def test_routes_chosen():
     assert plan.generic == ["a.weight", "a.bias", "b.bias"]
 
 
-@pytest.mark.parametrize("name", ["mlp_c3", "cnn"])
-def test_covariance_gradients_match_dense(name):
-    """d/dθ and d/dv of <W, Σ> through the structured route equal those through dense autograd Jacobians."""
+@pytest.mark.parametrize("variances", ["elementwise", "constant"])
+@pytest.mark.parametrize("name", ["mlp_c3", "mlp_c3_scaled", "cnn"])
+def test_covariance_gradients_match_dense(name, variances):
+    """d/dθ and d/dv of <W, Σ> through the structured route equal those through dense autograd Jacobians, with
+    element-wise variances (pair contraction; the output layer's shortcut unless scaled) and one variance per
+    tensor (the NTK's form, its Gram with a one-product backward pass)."""
     net, shape = NETS[name]()
     lin = LinearizedNetwork(net)
     x = torch.randn(4, *shape, dtype=torch.float64)
     base = ref.random_like(_params(net))
     var = ref.random_variances(base)
+    if variances == "constant":
+        var = {n: torch.tensor(0.3 + i, dtype=torch.float64) for i, n in enumerate(base)}
     n = 4 * 3
     weights = torch.randn(n, n, dtype=torch.float64)
 
@@ -170,3 +188,13 @@ def test_pair_contraction_value_and_gradients_against_autograd(monkeypatch, chun
     # differentiate through a symmetric B
     assert torch.autograd.gradcheck(
         lambda gg, bb: _PairContraction.apply(gg, (bb + bb.transpose(0, 1)) / 2, gg, True), (g, bs))
+    # any B: the symmetric route is the contraction of the symmetric B built from its blocks n ≤ m (and the lower
+    # blocks get no gradient)
+    upper_of = torch.ones(6, 6, dtype=torch.bool).triu()[:, :, None]
+    from_upper = torch.where(upper_of, bs, bs.transpose(0, 1)).detach()
+    torch.testing.assert_close(_PairContraction.apply(g, bs, g, True),
+                               torch.einsum("nci,nmi,mdi->ncmd", g, from_upper, g).reshape(6, 3, 18), rtol=1e-12,
+                               atol=1e-12)
+    assert torch.autograd.gradcheck(lambda gg, bb: _PairContraction.apply(gg, bb, gg, True), (g, bs))
+    (grad_b,) = torch.autograd.grad(_PairContraction.apply(g, bs, g, True).sum(), bs)
+    assert grad_b.masked_select(~upper_of).eq(0).all()
