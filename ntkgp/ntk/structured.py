@@ -144,12 +144,14 @@ def _shared_factor(engine: NTKEngine, kinds: dict[str, int]) -> bool:
     return "weight" in kinds and "bias" in kinds and group_of[kinds["weight"]] == group_of[kinds["bias"]]
 
 
-def _terms(engine: NTKEngine, kinds: dict[str, int], aa: Tensor | None) -> list[tuple[int, Tensor | None]]:
+def _terms(
+    engine: NTKEngine, kinds: dict[str, int], aa: Tensor | None, in_place: bool = False
+) -> list[tuple[int, Tensor | None]]:
     """(group, factor on the output-gradient kernel or None) for one layer: weight and bias in one group
-    share the factor ``a·a' + 1``."""
+    share the factor ``a·a' + 1`` (formed in ``aa``'s memory with ``in_place``: no second matrix of its size)."""
     group_of = engine.groups.group_of
     if _shared_factor(engine, kinds):
-        return [(group_of[kinds["weight"]], aa + 1)]
+        return [(group_of[kinds["weight"]], aa.add_(1) if in_place else aa + 1)]
     return [(group_of[i], aa if k == "weight" else None) for k, i in kinds.items()]
 
 
@@ -190,7 +192,7 @@ def structured_grams(engine: NTKEngine, out, x1, x2, sym, plan: Plan, c: int, gr
         for s in range(0, n1, rows):
             e = min(s + rows, n1)
             aa = a1[s:e] @ a2.T if weight else None
-            for g, factor in _terms(engine, kinds, aa):
+            for g, factor in _terms(engine, kinds, aa, in_place=True):
                 target = out[g, s * c : e * c]
                 if g in fresh:
                     torch.mm(g1[s * c : e * c], g2.T, out=target)
