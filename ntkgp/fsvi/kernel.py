@@ -17,7 +17,9 @@ class MeanFieldNTKKernel(Kernel):
 
     an empirical NTK with one variance per weight. For inputs ``(N1, D)`` and ``(N2, D)`` it is a
     ``(N1·C, N2·C)`` matrix in GPyTorch's interleaved multi-output order (row ``n·C + c``);
-    ``num_outputs_per_input`` is ``C``.
+    ``num_outputs_per_input`` is ``C``. Inputs ``(*batch, N, D)`` (GPyTorch's batch mode; the batch shapes of
+    ``x1`` and ``x2`` broadcast) give ``(*batch, N1·C, N2·C)``: one covariance per batch element, the features of
+    every row computed once (:meth:`~ntkgp.fsvi.linearized.LinearizedNetwork.batched_covariance`).
 
     **How it is computed** (:class:`~ntkgp.fsvi.linearized.LinearizedNetwork`): ``nn.Linear`` layers by their
     structured form (layer inputs and back-propagated output gradients, never the Jacobian), other parameters by
@@ -45,14 +47,15 @@ class MeanFieldNTKKernel(Kernel):
 
     def num_outputs_per_input(self, x1: Tensor, x2: Tensor) -> int:
         means, _ = self._params()
-        return self.linearized.num_outputs(means, self.linearized.prepare(x1[:1], next(iter(means.values()))))
+        row = x1.reshape(-1, x1.shape[-1])[:1]
+        return self.linearized.num_outputs(means, self.linearized.prepare(row, next(iter(means.values()))))
 
     def forward(self, x1: Tensor, x2: Tensor, diag: bool = False, last_dim_is_batch: bool = False, **params) -> Tensor:
         if last_dim_is_batch:
             raise NotImplementedError("MeanFieldNTKKernel does not support last_dim_is_batch")
-        if x1.dim() != 2 or x2.dim() != 2:
+        if x1.dim() < 2 or x2.dim() < 2:
             raise ValueError(
-                "MeanFieldNTKKernel takes inputs of shape (N, D) without batch dimensions, got "
+                "MeanFieldNTKKernel takes inputs of shape (*batch, N, D), got "
                 f"{tuple(x1.shape)} and {tuple(x2.shape)}; flatten inputs of other shapes and pass input_shape"
             )
         means, variances = self._params()
@@ -61,9 +64,19 @@ class MeanFieldNTKKernel(Kernel):
         lin = self.linearized
         if diag:
             if not square:
-                return self.forward(x1, x2).diagonal()
-            _, blocks = lin.diag_blocks(means, variances, lin.prepare(x1, like, "x1"))
-            return blocks.diagonal(dim1=-2, dim2=-1).reshape(-1)
+                return self.forward(x1, x2).diagonal(dim1=-2, dim2=-1)
+            # the per-point blocks of all rows at once, whatever the batch shape
+            _, blocks = lin.diag_blocks(means, variances, lin.prepare(x1.reshape(-1, x1.shape[-1]), like, "x1"))
+            return blocks.diagonal(dim1=-2, dim2=-1).reshape(*x1.shape[:-2], -1)
+        if x1.dim() > 2 or x2.dim() > 2:
+            if max(x1.shape[-2], x2.shape[-2]) <= lin.chunk_size:
+                return lin.batched_covariance(means, variances, x1, None if square else x2)
+            # large slices: one element at a time, each by chunks of rows
+            batch = torch.broadcast_shapes(x1.shape[:-2], x2.shape[:-2])
+            a = x1.expand(*batch, *x1.shape[-2:]).reshape(-1, *x1.shape[-2:])
+            b = x2.expand(*batch, *x2.shape[-2:]).reshape(-1, *x2.shape[-2:])
+            out = torch.stack([self.forward(a[k], a[k] if square else b[k]) for k in range(a.shape[0])])
+            return out.view(*batch, *out.shape[-2:])
         a = lin.prepare(x1, like, "x1")
         if square and a.shape[0] <= lin.chunk_size:
             return lin.covariance(means, [variances], a, create_graph=torch.is_grad_enabled())[1][0]

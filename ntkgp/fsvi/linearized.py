@@ -31,6 +31,7 @@ features (:mod:`ntkgp.ntk.features`, with ``graph=True``), so :math:`J` is never
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -180,6 +181,11 @@ class _Features:
     inputs: dict[str, Tensor]
     grads: dict[str, Tensor]
     jacobians: dict[str, Tensor]
+
+    def rows(self, start: int, stop: int) -> _Features:
+        """The features of the inputs ``start:stop`` (views, no copy)."""
+        part = lambda d: {k: v[start:stop] for k, v in d.items()}  # noqa: E731
+        return _Features(self.outputs[start:stop], part(self.inputs), part(self.grads), part(self.jacobians))
 
 
 class LinearizedNetwork:
@@ -439,6 +445,42 @@ class LinearizedNetwork:
         rows = [self._grid(self.features(params, x1[s : s + step], grad), f2, variances, symmetric=False)
                 for s in range(0, x1.shape[0], step)]
         return torch.cat(rows)
+
+    def batched_covariance(
+        self, params: Params, variances: Params, x1: Tensor, x2: Tensor | None = None
+    ) -> Tensor:
+        r""":math:`J(x_{1,b}) \operatorname{diag}(v) J(x_{2,b})^\top` for every batch element ``b``: inputs
+        ``(*batch1, N1, D)`` and ``(*batch2, N2, D)`` (flat rows, batch shapes broadcast; ``x2=None``: the symmetric
+        covariance of ``x1``), result ``(*batch, N1·C, N2·C)``. The features are computed once per row of each input
+        (by chunks of about ``chunk_size`` rows; ``x2`` without batch dimensions, e.g. observed inputs, once for
+        all elements), then each element's block from its rows: cost :math:`B N_1 N_2` pairs, never the pairs
+        across elements. Differentiable when gradients are enabled."""
+        grad = torch.is_grad_enabled()
+        like = next(iter(params.values()))
+        square = x2 is None
+        x2 = x1 if square else x2
+        batch = torch.broadcast_shapes(x1.shape[:-2], x2.shape[:-2])
+        (n1, d), n2 = x1.shape[-2:], x2.shape[-2]
+        count1, count2 = math.prod(x1.shape[:-2]), math.prod(x2.shape[:-2])
+        index1 = torch.arange(count1).view(x1.shape[:-2]).expand(batch).reshape(-1).tolist()
+        index2 = torch.arange(count2).view(x2.shape[:-2]).expand(batch).reshape(-1).tolist()
+
+        def features(x: Tensor, count: int, n: int, argument: str) -> list[_Features]:
+            """One feature set per slice of ``x`` (slices grouped into chunks of about ``chunk_size`` rows)."""
+            rows = self.prepare(x.reshape(count * n, d), like, argument)
+            group = max(1, self.chunk_size // max(n, 1))
+            out = []
+            for s in range(0, count, group):
+                e = min(s + group, count)
+                feats = self.features(params, rows[s * n : e * n], grad)
+                out.extend(feats.rows(k * n, (k + 1) * n) for k in range(e - s))
+            return out
+
+        f1 = features(x1, count1, n1, "x1")
+        f2 = f1 if square else features(x2, count2, n2, "x2")
+        blocks = [self._grid(f1[i], f2[j], variances, symmetric=square) for i, j in zip(index1, index2)]
+        out = torch.stack(blocks)
+        return out.view(*batch, *out.shape[-2:])
 
     def diag_blocks(self, params: Params, variances: Params, x: Tensor) -> tuple[Tensor, Tensor]:
         """``f(x; θ)`` ``(N, C)`` and the per-point blocks :math:`J(x_n) \\operatorname{diag}(v) J(x_n)^\\top`,

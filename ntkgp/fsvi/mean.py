@@ -10,7 +10,8 @@ from .variational import MeanFieldGaussian
 
 
 class VariationalNetworkMean(Mean):
-    r"""The network evaluated at the variational mean, :math:`m(x) = f(x; \mu)`, on GPyTorch's ``(N, D)`` inputs.
+    r"""The network evaluated at the variational mean, :math:`m(x) = f(x; \mu)`, on GPyTorch's
+    ``(*batch, N, D)`` inputs.
 
     Differentiable in :math:`\mu` and in ``x``. The variational distribution is held by reference (its
     parameters belong to the model that owns it, e.g. :class:`~ntkgp.fsvi.FSVI`).
@@ -26,8 +27,10 @@ class VariationalNetworkMean(Mean):
         object.__setattr__(self, "variational", variational)
 
     def forward(self, x: Tensor) -> Tensor:
-        """``(N, C)``, or ``(N,)`` when the network has one output (GPyTorch's single-task shape)."""
+        """``(*batch, N, C)`` for inputs ``(*batch, N, D)``, or ``(*batch, N)`` when the network has one output
+        (GPyTorch's single-task shape); all rows in one forward pass."""
         params = self.variational.means()
-        x = self.linearized.prepare(x, next(iter(params.values())))
-        f = self.linearized.forward(params, x)
+        rows = self.linearized.prepare(x.reshape(-1, x.shape[-1]), next(iter(params.values())))
+        f = self.linearized.forward(params, rows)
+        f = f.view(*x.shape[:-1], f.shape[-1])
         return f.squeeze(-1) if f.shape[-1] == 1 else f

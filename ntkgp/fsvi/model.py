@@ -57,9 +57,11 @@ class FSVI(BoTorchInterface, GP):
     with mean :class:`~ntkgp.fsvi.VariationalNetworkMean` and kernel :class:`~ntkgp.fsvi.MeanFieldNTKKernel`.
     ``model(x)`` returns it (a ``MultivariateNormal`` for ``C = 1``, else an interleaved
     ``MultitaskMultivariateNormal`` of shape ``(N, C)``), in train and eval mode alike; its covariance is lazy,
-    so ``.variance`` costs one forward and backward pass per chunk. ``model.likelihood(model(x))`` is the
-    linearized predictive over ``y``; :meth:`predict` with ``method="mc"`` is the paper's predictive, Monte
-    Carlo over :math:`\theta \sim q` through the network itself.
+    so ``.variance`` costs one forward and backward pass per chunk. Inputs ``(*batch, N, D)`` (GPyTorch's batch
+    mode, e.g. BoTorch's ``(b, q, d)``) give a distribution of batch shape ``batch``, one joint Gaussian per
+    element (docs/fsvi.md, "The result as a GPyTorch model", says how inputs of more dimensions are read).
+    ``model.likelihood(model(x))`` is the linearized predictive over ``y``; :meth:`predict` with ``method="mc"``
+    is the paper's predictive, Monte Carlo over :math:`\theta \sim q` through the network itself.
 
     :meth:`condition_on` (BoTorch: ``condition_on_observations``, ``fantasize``) returns a new model whose
     ``model(x)`` is the exact posterior of this GP given further observations under a Gaussian likelihood's
@@ -161,17 +163,44 @@ class FSVI(BoTorchInterface, GP):
     def _reference(self) -> Tensor:
         return self.variational_distribution.mean[0]
 
-    def _flat(self, x: Tensor, argument: str = "x") -> Tensor:
-        """GPyTorch's ``(N, D)`` form of ``x``; images ``(N, *input_shape)`` are flattened (and fix ``input_shape``)."""
+    def _flat(self, x: Tensor, argument: str = "x", batch: bool = True) -> Tensor:
+        """GPyTorch's ``(*batch, N, D)`` form of ``x`` (``D`` the product of ``input_shape``); ``batch=False``
+        allows only ``(N, D)``. Checked before anything changes.
+
+        Inputs ``(*batch, N, *input_shape)`` are flattened. While the input shape is unknown, an input with more
+        than two dimensions is a batch of flat inputs if the network takes rows of its last dimension (one row is
+        tried), else one set of inputs ``(N, *input_shape)`` (images): that fixes ``input_shape``, once the network
+        was seen to take ``x[:1]``."""
         if not isinstance(x, Tensor):
             raise TypeError(f"{argument} must be a torch.Tensor, got {type(x).__name__}")
         if x.dim() < 2:
             raise ValueError(f"{argument} must have shape (N, ...) with a feature dimension, got {tuple(x.shape)}")
-        if x.dim() > 2:
-            if self.linearized.input_shape is None:
-                self.linearized.input_shape = tuple(x.shape[1:])
-            return x.flatten(1)
+        shape = self.linearized.input_shape
+        if shape is None and x.dim() > 2 and not self._takes_rows(x):
+            shape = tuple(x.shape[1:])
+            means = {n: t.detach() for n, t in self.variational_distribution.means().items()}
+            check_fits(self.net, means, self.prepare(x[:1], argument), argument, None)
+            self.linearized.input_shape = shape
+        if shape is not None and len(shape) > 1 and x.dim() > len(shape) and tuple(x.shape[-len(shape) :]) == shape:
+            x = x.flatten(-len(shape))
+        if shape is not None and x.shape[-1] != math.prod(shape):
+            image = f" or (*batch, N, {', '.join(map(str, shape))})" if len(shape) > 1 else ""
+            raise ValueError(
+                f"{argument} must have shape (*batch, N, {math.prod(shape)}){image}, got {tuple(x.shape)}"
+            )
+        if not batch and x.dim() > 2:
+            raise ValueError(f"{argument} must have shape (N, ...) without batch dimensions, got {tuple(x.shape)}")
         return x
+
+    def _takes_rows(self, x: Tensor) -> bool:
+        """Whether the network maps one row of ``x``'s last dimension, ``(1, x.shape[-1])``, to ``(1, C)``."""
+        means = {n: t.detach() for n, t in self.variational_distribution.means().items()}
+        row = x.detach().reshape(-1, x.shape[-1])[:1]
+        try:
+            check_fits(self.net, means, self.prepare(row), "x", None)
+        except (ValueError, TypeError):
+            return False
+        return True
 
     def prepare(self, x: Tensor, argument: str = "x") -> Tensor:
         """``x`` in the network's shape, dtype and device (a copy only if needed)."""
@@ -190,7 +219,7 @@ class FSVI(BoTorchInterface, GP):
 
     # ------------------------------------------------------------------ the GP
     def _mvn(self, mean: Tensor, covar) -> MultivariateNormal:
-        if mean.dim() == 1:
+        if self.num_outputs == 1:
             return MultivariateNormal(mean, covar)
         return MultitaskMultivariateNormal(mean, covar, interleaved=True)
 
@@ -384,7 +413,7 @@ class FSVI(BoTorchInterface, GP):
         Returns:
             A 0-dim tensor.
         """
-        x = self.prepare(self._flat(x_context, "x_context"), "x_context")
+        x = self.prepare(self._flat(x_context, "x_context", batch=False), "x_context")
         lin, q, p = self.linearized, self.variational_distribution, self.prior
         grad = torch.is_grad_enabled()
         kind = self.kl_covariance
@@ -422,7 +451,8 @@ class FSVI(BoTorchInterface, GP):
         self, x: Tensor, num_samples: int = 100, generator: torch.Generator | None = None
     ) -> Tensor:
         r"""Network outputs :math:`f(x; \theta_s)` for draws :math:`\theta_s \sim q(\theta)`: shape ``(S, N, C)``
-        (``(S, N)`` for ``C = 1``). Differentiable in :math:`\mu`, :math:`s` when gradients are enabled.
+        (``(S, N)`` for ``C = 1``); inputs ``(*batch, N, D)`` give ``(S, *batch, N, C)``, every batch element under
+        the same draws. Differentiable in :math:`\mu`, :math:`s` when gradients are enabled.
 
         On a conditioned model (:meth:`condition_on`) each draw is first updated by Matheron's rule in weight
         space (:class:`_MatheronUpdate`, docs/fsvi.md, "Conditioning on new observations"): with
@@ -437,7 +467,8 @@ class FSVI(BoTorchInterface, GP):
         observations, pushed through the network.
         """
         num_samples = _check_num_samples(num_samples)
-        x = self.prepare(x)
+        flat = self._flat(x)
+        x = self.prepare(flat.reshape(-1, flat.shape[-1]))
         q = self.variational_distribution
         if self._observations is None:
             thetas = (q.sample(generator) for _ in range(num_samples))
@@ -445,6 +476,7 @@ class FSVI(BoTorchInterface, GP):
             update = self._matheron()
             thetas = (update(q.sample(generator), update.noise(generator)) for _ in range(num_samples))
         samples = torch.stack([self.linearized.forward(theta, x) for theta in thetas])
+        samples = samples.view(num_samples, *flat.shape[:-1], samples.shape[-1])
         return samples.squeeze(-1) if samples.shape[-1] == 1 else samples
 
     def _matheron(self) -> _MatheronUpdate:
@@ -478,7 +510,7 @@ class FSVI(BoTorchInterface, GP):
         linear-Gaussian update of :math:`q` given the observations pushed through the network.
 
         Args:
-            x: inputs ``(N, ...)``.
+            x: inputs ``(N, ...)`` or ``(*batch, N, D)``.
             method: ``"mc"`` or ``"linearized"``.
             num_samples: ``S`` for ``"mc"``.
             generator: random number generator for ``"mc"``.
@@ -486,12 +518,13 @@ class FSVI(BoTorchInterface, GP):
         method = choose(Predictive, method, "method")
         if method is Predictive.LINEARIZED:
             return self.likelihood(self(x))
-        samples = self.function_samples(self._flat(x), num_samples, generator)
+        samples = self.function_samples(x, num_samples, generator)
         if is_gaussian(self.likelihood):
             mean, var = samples.mean(0), samples.var(0, unbiased=False)
             noise = noise_variance(self.likelihood).to(var)
-            var = var + (noise if var.dim() > 1 else noise.squeeze(-1))
-            return self._mvn(mean, DiagLinearOperator(var.reshape(-1)))
+            c = self.num_outputs
+            var = var + noise if c > 1 else var + noise.squeeze(-1)
+            return self._mvn(mean, DiagLinearOperator(var.flatten(-2) if c > 1 else var))
         conditional = self.likelihood(samples)
         return type(conditional)(probs=conditional.probs.mean(0))
 
@@ -530,29 +563,7 @@ class FSVI(BoTorchInterface, GP):
 
         if kwargs:
             raise TypeError(f"posterior got unexpected keyword arguments {sorted(kwargs)}")
-        return botorch_posterior(_BatchedLinearizedGP(self), X, output_indices, observation_noise, posterior_transform)
-
-
-class _BatchedLinearizedGP:
-    """``model(X)`` for BoTorch's ``(*batch, q, d)`` inputs: one joint distribution per batch element, stacked."""
-
-    def __init__(self, model: FSVI) -> None:
-        self.model, self.likelihood, self.num_outputs = model, model.likelihood, model.num_outputs
-
-    def __call__(self, X: Tensor) -> MultivariateNormal:
-        if not isinstance(X, Tensor) or X.dim() < 2:
-            raise ValueError(f"X must be a tensor of shape (*batch, q, d), got {getattr(X, 'shape', type(X))}")
-        if X.dim() == 2:
-            return self.model(X)
-        batch = X.shape[:-2]
-        state = None if self.model._observations is None else self.model._conditioning()
-        dists = [self.model._distribution(x, state) for x in X.reshape(-1, *X.shape[-2:])]
-        mean = torch.stack([d.mean for d in dists]).reshape(*batch, *dists[0].mean.shape)
-        covar = torch.stack([d.covariance_matrix for d in dists])
-        covar = covar.reshape(*batch, *covar.shape[-2:])
-        if mean.dim() == len(batch) + 1:
-            return MultivariateNormal(mean, covar)
-        return MultitaskMultivariateNormal(mean, covar, interleaved=True)
+        return botorch_posterior(self, self._flat(X, "X"), output_indices, observation_noise, posterior_transform)
 
 
 class _MatheronUpdate:
