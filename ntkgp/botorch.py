@@ -24,6 +24,7 @@ The plain GPyTorch distribution (no BoTorch objects) is ``model(x)`` in eval mod
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 from typing import Any
@@ -44,6 +45,24 @@ def _gpytorch_posterior_class():
     except ImportError as error:
         raise ImportError(INSTALL_HINT) from error
     return GPyTorchPosterior
+
+
+def gradient_settings():
+    """The GPyTorch settings under which a model's ``posterior`` computes, as BoTorch's ``GPyTorchModel.posterior``
+    sets them: while ``botorch.settings.propagate_grads`` is on (look-ahead acquisition functions evaluating the
+    fantasy models they differentiate through), ``gpytorch.settings.detach_test_caches`` is off, so that the
+    caches of a conditioned model keep their graph to the inputs it was conditioned on.
+
+    Raises:
+        ImportError: without BoTorch, with the install hint.
+    """
+    import gpytorch
+
+    try:
+        from botorch import settings
+    except ImportError as error:
+        raise ImportError(INSTALL_HINT) from error
+    return gpytorch.settings.detach_test_caches(False) if settings.propagate_grads.on() else contextlib.nullcontext()
 
 
 def to_posterior(dist: MultivariateNormal, posterior_transform=None):
@@ -109,7 +128,8 @@ def botorch_posterior(model, X: Tensor, output_indices=None, observation_noise=F
         raise ValueError(
             f"observation_noise=True needs a Gaussian likelihood; {type(model.likelihood).__name__} has no noise to add"
         )
-    dist = model(X, **kwargs)
+    with gradient_settings():
+        dist = model(X, **kwargs)
     if observation_noise is True:
         dist = model.likelihood(dist)
     dist = select_outputs(dist, indices, c)
@@ -147,6 +167,13 @@ class BoTorchInterface:
         """``condition_on`` (a new model), or ``update`` on a copy that shares the network (this model unchanged)."""
         if hasattr(self, "condition_on"):
             return self.condition_on(X, Y)
+        if torch.is_grad_enabled() and X.requires_grad:
+            raise NotImplementedError(
+                f"{type(self).__name__}.update is not differentiable in the new inputs (its statistics are summed "
+                "without a graph), so conditioning on X that requires grad would give zero gradients w.r.t. X, "
+                "silently wrong for look-ahead acquisition functions such as qKnowledgeGradient. Condition on "
+                "X.detach(), or use NTKGP or FSVI, whose conditioning is differentiable in X."
+            )
         net = self.covar_module.engine.net
         memo = {id(net): net}
         memo.update({id(t): t for t in itertools.chain(net.parameters(), net.buffers())})
@@ -192,9 +219,10 @@ class BoTorchInterface:
         if kwargs:
             raise NotImplementedError(f"fantasize does not support {sorted(kwargs)}")
         noise = True if observation_noise is None else observation_noise
-        with torch.no_grad():
-            posterior = self.posterior(X, observation_noise=noise)
-            Y = sampler(posterior)  # (S, *b, q, m)
+        # as BoTorch's Model.fantasize: the fantasies keep their graph to X (look-ahead acquisition functions such
+        # as qKnowledgeGradient differentiate through them)
+        posterior = self.posterior(X, observation_noise=noise)
+        Y = sampler(posterior)  # (S, *b, q, m)
         return FantasyModel(self, X, Y)
 
 

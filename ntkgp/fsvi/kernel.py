@@ -42,6 +42,17 @@ class MeanFieldNTKKernel(Kernel):
         object.__setattr__(self, "linearized", linearized)
         object.__setattr__(self, "variational", variational)
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The variational parameters' dtype (the kernel has no parameters of its own, from which GPyTorch would
+        take it; its lazy tensors, and so the base samples of ``rsample``, follow this)."""
+        return self.variational.mean[0].dtype
+
+    @property
+    def device(self) -> torch.device:
+        """The variational parameters' device."""
+        return self.variational.mean[0].device
+
     def _params(self) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
         return self.variational.means(), self.variational.variances()
 

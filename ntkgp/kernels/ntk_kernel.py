@@ -242,7 +242,7 @@ class NTKKernel(Kernel):
 
     # ------------------------------------------------------------------ cached pieces
     def _network_state(self) -> list[torch.Tensor]:
-        return [*self.engine.params().values(), *self.engine.net.buffers()]
+        return self.engine.network_state()
 
     def _piece(self, kind: str, *xs: torch.Tensor) -> torch.Tensor:
         """An engine piece for 2-D inputs, through the value cache (bypassed when an input requires grad)."""

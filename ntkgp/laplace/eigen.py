@@ -112,7 +112,7 @@ def spectrum(
     k = c if curvature is Curvature.GGN else 1
     space = choose_space(space, kernel.engine.num_params, n * k)
     engine = kernel.engine
-    state = [*engine.params().values(), *engine.net.buffers()]
+    state = engine.network_state()
     cache = _SPECTRA.setdefault(kernel, ValueCache(size=2))
 
     def compute() -> torch.Tensor:

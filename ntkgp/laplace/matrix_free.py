@@ -60,7 +60,7 @@ def kernel_products(kernel: NTKKernel, x: torch.Tensor) -> NTKProducts:
     of ``x`` and of the network's weights and buffers (one entry per kernel)."""
     cache = _PRODUCTS.setdefault(kernel, ValueCache(size=1))
     engine = kernel.engine
-    state = [*engine.params().values(), *engine.net.buffers()]
+    state = engine.network_state()
     return cache.get_or_compute("products", [x], lambda: NTKProducts(engine, x), state=state)
 
 

@@ -131,6 +131,10 @@ class LaplaceGGNMarginalLogLikelihood(MarginalLogLikelihood):
             method=self.method,
             options=self.options,
         )
-        for _, module, prior, closure, _ in self.named_priors():
-            evidence = evidence + prior.log_prob(closure(module)).sum()
+        seen = set()  # the likelihood is reached twice (as self.likelihood and model.likelihood): each prior once
+        for name, module, prior, closure, _ in self.named_priors():
+            key = (id(module), name.rsplit(".", 1)[-1])
+            if key not in seen:
+                seen.add(key)
+                evidence = evidence + prior.log_prob(closure(module)).sum()
         return evidence / model.num_data

@@ -13,7 +13,7 @@ from gpytorch.models import GP, ExactGP
 from linear_operator.operators import DiagLinearOperator
 from torch import nn
 
-from ..botorch import BoTorchInterface, to_posterior
+from ..botorch import BoTorchInterface, gradient_settings, to_posterior
 from ..caching import ValueCache
 from ..kernels import NTKKernel
 from ..laplace import (
@@ -457,7 +457,8 @@ class NTKGP(BoTorchInterface, GP):
             ImportError: without BoTorch.
             TypeError, ValueError: as :meth:`predictive_distribution`.
         """
-        dist = self.predictive_distribution(X, output_indices, observation_noise, chunk_size=chunk_size, **kwargs)
+        with gradient_settings():
+            dist = self.predictive_distribution(X, output_indices, observation_noise, chunk_size=chunk_size, **kwargs)
         return to_posterior(dist, posterior_transform)
 
     def predictive_distribution(

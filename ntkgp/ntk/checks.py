@@ -13,11 +13,19 @@ from torch.nn.modules.dropout import _DropoutNd
 def check_eval_mode(net: nn.Module, argument: str = "net") -> None:
     """Raise when the network would treat examples differently per batch.
 
-    BatchNorm in training mode mixes the examples of a batch and dropout in training mode is random,
-    so the per-example Jacobian, and hence the kernel, would not be a function of one input.
+    BatchNorm in training mode (or without running statistics, in any mode) mixes the examples of a batch and
+    dropout in training mode is random, so the per-example Jacobian, and hence the kernel, would not be a
+    function of one input.
     The network is not switched to eval mode here: that is the user's decision.
     """
     for name, module in net.named_modules():
+        if isinstance(module, _BatchNorm) and not module.track_running_stats:
+            raise ValueError(
+                f"{argument} contains {type(module).__name__} module '{name or type(net).__name__}' with "
+                "track_running_stats=False: it normalizes with the statistics of each batch even in eval mode, "
+                "so the network's output for one input depends on the others in its batch and the NTK is not "
+                "defined. Use track_running_stats=True (running statistics) or another normalization."
+            )
         if not module.training:
             continue
         if isinstance(module, _BatchNorm) or (isinstance(module, _DropoutNd) and module.p > 0):

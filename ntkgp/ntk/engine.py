@@ -122,6 +122,11 @@ class NTKEngine:
     def device(self) -> torch.device:
         return self.parameters()[0].device
 
+    def network_state(self) -> list[torch.Tensor]:
+        """Every tensor the network's outputs depend on: all its parameters, frozen ones included (they change
+        ``J`` without being differentiated), and its buffers. The key of every value cache computed from it."""
+        return [*self.net.parameters(), *self.net.buffers()]
+
     def params(self) -> dict[str, torch.Tensor]:
         """The trainable parameters θ*, detached (they share storage with the network's)."""
         return {n: p.detach() for n, p in zip(self.groups.names, self.parameters())}

@@ -94,6 +94,33 @@ def test_cache_invalidated_when_weights_change():
 
 
 @pytest.mark.parametrize("space", ["function", "weight"])
+def test_cache_invalidated_when_a_frozen_parameter_changes(space):
+    """A frozen parameter is not a column of J but changes it: the kernel (and a model's predictions) follow
+    an in-place change of it, as brute-force Jacobians of the changed network do."""
+    import ntkgp
+
+    net = mlp(d_out=1)
+    net[0].weight.requires_grad_(False)
+    x, xt = torch.randn(5, 3, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+    kernel = NTKKernel(net, space=space)
+    labels = labels_of(net)
+    delta = torch.ones(max(labels.values()) + 1, dtype=torch.float64)
+    k_before = kernel(x).to_dense()
+    lik = gpytorch.likelihoods.GaussianLikelihood().double()
+    model = ntkgp.NTKGP(net, x, torch.randn(5, dtype=torch.float64), lik, space=space).eval()
+    with torch.no_grad():
+        model(xt).variance  # fills the model's caches
+        net[0].weight.add_(0.5)
+    k_after = kernel(x).to_dense()
+    assert rel_err(k_after, brute_gram(net, x, x, delta, labels)) < 1e-10
+    assert rel_err(k_after, k_before) > 1e-3
+    with torch.no_grad():
+        fresh = ntkgp.NTKGP(net, x, model.train_y, lik, space=space).eval()
+        assert rel_err(model(xt).variance, fresh(xt).variance) < 1e-12
+        assert rel_err(model(xt).mean, fresh(xt).mean) < 1e-12
+
+
+@pytest.mark.parametrize("space", ["function", "weight"])
 def test_gradient_wrt_prior_precision_matches_finite_differences(space):
     net = mlp(d_out=2)
     x = torch.randn(15, 3, dtype=torch.float64)

@@ -196,3 +196,23 @@ def test_mll_rejects_bad_method_and_options_before_any_side_effect():
     with pytest.raises(TypeError, match="options"):
         ntkgp.LaplaceGGNMarginalLogLikelihood(lik, model, options={"num_probes": 3})
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_a_prior_on_the_noise_is_added_once():
+    """A GPyTorch prior on the likelihood's noise adds log p(σ²) to the evidence once (the likelihood is reached
+    both as the MLL's likelihood and as the model's), as in GPyTorch's ExactMarginalLogLikelihood."""
+    torch.manual_seed(0)
+    x = torch.randn(20, 2, dtype=torch.float64)
+    y = torch.sin(2 * x[:, 0])
+    net = torch.nn.Sequential(torch.nn.Linear(2, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1)).double()
+    prior = gpytorch.priors.GammaPrior(torch.tensor(2.0, dtype=torch.float64), torch.tensor(3.0, dtype=torch.float64))
+
+    def evidence(noise_prior):
+        lik = gpytorch.likelihoods.GaussianLikelihood(noise_prior=noise_prior).double()
+        lik.noise = 0.2
+        model = ntkgp.NTKGP(net, x, y, lik).train()
+        return ntkgp.LaplaceGGNMarginalLogLikelihood(lik, model)(model(x), y) * 20
+
+    expected = prior.log_prob(torch.tensor(0.2, dtype=torch.float64))
+    difference = (evidence(prior) - evidence(None)).item()
+    assert abs(difference - expected.item()) < 1e-5 * abs(expected.item())  # twice would be off by 100 %

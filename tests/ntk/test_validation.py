@@ -134,3 +134,18 @@ def test_structured_strategy_rejects_layers_called_twice_with_the_argument_named
     net = Twice().double()
     with pytest.raises(ValueError, match="strategy='structured' cannot treat layers \\['fc'\\].*more than once"):
         NTKEngine(net, strategy="structured").diag_blocks(torch.randn(3, 3, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("norm", [nn.BatchNorm1d, nn.BatchNorm2d])
+def test_batchnorm_without_running_statistics_is_rejected_in_eval_mode(norm):
+    """Without running statistics BatchNorm normalizes with each batch's statistics even in eval mode: one
+    input's output depends on the rest of its batch, so there is no NTK."""
+    from ntkgp import NTKKernel
+
+    if norm is nn.BatchNorm1d:
+        net = nn.Sequential(nn.Linear(3, 4), norm(4, track_running_stats=False), nn.Linear(4, 1)).double().eval()
+    else:
+        net = nn.Sequential(nn.Conv2d(1, 2, 3), norm(2, track_running_stats=False), nn.Flatten(),
+                            nn.Linear(18, 1)).double().eval()
+    with pytest.raises(ValueError, match="track_running_stats=False"):
+        NTKKernel(net)

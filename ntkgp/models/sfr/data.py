@@ -118,7 +118,8 @@ class StateGuard:
     """What the statistics were computed at: the network's weights :math:`\theta^*` and the inducing inputs.
 
     Attributes:
-        weights: copies of the trainable parameters (``P`` numbers).
+        weights: copies of all the network's parameters (frozen ones included: they change ``J`` too) and
+            buffers (e.g. BatchNorm's running statistics).
         inducing_points: a copy of ``Z``.
     """
 
@@ -127,18 +128,19 @@ class StateGuard:
 
     @classmethod
     def of(cls, engine: NTKEngine, inducing_points: Tensor) -> StateGuard:
-        return cls(tuple(p.clone() for p in engine.params().values()), inducing_points.detach().clone())
+        return cls(tuple(p.detach().clone() for p in engine.network_state()), inducing_points.detach().clone())
 
     def check(self, engine: NTKEngine, inducing_points: Tensor) -> None:
         """Raise ``RuntimeError`` if either changed (compared by value: ``.data`` writes, optimizers and
         ``load_state_dict`` are all seen)."""
-        current = list(engine.params().values())
+        current = [p.detach() for p in engine.network_state()]
         same = len(current) == len(self.weights) and all(
             a.shape == b.shape and torch.equal(a, b) for a, b in zip(self.weights, current)
         )
         if not same:
             raise RuntimeError(
-                "the network's weights changed after this SFR model was built; its dual statistics were "
+                "the network's weights changed after this SFR model was built (trainable or frozen parameters, or "
+                "buffers such as BatchNorm's running statistics); its dual statistics were "
                 "accumulated at the old weights, so it no longer describes the network: build a new SFR"
             )
         current_z = inducing_points.detach().to(dtype=self.inducing_points.dtype, device=self.inducing_points.device)

@@ -7,13 +7,14 @@ Nothing here knows about networks or kernels: the inputs are the (batched) matri
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from ...linalg import cholesky
+from ...linalg import NumericalWarning, cholesky
 
 __all__ = ["InducingFactors", "WhitenedFactors", "Whitening", "inducing_factors", "whitened_factors"]
 
@@ -208,7 +209,9 @@ def whitened_factors(
     model whose inducing variables are the ``r`` linear functionals :math:`U_r^\top f(Z)` (an inter-domain
     inducing set): the posterior stays a valid DTC posterior and the collapsed evidence stays a lower bound;
     with duplicate inputs it is exactly the model without the duplicates. No jitter is added and no warning is
-    raised: this is an ordinary situation, reported by ``rank``. The constants were set against a stable
+    raised: this is an ordinary situation, reported by ``rank``; except when the site term drops more than half
+    of the directions that :math:`K_{ZZ}` itself resolves (float32 statistics with a small noise: the data in
+    those directions are lost), which warns with a ``NumericalWarning``. The constants were set against a stable
     weight-space reference (SVD of the Jacobian features) on trained networks: predictive means within about
     :math:`10^{-4}`, variances within about :math:`3\cdot10^{-3}` and the evidence within :math:`10^{-3}` nats
     (below it). The fast path, a plain Cholesky :math:`W = L_Z^{-1}`, is taken when it succeeds and a
@@ -260,7 +263,19 @@ def whitened_factors(
         if fast:
             whitening = Whitening(zz.chol)
     if whitening is None:
-        whitening = _truncated_whitening(zz.kzz if kzz is None else kzz, threshold)
+        whitening, values = _truncated_whitening(zz.kzz if kzz is None else kzz, threshold)
+        # directions K_ZZ resolves that only the site term drops: their data are lost
+        gram_rank = (values > (gram_factor * eps * zz.k_trace)[:, None]).sum(-1)
+        if bool((2 * whitening.rank() < gram_rank).any()):
+            warnings.warn(
+                f"SFR kept {whitening.rank().min().item()} of {size} inducing directions, of which K_ZZ resolves "
+                f"{gram_rank.max().item()}: the rounding of the summed site statistics B_u in {b_u.dtype} "
+                "(tr B_u ≫ tr K_ZZ, as with a small noise variance) hides the rest, and the data in them are "
+                "ignored (the predictive falls back towards the prior). Use float64 (net.double() and float64 "
+                "data), a larger noise, or fewer inducing points.",
+                NumericalWarning,
+                stacklevel=2,
+            )
     tracked = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (b_u, whitening.chol, whitening.basis)
     )
@@ -310,12 +325,13 @@ def _inverse_norm(white: Whitening, iterations: int = 30) -> Tensor:
     return white.apply(v).square().sum((-2, -1))
 
 
-def _truncated_whitening(kzz: Tensor, threshold: Tensor) -> Whitening:
-    """``W`` with rows only for the eigen-directions of ``kzz`` above ``threshold`` (zero rows else)."""
+def _truncated_whitening(kzz: Tensor, threshold: Tensor) -> tuple[Whitening, Tensor]:
+    """``W`` with rows only for the eigen-directions of ``kzz`` above ``threshold`` (zero rows else), and the
+    eigenvalues of ``kzz``."""
     values, vectors = torch.linalg.eigh(kzz.detach())
     keep = values > threshold[:, None]
     basis = vectors * keep.unsqueeze(-2).to(vectors)  # dropped columns zeroed
     reduced = basis.mT @ kzz @ basis + torch.diag_embed((~keep).to(kzz))  # identity in the dropped slots
     reduced = 0.5 * (reduced + reduced.mT)
     chol = cholesky(reduced, "K_ZZ on its leading eigenvectors")
-    return Whitening(chol, basis)
+    return Whitening(chol, basis), values

@@ -149,6 +149,22 @@ def test_changing_the_network_weights_raises_a_clear_error(route):
     assert_same(predictions(sfr, xs), before)
 
 
+def test_changing_a_frozen_parameter_raises_too():
+    """A frozen parameter (requires_grad=False) is not differentiated but changes J: the statistics no longer
+    describe the network."""
+    net, x, y, lik, xs = problem("gaussian", 1, n=15)
+    net[0].weight.requires_grad_(False)
+    sfr = SFR(net, x, y, lik, num_inducing=5)
+    before = predictions(sfr, xs)
+    with torch.no_grad():
+        net[0].weight.add_(0.5)
+    with pytest.raises(RuntimeError, match="weights changed"):
+        sfr(xs)
+    with torch.no_grad():
+        net[0].weight.sub_(0.5)
+    assert_same(predictions(sfr, xs), before)
+
+
 def test_inducing_points_modified_in_place_raise():
     net, x, y, lik, xs = problem("gaussian", 1, n=15)
     sfr = SFR(net, x, y, lik, num_inducing=5)
@@ -205,3 +221,26 @@ def test_cached_factors_keep_only_the_two_triangular_factors_and_never_touch_the
     assert_same(second, predictions(fresh, xs))
     sfr.covar_module.prior_precision = DELTA
     assert_same(predictions(sfr, xs), first, tol=1e-12)
+
+
+def test_float32_with_a_small_noise_warns_when_the_site_statistics_hide_most_directions():
+    """In float32, ε·tr B_u grows like 1/σ²: with σ² = 1e-3 it exceeds (almost) every eigenvalue of K_ZZ, and the
+    data in those directions are lost. That is not silent: a NumericalWarning says so; float64 keeps them all."""
+    from gpytorch.likelihoods import GaussianLikelihood
+
+    from ntkgp.linalg import NumericalWarning
+
+    torch.manual_seed(3)
+    net = torch.nn.Sequential(torch.nn.Linear(2, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    x = torch.randn(40, 2)
+    y = torch.sin(2 * x.sum(-1))
+    lik = GaussianLikelihood()
+    lik.noise = 1e-3
+    sfr = SFR(net, x, y, lik, num_inducing=20)
+    with pytest.warns(NumericalWarning, match="inducing directions"):
+        rank = int(sfr.inducing_rank.min())
+    assert rank < 10
+    lik64 = GaussianLikelihood().double()
+    lik64.noise = 1e-3
+    sfr64 = SFR(net.double(), x.double(), y.double(), lik64, inducing_points=sfr.inducing_points.double())
+    assert int(sfr64.inducing_rank.min()) == 20
