@@ -116,6 +116,8 @@ class DataPass:
             yield from self._batches(x, y, batch_size, progress, desc)
             if self.distributed and not self.outputs:
                 raise ValueError("this rank's shard of x holds no data (with distributed=True every rank needs some)")
+            if not self.outputs:
+                raise ValueError("the data is empty: no batch was seen")
 
     def _batches(self, x: Data, y: Tensor | None, batch_size: int, progress: bool, desc: str) -> Iterator[
         tuple[Tensor, Tensor, Tensor]
@@ -126,7 +128,14 @@ class DataPass:
             total = -(-x.shape[0] // batch_size)
         else:
             pairs, total = x, None
-        for xb, yb in tqdm(pairs, total=total, desc=desc, disable=not progress, leave=False):
+        for pair in tqdm(pairs, total=total, desc=desc, disable=not progress, leave=False):
+            if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
+                raise ValueError(
+                    "x must be a tensor or an iterable of (x, y) batches; a batch of "
+                    f"{len(pair) if isinstance(pair, (tuple, list)) else type(pair).__name__} was found "
+                    "(a DataLoader over a dataset of inputs only has no targets)"
+                )
+            xb, yb = pair
             xb = self.engine.prepare(xb, "x")
             with torch.no_grad():
                 fb = self.forward(xb.detach())

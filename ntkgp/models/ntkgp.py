@@ -303,8 +303,7 @@ class NTKGP(BoTorchInterface, GP):
         return f.to(dtype=self.dtype, device=x.device)
 
     def _network_state(self) -> list[torch.Tensor]:
-        net = self.covar_module.engine.net
-        return [*net.parameters(), *net.buffers()]
+        return self.covar_module.engine.network_state()
 
     def _state(self) -> list[torch.Tensor]:
         """Every tensor a prediction depends on besides the data: hyperparameters, buffers, network."""

@@ -124,7 +124,10 @@ class NTKEngine:
 
     def network_state(self) -> list[torch.Tensor]:
         """Every tensor the network's outputs depend on: all its parameters, frozen ones included (they change
-        ``J`` without being differentiated), and its buffers. The key of every value cache computed from it."""
+        ``J`` without being differentiated), and its buffers. The key of every value cache computed from it, so
+        it also checks the network's mode: a cached result is never served for a network since switched to
+        training mode (BatchNorm or dropout), for which nothing would be recomputed either."""
+        check_eval_mode(self.net)
         return [*self.net.parameters(), *self.net.buffers()]
 
     def params(self) -> dict[str, torch.Tensor]:

@@ -221,7 +221,10 @@ def train_marglik(
     early, restores the last sane hyperparameters and warns (:class:`HyperparameterWarning`) when the
     evidence becomes non-finite, the factorization fails, or a hyperparameter leaves its sane range
     (:data:`PRIOR_PRECISION_RANGE`, :data:`NOISE_VARIANCE_RANGE` relative to the targets' variance,
-    :data:`TEMPERATURE_RANGE`): a too large ``hyper_lr`` cannot run away silently.
+    :data:`TEMPERATURE_RANGE`): a too large ``hyper_lr`` cannot run away silently. When the MAP training
+    itself diverges (a non-finite loss or weights after an epoch: a too large ``lr``), training stops, the best
+    checkpoint so far is loaded and a :class:`HyperparameterWarning` says so; before any round with a finite
+    evidence, the network's initial weights are restored and ``FloatingPointError`` is raised.
 
     ``net`` **is trained in place** (that is the purpose of this function); nothing else about it (mode,
     dtype, flags) is changed. The data are the tensors given (a seeded shuffle per epoch).
@@ -263,6 +266,8 @@ def train_marglik(
 
     Raises:
         ValueError: for any invalid argument (named), before any training.
+        FloatingPointError: the MAP training diverged before any round had a finite evidence (the network's
+            initial weights are restored).
     """
     prior_structure = renamed_argument(kwargs, "groups", "prior_structure", prior_structure, "layer")
     if kwargs:
@@ -363,6 +368,7 @@ def train_marglik(
         return lambda: evaluate(model.covar_module.prior_precision, likelihood)
 
     best = {"value": -float("inf"), "epoch": -1, "state": None, "hypers": None}
+    initial = {k: v.detach().clone() for k, v in net.state_dict().items()}  # restored if MAP training diverges
     history, losses = [], []
     bar = tqdm(range(1, epochs + 1), desc="marglik training", disable=not progress or rank() != 0)
     for epoch in bar:
@@ -378,6 +384,16 @@ def train_marglik(
             theta_opt.step()
             total += loss.item() * (n if idx is None else len(idx)) / n
         losses.append(total)
+        if not (math.isfinite(total) and all(bool(torch.isfinite(p).all()) for p in trainable)):
+            where = (f"the checkpoint of epoch {best['epoch']} (the best evidence) is loaded" if best["state"] is not
+                     None else "no round had a finite evidence yet: the network's initial weights are restored")
+            message = (f"train_marglik, epoch {epoch}: the MAP training diverged (a non-finite loss or weights; is "
+                       f"lr={lr:g} too large?); training stopped and {where}")
+            if best["state"] is None:
+                net.load_state_dict(initial)
+                raise FloatingPointError(message)
+            warnings.warn(message, HyperparameterWarning, stacklevel=2)
+            break
         round_due = epoch > burn_in and (epoch - burn_in) % frequency == 0
         if not (round_due or epoch == epochs):
             continue

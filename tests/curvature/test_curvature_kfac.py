@@ -231,3 +231,19 @@ def test_kfac_errors():
     grouped = nn.Sequential(nn.Conv2d(2, 2, 1, groups=2), nn.Flatten(), nn.Linear(2, 1)).double()
     with pytest.raises(NotImplementedError, match="groups=1"):
         compute_curvature(grouped, torch.randn(4, 2, 1, 1, dtype=torch.float64), y, lik, "kfac")
+
+
+@pytest.mark.parametrize("structure", ["kfac", "diag_ggn", "diag_ef"])
+def test_empty_loaders_and_batches_without_targets_raise_a_clear_error(structure):
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from ntkgp.curvature import compute_curvature
+    from ntkgp.likelihoods import SoftmaxLikelihood
+
+    net = torch.nn.Sequential(torch.nn.Linear(2, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
+    empty = DataLoader(TensorDataset(torch.randn(0, 2), torch.zeros(0, dtype=torch.long)), batch_size=4)
+    with pytest.raises(ValueError, match="the data is empty"):
+        compute_curvature(net, empty, None, SoftmaxLikelihood(3), structure=structure)
+    inputs_only = DataLoader(TensorDataset(torch.randn(8, 2)), batch_size=4)
+    with pytest.raises(ValueError, match=r"iterable of \(x, y\) batches"):
+        compute_curvature(net, inputs_only, None, SoftmaxLikelihood(3), structure=structure)

@@ -195,3 +195,28 @@ def test_float32_kernel_agrees_with_float64():
     k64 = NTKKernel(mlp(d_out=2))(x).to_dense()
     k32 = NTKKernel(mlp(d_out=2, dtype=torch.float32))(x.float()).to_dense()
     assert k32.dtype == torch.float32 and rel_err(k32.double(), k64) < 1e-5
+
+
+def test_a_network_switched_to_training_mode_is_refused_even_on_cache_hits():
+    """Built on an eval-mode network with BatchNorm, then net.train(): every call raises (the cached results
+    belong to the eval-mode network), and net.eval() makes the objects usable again."""
+    import ntkgp
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(2, 6), torch.nn.BatchNorm1d(6), torch.nn.Tanh(),
+                              torch.nn.Linear(6, 1)).double()
+    net(torch.randn(20, 2, dtype=torch.float64))
+    net.eval()
+    x, xt = torch.randn(8, 2, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64)
+    lik = gpytorch.likelihoods.GaussianLikelihood().double()
+    model = ntkgp.NTKGP(net, x, torch.randn(8, dtype=torch.float64), lik).eval()
+    kernel = NTKKernel(net)
+    with torch.no_grad():
+        before = model(xt).variance, kernel(xt).to_dense()
+    net.train()
+    for call in (lambda: model(xt).variance, lambda: kernel(xt).to_dense(), model.log_marginal_likelihood):
+        with pytest.raises(ValueError, match="training mode"), torch.no_grad():
+            call()
+    net.eval()
+    with torch.no_grad():
+        assert torch.equal(model(xt).variance, before[0]) and torch.equal(kernel(xt).to_dense(), before[1])

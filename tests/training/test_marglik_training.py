@@ -1,6 +1,7 @@
 """Algorithm 1 (online evidence optimisation) and model selection by evidence."""
 
 import copy
+import math
 
 import gpytorch
 import pytest
@@ -236,3 +237,35 @@ def test_the_curvature_is_built_once_per_round_not_per_step(monkeypatch, prior_s
     # P = 61 < N = 80: the weight space; one δ: the spectral form (one eigendecomposition per round)
     assert all(c.structure == "full_ggn" and c.num_params == 61 for c in calls)
     assert all(c.spectral == (prior_structure == "network") for c in calls)
+
+
+def _diverging_problem():
+    torch.manual_seed(0)
+    x = torch.randn(30, 2, dtype=torch.float64)
+    y = torch.sin(2 * x[:, 0]) + 0.1 * torch.randn(30, dtype=torch.float64)
+    torch.manual_seed(3)
+    net = torch.nn.Sequential(torch.nn.Linear(2, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1)).double()
+    return net, x, y
+
+
+def test_diverging_map_training_stops_at_the_best_checkpoint():
+    """SGD with a too large step: the round of epoch 5 has a finite evidence, then the weights blow up. Training
+    stops with a warning and the epoch-5 checkpoint is loaded (finite weights), not a crash with NaN weights."""
+    from ntkgp.training.marglik_training import HyperparameterWarning
+
+    net, x, y = _diverging_problem()
+    with pytest.warns(HyperparameterWarning, match="MAP training diverged"):
+        result = train_marglik(net, x, y, gpytorch.likelihoods.GaussianLikelihood().double(), epochs=10, lr=1.2,
+                               optimizer=torch.optim.SGD, burn_in=0, frequency=5, hyper_steps=20, progress=False)
+    assert result.best_epoch == 5 and math.isfinite(result.log_evidence)
+    assert all(torch.isfinite(p).all() for p in net.parameters())
+    assert [r["epoch"] for r in result.history] == [5]
+
+
+def test_diverging_before_any_round_restores_the_initial_weights_and_raises():
+    net, x, y = _diverging_problem()
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    with pytest.raises(FloatingPointError, match="initial weights are restored"):
+        train_marglik(net, x, y, gpytorch.likelihoods.GaussianLikelihood().double(), epochs=10, lr=1e4,
+                      optimizer=torch.optim.SGD, burn_in=0, frequency=5, hyper_steps=2, progress=False)
+    assert all(torch.equal(v, before[k]) for k, v in net.state_dict().items())
