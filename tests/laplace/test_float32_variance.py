@@ -144,6 +144,8 @@ def test_posterior_space_rule():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+# float32 with noise 1e-4: the summed site statistics hide most directions, which SFR reports (expected here)
+@pytest.mark.filterwarnings("ignore:SFR kept:linear_operator.utils.warnings.NumericalWarning")
 def test_sfr_variances_never_negative(dtype):
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(1, 24), nn.Tanh(), nn.Linear(24, 24), nn.Tanh(), nn.Linear(24, 1)).to(dtype)

@@ -120,8 +120,10 @@ def iterated_statistics(
                 b_new = torch.einsum("ckn,nc,cln->ckl", cross, lam, cross)
                 y_new = torch.einsum("ckn,nc->ck", cross, r)
             # the model's own solve (whitened, dropping K_ZZ's negligible directions: no jitter)
+            total = b_old + b_new
+            eps = max(torch.finfo(engine.dtype).eps, torch.finfo(total.dtype).eps)  # as SFR's own solve
             alpha = whitened_factors(
-                kzz, b_old + b_new, y_old + y_new, inducing=inducing, overwrite_b_u=True
+                kzz, total, y_old + y_new, inducing=inducing, overwrite_b_u=True, eps=eps
             ).alpha
             return alpha, values(alpha).reshape(-1)
 

@@ -420,8 +420,13 @@ class SFR(BoTorchInterface, GP):
 
     def _solve(self, weights: Tensor, slots: Tensor, inducing) -> PosteriorState:
         b_u, y_u = self.statistics.projected(weights, slots)  # a fresh B_u, overwritten by the factorization
-        factors = whitened_factors(None, b_u, y_u, inducing=inducing, overwrite_b_u=True)
+        factors = whitened_factors(None, b_u, y_u, inducing=inducing, overwrite_b_u=True, eps=self._roundoff(b_u))
         return PosteriorState(weights=weights, slots=slots, factors=factors)
+
+    def _roundoff(self, like: Tensor) -> float:
+        """The unit roundoff of the statistics: the network's (where the Jacobians are computed) when it is
+        coarser than the model's dtype (``sfr.double()`` on a float32 network)."""
+        return max(torch.finfo(self.engine.dtype).eps, torch.finfo(like.dtype).eps)
 
     def _z_jacobian(self) -> Tensor:
         """:math:`J(Z)`, ``(M·C, P)``, for predictions with a graph to the inputs (cached)."""

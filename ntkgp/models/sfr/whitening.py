@@ -175,6 +175,7 @@ def whitened_factors(
     site_factor: float = 10.0,
     inducing: InducingFactors | None = None,
     overwrite_b_u: bool = False,
+    eps: float | None = None,
 ) -> WhitenedFactors:
     r"""SFR's posterior in whitened ("SGPR") form, batched over systems ``(nb, K, K)``; no jitter in ordinary cases.
 
@@ -239,6 +240,9 @@ def whitened_factors(
         inducing: :func:`inducing_factors` of ``kzz``, reused (and completed) when given.
         overwrite_b_u: ``b_u`` is a temporary of the caller, which may be overwritten (its content is
             undefined afterwards); ignored when a gradient is tracked.
+        eps: :math:`\epsilon`, the unit roundoff of the precision in which :math:`K_{ZZ}` and :math:`B_u` were
+            computed (default: that of ``b_u``'s dtype; a float32 network's statistics stored in float64 carry
+            float32 rounding).
 
     Returns:
         The :class:`WhitenedFactors`.
@@ -247,7 +251,7 @@ def whitened_factors(
         raise ValueError("whitened_factors needs kzz or inducing")
     zz = inducing_factors(kzz) if inducing is None else inducing
     size = b_u.shape[-1]
-    eps = torch.finfo(b_u.dtype).eps
+    eps = torch.finfo(b_u.dtype).eps if eps is None else eps
     b_trace = b_u.detach().diagonal(dim1=-2, dim2=-1).sum(-1).clamp_min(0)
     threshold = torch.maximum(gram_factor * eps * zz.k_trace, site_factor * eps * b_trace)  # (nb,)
     whitening = None

@@ -244,3 +244,25 @@ def test_float32_with_a_small_noise_warns_when_the_site_statistics_hide_most_dir
     lik64.noise = 1e-3
     sfr64 = SFR(net.double(), x.double(), y.double(), lik64, inducing_points=sfr.inducing_points.double())
     assert int(sfr64.inducing_rank.min()) == 20
+
+
+def test_double_on_a_float32_network_keeps_float32_thresholds():
+    """sfr.double() converts the GP algebra, not the network: the statistics still carry float32 rounding, so
+    the whitening drops directions at float32's ε (not float64's, which made I + A indefinite); the float64
+    model agrees with the float32 one to float32 accuracy."""
+    torch.manual_seed(5)
+    net = torch.nn.Sequential(torch.nn.Linear(2, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    x, xs = torch.randn(30, 2), torch.randn(5, 2)
+    y = torch.sin(x.sum(-1))
+    from gpytorch.likelihoods import GaussianLikelihood
+
+    lik = GaussianLikelihood()
+    lik.noise = 0.1
+    sfr = SFR(net, x, y, lik, num_inducing=10)
+    with torch.no_grad():
+        single = sfr(xs)
+        mean32, var32 = single.mean.double(), single.variance.double()
+        sfr.double()
+        dist = sfr(xs.double())
+        assert dist.mean.dtype == torch.float64 and (dist.variance > 0).all()
+        assert rel_err(dist.mean, mean32) < 1e-3 and rel_err(dist.variance, var32) < 1e-2
