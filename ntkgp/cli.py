@@ -6,8 +6,9 @@ on a CSV file. Exit status:
 - ``0``: the demo ran; the table went to stdout, the figures to ``--output-dir``.
 - ``2``: a usage or input error, reported on stderr before any training: an unknown option, a missing or
   unreadable CSV file, an unknown column, a cell that is not a finite number (naming file, line and column),
-  a column whose values overflow when standardized, a duplicated header name, too few rows or a single class, ``--epochs`` < 1, a negative ``--seed``, an
-  ``--output-dir`` that is not a folder, or a missing optional dependency (matplotlib, scikit-learn).
+  a column whose values overflow when standardized, a duplicated header name, too few rows or a single class,
+  ``--epochs`` < 1, a ``--seed`` outside ``0..4294967294``, an ``--output-dir`` that is not a folder or cannot be
+  created or written to, or a missing optional dependency (matplotlib, scikit-learn).
 - ``1``: anything else (an unexpected error, with its traceback).
 
 See ``docs/cli_and_examples.md``.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -25,6 +27,10 @@ from typing import NoReturn
 from . import demo, plotting
 
 __all__ = ["build_parser", "main"]
+
+_MAX_SEED = 2**32 - 2
+"""Largest ``--seed``: the demo seeds scikit-learn's ``make_moons`` (a NumPy ``RandomState``, ``0..2**32 - 1``)
+with ``seed`` and ``seed + 1``."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,8 +71,8 @@ def _demo(args: argparse.Namespace) -> int:
         error("--csv needs --input-columns and --target-column")
     if args.epochs is not None and args.epochs < 1:
         error(f"--epochs must be positive, got {args.epochs}")
-    if args.seed < 0:
-        error(f"--seed must be >= 0, got {args.seed}")
+    if not 0 <= args.seed <= _MAX_SEED:
+        error(f"--seed must be >= 0 and <= {_MAX_SEED}, got {args.seed}")
     if args.output_dir.exists() and not args.output_dir.is_dir():
         error(f"--output-dir {str(args.output_dir)!r} exists and is not a folder")
 
@@ -81,6 +87,7 @@ def _demo(args: argparse.Namespace) -> int:
             tasks = [demo.gap_regression_task(config), demo.two_moons_task(config)]
     except (ImportError, OSError, ValueError) as problem:
         error(str(problem))
+    _prepare_output_dir(args.output_dir, error)
 
     def log(message: str) -> None:
         if config.progress:
@@ -89,6 +96,17 @@ def _demo(args: argparse.Namespace) -> int:
     result = demo.run_demo(tasks, config, args.output_dir, log)
     print(result.report())
     return 0
+
+
+def _prepare_output_dir(output_dir: Path, error: Callable[[str], NoReturn]) -> None:
+    """Create ``output_dir`` (with its parents) and check that a file can be written in it, before training."""
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=output_dir):
+            pass
+    except OSError as problem:
+        reason = problem.strerror or str(problem)
+        error(f"--output-dir {str(output_dir)!r} cannot be created or written to: {reason}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -12,13 +12,14 @@ Classification metrics accept predictive probabilities in two forms:
   the same number whichever form it reports.
 
 Every input is checked first: tensors only, finite values, probabilities in :math:`[0, 1]`, labels that are
-whole numbers in ``0..C-1``, matching numbers of entries. A violation raises ``TypeError`` or
-``ValueError`` naming the argument.
+whole numbers in ``0..C-1``, matching shapes (only ``(N,)`` and ``(N, 1)`` are interchangeable; nothing is
+transposed, flattened or broadcast). A violation raises ``TypeError`` or ``ValueError`` naming the argument.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 from torch import Tensor
@@ -47,13 +48,30 @@ def _finite(value: object, name: str) -> Tensor:
     return value
 
 
+def _is_column(shape: torch.Size) -> bool:
+    """Whether ``shape`` is ``(N,)`` or ``(N, 1)``."""
+    return len(shape) == 1 or (len(shape) == 2 and shape[1] == 1)
+
+
 def _match_shape(y: Tensor, reference: Tensor, name: str) -> Tensor:
-    """Return ``y`` reshaped to ``reference.shape`` (e.g. ``(N,)`` vs ``(N, 1)``); never broadcast."""
+    """Return ``y`` in ``reference.shape``; only ``(N,)`` and ``(N, 1)`` are interchangeable.
+
+    Any other difference (a transposed ``(C, N)``, a flattened ``(N·C,)``, a broadcastable shape) raises
+    ``ValueError`` naming ``name``, even when the numbers of entries agree.
+    """
     if y.shape == reference.shape:
         return y
-    if y.numel() == reference.numel():
+    if _is_column(y.shape) and _is_column(reference.shape) and y.shape[0] == reference.shape[0]:
         return y.reshape(reference.shape)
-    raise ValueError(f"{name} has shape {tuple(y.shape)}, incompatible with {tuple(reference.shape)}")
+    raise ValueError(f"{name} has shape {tuple(y.shape)}, incompatible with {tuple(reference.shape)} "
+                     "(only (N,) and (N, 1) are interchangeable)")
+
+
+def _outputs(value: Tensor, name: str) -> Tensor:
+    """Check that ``value`` has shape ``(N,)`` or ``(N, C)``; return it."""
+    if value.dim() not in (1, 2):
+        raise ValueError(f"{name} must have shape (N,) or (N, C), got {tuple(value.shape)}")
+    return value
 
 
 def _class_probs(probs: Tensor) -> Tensor:
@@ -73,8 +91,10 @@ def _class_probs(probs: Tensor) -> Tensor:
 
 
 def _labels(y: Tensor, num_examples: int, num_classes: int) -> Tensor:
-    """Return integer labels of shape ``(N,)``, checked to be whole numbers in ``0..num_classes-1``."""
+    """Return integer labels of shape ``(N,)`` (from ``(N,)`` or ``(N, 1)``), whole numbers in ``0..num_classes-1``."""
     _finite(y, "y")
+    if not _is_column(y.shape):
+        raise ValueError(f"y must have shape (N,) or (N, 1), got {tuple(y.shape)}")
     y = y.reshape(-1)
     if y.numel() != num_examples:
         raise ValueError(f"y has {y.numel()} entries but probs has {num_examples} rows")
@@ -98,9 +118,11 @@ def gaussian_nlpd(mean: Tensor, var: Tensor, y: Tensor, y_scale: float | Tensor 
 
     Args:
         mean: predictive means :math:`\mu`, shape ``(N,)`` or ``(N, C)``.
-        var: predictive variances :math:`\sigma^2` of ``y`` (observation noise included), same shape.
-        y: targets, same number of entries (``(N,)`` and ``(N, 1)`` are interchangeable).
-        y_scale: :math:`s`, the standard deviation used to normalise the targets, scalar or ``(C,)``.
+        var: predictive variances :math:`\sigma^2` of ``y`` (observation noise included), the same shape as
+            ``mean`` (``(N,)`` and ``(N, 1)`` are interchangeable).
+        y: targets, the same shape as ``mean`` (``(N,)`` and ``(N, 1)`` are interchangeable).
+        y_scale: :math:`s`, the standard deviation used to normalise the targets, a positive real scalar or a
+            ``(C,)`` tensor (:math:`C = 1` for ``(N,)`` inputs).
             When ``mean``, ``var`` and ``y`` are in normalised units,
             :math:`y_\text{orig} = s\,y + m`, the result is the NLPD in the original units.
 
@@ -109,25 +131,31 @@ def gaussian_nlpd(mean: Tensor, var: Tensor, y: Tensor, y_scale: float | Tensor 
 
     Raises:
         TypeError: if an input is not a tensor.
-        ValueError: naming the argument, for non-finite values, a non-positive ``var`` or ``y_scale``, or
-            mismatched numbers of entries.
+        ValueError: naming the argument, for non-finite values, a non-positive ``var`` or ``y_scale``, a
+            ``y_scale`` that is not a scalar or ``(C,)``, or a ``var`` or ``y`` whose shape differs from
+            ``mean``'s.
 
     Example:
         >>> round(gaussian_nlpd(torch.zeros(2), torch.ones(2), torch.zeros(2)), 6)  # ½ log 2π
         0.918939
     """
-    mean = _finite(mean, "mean")
+    mean = _outputs(_finite(mean, "mean"), "mean")
     y = _match_shape(_finite(y, "y"), mean, "y")
     var = _match_shape(_finite(var, "var"), mean, "var")
     if (var <= 0).any():
         raise ValueError("var must be strictly positive")
+    num_outputs = mean.shape[1] if mean.dim() == 2 else 1
+    if isinstance(y_scale, bool):
+        raise TypeError("y_scale must be a real number or a tensor, got bool")
     scale = torch.as_tensor(y_scale)
-    if not bool((torch.isfinite(scale) & (scale > 0)).all()):
+    if scale.dim() > 1 or (scale.dim() == 1 and scale.shape[0] != num_outputs):
+        raise ValueError(f"y_scale must be a scalar or have shape ({num_outputs},) (one per output), "
+                         f"got shape {tuple(scale.shape)}")
+    if scale.dtype == torch.bool or scale.is_complex() or not bool((torch.isfinite(scale) & (scale > 0)).all()):
         raise ValueError(f"y_scale must be positive and finite, got {y_scale!r}")
     per_entry = 0.5 * torch.log(2 * math.pi * var) + 0.5 * (y - mean) ** 2 / var
-    per_entry = per_entry + torch.log(
-        torch.as_tensor(y_scale, dtype=per_entry.dtype, device=per_entry.device)
-    )
+    scale = scale.to(dtype=per_entry.dtype, device=per_entry.device)
+    per_entry = per_entry + torch.log(scale if per_entry.dim() == 2 else scale.reshape(()))
     if per_entry.dim() == 2:
         per_entry = per_entry.sum(dim=-1)
     return per_entry.mean().item()
@@ -142,7 +170,8 @@ def categorical_nlpd(probs: Tensor, y: Tensor, eps: float = 1e-12) -> float:
         probs: ``(N, C)`` class probabilities, or ``(N,)`` / ``(N, 1)`` with :math:`P(y=1)`.
         y: ``(N,)`` integer labels.
         eps: lower clamp on the probabilities, so that a confident wrong prediction gives
-            :math:`-\log\epsilon` instead of infinity.
+            :math:`-\log\epsilon` instead of infinity. The clamp and the logarithm are computed in at least
+            float32, so the default ``1e-12`` does not underflow for float16 / bfloat16 ``probs``.
 
     Returns:
         The mean NLPD.
@@ -158,6 +187,8 @@ def categorical_nlpd(probs: Tensor, y: Tensor, eps: float = 1e-12) -> float:
     p = _class_probs(probs)
     y = _labels(y, p.shape[0], p.shape[1])
     p_observed = p.gather(1, y[:, None]).squeeze(1)
+    # 1e-12 underflows to 0 in float16 / bfloat16: clamp and take the log in at least float32.
+    p_observed = p_observed.to(torch.promote_types(p_observed.dtype, torch.float32))
     return -torch.log(p_observed.clamp_min(eps)).mean().item()
 
 
@@ -199,7 +230,9 @@ def expected_calibration_error(probs: Tensor, y: Tensor, num_bins: int = 10) -> 
             \Big| \frac{1}{|B_b|}\sum_{n \in B_b} \mathbb 1[\hat y_n = y_n]
                 - \frac{1}{|B_b|}\sum_{n \in B_b} \hat p_n \Big|
 
-    Empty bins contribute nothing.
+    Empty bins contribute nothing. The confidences are binned in the dtype of ``probs``, against edges
+    :math:`b/M` rounded to that dtype, so the same probabilities fall into the same bins whatever their dtype;
+    the sums are accumulated in float64.
 
     Args:
         probs: ``(N, C)``, or ``(N,)`` / ``(N, 1)`` binary.
@@ -218,17 +251,20 @@ def expected_calibration_error(probs: Tensor, y: Tensor, num_bins: int = 10) -> 
         >>> expected_calibration_error(torch.tensor([[0.8, 0.2], [0.8, 0.2]]), torch.tensor([0, 1]))
         0.30000001192092896
     """
-    if isinstance(num_bins, bool) or not isinstance(num_bins, int) or num_bins < 1:
+    if isinstance(num_bins, bool) or not isinstance(num_bins, numbers.Integral) or num_bins < 1:
         raise ValueError(f"num_bins must be a positive integer, got {num_bins!r}")
+    num_bins = int(num_bins)
     p = _class_probs(probs)
     y = _labels(y, p.shape[0], p.shape[1])
     confidence, prediction = p.max(dim=1)
-    confidence = confidence.double()
-    correct = (prediction == y).double()
     options = {"dtype": torch.float64, "device": confidence.device}
-    inner_edges = torch.arange(1, num_bins, **options) / num_bins
+    # Edges b/M computed in float64 and rounded once to the dtype of the confidences, compared in that
+    # dtype: casting float32 0.8 to float64 and comparing with the float64 edge 0.8 would move it up a bin.
+    inner_edges = (torch.arange(1, num_bins, **options) / num_bins).to(confidence.dtype)
     # right=False puts c in bin b when b/M < c <= (b+1)/M.
     bins = torch.bucketize(confidence, inner_edges, right=False)
+    confidence = confidence.double()
+    correct = (prediction == y).double()
     conf_sum = torch.zeros(num_bins, **options).index_add_(0, bins, confidence)
     correct_sum = torch.zeros(num_bins, **options).index_add_(0, bins, correct)
     # |B_b|/N * |acc_b - conf_b| = |sum correct - sum confidence| / N
@@ -271,20 +307,20 @@ def rmse(pred: Tensor, y: Tensor) -> float:
 
     Args:
         pred: predictions, ``(N,)`` or ``(N, C)``.
-        y: targets with the same number of entries.
+        y: targets, the same shape as ``pred`` (``(N,)`` and ``(N, 1)`` are interchangeable).
 
     Returns:
         The RMSE.
 
     Raises:
         TypeError: if an input is not a tensor.
-        ValueError: for non-finite values or mismatched numbers of entries.
+        ValueError: naming the argument, for non-finite values, or a ``y`` whose shape differs from ``pred``'s.
 
     Example:
         >>> rmse(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 4.0]))
         1.4142135381698608
     """
-    pred = _finite(pred, "pred")
+    pred = _outputs(_finite(pred, "pred"), "pred")
     y = _match_shape(_finite(y, "y"), pred, "y")
     return torch.sqrt(((pred - y) ** 2).mean()).item()
 

@@ -131,7 +131,7 @@ def laplace_bridge(mean: Tensor, variance: Tensor) -> Tensor:
     return torch.softmax(log_alpha, dim=-1)
 
 
-def _check_args(posterior, x, num_samples, joint, step_size, generator) -> None:
+def _check_args(posterior, x, num_samples, joint, step_size, generator, progress) -> None:
     if not isinstance(posterior, WeightPosterior):
         raise TypeError(
             f"posterior must be an ntkgp.posteriors.WeightPosterior, got {type(posterior).__name__}"
@@ -143,11 +143,14 @@ def _check_args(posterior, x, num_samples, joint, step_size, generator) -> None:
     if not isinstance(joint, bool):
         raise TypeError(f"joint must be a bool, got {type(joint).__name__}")
     if step_size is not None and not (
-        isinstance(step_size, (int, float)) and math.isfinite(step_size) and step_size > 0
+        isinstance(step_size, (int, float)) and not isinstance(step_size, bool) and math.isfinite(step_size)
+        and step_size > 0
     ):
         raise ValueError(f"step_size must be a positive number or None, got {step_size!r}")
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+    if not isinstance(progress, bool):
+        raise TypeError(f"progress must be a bool, got {type(progress).__name__}")
 
 
 def _link_for(likelihood: Likelihood, link: str | None) -> Link | None:
@@ -243,7 +246,7 @@ def predict(
         >>> prediction.f.variance.shape, prediction.probs.shape
         (torch.Size([1000, 10]), torch.Size([1000, 10]))
     """
-    _check_args(posterior, x, num_samples, joint, step_size, generator)
+    _check_args(posterior, x, num_samples, joint, step_size, generator, progress)
     method = choose(Method, method, "method")
     scheme = choose(FiniteDifference, finite_difference, "finite_difference")
     link = _link_for(posterior.likelihood, link)

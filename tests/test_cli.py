@@ -176,6 +176,13 @@ def rows_text(cells: str, n: int = 12) -> str:
         (["--csv", "{short}", "--input-columns", "a", "--target-column", "target"], "has 3 data rows"),
         (["--csv", "{latin1}", "--input-columns", "a", "--target-column", "target"], "is not UTF-8 text"),
         (["--output-dir", "{file}"], "exists and is not a folder"),
+        (["--output-dir", "{file}/sub"], "--output-dir '{file}/sub' cannot be created or written to: Not a directory"),
+        (["--csv", "{regression}", "--input-columns", "a", "--target-column", "target", "--output-dir", "{file}/sub"],
+         "--output-dir '{file}/sub' cannot be created or written to"),
+        (["--seed", "18446744073709551616"], "--seed must be >= 0 and <= 4294967294, got 18446744073709551616"),
+        (["--seed", "4294967295"], "--seed must be >= 0 and <= 4294967294"),
+        (["--csv", "{regression}", "--input-columns", "a", "--target-column", "target", "--seed", str(2**64)],
+         "--seed must be >= 0 and <= 4294967294"),
     ],
 )
 def test_demo_user_errors_exit_2_before_training(csv_files, tmp_path, capsys, no_training, extra, message):
@@ -198,6 +205,28 @@ def test_demo_user_errors_exit_2_before_training(csv_files, tmp_path, capsys, no
     assert exit_info.value.code == 2
     assert message.format(**paths) in capsys.readouterr().err
     assert not list(tmp_path.rglob("*.png"))
+
+
+def test_output_dir_is_created_before_training(csv_files, tmp_path, no_training):
+    """The folder (and its parents) exists, and was checked to be writable, when training starts."""
+    out_dir = tmp_path / "new" / "figures"
+    args = [*QUICK, "--csv", str(csv_files["regression"]), "--input-columns", "a", "--target-column", "target",
+            "--output-dir", str(out_dir), "--seed", "4294967294"]
+    with pytest.raises(AssertionError, match="training started"):
+        main(args)
+    assert out_dir.is_dir() and not list(out_dir.iterdir())
+
+
+def test_output_dir_error_is_one_line_with_exit_status_2(tmp_path):
+    """Through the console entry point: status 2, argparse's usage and one error line, no traceback."""
+    (tmp_path / "afile").write_text("")
+    done = subprocess.run([sys.executable, "-m", "ntkgp", *QUICK, "--output-dir", str(tmp_path / "afile" / "sub")],
+                          check=False, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    errors = [line for line in done.stderr.splitlines() if "error:" in line]
+    assert errors == [f"ntkgp demo: error: --output-dir {str(tmp_path / 'afile' / 'sub')!r} cannot be created or "
+                      "written to: Not a directory"]
 
 
 def test_csv_with_byte_order_mark_and_task_name(tmp_path, capsys):

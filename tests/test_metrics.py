@@ -269,3 +269,145 @@ def test_probabilities_within_rounding_of_the_unit_interval_are_accepted():
     y = torch.tensor([0, 1])
     assert math.isfinite(categorical_nlpd(probs, y))
     assert bool(torch.isfinite(predictive_entropy(probs)).all())
+
+
+# Shapes: only (N,) and (N, 1) are interchangeable
+
+
+@pytest.mark.parametrize(
+    ("bad", "name"),
+    [
+        (lambda mean, var, y: gaussian_nlpd(mean, var, y.T), "y"),
+        (lambda mean, var, y: gaussian_nlpd(mean, var.T.contiguous(), y), "var"),
+        (lambda mean, var, y: gaussian_nlpd(mean, var, y.reshape(-1)), "y"),
+        (lambda mean, var, y: gaussian_nlpd(mean, var.reshape(-1), y), "var"),
+        (lambda mean, var, y: gaussian_nlpd(mean, var, y[:1]), "y"),
+        (lambda mean, var, y: gaussian_nlpd(mean[:, :1], var[:, :1], y[:1].T), "y"),
+        (lambda mean, var, y: gaussian_nlpd(mean[None], var[None], y[None]), "mean"),
+        (lambda mean, var, y: rmse(mean, y.T), "y"),
+        (lambda mean, var, y: rmse(mean, y.reshape(-1)), "y"),
+        (lambda mean, var, y: rmse(mean.reshape(-1), y), "y"),
+        (lambda mean, var, y: rmse(mean[None], y[None]), "pred"),
+    ],
+)
+def test_regression_metrics_reject_transposed_or_flattened_targets(bad, name):
+    generator = torch.Generator().manual_seed(9)
+    mean, y = torch.randn(2, 20, 3, generator=generator, dtype=torch.float64)
+    var = torch.rand(20, 3, generator=generator, dtype=torch.float64) + 0.1
+    with pytest.raises(ValueError, match=rf"^{name} "):
+        bad(mean, var, y)
+
+
+def test_column_and_flat_single_output_remain_interchangeable():
+    generator = torch.Generator().manual_seed(10)
+    mean, y = torch.randn(2, 15, generator=generator, dtype=torch.float64)
+    var = torch.rand(15, generator=generator, dtype=torch.float64) + 0.1
+    expected = -torch.distributions.Normal(mean, var.sqrt()).log_prob(y).mean().item()
+    for m, v, t in [(mean, var, y), (mean[:, None], var, y), (mean, var[:, None], y[:, None]),
+                    (mean[:, None], var[:, None], y)]:
+        assert gaussian_nlpd(m, v, t) == pytest.approx(expected, rel=1e-12)
+    assert rmse(mean[:, None], y) == pytest.approx(torch.sqrt(((mean - y) ** 2).mean()).item(), rel=1e-12)
+
+
+@pytest.mark.parametrize("labels", [lambda y: y[None], lambda y: y[None, :, None]])
+def test_classification_labels_must_be_a_column(labels):
+    probs, y = random_probs(6, 3), random_labels(6, 3)
+    with pytest.raises(ValueError, match=r"^y must have shape"):
+        categorical_nlpd(probs, labels(y))
+    assert categorical_nlpd(probs, y[:, None]) == pytest.approx(categorical_nlpd(probs, y))
+
+
+# y_scale: a scalar or (C,)
+
+
+def test_gaussian_nlpd_per_output_y_scale_matches_torch_distributions():
+    generator = torch.Generator().manual_seed(11)
+    mean, y = torch.randn(2, 25, 2, generator=generator, dtype=torch.float64)
+    var = torch.rand(25, 2, generator=generator, dtype=torch.float64) + 0.1
+    scale = torch.tensor([2.0, 0.5], dtype=torch.float64)
+    original = torch.distributions.Normal(mean * scale, var.sqrt() * scale).log_prob(y * scale)
+    expected = -original.sum(dim=1).mean().item()
+    assert gaussian_nlpd(mean, var, y, y_scale=scale) == pytest.approx(expected, rel=1e-12)
+    single = -torch.distributions.Normal(mean[:, 0] * 3, var[:, 0].sqrt() * 3).log_prob(y[:, 0] * 3).mean().item()
+    assert gaussian_nlpd(mean[:, 0], var[:, 0], y[:, 0], y_scale=torch.tensor([3.0])) == pytest.approx(single)
+    assert gaussian_nlpd(mean[:, :1], var[:, :1], y[:, :1], y_scale=np.float32(3.0)) == pytest.approx(single)
+
+
+@pytest.mark.parametrize(
+    ("shape", "y_scale"),
+    [
+        ((4, 1), torch.tensor([2.0, 3.0, 4.0])),
+        ((4,), torch.arange(1.0, 5.0)),
+        ((4, 2), torch.ones(4, 2)),
+        ((4, 2), torch.ones(1, 2)),
+        ((4, 2), torch.ones(3)),
+    ],
+)
+def test_gaussian_nlpd_rejects_y_scale_of_the_wrong_shape(shape, y_scale):
+    mean, var = torch.zeros(shape), torch.ones(shape)
+    with pytest.raises(ValueError, match=r"^y_scale must be a scalar or have shape"):
+        gaussian_nlpd(mean, var, mean, y_scale=y_scale)
+
+
+# Low-precision inputs
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_categorical_nlpd_clamp_survives_half_precision(dtype):
+    probs = torch.tensor([[1.0, 0.0], [0.5, 0.5]])
+    y = torch.tensor([1, 0])
+    expected = (-math.log(1e-12) - math.log(0.5)) / 2  # about (27.6 + 0.69) / 2
+    assert categorical_nlpd(probs.to(dtype), y) == pytest.approx(expected, rel=1e-3)
+    assert categorical_nlpd(torch.tensor([1.0, 0.0], dtype=dtype), torch.tensor([1, 1])) == pytest.approx(
+        -math.log(1e-12) / 2, rel=1e-3)
+
+
+@pytest.mark.parametrize("num_bins", [5, 10, 20])
+def test_ece_bins_do_not_depend_on_the_dtype(num_bins):
+    # Confidences on (or next to) the edges b/M, where a float32 value cast to float64 crosses the edge.
+    conf = torch.tensor([0.8, 0.75, 0.6, 0.7, 0.9, 0.55, 0.65, 0.85], dtype=torch.float64)
+    probs = torch.stack([conf, 1 - conf], dim=1)
+    y = torch.tensor([0, 1, 0, 1, 0, 0, 1, 1])
+    expected = brute_force_ece(probs.numpy(), y.numpy(), num_bins)
+    assert expected_calibration_error(probs, y, num_bins) == pytest.approx(expected, abs=1e-15)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        low = probs.to(dtype)
+        # Reference: the same binning rule evaluated on the rounded confidences, edges rounded to the dtype.
+        c = low.max(dim=1).values
+        edges = (torch.arange(num_bins + 1, dtype=torch.float64) / num_bins).to(dtype)
+        total = 0.0
+        for b in range(num_bins):
+            members = (c > edges[b]) & (c <= edges[b + 1])
+            if members.any():
+                total += abs(float((y[members] == 0).double().sum()) - float(c[members].double().sum()))
+        assert expected_calibration_error(low, y, num_bins) == pytest.approx(total / len(y), abs=1e-12)
+        # Same bins as in float64: the ECE moves only by the rounding of the confidences.
+        assert expected_calibration_error(low, y, num_bins) == pytest.approx(expected, abs=1e-2)
+
+
+def test_ece_float32_issue_example():
+    probs = torch.tensor([[0.8, 0.2], [0.75, 0.25]], dtype=torch.float64)
+    y = torch.tensor([0, 1])
+    expected = abs((1 + 0) - (0.8 + 0.75)) / 2  # both in bin (0.7, 0.8]: 0.275 (0.8 in (0.8, 0.9] gives 0.475)
+    assert expected_calibration_error(probs, y) == pytest.approx(expected)
+    assert expected_calibration_error(probs.float(), y) == pytest.approx(expected, rel=1e-6)
+
+
+# NumPy scalars for integer and real options
+
+
+def test_numpy_scalars_are_accepted_as_options():
+    from ntkgp.likelihoods import LogisticLikelihood, SoftmaxLikelihood
+
+    probs, y = random_probs(50, 3, seed=12), random_labels(50, 3, seed=13)
+    assert expected_calibration_error(probs, y, num_bins=np.int64(7)) == pytest.approx(
+        brute_force_ece(probs.numpy(), y.numpy(), 7), rel=1e-12)
+    likelihood = SoftmaxLikelihood(np.int32(3), temperature=np.float32(0.5))
+    assert likelihood.num_classes == 3 and likelihood.temperature.item() == pytest.approx(0.5)
+    assert LogisticLikelihood(temperature=np.float64(2.0)).temperature.item() == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="num_bins"):
+        expected_calibration_error(probs, y, num_bins=True)
+    with pytest.raises(TypeError, match="temperature"):
+        SoftmaxLikelihood(3, temperature=np.bool_(True))
+    with pytest.raises(TypeError, match="temperature"):
+        SoftmaxLikelihood(3, temperature=True)

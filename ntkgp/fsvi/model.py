@@ -192,6 +192,16 @@ class FSVI(BoTorchInterface, GP):
             raise ValueError(f"{argument} must have shape (N, ...) without batch dimensions, got {tuple(x.shape)}")
         return x
 
+    def _check_outputs(self, x: Tensor, argument: str = "x") -> None:
+        """Raise unless the network gives the likelihood's number of outputs (one forward pass of one row of the
+        flat ``x``, the first time; the routes are planned on it)."""
+        row = self.prepare(x.reshape(-1, x.shape[-1])[:1], argument)
+        c = self.linearized.num_outputs(self.variational_distribution.means(), row)
+        if c != self.num_outputs:
+            raise ValueError(
+                f"net has {c} outputs but the likelihood {type(self.likelihood).__name__} expects {self.num_outputs}"
+            )
+
     def _takes_rows(self, x: Tensor) -> bool:
         """Whether the network maps one row of ``x``'s last dimension, ``(1, x.shape[-1])``, to ``(1, C)``."""
         means = {n: t.detach() for n, t in self.variational_distribution.means().items()}
@@ -242,7 +252,9 @@ class FSVI(BoTorchInterface, GP):
         return self._mvn(mean, covar - RootLinearOperator(root.mT))
 
     def __call__(self, x: Tensor) -> MultivariateNormal:
-        return super().__call__(self._flat(x))
+        x = self._flat(x)
+        self._check_outputs(x)
+        return super().__call__(x)
 
     # ------------------------------------------------------------------ conditioning
     @property
@@ -413,7 +425,9 @@ class FSVI(BoTorchInterface, GP):
         Returns:
             A 0-dim tensor.
         """
-        x = self.prepare(self._flat(x_context, "x_context", batch=False), "x_context")
+        flat = self._flat(x_context, "x_context", batch=False)
+        self._check_outputs(flat, "x_context")
+        x = self.prepare(flat, "x_context")
         lin, q, p = self.linearized, self.variational_distribution, self.prior
         grad = torch.is_grad_enabled()
         kind = self.kl_covariance
@@ -468,6 +482,7 @@ class FSVI(BoTorchInterface, GP):
         """
         num_samples = _check_num_samples(num_samples)
         flat = self._flat(x)
+        self._check_outputs(flat)
         x = self.prepare(flat.reshape(-1, flat.shape[-1]))
         q = self.variational_distribution
         if self._observations is None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import math
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -14,6 +14,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from ..likelihoods import num_outputs, validate_targets
+from ..ntk.checks import check_fits
 from ..options import choose
 from .context import (
     BatchMixedContext,
@@ -214,6 +215,8 @@ def train_fsvi(
         raise ValueError(f"lr must be a positive number, got {lr!r}")
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"seed must be an integer, got {seed!r}")
+    if not callable(optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer class (a callable), got {optimizer!r}")
     # the model first: it checks its own options before a loader is read (reading one can draw from the global
     # random generator); the input shape, if it comes from the first batch, is set afterwards
     model = FSVI(
@@ -236,6 +239,8 @@ def train_fsvi(
             raise ValueError("train_y must be given when train_x is a tensor")
         if train_x.dim() < 2 or train_x.shape[0] == 0:
             raise ValueError(f"train_x must have shape (N, ...) with a feature dimension, got {tuple(train_x.shape)}")
+        if train_x.is_floating_point() and not bool(torch.isfinite(train_x).all()):
+            raise ValueError("train_x contains NaN or Inf values")
         y = validate_targets(likelihood, train_y, expected, num_data=train_x.shape[0], name="train_y")
         batches: Batches = _TensorBatches(train_x, y, batch_size, generator)
         num_data = train_x.shape[0]
@@ -245,6 +250,11 @@ def train_fsvi(
             raise ValueError("train_y must be None when train_x is a loader of (x, y) batches")
         if not isinstance(train_x, Iterable):
             raise TypeError(f"train_x must be a tensor or an iterable of (x, y) batches, got {type(train_x).__name__}")
+        if isinstance(train_x, Iterator):  # read once by the setup, it would leave no batch to train on
+            raise TypeError(
+                f"train_x must be re-iterable (a DataLoader, a list of (x, y) batches), got the one-shot "
+                f"{type(train_x).__name__}: it is read once per epoch"
+            )
         batches = train_x
         first = next(iter(batches), None)
         if first is None:
@@ -258,14 +268,17 @@ def train_fsvi(
         model.linearized.input_shape = input_shape
     reference = model.variational_distribution.mean[0]
     model.likelihood.to(device=reference.device, dtype=reference.dtype)
-    with torch.no_grad():
-        c = model.linearized.forward(model.variational_distribution.means(), model.prepare(x_first[:1])).shape[1]
+    means = {n: t.detach() for n, t in model.variational_distribution.means().items()}
+    c = check_fits(net, means, model.prepare(x_first[:1], "train_x"), "train_x", None)
     if c != expected:
         raise ValueError(f"net has {c} outputs but the likelihood {type(likelihood).__name__} expects {expected}")
     data = [(train_x, None)] if isinstance(train_x, Tensor) else batches
     sampler = _build_context(context, data, x_first, input_shape, generator)
     if context_batch_fraction > 0:
         sampler = BatchMixedContext(sampler, context_batch_fraction)
+    # one context point must fit the network too (drawn from a copy of the generator: training's draws are unchanged)
+    probe = torch.Generator().set_state(generator.get_state())
+    check_fits(net, means, model.prepare(sampler.sample(1, probe, batch_x=x_first[:1]), "context"), "context", c)
 
     elbo = FunctionSpaceELBO(model, num_data, num_samples)
     params = list(model.variational_distribution.parameters())

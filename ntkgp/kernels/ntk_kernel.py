@@ -271,6 +271,8 @@ class NTKKernel(Kernel):
             Shape ``(*broadcast(batch, batch_shape), N, C, C)`` in the kernel's dtype.
         """
         x = self._as_input(x, "x")
+        if x.dim() == 1:  # GPyTorch's (N,): N inputs of one feature
+            x = x.unsqueeze(-1)
         slices = distinct_slices(x)
         n = x.shape[-2]
         c = self.num_outputs_per_input(x, x)
@@ -401,6 +403,9 @@ class NTKKernel(Kernel):
         n1, n2 = x1.shape[-2], x2.shape[-2]
         if n1 != n2:
             raise ValueError(f"diag=True needs x1 and x2 with the same number of points, got {n1} and {n2}")
+        if n1 == 0:  # as the full matrix: an empty result
+            ref = self.raw_prior_precision
+            return torch.zeros(*batch, 0, dtype=ref.dtype, device=ref.device)
         if square:
             blocks = self.point_blocks(x1)
             return blocks.diagonal(dim1=-2, dim2=-1).reshape(*blocks.shape[:-3], -1).expand(*batch, -1)

@@ -34,7 +34,8 @@ class LogisticLikelihood(TemperatureMixin, _OneDimensionalLikelihood):
     the untempered link. ``expected_log_prob`` (variational inference) uses Gauss-Hermite quadrature.
 
     Args:
-        temperature: :math:`T > 0` (default 1).
+        temperature: :math:`T > 0` (default 1), a real number (any ``numbers.Real``; not ``bool``) or a
+            one-element tensor.
         learn_temperature: whether ``raw_temperature`` requires grad (default ``False``: with :math:`\theta^*`
             fixed the Laplace evidence of a tempered likelihood is non-decreasing in :math:`T`, so :math:`T`
             cannot be learned from it; tune it on validation data instead; ``docs/math.md``, "Temperature").

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 import gpytorch
@@ -42,8 +43,9 @@ class SoftmaxLikelihood(TemperatureMixin, gpytorch.likelihoods.SoftmaxLikelihood
     full :math:`C \times C` block of each point). Both use the untempered link.
 
     Args:
-        num_classes: :math:`C \ge 2`.
-        temperature: :math:`T > 0` (default 1).
+        num_classes: :math:`C \ge 2`, an integer (any ``numbers.Integral``, e.g. ``numpy.int64``; not ``bool``).
+        temperature: :math:`T > 0` (default 1), a real number (any ``numbers.Real``; not ``bool``) or a
+            one-element tensor.
         learn_temperature: whether ``raw_temperature`` requires grad (default ``False``; see
             :class:`~ntkgp.likelihoods.LogisticLikelihood` and ``docs/math.md``, "Temperature").
         temperature_prior: optional prior on :math:`T`.
@@ -75,8 +77,9 @@ class SoftmaxLikelihood(TemperatureMixin, gpytorch.likelihoods.SoftmaxLikelihood
         link_approx: str = "probit",
         num_samples: int = 100,
     ) -> None:
-        if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 2:
+        if isinstance(num_classes, bool) or not isinstance(num_classes, numbers.Integral) or num_classes < 2:
             raise ValueError(f"num_classes must be an integer >= 2, got {num_classes!r}")
+        num_classes = int(num_classes)
         super().__init__(num_classes=num_classes, mixing_weights=False)
         self._register_temperature(temperature, learn_temperature, temperature_prior, temperature_constraint)
         self.link_approx = check_link_approx(link_approx)

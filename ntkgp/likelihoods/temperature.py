@@ -8,6 +8,7 @@ Tempering scales :math:`\\log p`, :math:`g = \\nabla_f \\log p` and :math:`\\Lam
 
 from __future__ import annotations
 
+import numbers
 from functools import singledispatch
 
 import torch
@@ -23,8 +24,9 @@ class TemperatureMixin:
     Call :meth:`_register_temperature` in ``__init__`` after ``super().__init__()``.
 
     Attributes:
-        temperature (torch.Tensor): :math:`T`, shape ``()``; the setter accepts a positive float or tensor
-            and raises ``ValueError`` otherwise.
+        temperature (torch.Tensor): :math:`T`, shape ``()``; the setter accepts a positive real number (any
+            ``numbers.Real`` such as ``numpy.float32``, but not ``bool``) or a one-element tensor, and raises
+            ``TypeError`` or ``ValueError`` otherwise.
     """
 
     def _register_temperature(
@@ -51,7 +53,7 @@ class TemperatureMixin:
 
     @temperature.setter
     def temperature(self, value: float | Tensor) -> None:
-        if isinstance(value, bool) or not isinstance(value, (int, float, Tensor)):
+        if isinstance(value, bool) or not isinstance(value, (numbers.Real, Tensor)):
             raise TypeError(f"temperature must be a positive number, got {type(value).__name__}")
         value = torch.as_tensor(value).to(self.raw_temperature)
         if value.numel() != 1:

@@ -31,8 +31,12 @@ class _NetworkMeanBase(Mean):
         self._cache = ValueCache(cache_size)
 
     def _network_state(self) -> list[torch.Tensor]:
-        net = self.engine.net
-        return [*net.parameters(), *net.buffers()]
+        return self.engine.network_state()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor):  # before GPyTorch's Mean.__call__ reads x.ndimension()
+            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        return super().__call__(x)
 
     def _outputs(self, x: torch.Tensor) -> torch.Tensor:
         """``(N, C)`` for prepared network inputs ``x`` (``(N, *input_shape)``)."""
@@ -50,6 +54,8 @@ class _NetworkMeanBase(Mean):
         """The mean at flat inputs ``(*batch, N, D)`` as ``(*batch, N, C)`` in the network's dtype."""
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        if not x.is_floating_point():
+            raise TypeError(f"x must be a floating-point tensor, got dtype {x.dtype}")
         if x.dim() < 2:
             raise ValueError(f"x must have shape (*batch, N, D), got {tuple(x.shape)}")
         batch, n = x.shape[:-2], x.shape[-2]

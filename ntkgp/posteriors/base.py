@@ -94,10 +94,16 @@ def prior_precision_vector(value: float | Tensor, groups: ParameterGroups, fn: N
     groups).
 
     Raises:
+        TypeError: for a bool, a string or another non-number, naming ``prior_precision``.
         ValueError: for a wrong shape or a non-positive or non-finite value, naming ``prior_precision``.
     """
+    if isinstance(value, bool) or not (torch.is_tensor(value) or isinstance(value, (int, float))):
+        raise TypeError(f"prior_precision must be a number or a tensor, got {type(value).__name__}")
     if torch.is_tensor(value):
-        delta = value.detach().to(dtype=fn.dtype, device=fn.device)
+        if value.dtype == torch.bool or value.is_complex():
+            raise TypeError(f"prior_precision must be a real tensor, got dtype {value.dtype}")
+        # a copy: the posterior never shares storage with the caller's tensor (neither changes the other)
+        delta = value.detach().to(dtype=fn.dtype, device=fn.device).clone()
     else:
         delta = torch.as_tensor(
             value, dtype=fn.dtype, device=fn.device
@@ -112,6 +118,15 @@ def prior_precision_vector(value: float | Tensor, groups: ParameterGroups, fn: N
     if not bool(torch.isfinite(delta).all() and (delta > 0).all()):
         raise ValueError(f"prior_precision must be positive and finite, got {delta.tolist()}")
     return delta
+
+
+def check_before_pass(
+    net, prior_precision: float | Tensor, prior_structure, input_shape, chunk_size: int
+) -> None:
+    """What a structured posterior checks before its pass over the data (which runs the network): the network,
+    ``chunk_size``, ``prior_structure`` and ``prior_precision``, each error naming its argument."""
+    fn = NetworkFunction(net, None, input_shape, chunk_size)
+    prior_precision_vector(prior_precision, prior_groups(fn, prior_structure), fn)
 
 
 class WeightPosterior(ABC):
@@ -149,6 +164,24 @@ class WeightPosterior(ABC):
         self.column_groups = groups.column_groups(device=function.device)
         self.prior_precision = prior_precision
         self._cache = ValueCache(size=2)
+        # the values the curvature was computed at: every later use checks that the network still has them
+        self._network_at_build = [t.detach().clone() for t in (*function.net.parameters(), *function.net.buffers())]
+
+    def check_network(self) -> None:
+        """Raise ``RuntimeError`` if the network's parameters (trainable or frozen) or buffers changed since the
+        posterior was built (compared by value: optimizer steps, ``.data`` writes and ``load_state_dict`` are
+        all seen): its curvature belongs to the old weights, and would be mixed with the new Jacobians."""
+        net = self.function.net
+        current = [*net.parameters(), *net.buffers()]
+        same = len(current) == len(self._network_at_build) and all(
+            a.shape == b.shape and torch.equal(a.detach(), b) for a, b in zip(current, self._network_at_build)
+        )
+        if not same:
+            raise RuntimeError(
+                f"the network's weights changed after this {type(self).__name__} was built; its curvature "
+                "belongs to the old weights and would be mixed with the new Jacobians: build a new posterior "
+                "(or restore the weights)"
+            )
 
     # ------------------------------------------------------------------ hyperparameters
     @property
@@ -175,7 +208,9 @@ class WeightPosterior(ABC):
         return s
 
     def cached(self, tag: str, compute):
-        """``compute()`` cached for the current values of :math:`\\delta` and :math:`s`."""
+        """``compute()`` cached for the current values of :math:`\\delta` and :math:`s` (after
+        :meth:`check_network`)."""
+        self.check_network()
         return self._cache.get_or_compute(tag, [], compute, state=[self.prior_precision, self.scale()])
 
     # ------------------------------------------------------------------ basic properties
@@ -196,6 +231,7 @@ class WeightPosterior(ABC):
 
     def mean(self) -> Tensor:
         r""":math:`\theta^*`, flat ``(P,)``."""
+        self.check_network()
         return self.function.theta()
 
     def _matrix(self, v: Tensor, argument: str) -> tuple[Tensor, bool]:
@@ -205,6 +241,7 @@ class WeightPosterior(ABC):
                 f"{argument} must have shape ({self.num_params},) or ({self.num_params}, k), got {shape}"
             )
         v = v.to(dtype=self.function.dtype, device=self.function.device)
+        self.check_network()
         return (v if v.dim() == 2 else v.unsqueeze(-1)), v.dim() == 1
 
     def precision_matmul(self, v: Tensor) -> Tensor:
@@ -223,6 +260,9 @@ class WeightPosterior(ABC):
         r"""Draws :math:`\eta_s \sim N(0, \Sigma)` (deviations from :math:`\theta^*`), shape ``(S, P)``."""
         if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
             raise ValueError(f"num_samples must be a positive integer, got {num_samples!r}")
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+        self.check_network()
         z = torch.randn(
             num_samples,
             self.num_params,
@@ -250,6 +290,7 @@ class WeightPosterior(ABC):
 
         ``x`` is checked and prepared; computed in chunks of ``function.chunk_size`` examples.
         """
+        self.check_network()
         x = self.function.prepare(x)
         return torch.cat([self._glm_covariance(xc) for xc in x.split(self.function.chunk_size)])
 
@@ -259,6 +300,7 @@ class WeightPosterior(ABC):
 
         Memory :math:`O(NCR)` with :math:`R \le P` (:math:`R = P` except where stated by the structure).
         """
+        self.check_network()
         x = self.function.prepare(x)
         return torch.cat([self._glm_root(xc) for xc in x.split(self.function.chunk_size)])
 

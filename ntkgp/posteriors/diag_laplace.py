@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from ..curvature import Curvature, DiagonalCurvature
 from ..options import Curvature as CurvatureKind
 from ..options import choose
-from .base import WeightPosterior, check_likelihood, prior_precision_vector
+from .base import WeightPosterior, check_before_pass, check_likelihood, prior_precision_vector
 from .dense_curvature import Data
 from .kronecker_form import (
     kronecker_features,
@@ -71,6 +71,7 @@ class DiagLaplace(WeightPosterior):
     ) -> None:
         check_likelihood(likelihood)
         kind = choose(CurvatureKind, curvature, "curvature")
+        check_before_pass(net, prior_precision, prior_structure, input_shape, chunk_size)
         computed = structured_curvature(
             net, x, y, likelihood, f"diag_{kind.value}", prior_structure, batch_size, progress, input_shape
         )

@@ -39,7 +39,7 @@ from torch import Tensor, nn
 
 from ..curvature import Curvature
 from ..ntk.features import Layer
-from .base import WeightPosterior, check_likelihood, prior_precision_vector
+from .base import WeightPosterior, check_before_pass, check_likelihood, prior_precision_vector
 from .dense_curvature import Data
 from .kronecker_form import (
     kronecker_features,
@@ -128,6 +128,7 @@ class KFACLaplace(WeightPosterior):
         check_likelihood(likelihood)
         if not isinstance(damping, bool):
             raise TypeError(f"damping must be a bool, got {type(damping).__name__}")
+        check_before_pass(net, prior_precision, prior_structure, input_shape, chunk_size)
         curvature = structured_curvature(
             net, x, y, likelihood, "kfac", prior_structure, batch_size, progress, input_shape
         )

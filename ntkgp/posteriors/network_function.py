@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from torch.func import jvp, vmap
 
 from ..ntk import check_eval_mode, check_outputs
-from ..ntk.checks import prepare_inputs
+from ..ntk.checks import check_fits, prepare_inputs
 from ..ntk.functional import forward, per_example_jacobians
 
 
@@ -69,6 +69,7 @@ class NetworkFunction:
         self.offsets = [0, *torch.tensor(self.numels).cumsum(0).tolist()]
         self.input_shape = None if input_shape is None else tuple(int(s) for s in input_shape)
         self.chunk_size = chunk_size
+        self._fits: set[tuple] = set()  # input shapes and dtypes seen to fit the network
 
     # ------------------------------------------------------------------ parameters
     @property
@@ -107,9 +108,16 @@ class NetworkFunction:
 
     # ------------------------------------------------------------------ inputs and outputs
     def prepare(self, x: Tensor, argument: str = "x") -> Tensor:
-        """Check ``x`` and bring it to the network's dtype, device and input shape (a copy when needed)."""
+        """Check ``x`` and bring it to the network's dtype, device and input shape (a copy when needed); the
+        first input of each shape and dtype is checked to fit the network (one forward pass of one example),
+        so that a wrong shape or dtype is reported naming ``argument``, before any other network pass."""
         check_eval_mode(self.net)
-        return prepare_inputs(x, argument, self.dtype, self.device, self.input_shape)
+        x = prepare_inputs(x, argument, self.dtype, self.device, self.input_shape)
+        key = (tuple(x.shape[1:]), x.dtype)
+        if key not in self._fits:
+            check_fits(self.net, self.params(), x, argument, None)
+            self._fits.add(key)
+        return x
 
     def forward(self, x: Tensor, perturbation: Tensor | None = None) -> Tensor:
         r""":math:`f(x; \theta^* + \eta)` for a prepared batch ``x`` and a flat ``perturbation`` :math:`\eta`

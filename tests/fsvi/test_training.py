@@ -147,3 +147,36 @@ def test_two_moons_no_worse_than_map():
     with torch.no_grad():
         probs = res.model.predict(x_test, num_samples=200, generator=torch.Generator().manual_seed(0)).probs
     assert metrics.categorical_nlpd(probs, y_test) <= nlpd_map + 0.01
+
+
+def test_inputs_context_and_loaders_that_cannot_work_raise_before_training():
+    """Inputs or context points that do not fit the network, NaN in any row, a one-shot iterator of batches (read
+    once by the setup, none left to train on) and a non-callable optimizer: errors naming the argument, and the
+    network untouched."""
+    x, y = _data()
+    net = ref.mlp(d_in=2, width=4, d_out=1)
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    lik = GaussianLikelihood().double()
+    cases = [
+        (dict(train_x=torch.randn(20, 3, dtype=torch.float64)), ValueError, "train_x of shape"),
+        (dict(context=torch.randn(10, 5, dtype=torch.float64)), ValueError, "context of shape"),
+        (dict(train_x=torch.cat([x[:-1], torch.full((1, 2), float("nan"), dtype=torch.float64)])), ValueError,
+         "train_x contains NaN"),
+        (dict(optimizer="adam"), TypeError, "optimizer must be"),
+        (dict(train_x=((x[i : i + 5], y[i : i + 5]) for i in range(0, 20, 5)), train_y=None), TypeError,
+         "re-iterable"),
+    ]
+    for change, kind, message in cases:
+        kwargs = dict(train_x=x, train_y=y, epochs=1, num_context=4, progress=False) | change
+        with pytest.raises(kind, match=message):
+            train_fsvi(net, likelihood=lik, **kwargs)
+    assert all(torch.equal(v, before[k]) for k, v in net.state_dict().items())
+
+
+def test_a_likelihood_with_another_number_of_outputs_is_refused_by_the_model():
+    net = ref.mlp(d_in=2, width=4, d_out=2)
+    model = FSVI(net, GaussianLikelihood().double())
+    x = torch.randn(5, 2, dtype=torch.float64)
+    for call in (lambda: model(x), lambda: model.predict(x), lambda: model.function_space_kl(x)):
+        with pytest.raises(ValueError, match="net has 2 outputs but the likelihood GaussianLikelihood expects 1"):
+            call()

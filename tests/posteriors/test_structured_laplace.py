@@ -135,3 +135,61 @@ def test_kfac_glm_never_forms_a_parameter_square(monkeypatch):
     )
     blocks = [b.index.numel() for b in posterior.blocks]
     assert all(not (shape[-1] in blocks and shape[-2] in blocks) for shape in created if len(shape) >= 2)
+
+
+@pytest.mark.parametrize("structure", ["full_ggn", "kfac", "diag_ggn"])
+def test_a_posterior_refuses_a_network_whose_weights_changed(structure):
+    """The curvature belongs to the weights it was computed at: after an in-place change of the network every
+    use raises (no silent mix of old curvature and new Jacobians); restoring the weights restores the posterior."""
+    from ntkgp.likelihoods import SoftmaxLikelihood
+    from ntkgp.predictive import predict
+
+    net = mlp(d_in=2, width=5, d_out=3)
+    x, y = torch.randn(12, 2, dtype=torch.float64), torch.randint(0, 3, (12,))
+    posterior = laplace_posterior(net, x, y, SoftmaxLikelihood(3), structure=structure)
+    xt = torch.randn(4, 2, dtype=torch.float64)
+    before = posterior.glm_covariance(xt)
+    with torch.no_grad():
+        net[0].weight.mul_(3.0)
+    for call in (lambda: posterior.glm_covariance(xt), lambda: predict(posterior, xt), lambda: posterior.sample(2)):
+        with pytest.raises(RuntimeError, match="weights changed"):
+            call()
+    with torch.no_grad():
+        net[0].weight.div_(3.0)
+    torch.testing.assert_close(posterior.glm_covariance(xt), before)
+
+
+@pytest.mark.parametrize("structure", ["full_ggn", "kfac", "diag_ggn"])
+def test_prior_precision_is_copied_and_validated_before_the_pass(structure):
+    """The posterior keeps its own copy of δ (a later change of the caller's tensor does not reach it, and the
+    posterior never writes into it); a bool or a string is a TypeError naming prior_precision, before any pass
+    over the data."""
+    from ntkgp.likelihoods import SoftmaxLikelihood
+
+    net = mlp(d_in=2, width=5, d_out=3)
+    x, y = torch.randn(12, 2, dtype=torch.float64), torch.randint(0, 3, (12,))
+    delta = torch.tensor(0.1, dtype=torch.float64)
+    posterior = laplace_posterior(net, x, y, SoftmaxLikelihood(3), structure=structure, prior_precision=delta)
+    delta.fill_(10.0)
+    assert torch.all(posterior.prior_precision == 0.1)
+    posterior.prior_precision.mul_(5.0)
+    assert delta.item() == 10.0
+    for bad in (True, "1"):
+        with pytest.raises(TypeError, match="prior_precision"):
+            laplace_posterior(net, x, y, SoftmaxLikelihood(3), structure=structure, prior_precision=bad)
+    with pytest.raises(TypeError, match="prior_precision"):
+        posterior.prior_precision = True
+
+
+def test_predict_reports_inputs_that_do_not_fit_the_network():
+    from ntkgp.likelihoods import SoftmaxLikelihood
+    from ntkgp.predictive import predict
+
+    net = mlp(d_in=2, width=5, d_out=3)
+    x, y = torch.randn(12, 2, dtype=torch.float64), torch.randint(0, 3, (12,))
+    posterior = laplace_posterior(net, x, y, SoftmaxLikelihood(3), structure="kfac")
+    for bad in (torch.ones(3, 2, dtype=torch.long), torch.randn(3, 4, dtype=torch.float64)):
+        with pytest.raises(ValueError, match="x of shape"):
+            predict(posterior, bad)
+    with pytest.raises(ValueError, match="step_size"):
+        predict(posterior, torch.randn(3, 2, dtype=torch.float64), method="mc_glm", step_size=True)
