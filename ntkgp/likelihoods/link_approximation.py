@@ -14,6 +14,7 @@ Two approximations, chosen by ``link_approx``:
 from __future__ import annotations
 
 import math
+import numbers
 import warnings
 
 import torch
@@ -54,9 +55,9 @@ def check_num_samples(num_samples: int) -> int:
     Raises:
         ValueError: naming ``num_samples``.
     """
-    if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
+    if isinstance(num_samples, bool) or not isinstance(num_samples, numbers.Integral) or num_samples < 1:
         raise ValueError(f"num_samples must be a positive integer, got {num_samples!r}")
-    return num_samples
+    return int(num_samples)
 
 
 def probit_scaled_mean(mean: Tensor, variance: Tensor) -> Tensor:

@@ -636,6 +636,11 @@ class NTKGP(BoTorchInterface, GP):
         if kwargs:
             raise NotImplementedError(f"get_fantasy_model does not support {sorted(kwargs)}; use condition_on")
         expected = 1 if self.num_outputs == 1 else 2
+        if (isinstance(targets, torch.Tensor) and targets.dim() == 2 and self.num_outputs == 1
+                and isinstance(inputs, torch.Tensor) and inputs.dim() == 2
+                and targets.shape[0] == inputs.shape[0] != targets.shape[1] != 1):
+            # one output, M unbatched inputs: (M, k) targets are a wrong shape, not k fantasies ((k, M) would be)
+            raise ValueError(f"targets must have shape (M,) or (M, 1) for one output, got {tuple(targets.shape)}")
         if isinstance(targets, torch.Tensor) and targets.dim() > expected and not (self.num_outputs == 1 and targets.dim() == 2 and targets.shape[-1] == 1):
             raise NotImplementedError(
                 f"batched fantasies are not supported: targets must have shape (M,) or (M, C), got {tuple(targets.shape)}"

@@ -341,6 +341,8 @@ def test_batched_fantasies_are_refused():
     model = ntkgp.NTKGP(net, x[:10], y[:10], lik).eval()
     with pytest.raises(NotImplementedError, match="batched fantasies"):
         model.get_fantasy_model(x[10:], y[10:].expand(3, 6))
+    with pytest.raises(ValueError, match=r"targets must have shape \(M,\) or \(M, 1\)"):  # (M, 2): a wrong shape
+        model.get_fantasy_model(x[10:], y[10:, None].expand(6, 2))
 
 
 def test_model_dtype_conversion_then_predicting():
