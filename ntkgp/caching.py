@@ -32,6 +32,23 @@ def _same(stored: Sequence[torch.Tensor], current: Sequence[torch.Tensor]) -> bo
     )
 
 
+def fingerprint(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
+    """Two float64 numbers per tensor, its sum and its sum of squares: a key for tensors too large to copy into
+    every cache entry (the frozen parameters of a pretrained network), compared by value like a copy. It sees any
+    change that moves either sum (an optimizer step, ``.data`` writes, ``load_state_dict`` of other weights); a
+    permutation of a tensor's entries, which moves neither, is the one change it misses. Shape ``(2·k,)``; no copy
+    of a tensor is made (the sum of squares is a dot product)."""
+    rows = []
+    for t in tensors:
+        flat = t.detach().reshape(-1)
+        if flat.dtype in (torch.float32, torch.float64):
+            squares = torch.dot(flat, flat).double()
+        else:
+            squares = flat.double().square().sum()
+        rows.append(torch.stack([flat.sum(dtype=torch.float64), squares]).cpu())
+    return torch.cat(rows) if rows else torch.zeros(0, dtype=torch.float64)
+
+
 class ValueCache:
     """A small LRU cache whose keys are a tag and the values of a sequence of tensors.
 

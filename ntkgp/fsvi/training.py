@@ -276,9 +276,12 @@ def train_fsvi(
     sampler = _build_context(context, data, x_first, input_shape, generator)
     if context_batch_fraction > 0:
         sampler = BatchMixedContext(sampler, context_batch_fraction)
-    # one context point must fit the network too (drawn from a copy of the generator: training's draws are unchanged)
+    # one context point must fit the network too, drawn from a copy of the generator and with the global random
+    # state restored afterwards (for a sampler that ignores the generator): training's draws are unchanged
     probe = torch.Generator().set_state(generator.get_state())
-    check_fits(net, means, model.prepare(sampler.sample(1, probe, batch_x=x_first[:1]), "context"), "context", c)
+    with torch.random.fork_rng(devices=[]):
+        point = sampler.sample(1, probe, batch_x=x_first[:1])
+    check_fits(net, means, model.prepare(point, "context"), "context", c)
 
     elbo = FunctionSpaceELBO(model, num_data, num_samples)
     params = list(model.variational_distribution.parameters())

@@ -34,7 +34,7 @@ import torch
 from gpytorch.likelihoods import Likelihood
 from torch import Tensor
 
-from ..caching import ValueCache
+from ..caching import ValueCache, fingerprint
 from ..curvature import output_scale
 from ..likelihoods import num_outputs
 from ..ntk import ParameterGroups, resolve_groups
@@ -97,17 +97,22 @@ def prior_precision_vector(value: float | Tensor, groups: ParameterGroups, fn: N
         TypeError: for a bool, a string or another non-number, naming ``prior_precision``.
         ValueError: for a wrong shape or a non-positive or non-finite value, naming ``prior_precision``.
     """
-    if isinstance(value, bool) or not (torch.is_tensor(value) or isinstance(value, (int, float))):
+    if isinstance(value, (bool, str, bytes)):
         raise TypeError(f"prior_precision must be a number or a tensor, got {type(value).__name__}")
     if torch.is_tensor(value):
-        if value.dtype == torch.bool or value.is_complex():
-            raise TypeError(f"prior_precision must be a real tensor, got dtype {value.dtype}")
         # a copy: the posterior never shares storage with the caller's tensor (neither changes the other)
-        delta = value.detach().to(dtype=fn.dtype, device=fn.device).clone()
-    else:
-        delta = torch.as_tensor(
-            value, dtype=fn.dtype, device=fn.device
-        )  # a float straight to the net's dtype
+        delta = value.detach().clone()
+    else:  # a float, a numpy number or array, a list
+        try:
+            kind = torch.as_tensor(value).dtype  # only to reject numpy's bools and complex numbers
+        except (TypeError, ValueError, RuntimeError) as error:
+            raise TypeError(f"prior_precision must be a number or a tensor, got {type(value).__name__}") from error
+        if kind == torch.bool or kind.is_complex:
+            raise TypeError(f"prior_precision must hold real numbers, got dtype {kind}")
+        delta = torch.as_tensor(value, dtype=fn.dtype, device=fn.device)  # straight to the net's dtype
+    if delta.dtype == torch.bool or delta.is_complex():
+        raise TypeError(f"prior_precision must hold real numbers, got dtype {delta.dtype}")
+    delta = delta.to(dtype=fn.dtype, device=fn.device)
     if delta.dim() == 0:
         delta = delta.expand(groups.num_groups).clone()
     if delta.shape != (groups.num_groups,):
@@ -164,15 +169,24 @@ class WeightPosterior(ABC):
         self.column_groups = groups.column_groups(device=function.device)
         self.prior_precision = prior_precision
         self._cache = ValueCache(size=2)
-        # the values the curvature was computed at: every later use checks that the network still has them
-        self._network_at_build = [t.detach().clone() for t in (*function.net.parameters(), *function.net.buffers())]
+        # what the curvature was computed at: every later use checks that the network still has it
+        self._network_at_build = [t.detach().clone() for t in self._network_key()]
+
+    def _network_key(self) -> list[Tensor]:
+        """The parameters the posterior is over and the buffers themselves, and a fingerprint (sum and sum of
+        squares) of every other parameter (a frozen body under a last-layer posterior is not copied)."""
+        net = self.function.net
+        named = dict(net.named_parameters())
+        covered = [named[n] for n in self.function.names]
+        ids = {id(p) for p in covered}
+        others = [p for p in net.parameters() if id(p) not in ids]
+        return [*covered, *net.buffers(), fingerprint(others)]
 
     def check_network(self) -> None:
         """Raise ``RuntimeError`` if the network's parameters (trainable or frozen) or buffers changed since the
         posterior was built (compared by value: optimizer steps, ``.data`` writes and ``load_state_dict`` are
         all seen): its curvature belongs to the old weights, and would be mixed with the new Jacobians."""
-        net = self.function.net
-        current = [*net.parameters(), *net.buffers()]
+        current = self._network_key()
         same = len(current) == len(self._network_at_build) and all(
             a.shape == b.shape and torch.equal(a.detach(), b) for a, b in zip(current, self._network_at_build)
         )

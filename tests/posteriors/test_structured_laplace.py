@@ -179,6 +179,12 @@ def test_prior_precision_is_copied_and_validated_before_the_pass(structure):
             laplace_posterior(net, x, y, SoftmaxLikelihood(3), structure=structure, prior_precision=bad)
     with pytest.raises(TypeError, match="prior_precision"):
         posterior.prior_precision = True
+    import numpy as np
+
+    groups = posterior.prior_precision.shape[0]
+    for value in (np.float32(2.0), np.int64(2), np.full(groups, 2.0), [2.0] * groups):  # numbers, arrays, lists
+        posterior.prior_precision = value
+        assert posterior.prior_precision.dtype == torch.float64 and torch.all(posterior.prior_precision == 2.0)
 
 
 def test_predict_reports_inputs_that_do_not_fit_the_network():
