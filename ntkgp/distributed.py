@@ -19,12 +19,15 @@ Helpers:
   an initialized group: ``False``, 1, 0);
 * :func:`all_reduce_sum`: in-place sums of tensors across ranks (a no-op in one process);
 * :func:`all_gather_rows`: the concatenation, in rank order, of tensors with different row counts;
-* :func:`broadcast_`, :func:`check_replicated`: one set of values on every rank;
+* :func:`broadcast_`, :func:`check_replicated`: one set of values on every rank; :func:`check_layout`: the same
+  number, shapes and dtypes of tensors on every rank, checked before a collective over them;
 * :func:`shard_range`, :func:`shard`: this rank's contiguous part of ``N`` rows (rank order = data order);
 * :func:`together`: a failure on one rank raises on every rank instead of leaving them waiting.
 """
 
 from __future__ import annotations
+
+import hashlib
 
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -39,6 +42,7 @@ __all__ = [
     "all_reduce_sum",
     "broadcast_",
     "check_distributed",
+    "check_layout",
     "check_replicated",
     "is_distributed",
     "rank",
@@ -139,14 +143,36 @@ def all_reduce_max(value: int | float, enabled: bool = True) -> int | float:
     return type(value)(t.item())
 
 
+def _same_everywhere(description: str) -> bool:
+    """Whether every rank passes the same ``description`` (a 56-bit digest compared by one ``MAX`` and one
+    ``MIN`` all-reduce; every rank gets the same answer)."""
+    code = int.from_bytes(hashlib.sha256(description.encode()).digest()[:7], "big")
+    high = torch.tensor([code], dtype=torch.long, device=_device())
+    low = high.clone()
+    dist.all_reduce(high, op=dist.ReduceOp.MAX)
+    dist.all_reduce(low, op=dist.ReduceOp.MIN)
+    return high.item() == low.item()
+
+
+def _layout(tensors: Iterable[Tensor], skip_rows: bool = False) -> str:
+    return ";".join(f"{t.dtype}:{tuple(t.shape[1:] if skip_rows else t.shape)}" for t in tensors)
+
+
 def all_gather_rows(tensor: Tensor, enabled: bool = True) -> Tensor:
     """The concatenation along dimension 0 of every rank's ``tensor``, in rank order, on every rank.
 
-    The ranks may hold different numbers of rows (the trailing shape and dtype must agree); ``bool``
-    tensors travel as ``uint8``. ``tensor`` itself in one process.
+    The ranks may hold different numbers of rows (the trailing shape and dtype must agree, or ``ValueError`` is
+    raised on every rank, before any data are exchanged: a collective of mismatched sizes would abort the
+    process or return garbage); ``bool`` tensors travel as ``uint8``. ``tensor`` itself in one process.
     """
     if not _active(enabled):
         return tensor
+    if not _same_everywhere(_layout([tensor], skip_rows=True)):
+        raise ValueError(
+            f"a tensor gathered across ranks has dtype {tensor.dtype} and rows of shape {tuple(tensor.shape[1:])} "
+            "here but not on every rank (e.g. float32 targets on one rank, float64 on another): every rank must "
+            "pass data of the same dtype and shape per row"
+        )
     sizes = torch.zeros(dist.get_world_size(), dtype=torch.long, device=_device())
     sizes[dist.get_rank()] = tensor.shape[0]
     all_reduce_sum(sizes)
@@ -174,6 +200,17 @@ def broadcast_(tensors: Iterable[Tensor], source: int = 0, enabled: bool = True)
                 t.copy_(tmp)
 
 
+def check_layout(tensors: Iterable[Tensor], what: str, enabled: bool = True) -> None:
+    """Raise ``ValueError`` on every rank unless every rank passes tensors of the same number, shapes and dtypes
+    (a digest compared by two ``all_reduce`` of one number). Call it before a ``broadcast`` or ``all_reduce`` of
+    tensors that could differ: a collective of mismatched sizes aborts the process (gloo) or returns garbage."""
+    if _active(enabled) and not _same_everywhere(_layout(list(tensors))):
+        raise ValueError(
+            f"{what} differ between ranks in number, shape or dtype; with distributed=True every rank must pass "
+            "the same ones (as DistributedDataParallel needs): load the same checkpoint, in the same dtype, everywhere"
+        )
+
+
 def check_replicated(tensors: Iterable[Tensor], what: str, enabled: bool = True) -> None:
     """Raise on every rank unless every rank holds the same values (compared exactly with rank 0's).
 
@@ -182,11 +219,13 @@ def check_replicated(tensors: Iterable[Tensor], what: str, enabled: bool = True)
         what: how errors name them (``"the network's weights"``).
 
     Raises:
-        ValueError: on every rank, if any rank's values differ from rank 0's.
+        ValueError: on every rank, if any rank's values, shapes, dtypes or number of tensors differ from rank 0's
+            (the layout is compared first, so that no collective of mismatched sizes is started).
     """
     if not _active(enabled):
         return
     tensors = [t.detach() for t in tensors]
+    check_layout(tensors, what)
     reference = [t.clone() for t in tensors]
     broadcast_(reference)
     differs = any(not torch.equal(a, b) for a, b in zip(tensors, reference))

@@ -178,4 +178,5 @@ class DataPass:
         if not self.outputs:
             raise ValueError("the data is empty: no batch was seen")
         f, y = torch.cat(self.outputs), torch.cat(self.targets)
+        y = y.to(f.dtype) if y.is_floating_point() else y  # one dtype on every rank, whatever each was given
         return all_gather_rows(f, self.distributed), all_gather_rows(y, self.distributed)

@@ -21,6 +21,7 @@ from ..distributed import (
     all_reduce_sum,
     broadcast_,
     check_distributed,
+    check_layout,
     rank,
     together,
 )
@@ -288,7 +289,9 @@ def train_marglik(
     if not isinstance(learn_likelihood, bool) or not isinstance(progress, bool):
         raise TypeError("learn_likelihood and progress must be bools")
     distributed = check_distributed(distributed)
-    broadcast_([*net.parameters(), *net.buffers()], enabled=distributed)  # replicated, as DDP does
+    state = [*net.parameters(), *net.buffers()]
+    check_layout(state, "the network's weights", enabled=distributed)  # a broadcast of mismatched sizes aborts
+    broadcast_(state, enabled=distributed)  # replicated, as DDP does
     # Builds the kernel and checks every row of train_x, the outputs and the targets: no side effect on net.
     with together("checking the training data", distributed):
         model = NTKGP(net, train_x, train_y, likelihood, prior_precision=prior_precision,
@@ -307,7 +310,7 @@ def train_marglik(
     full_batch = batch >= n_local
     target_variance = 1.0
     if is_gaussian(likelihood):
-        y_all = all_gather_rows(y, distributed)
+        y_all = all_gather_rows(y.to(x.dtype), distributed)  # one dtype on every rank
         target_variance = max(float(y_all.to(x.dtype).var(dim=0, unbiased=False).mean()) if n > 1 else 1.0, 1e-12)
 
     params = dict(net.named_parameters())

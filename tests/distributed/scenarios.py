@@ -5,6 +5,8 @@ Every function ``name(rank, world)`` returns plain tensors; ``rank=None`` means 
 
 from __future__ import annotations
 
+import copy
+
 import gpytorch
 import torch
 from torch.utils.data import DataLoader, TensorDataset
@@ -169,6 +171,25 @@ def failures(rank, world):
     other = mlp(d_in=2, width=4, d_out=3, depth=1, seed=18 + rank)
     out["sfr_weights"] = _message(lambda: SFR(other, xs, ys, lik, num_inducing=4, distributed=True))
     out["kfac_weights"] = _message(lambda: compute_curvature(other, xs, ys, lik, "kfac", distributed=True))
+    # the same weights in another dtype, or inducing inputs of another shape, on one rank: refused on every rank
+    # before any collective of mismatched sizes (which would abort the process)
+    cast = copy.deepcopy(net).float() if rank == 1 else net
+    out["sfr_dtype"] = _message(lambda: SFR(cast, xs, ys, lik, num_inducing=4, distributed=True))
+    out["kfac_dtype"] = _message(lambda: compute_curvature(cast, xs, ys, lik, "kfac", distributed=True))
+    out["marglik_dtype"] = _message(lambda: train_marglik(copy.deepcopy(cast), xs, ys, lik, epochs=1, progress=False,
+                                                          distributed=True))
+    z = x[:5] if rank == 1 else x[:4]
+    out["sfr_z_shape"] = _message(lambda: SFR(net, xs, ys, lik, inducing_points=z, distributed=True))
+    # float32 targets on one rank (accepted in one process): the evidence of the union, on every rank
+    xr, yr = _data(20, 2, seed=19)
+    reg = mlp(d_in=2, width=4, d_out=1, depth=1, seed=20)
+    gauss = gpytorch.likelihoods.GaussianLikelihood().double()
+    xrs, yrs = shard(xr, yr, rank_=rank, world=world)
+    yrs = yrs.float() if rank == 1 else yrs
+    mixed = compute_curvature(reg, xrs, yrs, gauss, "kfac", distributed=True)
+    union = compute_curvature(reg, xr, yr, gauss, "kfac")
+    out["mixed_target_dtype"] = (mixed.log_marginal_likelihood(1.0, gauss).item(),
+                                 union.log_marginal_likelihood(1.0, gauss).item())
     one = torch.ones(1)
     all_reduce_sum(one)
     out["after"] = one.item()
