@@ -3,9 +3,10 @@
 Everything ntkgp caches (Jacobians and Grams for given inputs, a site posterior for given hyperparameters)
 depends on tensors a user can change in ways that leave no trace on the tensor object: ``p.data`` writes,
 ``load_state_dict``, an optimiser step, a setter. Version counters and ``data_ptr`` miss some of these,
-so a key here is a detached copy of every tensor the result depends on (inputs, network weights,
-hyperparameters), compared by value with ``torch.equal``. The copies cost as much memory as the tensors
-themselves (``O(N·D + P + #hyperparameters)`` per entry), far less than what is cached.
+so a key here is a detached copy of every tensor the result depends on (inputs, the trainable weights and
+buffers, hyperparameters), compared by value with ``torch.equal``; frozen parameters, which can be a whole
+pretrained network, enter through their :func:`fingerprint` instead. The copies cost as much memory as the
+tensors themselves (``O(N·D + P + #hyperparameters)`` per entry), far less than what is cached.
 
 Results are never cached, and never served from the cache, when an input requires grad: a cached value
 carries no graph to a new input tensor, so reusing it would cut the user's gradient.
@@ -32,21 +33,29 @@ def _same(stored: Sequence[torch.Tensor], current: Sequence[torch.Tensor]) -> bo
     )
 
 
+_INTEGER_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_CHUNK = 1 << 20
+
+
 def fingerprint(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
-    """Two float64 numbers per tensor, its sum and its sum of squares: a key for tensors too large to copy into
-    every cache entry (the frozen parameters of a pretrained network), compared by value like a copy. It sees any
-    change that moves either sum (an optimizer step, ``.data`` writes, ``load_state_dict`` of other weights); a
-    permutation of a tensor's entries, which moves neither, is the one change it misses. Shape ``(2·k,)``; no copy
-    of a tensor is made (the sum of squares is a dot product)."""
+    """Two integers per tensor, the sums of its entries' bit patterns and of their squares, modulo 2⁶⁴: a key for
+    tensors too large to copy into every cache entry (the frozen parameters of a pretrained network), compared by
+    value like a copy. Integer sums do not depend on the order of the additions, so the key is the same whatever
+    the number of threads or the device; any change of a single entry changes the first sum, and a change that
+    leaves both sums as they were is, in practice, only a permutation of a tensor's entries. Shape ``(2·k,)``,
+    ``int64``, on the CPU; the tensors are read in chunks of 2²⁰ entries (temporaries of that size only)."""
     rows = []
     for t in tensors:
         flat = t.detach().reshape(-1)
-        if flat.dtype in (torch.float32, torch.float64):
-            squares = torch.dot(flat, flat).double()
-        else:
-            squares = flat.double().square().sum()
-        rows.append(torch.stack([flat.sum(dtype=torch.float64), squares]).cpu())
-    return torch.cat(rows) if rows else torch.zeros(0, dtype=torch.float64)
+        bits = flat.view(_INTEGER_VIEW[flat.element_size()]) if flat.is_floating_point() else flat
+        total = torch.zeros((), dtype=torch.int64, device=flat.device)
+        squares = torch.zeros((), dtype=torch.int64, device=flat.device)
+        for start in range(0, bits.numel(), _CHUNK):
+            chunk = bits[start : start + _CHUNK].to(torch.int64)
+            total += chunk.sum()
+            squares += (chunk * chunk).sum()
+        rows.append(torch.stack([total, squares]))
+    return torch.cat(rows).cpu() if rows else torch.zeros(0, dtype=torch.int64)
 
 
 class ValueCache:

@@ -155,7 +155,9 @@ def _same_everywhere(description: str) -> bool:
 
 
 def _layout(tensors: Iterable[Tensor], skip_rows: bool = False) -> str:
-    return ";".join(f"{t.dtype}:{tuple(t.shape[1:] if skip_rows else t.shape)}" for t in tensors)
+    """Dtype, shape and whether it is trainable (``requires_grad``), per tensor: ranks that freeze different
+    parameters have different sets of θ* and groups, whose statistics must not be summed."""
+    return ";".join(f"{t.dtype}:{tuple(t.shape[1:] if skip_rows else t.shape)}:{t.requires_grad}" for t in tensors)
 
 
 def all_gather_rows(tensor: Tensor, enabled: bool = True) -> Tensor:
@@ -167,7 +169,7 @@ def all_gather_rows(tensor: Tensor, enabled: bool = True) -> Tensor:
     """
     if not _active(enabled):
         return tensor
-    if not _same_everywhere(_layout([tensor], skip_rows=True)):
+    if not _same_everywhere(_layout([tensor.detach()], skip_rows=True)):
         raise ValueError(
             f"a tensor gathered across ranks has dtype {tensor.dtype} and rows of shape {tuple(tensor.shape[1:])} "
             "here but not on every rank (e.g. float32 targets on one rank, float64 on another): every rank must "
@@ -201,13 +203,14 @@ def broadcast_(tensors: Iterable[Tensor], source: int = 0, enabled: bool = True)
 
 
 def check_layout(tensors: Iterable[Tensor], what: str, enabled: bool = True) -> None:
-    """Raise ``ValueError`` on every rank unless every rank passes tensors of the same number, shapes and dtypes
-    (a digest compared by two ``all_reduce`` of one number). Call it before a ``broadcast`` or ``all_reduce`` of
+    """Raise ``ValueError`` on every rank unless every rank passes tensors of the same number, shapes, dtypes and
+    ``requires_grad`` flags (a digest compared by two ``all_reduce`` of one number). Call it before a ``broadcast`` or ``all_reduce`` of
     tensors that could differ: a collective of mismatched sizes aborts the process (gloo) or returns garbage."""
     if _active(enabled) and not _same_everywhere(_layout(list(tensors))):
         raise ValueError(
-            f"{what} differ between ranks in number, shape or dtype; with distributed=True every rank must pass "
-            "the same ones (as DistributedDataParallel needs): load the same checkpoint, in the same dtype, everywhere"
+            f"{what} differ between ranks in number, shape, dtype or requires_grad; with distributed=True every "
+            "rank must pass the same ones (as DistributedDataParallel needs): load the same checkpoint, in the "
+            "same dtype and with the same parameters frozen, everywhere"
         )
 
 
@@ -224,8 +227,9 @@ def check_replicated(tensors: Iterable[Tensor], what: str, enabled: bool = True)
     """
     if not _active(enabled):
         return
+    tensors = list(tensors)
+    check_layout(tensors, what)  # before detaching: which parameters are trainable is part of the layout
     tensors = [t.detach() for t in tensors]
-    check_layout(tensors, what)
     reference = [t.clone() for t in tensors]
     broadcast_(reference)
     differs = any(not torch.equal(a, b) for a, b in zip(tensors, reference))

@@ -100,8 +100,7 @@ def prior_precision_vector(value: float | Tensor, groups: ParameterGroups, fn: N
     if isinstance(value, (bool, str, bytes)):
         raise TypeError(f"prior_precision must be a number or a tensor, got {type(value).__name__}")
     if torch.is_tensor(value):
-        # a copy: the posterior never shares storage with the caller's tensor (neither changes the other)
-        delta = value.detach().clone()
+        delta = value.detach()
     else:  # a float, a numpy number or array, a list
         try:
             kind = torch.as_tensor(value).dtype  # only to reject numpy's bools and complex numbers
@@ -112,7 +111,8 @@ def prior_precision_vector(value: float | Tensor, groups: ParameterGroups, fn: N
         delta = torch.as_tensor(value, dtype=fn.dtype, device=fn.device)  # straight to the net's dtype
     if delta.dtype == torch.bool or delta.is_complex():
         raise TypeError(f"prior_precision must hold real numbers, got dtype {delta.dtype}")
-    delta = delta.to(dtype=fn.dtype, device=fn.device)
+    # a copy in every case (as_tensor shares a numpy array's memory): the caller's array cannot change it later
+    delta = delta.to(dtype=fn.dtype, device=fn.device).clone()
     if delta.dim() == 0:
         delta = delta.expand(groups.num_groups).clone()
     if delta.shape != (groups.num_groups,):

@@ -90,7 +90,7 @@ def test_failures_raise_on_every_rank(results):
     for case in ("sfr_dtype", "kfac_dtype", "marglik_dtype", "sfr_z_shape"):  # checked before any collective of mismatched sizes
         for rank in ranks:
             message = rank["failures"][case]
-            assert message.startswith("ValueError") and "in number, shape or dtype" in message, message
+            assert message.startswith("ValueError") and "in number, shape, dtype" in message, message
     for rank in ranks:  # targets of another float dtype on one rank: the union's evidence (to float32 rounding)
         mixed, union = rank["failures"]["mixed_target_dtype"]
         assert abs(mixed - union) <= 1e-5 * abs(union), (mixed, union)

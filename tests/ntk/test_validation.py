@@ -149,3 +149,25 @@ def test_batchnorm_without_running_statistics_is_rejected_in_eval_mode(norm):
                             nn.Linear(18, 1)).double().eval()
     with pytest.raises(ValueError, match="track_running_stats=False"):
         NTKKernel(net)
+
+
+def test_fingerprint_is_exact_and_does_not_depend_on_threads():
+    """The frozen parameters' key: integer sums of the bit patterns, the same for any number of threads (a float
+    sum is not), and changed by a change of one entry by one ulp."""
+    from ntkgp.caching import fingerprint
+
+    g = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(4_000_000, generator=g), torch.randn(300, 7, generator=g, dtype=torch.float64),
+               torch.randn(50, generator=g).half()]
+    threads = torch.get_num_threads()
+    try:
+        keys = []
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            keys.append(fingerprint(tensors))
+    finally:
+        torch.set_num_threads(threads)
+    assert keys[0].dtype == torch.int64 and keys[0].shape == (6,) and torch.equal(keys[0], keys[1])
+    changed = [t.clone() for t in tensors]
+    changed[0][123] = torch.nextafter(changed[0][123], torch.tensor(float("inf")))
+    assert not torch.equal(fingerprint(changed)[:2], keys[0][:2])

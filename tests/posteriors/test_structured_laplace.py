@@ -185,6 +185,25 @@ def test_prior_precision_is_copied_and_validated_before_the_pass(structure):
     for value in (np.float32(2.0), np.int64(2), np.full(groups, 2.0), [2.0] * groups):  # numbers, arrays, lists
         posterior.prior_precision = value
         assert posterior.prior_precision.dtype == torch.float64 and torch.all(posterior.prior_precision == 2.0)
+    array = np.full(groups, 3.0)
+    posterior.prior_precision = array
+    array[0] = -5.0  # the caller's array, changed later: not the posterior's copy
+    assert torch.all(posterior.prior_precision == 3.0)
+
+
+def test_a_last_layer_posterior_refuses_a_changed_body():
+    """The body under a last-layer posterior is not copied (a fingerprint is kept): a change of it is still seen."""
+    from ntkgp.likelihoods import SoftmaxLikelihood
+
+    net = mlp(d_in=2, width=5, d_out=3)
+    x, y = torch.randn(12, 2, dtype=torch.float64), torch.randint(0, 3, (12,))
+    posterior = laplace_posterior(net, x, y, SoftmaxLikelihood(3), structure="full_ggn", subset="last_layer")
+    xt = torch.randn(4, 2, dtype=torch.float64)
+    posterior.glm_covariance(xt)
+    with torch.no_grad():
+        net[0].weight[0, 0] += 1e-3  # the body, outside the posterior
+    with pytest.raises(RuntimeError, match="weights changed"):
+        posterior.glm_covariance(xt)
 
 
 def test_predict_reports_inputs_that_do_not_fit_the_network():

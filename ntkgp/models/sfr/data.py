@@ -118,8 +118,9 @@ class StateGuard:
     """What the statistics were computed at: the network's weights :math:`\theta^*` and the inducing inputs.
 
     Attributes:
-        weights: copies of all the network's parameters (frozen ones included: they change ``J`` too) and
-            buffers (e.g. BatchNorm's running statistics).
+        weights: :meth:`~ntkgp.ntk.NTKEngine.network_state`: copies of the trainable parameters and the buffers
+            (e.g. BatchNorm's running statistics), and a fingerprint of the frozen parameters (they change ``J``
+            too).
         inducing_points: a copy of ``Z``.
     """
 
