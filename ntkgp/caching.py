@@ -34,27 +34,20 @@ def _same(stored: Sequence[torch.Tensor], current: Sequence[torch.Tensor]) -> bo
 
 
 _INTEGER_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_CHUNK = 1 << 20
 
 
 def fingerprint(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
-    """Two integers per tensor, the sums of its entries' bit patterns and of their squares, modulo 2⁶⁴: a key for
-    tensors too large to copy into every cache entry (the frozen parameters of a pretrained network), compared by
-    value like a copy. Integer sums do not depend on the order of the additions, so the key is the same whatever
-    the number of threads or the device; any change of a single entry changes the first sum, and a change that
-    leaves both sums as they were is, in practice, only a permutation of a tensor's entries. Shape ``(2·k,)``,
-    ``int64``, on the CPU; the tensors are read in chunks of 2²⁰ entries (temporaries of that size only)."""
+    """Two integers per tensor, the sums of its entries' bit patterns over all entries and over the even-numbered
+    ones, modulo 2⁶⁴: a key for tensors too large to copy into every cache entry (the frozen parameters of a
+    pretrained network), compared by value like a copy. Integer sums do not depend on the order of the additions,
+    so the key is the same whatever the number of threads or the device; any change of a single entry changes the
+    first sum, and a change that leaves both as they were is, in practice, only a permutation of entries. Shape
+    ``(2·k,)``, ``int64``, on the CPU; no temporary the size of a tensor (the sums accumulate in ``int64``)."""
     rows = []
     for t in tensors:
         flat = t.detach().reshape(-1)
         bits = flat.view(_INTEGER_VIEW[flat.element_size()]) if flat.is_floating_point() else flat
-        total = torch.zeros((), dtype=torch.int64, device=flat.device)
-        squares = torch.zeros((), dtype=torch.int64, device=flat.device)
-        for start in range(0, bits.numel(), _CHUNK):
-            chunk = bits[start : start + _CHUNK].to(torch.int64)
-            total += chunk.sum()
-            squares += (chunk * chunk).sum()
-        rows.append(torch.stack([total, squares]))
+        rows.append(torch.stack([bits.sum(dtype=torch.int64), bits[::2].sum(dtype=torch.int64)]))
     return torch.cat(rows).cpu() if rows else torch.zeros(0, dtype=torch.int64)
 
 
