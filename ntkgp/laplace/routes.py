@@ -18,6 +18,8 @@ four routes (``method=``; ``docs/scaling.md``):
 
 from __future__ import annotations
 
+import numbers
+
 from dataclasses import dataclass
 
 import torch
@@ -36,12 +38,14 @@ __all__ = [
 DENSE_MEMORY_LIMIT = 4 * 2**30
 
 
-def _optional_count(value: object, name: str, minimum: int) -> int | None:
+def _optional_count(value: object, name: str, minimum: int, maximum: int | None = None) -> int | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be None or an integer ≥ {minimum}, got {value!r}")
-    return value
+    if (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum
+            or (maximum is not None and value > maximum)):
+        bound = f"an integer ≥ {minimum}" if maximum is None else f"an integer in [{minimum}, {maximum}]"
+        raise ValueError(f"{name} must be None or {bound}, got {value!r}")
+    return int(value)
 
 
 @dataclass(frozen=True)
@@ -86,7 +90,7 @@ class EvidenceOptions:
         _optional_count(self.max_cg_iterations, "max_cg_iterations", 1)
         _optional_count(self.lanczos_iterations, "lanczos_iterations", 1)
         _optional_count(self.preconditioner_rank, "preconditioner_rank", 0)
-        _optional_count(self.seed, "seed", 0)
+        _optional_count(self.seed, "seed", 0, 2**63 - 2)  # the preconditioner's stream is seeded with seed + 1
         tol = self.cg_tolerance
         if tol is not None and (isinstance(tol, bool) or not isinstance(tol, (int, float)) or not tol > 0):
             raise ValueError(f"cg_tolerance must be None or a positive number, got {tol!r}")

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import torch
 from gpytorch.distributions import MultivariateNormal
+from gpytorch.lazy import LazyEvaluatedKernelTensor
 from gpytorch.likelihoods import Likelihood
 from gpytorch.mlls import MarginalLogLikelihood
 
 from ..laplace import EvidenceOptions, laplace_log_marginal_likelihood
+from ..laplace.evidence import _is_kernel_covariance
 from ..laplace.routes import check_options
 from ..likelihoods import num_outputs, validate_targets
 from ..models import NTKGP
@@ -115,6 +117,12 @@ class LaplaceGGNMarginalLogLikelihood(MarginalLogLikelihood):
             raise ValueError(
                 f"function_dist must be model(train_x) over the {model.num_data}×{model.num_outputs} training outputs, "
                 f"got a covariance of shape {tuple(covariance.shape)}"
+            )
+        if (isinstance(covariance, LazyEvaluatedKernelTensor) and covariance.kernel is model.covar_module
+                and not _is_kernel_covariance(covariance, model.covar_module, model.train_x)):
+            raise ValueError(
+                "function_dist must be model(train_x): its covariance is the model's kernel at other inputs (the "
+                "evidence's site factors are at the training inputs)"
             )
         if target is None:
             raise ValueError("target must be the training targets")

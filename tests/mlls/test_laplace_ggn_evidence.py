@@ -216,3 +216,25 @@ def test_a_prior_on_the_noise_is_added_once():
     expected = prior.log_prob(torch.tensor(0.2, dtype=torch.float64))
     difference = (evidence(prior) - evidence(None)).item()
     assert abs(difference - expected.item()) < 1e-5 * abs(expected.item())  # twice would be off by 100 %
+
+
+def test_the_prior_at_other_inputs_and_out_of_range_options_are_refused():
+    """model(x_other) with the same N is the kernel at other inputs: refused, as the site factors are at
+    train_x; a seed whose successor overflows the generator is refused when the options are made."""
+    from ntkgp.laplace import EvidenceOptions
+
+    torch.manual_seed(0)
+    x = torch.randn(10, 2, dtype=torch.float64)
+    y = (x[:, 0] > 0).double()
+    net = torch.nn.Sequential(torch.nn.Linear(2, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1)).double()
+    lik = LogisticLikelihood().double()  # a LaplaceNTKGP (an ExactGP refuses other inputs in train mode itself)
+    model = ntkgp.NTKGP(net, x, y, lik).train()
+    mll = ntkgp.LaplaceGGNMarginalLogLikelihood(lik, model)
+    with pytest.raises(ValueError, match="at other inputs"):
+        mll(model(torch.randn(10, 2, dtype=torch.float64)), y)
+    assert torch.isfinite(mll(model(x), y))
+    with pytest.raises(ValueError, match="seed"):
+        EvidenceOptions(seed=2**64 - 1)
+    import numpy as np
+
+    assert EvidenceOptions(num_probes=np.int64(4), seed=np.int64(3)).num_probes == 4
