@@ -24,7 +24,9 @@ def _snapshot(tensors: Iterable[torch.Tensor]) -> tuple[torch.Tensor, ...]:
     return tuple(t.detach().clone() for t in tensors)
 
 
-def _same(stored: Sequence[torch.Tensor], current: Sequence[torch.Tensor]) -> bool:
+def same_values(stored: Sequence[torch.Tensor], current: Sequence[torch.Tensor]) -> bool:
+    """Whether ``current`` holds the same tensors as the copies ``stored``: number, shapes, dtypes, devices and
+    values (``torch.equal``)."""
     if len(stored) != len(current):
         return False
     return all(
@@ -49,6 +51,14 @@ def fingerprint(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
         bits = flat.view(_INTEGER_VIEW[flat.element_size()]) if flat.is_floating_point() else flat
         rows.append(torch.stack([bits.sum(dtype=torch.int64), bits[::2].sum(dtype=torch.int64)]))
     return torch.cat(rows).cpu() if rows else torch.zeros(0, dtype=torch.int64)
+
+
+def network_key(net: torch.nn.Module, covered: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """What results computed from ``net`` depend on, as a cache or guard key: the parameters ``covered`` (those
+    differentiated, e.g. θ*) and the buffers themselves, and a :func:`fingerprint` of every other parameter
+    (frozen ones: they change the outputs and Jacobians, but a frozen backbone is not copied into every key)."""
+    ids = {id(p) for p in covered}
+    return [*covered, *net.buffers(), fingerprint([p for p in net.parameters() if id(p) not in ids])]
 
 
 class ValueCache:
@@ -91,7 +101,7 @@ class ValueCache:
             return compute()
         key = inputs + list(state)
         for slot, (stored_tag, stored, value) in self._entries.items():
-            if stored_tag == tag and _same(stored, key):
+            if stored_tag == tag and same_values(stored, key):
                 self._entries.move_to_end(slot)
                 return value
         value = compute()

@@ -28,7 +28,6 @@ Helpers:
 from __future__ import annotations
 
 import hashlib
-
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 
@@ -204,8 +203,9 @@ def broadcast_(tensors: Iterable[Tensor], source: int = 0, enabled: bool = True)
 
 def check_layout(tensors: Iterable[Tensor], what: str, enabled: bool = True) -> None:
     """Raise ``ValueError`` on every rank unless every rank passes tensors of the same number, shapes, dtypes and
-    ``requires_grad`` flags (a digest compared by two ``all_reduce`` of one number). Call it before a ``broadcast`` or ``all_reduce`` of
-    tensors that could differ: a collective of mismatched sizes aborts the process (gloo) or returns garbage."""
+    ``requires_grad`` flags (a digest compared by two ``all_reduce`` of one number). Call it before a
+    ``broadcast`` or ``all_reduce`` of tensors that could differ: a collective of mismatched sizes aborts the
+    process (gloo) or returns garbage."""
     if _active(enabled) and not _same_everywhere(_layout(list(tensors))):
         raise ValueError(
             f"{what} differ between ranks in number, shape, dtype or requires_grad; with distributed=True every "

@@ -178,8 +178,7 @@ class FSVI(BoTorchInterface, GP):
         shape = self.linearized.input_shape
         if shape is None and x.dim() > 2 and not self._takes_rows(x):
             shape = tuple(x.shape[1:])
-            means = {n: t.detach() for n, t in self.variational_distribution.means().items()}
-            check_fits(self.net, means, self.prepare(x[:1], argument), argument, None)
+            self._fits(self.prepare(x[:1], argument), argument)
             self.linearized.input_shape = shape
         if shape is not None and len(shape) > 1 and x.dim() > len(shape) and tuple(x.shape[-len(shape) :]) == shape:
             x = x.flatten(-len(shape))
@@ -202,12 +201,17 @@ class FSVI(BoTorchInterface, GP):
                 f"net has {c} outputs but the likelihood {type(self.likelihood).__name__} expects {self.num_outputs}"
             )
 
+    def _fits(self, x: Tensor, argument: str, num_outputs: int | None = None) -> int:
+        r""":func:`~ntkgp.ntk.checks.check_fits` at :math:`\mu`: the network takes ``x[:1]`` (prepared) and gives
+        ``(1, C)`` (``num_outputs`` if given); returns ``C``."""
+        means = {n: t.detach() for n, t in self.variational_distribution.means().items()}
+        return check_fits(self.net, means, x, argument, num_outputs)
+
     def _takes_rows(self, x: Tensor) -> bool:
         """Whether the network maps one row of ``x``'s last dimension, ``(1, x.shape[-1])``, to ``(1, C)``."""
-        means = {n: t.detach() for n, t in self.variational_distribution.means().items()}
         row = x.detach().reshape(-1, x.shape[-1])[:1]
         try:
-            check_fits(self.net, means, self.prepare(row), "x", None)
+            self._fits(self.prepare(row), "x")
         except (ValueError, TypeError):
             return False
         return True
@@ -295,9 +299,8 @@ class FSVI(BoTorchInterface, GP):
         c = self.num_outputs
         x = self.prepare(x_new, "x_new")  # finite values, the input shape, the model's dtype
         y = validate_targets(self.likelihood, y_new, c, num_data=x.shape[0], name="y_new")  # (M, C), finite
-        means = {n: t.detach() for n, t in self.variational_distribution.means().items()}
         try:  # the network takes x_new and gives C outputs
-            check_fits(self.net, means, x.detach(), "x_new", c)
+            self._fits(x.detach(), "x_new", c)
         except OutputShapeError as error:
             raise ValueError(
                 f"x_new of shape {tuple(x_new.shape)} does not give one row of network outputs per input ({error}); "

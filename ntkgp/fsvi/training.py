@@ -14,7 +14,6 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from ..likelihoods import num_outputs, validate_targets
-from ..ntk.checks import check_fits
 from ..options import choose
 from .context import (
     BatchMixedContext,
@@ -268,8 +267,7 @@ def train_fsvi(
         model.linearized.input_shape = input_shape
     reference = model.variational_distribution.mean[0]
     model.likelihood.to(device=reference.device, dtype=reference.dtype)
-    means = {n: t.detach() for n, t in model.variational_distribution.means().items()}
-    c = check_fits(net, means, model.prepare(x_first[:1], "train_x"), "train_x", None)
+    c = model._fits(model.prepare(x_first[:1], "train_x"), "train_x")
     if c != expected:
         raise ValueError(f"net has {c} outputs but the likelihood {type(likelihood).__name__} expects {expected}")
     data = [(train_x, None)] if isinstance(train_x, Tensor) else batches
@@ -281,7 +279,7 @@ def train_fsvi(
     probe = torch.Generator().set_state(generator.get_state())
     with torch.random.fork_rng(devices=[]):
         point = sampler.sample(1, probe, batch_x=x_first[:1])
-    check_fits(net, means, model.prepare(point, "context"), "context", c)
+    model._fits(model.prepare(point, "context"), "context", c)
 
     elbo = FunctionSpaceELBO(model, num_data, num_samples)
     params = list(model.variational_distribution.parameters())

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..caching import fingerprint
+from ..caching import network_key
 from ..options import Strategy, choose, renamed_argument
 from . import contraction, products, structured
 from .checks import check_count, check_eval_mode, check_fits, check_outputs, check_rows, check_shape
@@ -124,15 +124,14 @@ class NTKEngine:
         return self.parameters()[0].device
 
     def network_state(self) -> list[torch.Tensor]:
-        """What the network's outputs depend on, the key of every value cache computed from it: the trainable
-        parameters θ* and the buffers themselves, and a :func:`~ntkgp.caching.fingerprint` (sum and sum of
-        squares) of the frozen parameters, which change ``J`` without being differentiated (a frozen backbone is
-        not copied into every entry). It also checks the network's mode: a cached result is never served for a
-        network since switched to training mode (BatchNorm or dropout), for which nothing would be recomputed."""
+        """What the network's outputs depend on, the key of every value cache computed from it
+        (:func:`~ntkgp.caching.network_key`): the trainable parameters θ* and the buffers themselves, and a
+        fingerprint (exact integer sums of their bit patterns) of the frozen parameters, which change ``J`` without
+        being differentiated (a frozen backbone is not copied into every entry). It also checks the network's
+        mode: a cached result is never served for a network since switched to training mode (BatchNorm or
+        dropout), for which nothing would be recomputed."""
         check_eval_mode(self.net)
-        trainable = {id(p) for p in self.parameters()}
-        frozen = [p for p in self.net.parameters() if id(p) not in trainable]
-        return [*self.parameters(), *self.net.buffers(), fingerprint(frozen)]
+        return network_key(self.net, self.parameters())
 
     def params(self) -> dict[str, torch.Tensor]:
         """The trainable parameters θ*, detached (they share storage with the network's)."""

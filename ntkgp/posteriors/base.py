@@ -34,7 +34,7 @@ import torch
 from gpytorch.likelihoods import Likelihood
 from torch import Tensor
 
-from ..caching import ValueCache, fingerprint
+from ..caching import ValueCache, network_key, same_values
 from ..curvature import output_scale
 from ..likelihoods import num_outputs
 from ..ntk import ParameterGroups, resolve_groups
@@ -99,20 +99,16 @@ def prior_precision_vector(value: float | Tensor, groups: ParameterGroups, fn: N
     """
     if isinstance(value, (bool, str, bytes)):
         raise TypeError(f"prior_precision must be a number or a tensor, got {type(value).__name__}")
-    if torch.is_tensor(value):
-        delta = value.detach()
-    else:  # a float, a numpy number or array, a list
-        try:
-            kind = torch.as_tensor(value).dtype  # only to reject numpy's bools and complex numbers
-        except (TypeError, ValueError, RuntimeError) as error:
-            raise TypeError(f"prior_precision must be a number or a tensor, got {type(value).__name__}") from error
-        if kind == torch.bool or kind.is_complex:
-            raise TypeError(f"prior_precision must hold real numbers, got dtype {kind}")
-        delta = torch.as_tensor(value, dtype=fn.dtype, device=fn.device)  # straight to the net's dtype
-    if delta.dtype == torch.bool or delta.is_complex():
-        raise TypeError(f"prior_precision must hold real numbers, got dtype {delta.dtype}")
-    # a copy in every case (as_tensor shares a numpy array's memory): the caller's array cannot change it later
-    delta = delta.to(dtype=fn.dtype, device=fn.device).clone()
+    source = value.detach() if torch.is_tensor(value) else value  # or a float, a numpy number or array, a list
+    try:
+        kind = source.dtype if torch.is_tensor(source) else torch.as_tensor(source).dtype
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise TypeError(f"prior_precision must be a number or a tensor, got {type(value).__name__}") from error
+    if kind == torch.bool or kind.is_complex:  # numpy's bools and complex numbers too
+        raise TypeError(f"prior_precision must hold real numbers, got dtype {kind}")
+    # straight to the net's dtype (a float is not rounded to float32 first), and a copy in every case (as_tensor
+    # shares a tensor's or numpy array's memory): the caller's object cannot change it later
+    delta = torch.as_tensor(source, dtype=fn.dtype, device=fn.device).clone()
     if delta.dim() == 0:
         delta = delta.expand(groups.num_groups).clone()
     if delta.shape != (groups.num_groups,):
@@ -173,24 +169,16 @@ class WeightPosterior(ABC):
         self._network_at_build = [t.detach().clone() for t in self._network_key()]
 
     def _network_key(self) -> list[Tensor]:
-        """The parameters the posterior is over and the buffers themselves, and a fingerprint (sum and sum of
-        squares) of every other parameter (a frozen body under a last-layer posterior is not copied)."""
-        net = self.function.net
-        named = dict(net.named_parameters())
-        covered = [named[n] for n in self.function.names]
-        ids = {id(p) for p in covered}
-        others = [p for p in net.parameters() if id(p) not in ids]
-        return [*covered, *net.buffers(), fingerprint(others)]
+        """:func:`~ntkgp.caching.network_key`: the parameters the posterior is over and the buffers themselves,
+        and a fingerprint of every other parameter (a frozen body under a last-layer posterior is not copied)."""
+        named = dict(self.function.net.named_parameters())
+        return network_key(self.function.net, [named[n] for n in self.function.names])
 
     def check_network(self) -> None:
         """Raise ``RuntimeError`` if the network's parameters (trainable or frozen) or buffers changed since the
         posterior was built (compared by value: optimizer steps, ``.data`` writes and ``load_state_dict`` are
         all seen): its curvature belongs to the old weights, and would be mixed with the new Jacobians."""
-        current = self._network_key()
-        same = len(current) == len(self._network_at_build) and all(
-            a.shape == b.shape and torch.equal(a.detach(), b) for a, b in zip(current, self._network_at_build)
-        )
-        if not same:
+        if not same_values(self._network_at_build, self._network_key()):
             raise RuntimeError(
                 f"the network's weights changed after this {type(self).__name__} was built; its curvature "
                 "belongs to the old weights and would be mixed with the new Jacobians: build a new posterior "

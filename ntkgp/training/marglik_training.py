@@ -311,7 +311,7 @@ def train_marglik(
     target_variance = 1.0
     if is_gaussian(likelihood):
         y_all = all_gather_rows(y.to(x.dtype), distributed)  # one dtype on every rank
-        target_variance = max(float(y_all.to(x.dtype).var(dim=0, unbiased=False).mean()) if n > 1 else 1.0, 1e-12)
+        target_variance = max(float(y_all.var(dim=0, unbiased=False).mean()) if n > 1 else 1.0, 1e-12)
 
     params = dict(net.named_parameters())
     trainable = [params[name] for name in engine.groups.names]

@@ -75,6 +75,18 @@ def mlp(d_in=3, width=6, d_out=1, depth=2, dtype=torch.float64, seed=0, activati
     return nn.Sequential(*layers).to(dtype)
 
 
+def mean_field_draws(net: nn.Module, q, x: torch.Tensor, num_samples: int, seed: int) -> torch.Tensor:
+    """``f(x; μ + s ⊙ ε)`` for ``num_samples`` draws ``ε`` from a generator seeded with ``seed``, one tensor per
+    parameter in ``q.names`` order (as a mean-field Gaussian draws them), by ``functional_call``: ``(S, N, C)``."""
+    g = torch.Generator().manual_seed(seed)
+    draws = []
+    for _ in range(num_samples):
+        theta = {n: (m + s * torch.randn(m.shape, generator=g, dtype=m.dtype)).detach()
+                 for n, m, s in zip(q.names, q.mean, q.stds().values())}
+        draws.append(functional_call(net, theta, (x,)))
+    return torch.stack(draws)
+
+
 def random_like(params: dict[str, torch.Tensor], scale: float = 0.5, seed: int = 1) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return {n: p.detach() + scale * torch.randn(p.shape, generator=g, dtype=p.dtype) for n, p in params.items()}

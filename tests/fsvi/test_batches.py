@@ -105,14 +105,7 @@ def test_monte_carlo_predictive_on_a_batch(c):
     x = torch.randn(2, 4, 2, dtype=F64)
     with torch.no_grad():
         pred = model.predict(x, method="mc", num_samples=6, generator=torch.Generator().manual_seed(2))
-    g = torch.Generator().manual_seed(2)
-    q = model.variational_distribution
-    draws = []
-    for _ in range(6):
-        theta = {n: (m + s * torch.randn(m.shape, generator=g, dtype=F64)).detach()
-                 for n, m, s in zip(q.names, q.mean, q.stds().values())}
-        draws.append(functional_call(net, theta, (x.reshape(8, 2),)).reshape(2, 4, c))
-    f = torch.stack(draws)
+    f = ref.mean_field_draws(net, model.variational_distribution, x.reshape(8, 2), 6, seed=2).reshape(6, 2, 4, c)
     noise = model.likelihood.noise.reshape(-1) if c == 1 else model.likelihood.task_noises + model.likelihood.noise
     with torch.no_grad():
         torch.testing.assert_close(pred.mean.reshape(2, 4, c), f.mean(0), rtol=1e-12, atol=1e-12)

@@ -78,14 +78,7 @@ def test_monte_carlo_predictive(kind):
     x = torch.randn(4, 2, dtype=torch.float64)
     with torch.no_grad():
         pred = model.predict(x, method="mc", num_samples=7, generator=torch.Generator().manual_seed(5))
-    g = torch.Generator().manual_seed(5)
-    q = model.variational_distribution
-    fs = []
-    for _ in range(7):
-        theta = {n: (m + s * torch.randn(m.shape, generator=g, dtype=m.dtype)).detach()
-                 for n, m, s in zip(q.names, q.mean, q.stds().values())}
-        fs.append(functional_call(net, theta, (x,)))
-    f = torch.stack(fs)
+    f = ref.mean_field_draws(net, model.variational_distribution, x, 7, seed=5)
     if kind == "logistic":
         torch.testing.assert_close(pred.probs, torch.sigmoid(f[..., 0]).mean(0), rtol=1e-12, atol=1e-12)
     elif kind == "softmax":

@@ -17,6 +17,7 @@ from gpytorch.likelihoods import Likelihood
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from ...caching import same_values
 from ...likelihoods import is_gaussian, validate_targets
 from ...ntk import NTKEngine
 from ...options import OutputCoupling, PriorMean
@@ -134,11 +135,7 @@ class StateGuard:
     def check(self, engine: NTKEngine, inducing_points: Tensor) -> None:
         """Raise ``RuntimeError`` if either changed (compared by value: ``.data`` writes, optimizers and
         ``load_state_dict`` are all seen)."""
-        current = [p.detach() for p in engine.network_state()]
-        same = len(current) == len(self.weights) and all(
-            a.shape == b.shape and torch.equal(a, b) for a, b in zip(self.weights, current)
-        )
-        if not same:
+        if not same_values(self.weights, engine.network_state()):
             raise RuntimeError(
                 "the network's weights changed after this SFR model was built (trainable or frozen parameters, or "
                 "buffers such as BatchNorm's running statistics); its dual statistics were "

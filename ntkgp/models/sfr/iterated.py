@@ -33,7 +33,7 @@ from ...ntk import NTKEngine
 from ...options import OutputCoupling, PriorMean
 from .data import prior_mean
 from .statistics import DualStatistics, system_grams_and_diagonal
-from .whitening import InducingFactors, whitened_factors
+from .whitening import InducingFactors, roundoff, whitened_factors
 
 __all__ = ["iterated_statistics"]
 
@@ -121,10 +121,8 @@ def iterated_statistics(
                 y_new = torch.einsum("ckn,nc->ck", cross, r)
             # the model's own solve (whitened, dropping K_ZZ's negligible directions: no jitter)
             total = b_old + b_new
-            eps = max(torch.finfo(engine.dtype).eps, torch.finfo(total.dtype).eps)  # as SFR's own solve
-            alpha = whitened_factors(
-                kzz, total, y_old + y_new, inducing=inducing, overwrite_b_u=True, eps=eps
-            ).alpha
+            eps = roundoff(engine.dtype, total.dtype)  # as SFR's own solve
+            alpha = whitened_factors(kzz, total, y_old + y_new, inducing=inducing, overwrite_b_u=True, eps=eps).alpha
             return alpha, values(alpha).reshape(-1)
 
         def objective(state: tuple[Tensor, Tensor]) -> Tensor:

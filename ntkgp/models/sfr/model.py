@@ -37,7 +37,7 @@ from .inducing_points import choose_inducing_inputs
 from .iterated import iterated_statistics
 from .predictive import PosteriorState, PredictiveTerms
 from .statistics import combined_system_gram, system_grams
-from .whitening import inducing_factors, whitened_factors
+from .whitening import inducing_factors, roundoff, whitened_factors
 
 __all__ = ["SFR"]
 
@@ -420,13 +420,9 @@ class SFR(BoTorchInterface, GP):
 
     def _solve(self, weights: Tensor, slots: Tensor, inducing) -> PosteriorState:
         b_u, y_u = self.statistics.projected(weights, slots)  # a fresh B_u, overwritten by the factorization
-        factors = whitened_factors(None, b_u, y_u, inducing=inducing, overwrite_b_u=True, eps=self._roundoff(b_u))
+        eps = roundoff(self.engine.dtype, b_u.dtype)
+        factors = whitened_factors(None, b_u, y_u, inducing=inducing, overwrite_b_u=True, eps=eps)
         return PosteriorState(weights=weights, slots=slots, factors=factors)
-
-    def _roundoff(self, like: Tensor) -> float:
-        """The unit roundoff of the statistics: the network's (where the Jacobians are computed) when it is
-        coarser than the model's dtype (``sfr.double()`` on a float32 network)."""
-        return max(torch.finfo(self.engine.dtype).eps, torch.finfo(like.dtype).eps)
 
     def _z_jacobian(self) -> Tensor:
         """:math:`J(Z)`, ``(M·C, P)``, for predictions with a graph to the inputs (cached)."""

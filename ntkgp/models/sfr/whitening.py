@@ -167,6 +167,12 @@ class WhitenedFactors:
         return torch.linalg.solve_triangular(self.chol, self.white, upper=False)
 
 
+def roundoff(*dtypes: torch.dtype) -> float:
+    """The unit roundoff of statistics computed in the coarsest of ``dtypes`` (the network's, where the Jacobians
+    are computed, and the statistics' own: ``sfr.double()`` on a float32 network keeps float32 rounding)."""
+    return max(torch.finfo(d).eps for d in dtypes)
+
+
 def whitened_factors(
     kzz: Tensor | None,
     b_u: Tensor,
