@@ -108,7 +108,7 @@ def _docstring_namespace(request):
     import ntkgp
     from ntkgp.fsvi import FSVI
     from ntkgp.likelihoods import SoftmaxLikelihood
-    from ntkgp.posteriors import KFACLaplace
+    from ntkgp.laplace.weight_space import KFACLaplace
 
     generator = torch.Generator().manual_seed(0)
     net = torch.nn.Sequential(OrderedDict(body=torch.nn.Linear(4, 16), act=torch.nn.Tanh(),

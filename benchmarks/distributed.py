@@ -56,7 +56,7 @@ def dataset(net: nn.Module, n: int, d: int, seed: int) -> tuple[torch.Tensor, to
 
 def measure(args: argparse.Namespace, device: torch.device) -> dict:
     """This rank's timings and results (tensors on the CPU)."""
-    from ntkgp.curvature import compute_curvature
+    from ntkgp.laplace.weight_space import compute_curvature
     from ntkgp.distributed import shard
     from ntkgp.likelihoods import SoftmaxLikelihood
     from ntkgp.models.sfr import SFR

@@ -10,7 +10,7 @@ the 100 steps, the prior precisions reached and the exact evidence there (by the
 Part 2 (``--part scale``): the largest N·C each route handles within ``--budget-seconds`` (default 600) and
 ``--memory-gib`` (default 16) for one evidence value and its gradient: MLP 784-128-128-10, C = 10, random
 inputs and labels, float32, per-layer δ (eigen: one δ). Each size runs in a fresh process (time and peak
-resident memory of that process); sizes whose dense memory formula (``ntkgp.laplace.routes.dense_memory_bytes``)
+resident memory of that process); sizes whose dense memory formula (``ntkgp.laplace.function_space.routes.dense_memory_bytes``)
 exceeds the limit are not started. The search starts at the largest size in ``--sizes`` that fits and halves
 N after a failure.
 
@@ -47,7 +47,7 @@ from torch import nn
 import ntkgp
 from ntkgp._doctable import command_line, markdown_table, write_block
 from ntkgp.laplace import EvidenceOptions
-from ntkgp.laplace.routes import dense_memory_bytes
+from ntkgp.laplace.function_space.routes import dense_memory_bytes
 from ntkgp.likelihoods import SoftmaxLikelihood
 
 DOC = "docs/scaling.md"

@@ -8,7 +8,7 @@ standardized units) in float64; the posterior's prior precision δ (one for all 
 by the full-GGN Laplace evidence on a log grid, and every structure uses that δ.
 
 The reference is the closed-form GLM predictive of the full-GGN posterior (``FullLaplace``, ``method="glm"``).
-Each row is one posterior structure × one predictive method (``ntkgp.predictive.predict``) with its CPU time
+Each row is one posterior structure × one predictive method (``ntkgp.laplace.predict``) with its CPU time
 at the test points (one thread by default, ``time.process_time``, so that other processes on a shared machine
 do not enter; posterior fit not included, fit times are listed separately) and its error: the mean
 relative error of the marginal variances, ``mean |v̂ − v| / v`` over test points and outputs, and for
@@ -48,8 +48,8 @@ from map_fit import fit_map  # noqa: E402
 from ntkgp._doctable import command_line, write_block  # noqa: E402
 from ntkgp.likelihoods import SoftmaxLikelihood, log_likelihood
 from ntkgp.metrics import categorical_nlpd, expected_calibration_error
-from ntkgp.posteriors import laplace_posterior
-from ntkgp.predictive import predict
+from ntkgp.laplace.weight_space import laplace_posterior
+from ntkgp.laplace.weight_space.predictive_estimators import predict
 
 DTYPE = torch.float64
 DELTA = 1.0

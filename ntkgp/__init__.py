@@ -5,13 +5,13 @@ MLL (:class:`LaplaceGGNMarginalLogLikelihood`), the GLM predictive as a model th
 (:class:`NTKGP`), the sparse function-space representation (:class:`SFR`) and online training of the
 hyperparameters (:func:`ntkgp.training.train_marglik`). The mathematics is in ``docs/math.md``.
 
-Subpackages: :mod:`~ntkgp.likelihoods`, :mod:`~ntkgp.curvature`, :mod:`~ntkgp.training`,
-:mod:`~ntkgp.posteriors` (weight-space Laplace posteriors) and :mod:`~ntkgp.predictive` (their predictives),
+Subpackages: :mod:`~ntkgp.likelihoods`, :mod:`~ntkgp.laplace` (function-space and weight-space Laplace:
+evidence, curvature structures, weight posteriors and their predictives), :mod:`~ntkgp.training`,
 :mod:`~ntkgp.fsvi` (function-space variational inference, :class:`FSVI`), :mod:`~ntkgp.options` (every option
 string), :mod:`~ntkgp.metrics`, :mod:`~ntkgp.datasets`.
 """
 
-from . import curvature, datasets, fsvi, likelihoods, metrics, options, posteriors, predictive, training
+from . import datasets, fsvi, laplace, likelihoods, metrics, options, training
 from .fsvi import FSVI
 from .kernels import NTKKernel
 from .laplace import laplace_log_marginal_likelihood
@@ -20,9 +20,6 @@ from .mlls import LaplaceGGNMarginalLogLikelihood, SparseLaplaceMarginalLogLikel
 from .models import NTKGP, SFR, ExactNTKGP, LaplaceNTKGP
 from .ntk import NTKEngine
 
-# Deprecated names, importable for one release (each warns when used); not in __all__.
-from .means import LinearisedNetworkMean  # noqa: F401  isort: skip
-from .mlls import SparseLaplaceEvidence  # noqa: F401  isort: skip
 
 __version__ = "0.1.0"
 
@@ -39,14 +36,12 @@ __all__ = [
     "NetworkMean",
     "SparseLaplaceMarginalLogLikelihood",
     "__version__",
-    "curvature",
     "datasets",
     "fsvi",
+    "laplace",
     "laplace_log_marginal_likelihood",
     "likelihoods",
     "metrics",
     "options",
-    "posteriors",
-    "predictive",
     "training",
 ]

@@ -10,7 +10,7 @@ GPyTorch's policy: no jitter when the plain factorisation succeeds, at most
 :class:`~linear_operator.utils.errors.NotPSDError` when even the largest jitter fails.
 
 This module is a bottom utility (it imports nothing from ntkgp). The block-diagonal algebra of the Laplace
-approximation lives in :mod:`ntkgp.laplace.algebra`.
+approximation lives in :mod:`ntkgp.laplace.function_space.algebra`.
 """
 
 from __future__ import annotations

@@ -202,3 +202,85 @@ def deprecated_alias(new: type, old_name: str) -> type:
         new.__init__(self, *args, **kwargs)
 
     return type(old_name, (new,), {"__init__": __init__, "__doc__": f"Deprecated alias of :class:`{new.__name__}`."})
+
+
+class OptionAttribute:
+    """A public attribute that a constructor argument sets, validated on every assignment (one mechanism for all).
+
+    Declared on the class (``predictive_mean = OptionAttribute(choice(PredictiveMean), on_change="_refresh")``) and
+    assigned once in ``__init__``. A later assignment is validated by the constructor's own validator (strings
+    and enum members alike), then either
+
+    * ``on_change`` names a method of the owner, called with the attribute's name after the new value is stored
+      and only when it differs from the old one: the owner recomputes (or drops) what depends on it, so that
+      the object equals one built with the new value; or
+    * ``fixed`` gives the reason the value cannot change after construction: assigning another value raises
+      ``AttributeError`` saying to build a new object (assigning the same value is a no-op).
+
+    Exactly one of the two is given. Owners list their option attributes with :func:`option_attributes`.
+    """
+
+    def __init__(self, validate, *, on_change: str | None = None, fixed: str | None = None):
+        if (on_change is None) == (fixed is None):
+            raise TypeError("OptionAttribute takes exactly one of on_change= and fixed=")
+        self.validate = validate
+        self.on_change = on_change
+        self.fixed = fixed
+        self.name = ""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+        self._slot = f"_option_{name}"
+
+    def __get__(self, obj, objtype=None):
+        if obj is None:
+            return self
+        try:
+            return obj.__dict__[self._slot]
+        except KeyError:
+            raise AttributeError(f"{type(obj).__name__}.{self.name} is not set yet") from None
+
+    def __set__(self, obj, value) -> None:
+        new = self.validate(value, self.name)
+        state = obj.__dict__
+        if self._slot not in state:  # the constructor's assignment
+            state[self._slot] = new
+            return
+        old = state[self._slot]
+        if _same_option(old, new):
+            return
+        if self.fixed is not None:
+            kind = type(obj).__name__
+            raise AttributeError(
+                f"{kind}.{self.name} cannot be changed after construction ({self.fixed}); build a new {kind} "
+                f"with {self.name}={value!r}"
+            )
+        state[self._slot] = new
+        getattr(obj, self.on_change)(self.name)
+
+
+def _same_option(old, new) -> bool:
+    try:
+        return bool(old is new or old == new)
+    except Exception:  # noqa: BLE001 - values without a boolean equality (tensors) count as changed
+        return False
+
+
+def choice(enum: type[E]):
+    """The validator of an :class:`OptionAttribute` that takes a member of ``enum`` (or its string)."""
+
+    def validate(value: object, argument: str) -> E:
+        return choose(enum, value, argument)
+
+    validate.enum = enum
+    return validate
+
+
+def option_attributes(cls: type) -> dict[str, OptionAttribute]:
+    """Every :class:`OptionAttribute` of ``cls`` and its bases, by name."""
+    found: dict[str, OptionAttribute] = {}
+    for klass in reversed(cls.__mro__):
+        for name, value in vars(klass).items():
+            if isinstance(value, OptionAttribute):
+                found[name] = value
+    return found

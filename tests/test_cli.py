@@ -292,29 +292,17 @@ def test_format_table():
         format_table(["a", "b", "c"], [[1, 2]])
 
 
-def test_public_api_names_resolve_and_old_names_warn():
-    """``ntkgp.__all__`` lists what users need, every name resolves; the old public names still import and
-    warn when used."""
-    import warnings
-
-    from torch import nn
-
+def test_public_api_names_resolve_and_old_names_are_gone():
+    """``ntkgp.__all__`` lists what users need, every name resolves; the pre-0.1 names are gone."""
     import ntkgp
 
     for name in ntkgp.__all__:
         assert getattr(ntkgp, name) is not None, name
     assert {"NTKGP", "SFR", "NTKKernel", "LaplaceGGNMarginalLogLikelihood", "SparseLaplaceMarginalLogLikelihood",
-            "LinearizedNetworkMean", "likelihoods", "training", "curvature", "options", "metrics",
+            "LinearizedNetworkMean", "likelihoods", "training", "laplace", "options", "metrics",
             "datasets"} <= set(ntkgp.__all__)
-    assert not {"LinearisedNetworkMean", "SparseLaplaceEvidence"} & set(ntkgp.__all__)
-    net = nn.Linear(2, 1).double()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        mean = ntkgp.LinearisedNetworkMean(ntkgp.NTKEngine(net))
-    assert isinstance(mean, ntkgp.LinearizedNetworkMean)
-    assert any(issubclass(w.category, DeprecationWarning) and "LinearizedNetworkMean" in str(w.message)
-               for w in caught)
-    assert issubclass(ntkgp.SparseLaplaceEvidence, ntkgp.SparseLaplaceMarginalLogLikelihood)
+    for old in ("LinearisedNetworkMean", "SparseLaplaceEvidence", "curvature", "posteriors", "predictive"):
+        assert not hasattr(ntkgp, old), old
 
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "cli_and_examples.md"

@@ -1,4 +1,4 @@
-"""ntkgp.predictive.predict: every estimator against the closed form of a dense brute force.
+"""ntkgp.laplace.predict: every estimator against the closed form of a dense brute force.
 
 Closed forms (``glm`` for every structure, joint and per point; probit; bridge) to 1e-10 in float64.
 Sampling methods at the Monte Carlo rate with fixed seeds: every entry within 5 standard errors
@@ -15,8 +15,8 @@ import pytest
 import torch
 from gpytorch.distributions import MultitaskMultivariateNormal, MultivariateNormal
 
-from ntkgp.posteriors import FullLaplace, KFACLaplace, LastLayerLaplace, laplace_posterior
-from ntkgp.predictive import Prediction, default_step_size, laplace_bridge, predict
+from ntkgp.laplace.weight_space import FullLaplace, KFACLaplace, LastLayerLaplace, laplace_posterior
+from ntkgp.laplace.weight_space.predictive_estimators import Prediction, default_step_size, laplace_bridge, predict
 from tests.helpers import assert_unchanged, mlp, small_cnn, snapshot
 from tests.posteriors.reference import DTYPE, glm_blocks, likelihood_case, targets
 

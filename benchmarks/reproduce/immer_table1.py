@@ -10,7 +10,7 @@ full GGN, full EF, KFAC (GGN), diagonal GGN, diagonal EF. Two predictives per ru
 
 * MAP: N(f(x*), sigma^2) (Table 1, and the "-MAP" columns of Tables C2/C3);
 * GLM: the Laplace posterior of the same structure, linearized (Eq. 11; the "-Bayes" columns), through
-  ``ntkgp.posteriors.laplace_posterior`` and ``ntkgp.predictive.predict(method="glm")``.
+  ``ntkgp.laplace.laplace_posterior`` and ``ntkgp.laplace.predict(method="glm")``.
 
     python benchmarks/reproduce/immer_table1.py --data-dir DATA              # the paper's protocol
     python benchmarks/reproduce/immer_table1.py --data-dir DATA --quick      # a short check
@@ -31,8 +31,8 @@ from torch import nn
 import _common
 from ntkgp import NTKGP, metrics
 from ntkgp.datasets import load_uci_regression
-from ntkgp.posteriors import laplace_posterior
-from ntkgp.predictive import predict
+from ntkgp.laplace.weight_space import laplace_posterior
+from ntkgp.laplace.weight_space.predictive_estimators import predict
 from ntkgp.training import train_marglik
 
 DATASETS = ["boston", "concrete", "energy", "kin8nm", "naval", "power", "wine", "yacht"]

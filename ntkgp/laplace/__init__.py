@@ -1,72 +1,60 @@
-r"""The Laplace layer: the Laplace-GGN log marginal likelihood, the site posterior and the GLM predictive.
+r"""Laplace approximations of a trained network, organized by the space they work in.
 
-It sits above the NTK kernel and the likelihoods and below the models and MLLs: everything here is a
-function of a kernel, a likelihood and fixed data (the network outputs :math:`f(X;\theta^*)` and targets),
-so that :class:`~ntkgp.NTKGP`, :class:`~ntkgp.mlls.LaplaceGGNMarginalLogLikelihood` and
-:func:`~ntkgp.training.train_marglik` share one implementation.
+The Laplace-GGN posterior :math:`N(\theta^*, (H + P_0)^{-1})`, :math:`H = \sum_n J_n^\top \Lambda_n J_n`, and its
+log marginal likelihood have two exact representations (``docs/math.md``):
 
-* :func:`laplace_log_marginal_likelihood` — :math:`\log q(\mathcal D)` in function or weight space;
-* :class:`SitePosterior`, :func:`fit_site_posterior` — the posterior under Gaussian sites, in function or weight
-  space (:func:`posterior_space`), at the network's outputs or iterated to the mode (:func:`site_mode`);
-* :class:`GLMPredictiveCovariance` — the predictive covariance, lazy and chunked over test points;
-* :mod:`ntkgp.laplace.algebra` — block-diagonal site factors, :math:`\log|I + L^\top K L|`;
-* :mod:`ntkgp.laplace.routes`, :mod:`ntkgp.laplace.eigen`, :mod:`ntkgp.laplace.matrix_free` — the routes of
-  the evidence's log-determinant (dense Cholesky, one eigendecomposition for one :math:`\delta`, GPyTorch's
-  CG + stochastic Lanczos quadrature on a matrix-free kernel) and their options (``docs/scaling.md``).
+* :mod:`ntkgp.laplace.function_space` — through the NTK :math:`K = J P_0^{-1} J^\top` (``N·C × N·C``): the evidence
+  (:func:`laplace_log_marginal_likelihood`, dense Cholesky, one-δ eigen or matrix-free routes), the site posterior
+  and the GLM predictive covariance. This is what :class:`~ntkgp.NTKGP`, the MLL and
+  :func:`~ntkgp.training.train_marglik` use when ``N·C < P``.
+* :mod:`ntkgp.laplace.weight_space` — through :math:`H` (``P × P``) or its KFAC / diagonal approximations:
+  :func:`compute_curvature`, the posteriors of :func:`laplace_posterior` and the estimators of :func:`predict`.
+
+The GPyTorch-role packages (:mod:`ntkgp.kernels`, :mod:`ntkgp.means`, :mod:`ntkgp.mlls`, :mod:`ntkgp.models`)
+are thin adapters over these two.
 """
 
-from .algebra import block_apply, block_sandwich, low_rank_log_det, site_cholesky
-from .eigen import spectral_log_det
-from .evidence import (
-    column_weights,
-    curvature_factor,
-    evidence_method,
-    laplace_log_marginal_likelihood,
-    log_det_term,
-    prior_term,
-)
-from .kernel_products import NTKProducts
-from .matrix_free import (
-    LaplaceSiteOperator,
-    MatrixFreeNTKOperator,
-    NystromPreconditioner,
-    matrix_free_log_det,
-)
-from .predictive import GLMPredictiveCovariance, PredictiveContext
-from .routes import DENSE_MEMORY_LIMIT, EvidenceMethod, EvidenceOptions
-from .site_posterior import (
+from . import function_space, weight_space
+from .function_space import (
+    EvidenceMethod,
+    EvidenceOptions,
+    GLMPredictiveCovariance,
     SiteIterationWarning,
     SitePosterior,
     fit_site_posterior,
-    posterior_space,
-    site_mode,
+    laplace_log_marginal_likelihood,
+)
+from .weight_space import (
+    Curvature,
+    DiagLaplace,
+    FullLaplace,
+    KFACLaplace,
+    LastLayerLaplace,
+    Prediction,
+    WeightPosterior,
+    compute_curvature,
+    laplace_posterior,
+    predict,
 )
 
 __all__ = [
-    "DENSE_MEMORY_LIMIT",
+    "Curvature",
+    "DiagLaplace",
     "EvidenceMethod",
     "EvidenceOptions",
+    "FullLaplace",
     "GLMPredictiveCovariance",
-    "LaplaceSiteOperator",
-    "MatrixFreeNTKOperator",
-    "NTKProducts",
-    "NystromPreconditioner",
-    "PredictiveContext",
+    "KFACLaplace",
+    "LastLayerLaplace",
+    "Prediction",
     "SiteIterationWarning",
     "SitePosterior",
-    "block_apply",
-    "block_sandwich",
-    "column_weights",
-    "curvature_factor",
-    "evidence_method",
+    "WeightPosterior",
+    "compute_curvature",
     "fit_site_posterior",
+    "function_space",
     "laplace_log_marginal_likelihood",
-    "log_det_term",
-    "low_rank_log_det",
-    "matrix_free_log_det",
-    "posterior_space",
-    "prior_term",
-    "site_cholesky",
-    "site_mode",
-    "spectral_log_det",
+    "laplace_posterior",
+    "predict",
+    "weight_space",
 ]

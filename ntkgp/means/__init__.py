@@ -1,5 +1,5 @@
 """GPyTorch means built from the trained network."""
 
-from .linearized_mean import LinearisedNetworkMean, LinearizedNetworkMean, NetworkMean
+from .linearized_mean import LinearizedNetworkMean, NetworkMean
 
-__all__ = ["LinearisedNetworkMean", "LinearizedNetworkMean", "NetworkMean"]
+__all__ = ["LinearizedNetworkMean", "NetworkMean"]

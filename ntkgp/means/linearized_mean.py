@@ -10,9 +10,8 @@ from torch.func import functional_call, jvp
 
 from ..caching import ValueCache
 from ..ntk import NTKEngine, check_outputs
-from ..options import deprecated_alias
 
-__all__ = ["LinearisedNetworkMean", "LinearizedNetworkMean", "NetworkMean"]
+__all__ = ["LinearizedNetworkMean", "NetworkMean"]
 
 
 class _NetworkMeanBase(Mean):
@@ -98,6 +97,3 @@ class LinearizedNetworkMean(_NetworkMeanBase):
         net = self.engine.net
         f, j_theta = jvp(lambda p: functional_call(net, p, (x,)), (params,), (params,))
         return f - j_theta
-
-
-LinearisedNetworkMean = deprecated_alias(LinearizedNetworkMean, "LinearisedNetworkMean")

@@ -3,17 +3,11 @@
 * :class:`LaplaceGGNMarginalLogLikelihood` — the Laplace-GGN log marginal likelihood of an :class:`~ntkgp.NTKGP`;
 * :class:`SparseLaplaceMarginalLogLikelihood` — SFR's collapsed sparse bound.
 
-Deprecated names kept for one release: :class:`SparseLaplaceEvidence`, :func:`laplace_ggn_evidence` (now
+Both are thin adapters over :mod:`ntkgp.laplace` (the evidence as a function:
 :func:`ntkgp.laplace.laplace_log_marginal_likelihood`).
 """
 
-from .laplace_ggn_evidence import laplace_ggn_evidence
 from .laplace_ggn_marginal_log_likelihood import LaplaceGGNMarginalLogLikelihood
-from .sparse_evidence import SparseLaplaceEvidence, SparseLaplaceMarginalLogLikelihood
+from .sparse_evidence import SparseLaplaceMarginalLogLikelihood
 
-__all__ = [
-    "LaplaceGGNMarginalLogLikelihood",
-    "SparseLaplaceEvidence",
-    "SparseLaplaceMarginalLogLikelihood",
-    "laplace_ggn_evidence",
-]
+__all__ = ["LaplaceGGNMarginalLogLikelihood", "SparseLaplaceMarginalLogLikelihood"]

@@ -8,9 +8,9 @@ from gpytorch.lazy import LazyEvaluatedKernelTensor
 from gpytorch.likelihoods import Likelihood
 from gpytorch.mlls import MarginalLogLikelihood
 
-from ..laplace import EvidenceOptions, laplace_log_marginal_likelihood
-from ..laplace.evidence import _is_kernel_covariance
-from ..laplace.routes import check_options
+from ..laplace.function_space import EvidenceOptions, laplace_log_marginal_likelihood
+from ..laplace.function_space.evidence import _is_kernel_covariance
+from ..laplace.function_space.routes import check_options
 from ..likelihoods import num_outputs, validate_targets
 from ..models import NTKGP
 from ..options import Curvature, EvidenceMethod, Space, choose

@@ -8,9 +8,8 @@ from gpytorch.mlls import MarginalLogLikelihood
 from torch import Tensor
 
 from ..models.sfr import SFR
-from ..options import deprecated_alias
 
-__all__ = ["SparseLaplaceEvidence", "SparseLaplaceMarginalLogLikelihood"]
+__all__ = ["SparseLaplaceMarginalLogLikelihood"]
 
 
 class SparseLaplaceMarginalLogLikelihood(MarginalLogLikelihood):
@@ -98,8 +97,3 @@ class SparseLaplaceMarginalLogLikelihood(MarginalLogLikelihood):
         for _, module, prior, closure, _ in self.model.named_priors():
             value = value + prior.log_prob(closure(module)).sum()
         return value / num_data
-
-
-#: Deprecated name of :class:`SparseLaplaceMarginalLogLikelihood` (``mll()`` with no arguments still works).
-SparseLaplaceEvidence = deprecated_alias(SparseLaplaceMarginalLogLikelihood, "SparseLaplaceEvidence")
-SparseLaplaceEvidence.__module__ = __name__

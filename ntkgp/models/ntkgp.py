@@ -16,7 +16,7 @@ from torch import nn
 from ..botorch import BoTorchInterface, gradient_settings, to_posterior
 from ..caching import ValueCache
 from ..kernels import NTKKernel
-from ..laplace import (
+from ..laplace.function_space import (
     GLMPredictiveCovariance,
     PredictiveContext,
     SitePosterior,
@@ -585,7 +585,7 @@ class NTKGP(BoTorchInterface, GP):
           taken with the curvature at θ*, where the likelihood of those points is flat.
         * ``iterate=True`` (default): at the mode of the linearized model's log joint on the union of the
           data (all sites move), found by damped Newton steps in the function values
-          (:func:`ntkgp.laplace.site_mode`; Newton/IRLS of GP classification with the Laplace approximation,
+          (:func:`ntkgp.laplace.function_space.site_mode`; Newton/IRLS of GP classification with the Laplace approximation,
           with a backtracking line search, θ* and the hyperparameters fixed). When θ* is a MAP of the
           training data, the mode on the training data alone is θ* itself, so the model before conditioning
           is unchanged by the choice. The default was chosen by measurement (docs/guarantees.md, "Iterated

@@ -4,7 +4,7 @@ Everything here is a function of the network at its current weights :math:`\thet
 the front: it validates inputs, decides once per input shape which parameters take which route
 (:func:`ntkgp.ntk.structured.build_plan`) and dispatches to the structured route (:mod:`ntkgp.ntk.structured`:
 ``nn.Linear`` / ``nn.Conv2d`` layers from their layer features, :mod:`ntkgp.ntk.features`, shared with
-:mod:`ntkgp.curvature`), the contraction route (:mod:`ntkgp.ntk.contraction`: ``vmap(jacrev)`` for every other
+:mod:`ntkgp.laplace.weight_space`), the contraction route (:mod:`ntkgp.ntk.contraction`: ``vmap(jacrev)`` for every other
 parameter) and matrix-free products (:mod:`ntkgp.ntk.products`). Rows are in GPyTorch's interleaved order
 ``n·C + c`` (``docs/math.md``, "Structured form").
 

@@ -14,7 +14,7 @@ from linear_operator.utils.errors import NotPSDError
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..curvature import compute_curvature
+from ..laplace.weight_space import compute_curvature
 from ..distributed import (
     all_gather_rows,
     all_reduce_max,
@@ -37,8 +37,8 @@ from ..likelihoods import (
 from ..models import NTKGP
 from ..ntk import GroupSpec
 from ..options import Structure, choose, renamed_argument
-from ..posteriors.base import WeightPosterior
-from ..curvature.full import exact_curvature, full_curvature
+from ..laplace.weight_space.posterior import WeightPosterior
+from ..laplace.weight_space.full_curvature import exact_curvature, full_curvature
 
 #: The sane range of every prior precision δ_g; outside it training warns and keeps the last sane values.
 PRIOR_PRECISION_RANGE = (1e-8, 1e8)
@@ -71,7 +71,7 @@ class MarglikResult:
             (:class:`ntkgp.options.Structure` value).
 
     The predictive of the structure that was trained is :meth:`posterior` (a weight-space Laplace posterior,
-    for :func:`ntkgp.predictive.predict`); :meth:`model` is the function-space GP of the full GGN (exact GLM
+    for :func:`ntkgp.laplace.predict`); :meth:`model` is the function-space GP of the full GGN (exact GLM
     predictive), whatever the structure.
     """
 
@@ -103,13 +103,13 @@ class MarglikResult:
 
     def posterior(self, train_x: torch.Tensor, train_y: torch.Tensor | None, **kwargs) -> WeightPosterior:
         r"""The weight-space Laplace posterior of the **structure that was trained** (``"full_ggn"`` /
-        ``"full_ef"``: :class:`~ntkgp.posteriors.FullLaplace`; ``"kfac"``: :class:`~ntkgp.posteriors.KFACLaplace`
+        ``"full_ef"``: :class:`~ntkgp.laplace.weight_space.FullLaplace`; ``"kfac"``: :class:`~ntkgp.laplace.weight_space.KFACLaplace`
         without damping, as the training evidence; ``"diag_ggn"`` / ``"diag_ef"``:
-        :class:`~ntkgp.posteriors.DiagLaplace`) with the learned :math:`\delta` and the learned likelihood:
+        :class:`~ntkgp.laplace.weight_space.DiagLaplace`) with the learned :math:`\delta` and the learned likelihood:
         its ``log_det_precision`` is the one of the training evidence, and
-        ``ntkgp.predictive.predict(result.posterior(x, y), x_test)`` its predictive
-        (:func:`ntkgp.posteriors.laplace_posterior`; ``kwargs`` are passed to it)."""
-        from ..posteriors import laplace_posterior
+        ``ntkgp.laplace.predict(result.posterior(x, y), x_test)`` its predictive
+        (:func:`ntkgp.laplace.laplace_posterior`; ``kwargs`` are passed to it)."""
+        from ..laplace.weight_space.laplace_posterior import laplace_posterior
 
         kwargs.setdefault("input_shape", self.kernel.engine.input_shape)
         return laplace_posterior(self.net, train_x, train_y, self.likelihood, structure=self.structure,
@@ -133,7 +133,7 @@ def _curvature(net, x, y, likelihood, structure, prior_structure, batch_size, in
                spectral=False, engine=None):
     """The curvature of one round at the current θ*, built once; its evidence is then cheap to re-evaluate.
 
-    The full structures are exact, in the cheaper space (:func:`ntkgp.curvature.full.exact_curvature`; with
+    The full structures are exact, in the cheaper space (:func:`ntkgp.laplace.weight_space.full_curvature.exact_curvature`; with
     ``distributed``, weight space summed over the ranks); the scalable ones through ``compute_curvature``."""
     if structure in (Structure.FULL_GGN, Structure.FULL_EF):
         kind = "ggn" if structure is Structure.FULL_GGN else "ef"
@@ -205,7 +205,7 @@ def train_marglik(
 
     **Cost.** Every round builds the curvature **once** at the current :math:`\theta^*` and every
     hyperparameter step re-evaluates the evidence from it. The full structures are exact
-    (:func:`ntkgp.curvature.full.exact_curvature`): in function space, the per-group NTK Grams of the
+    (:func:`ntkgp.laplace.weight_space.full_curvature.exact_curvature`): in function space, the per-group NTK Grams of the
     structured route and one :math:`R \times R` Cholesky factorization per step (:math:`R = NC` for the GGN,
     :math:`N` for the EF), when :math:`R < P`; in weight space, the :math:`P \times P` components and one
     :math:`P \times P` factorization per step otherwise. With a single prior precision (``prior_structure=
@@ -214,7 +214,7 @@ def train_marglik(
     step's update (recorded in ``history`` and kept with a checkpoint together), so ``hyper_steps=1`` costs
     one factorization and its gradient per round. The value equals :meth:`ntkgp.NTKGP.log_marginal_likelihood`
     of the network (``curvature="ggn"`` / ``"ef"``). The scalable structures go through
-    :func:`ntkgp.curvature.compute_curvature`. With ``frequency=1`` (the paper's F = 1) θ changes every
+    :func:`ntkgp.laplace.compute_curvature`. With ``frequency=1`` (the paper's F = 1) θ changes every
     epoch, so the curvature is built every epoch: :math:`O(R^2 P)` work against :math:`O(NP)` for a
     full-batch MAP step (docs/training.md, "Measured").
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from ntkgp.curvature import DiagonalEF, DiagonalGGN, compute_curvature
+from ntkgp.laplace.weight_space import DiagonalEF, DiagonalGGN, compute_curvature
 from ntkgp.likelihoods import LogisticLikelihood, SoftmaxLikelihood, gradient, hessian, log_likelihood
 from ntkgp.ntk import resolve_groups
 from tests.helpers import assert_unchanged, brute_jacobian, mlp, rel_err, small_cnn, snapshot

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from ntkgp.curvature import KroneckerGGN, compute_curvature
+from ntkgp.laplace.weight_space import KroneckerGGN, compute_curvature
 from ntkgp.likelihoods import LogisticLikelihood, SoftmaxLikelihood, hessian
 from ntkgp.ntk import resolve_groups
 from tests.helpers import assert_unchanged, brute_jacobian, mlp, rel_err, small_cnn, snapshot
@@ -237,7 +237,7 @@ def test_kfac_errors():
 def test_empty_loaders_and_batches_without_targets_raise_a_clear_error(structure):
     from torch.utils.data import DataLoader, TensorDataset
 
-    from ntkgp.curvature import compute_curvature
+    from ntkgp.laplace.weight_space import compute_curvature
     from ntkgp.likelihoods import SoftmaxLikelihood
 
     net = torch.nn.Sequential(torch.nn.Linear(2, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))

@@ -10,10 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-import ntkgp.curvature as curvature_module
-from ntkgp.curvature import KroneckerGGN, compute_curvature
-from ntkgp.curvature.data_pass import DataPass
-from ntkgp.curvature.layers import structured_layers, usable_layers
+from ntkgp.laplace.weight_space import KroneckerGGN, compute_curvature
+from ntkgp.laplace.weight_space.data_pass import DataPass
+from ntkgp.laplace.weight_space.layers import structured_layers, usable_layers
 from ntkgp.likelihoods import SoftmaxLikelihood, gradient, hessian
 from ntkgp.ntk import NTKEngine, resolve_groups
 from tests.helpers import assert_unchanged, brute_jacobian, mlp, rel_err, small_cnn, snapshot
@@ -153,20 +152,6 @@ def test_data_are_validated_before_the_pass():
         with pytest.raises(ValueError, match="structure must be one of"):
             compute_curvature(net, x, y, lik, "diagonal")
 
-
-def test_renamed_vocabulary_and_deprecated_aliases():
-    net = mlp(d_out=1)
-    lik = gpytorch.likelihoods.GaussianLikelihood().double()
-    x, y = torch.randn(6, 3, dtype=torch.float64), torch.randn(6, dtype=torch.float64)
-    new = compute_curvature(net, x, y, lik, "kfac", prior_structure="network")
-    with pytest.warns(DeprecationWarning, match="groups= is deprecated"):
-        old = compute_curvature(net, x, y, lik, "kfac", groups="network")
-    value = new.log_marginal_likelihood(0.8, lik)
-    with pytest.warns(DeprecationWarning, match="log_evidence is deprecated"):
-        assert torch.equal(old.log_evidence(0.8, lik), value)
-    with pytest.warns(DeprecationWarning, match="STRUCTURES"):
-        assert set(curvature_module.STRUCTURES) == {"diag_ggn", "diag_ef", "kfac"}
-    assert "STRUCTURES" not in curvature_module.__all__
 
 
 def test_float32_kfac_agrees_with_float64():

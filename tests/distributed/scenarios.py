@@ -11,7 +11,7 @@ import gpytorch
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from ntkgp.curvature import compute_curvature
+from ntkgp.laplace.weight_space import compute_curvature
 from ntkgp.distributed import all_reduce_sum, shard
 from ntkgp.likelihoods import SoftmaxLikelihood
 from ntkgp.models.sfr import SFR

@@ -8,7 +8,7 @@ import torch
 
 import ntkgp
 from ntkgp import distributed as d
-from ntkgp.curvature import compute_curvature
+from ntkgp.laplace.weight_space import compute_curvature
 from ntkgp.training import train_marglik
 from tests.helpers import mlp, snapshot
 

@@ -18,7 +18,7 @@ from torch import nn
 from torch.func import functional_call, jacrev
 
 import ntkgp
-from ntkgp.curvature import compute_curvature
+from ntkgp.laplace.weight_space import compute_curvature
 from ntkgp.likelihoods import SoftmaxLikelihood
 
 TEMPERATURES = [0.2, 0.5, 1.0, 2.0, 5.0, 20.0]

@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ntkgp import metrics
-from ntkgp.curvature import compute_curvature
+from ntkgp.laplace.weight_space import compute_curvature
 from ntkgp.training import train_marglik
 from tests.fuzz.common import (
     ACCEPTED_INPUT_CORRUPTIONS,

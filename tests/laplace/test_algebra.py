@@ -7,7 +7,7 @@ import torch
 from linear_operator.utils.errors import NotPSDError
 from linear_operator.utils.warnings import NumericalWarning
 
-from ntkgp.laplace.algebra import block_apply, block_sandwich, low_rank_log_det, site_cholesky
+from ntkgp.laplace.function_space.algebra import block_apply, block_sandwich, low_rank_log_det, site_cholesky
 from ntkgp.linalg import JitterWarning, cholesky
 
 

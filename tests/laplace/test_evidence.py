@@ -5,7 +5,7 @@ import torch
 from linear_operator.operators import DenseLinearOperator, LowRankRootLinearOperator
 
 import ntkgp
-from ntkgp.laplace import column_weights, laplace_log_marginal_likelihood
+from ntkgp.laplace.function_space import column_weights, laplace_log_marginal_likelihood
 from tests.helpers import rel_err
 from tests.mlls.test_laplace_ggn_evidence import KINDS, make_problem
 
@@ -43,12 +43,3 @@ def test_bad_options_are_named():
     with pytest.raises(ValueError, match="space"):
         model.log_marginal_likelihood(space="dense")
 
-
-def test_deprecated_laplace_ggn_evidence():
-    from ntkgp.mlls import laplace_ggn_evidence
-
-    net, x, y, lik, _ = make_problem("softmax4")
-    model = ntkgp.NTKGP(net, x, y, lik)
-    with pytest.warns(DeprecationWarning, match="laplace_log_marginal_likelihood"):
-        old = laplace_ggn_evidence(model.covar_module, lik, x, model.train_outputs, model.train_y)
-    assert rel_err(old.detach(), model.log_marginal_likelihood().detach()) < 1e-12

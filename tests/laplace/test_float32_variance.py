@@ -19,7 +19,7 @@ from linear_operator.utils.warnings import NumericalWarning
 from torch import nn
 
 import ntkgp
-from ntkgp.laplace import posterior_space
+from ntkgp.laplace.function_space import posterior_space
 from ntkgp.likelihoods import SoftmaxLikelihood
 from ntkgp.options import Space
 from tests.helpers import brute_jacobian, mlp, reference_log_prob, reference_terms, rel_err

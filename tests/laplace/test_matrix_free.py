@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import ntkgp
-from ntkgp.laplace import (
+from ntkgp.laplace.function_space import (
     EvidenceOptions,
     LaplaceSiteOperator,
     MatrixFreeNTKOperator,
@@ -173,7 +173,7 @@ def test_auto_goes_matrix_free_beyond_the_memory_limit(monkeypatch):
     model = ntkgp.NTKGP(net, x, y, lik, prior_precision=DELTA)
     options = EvidenceOptions(dense_memory_limit=0, seed=0, **TIGHT)
     assert evidence_method(model.covar_module, lik, x, model.train_outputs, options=options) == "matrix_free"
-    from ntkgp.laplace import evidence
+    from ntkgp.laplace.function_space import evidence
 
     calls = []
     original = evidence.matrix_free_log_det

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import ntkgp
-from ntkgp.laplace import EvidenceOptions, evidence_method, laplace_log_marginal_likelihood
+from ntkgp.laplace.function_space import EvidenceOptions, evidence_method, laplace_log_marginal_likelihood
 from ntkgp.likelihoods import LogisticLikelihood, SoftmaxLikelihood
 from tests.helpers import dense_laplace, mlp, reference_log_prob, rel_err
 
@@ -147,7 +147,7 @@ def test_the_mll_takes_the_eigen_route_through_the_kernels_own_covariance(monkey
     mll = ntkgp.LaplaceGGNMarginalLogLikelihood(lik, model)
     model.train()
     ref = model.log_marginal_likelihood(method="cholesky").detach() / 15
-    from ntkgp.laplace import evidence
+    from ntkgp.laplace.function_space import evidence
 
     calls = []
     spectral = evidence.spectral_log_det

@@ -160,7 +160,7 @@ def test_mll_method_override_matches_dense_formula(method, monkeypatch):
     """The MLL's ``method=`` reaches the evidence routes (the route's own function is called): each equals the
     dense weight-space formula (exactly for the dense routes; within the stochastic estimate's tolerance for the
     matrix-free one), value and gradient."""
-    import ntkgp.laplace.evidence as evidence_module
+    import ntkgp.laplace.function_space.evidence as evidence_module
 
     route_function = {"cholesky": "log_det_term", "eigen": "spectral_log_det", "matrix_free": "matrix_free_log_det"}
     calls = []

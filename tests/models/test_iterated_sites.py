@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import ntkgp
-from ntkgp.laplace.site_posterior import SiteIterationWarning, damped_newton
+from ntkgp.laplace.function_space.site_posterior import SiteIterationWarning, damped_newton
 from ntkgp.likelihoods import LogisticLikelihood, SoftmaxLikelihood
 from tests.helpers import brute_jacobian, mlp, reference_log_prob, rel_err
 

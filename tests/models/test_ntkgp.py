@@ -555,16 +555,6 @@ def test_inputs_are_validated_before_anything_is_built():
         model.predictive_distribution(torch.ones(4, 3, dtype=torch.long))
 
 
-def test_deprecated_names_keep_working():
-    net, x, y, lik, _ = make_problem("regression1")
-    with pytest.warns(DeprecationWarning, match="groups"):
-        model = ntkgp.NTKGP(net, x, y, lik, groups="network")
-    assert model.covar_module.engine.num_groups == 1
-    with pytest.warns(DeprecationWarning, match="LinearisedNetworkMean"):
-        mean = ntkgp.means.LinearisedNetworkMean(model.covar_module.engine)
-    assert isinstance(mean, ntkgp.means.LinearizedNetworkMean)
-    assert torch.equal(mean(x), model.mean_module(x))
-
 
 def test_train_mode_is_the_prior():
     """docs/ntkgp.md: train-mode calls give the prior; an ExactNTKGP only at its training inputs."""

@@ -8,7 +8,7 @@ import pytest
 import torch
 from gpytorch.likelihoods import GaussianLikelihood
 
-from ntkgp.mlls.sparse_evidence import SparseLaplaceEvidence, SparseLaplaceMarginalLogLikelihood
+from ntkgp.mlls.sparse_evidence import SparseLaplaceMarginalLogLikelihood
 from ntkgp.models.sfr import SFR
 from tests.helpers import brute_jacobian, column_groups, mlp
 from tests.models.test_sfr import DELTA, Dense, layer_labels, problem
@@ -167,9 +167,6 @@ def test_gpytorch_signature_and_the_deprecated_alias():
         mll(y, y)
     with pytest.raises(TypeError, match="needs an SFR"):
         SparseLaplaceMarginalLogLikelihood(lik, torch.nn.Linear(1, 1))
-    with pytest.warns(DeprecationWarning, match="SparseLaplaceMarginalLogLikelihood"):
-        old = SparseLaplaceEvidence(sfr.likelihood, sfr)
-    assert isinstance(old, SparseLaplaceMarginalLogLikelihood) and old().item() == expected
 
 
 def test_registered_priors_are_added_as_in_exact_marginal_log_likelihood():

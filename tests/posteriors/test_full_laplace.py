@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ntkgp.posteriors import FullLaplace, LastLayerLaplace
+from ntkgp.laplace.weight_space import FullLaplace, LastLayerLaplace
 from tests.helpers import assert_unchanged, mlp, snapshot
 from tests.posteriors.reference import (
     DTYPE,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ntkgp.posteriors import laplace_posterior
+from ntkgp.laplace.weight_space import laplace_posterior
 from tests.helpers import mlp
 from tests.posteriors.reference import DTYPE, likelihood_case, targets
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from ntkgp.curvature import compute_curvature
-from ntkgp.posteriors import DiagLaplace, KFACLaplace, laplace_posterior
+from ntkgp.laplace.weight_space import compute_curvature
+from ntkgp.laplace.weight_space import DiagLaplace, KFACLaplace, laplace_posterior
 from tests.helpers import assert_unchanged, mlp, small_cnn, snapshot
 from tests.posteriors.reference import (
     DTYPE,
@@ -142,7 +142,7 @@ def test_a_posterior_refuses_a_network_whose_weights_changed(structure):
     """The curvature belongs to the weights it was computed at: after an in-place change of the network every
     use raises (no silent mix of old curvature and new Jacobians); restoring the weights restores the posterior."""
     from ntkgp.likelihoods import SoftmaxLikelihood
-    from ntkgp.predictive import predict
+    from ntkgp.laplace.weight_space.predictive_estimators import predict
 
     net = mlp(d_in=2, width=5, d_out=3)
     x, y = torch.randn(12, 2, dtype=torch.float64), torch.randint(0, 3, (12,))
@@ -208,7 +208,7 @@ def test_a_last_layer_posterior_refuses_a_changed_body():
 
 def test_predict_reports_inputs_that_do_not_fit_the_network():
     from ntkgp.likelihoods import SoftmaxLikelihood
-    from ntkgp.predictive import predict
+    from ntkgp.laplace.weight_space.predictive_estimators import predict
 
     net = mlp(d_in=2, width=5, d_out=3)
     x, y = torch.randn(12, 2, dtype=torch.float64), torch.randint(0, 3, (12,))

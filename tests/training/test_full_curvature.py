@@ -1,4 +1,4 @@
-"""The exact full GGN / EF of ntkgp.curvature.full (weight space, function space, spectral) against brute force:
+"""The exact full GGN / EF of ntkgp.laplace.weight_space.full_curvature (weight space, function space, spectral) against brute force:
 explicit per-example Jacobians (autograd, row by row), explicit dense matrices and their log-determinants."""
 
 import math
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import ntkgp
-from ntkgp.curvature.full import (
+from ntkgp.laplace.weight_space.full_curvature import (
     FullCurvature,
     FunctionSpaceCurvature,
     exact_curvature,
@@ -124,7 +124,7 @@ def test_auto_space_takes_the_smaller_side_and_weight_space_wrappers():
 
 
 def test_old_import_paths_still_work():
-    from ntkgp.posteriors.dense_curvature import component_weights, dense_curvature  # noqa: F401
+    from ntkgp.laplace.weight_space.dense_curvature import component_weights, dense_curvature  # noqa: F401
     from ntkgp.training.weight_space import WeightSpaceCurvature, weight_space_curvature
 
     assert WeightSpaceCurvature is FullCurvature
@@ -135,5 +135,5 @@ def test_old_import_paths_still_work():
     a, b = weight_space_curvature(net, x, y, lik, "ggn"), full_ggn(net, x, y, lik)
     torch.testing.assert_close(a.dense(lik), b.dense(lik))
     # the posterior's dense GGN comes from the same components
-    post = ntkgp.posteriors.laplace_posterior(net, x, y, lik, structure="full_ggn", prior_precision=1.0)
+    post = ntkgp.laplace.laplace_posterior(net, x, y, lik, structure="full_ggn", prior_precision=1.0)
     torch.testing.assert_close(post.curvature_matrix(), b.dense(lik))

@@ -184,8 +184,8 @@ def test_batch_size_none_is_the_full_batch(batch_size, steps_per_epoch):
 @pytest.mark.parametrize("structure", ["kfac", "diag_ggn", "full_ef"])
 def test_result_posterior_is_the_structure_that_was_trained(structure):
     """result.posterior gives the weight-space posterior whose log-determinant is the training evidence's."""
-    from ntkgp.curvature import compute_curvature
-    from ntkgp.curvature.full import full_ef
+    from ntkgp.laplace.weight_space import compute_curvature
+    from ntkgp.laplace.weight_space.full_curvature import full_ef
 
     data, net, lik = regression_problem()
     result = train_marglik(net, data.x_train, data.y_train, lik, structure=structure, epochs=40, lr=1e-2, burn_in=20,
@@ -199,7 +199,7 @@ def test_result_posterior_is_the_structure_that_was_trained(structure):
         curvature = compute_curvature(net, data.x_train, data.y_train, lik, structure=structure)
     expected = curvature.log_det(result.prior_precision, lik)
     assert posterior.log_det_precision().item() == pytest.approx(expected.item(), rel=1e-9)
-    prediction = ntkgp.predictive.predict(posterior, data.x_test[:5])
+    prediction = ntkgp.laplace.predict(posterior, data.x_test[:5])
     assert torch.isfinite(prediction.f.variance).all() and (prediction.f.variance > 0).all()
 
 

@@ -23,7 +23,7 @@ from linear_operator.utils.getitem import _is_noop_index
 from linear_operator.utils.memoize import cached
 from torch import Tensor
 
-from .predictive import PredictiveTerms
+from .prediction_terms import PredictiveTerms
 
 __all__ = ["SparsePosteriorCovariance"]
 
@@ -69,7 +69,7 @@ class SparsePosteriorCovariance(LinearOperator):
         blocks: posterior ``C×C`` block of each point, ``(*batch, n, C, C)``.
         low_rank_z: :math:`V` per batch element, ``(*batch, nb, K, R)``, or ``None`` (recomputed per chunk).
         low_rank_s: :math:`S = R^{-1}V`, same shape, or ``None``.
-        terms: the model's :class:`~ntkgp.models.sfr.predictive.PredictiveTerms` (prior products, factors).
+        terms: the model's :class:`~ntkgp.models.sfr.prediction_terms.PredictiveTerms` (prior products, factors).
         chunk_size: test points per chunk when factors are recomputed.
     """
 

@@ -14,7 +14,7 @@ softmax likelihoods. Its Newton step with the new points' sites at :math:`f` is 
 adding those sites, :math:`\alpha^+ = (K_{ZZ} + B_{old} + B_{new}(f))^{-1} (\tilde y_{old} + \tilde y_{new}(f))`;
 solved as SFR solves its posterior (:func:`~ntkgp.models.sfr.whitening.whitened_factors`); the first iterate puts
 the sites at the network's outputs (the one-step update) and
-:func:`~ntkgp.laplace.site_posterior.damped_newton` takes it from there. The old sites stay where they are
+:func:`~ntkgp.laplace.function_space.site_posterior.damped_newton` takes it from there. The old sites stay where they are
 (their data are gone): this is the mode of the sparse model given the old sites, not of the union. The
 prior precisions, noise and temperature of the call are used; the sites are then fixed like any others.
 """
@@ -27,7 +27,7 @@ import torch
 from gpytorch.likelihoods import Likelihood
 from torch import Tensor
 
-from ...laplace.site_posterior import SiteIterationWarning, damped_newton
+from ...laplace.function_space.site_posterior import SiteIterationWarning, damped_newton
 from ...likelihoods import gradient, hessian, log_likelihood, validate_targets
 from ...ntk import NTKEngine
 from ...options import OutputCoupling, PriorMean

@@ -35,7 +35,7 @@ from .data import InputLayout, StateGuard, check_inputs, positive_int, stream_st
 from .distributed import choose_inducing_inputs_distributed
 from .inducing_points import choose_inducing_inputs
 from .iterated import iterated_statistics
-from .predictive import PosteriorState, PredictiveTerms
+from .prediction_terms import PosteriorState, PredictiveTerms
 from .statistics import combined_system_gram, system_grams
 from .whitening import inducing_factors, roundoff, whitened_factors
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from ntkgp.models.sfr import SFR, predictive
-from ntkgp.models.sfr.predictive import PredictiveTerms
+from ntkgp.models.sfr import SFR, prediction_terms
+from ntkgp.models.sfr.prediction_terms import PredictiveTerms
 from tests.helpers import small_cnn
 from tests.models.test_sfr import DELTA, dense_moments, problem, rel_err
 
@@ -130,13 +130,13 @@ def test_prediction_memory_is_bounded_by_the_chunk():
     sfr, _ = model("softmax", 3, "joint", "linearized")
     xs = torch.randn(50, 3, dtype=torch.float64)
     sizes: list[int] = []
-    original = predictive.system_grams_and_diagonal
+    original = prediction_terms.system_grams_and_diagonal
 
     def spy(engine, z, x, coupling, *args, **kwargs):
         sizes.append(x.shape[0])
         return original(engine, z, x, coupling, *args, **kwargs)
 
-    with mock.patch.object(predictive, "system_grams_and_diagonal", side_effect=spy):
+    with mock.patch.object(prediction_terms, "system_grams_and_diagonal", side_effect=spy):
         dist = sfr(xs, chunk_size=8)
         _ = dist.variance
     assert sizes and max(sizes) <= 8
@@ -158,7 +158,7 @@ def test_prediction_memory_is_bounded_by_the_chunk():
     assert len(factors) == 7
     sfr.batch_size = 16  # the default chunk is the accumulation step
     sizes.clear()
-    with mock.patch.object(predictive, "system_grams_and_diagonal", side_effect=spy):
+    with mock.patch.object(prediction_terms, "system_grams_and_diagonal", side_effect=spy):
         sfr(xs)
     assert max(sizes) == 16
 

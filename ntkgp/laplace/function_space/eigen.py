@@ -1,0 +1,163 @@
+r"""The Laplace evidence for one prior precision: one eigendecomposition, then :math:`O(Nk)` per step.
+
+With a single prior precision :math:`\delta` (``prior_structure="network"``) the kernel is
+:math:`K = \delta^{-1} K_1`, :math:`K_1 = J J^\top`. When moreover the site factor is a scalar multiple of
+a matrix fixed by the data, :math:`L = s\,L_0` (docs/math.md, "Laplace-GGN evidence"), every hyperparameter
+enters the log-determinant through the one number :math:`\rho = s^2/\delta`:
+
+.. math::
+    \log\lvert I + L^\top K L\rvert = \log\lvert I + \rho\, L_0^\top K_1 L_0\rvert
+        = \sum_i \log(1 + \rho\,\lambda_i),
+
+with :math:`\lambda_i` the eigenvalues of :math:`A_0 = L_0^\top K_1 L_0` (``N·k × N·k``), or equally the
+non-zero ones of :math:`J^\top L_0 L_0^\top J` (``P × P``, the GGN at :math:`\delta = s = 1`) — whichever
+is smaller. After one eigendecomposition (cached by the values of the inputs, the network outputs, the
+targets and the network's weights), a step costs :math:`O(\min(Nk, P))` and its gradient is exact. The
+Laplace evidence has no quadratic term (:math:`\theta^*` is fixed; the data fit is
+:math:`\sum_n \log p(y_n \mid f_n)`), so the eigenvalues are all that is needed.
+
+**When it applies** (:func:`eigen_problem`): one prior-precision group, an unbatched kernel, inputs without
+gradients, and :math:`L = s L_0` with :math:`s` a scalar hyperparameter:
+
+* Gaussian likelihood with one noise :math:`\sigma^2` (``GaussianLikelihood``;
+  ``MultitaskGaussianLikelihood`` without task noises): :math:`s = \sigma^{-1}` (GGN) or :math:`\sigma^{-2}`
+  (empirical Fisher, :math:`L_n = g_n = (y_n - f_n)/\sigma^2`) — the eigenvalues of :math:`K_1` give
+  :math:`K_1/\delta + \sigma^2 I` for every :math:`\delta, \sigma`;
+* logistic and softmax likelihoods (tempered or not): :math:`s = T^{-1/2}` (GGN) or :math:`T^{-1}` (EF).
+
+Per-output noises (``MultitaskGaussianLikelihood`` with task noises) scale the outputs differently and are
+left to the other routes.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from gpytorch.likelihoods import Likelihood, MultitaskGaussianLikelihood
+
+from ...caching import ValueCache
+from ...kernels import NTKKernel
+from ...likelihoods import gradient, hessian_sqrt, is_gaussian, likelihood_temperature, noise_variance
+from ...options import Curvature, Space, choose, choose_space
+from .algebra import block_apply, block_sandwich
+
+__all__ = ["eigen_problem", "site_scale", "spectral_log_det", "spectrum"]
+
+_SPECTRA: weakref.WeakKeyDictionary[NTKKernel, ValueCache] = weakref.WeakKeyDictionary()
+
+
+def site_scale(likelihood: Likelihood, curvature: Curvature | str = "ggn") -> torch.Tensor | None:
+    r"""The scalar :math:`s` with :math:`L = s L_0` for every value of the likelihood's hyperparameters.
+
+    Returns:
+        :math:`\sigma^{-1}` / :math:`\sigma^{-2}` (Gaussian, one noise), :math:`T^{-1/2}` / :math:`T^{-1}`
+        (tempered likelihoods; a constant 1 without a temperature) for ``"ggn"`` / ``"ef"``, with its graph
+        to the hyperparameter; ``None`` where the site factor has no such scale (per-output noises).
+    """
+    power = 1.0 if choose(Curvature, curvature, "curvature") is Curvature.GGN else 2.0
+    if is_gaussian(likelihood):
+        if (
+            isinstance(likelihood, MultitaskGaussianLikelihood)
+            and likelihood.has_task_noise
+            and likelihood.num_tasks > 1
+        ):
+            return None
+        return noise_variance(likelihood)[0].pow(-power / 2)
+    temperature = likelihood_temperature(likelihood)
+    if temperature is None:
+        return torch.ones(())
+    return temperature.pow(-power / 2)
+
+
+def eigen_problem(
+    kernel: NTKKernel, likelihood: Likelihood, x: torch.Tensor, curvature: Curvature | str
+) -> str | None:
+    """Why the eigen route does not apply to this problem, or ``None`` when it does."""
+    if kernel.engine.num_groups != 1:
+        return f"it needs one prior precision (prior_structure='network'); the kernel has {kernel.engine.num_groups} groups"
+    if kernel.prior_precision.dim() != 1:
+        return "it needs an unbatched kernel"
+    if x.requires_grad and torch.is_grad_enabled():
+        return "x requires grad (the route gives gradients in the hyperparameters only)"
+    if site_scale(likelihood, curvature) is None:
+        return "the likelihood's curvature is not one scalar times a fixed matrix (per-output noises)"
+    return None
+
+
+def _factor(likelihood: Likelihood, f: torch.Tensor, y: torch.Tensor, curvature: Curvature) -> torch.Tensor:
+    if curvature is Curvature.GGN:
+        return hessian_sqrt(likelihood, f, y)
+    return gradient(likelihood, f, y).unsqueeze(-1)
+
+
+def spectrum(
+    kernel: NTKKernel,
+    likelihood: Likelihood,
+    x: torch.Tensor,
+    f: torch.Tensor,
+    y: torch.Tensor,
+    curvature: Curvature | str = "ggn",
+    space: Space | str = "auto",
+) -> torch.Tensor:
+    r"""The eigenvalues :math:`\lambda_i \ge 0` of :math:`L_0^\top K_1 L_0` (function space) or of
+    :math:`J^\top L_0 L_0^\top J` (weight space), cached by the values of ``x``, ``f``, ``y`` and the
+    network's weights and buffers (the hyperparameters may change freely).
+
+    The space follows :func:`ntkgp.options.choose_space` (weight space when :math:`P < Nk`); the
+    eigendecomposition costs :math:`O(\min(Nk, P)^3)` once.
+    """
+    curvature = choose(Curvature, curvature, "curvature")
+    n, c = f.shape
+    k = c if curvature is Curvature.GGN else 1
+    space = choose_space(space, kernel.engine.num_params, n * k)
+    engine = kernel.engine
+    state = engine.network_state()
+    cache = _SPECTRA.setdefault(kernel, ValueCache(size=2))
+
+    def compute() -> torch.Tensor:
+        with torch.no_grad():
+            scale = site_scale(likelihood, curvature).to(f)
+            base = _factor(likelihood, f.detach(), y, curvature) / scale  # L_0, free of hyperparameters
+            if space is Space.FUNCTION:
+                matrix = block_sandwich(base, kernel.group_grams(x).sum(0).to(base))
+            else:
+                w = block_apply(base, kernel.jacobian(x).to(base), transpose=True)
+                matrix = w.mT @ w
+            return torch.linalg.eigvalsh(matrix).clamp_min(0)
+
+    tag = ("spectrum", curvature.value, space.value, type(likelihood).__name__)
+    return cache.get_or_compute(tag, [x, f.detach(), y], compute, state=state)
+
+
+def spectral_log_det(
+    kernel: NTKKernel,
+    likelihood: Likelihood,
+    x: torch.Tensor,
+    f: torch.Tensor,
+    y: torch.Tensor,
+    curvature: Curvature | str = "ggn",
+    space: Space | str = "auto",
+) -> torch.Tensor:
+    r""":math:`\log|I + L^\top K L| = \sum_i \log(1 + \lambda_i s^2/\delta)`, exact, differentiable in
+    :math:`\delta` and in the likelihood's scale (:func:`site_scale`).
+
+    Args:
+        kernel: the NTK kernel with one prior-precision group.
+        likelihood: a likelihood whose site factor has a scalar scale.
+        x: training inputs ``(N, D)`` as the kernel takes them.
+        f: network outputs ``(N, C)`` (fixed data).
+        y: validated targets.
+        curvature: ``"ggn"`` or ``"ef"``.
+        space: where the one eigendecomposition is done (``"auto"``: the smaller of :math:`Nk` and :math:`P`).
+
+    Raises:
+        ValueError: when the route does not apply (:func:`eigen_problem`), naming the reason.
+    """
+    curvature = choose(Curvature, curvature, "curvature")
+    problem = eigen_problem(kernel, likelihood, x, curvature)
+    if problem is not None:
+        raise ValueError(f"method='eigen' does not apply: {problem}")
+    lam = spectrum(kernel, likelihood, x, f, y, curvature, space)
+    rho = site_scale(likelihood, curvature).to(lam).square() / kernel.prior_precision[0].to(lam)
+    return torch.log1p(lam * rho).sum()

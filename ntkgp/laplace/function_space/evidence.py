@@ -1,0 +1,267 @@
+r"""The Laplace-GGN log marginal likelihood of a trained network, in function or weight space.
+
+With :math:`\theta^*` fixed and the NTK kernel :math:`K = J P_0^{-1} J^\top` (docs/math.md, "Laplace-GGN
+evidence"):
+
+.. math::
+    \log q(\mathcal D) = \sum_n \log p(y_n \mid f_n) - \tfrac12 \theta^{*\top} P_0 \theta^*
+        - \tfrac12 \log\lvert I_{Nk} + L^\top K_{XX} L \rvert,
+    \qquad L_n L_n^\top = \Lambda_n \ (\text{GGN}) \text{ or } g_n g_n^\top \ (\text{empirical Fisher}),
+
+where the last term equals :math:`\log|H| - \log|P_0|` (matrix determinant lemma). This module is the one
+implementation used by :meth:`ntkgp.NTKGP.log_marginal_likelihood`,
+:class:`ntkgp.mlls.LaplaceGGNMarginalLogLikelihood` and :func:`ntkgp.training.train_marglik`.
+"""
+
+from __future__ import annotations
+
+import torch
+from gpytorch.lazy import LazyEvaluatedKernelTensor
+from gpytorch.likelihoods import Likelihood
+from linear_operator.operators import LinearOperator, RootLinearOperator
+
+from ...kernels import NTKKernel
+from ...likelihoods import gradient, hessian_sqrt, log_likelihood
+from ...options import Curvature, Space, choose, choose_space
+from .algebra import low_rank_log_det, site_cholesky
+from .eigen import eigen_problem, spectral_log_det
+from .matrix_free import matrix_free_log_det
+from .routes import EvidenceMethod, EvidenceOptions, check_options, choose_method, dense_memory_bytes
+
+__all__ = [
+    "column_weights",
+    "curvature_factor",
+    "evidence_method",
+    "laplace_log_marginal_likelihood",
+    "log_det_term",
+    "prior_term",
+]
+
+
+def curvature_factor(
+    likelihood: Likelihood, f: torch.Tensor, y: torch.Tensor, curvature: Curvature | str = "ggn"
+) -> torch.Tensor:
+    """Blocks ``(N, C, k)`` of the factor ``L`` with ``L_n L_nᵀ`` the per-point curvature in output space.
+
+    ``"ggn"``: ``L_n L_nᵀ = Λ_n`` (k = C); ``"ef"``: ``L_n = g_n`` (k = 1), so that ``J_nᵀ L_n L_nᵀ J_n = G_nᵀ G_n``
+    with ``G_n = g_nᵀ J_n`` the per-example gradient (the empirical Fisher).
+
+    Raises:
+        ValueError: for an unknown ``curvature``.
+    """
+    if choose(Curvature, curvature, "curvature") is Curvature.GGN:
+        return hessian_sqrt(likelihood, f, y)
+    return gradient(likelihood, f, y).unsqueeze(-1)
+
+
+def column_weights(kernel: NTKKernel, power: float) -> torch.Tensor:
+    r""":math:`\delta_g^{\,\mathrm{power}}` for every Jacobian column, shape ``(P,)`` (:meth:`NTKKernel.column_weights`)."""
+    return kernel.column_weights(power)
+
+
+def prior_term(kernel: NTKKernel) -> torch.Tensor:
+    r""":math:`\theta^{*\top} P_0 \theta^* = \sum_g \delta_g \lVert\theta^*_g\rVert^2` at the network's current weights."""
+    norms = kernel.engine.group_sq_norms()
+    return (kernel.prior_precision.to(norms) * norms).sum()
+
+
+def _root(covariance: LinearOperator | None) -> torch.Tensor | None:
+    """The root ``R`` of a covariance ``R Rᵀ`` when the operator has one (the kernel's weight-space form)."""
+    if covariance is None:
+        return None
+    if hasattr(covariance, "evaluate_kernel"):
+        covariance = covariance.evaluate_kernel()
+    if isinstance(covariance, RootLinearOperator):
+        return covariance.root.to_dense()
+    return None
+
+
+def log_det_term(
+    kernel: NTKKernel,
+    x: torch.Tensor,
+    factor: torch.Tensor,
+    space: Space | str = "auto",
+    covariance: LinearOperator | torch.Tensor | None = None,
+) -> torch.Tensor:
+    r""":math:`\log|I + L^\top K_{XX} L| = \log|H| - \log|P_0|`, by the cheaper route.
+
+    Function space factorises the ``(N·k)²`` matrix :math:`I + L^\top K L` (from the kernel's cached
+    per-group Grams); weight space the ``P²`` matrix :math:`I + W^\top W`, :math:`W = L^\top J P_0^{-1/2}`
+    (from the cached Jacobian). ``"auto"`` takes weight space when :math:`P < N k`
+    (:func:`ntkgp.options.choose_space`).
+
+    Args:
+        kernel: the NTK kernel at the training inputs (prior precisions, cached Grams and Jacobians).
+        x: training inputs ``(N, D)`` as the kernel takes them.
+        factor: ``L`` as blocks ``(N, C, k)`` (:func:`curvature_factor`).
+        space: ``"auto"``, ``"function"`` or ``"weight"``.
+        covariance: :math:`K_{XX}` when the caller already holds it (e.g. the covariance of the prior
+            ``model(train_x)``); otherwise ``kernel(x)`` is used.
+    """
+    n, _, k = factor.shape
+    space = choose_space(space, kernel.engine.num_params, n * k)
+    if space is Space.FUNCTION:
+        gram = kernel(x) if covariance is None else covariance
+        gram = gram.to_dense() if isinstance(gram, LinearOperator) else gram
+        return 2 * site_cholesky(factor, gram.to(factor)).diagonal().log().sum()
+    root = _root(covariance)
+    if root is None:
+        root = kernel.jacobian(x) * column_weights(kernel, -0.5).to(factor)
+    return low_rank_log_det(factor, root.to(factor))
+
+
+def _is_kernel_covariance(covariance: object, kernel: NTKKernel, x: torch.Tensor) -> bool:
+    """Whether ``covariance`` is the kernel's own lazy :math:`K_{XX}` (e.g. ``model(train_x)``'s covariance)."""
+    if not isinstance(covariance, LazyEvaluatedKernelTensor) or covariance.kernel is not kernel:
+        return False
+    if covariance.last_dim_is_batch or covariance.params.get("diag", False):
+        return False
+    x1, x2 = covariance.x1, covariance.x2
+    same = (x1 is x or (x1.shape == x.shape and torch.equal(x1, x))) and (x2 is x1 or torch.equal(x2, x1))
+    return bool(same)
+
+
+def _matrix_free_problem(kernel: NTKKernel, x: torch.Tensor) -> str | None:
+    if kernel.prior_precision.dim() != 1:
+        return "it needs an unbatched kernel"
+    if x.requires_grad and torch.is_grad_enabled():
+        return "x requires grad (the route gives gradients in the hyperparameters only)"
+    return None
+
+
+def evidence_method(
+    kernel: NTKKernel,
+    likelihood: Likelihood,
+    x: torch.Tensor,
+    f: torch.Tensor,
+    curvature: Curvature | str = "ggn",
+    space: Space | str = "auto",
+    covariance: LinearOperator | torch.Tensor | None = None,
+    method: EvidenceMethod | str = "auto",
+    options: EvidenceOptions | None = None,
+) -> EvidenceMethod:
+    r"""The route :func:`laplace_log_marginal_likelihood` takes for these arguments (``docs/scaling.md``).
+
+    ``"auto"``: ``"matrix_free"`` when the dense routes would hold more than ``options.dense_memory_limit``
+    bytes (:func:`~ntkgp.laplace.function_space.routes.dense_memory_bytes`), else ``"eigen"`` where it applies
+    (:func:`~ntkgp.laplace.function_space.eigen.eigen_problem`: one prior precision, a scalar site scale), else
+    ``"cholesky"``. A ``covariance`` other than the kernel's own lazy :math:`K_{XX}` always takes
+    ``"cholesky"`` (it is what is factorized); a problem the chosen route cannot treat (a batched kernel,
+    inputs that require grad) falls back to ``"cholesky"``.
+
+    Args:
+        kernel, likelihood, x, f, curvature, space, covariance: as for :func:`laplace_log_marginal_likelihood`.
+        method: ``"auto"``, ``"cholesky"``, ``"eigen"`` or ``"matrix_free"``.
+        options: :class:`~ntkgp.laplace.EvidenceOptions` (``dense_memory_limit``).
+
+    Returns:
+        The resolved :class:`~ntkgp.laplace.EvidenceMethod`.
+
+    Raises:
+        ValueError: for an unknown option, or an explicit method that does not apply, naming the reason.
+    """
+    curvature = choose(Curvature, curvature, "curvature")
+    space = choose(Space, space, "space")
+    method = choose(EvidenceMethod, method, "method")
+    options = check_options(options)
+    own = covariance is None or _is_kernel_covariance(covariance, kernel, x)
+    if method is EvidenceMethod.CHOLESKY:
+        return method
+    if not own:
+        if method is EvidenceMethod.AUTO:
+            return EvidenceMethod.CHOLESKY
+        raise ValueError(
+            f"method={method.value!r} computes the kernel itself: pass covariance=None (or the kernel's own "
+            "model(train_x) covariance), or use method='cholesky' to factorize the given covariance"
+        )
+    eigen = eigen_problem(kernel, likelihood, x, curvature)
+    free = _matrix_free_problem(kernel, x)
+    if method is EvidenceMethod.EIGEN and eigen is not None:
+        raise ValueError(f"method='eigen' does not apply: {eigen}")
+    if method is EvidenceMethod.MATRIX_FREE and free is not None:
+        raise ValueError(f"method='matrix_free' does not apply: {free}")
+    n, c = f.shape[-2], f.shape[-1]
+    k = c if curvature is Curvature.GGN else 1
+    engine = kernel.engine
+    dense = dense_memory_bytes(engine.num_params, engine.num_groups, n, c, k, f.dtype, space)
+    chosen = choose_method(method, dense, options, eigen)
+    if chosen is EvidenceMethod.MATRIX_FREE and free is not None:
+        return EvidenceMethod.CHOLESKY
+    return chosen
+
+
+def laplace_log_marginal_likelihood(
+    kernel: NTKKernel,
+    likelihood: Likelihood,
+    x: torch.Tensor,
+    f: torch.Tensor,
+    y: torch.Tensor,
+    curvature: Curvature | str = "ggn",
+    space: Space | str = "auto",
+    covariance: LinearOperator | torch.Tensor | None = None,
+    method: EvidenceMethod | str = "auto",
+    options: EvidenceOptions | None = None,
+) -> torch.Tensor:
+    r"""The Laplace-GGN log marginal likelihood :math:`\log q(\mathcal D)` with :math:`\theta^*` fixed (total, not per point).
+
+    .. math::
+        \log q(\mathcal D) = \sum_n \log p(y_n \mid f_n) - \tfrac12 \theta^{*\top} P_0 \theta^*
+                    - \tfrac12 \log\lvert I_{NC} + \Lambda^{1/2} K_{XX} \Lambda^{1/2} \rvert
+
+    (Immer et al. 2021, eq. 3–4; docs/math.md, "Laplace-GGN evidence"). Differentiable w.r.t. the prior
+    precisions and the likelihood's noise or temperature (through :math:`\log p` and :math:`\Lambda`); no
+    Jacobian is recomputed between hyperparameter steps.
+
+    The log-determinant takes one of four routes (``method``; ``docs/scaling.md``): ``"cholesky"`` (dense, in
+    function or weight space by ``space``), ``"eigen"`` (one prior precision and a scalar site scale: one
+    eigendecomposition, then :math:`O(\min(Nk, P))` per step, exact), ``"matrix_free"`` (GPyTorch's CG and
+    stochastic Lanczos quadrature on a matrix-free kernel: an unbiased-in-expectation estimate and a stochastic
+    gradient, memory linear in :math:`N`), and ``"auto"`` (:func:`evidence_method`: matrix-free when the dense
+    routes need more than ``options.dense_memory_limit`` bytes, else eigen where it applies, else Cholesky).
+
+    Args:
+        kernel: the NTK kernel (prior precisions, cached Grams).
+        likelihood: a supported likelihood (:mod:`ntkgp.likelihoods`).
+        x: training inputs ``(N, D)`` as the kernel takes them.
+        f: network outputs at ``x``, ``(N, C)`` (fixed data, at :math:`\theta^*`).
+        y: targets (validated by :func:`ntkgp.likelihoods.validate_targets`).
+        curvature: ``"ggn"`` (Gauss–Newton) or ``"ef"`` (empirical Fisher).
+        space: ``"auto"``, ``"function"`` or ``"weight"``: where the Cholesky and eigen routes work
+            (:func:`log_det_term`); the matrix-free route is in function space.
+        covariance: :math:`K_{XX}` if already at hand (see :func:`log_det_term`); anything but the kernel's
+            own lazy covariance is factorized by the Cholesky route.
+        method: ``"auto"``, ``"cholesky"``, ``"eigen"`` or ``"matrix_free"``.
+        options: :class:`~ntkgp.laplace.EvidenceOptions`: the memory limit of ``"auto"``, and the probes,
+            tolerances, preconditioner rank and seed of the matrix-free route (``None`` fields take
+            ``gpytorch.settings``).
+
+    Returns:
+        A scalar tensor.
+
+    Raises:
+        ValueError: for an unknown ``curvature``, ``space`` or ``method``, or a method that does not apply.
+        NotPSDError: when :math:`I + L^\top K L` cannot be factorised (non-finite hyperparameters).
+
+    Example:
+        >>> from ntkgp.likelihoods import SoftmaxLikelihood
+        >>> net = torch.nn.Sequential(torch.nn.Linear(2, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3)).double()
+        >>> kernel = NTKKernel(net, prior_precision=1.0, prior_structure="network")
+        >>> x, y = torch.randn(20, 2, dtype=torch.float64), torch.randint(0, 3, (20,))
+        >>> f = net(x).detach()
+        >>> exact = laplace_log_marginal_likelihood(kernel, SoftmaxLikelihood(3), x, f, y, method="cholesky")
+        >>> eigen = laplace_log_marginal_likelihood(kernel, SoftmaxLikelihood(3), x, f, y, method="eigen")
+        >>> bool(torch.isclose(exact, eigen, rtol=1e-10))
+        True
+    """
+    curvature = choose(Curvature, curvature, "curvature")
+    space = choose(Space, space, "space")
+    options = check_options(options)
+    route = evidence_method(kernel, likelihood, x, f, curvature, space, covariance, method, options)
+    fit = log_likelihood(likelihood, f, y).sum()
+    prior = 0.5 * prior_term(kernel).to(fit)
+    if route is EvidenceMethod.EIGEN:
+        return fit - prior - 0.5 * spectral_log_det(kernel, likelihood, x, f, y, curvature, space).to(fit)
+    factor = curvature_factor(likelihood, f, y, curvature)
+    if route is EvidenceMethod.MATRIX_FREE:
+        return fit - prior - 0.5 * matrix_free_log_det(kernel, x, factor, options).to(fit)
+    return fit - prior - 0.5 * log_det_term(kernel, x, factor, space, covariance)

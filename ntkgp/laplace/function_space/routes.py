@@ -1,0 +1,158 @@
+r"""Which route computes the log-determinant of the Laplace evidence, and with which settings.
+
+The term :math:`\log|I_{Nk} + L^\top K L|` of :func:`ntkgp.laplace.laplace_log_marginal_likelihood` has
+four routes (``method=``; ``docs/scaling.md``):
+
+* ``"cholesky"``: a dense Cholesky factorization in function space (:math:`(Nk)^2`) or weight space
+  (:math:`P^2`), whichever is smaller (:func:`ntkgp.options.choose_space`); exact, :math:`O(\min(Nk, P)^3)`
+  per hyperparameter step.
+* ``"eigen"``: one prior precision and sites whose curvature is a scalar multiple of a fixed matrix: one
+  eigendecomposition, then :math:`O(\min(Nk, P))` per step (:mod:`ntkgp.laplace.function_space.eigen`); exact.
+* ``"matrix_free"``: the kernel as a matrix-free ``LinearOperator``, GPyTorch's preconditioned CG and
+  stochastic Lanczos quadrature (:mod:`ntkgp.laplace.function_space.matrix_free`); a stochastic estimate, memory
+  :math:`O(N(C\sum d^{out} + \sum d^{in}) + Nk(t + r))`.
+* ``"auto"`` (default): ``"matrix_free"`` when the dense routes would need more than
+  :attr:`EvidenceOptions.dense_memory_limit` bytes, else ``"eigen"`` where it is valid, else ``"cholesky"``
+  (:func:`choose_method`).
+"""
+
+from __future__ import annotations
+
+import numbers
+
+from dataclasses import dataclass
+
+import torch
+
+from ...options import EvidenceMethod, Space, choose, choose_space
+
+__all__ = [
+    "DENSE_MEMORY_LIMIT",
+    "EvidenceMethod",
+    "EvidenceOptions",
+    "choose_method",
+    "dense_memory_bytes",
+]
+
+#: Default bytes the dense routes may use before ``method="auto"`` switches to the matrix-free route (4 GiB).
+DENSE_MEMORY_LIMIT = 4 * 2**30
+
+
+def _optional_count(value: object, name: str, minimum: int, maximum: int | None = None) -> int | None:
+    if value is None:
+        return None
+    if (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum
+            or (maximum is not None and value > maximum)):
+        bound = f"an integer ≥ {minimum}" if maximum is None else f"an integer in [{minimum}, {maximum}]"
+        raise ValueError(f"{name} must be None or {bound}, got {value!r}")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class EvidenceOptions:
+    r"""Settings of the evidence routes. A field left ``None`` takes GPyTorch's current setting.
+
+    Attributes:
+        dense_memory_limit: bytes the dense routes (``"cholesky"``, ``"eigen"``) may use before
+            ``method="auto"`` takes the matrix-free route (:func:`dense_memory_bytes`); default 4 GiB.
+        num_probes: probe vectors :math:`t` of the stochastic trace/log-determinant estimate
+            (``gpytorch.settings.num_trace_samples``, default 10).
+        cg_tolerance: relative residual at which CG stops (``gpytorch.settings.cg_tolerance``, default 1).
+        max_cg_iterations: at most this many CG iterations (``gpytorch.settings.max_cg_iterations``, 1000).
+        lanczos_iterations: Lanczos steps of the quadrature, and the minimum number of CG iterations
+            (``gpytorch.settings.max_lanczos_quadrature_iterations``, default 20).
+        preconditioner_rank: rank :math:`r` of the randomized Nyström preconditioner (0: none;
+            ``gpytorch.settings.max_preconditioner_size``, default 15).
+        seed: seed of the probe vectors and the preconditioner's test matrix (``None``: torch's global
+            generator, as GPyTorch does).
+
+    Raises:
+        ValueError: for a field out of range, naming it.
+
+    Example:
+        >>> EvidenceOptions(num_probes=32, cg_tolerance=0.01, seed=0).num_probes
+        32
+    """
+
+    dense_memory_limit: int = DENSE_MEMORY_LIMIT
+    num_probes: int | None = None
+    cg_tolerance: float | None = None
+    max_cg_iterations: int | None = None
+    lanczos_iterations: int | None = None
+    preconditioner_rank: int | None = None
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        limit = self.dense_memory_limit
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+            raise ValueError(f"dense_memory_limit must be a non-negative integer (bytes), got {limit!r}")
+        _optional_count(self.num_probes, "num_probes", 1)
+        _optional_count(self.max_cg_iterations, "max_cg_iterations", 1)
+        _optional_count(self.lanczos_iterations, "lanczos_iterations", 1)
+        _optional_count(self.preconditioner_rank, "preconditioner_rank", 0)
+        _optional_count(self.seed, "seed", 0, 2**63 - 2)  # the preconditioner's stream is seeded with seed + 1
+        tol = self.cg_tolerance
+        if tol is not None and (isinstance(tol, bool) or not isinstance(tol, (int, float)) or not tol > 0):
+            raise ValueError(f"cg_tolerance must be None or a positive number, got {tol!r}")
+
+
+def check_options(options: EvidenceOptions | None) -> EvidenceOptions:
+    """``options`` or the defaults; raises ``TypeError`` naming the argument for anything else."""
+    if options is None:
+        return EvidenceOptions()
+    if not isinstance(options, EvidenceOptions):
+        raise TypeError(
+            f"options must be an ntkgp.laplace.EvidenceOptions or None, got {type(options).__name__}"
+        )
+    return options
+
+
+def dense_memory_bytes(
+    num_params: int,
+    num_groups: int,
+    num_data: int,
+    num_outputs: int,
+    rank: int,
+    dtype: torch.dtype,
+    space: Space | str,
+) -> int:
+    r"""Bytes the dense routes hold at once, in ``space`` (``"auto"``: the space they would take).
+
+    .. math::
+        \text{function: } \big((G + 1)(NC)^2 + 3 (Nk)^2\big)\,b, \qquad
+        \text{weight: } \big((NC + Nk) P + 3 P^2\big)\,b
+
+    (the kernel's cached per-group Grams or Jacobian, the weighted Gram, the site matrix, its factor and an
+    eigendecomposition's workspace), :math:`b` bytes per number.
+    """
+    b = torch.empty((), dtype=dtype).element_size()
+    nc, nk, p = num_data * num_outputs, num_data * rank, num_params
+    if choose_space(space, p, nk) is Space.FUNCTION:
+        return ((num_groups + 1) * nc * nc + 3 * nk * nk) * b
+    return ((nc + nk) * p + 3 * p * p) * b
+
+
+def choose_method(
+    method: EvidenceMethod | str,
+    dense_bytes: int,
+    options: EvidenceOptions,
+    eigen_problem: str | None,
+) -> EvidenceMethod:
+    """Resolve ``method="auto"`` (an explicit method is returned as it is, after validation).
+
+    Args:
+        method: the requested method.
+        dense_bytes: :func:`dense_memory_bytes` of the problem.
+        options: the settings (``dense_memory_limit``).
+        eigen_problem: why the eigen route does not apply, or ``None`` when it does.
+
+    Returns:
+        ``MATRIX_FREE`` when ``dense_bytes > options.dense_memory_limit``, else ``EIGEN`` when it applies,
+        else ``CHOLESKY``.
+    """
+    method = choose(EvidenceMethod, method, "method")
+    if method is not EvidenceMethod.AUTO:
+        return method
+    if dense_bytes > options.dense_memory_limit:
+        return EvidenceMethod.MATRIX_FREE
+    return EvidenceMethod.EIGEN if eigen_problem is None else EvidenceMethod.CHOLESKY

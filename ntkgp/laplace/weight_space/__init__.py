@@ -1,0 +1,60 @@
+r"""Weight-space Laplace: curvature structures of the GGN / empirical Fisher (``P × P`` objects or their
+Kronecker / diagonal approximations), the posteriors :math:`N(\theta^*, (H + P_0)^{-1})` built on them, and every
+estimator of their GLM predictive.
+
+* :func:`compute_curvature` — one pass over the data, a :class:`Curvature` whose :meth:`~Curvature.log_det` and
+  :meth:`~Curvature.log_marginal_likelihood` are cheap to re-evaluate for new prior precisions, noise or
+  temperature: ``"diag_ggn"`` (:class:`DiagonalGGN`), ``"diag_ef"`` (:class:`DiagonalEF`), ``"kfac"``
+  (:class:`KroneckerGGN`, no damping), ``"full_ggn"`` / ``"full_ef"`` (:class:`FullCurvature`). The names are the
+  members of :class:`ntkgp.options.Structure`; :mod:`~ntkgp.laplace.weight_space.structures` is the one place
+  that maps a name to its class.
+* :func:`laplace_posterior` — the posterior front door: :class:`FullLaplace`, :class:`KFACLaplace`,
+  :class:`DiagLaplace`, :class:`LastLayerLaplace` (base class :class:`WeightPosterior`).
+* :func:`predict` — the GLM predictive of a posterior by every estimator of the papers (closed form, GLM-MC,
+  MC-GLM, network sampling; probit, bridge and MC links).
+"""
+
+from .curvature import Curvature
+from .diag_laplace import DiagLaplace
+from .diagonal import DiagonalCurvature, DiagonalEF, DiagonalGGN, diagonal_ef, diagonal_ggn
+from .full_curvature import FullCurvature, FunctionSpaceCurvature, exact_curvature, full_curvature
+from .full_laplace import FullLaplace
+from .kfac import KroneckerFactor, KroneckerFactors, KroneckerGGN, kfac_ggn
+from .kfac_laplace import KFACLaplace
+from .laplace_posterior import laplace_posterior
+from .last_layer_laplace import LastLayerLaplace
+from .network_function import NetworkFunction
+from .posterior import WeightPosterior
+from .predictive_estimators import Prediction, default_step_size, laplace_bridge, predict
+from .scaling import output_scale
+from .structures import compute_curvature
+
+__all__ = [
+    "Curvature",
+    "DiagLaplace",
+    "DiagonalCurvature",
+    "DiagonalEF",
+    "DiagonalGGN",
+    "FullCurvature",
+    "FullLaplace",
+    "FunctionSpaceCurvature",
+    "KFACLaplace",
+    "KroneckerFactor",
+    "KroneckerFactors",
+    "KroneckerGGN",
+    "LastLayerLaplace",
+    "NetworkFunction",
+    "Prediction",
+    "WeightPosterior",
+    "compute_curvature",
+    "default_step_size",
+    "diagonal_ef",
+    "diagonal_ggn",
+    "exact_curvature",
+    "full_curvature",
+    "kfac_ggn",
+    "laplace_bridge",
+    "laplace_posterior",
+    "output_scale",
+    "predict",
+]

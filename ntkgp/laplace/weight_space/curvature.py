@@ -1,0 +1,153 @@
+r"""The common interface of the scalable Laplace-GGN curvature structures and the evidence they give.
+
+A :class:`Curvature` is computed once from the network at :math:`\theta^*` and the training data; it then
+evaluates, for any prior precisions :math:`\delta_g` and likelihood hyperparameters (noise, temperature),
+
+.. math::
+    \log q(\mathcal D) = \sum_n \log p(y_n \mid f_n) - \tfrac12 \sum_g \delta_g \|\theta^*_g\|^2
+    + \tfrac12 \sum_g P_g \log \delta_g - \tfrac12 \log|H + P_0|,
+
+with :math:`H` the structured approximation of :math:`\sum_n J_n^\top \Lambda_n J_n` (or of the empirical
+Fisher) and :math:`P_0 = \operatorname{diag}(\delta)` expanded to :math:`P \times P` (``docs/math.md``,
+"Laplace-GGN evidence"): the Laplace approximation of the log marginal likelihood. Nothing that scales with :math:`N` or needs the network is recomputed: the likelihood's
+hyperparameters enter through the output scale :math:`s` (:func:`~ntkgp.laplace.weight_space.scaling.output_scale`), the
+data term through the stored outputs :math:`f_n`. All evaluations are differentiable w.r.t. :math:`\delta`,
+the noise and the temperature.
+"""
+
+from __future__ import annotations
+
+import warnings
+from abc import ABC, abstractmethod
+
+import torch
+from gpytorch.likelihoods import Likelihood
+from torch import Tensor
+
+from ...likelihoods import log_likelihood
+from ...ntk import ParameterGroups
+from .scaling import output_scale
+
+
+def unexpected(kwargs: dict, function: str) -> None:
+    """Raise ``TypeError`` for keywords left over after the deprecated ones were taken out."""
+    if kwargs:
+        raise TypeError(f"{function}() got unexpected keyword arguments {sorted(kwargs)}")
+
+
+class Curvature(ABC):
+    r"""A structured curvature :math:`H \approx \sum_n J_n^\top \Lambda_n J_n` at :math:`\theta^*`, computed once.
+
+    Args:
+        groups: the prior-precision groups of the network's trainable parameters.
+        theta_sq_norms: :math:`\|\theta^*_g\|^2` per group, shape ``(G,)``.
+        f: network outputs :math:`f_n` at :math:`\theta^*`, shape ``(N, C)``.
+        y: the training targets, normalised by :func:`~ntkgp.likelihoods.validate_targets`.
+        scale_size: the length of the likelihood's output scale :math:`s` the curvature was split for
+            (``C`` for Gaussian likelihoods, ``1`` otherwise).
+    """
+
+    structure: str = ""
+
+    def __init__(
+        self, groups: ParameterGroups, theta_sq_norms: Tensor, f: Tensor, y: Tensor, scale_size: int
+    ) -> None:
+        self.groups = groups
+        self.theta_sq_norms = theta_sq_norms
+        self.f = f
+        self.y = y
+        self.scale_size = int(scale_size)
+        self.column_groups = groups.column_groups(device=f.device)
+        self.group_sizes = groups.group_sizes().to(f)
+
+    @property
+    def num_data(self) -> int:
+        """:math:`N`, the number of training points the curvature sums over."""
+        return self.f.shape[0]
+
+    @property
+    def num_params(self) -> int:
+        """:math:`P`, the number of trainable parameters."""
+        return self.groups.num_params
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.f.dtype
+
+    def prior_precision_vector(self, prior_precision: float | Tensor) -> Tensor:
+        r"""The prior precisions :math:`\delta` as a ``(G,)`` tensor (a scalar is shared by all groups)."""
+        if not torch.is_tensor(prior_precision):
+            if isinstance(prior_precision, (str, bytes, bool)):
+                raise TypeError(f"prior_precision must be a number or a tensor, got {prior_precision!r}")
+            try:
+                prior_precision = torch.tensor(prior_precision, dtype=self.dtype)
+            except (TypeError, ValueError, RuntimeError):
+                raise TypeError(f"prior_precision must be a number or a tensor, got {prior_precision!r}") from None
+        elif prior_precision.is_complex() or prior_precision.dtype == torch.bool:
+            raise TypeError(f"prior_precision must be a real tensor, got dtype {prior_precision.dtype}")
+        delta = prior_precision.to(device=self.f.device, dtype=self.dtype)
+        if delta.dim() == 0:
+            delta = delta.expand(self.groups.num_groups)
+        if delta.shape != (self.groups.num_groups,):
+            raise ValueError(
+                f"prior_precision must be a scalar or have shape ({self.groups.num_groups},) (one per group "
+                f"{list(self.groups.group_names)}), got shape {tuple(delta.shape)}"
+            )
+        if not bool((delta > 0).all()) or not bool(torch.isfinite(delta).all()):
+            raise ValueError(f"prior_precision must be positive and finite, got {delta.detach().tolist()}")
+        return delta
+
+    def scale(self, likelihood: Likelihood) -> Tensor:
+        r"""The likelihood's output scale :math:`s` (``1/σ²`` or ``1/T``), shape ``(scale_size,)``."""
+        s = output_scale(likelihood).to(device=self.f.device, dtype=self.dtype)
+        if s.shape != (self.scale_size,):
+            raise ValueError(
+                f"the curvature was computed for a likelihood with an output scale of size {self.scale_size}, "
+                f"but {type(likelihood).__name__} has one of size {s.shape[0]}; compute it again for this "
+                "likelihood"
+            )
+        return s
+
+    @abstractmethod
+    def log_det(self, prior_precision: float | Tensor, likelihood: Likelihood) -> Tensor:
+        r""":math:`\log|H + P_0|` for prior precisions ``(G,)`` (or a scalar) and the likelihood's current
+        noise or temperature, shape ``()``."""
+
+    @abstractmethod
+    def dense(self, likelihood: Likelihood) -> Tensor:
+        r"""The structured :math:`H` (without the prior) as a dense ``(P, P)`` matrix, columns in the order of
+        ``groups.names``. For tests and small networks only."""
+
+    def log_marginal_likelihood(self, prior_precision: float | Tensor, likelihood: Likelihood) -> Tensor:
+        r"""The Laplace approximation of the log marginal likelihood :math:`\log q(\mathcal D)` (module
+        docstring), shape ``()``, differentiable w.r.t. ``prior_precision`` and the likelihood's noise or
+        temperature.
+
+        Args:
+            prior_precision: :math:`\delta`, a positive scalar (shared by all groups) or ``(G,)``.
+            likelihood: the likelihood the curvature was computed for, at its current hyperparameters.
+
+        Returns:
+            The log marginal likelihood, summed over the data: divide by :attr:`num_data` to report it per
+            data point. Cost: :math:`O(NC)` for the data term plus that of :meth:`log_det`.
+
+        Raises:
+            ValueError: ``prior_precision`` of the wrong shape or not positive, or a likelihood with another
+                output scale.
+        """
+        delta = self.prior_precision_vector(prior_precision)
+        data_fit = log_likelihood(likelihood, self.f, self.y).sum()
+        return (
+            data_fit
+            - 0.5 * (delta * self.theta_sq_norms).sum()
+            + 0.5 * (self.group_sizes * delta.log()).sum()
+            - 0.5 * self.log_det(delta, likelihood)
+        )
+
+    def log_evidence(self, prior_precision: float | Tensor, likelihood: Likelihood) -> Tensor:
+        """Deprecated alias of :meth:`log_marginal_likelihood` (``DeprecationWarning``)."""
+        warnings.warn(
+            "Curvature.log_evidence is deprecated; use Curvature.log_marginal_likelihood", DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.log_marginal_likelihood(prior_precision, likelihood)

@@ -1,0 +1,182 @@
+r"""One pass over the training data at :math:`\theta^*`: batches, outputs, unit likelihood factors, and
+per-example vector-Jacobian products :math:`J_n^\top u_n`.
+
+The network is treated functionally through the engine's shared passes (:mod:`ntkgp.ntk.functional`,
+``torch.func.functional_call`` with detached copies of its parameters): the network's weights, flags, mode and
+hooks are left as they are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+from gpytorch.likelihoods import Likelihood
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+
+from ...distributed import all_gather_rows, all_reduce_sum, check_distributed, check_replicated, together
+from ...likelihoods import gradient, hessian_sqrt, validate_targets
+from ...ntk import NTKEngine, check_outputs
+from ...ntk.checks import check_count
+from ...ntk.functional import forward, per_example_vjps
+from ...ntk.groups import GroupSpec
+from .scaling import output_scale
+
+Data = Tensor | Iterable[tuple[Tensor, Tensor]]
+
+
+@dataclass
+class DataPass:
+    r"""The network, its parameters :math:`\theta^*` and the likelihood for one pass over the data.
+
+    Collects the outputs :math:`f_n` and normalised targets of every batch it hands out.
+
+    Attributes:
+        engine: the :class:`~ntkgp.ntk.NTKEngine` (prior groups, input checks, detached parameters).
+        likelihood: the likelihood.
+        params: :math:`\theta^*` per trainable parameter name, detached.
+        scale0: the output scale :math:`s_0` of the likelihood at computation time, ``(K,)``, detached.
+        distributed: each rank passes its shard of the data; sums (:meth:`reduce`) and the collected
+            outputs and targets (:meth:`collected`) are over all ranks (:mod:`ntkgp.distributed`).
+    """
+
+    engine: NTKEngine
+    likelihood: Likelihood
+    params: dict[str, Tensor]
+    scale0: Tensor
+    outputs: list[Tensor] = field(default_factory=list)
+    targets: list[Tensor] = field(default_factory=list)
+    distributed: bool = False
+
+    @classmethod
+    def start(
+        cls,
+        net: nn.Module,
+        likelihood: Likelihood,
+        prior_structure: GroupSpec = "layer",
+        input_shape: tuple[int, ...] | None = None,
+        distributed: bool = False,
+    ) -> DataPass:
+        """Check the network (eval mode, trainable parameters) and the likelihood; record :math:`\\theta^*`
+        and :math:`s_0`. With ``distributed``, also check that every rank holds the same network."""
+        distributed = check_distributed(distributed)
+        with together("checking the network", distributed):
+            engine = NTKEngine(net, prior_structure=prior_structure, input_shape=input_shape)
+            scale0 = output_scale(likelihood).detach().to(device=engine.device, dtype=engine.dtype)
+        check_replicated([*net.parameters(), *net.buffers()], "the network's weights", distributed)
+        return cls(engine=engine, likelihood=likelihood, params=engine.params(), scale0=scale0, distributed=distributed)
+
+    @property
+    def net(self) -> nn.Module:
+        return self.engine.net
+
+    @property
+    def num_data(self) -> int:
+        return sum(f.shape[0] for f in self.outputs)
+
+    def forward(self, x: Tensor, params: dict[str, Tensor] | None = None) -> Tensor:
+        """``f(x; θ)`` through ``functional_call`` (``θ*`` unless ``params`` overrides some parameters)."""
+        return forward(self.net, self.params if params is None else {**self.params, **params}, x)
+
+    def check(self, x: Data, y: Tensor | None, batch_size: int) -> int:
+        """Validate the whole data set before the pass (tensor inputs: every row of ``x`` and ``y``).
+
+        Returns:
+            ``batch_size`` as an ``int``.
+
+        Raises:
+            TypeError, ValueError: naming ``x``, ``y`` or ``batch_size``.
+        """
+        batch_size = check_count(batch_size, "batch_size")
+        if torch.is_tensor(x):
+            prepared = self.engine.prepare(x, "x")
+            if not torch.is_tensor(y):
+                raise TypeError("y must be a tensor of targets when x is a tensor")
+            if y.dim() < 1 or y.shape[0] != x.shape[0]:
+                raise ValueError(f"x has {x.shape[0]} rows but y has shape {tuple(y.shape)}")
+            validate_targets(self.likelihood, y, self.engine.num_outputs(prepared), num_data=x.shape[0], name="y")
+        elif y is not None:
+            raise ValueError("pass y=None when x is an iterable of (x, y) batches")
+        elif not isinstance(x, Iterable):
+            raise TypeError(f"x must be a tensor or an iterable of (x, y) batches, got {type(x).__name__}")
+        return batch_size
+
+    def batches(self, x: Data, y: Tensor | None, batch_size: int, progress: bool, desc: str) -> Iterator[
+        tuple[Tensor, Tensor, Tensor]
+    ]:
+        """Yield ``(x_b, f_b, y_b)``: prepared inputs, outputs ``(n, C)`` (no graph) and normalised targets.
+
+        ``x`` is a tensor ``(N, ...)`` with targets ``y``, split into batches of ``batch_size``; or an
+        iterable of ``(x_b, y_b)`` batches (e.g. a ``DataLoader``) with ``y=None``. With :attr:`distributed`,
+        invalid data (or an empty shard) on any rank raises on every rank at the end of the pass.
+        """
+        with together("the pass over the data", self.distributed):
+            yield from self._batches(x, y, batch_size, progress, desc)
+            if self.distributed and not self.outputs:
+                raise ValueError("this rank's shard of x holds no data (with distributed=True every rank needs some)")
+            if not self.outputs:
+                raise ValueError("the data is empty: no batch was seen")
+
+    def _batches(self, x: Data, y: Tensor | None, batch_size: int, progress: bool, desc: str) -> Iterator[
+        tuple[Tensor, Tensor, Tensor]
+    ]:
+        batch_size = self.check(x, y, batch_size)
+        if torch.is_tensor(x):
+            pairs: Iterable = zip(x.split(batch_size), y.split(batch_size))
+            total = -(-x.shape[0] // batch_size)
+        else:
+            pairs, total = x, None
+        for pair in tqdm(pairs, total=total, desc=desc, disable=not progress, leave=False):
+            if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
+                raise ValueError(
+                    "x must be a tensor or an iterable of (x, y) batches; a batch of "
+                    f"{len(pair) if isinstance(pair, (tuple, list)) else type(pair).__name__} was found "
+                    "(a DataLoader over a dataset of inputs only has no targets)"
+                )
+            xb, yb = pair
+            xb = self.engine.prepare(xb, "x")
+            with torch.no_grad():
+                fb = self.forward(xb.detach())
+            check_outputs(fb, xb.shape[0])
+            yb = validate_targets(self.likelihood, yb, fb.shape[1], num_data=fb.shape[0])
+            self.outputs.append(fb)
+            self.targets.append(yb)
+            yield xb.detach(), fb, yb
+
+    def unit_hessian_sqrt(self, f: Tensor, y: Tensor) -> Tensor:
+        r""":math:`\tilde L_n = S_0^{-1/2} L_n` with :math:`L_n L_n^\top = \Lambda_n`, shape ``(n, C, C)``.
+
+        Gaussian: :math:`\tilde L_n = I`; tempered classification: :math:`L_n \sqrt{T_0}`.
+        """
+        with torch.no_grad():
+            return hessian_sqrt(self.likelihood, f, y) * self.scale0.rsqrt()[:, None]
+
+    def unit_gradient(self, f: Tensor, y: Tensor) -> Tensor:
+        r""":math:`\tilde g_n = S_0^{-1} g_n`, shape ``(n, C)`` (Gaussian: :math:`y_n - f_n`)."""
+        with torch.no_grad():
+            return gradient(self.likelihood, f, y) / self.scale0
+
+    def per_example_vjps(self, x: Tensor, cotangents: Tensor, names: list[str]) -> Tensor:
+        r"""Rows :math:`J_n^\top u_{nm}` restricted to the parameters ``names``, shape ``(n, M, P_{names})``
+        (:func:`ntkgp.ntk.functional.per_example_vjps`)."""
+        return per_example_vjps(self.net, self.params, x, cotangents, names)
+
+    def theta_sq_norms(self) -> Tensor:
+        r""":math:`\|\theta^*_g\|^2` per group, shape ``(G,)``."""
+        return self.engine.group_sq_norms()
+
+    def reduce(self, tensors: list[Tensor]) -> list[Tensor]:
+        """Sum ``tensors`` over the ranks in place (:func:`ntkgp.distributed.all_reduce_sum`; no-op unless
+        :attr:`distributed`)."""
+        return all_reduce_sum(tensors, enabled=self.distributed)
+
+    def collected(self) -> tuple[Tensor, Tensor]:
+        """All outputs ``(N, C)`` and normalised targets seen so far (of every rank, in rank order, when
+        :attr:`distributed`)."""
+        if not self.outputs:
+            raise ValueError("the data is empty: no batch was seen")
+        f, y = torch.cat(self.outputs), torch.cat(self.targets)
+        y = y.to(f.dtype) if y.is_floating_point() else y  # one dtype on every rank, whatever each was given
+        return all_gather_rows(f, self.distributed), all_gather_rows(y, self.distributed)

@@ -1,0 +1,166 @@
+r"""Diagonal Laplace: :math:`\Sigma = \operatorname{diag}(1 / (H_{pp}(s) + \delta_{g(p)}))` from the diagonal
+GGN or EF.
+
+Everything is elementwise: :math:`\Sigma v = v / (h + \delta)`, :math:`\eta = z / \sqrt{h + \delta}`,
+:math:`\log|\Sigma^{-1}| = \sum_p \log(h_p + \delta_{g(p)})`. The GLM closed form
+:math:`J \Sigma J^\top` uses, for ``Linear``/``Conv2d`` layers, the layer inputs and output gradients at the
+test points (:func:`~ntkgp.laplace.weight_space.kronecker_form.kronecker_sandwich` with identity bases): with one
+location :math:`[J \Sigma J^\top]_{cc'} = \sum_o \gamma_{co} \gamma_{c'o} \sum_i \bar a_i^2 \Sigma_{oi}`,
+never the Jacobian; other parameters take per-example Jacobians.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from gpytorch.likelihoods import Likelihood
+from torch import Tensor, nn
+
+from .curvature import Curvature
+from .diagonal import DiagonalCurvature
+from ...options import Curvature as CurvatureKind
+from ...options import choose
+from .posterior import WeightPosterior, check_before_pass, check_likelihood, prior_precision_vector
+from .dense_curvature import Data
+from .kronecker_form import (
+    kronecker_features,
+    kronecker_root,
+    kronecker_sandwich,
+    layer_index,
+    structured_layers,
+)
+from .network_function import NetworkFunction
+from .structured_curvature import structured_curvature
+
+
+class DiagLaplace(WeightPosterior):
+    r"""The diagonal Laplace posterior (module docstring).
+
+    Args:
+        net: the trained network, BatchNorm/dropout in eval mode; never modified.
+        x: training inputs ``(N, ...)``, or an iterable of ``(x_b, y_b)`` batches with ``y=None``.
+        y: training targets.
+        likelihood: a supported likelihood; its noise or temperature at each later call sets :math:`s`.
+        curvature: ``"ggn"`` (default: the diagonal of the GGN) or ``"ef"`` (of the empirical Fisher).
+        prior_precision: :math:`\delta`, a float or one per group.
+        prior_structure: ``"layer"`` (default), ``"network"``, ``"parameter"`` or a mapping name → group.
+        batch_size: examples per batch of the curvature pass.
+        progress: show a tqdm bar.
+        input_shape: the shape of one input, for flat inputs.
+        chunk_size: examples per chunk at prediction time.
+
+    Example:
+        >>> posterior = DiagLaplace(net, x, y, likelihood, curvature="ef", prior_structure="parameter")
+        >>> posterior.prior_precision = torch.full((posterior.groups.num_groups,), 3.0)
+        >>> variances = posterior.glm_covariance(x_test).diagonal(dim1=-2, dim2=-1)
+    """
+
+    def __init__(
+        self,
+        net: nn.Module,
+        x: Data,
+        y: Tensor | None,
+        likelihood: Likelihood,
+        curvature: str = "ggn",
+        prior_precision: float | Tensor = 1.0,
+        prior_structure: str | Mapping[str, str] = "layer",
+        batch_size: int = 64,
+        progress: bool = False,
+        input_shape: tuple[int, ...] | None = None,
+        chunk_size: int = 256,
+    ) -> None:
+        check_likelihood(likelihood)
+        kind = choose(CurvatureKind, curvature, "curvature")
+        check_before_pass(net, prior_precision, prior_structure, input_shape, chunk_size)
+        computed = structured_curvature(
+            net, x, y, likelihood, f"diag_{kind.value}", prior_structure, batch_size, progress, input_shape
+        )
+        self._setup(computed, net, likelihood, prior_precision, input_shape, chunk_size)
+
+    @classmethod
+    def from_curvature(
+        cls,
+        curvature: Curvature,
+        net: nn.Module,
+        likelihood: Likelihood,
+        prior_precision: float | Tensor = 1.0,
+        input_shape: tuple[int, ...] | None = None,
+        chunk_size: int = 256,
+    ) -> DiagLaplace:
+        """The posterior of a diagonal curvature already computed (``structure="diag_ggn"`` or ``"diag_ef"``).
+
+        Raises:
+            TypeError: when ``curvature`` is not diagonal.
+        """
+        check_likelihood(likelihood)
+        self = cls.__new__(cls)
+        self._setup(curvature, net, likelihood, prior_precision, input_shape, chunk_size)
+        return self
+
+    def _setup(self, curvature, net, likelihood, prior_precision, input_shape, chunk_size) -> None:
+        if not isinstance(curvature, DiagonalCurvature):
+            raise TypeError(
+                f"curvature must be diagonal (diag_ggn or diag_ef), got {type(curvature).__name__}"
+            )
+        fn = NetworkFunction(net, list(curvature.groups.names), input_shape, chunk_size)
+        prior_precision_vector(prior_precision, curvature.groups, fn)
+        super().__init__(fn, likelihood, curvature.groups, prior_precision, curvature.scale_size)
+        self.structure = curvature.structure
+        self.curvature = curvature
+        self._layers = None
+
+    def precision_diagonal(self) -> Tensor:
+        r""":math:`h(s) + \delta`, ``(P,)``."""
+        return self.cached(
+            "diagonal",
+            lambda: self.curvature.diagonal(self.likelihood).detach() + self.prior_precision_columns(),
+        )
+
+    def _precision_matmul(self, v: Tensor) -> Tensor:
+        return v * self.precision_diagonal()[:, None]
+
+    def _covariance_matmul(self, v: Tensor) -> Tensor:
+        return v / self.precision_diagonal()[:, None]
+
+    def _sample(self, z: Tensor) -> Tensor:
+        return z * self.precision_diagonal().rsqrt()
+
+    def log_det_precision(self) -> Tensor:
+        return self.precision_diagonal().log().sum()
+
+    def dense_precision(self) -> Tensor:
+        return torch.diag(self.precision_diagonal())
+
+    def _structured(self, x: Tensor) -> tuple[list, list[str], Tensor]:
+        """The verified layers with their flat indices, the other parameters' names and flat indices."""
+        if self._layers is None:
+            fn = self.function
+            layers = structured_layers(fn, x, strict=False)
+            covered = {n for layer in layers for n in (layer.weight, layer.bias) if n is not None}
+            rest = [n for n in fn.names if n not in covered]
+            index = [torch.arange(fn.offset(n), fn.offset(n) + fn.numels[fn.names.index(n)]) for n in rest]
+            rest_index = torch.cat(index or [torch.zeros(0, dtype=torch.long)]).to(fn.device)
+            self._layers = ([(layer, layer_index(fn, layer)) for layer in layers], rest, rest_index)
+        return self._layers
+
+    def _glm_covariance(self, x: Tensor) -> Tensor:
+        layers, rest, rest_index = self._structured(x)
+        variance = self.precision_diagonal().reciprocal()
+        features = kronecker_features(self.function, x, [layer for layer, _ in layers]) if layers else {}
+        out = 0
+        for layer, index in layers:
+            out = out + kronecker_sandwich(*features[layer.name], variance[index])
+        if rest:
+            jac = self.function.jacobian(x, rest)
+            out = out + (jac * variance[rest_index]) @ jac.mT
+        return out
+
+    def _glm_root(self, x: Tensor) -> Tensor:
+        layers, rest, rest_index = self._structured(x)
+        variance = self.precision_diagonal().reciprocal()
+        features = kronecker_features(self.function, x, [layer for layer, _ in layers]) if layers else {}
+        roots = [kronecker_root(*features[layer.name], variance[index]) for layer, index in layers]
+        if rest:
+            roots.append(self.function.jacobian(x, rest) * variance[rest_index].sqrt())
+        return torch.cat(roots, dim=-1)

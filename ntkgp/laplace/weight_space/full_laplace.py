@@ -1,0 +1,147 @@
+r"""Full Laplace: a dense ``(P, P)`` GGN or empirical Fisher and its Cholesky factor (small :math:`P`).
+
+.. math::
+    \Sigma^{-1} = H(s) + P_0 = L L^\top, \qquad \Sigma v = L^{-\top} L^{-1} v, \qquad
+    \eta = L^{-\top} z \sim N(0, \Sigma), \qquad \log|\Sigma^{-1}| = 2 \sum_p \log L_{pp},
+
+and the GLM covariance :math:`J \Sigma J^\top = (L^{-1} J^\top)^\top (L^{-1} J^\top)` with the root
+:math:`R = (L^{-1} J^\top)^\top`. The Cholesky factor is computed once per value of :math:`(\delta, s)`:
+:math:`O(P^3)`; every test point then costs one Jacobian and a triangular solve, :math:`O(C P^2)`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from gpytorch.likelihoods import Likelihood
+from linear_operator.utils.cholesky import psd_safe_cholesky
+from torch import Tensor, nn
+
+from ...options import Curvature, choose
+from .posterior import WeightPosterior, check_likelihood, prior_groups, prior_precision_vector
+from .dense_curvature import Data, component_weights, dense_curvature, scale_size
+from .network_function import NetworkFunction
+
+
+class DensePosterior(WeightPosterior):
+    r"""A posterior with a dense precision :math:`\sum_k w_k(s) \tilde H_k + P_0` (module docstring).
+
+    Args:
+        function: the network function over :math:`\theta`.
+        likelihood: the likelihood.
+        groups: prior-precision groups of :math:`\theta`.
+        prior_precision: :math:`\delta` (float or ``(G,)``).
+        components: the curvature components ``(K, P, P)`` (:func:`dense_curvature`).
+        curvature: ``"ggn"`` or ``"ef"`` (how the components are weighted by :math:`s`).
+    """
+
+    def __init__(
+        self,
+        function: NetworkFunction,
+        likelihood: Likelihood,
+        groups,
+        prior_precision: float | Tensor,
+        components: Tensor,
+        curvature: Curvature | str,
+    ) -> None:
+        super().__init__(function, likelihood, groups, prior_precision, scale_size(likelihood))
+        self.curvature = choose(Curvature, curvature, "curvature")
+        self.structure = f"full_{self.curvature.value}"
+        self.components = components
+
+    def curvature_matrix(self) -> Tensor:
+        r""":math:`H(s)` for the likelihood's current noise or temperature, ``(P, P)``."""
+        return torch.einsum("k,kpq->pq", component_weights(self.scale(), self.curvature), self.components)
+
+    def dense_precision(self) -> Tensor:
+        return self.curvature_matrix() + torch.diag(self.prior_precision_columns())
+
+    def cholesky(self) -> Tensor:
+        r"""The lower Cholesky factor :math:`L` of :math:`H(s) + P_0` (jitter only if it fails, warned)."""
+        return self.cached("cholesky", lambda: psd_safe_cholesky(self.dense_precision()))
+
+    def _precision_matmul(self, v: Tensor) -> Tensor:
+        return self.dense_precision() @ v
+
+    def _covariance_matmul(self, v: Tensor) -> Tensor:
+        return torch.cholesky_solve(v, self.cholesky())
+
+    def _sample(self, z: Tensor) -> Tensor:
+        return torch.linalg.solve_triangular(self.cholesky().T, z.T, upper=True).T
+
+    def log_det_precision(self) -> Tensor:
+        return 2 * self.cholesky().diagonal().log().sum()
+
+    def jacobian(self, x: Tensor) -> Tensor:
+        """Per-example Jacobians of a prepared chunk, ``(n, C, P)``."""
+        return self.function.jacobian(x)
+
+    def _glm_root(self, x: Tensor) -> Tensor:
+        jac = self.jacobian(x)
+        n, c, p = jac.shape
+        solved = torch.linalg.solve_triangular(self.cholesky(), jac.reshape(n * c, p).T, upper=False)
+        return solved.T.reshape(n, c, p)
+
+    def _glm_covariance(self, x: Tensor) -> Tensor:
+        root = self._glm_root(x)
+        return root @ root.mT
+
+
+class FullLaplace(DensePosterior):
+    r"""The full Laplace posterior :math:`N(\theta^*, (H + P_0)^{-1})` with the dense GGN or empirical Fisher.
+
+    .. math::
+        H_{\mathrm{GGN}} = \sum_n J_n^\top \Lambda_n J_n, \qquad
+        H_{\mathrm{EF}} = \sum_n J_n^\top g_n g_n^\top J_n.
+
+    Exact (no structural approximation of :math:`H`) and therefore the reference of every other structure, for
+    networks small enough for a ``(P, P)`` matrix: memory :math:`O(P^2)`, one :math:`O(P^3)` Cholesky per
+    value of :math:`(\delta, s)`; its GLM predictive equals the function-space one of :class:`~ntkgp.NTKGP`.
+
+    Args:
+        net: the trained network ``(N, *input_shape) -> (N, C)``, BatchNorm/dropout in eval mode; never
+            modified.
+        x: training inputs ``(N, ...)``, or an iterable of ``(x_b, y_b)`` batches (e.g. a ``DataLoader``)
+            with ``y=None``.
+        y: training targets.
+        likelihood: a supported likelihood; its noise or temperature at each later call sets :math:`s`.
+        curvature: ``"ggn"`` (default) or ``"ef"``.
+        prior_precision: :math:`\delta`, a float or one per group.
+        prior_structure: ``"layer"`` (default), ``"network"``, ``"parameter"`` or a mapping name → group.
+        batch_size: examples per Jacobian batch.
+        progress: show a tqdm bar over the batches.
+        input_shape: the shape of one input, for flat ``(N, D)`` inputs.
+        chunk_size: examples per Jacobian chunk at prediction time.
+
+    Example:
+        >>> posterior = FullLaplace(net, x, y, likelihood, prior_precision=1.0)
+        >>> eta = posterior.sample(100)                    # (100, P) draws of θ − θ*
+        >>> blocks = posterior.glm_covariance(x_test)      # (N, C, C)
+    """
+
+    def __init__(
+        self,
+        net: nn.Module,
+        x: Data,
+        y: Tensor | None,
+        likelihood: Likelihood,
+        curvature: str = "ggn",
+        prior_precision: float | Tensor = 1.0,
+        prior_structure: str | Mapping[str, str] = "layer",
+        batch_size: int = 64,
+        progress: bool = False,
+        input_shape: tuple[int, ...] | None = None,
+        chunk_size: int = 256,
+    ) -> None:
+        kind = choose(Curvature, curvature, "curvature")
+        fn = NetworkFunction(net, self._parameter_names(net), input_shape, chunk_size)
+        groups = prior_groups(fn, prior_structure)
+        check_likelihood(likelihood)
+        prior_precision_vector(prior_precision, groups, fn)
+        components = dense_curvature(fn, x, y, likelihood, kind, batch_size, progress)
+        super().__init__(fn, likelihood, groups, prior_precision, components, kind)
+
+    def _parameter_names(self, net: nn.Module) -> list[str] | None:
+        """The parameters the posterior is over: every trainable one."""
+        return None

@@ -1,0 +1,323 @@
+r"""KFAC Laplace: per layer :math:`(G_l \otimes A_l + \delta_l I)^{-1}` through the eigenbases of the factors.
+
+With :math:`A = U_A \operatorname{diag}(q) U_A^\top` and
+:math:`G(s) = \sum_k s_k G_k = U_G \operatorname{diag}(w) U_G^\top` (``docs/math.md``, "Curvature structures
+(KFAC, diagonal)"), the prior is added *exactly*, without damping:
+
+.. math::
+    \Sigma_l = (G \otimes A + \delta_l I)^{-1} = (U_G \otimes U_A) \operatorname{diag}(\operatorname{vec} W)
+    (U_G \otimes U_A)^\top, \qquad W_{oi} = \frac{1}{w_o q_i + \delta_l},
+
+so that, for :math:`\Theta = [W \mid b]` as a ``(d_out, d_a)`` matrix (row-major, the order of
+:mod:`ntkgp.laplace.weight_space.kfac`),
+
+- :math:`\Sigma_l \operatorname{vec}(V) = \operatorname{vec}(U_G [(U_G^\top V U_A) \odot W] U_A^\top)`;
+- the layer-wise factorized sampler: :math:`\eta_l = U_G (Z \odot W^{1/2}) U_A^\top`, :math:`Z` a standard
+  normal ``(d_out, d_a)`` matrix. (The review of GLM-predictive estimators, ``docs/predictive.md``, writes
+  :math:`\mathrm{ch}(Q)^{-1} X \mathrm{ch}(H)^{-1}` for the prior-free block; a factor :math:`B` with
+  :math:`B B^\top = \Sigma_l` needs the inverse *transposed* Cholesky factors, and with the prior the factors
+  no longer separate, hence the eigenbases.)
+- :math:`\log|\Sigma_l^{-1}| = \sum_{oi} \log(w_o q_i + \delta_l)`;
+- the GLM closed form (the review's eq. 16) from the layer inputs and output gradients at the test points,
+  :func:`~ntkgp.laplace.weight_space.kronecker_form.kronecker_sandwich`.
+
+Nothing of size :math:`P \times P` (nor a layer's :math:`d_{out} d_a \times d_{out} d_a` block) is formed:
+memory :math:`O(\sum_l d_a^2 + d_{out}^2)`. Parameters outside ``Linear``/``Conv2d`` layers (normalization
+layers, ...) have the curvature's exact diagonal. ``damping=True`` replaces :math:`W` by
+:math:`1/((w_o + \sqrt{\delta})(q_i + \sqrt{\delta}))`, the damped Kronecker product
+:math:`(G + \sqrt\delta I) \otimes (A + \sqrt\delta I)` of laplace-torch's ``KronLaplace(damping=True)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from gpytorch.likelihoods import Likelihood
+from torch import Tensor, nn
+
+from .curvature import Curvature
+from ...ntk.features import Layer
+from .posterior import WeightPosterior, check_before_pass, check_likelihood, prior_precision_vector
+from .dense_curvature import Data
+from .kronecker_form import (
+    kronecker_features,
+    kronecker_root,
+    kronecker_sandwich,
+    layer_index,
+    structured_layers,
+)
+from .network_function import NetworkFunction
+from .structured_curvature import kronecker_blocks, structured_curvature
+
+
+@dataclass
+class KroneckerBlock:
+    r"""A layer's factors with their eigendecompositions.
+
+    Attributes:
+        layer: the layer.
+        group: its prior group.
+        index: flat positions of :math:`\Theta`, ``(d_out, d_a)``.
+        input_factor: :math:`A`; ``input_eigenvalues`` :math:`q` and ``input_basis`` :math:`U_A` (computed
+            once).
+        output_factors: :math:`G_k`, ``(K, d_out, d_out)``; with ``K = 1`` also its eigenvalues and basis.
+    """
+
+    layer: Layer
+    group: int
+    index: Tensor
+    input_factor: Tensor
+    output_factors: Tensor
+    input_eigenvalues: Tensor
+    input_basis: Tensor
+    output_eigenvalues: Tensor | None
+    output_basis: Tensor | None
+
+    def output_factor(self, scale: Tensor) -> Tensor:
+        r""":math:`G(s) = \sum_k s_k G_k`."""
+        return torch.einsum("k,kij->ij", scale, self.output_factors)
+
+    def output_eigen(self, scale: Tensor) -> tuple[Tensor, Tensor]:
+        r"""Eigenvalues (clamped at 0) and eigenvectors of :math:`G(s)`."""
+        if self.output_basis is not None:
+            return scale * self.output_eigenvalues, self.output_basis
+        w, u = torch.linalg.eigh(self.output_factor(scale))
+        return w.clamp_min(0), u
+
+
+class KFACLaplace(WeightPosterior):
+    r"""The KFAC Laplace posterior (module docstring): one Kronecker block per ``Linear``/``Conv2d`` layer.
+
+    Args:
+        net: the trained network, BatchNorm/dropout in eval mode; never modified.
+        x: training inputs ``(N, ...)``, or an iterable of ``(x_b, y_b)`` batches with ``y=None``.
+        y: training targets.
+        likelihood: a supported likelihood; its noise or temperature at each later call sets :math:`s`.
+        prior_precision: :math:`\delta`, a float or one per group.
+        prior_structure: ``"layer"`` (default) or ``"network"`` or a mapping that keeps each layer's weight
+            and bias in one group (one Kronecker block per layer).
+        damping: use the damped Kronecker product instead of the exact prior (module docstring).
+        batch_size: examples per batch of the curvature pass.
+        progress: show a tqdm bar.
+        input_shape: the shape of one input, for flat inputs.
+        chunk_size: examples per chunk at prediction time.
+
+    Example:
+        >>> delta = torch.tensor([1.0, 2.0])                 # one per layer
+        >>> posterior = KFACLaplace(net, x, y, SoftmaxLikelihood(10), prior_precision=delta)
+        >>> posterior.glm_covariance(x_test).shape          # (N, C, C), never a P×P matrix
+        torch.Size([1000, 10, 10])
+    """
+
+    def __init__(
+        self,
+        net: nn.Module,
+        x: Data,
+        y: Tensor | None,
+        likelihood: Likelihood,
+        prior_precision: float | Tensor = 1.0,
+        prior_structure: str | Mapping[str, str] = "layer",
+        damping: bool = False,
+        batch_size: int = 64,
+        progress: bool = False,
+        input_shape: tuple[int, ...] | None = None,
+        chunk_size: int = 256,
+    ) -> None:
+        check_likelihood(likelihood)
+        if not isinstance(damping, bool):
+            raise TypeError(f"damping must be a bool, got {type(damping).__name__}")
+        check_before_pass(net, prior_precision, prior_structure, input_shape, chunk_size)
+        curvature = structured_curvature(
+            net, x, y, likelihood, "kfac", prior_structure, batch_size, progress, input_shape
+        )
+        self._setup(curvature, net, likelihood, prior_precision, damping, input_shape, chunk_size)
+
+    @classmethod
+    def from_curvature(
+        cls,
+        curvature: Curvature,
+        net: nn.Module,
+        likelihood: Likelihood,
+        prior_precision: float | Tensor = 1.0,
+        damping: bool = False,
+        input_shape: tuple[int, ...] | None = None,
+        chunk_size: int = 256,
+    ) -> KFACLaplace:
+        """The posterior of a KFAC curvature already computed (e.g. the one whose evidence chose
+        :math:`\\delta`).
+
+        Args:
+            curvature: ``compute_curvature(net, ..., structure="kfac")`` at the network's current weights.
+            net: the same network.
+            likelihood: the likelihood it was computed with.
+            prior_precision: as the constructor's.
+            damping: as the constructor's.
+            input_shape: as the constructor's.
+            chunk_size: as the constructor's.
+        """
+        check_likelihood(likelihood)
+        self = cls.__new__(cls)
+        self._setup(curvature, net, likelihood, prior_precision, damping, input_shape, chunk_size)
+        return self
+
+    def _setup(self, curvature, net, likelihood, prior_precision, damping, input_shape, chunk_size) -> None:
+        factors, diagonal_names, diagonal_components = kronecker_blocks(curvature)
+        fn = NetworkFunction(net, list(curvature.groups.names), input_shape, chunk_size)
+        prior_precision_vector(prior_precision, curvature.groups, fn)
+        super().__init__(fn, likelihood, curvature.groups, prior_precision, curvature.scale_size)
+        self.structure = "kfac"
+        self.damping = bool(damping)
+        modules = dict(net.named_modules())
+        self.blocks: list[KroneckerBlock] = []
+        for f in factors:
+            layer = Layer(f.module, modules[f.module], f.weight, f.bias)
+            q, u_a = torch.linalg.eigh(f.input_factor)
+            w, u_g = (
+                torch.linalg.eigh(f.output_factors[0]) if f.output_factors.shape[0] == 1 else (None, None)
+            )
+            self.blocks.append(
+                KroneckerBlock(
+                    layer,
+                    f.group,
+                    layer_index(fn, layer),
+                    f.input_factor,
+                    f.output_factors,
+                    q.clamp_min(0),
+                    u_a,
+                    None if w is None else w.clamp_min(0),
+                    u_g,
+                )
+            )
+        self.diagonal_names = diagonal_names
+        self.diagonal_components = diagonal_components
+        self.diagonal_index = torch.cat(
+            [
+                torch.arange(fn.offset(n), fn.offset(n) + fn.numels[fn.names.index(n)], device=fn.device)
+                for n in diagonal_names
+            ]
+            or [torch.zeros(0, dtype=torch.long, device=fn.device)]
+        )
+        self._verified = False
+
+    # ------------------------------------------------------------------ decomposition
+    def _block_weights(self) -> list[tuple[Tensor, Tensor, Tensor]]:
+        r"""Per block :math:`(U_G, U_A, W)` for the current :math:`\delta` and :math:`s`."""
+
+        def compute():
+            scale, out = self.scale(), []
+            for block in self.blocks:
+                w, u_g = block.output_eigen(scale)
+                q, delta = block.input_eigenvalues, self.prior_precision[block.group]
+                if self.damping:
+                    weights = 1 / ((w + delta.sqrt())[:, None] * (q + delta.sqrt())[None, :])
+                else:
+                    weights = 1 / (w[:, None] * q[None, :] + delta)
+                out.append((u_g, block.input_basis, weights))
+            return out
+
+        return self.cached("blocks", compute)
+
+    def diagonal_precision(self) -> Tensor:
+        r""":math:`H_{pp}(s) + \delta_{g(p)}` of the parameters outside the blocks, ``(P_rest,)``."""
+        delta = self.prior_precision_columns()[self.diagonal_index]
+        if not self.diagonal_names:
+            return delta
+        return self.scale() @ self.diagonal_components + delta
+
+    @staticmethod
+    def _gather(block: KroneckerBlock, v: Tensor) -> Tensor:
+        """``v`` ``(P, k)`` → the block's ``(k, d_out, d_a)`` matrices."""
+        return v[block.index].permute(2, 0, 1)
+
+    @staticmethod
+    def _scatter(block: KroneckerBlock, out: Tensor, m: Tensor) -> None:
+        out[block.index] = m.permute(1, 2, 0)
+
+    # ------------------------------------------------------------------ WeightPosterior
+    def _precision_matmul(self, v: Tensor) -> Tensor:
+        out = torch.empty_like(v)
+        scale = self.scale()
+        for block in self.blocks:
+            delta = self.prior_precision[block.group]
+            g, a = block.output_factor(scale), block.input_factor
+            eye_g = torch.eye(g.shape[0], dtype=g.dtype, device=g.device)
+            eye_a = torch.eye(a.shape[0], dtype=a.dtype, device=a.device)
+            if self.damping:
+                g, a, delta = g + delta.sqrt() * eye_g, a + delta.sqrt() * eye_a, 0
+            m = self._gather(block, v)
+            self._scatter(block, out, g @ m @ a + delta * m)
+        out[self.diagonal_index] = v[self.diagonal_index] * self.diagonal_precision()[:, None]
+        return out
+
+    def _covariance_matmul(self, v: Tensor) -> Tensor:
+        out = torch.empty_like(v)
+        for block, (u_g, u_a, weights) in zip(self.blocks, self._block_weights()):
+            m = u_g.T @ self._gather(block, v) @ u_a
+            self._scatter(block, out, u_g @ (m * weights) @ u_a.T)
+        out[self.diagonal_index] = v[self.diagonal_index] / self.diagonal_precision()[:, None]
+        return out
+
+    def _sample(self, z: Tensor) -> Tensor:
+        zt = z.T
+        out = torch.empty_like(zt)
+        for block, (u_g, u_a, weights) in zip(self.blocks, self._block_weights()):
+            self._scatter(block, out, u_g @ (self._gather(block, zt) * weights.sqrt()) @ u_a.T)
+        out[self.diagonal_index] = zt[self.diagonal_index] * self.diagonal_precision().rsqrt()[:, None]
+        return out.T
+
+    def log_det_precision(self) -> Tensor:
+        total = self.diagonal_precision().log().sum()
+        for _, _, weights in self._block_weights():
+            total = total - weights.log().sum()
+        return total
+
+    def dense_precision(self) -> Tensor:
+        """:math:`H + P_0` with each block :math:`G \\otimes A + \\delta I` as an explicit Kronecker product
+        (small :math:`P` only)."""
+        p = self.num_params
+        out = torch.zeros(p, p, dtype=self.function.dtype, device=self.function.device)
+        scale = self.scale()
+        for block in self.blocks:
+            delta = self.prior_precision[block.group]
+            g, a = block.output_factor(scale), block.input_factor
+            if self.damping:
+                g = g + delta.sqrt() * torch.eye(g.shape[0], dtype=g.dtype, device=g.device)
+                a = a + delta.sqrt() * torch.eye(a.shape[0], dtype=a.dtype, device=a.device)
+                delta = 0
+            index = block.index.reshape(-1)
+            kron = torch.kron(g, a)
+            out[index[:, None], index[None, :]] = kron + delta * torch.eye(
+                len(index), dtype=kron.dtype, device=kron.device
+            )
+        out[self.diagonal_index, self.diagonal_index] = self.diagonal_precision()
+        return out
+
+    def _features(self, x: Tensor) -> dict[str, tuple[Tensor, Tensor]]:
+        layers = [block.layer for block in self.blocks]
+        if not self._verified:
+            structured_layers(self.function, x, strict=True, modules=[layer.name for layer in layers])
+            self._verified = True
+        return kronecker_features(self.function, x, layers)
+
+    def _glm_covariance(self, x: Tensor) -> Tensor:
+        features = self._features(x)
+        out = 0
+        for block, (u_g, u_a, weights) in zip(self.blocks, self._block_weights()):
+            a, gamma = features[block.layer.name]
+            out = out + kronecker_sandwich(a, gamma, weights, u_g, u_a)
+        if self.diagonal_names:
+            jac = self.function.jacobian(x, self.diagonal_names)
+            out = out + (jac / self.diagonal_precision()) @ jac.mT
+        return out
+
+    def _glm_root(self, x: Tensor) -> Tensor:
+        features = self._features(x)
+        roots = []
+        for block, (u_g, u_a, weights) in zip(self.blocks, self._block_weights()):
+            a, gamma = features[block.layer.name]
+            roots.append(kronecker_root(a, gamma, weights, u_g, u_a))
+        if self.diagonal_names:
+            roots.append(self.function.jacobian(x, self.diagonal_names) * self.diagonal_precision().rsqrt())
+        return torch.cat(roots, dim=-1)

@@ -1,0 +1,154 @@
+r"""Per-layer Jacobians in Kronecker-factored form at test inputs, and the GLM closed forms built on them.
+
+For a layer :math:`z_t = \Theta \bar a_t` with :math:`\Theta = [W \mid b]` (``nn.Linear``; ``nn.Conv2d`` on
+unfolded patches, :math:`t` the location) and :math:`\bar a = [a; 1]` (the 1 only when the bias is in
+:math:`\theta`), row :math:`c` of the layer's Jacobian of example :math:`n` is
+
+.. math::
+    \partial f_c(x_n) / \partial \Theta = \sum_t \gamma_{nct} \, \bar a_{nt}^\top,
+    \qquad \gamma_{nct} = \partial f_c(x_n) / \partial z_{nt},
+
+a ``(d_out, d_a)`` matrix in the row-major order of :math:`\operatorname{vec}(\Theta)` (output index major),
+the order of the KFAC blocks of :mod:`ntkgp.laplace.weight_space`. With one location it is the outer product
+:math:`\gamma_{nc} \bar a_n^\top` (:math:`a_{l-1} \otimes g_l` in the review of GLM-predictive estimators,
+``docs/predictive.md``), so the GLM closed forms need :math:`\bar a` and :math:`\gamma` only. Both come
+from ntkgp's one layer-feature machinery (:mod:`ntkgp.ntk.features`: one forward pass with hooks,
+:math:`C` backward passes, one safety rule, layers verified against autograd on a probe example).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from ...ntk.features import Layer, candidate_layers, layer_features, verify_layers
+from .network_function import NetworkFunction
+
+
+def fan_in(layer: Layer) -> int:
+    """The number of weight columns (``in_features`` or ``in_channels · kh · kw``); 0 without a weight."""
+    return layer.module.weight[0].numel() if layer.weight is not None else 0
+
+
+def d_out(layer: Layer) -> int:
+    return (layer.module.weight if layer.weight is not None else layer.module.bias).shape[0]
+
+
+def layer_index(fn: NetworkFunction, layer: Layer) -> Tensor:
+    r"""The position in the flat vector of :math:`\theta` of each entry of :math:`\Theta = [W \mid b]`,
+    ``(d_out, d_a)`` (weight row-major, then the bias column)."""
+    rows = torch.arange(d_out(layer), device=fn.device)[:, None]
+    parts = []
+    if layer.weight is not None:
+        parts.append(
+            fn.offset(layer.weight) + rows * fan_in(layer) + torch.arange(fan_in(layer), device=fn.device)
+        )
+    if layer.bias is not None:
+        parts.append(fn.offset(layer.bias) + rows)
+    return torch.cat(parts, dim=1)
+
+
+def structured_layers(
+    fn: NetworkFunction, probe: Tensor, strict: bool, modules: Sequence[str] | None = None
+) -> list[Layer]:
+    """The layers that take the Kronecker form, verified on the example ``probe[:1]``.
+
+    Args:
+        fn: the network function (only layers with a parameter in :math:`\\theta` are candidates).
+        probe: prepared inputs.
+        strict: raise for any candidate (or any of ``modules``) that fails the safety rule; otherwise leave it
+            out (its parameters take per-example Jacobians).
+        modules: restrict to these module names (the KFAC blocks).
+
+    Raises:
+        ValueError, NotImplementedError: with ``strict``, naming the layer and the reason.
+    """
+    candidates, problems = candidate_layers(fn.net, fn.names)
+    if modules is not None:
+        missing = [m for m in modules if m not in {layer.name for layer in candidates} | set(problems)]
+        if missing:
+            raise ValueError(
+                f"modules {missing} are not Linear/Conv2d layers with parameters in the posterior"
+            )
+        candidates = [layer for layer in candidates if layer.name in modules]
+        problems = {m: p for m, p in problems.items() if m in modules}
+    keep, _, failed = verify_layers(fn.net, fn.params(), candidates, probe[:1].detach())
+    problems.update(failed)
+    if strict and problems:
+        raise next(iter(problems.values()))
+    return keep
+
+
+def kronecker_features(
+    fn: NetworkFunction, x: Tensor, layers: Sequence[Layer]
+) -> dict[str, tuple[Tensor, Tensor]]:
+    r"""For a prepared batch ``x``: per layer :math:`\bar a` ``(n, d_a, T)`` and :math:`\gamma`
+    ``(n, C, d_out, T)``."""
+    features = layer_features(fn.net, fn.params(), list(layers), x)
+    out = {}
+    for layer in layers:
+        a, gamma = features.inputs[layer.name], features.grads[layer.name]
+        parts = [a] if layer.weight is not None else []
+        if layer.bias is not None:
+            parts.append(torch.ones_like(a[:, :1]))
+        out[layer.name] = (torch.cat(parts, dim=1), gamma)
+    return out
+
+
+def layer_jacobian(a: Tensor, gamma: Tensor) -> Tensor:
+    r"""The per-example layer Jacobians :math:`\sum_t \gamma_{nct} \bar a_{nt}^\top`,
+    ``(n, C, d_out, d_a)``."""
+    return torch.einsum("ncot,nit->ncoi", gamma, a)
+
+
+def project(
+    a: Tensor, gamma: Tensor, out_basis: Tensor | None, in_basis: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    r""":math:`U_A^\top \bar a` and :math:`U_G^\top \gamma` (either basis ``None``: the identity)."""
+    if in_basis is not None:
+        a = in_basis.T @ a
+    if out_basis is not None:
+        gamma = out_basis.T @ gamma
+    return a, gamma
+
+
+def kronecker_sandwich(
+    a: Tensor, gamma: Tensor, weights: Tensor, out_basis: Tensor | None = None, in_basis: Tensor | None = None
+) -> Tensor:
+    r"""Per-point :math:`J_l \Sigma_l J_l^\top`, ``(n, C, C)``, for a layer covariance
+    :math:`\Sigma_l = (U_G \otimes U_A) \operatorname{diag}(\operatorname{vec} W) (U_G \otimes U_A)^\top`.
+
+    With one location (the review's eq. 16, the prior included through :math:`W`):
+
+    .. math::
+        [J \Sigma_l J^\top]_{cc'} = \sum_o \tilde\gamma_{co} \tilde\gamma_{c'o} \sum_i \tilde a_i^2 W_{oi},
+        \qquad \tilde a = U_A^\top \bar a, \ \tilde\gamma_c = U_G^\top \gamma_c,
+
+    :math:`O(d_a^2 + C d_{out}^2 + d_{out} d_a + C^2 d_{out})` per point, never the Jacobian; with several
+    locations (convolutions) the projected layer Jacobian :math:`U_G^\top J_c U_A` is formed per point,
+    :math:`O(C d_{out} d_a T)`.
+
+    Args:
+        a: :math:`\bar a`, ``(n, d_a, T)``.
+        gamma: :math:`\gamma`, ``(n, C, d_out, T)``.
+        weights: :math:`W`, ``(d_out, d_a)``.
+        out_basis: :math:`U_G` ``(d_out, d_out)`` or ``None`` (identity: a diagonal covariance).
+        in_basis: :math:`U_A` ``(d_a, d_a)`` or ``None``.
+    """
+    a, gamma = project(a, gamma, out_basis, in_basis)
+    if a.shape[-1] == 1:
+        g = gamma[..., 0]
+        return (g * (a[..., 0].square() @ weights.T).unsqueeze(1)) @ g.mT
+    m = layer_jacobian(a, gamma).flatten(-2)  # (n, C, d_out d_a)
+    return (m * weights.reshape(-1)) @ m.mT
+
+
+def kronecker_root(
+    a: Tensor, gamma: Tensor, weights: Tensor, out_basis: Tensor | None = None, in_basis: Tensor | None = None
+) -> Tensor:
+    r"""A root :math:`(U_G^\top J_c U_A) \odot W^{1/2}` of the layer's joint covariance, ``(n, C, d_out d_a)``
+    (arguments as :func:`kronecker_sandwich`)."""
+    a, gamma = project(a, gamma, out_basis, in_basis)
+    return (layer_jacobian(a, gamma) * weights.sqrt()).flatten(-2)

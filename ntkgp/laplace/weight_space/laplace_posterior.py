@@ -1,0 +1,86 @@
+r"""Weight-space Laplace posteriors :math:`N(\theta^*, (H + P_0)^{-1})` of a trained network.
+
+:func:`laplace_posterior` is the front door; the structures:
+
+- :class:`FullLaplace`: dense GGN or empirical Fisher (small :math:`P`; the exact reference);
+- :class:`KFACLaplace`: one Kronecker block per ``Linear``/``Conv2d`` layer, the prior added exactly through
+  the eigendecompositions of the factors;
+- :class:`DiagLaplace`: diagonal GGN or empirical Fisher;
+- :class:`LastLayerLaplace`: a full posterior over the last layer only.
+
+Each gives products with :math:`\Sigma`, samples :math:`\eta \sim N(0, \Sigma)`, :math:`\log|\Sigma^{-1}|` and
+the GLM covariance at test inputs, for per-group prior precisions and the likelihood's current noise or
+temperature (:class:`WeightPosterior`). :func:`ntkgp.laplace.predict` turns any of them into a predictive.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from gpytorch.likelihoods import Likelihood
+from torch import Tensor, nn
+
+from ...options import Structure, Subset, choose
+from .posterior import WeightPosterior
+from .dense_curvature import Data
+from .diag_laplace import DiagLaplace
+from .full_laplace import FullLaplace
+from .kfac_laplace import KFACLaplace
+from .last_layer_laplace import LastLayerLaplace
+from .network_function import NetworkFunction
+
+
+def laplace_posterior(
+    net: nn.Module,
+    x: Data,
+    y: Tensor | None,
+    likelihood: Likelihood,
+    structure: str = "kfac",
+    subset: str = "all",
+    prior_precision: float | Tensor = 1.0,
+    prior_structure: str | Mapping[str, str] = "layer",
+    **kwargs,
+) -> WeightPosterior:
+    r"""The Laplace posterior of ``net`` at its current weights, for the curvature ``structure``.
+
+    Args:
+        net: the trained network ``(N, *input_shape) -> (N, C)``; never modified.
+        x: training inputs, or an iterable of ``(x_b, y_b)`` batches with ``y=None``.
+        y: training targets.
+        likelihood: a supported likelihood.
+        structure: ``"full_ggn"``, ``"full_ef"``, ``"kfac"`` (default), ``"diag_ggn"`` or ``"diag_ef"``.
+        subset: ``"all"`` (default) or ``"last_layer"`` (a full posterior over the last layer; ``structure``
+            then must be ``"full_ggn"`` or ``"full_ef"``).
+        prior_precision: :math:`\delta`, a float or one per group.
+        prior_structure: ``"layer"``, ``"network"``, ``"parameter"`` or a mapping name → group.
+        **kwargs: passed to the class (``batch_size``, ``progress``, ``input_shape``, ``chunk_size``,
+            ``damping`` for KFAC, ``layer`` for the last layer).
+
+    Returns:
+        a :class:`FullLaplace`, :class:`KFACLaplace`, :class:`DiagLaplace` or :class:`LastLayerLaplace`.
+
+    Raises:
+        ValueError: for an unknown ``structure`` or ``subset``, or a last-layer posterior with a structure
+            other than a full one.
+
+    Example:
+        >>> posterior = laplace_posterior(net, x, y, SoftmaxLikelihood(10), structure="kfac")
+        >>> prediction = ntkgp.laplace.predict(posterior, x_test, method="glm", link="probit")
+    """
+    structure = choose(Structure, structure, "structure")
+    subset = choose(Subset, subset, "subset")
+    common = {"prior_precision": prior_precision, "prior_structure": prior_structure, **kwargs}
+    if subset is Subset.LAST_LAYER:
+        if structure not in (Structure.FULL_GGN, Structure.FULL_EF):
+            raise ValueError(
+                f"subset='last_layer' needs structure='full_ggn' or 'full_ef', got {structure.value!r}"
+            )
+        return LastLayerLaplace(net, x, y, likelihood, curvature=structure.value[5:], **common)
+    if structure in (Structure.FULL_GGN, Structure.FULL_EF):
+        return FullLaplace(net, x, y, likelihood, curvature=structure.value[5:], **common)
+    if structure is Structure.KFAC:
+        return KFACLaplace(net, x, y, likelihood, **common)
+    return DiagLaplace(net, x, y, likelihood, curvature=structure.value[5:], **common)
+
+
+__all__ = ["laplace_posterior"]

@@ -1,0 +1,342 @@
+r"""The interface every weight-space Laplace posterior implements.
+
+A Laplace posterior over the weights :math:`\theta` of a trained network is the Gaussian
+
+.. math::
+    q(\theta) = N(\theta^*, \Sigma), \qquad \Sigma^{-1} = H(s) + P_0, \qquad
+    P_0 = \operatorname{diag}(\delta_{g(p)}),
+
+with :math:`H(s)` a structured GGN or empirical Fisher at :math:`\theta^*` that follows the likelihood's
+output scale :math:`s` (``1/σ²`` for Gaussian likelihoods, ``1/T`` for a tempered classification
+likelihood, see ``docs/math.md``, "Laplace-GGN evidence") and :math:`\delta_g` one prior precision per
+parameter group. It is evaluated for the *current* prior precisions and likelihood hyperparameters: change
+either and the next call uses the new values (the factorizations are cached by value, never recomputed from
+the data).
+
+Every posterior gives products with :math:`\Sigma` and :math:`\Sigma^{-1}`, samples
+:math:`\eta \sim N(0, \Sigma)`, :math:`\log|\Sigma^{-1}|`, and the two quantities the GLM predictive
+needs at test inputs :math:`x`:
+
+.. math::
+    J(x) \Sigma J(x)^\top \ \text{per point, } (N, C, C), \qquad
+    R(x) \text{ with } R R^\top = J(X) \Sigma J(X)^\top \ \text{(joint)}, (N, C, R).
+
+Flat vectors (``(P,)``, ``(P, k)``, samples ``(S, P)``) are in the order of :attr:`names`, each parameter
+flattened row-major: :meth:`NetworkFunction.unflatten` splits them.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+
+import torch
+from gpytorch.likelihoods import Likelihood
+from torch import Tensor
+
+from ...caching import ValueCache, network_key, same_values
+from .scaling import output_scale
+from ...likelihoods import num_outputs
+from ...ntk import ParameterGroups, resolve_groups
+from ...options import PriorStructure, choose
+from .network_function import NetworkFunction
+
+
+def prior_groups(fn: NetworkFunction, prior_structure: str | Mapping[str, str]) -> ParameterGroups:
+    """The prior-precision groups of the parameters :math:`\\theta` of ``fn``.
+
+    Args:
+        fn: the network function.
+        prior_structure: ``"network"`` (one :math:`\\delta`), ``"layer"`` (one per module), ``"parameter"``
+            (one per parameter tensor), or a mapping from each name in ``fn.names`` to a group label.
+
+    Raises:
+        ValueError: for an unknown structure, or a mapping that does not name exactly ``fn.names``.
+    """
+    if isinstance(prior_structure, Mapping):
+        missing = [n for n in fn.names if n not in prior_structure]
+        unknown = [n for n in prior_structure if n not in fn.names]
+        if missing or unknown:
+            raise ValueError(
+                f"prior_structure must name every parameter of the posterior exactly: missing {missing}, "
+                f"unknown {unknown}"
+            )
+        labels = [str(prior_structure[n]) for n in fn.names]
+    else:
+        structure = choose(PriorStructure, prior_structure, "prior_structure").value
+        trainable = resolve_groups(fn.net, structure)
+        label = {n: trainable.group_names[g] for n, g in zip(trainable.names, trainable.group_of)}
+        frozen = [n for n in fn.names if n not in label]
+        if frozen:
+            raise ValueError(
+                f"the parameters {frozen} have requires_grad=False; a posterior needs trainable ones"
+            )
+        labels = [label[n] for n in fn.names]
+    group_names = tuple(dict.fromkeys(labels))
+    index = {g: i for i, g in enumerate(group_names)}
+    return ParameterGroups(
+        names=tuple(fn.names),
+        shapes=tuple(fn.shapes),
+        group_of=tuple(index[label] for label in labels),
+        group_names=group_names,
+    )
+
+
+def check_likelihood(likelihood: Likelihood) -> None:
+    """Raise unless ``likelihood`` is a supported GPyTorch likelihood."""
+    if not isinstance(likelihood, Likelihood):
+        raise TypeError(f"likelihood must be a gpytorch Likelihood, got {type(likelihood).__name__}")
+    num_outputs(likelihood)  # raises for an unsupported likelihood
+
+
+def prior_precision_vector(value: float | Tensor, groups: ParameterGroups, fn: NetworkFunction) -> Tensor:
+    """``value`` as a detached ``(G,)`` tensor of positive prior precisions (a scalar is shared by all
+    groups).
+
+    Raises:
+        TypeError: for a bool, a string or another non-number, naming ``prior_precision``.
+        ValueError: for a wrong shape or a non-positive or non-finite value, naming ``prior_precision``.
+    """
+    if isinstance(value, (bool, str, bytes)):
+        raise TypeError(f"prior_precision must be a number or a tensor, got {type(value).__name__}")
+    source = value.detach() if torch.is_tensor(value) else value  # or a float, a numpy number or array, a list
+    try:
+        kind = source.dtype if torch.is_tensor(source) else torch.as_tensor(source).dtype
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise TypeError(f"prior_precision must be a number or a tensor, got {type(value).__name__}") from error
+    if kind == torch.bool or kind.is_complex:  # numpy's bools and complex numbers too
+        raise TypeError(f"prior_precision must hold real numbers, got dtype {kind}")
+    # straight to the net's dtype (a float is not rounded to float32 first), and a copy in every case (as_tensor
+    # shares a tensor's or numpy array's memory): the caller's object cannot change it later
+    delta = torch.as_tensor(source, dtype=fn.dtype, device=fn.device).clone()
+    if delta.dim() == 0:
+        delta = delta.expand(groups.num_groups).clone()
+    if delta.shape != (groups.num_groups,):
+        raise ValueError(
+            f"prior_precision must be a scalar or have shape ({groups.num_groups},) (one per group "
+            f"{list(groups.group_names)}), got shape {tuple(delta.shape)}"
+        )
+    if not bool(torch.isfinite(delta).all() and (delta > 0).all()):
+        raise ValueError(f"prior_precision must be positive and finite, got {delta.tolist()}")
+    return delta
+
+
+def check_before_pass(
+    net, prior_precision: float | Tensor, prior_structure, input_shape, chunk_size: int
+) -> None:
+    """What a structured posterior checks before its pass over the data (which runs the network): the network,
+    ``chunk_size``, ``prior_structure`` and ``prior_precision``, each error naming its argument."""
+    fn = NetworkFunction(net, None, input_shape, chunk_size)
+    prior_precision_vector(prior_precision, prior_groups(fn, prior_structure), fn)
+
+
+class WeightPosterior(ABC):
+    r"""A Gaussian Laplace posterior :math:`N(\theta^*, (H(s) + P_0)^{-1})` over (some of) a network's
+    weights.
+
+    Args:
+        function: the network as a function of :math:`\theta` (:class:`NetworkFunction`).
+        likelihood: the likelihood the curvature was computed with; its current noise or temperature sets
+            :math:`s` at every evaluation.
+        groups: the prior-precision groups of :math:`\theta`.
+        prior_precision: :math:`\delta`, a positive float or one per group ``(G,)``.
+        scale_size: the length of :math:`s` the curvature is split for (``C`` for Gaussian likelihoods,
+            ``1`` otherwise).
+
+    Raises:
+        ValueError: for a non-positive prior precision, or one of the wrong shape.
+    """
+
+    structure: str = ""
+
+    def __init__(
+        self,
+        function: NetworkFunction,
+        likelihood: Likelihood,
+        groups: ParameterGroups,
+        prior_precision: float | Tensor,
+        scale_size: int,
+    ) -> None:
+        check_likelihood(likelihood)
+        self.function = function
+        self.likelihood = likelihood
+        self.groups = groups
+        self.scale_size = int(scale_size)
+        self.column_groups = groups.column_groups(device=function.device)
+        self.prior_precision = prior_precision
+        self._cache = ValueCache(size=2)
+        # what the curvature was computed at: every later use checks that the network still has it
+        self._network_at_build = [t.detach().clone() for t in self._network_key()]
+
+    def _network_key(self) -> list[Tensor]:
+        """:func:`~ntkgp.caching.network_key`: the parameters the posterior is over and the buffers themselves,
+        and a fingerprint of every other parameter (a frozen body under a last-layer posterior is not copied)."""
+        named = dict(self.function.net.named_parameters())
+        return network_key(self.function.net, [named[n] for n in self.function.names])
+
+    def check_network(self) -> None:
+        """Raise ``RuntimeError`` if the network's parameters (trainable or frozen) or buffers changed since the
+        posterior was built (compared by value: optimizer steps, ``.data`` writes and ``load_state_dict`` are
+        all seen): its curvature belongs to the old weights, and would be mixed with the new Jacobians."""
+        if not same_values(self._network_at_build, self._network_key()):
+            raise RuntimeError(
+                f"the network's weights changed after this {type(self).__name__} was built; its curvature "
+                "belongs to the old weights and would be mixed with the new Jacobians: build a new posterior "
+                "(or restore the weights)"
+            )
+
+    # ------------------------------------------------------------------ hyperparameters
+    @property
+    def prior_precision(self) -> Tensor:
+        r""":math:`\delta`, one per group, shape ``(G,)``; set a float (shared) or a ``(G,)`` tensor."""
+        return self._prior_precision
+
+    @prior_precision.setter
+    def prior_precision(self, value: float | Tensor) -> None:
+        self._prior_precision = prior_precision_vector(value, self.groups, self.function)
+
+    def prior_precision_columns(self) -> Tensor:
+        r""":math:`\delta_{g(p)}` for every coordinate, shape ``(P,)``."""
+        return self.prior_precision[self.column_groups]
+
+    def scale(self) -> Tensor:
+        r"""The likelihood's current output scale :math:`s`, shape ``(scale_size,)``, detached."""
+        s = output_scale(self.likelihood).detach().to(dtype=self.function.dtype, device=self.function.device)
+        if s.shape != (self.scale_size,):
+            raise ValueError(
+                f"the posterior's curvature was computed for a likelihood with an output scale of size "
+                f"{self.scale_size}, but {type(self.likelihood).__name__} now has one of size {s.shape[0]}"
+            )
+        return s
+
+    def cached(self, tag: str, compute):
+        """``compute()`` cached for the current values of :math:`\\delta` and :math:`s` (after
+        :meth:`check_network`)."""
+        self.check_network()
+        return self._cache.get_or_compute(tag, [], compute, state=[self.prior_precision, self.scale()])
+
+    # ------------------------------------------------------------------ basic properties
+    @property
+    def names(self) -> list[str]:
+        """The parameters :math:`\\theta` the posterior is over, in the order of flat vectors."""
+        return self.function.names
+
+    @property
+    def num_params(self) -> int:
+        """:math:`P`."""
+        return self.function.num_params
+
+    @property
+    def num_outputs(self) -> int:
+        """:math:`C`, the likelihood's number of outputs."""
+        return num_outputs(self.likelihood)
+
+    def mean(self) -> Tensor:
+        r""":math:`\theta^*`, flat ``(P,)``."""
+        self.check_network()
+        return self.function.theta()
+
+    def _matrix(self, v: Tensor, argument: str) -> tuple[Tensor, bool]:
+        if not torch.is_tensor(v) or v.dim() not in (1, 2) or v.shape[0] != self.num_params:
+            shape = tuple(v.shape) if torch.is_tensor(v) else type(v).__name__
+            raise ValueError(
+                f"{argument} must have shape ({self.num_params},) or ({self.num_params}, k), got {shape}"
+            )
+        v = v.to(dtype=self.function.dtype, device=self.function.device)
+        self.check_network()
+        return (v if v.dim() == 2 else v.unsqueeze(-1)), v.dim() == 1
+
+    def precision_matmul(self, v: Tensor) -> Tensor:
+        r""":math:`(H(s) + P_0) v` for ``v`` of shape ``(P,)`` or ``(P, k)``."""
+        m, vector = self._matrix(v, "v")
+        out = self._precision_matmul(m)
+        return out.squeeze(-1) if vector else out
+
+    def covariance_matmul(self, v: Tensor) -> Tensor:
+        r""":math:`\Sigma v = (H(s) + P_0)^{-1} v` for ``v`` of shape ``(P,)`` or ``(P, k)``."""
+        m, vector = self._matrix(v, "v")
+        out = self._covariance_matmul(m)
+        return out.squeeze(-1) if vector else out
+
+    def sample(self, num_samples: int, generator: torch.Generator | None = None) -> Tensor:
+        r"""Draws :math:`\eta_s \sim N(0, \Sigma)` (deviations from :math:`\theta^*`), shape ``(S, P)``."""
+        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
+            raise ValueError(f"num_samples must be a positive integer, got {num_samples!r}")
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+        self.check_network()
+        z = torch.randn(
+            num_samples,
+            self.num_params,
+            dtype=self.function.dtype,
+            device=self.function.device,
+            generator=generator,
+        )
+        return self._sample(z)
+
+    def sample_from(self, z: Tensor) -> Tensor:
+        r"""The sampler's linear map :math:`\eta = B z` (:math:`B B^\top = \Sigma`) applied to given standard
+        normal draws ``z`` ``(S, P)``, shape ``(S, P)``: what :meth:`sample` does with its own draws."""
+        if not torch.is_tensor(z) or z.dim() != 2 or z.shape[1] != self.num_params:
+            shape = tuple(z.shape) if torch.is_tensor(z) else type(z).__name__
+            raise ValueError(f"z must have shape (S, {self.num_params}), got {shape}")
+        return self._sample(z.to(dtype=self.function.dtype, device=self.function.device))
+
+    def dense_covariance(self) -> Tensor:
+        r""":math:`\Sigma` as a dense ``(P, P)`` matrix (small :math:`P` only: for tests and inspection)."""
+        eye = torch.eye(self.num_params, dtype=self.function.dtype, device=self.function.device)
+        return self._covariance_matmul(eye)
+
+    def glm_covariance(self, x: Tensor) -> Tensor:
+        r"""The GLM predictive covariance :math:`J(x_n) \Sigma J(x_n)^\top` of each test point, ``(N, C, C)``.
+
+        ``x`` is checked and prepared; computed in chunks of ``function.chunk_size`` examples.
+        """
+        self.check_network()
+        x = self.function.prepare(x)
+        return torch.cat([self._glm_covariance(xc) for xc in x.split(self.function.chunk_size)])
+
+    def glm_root(self, x: Tensor) -> Tensor:
+        r"""A root :math:`R(X)`, ``(N, C, R)``, of the joint GLM covariance:
+        :math:`R R^\top = J(X) \Sigma J(X)^\top` with rows in interleaved order ``n·C + c``.
+
+        Memory :math:`O(NCR)` with :math:`R \le P` (:math:`R = P` except where stated by the structure).
+        """
+        self.check_network()
+        x = self.function.prepare(x)
+        return torch.cat([self._glm_root(xc) for xc in x.split(self.function.chunk_size)])
+
+    # ------------------------------------------------------------------ what each structure implements
+    @abstractmethod
+    def _precision_matmul(self, v: Tensor) -> Tensor:
+        """``(H + P0) v`` for ``v`` of shape ``(P, k)``."""
+
+    @abstractmethod
+    def _covariance_matmul(self, v: Tensor) -> Tensor:
+        """``Σ v`` for ``v`` of shape ``(P, k)``."""
+
+    @abstractmethod
+    def _sample(self, z: Tensor) -> Tensor:
+        """``η = B z`` with ``B Bᵀ = Σ`` for standard normal ``z`` of shape ``(S, P)``; returns ``(S, P)``."""
+
+    @abstractmethod
+    def log_det_precision(self) -> Tensor:
+        r""":math:`\log|H(s) + P_0|` (:math:`= -\log|\Sigma|`), shape ``()``."""
+
+    @abstractmethod
+    def dense_precision(self) -> Tensor:
+        r""":math:`H(s) + P_0` as a dense ``(P, P)`` matrix (small :math:`P` only)."""
+
+    @abstractmethod
+    def _glm_covariance(self, x: Tensor) -> Tensor:
+        """Per-point ``J Σ Jᵀ`` for a prepared chunk ``x``, ``(n, C, C)``."""
+
+    @abstractmethod
+    def _glm_root(self, x: Tensor) -> Tensor:
+        """A joint root for a prepared chunk ``x``, ``(n, C, R)``."""
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(P={self.num_params}, groups={list(self.groups.group_names)}, "
+            f"prior_precision={self.prior_precision.tolist()})"
+        )
