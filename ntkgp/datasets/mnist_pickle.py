@@ -83,7 +83,8 @@ def _unpickle(handle: IO[bytes], source: str) -> object:
         return _NumpyUnpickler(stream, source).load()
     except UnsafePickleError:
         raise
-    except (pickle.UnpicklingError, EOFError, OSError, zlib.error, ValueError, TypeError) as problem:
+    except (pickle.UnpicklingError, EOFError, OSError, zlib.error, ValueError, TypeError, IndexError, KeyError,
+            AttributeError) as problem:  # a malformed stream: what the opcodes or numpy's constructors raise
         raise ValueError(f"{source}: not a readable MNIST pickle ({type(problem).__name__}: {problem})") from None
 
 

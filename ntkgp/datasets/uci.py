@@ -3,6 +3,7 @@ r"""The UCI benchmark sets of the data folder: regression (standard 90/10 splits
 from __future__ import annotations
 
 import math
+import numbers
 from pathlib import Path
 from typing import Literal, NamedTuple
 
@@ -101,8 +102,8 @@ def load_uci_regression(
 
     Raises:
         FileNotFoundError: naming ``data_dir``, what it holds and the expected layout.
-        ValueError: for a ``split`` out of range, a ``val_fraction`` outside ``[0, 1)`` or a ``dtype`` that is
-            not floating point.
+        ValueError: for a ``split`` that is not an integer or out of range, a ``val_fraction`` outside
+            ``[0, 1)`` or a ``dtype`` that is not floating point.
 
     Example:
         >>> split = load_uci_regression(resolve_data_dir(), "boston", split=0)  # doctest: +SKIP
@@ -110,6 +111,8 @@ def load_uci_regression(
     if not (isinstance(val_fraction, (int, float)) and math.isfinite(val_fraction) and 0 <= val_fraction < 1):
         raise ValueError(f"val_fraction must be in [0, 1); got {val_fraction!r}")
     _float_dtype(dtype)
+    if isinstance(split, bool) or not isinstance(split, numbers.Integral):
+        raise ValueError(f"split must be an integer index; got {split!r}")
     folder = ("uci_regression", name)
 
     def file(filename: str) -> Path:

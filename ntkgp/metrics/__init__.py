@@ -21,7 +21,13 @@ Modules: :mod:`.regression` (:func:`gaussian_nlpd`, :func:`rmse`), :mod:`.classi
 :func:`predictive_entropy`), :mod:`.ood` (:func:`ood_auroc`) and :mod:`.checks` (the input checks they share).
 """
 
-from .classification import accuracy, brier_score, categorical_nlpd, expected_calibration_error, predictive_entropy
+from .classification import (
+    accuracy,
+    brier_score,
+    categorical_nlpd,
+    expected_calibration_error,
+    predictive_entropy,
+)
 from .ood import ood_auroc
 from .regression import gaussian_nlpd, rmse
 

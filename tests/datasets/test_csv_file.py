@@ -6,6 +6,7 @@ import torch
 
 from ntkgp.datasets import load_csv
 
+
 @pytest.fixture
 def csv_file(tmp_path) -> Path:
     path = tmp_path / "mine.csv"

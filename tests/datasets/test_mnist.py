@@ -150,3 +150,15 @@ def test_an_unreadable_file_is_a_value_error_naming_it(tmp_path, content):
     path.write_bytes(content)
     with pytest.raises(ValueError, match=f"{path}.*not a readable MNIST pickle"):
         load_mnist(path)
+
+
+@pytest.mark.parametrize(
+    "content",
+    [b"\x80\x02cnumpy\ndtype\n)R.",  # np.dtype() without arguments: numpy's TypeError
+     b"\x80\x02cnumpy\ndtype\nX\x05\x00\x00\x00bogus\x85R.",  # an unknown dtype string
+     b"\x80\x02h\x05.",  # a memo key that was never stored
+     b"\x80\x020."],  # POP on an empty stack
+)
+def test_a_malformed_stream_is_a_value_error(tmp_path, content):
+    with pytest.raises(ValueError, match="not a readable MNIST pickle"):
+        load_mnist(write_pickle(tmp_path / "mnist.pkl.gz", content))

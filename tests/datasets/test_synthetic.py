@@ -11,6 +11,7 @@ from ntkgp.datasets import (
     two_moons,
 )
 
+
 def test_gap_regression_shapes_and_dtype():
     data = gap_regression(n=50, n_test=40)
     assert data.x_train.shape == (50, 1) and data.y_train.shape == (50, 1)

@@ -236,3 +236,14 @@ def test_fake_classification_fractions_and_errors(tmp_path):
     for bad in ((0.9, 0.1), (0.0, 0.2), (0.7,)):
         with pytest.raises(ValueError, match="fractions"):
             load_uci_classification(tmp_path, "glass", fractions=bad)
+
+
+@pytest.mark.parametrize("split", [True, 1.0, "1"])
+def test_fake_regression_split_must_be_an_integer(tmp_path, split):
+    _fake_regression(tmp_path)
+    with pytest.raises(ValueError, match="^split must be an integer index"):
+        load_uci_regression(tmp_path, "fake", split=split)  # True used to pick split 1
+    with pytest.raises(ValueError, match="^split must be an integer index"):  # before the folder is read
+        load_uci_regression(tmp_path / "nowhere", "fake", split=split)
+    expected = load_uci_regression(tmp_path, "fake", split=1)
+    torch.testing.assert_close(load_uci_regression(tmp_path, "fake", split=np.int64(1)).x_test, expected.x_test)

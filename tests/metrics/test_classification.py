@@ -6,7 +6,13 @@ import torch
 from scipy import stats
 from sklearn.metrics import brier_score_loss, log_loss
 
-from ntkgp.metrics import accuracy, brier_score, categorical_nlpd, expected_calibration_error, predictive_entropy
+from ntkgp.metrics import (
+    accuracy,
+    brier_score,
+    categorical_nlpd,
+    expected_calibration_error,
+    predictive_entropy,
+)
 
 from .reference import brute_force_ece, random_labels, random_probs
 
