@@ -92,11 +92,28 @@ def test_bayesian_optimization_tiny(tmp_path, monkeypatch, capsys):
     assert (tmp_path / "bo_regret.png").stat().st_size > 10_000
 
 
+def test_fmnist_uncertainty_tiny_on_synthetic_images(tmp_path, monkeypatch, capsys):
+    """The image example end to end on tiny synthetic images: MAP, KFAC-GLM, SFR and FSVI on one table with
+    in-range metrics, and the entropy figure."""
+    out = run_example("fmnist_uncertainty", ["--synthetic", "--quick", "--n-train", "120", "--n-test", "40",
+                                             "--num-inducing", "8", "--channels", "2", "4", "--output-dir",
+                                             str(tmp_path)], monkeypatch, capsys)
+    assert "data: synthetic stripes (OOD: checkerboards)" in out
+    rows = table(out, "method")
+    assert [row[0] for row in rows] == ["MAP", "KFAC-GLM", "SFR (M = 8)", "FSVI"]
+    for row in rows:
+        nlpd, acc, ece, auroc = map(float, row[1:5])
+        assert nlpd > 0 and 0 <= acc <= 1 and 0 <= ece <= 1 and 0 <= auroc <= 1
+    assert (tmp_path / "fmnist_uncertainty_entropy.png").stat().st_size > 10_000
+
+
+
 @pytest.mark.parametrize(("name", "args", "message"), [
     ("snelson_regression", ["--grid-size", "1"], "--grid-size >= 2"),
     ("banana_classification", ["--epochs", "0"], "--epochs must be >= 1"),
     ("sequential_updates", ["--batches", "1"], "--batches must be >= 2"),
     ("bayesian_optimization", ["--seeds", "0"], "--seeds must be >= 1"),
+    ("fmnist_uncertainty", ["--epochs", "0"], "--epochs must be a positive integer"),
 ])
 def test_bad_options_exit_2(name, args, message, tmp_path, monkeypatch, capsys):
     monkeypatch.syspath_prepend(str(EXAMPLES))

@@ -1,0 +1,267 @@
+"""Image scale: SFR, the KFAC Laplace GLM and their predictives on the Fashion-MNIST CNN, with time and peak memory.
+
+The network is the FSVI paper's CNN (conv 32 and conv 64, 3×3 'same', ReLU and 2×2 max-pool after each, FC 128,
+FC 10; P = 421,642), float32, trained for ``--epochs`` epochs of Adam on the ``--n`` training images (not timed;
+saved once and loaded by every row). Each row runs in a fresh interpreter (its peak resident memory is its own;
+``VmHWM`` of /proc) with the public code's settings unless it says otherwise: one prior precision δ, independent
+outputs, probit predictive.
+
+Rows (``--rows`` selects some; default all):
+
+* ``sfr_build:M`` — ``SFR(net, x, y, lik, num_inducing=M, output_coupling="independent")`` on all ``--n``
+  images: the dual statistics' pass over the data and the factorization;
+* ``sfr_predict:M`` — its predictive mean and marginal variances of the ``--n-test`` test images (the build is
+  not counted);
+* ``sfr_joint:M`` — the same build and predict with the full C × C coupling (ntkgp's default): one ``(M·C)²``
+  system instead of C systems of ``M²``: cost ``O(N (M C)² )`` for the statistics, ``O((M C)³)`` for the
+  factorization, memory ``O((M C)²)``;
+* ``kfac_fit`` / ``kfac_predict`` — ``laplace_posterior(..., structure="kfac")`` and its closed-form GLM
+  predictive of the test images;
+* ``vs_public:N:M`` — side by side at ``N`` images: ntkgp's SFR build and predict of 1,000 test images against
+  the public SFR code (``--sfr-code SFR_CODE``, the folder of its five modules; skipped without it), both in
+  float64 with zero prior mean (the public code's only setting), one δ, independent outputs;
+* ``vs_laplace_torch:N`` — ntkgp's KFAC-GLM fit and GLM predictive of 1,000 test images against
+  laplace-torch's ``KronLaplace`` (skipped where laplace-torch is not installed).
+
+    python benchmarks/image_scale.py [--data-dir /usr/share/datasets/fashion-mnist] [--n 60000] [--n-test 10000]
+        [--rows ...] [--sfr-code SFR_CODE] [--device cuda] [--json out.json]
+
+Targets on the 2-core CPU (issue "image scale"): SFR build M = 512 ≤ 5 min, M = 3,200 ≤ 30 min and ≤ 16 GiB;
+predict 10,000 ≤ 2 min; KFAC fit ≤ 3 min, predict 10,000 ≤ 1 min; ≤ 0.2× the public SFR code and ≤ 0.5×
+laplace-torch at N = 5,000, M = 512.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_ROWS = ["sfr_build:512", "sfr_predict:512", "kfac_fit", "kfac_predict", "sfr_joint:512",
+                "vs_public:5000:512", "vs_laplace_torch:5000", "sfr_build:3200"]
+
+
+def cnn() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(64 * 7 * 7, 128), nn.ReLU(), nn.Linear(128, 10),
+    )
+
+
+def high_water_mib() -> float:
+    with open("/proc/self/status") as status:
+        return int(re.search(r"VmHWM:\s+(\d+)", status.read())[1]) / 1024
+
+
+def load(args):
+    from ntkgp.datasets import load_fashion_mnist
+
+    x, y, x_test, y_test = load_fashion_mnist(args.data_dir)
+    return x[: args.n], y[: args.n], x_test[: args.n_test], y_test[: args.n_test]
+
+
+def train(args, path: Path) -> dict:
+    x, y, x_test, y_test = load(args)
+    net = cnn().to(args.device)
+    opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    start = time.perf_counter()
+    for _ in range(args.epochs):
+        for idx in torch.randperm(len(y), generator=g).split(128):
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(net(x[idx].to(args.device)), y[idx].to(args.device))
+            (loss + 0.5 * args.delta * sum(p.square().sum() for p in net.parameters()) / len(y)).backward()
+            opt.step()
+    net.eval()
+    with torch.no_grad():
+        acc = sum((net(c.to(args.device)).argmax(-1).cpu() == t).sum().item()
+                  for c, t in zip(x_test.split(1000), y_test.split(1000))) / len(y_test)
+    torch.save(net.state_dict(), path)
+    return {"train_s": time.perf_counter() - start, "map_accuracy": acc}
+
+
+def metrics(probs: torch.Tensor, y: torch.Tensor) -> dict:
+    from ntkgp.metrics import accuracy, categorical_nlpd
+
+    return {"accuracy": accuracy(probs.double(), y), "nlpd": categorical_nlpd(probs.double(), y)}
+
+
+def row(args, name: str, weights: Path) -> dict:
+    """One row, in this interpreter."""
+    import ntkgp
+    from ntkgp.likelihoods import SoftmaxLikelihood
+
+    kind, *params = name.split(":")
+    net = cnn()
+    net.load_state_dict(torch.load(weights))
+    net = net.to(args.device).eval()
+    x, y, x_test, y_test = load(args)
+    x, x_test = x.to(args.device), x_test.to(args.device)
+    lik = SoftmaxLikelihood(10).to(args.device)
+    out: dict = {"row": name}
+    base = high_water_mib()
+    if kind in ("sfr_build", "sfr_predict", "sfr_joint"):
+        m = int(params[0])
+        coupling = "joint" if kind == "sfr_joint" else "independent"
+        start = time.perf_counter()
+        sfr = ntkgp.SFR(net, x, y, lik, num_inducing=m, prior_precision=args.delta, prior_structure="network",
+                        output_coupling=coupling, progress=args.progress)
+        sfr.eval()
+        out["build_s"] = time.perf_counter() - start
+        if kind != "sfr_build":
+            start = time.perf_counter()
+            with torch.no_grad():
+                probs = torch.cat([sfr.likelihood(sfr(c)).probs.cpu() for c in x_test.split(1000)])
+            out["predict_s"] = time.perf_counter() - start
+            out |= metrics(probs, y_test)
+        out["inducing_rank"] = [int(r) for r in torch.as_tensor(sfr.inducing_rank).flatten().tolist()]
+    elif kind in ("kfac_fit", "kfac_predict"):
+        start = time.perf_counter()
+        post = ntkgp.laplace.laplace_posterior(net, x, y, lik, structure="kfac", prior_precision=args.delta,
+                                               prior_structure="network")
+        out["fit_s"] = time.perf_counter() - start
+        if kind == "kfac_predict":
+            start = time.perf_counter()
+            probs = torch.cat([ntkgp.laplace.predict(post, c, link="probit").probs.cpu() for c in x_test.split(1000)])
+            out["predict_s"] = time.perf_counter() - start
+            out |= metrics(probs, y_test)
+    elif kind == "vs_public":
+        out |= vs_public(args, net, x, y, x_test, y_test, int(params[0]), int(params[1]))
+    elif kind == "vs_laplace_torch":
+        out |= vs_laplace_torch(args, net, x, y, x_test, y_test, int(params[0]))
+    else:
+        raise SystemExit(f"unknown row {name!r}")
+    out["peak_mib"] = high_water_mib() - base
+    return out
+
+
+def vs_public(args, net, x, y, x_test, y_test, n: int, m: int) -> dict:
+    import copy
+
+    import ntkgp
+    from ntkgp.likelihoods import SoftmaxLikelihood
+
+    x, y, x_test = x[:n].double(), y[:n], x_test[:1000].double()
+    net64 = copy.deepcopy(net).double()
+    out = {}
+    start = time.perf_counter()
+    sfr = ntkgp.SFR(net64, x, y, SoftmaxLikelihood(10).double(), num_inducing=m, prior_precision=args.delta,
+                    prior_structure="network", prior_mean="zero", output_coupling="independent")
+    sfr.eval()
+    out["ntkgp_build_s"] = time.perf_counter() - start
+    start = time.perf_counter()
+    with torch.no_grad():
+        f = sfr(x_test)
+        _ = f.mean, f.variance
+    out["ntkgp_predict_s"] = time.perf_counter() - start
+    if args.sfr_code is None:
+        out["public"] = "skipped: no --sfr-code"
+        return out
+    sys.path.insert(0, str(args.sfr_code))
+    import likelihoods as public_likelihoods
+    import priors as public_priors
+    import sfr as public_sfr
+
+    torch.manual_seed(0)
+    public_net = copy.deepcopy(net)  # the public code casts its network to float64 in place
+    model = public_sfr.SFR(public_net, prior=public_priors.Gaussian(params=public_net.parameters,
+                                                                    prior_precision=args.delta),
+                           likelihood=public_likelihoods.CategoricalLh(), output_dim=10, num_inducing=m,
+                           dual_batch_size=1000, jitter=1e-6)
+    start = time.perf_counter()
+    model.set_data((x, y))
+    out["public_build_s"] = time.perf_counter() - start
+    start = time.perf_counter()
+    with torch.no_grad():
+        model.predict_f(x_test, full_cov=False)
+    out["public_predict_s"] = time.perf_counter() - start
+    out["build_ratio"] = out["ntkgp_build_s"] / out["public_build_s"]
+    out["predict_ratio"] = out["ntkgp_predict_s"] / out["public_predict_s"]
+    return out
+
+
+def vs_laplace_torch(args, net, x, y, x_test, y_test, n: int) -> dict:
+    import copy
+
+    import ntkgp
+    from ntkgp.likelihoods import SoftmaxLikelihood
+
+    x, y, x_test = x[:n], y[:n], x_test[:1000]
+    out = {}
+    start = time.perf_counter()
+    post = ntkgp.laplace.laplace_posterior(net, x, y, SoftmaxLikelihood(10), structure="kfac",
+                                           prior_precision=args.delta, prior_structure="network")
+    out["ntkgp_fit_s"] = time.perf_counter() - start
+    start = time.perf_counter()
+    ntkgp.laplace.predict(post, x_test, link="probit")
+    out["ntkgp_predict_s"] = time.perf_counter() - start
+    try:
+        from laplace import KronLaplace
+    except ImportError:
+        out["laplace_torch"] = "skipped: laplace-torch is not installed"
+        return out
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=128)
+    la = KronLaplace(copy.deepcopy(net), "classification", prior_precision=args.delta)
+    start = time.perf_counter()
+    la.fit(loader)
+    out["laplace_torch_fit_s"] = time.perf_counter() - start
+    start = time.perf_counter()
+    for chunk in x_test.split(100):  # its GLM predictive of 1,000 images in one call needs ~125 GB of Jacobians
+        la(chunk, pred_type="glm", link_approx="probit")
+    out["laplace_torch_predict_s"] = time.perf_counter() - start
+    out["fit_ratio"] = out["ntkgp_fit_s"] / out["laplace_torch_fit_s"]
+    out["predict_ratio"] = out["ntkgp_predict_s"] / out["laplace_torch_predict_s"]
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--data-dir", default=None)
+    parser.add_argument("--n", type=int, default=60_000)
+    parser.add_argument("--n-test", type=int, default=10_000)
+    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--delta", type=float, default=1.0, help="prior precision (MAP and every model)")
+    parser.add_argument("--rows", nargs="+", default=DEFAULT_ROWS)
+    parser.add_argument("--sfr-code", type=Path, default=None, help="folder of the public SFR code (SFR_CODE)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--weights", type=Path, default=None, help="a trained CNN's state_dict (skip training)")
+    parser.add_argument("--progress", action="store_true")
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--row", default=None, help=argparse.SUPPRESS)  # internal: run one row, print JSON
+    args = parser.parse_args()
+    if args.row is not None:
+        print("RESULT " + json.dumps(row(args, args.row, args.weights)))
+        return
+    results: list[dict] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        weights = args.weights
+        if weights is None:
+            weights = Path(tmp) / "cnn.pt"
+            results.append({"row": "train"} | train(args, weights))
+            print(json.dumps(results[-1]), flush=True)
+        base = [a for a in sys.argv[1:]]
+        for name in args.rows:
+            cmd = [sys.executable, __file__, *base, "--weights", str(weights), "--row", name]
+            done = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
+            lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+            result = json.loads(lines[-1][7:]) if lines else {"row": name, "error": done.stderr[-2000:]}
+            results.append(result)
+            print(json.dumps(result), flush=True)
+    if args.json is not None:
+        args.json.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
