@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -124,7 +124,7 @@ def _check_loader(train_x: object, train_y: object, batch_size: int | None) -> N
         raise TypeError(
             f"train_x must be a tensor or a re-iterable of (x, y) batches (a DataLoader), got {type(train_x).__name__}"
         )
-    if iter(train_x) is train_x:
+    if isinstance(train_x, Iterator):  # checked without iterating: that would draw from a loader's generator
         raise ValueError(
             "train_x must be re-iterable (a DataLoader, a list of (x, y) batches): it is read once to check every "
             f"batch and once per epoch, got the one-shot {type(train_x).__name__}"
@@ -133,6 +133,12 @@ def _check_loader(train_x: object, train_y: object, batch_size: int | None) -> N
         raise ValueError("train_y must be None when train_x is a loader of (x, y) batches")
     if batch_size is not None:
         raise ValueError("batch_size must be None when train_x is a loader: the loader's batches are the mini-batches")
+
+
+def _name(factory: Callable) -> str:
+    """A factory's name for messages (a ``functools.partial`` is named by its function)."""
+    inner = getattr(factory, "func", factory)
+    return getattr(inner, "__name__", type(inner).__name__)
 
 
 def needs_closure(optimizer: torch.optim.Optimizer) -> bool:
@@ -153,7 +159,7 @@ def make_optimizer(factory: Callable, params: list[torch.Tensor], lr: float) -> 
     Raises:
         TypeError, ValueError: naming ``optimizer``, when the call fails or gives something else.
     """
-    name = getattr(factory, "__name__", type(factory).__name__)
+    name = _name(factory)
     try:
         optimizer = factory(params, lr=lr)
     except Exception as error:  # the factory's own refusal (an unknown keyword, an invalid lr): named here
@@ -173,7 +179,7 @@ def make_scheduler(factory: Callable | None, optimizer: torch.optim.Optimizer) -
     """
     if factory is None:
         return None
-    name = getattr(factory, "__name__", type(factory).__name__)
+    name = _name(factory)
     try:
         scheduler = factory(optimizer)
     except Exception as error:
