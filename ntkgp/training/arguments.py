@@ -120,6 +120,11 @@ def check_options(
 
 
 def _check_loader(train_x: object, train_y: object, batch_size: int | None) -> None:
+    if train_y is not None:
+        raise TypeError(
+            f"train_x must be a torch.Tensor when train_y is given (or a loader of (x, y) batches with train_y=None), "
+            f"got {type(train_x).__name__}"
+        )
     if isinstance(train_x, (str, bytes)) or not isinstance(train_x, Iterable):
         raise TypeError(
             f"train_x must be a tensor or a re-iterable of (x, y) batches (a DataLoader), got {type(train_x).__name__}"
@@ -129,8 +134,6 @@ def _check_loader(train_x: object, train_y: object, batch_size: int | None) -> N
             "train_x must be re-iterable (a DataLoader, a list of (x, y) batches): it is read once to check every "
             f"batch and once per epoch, got the one-shot {type(train_x).__name__}"
         )
-    if train_y is not None:
-        raise ValueError("train_y must be None when train_x is a loader of (x, y) batches")
     if batch_size is not None:
         raise ValueError("batch_size must be None when train_x is a loader: the loader's batches are the mini-batches")
 

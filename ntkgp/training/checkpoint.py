@@ -53,7 +53,8 @@ class Checkpoints:
                 p.copy_(v)
 
     def offer(self, value: float, epoch: int, hypers_at: list[Tensor]) -> None:
-        """Keep the current weights with ``hypers_at`` (copies, not the live parameters) if ``value`` (a finite evidence / N) beats the best."""
+        """Keep the current weights with ``hypers_at`` (copies, not the live parameters) if ``value`` (a finite
+        evidence / N) beats the best."""
         if math.isfinite(value) and value > self.best_value:
             self.best_value, self.best_epoch = value, epoch
             self.best_state, self.best_hypers = _clone_state(self.net), list(hypers_at)

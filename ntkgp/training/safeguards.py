@@ -54,7 +54,8 @@ def out_of_range(kernel: NTKKernel, likelihood: Likelihood, target_variance: flo
         var = noise_variance(likelihood).detach()
         low, high = (r * target_variance for r in NOISE_VARIANCE_RANGE)
         if _outside(var, low, high):
-            problems.append(f"noise variance σ² = {[float(f'{v:.3g}') for v in var.tolist()]} left [{low:.3g}, {high:.3g}]")
+            values = [float(f"{v:.3g}") for v in var.tolist()]
+            problems.append(f"noise variance σ² = {values} left [{low:.3g}, {high:.3g}]")
     temperature = likelihood_temperature(likelihood)
     if temperature is not None:
         t = temperature.detach()

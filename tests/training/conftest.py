@@ -12,7 +12,8 @@ def _small_regression(n=30, width=8, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = torch.linspace(-2, 2, n, dtype=torch.float64).unsqueeze(-1)
     y = torch.sin(2 * x).squeeze(-1) + 0.1 * torch.randn(n, dtype=torch.float64, generator=g)
-    return x, y, mlp(d_in=1, width=width, d_out=1, depth=1, seed=seed), gpytorch.likelihoods.GaussianLikelihood().double()
+    net = mlp(d_in=1, width=width, d_out=1, depth=1, seed=seed)
+    return x, y, net, gpytorch.likelihoods.GaussianLikelihood().double()
 
 
 @pytest.fixture

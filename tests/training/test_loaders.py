@@ -107,7 +107,9 @@ def _nan_target_in_second_batch(x, y):
         (_nan_in_third_batch, ValueError, "train_x contains NaN"),
         (lambda x, y: (iter(DataLoader(TensorDataset(x, y), batch_size=8)), None, {}), ValueError, "re-iterable"),
         (lambda x, y: ((xb for xb in x.split(8)), None, {}), ValueError, "re-iterable"),
-        (lambda x, y: (DataLoader(TensorDataset(x, y), batch_size=8), y, {}), ValueError, "train_y must be None"),
+        (lambda x, y: (DataLoader(TensorDataset(x, y), batch_size=8), y, {}), TypeError,
+         "train_x must be a torch.Tensor"),
+        (lambda x, y: (x.tolist(), y, {}), TypeError, "train_x must be a torch.Tensor"),
         (lambda x, y: (DataLoader(TensorDataset(x, y), batch_size=8), None, {"batch_size": 4}), ValueError,
          "batch_size"),
         (lambda x, y: (DataLoader(TensorDataset(x), batch_size=8), None, {}), ValueError, "no targets"),
@@ -175,3 +177,19 @@ def test_data_parallel_loaders_match_one_process():
     for key in first:
         assert torch.equal(first[key], second[key])
     assert len(first["history"]) == 2 and torch.isfinite(first["history"]).all()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("structure", ["full_ggn", "kfac"])
+def test_a_cpu_loader_trains_a_cuda_network_as_on_the_cpu(small_regression, structure):
+    """The batches go to the network's device; the run matches the CPU run (skipped without a GPU)."""
+    x, y, net, lik = small_regression()
+    gpu_net, gpu_lik = copy.deepcopy(net).cuda(), copy.deepcopy(lik).cuda()
+    loader = DataLoader(TensorDataset(x, y), batch_size=10, shuffle=True, generator=torch.Generator().manual_seed(2))
+    cpu = train_marglik(net, loader, None, lik, structure=structure, epochs=5, **ROUNDS)
+    loader.generator.manual_seed(2)
+    gpu = train_marglik(gpu_net, loader, None, gpu_lik, structure=structure, epochs=5, **ROUNDS)
+    assert gpu.prior_precision.is_cuda and all(p.is_cuda for p in gpu_net.parameters())
+    for p, q in zip(gpu_net.parameters(), net.parameters()):
+        torch.testing.assert_close(p.cpu(), q, rtol=1e-8, atol=1e-10)
+    torch.testing.assert_close(gpu.prior_precision.cpu(), cpu.prior_precision, rtol=1e-8, atol=0)
