@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -25,6 +26,14 @@ def _clone(tensors: Iterable[Tensor]) -> list[Tensor]:
     return [t.detach().clone() for t in tensors]
 
 
+@dataclass(frozen=True)
+class _Best:
+    value: float
+    epoch: int
+    state: dict[str, Tensor]
+    hypers: list[Tensor]
+
+
 class Checkpoints:
     """The initial and the best-evidence checkpoint of ``net`` with ``hypers``, and the user's gradients.
 
@@ -37,15 +46,23 @@ class Checkpoints:
     def __init__(self, net: nn.Module, hypers: list[Tensor], user_parameters: Iterable[Tensor]) -> None:
         self.net, self.hypers = net, hypers
         self.initial_state, self.initial_hypers = _clone_state(net), _clone(hypers)
-        self.best_value, self.best_epoch = -float("inf"), -1
-        self.best_state: dict[str, Tensor] | None = None
-        self.best_hypers: list[Tensor] | None = None
+        self._best: _Best | None = None  # one attribute, replaced whole: an interrupt never leaves half of it
         self._grads = [(p, p.grad) for p in dict.fromkeys(user_parameters)]  # unique, in order
 
     @property
     def has_best(self) -> bool:
         """Whether some round gave a finite evidence."""
-        return self.best_state is not None
+        return self._best is not None
+
+    @property
+    def best_value(self) -> float:
+        """The best evidence / N (``-inf`` before any finite one)."""
+        return -float("inf") if self._best is None else self._best.value
+
+    @property
+    def best_epoch(self) -> int:
+        """The epoch of the best checkpoint (``-1`` before any)."""
+        return -1 if self._best is None else self._best.epoch
 
     def set_hypers(self, values: list[Tensor]) -> None:
         with torch.no_grad():
@@ -56,13 +73,12 @@ class Checkpoints:
         """Keep the current weights with ``hypers_at`` (copies, not the live parameters) if ``value`` (a finite
         evidence / N) beats the best."""
         if math.isfinite(value) and value > self.best_value:
-            self.best_value, self.best_epoch = value, epoch
-            self.best_state, self.best_hypers = _clone_state(self.net), list(hypers_at)
+            self._best = _Best(value, epoch, _clone_state(self.net), list(hypers_at))
 
     def load_best(self) -> None:
         """The best checkpoint into the network and the hyperparameters (there must be one)."""
-        self.net.load_state_dict(self.best_state)
-        self.set_hypers(self.best_hypers)
+        self.net.load_state_dict(self._best.state)
+        self.set_hypers(self._best.hypers)
 
     def load_initial(self) -> None:
         """The initial weights, buffers and hyperparameters."""

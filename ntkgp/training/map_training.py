@@ -65,7 +65,8 @@ class MapTraining:
         return (prior - fit) / self.n
 
     def epoch(self, batches: Iterable[tuple[Tensor, Tensor] | None]) -> float:
-        """One epoch of steps, one per batch; returns the MAP objective per example summed over the batches."""
+        """One epoch of steps, one per batch; returns the epoch's MAP objective per example (each step's loss
+        weighted by its batch's share B / N of the data)."""
         total = 0.0
         step = self._distributed_step if self.distributed else self._step
         for batch in batches:
