@@ -108,7 +108,7 @@ def test_bad_numbers_are_named_before_training(argument, value):
 
 def test_a_huge_hyper_lr_cannot_run_away_silently():
     from ntkgp.training import HyperparameterWarning
-    from ntkgp.training.marglik_training import PRIOR_PRECISION_RANGE
+    from ntkgp.training.safeguards import PRIOR_PRECISION_RANGE
 
     data, net, lik = regression_problem()
     with pytest.warns(HyperparameterWarning, match="hyper_lr"):
@@ -252,7 +252,7 @@ def _diverging_problem():
 def test_diverging_map_training_stops_at_the_best_checkpoint():
     """SGD with a too large step: the round of epoch 5 has a finite evidence, then the weights blow up. Training
     stops with a warning and the epoch-5 checkpoint is loaded (finite weights), not a crash with NaN weights."""
-    from ntkgp.training.marglik_training import HyperparameterWarning
+    from ntkgp.training import HyperparameterWarning
 
     net, x, y = _diverging_problem()
     with pytest.warns(HyperparameterWarning, match="MAP training diverged"):
