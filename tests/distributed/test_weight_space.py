@@ -12,7 +12,7 @@ import torch
 
 import ntkgp
 from ntkgp.likelihoods import SoftmaxLikelihood
-from ntkgp.training.weight_space import weight_space_curvature
+from ntkgp.laplace.weight_space.full_curvature import full_curvature
 from tests.helpers import brute_jacobian, mlp
 
 
@@ -44,7 +44,7 @@ def test_softmax_ggn_and_ef_equal_brute_force():
     grad = (torch.nn.functional.one_hot(y, 3).double() - p) / t
     ef = torch.einsum("ncp,nc,nd,ndq->pq", j, grad, grad, j)
     for kind, expected in (("ggn", ggn), ("ef", ef)):
-        curv = weight_space_curvature(net, x, y, lik, kind, batch_size=4)
+        curv = full_curvature(net, x, y, lik, kind, batch_size=4)
         torch.testing.assert_close(curv.dense(lik), expected, rtol=0, atol=1e-12)
 
 
@@ -58,7 +58,7 @@ def test_gaussian_per_output_noise_equals_brute_force():
     ggn = torch.einsum("ncp,c,ncq->pq", j, s, j)
     ef = torch.einsum("ncp,nc,nd,ndq->pq", j, g, g, j)
     for kind, expected in (("ggn", ggn), ("ef", ef)):
-        curv = weight_space_curvature(net, x, y, lik, kind, batch_size=4)
+        curv = full_curvature(net, x, y, lik, kind, batch_size=4)
         torch.testing.assert_close(curv.dense(lik), expected, rtol=0, atol=1e-11)
 
 
@@ -68,7 +68,7 @@ def test_evidence_and_gradients_equal_ntkgp_function_space(problem, kind):
     net, x, y, lik = problem()
     delta = torch.tensor([0.5, 2.0], dtype=torch.float64)
     model = ntkgp.NTKGP(net, x, y, lik, prior_precision=delta)
-    curv = weight_space_curvature(net, x, y, lik, kind, batch_size=5)
+    curv = full_curvature(net, x, y, lik, kind, batch_size=5)
     hypers = [p for p in (model.covar_module.raw_prior_precision, *lik.parameters()) if p.requires_grad]
     reference = model.log_marginal_likelihood(curvature=kind, space="function")
     expected = torch.autograd.grad(reference, hypers)

@@ -123,17 +123,14 @@ def test_auto_space_takes_the_smaller_side_and_weight_space_wrappers():
         exact_curvature(wide, x, y, lik).dense(lik)
 
 
-def test_old_import_paths_still_work():
+def test_the_posteriors_dense_ggn_is_the_full_ggn():
     from ntkgp.laplace.weight_space.dense_curvature import component_weights, dense_curvature  # noqa: F401
-    from ntkgp.training.weight_space import WeightSpaceCurvature, weight_space_curvature
 
-    assert WeightSpaceCurvature is FullCurvature
     torch.manual_seed(0)
     x, y = torch.randn(6, 2, dtype=DTYPE), torch.randn(6, dtype=DTYPE)
     net = mlp(d_in=2, width=3, d_out=1, depth=1)
     lik = gpytorch.likelihoods.GaussianLikelihood().double()
-    a, b = weight_space_curvature(net, x, y, lik, "ggn"), full_ggn(net, x, y, lik)
-    torch.testing.assert_close(a.dense(lik), b.dense(lik))
+    b = full_ggn(net, x, y, lik)
     # the posterior's dense GGN comes from the same components
     post = ntkgp.laplace.laplace_posterior(net, x, y, lik, structure="full_ggn", prior_precision=1.0)
     torch.testing.assert_close(post.curvature_matrix(), b.dense(lik))

@@ -108,7 +108,7 @@ def test_bad_numbers_are_named_before_training(argument, value):
 
 def test_a_huge_hyper_lr_cannot_run_away_silently():
     from ntkgp.training import HyperparameterWarning
-    from ntkgp.training.marglik_training import PRIOR_PRECISION_RANGE
+    from ntkgp.training.safeguards import PRIOR_PRECISION_RANGE
 
     data, net, lik = regression_problem()
     with pytest.warns(HyperparameterWarning, match="hyper_lr"):
@@ -131,17 +131,18 @@ def test_full_empirical_fisher_structure():
     assert abs(model.log_marginal_likelihood(curvature="ef").item() / 80 - result.log_evidence) < 1e-8
 
 
-def test_deprecated_spellings():
+def test_removed_names_are_gone():
+    """0.1.0 keeps no deprecated names: ``groups=`` is an unknown keyword, ``training.STRUCTURES`` and the
+    ``training.weight_space`` aliases are gone (the structures are ``ntkgp.options.Structure``)."""
     data, net, lik = regression_problem()
-    with pytest.warns(DeprecationWarning) as record:
-        result = train_marglik(net, data.x_train, data.y_train, lik, structure="full", groups="network", epochs=30,
-                               burn_in=10, frequency=20, hyper_steps=5, progress=False)
-    messages = " ".join(str(w.message) for w in record)
-    assert "full_ggn" in messages and "prior_structure" in messages
-    assert result.prior_precision.shape == (1,)
-    with pytest.warns(DeprecationWarning, match="Structure"):
-        from ntkgp.training import STRUCTURES
-    assert "full_ggn" in STRUCTURES and "full" not in STRUCTURES
+    before = copy.deepcopy(net.state_dict())
+    with pytest.raises(TypeError, match="groups"):
+        train_marglik(net, data.x_train, data.y_train, lik, groups="network", epochs=3, progress=False)
+    assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())
+    with pytest.raises(ImportError):
+        from ntkgp.training import STRUCTURES  # noqa: F401
+    with pytest.raises(ImportError):
+        import ntkgp.training.weight_space  # noqa: F401
 
 
 def test_history_noise_is_the_variance():
@@ -219,7 +220,7 @@ def test_paper_protocol_one_step_per_epoch_records_exact_triples():
 
 @pytest.mark.parametrize("prior_structure", ["layer", "network"])
 def test_the_curvature_is_built_once_per_round_not_per_step(monkeypatch, prior_structure):
-    import ntkgp.training.marglik_training as module
+    import ntkgp.training.hyper_round as module
 
     calls = []
     original = module.exact_curvature
@@ -251,7 +252,7 @@ def _diverging_problem():
 def test_diverging_map_training_stops_at_the_best_checkpoint():
     """SGD with a too large step: the round of epoch 5 has a finite evidence, then the weights blow up. Training
     stops with a warning and the epoch-5 checkpoint is loaded (finite weights), not a crash with NaN weights."""
-    from ntkgp.training.marglik_training import HyperparameterWarning
+    from ntkgp.training import HyperparameterWarning
 
     net, x, y = _diverging_problem()
     with pytest.warns(HyperparameterWarning, match="MAP training diverged"):
