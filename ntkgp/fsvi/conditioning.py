@@ -270,7 +270,8 @@ class Conditioning:
         x_obs, factor, _ = self._conditioning()
         q = self.variational_distribution
         y = self._observed[1].to(factor)
-        return MatheronUpdate(self.linearized, q.means(), q.variances(), x_obs, y, factor,
+        # the network's own input shape (x_obs is GPyTorch's flat form)
+        return MatheronUpdate(self.linearized, q.means(), q.variances(), self.prepare(x_obs), y, factor,
                               noise_variance(self.likelihood).to(factor))
 
 
