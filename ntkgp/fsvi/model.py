@@ -215,8 +215,8 @@ class FSVI(Conditioning, NetworkInputs, BoTorchInterface, GP):
         the same draws. Differentiable in :math:`\mu`, :math:`s` when gradients are enabled.
 
         On a conditioned model (:meth:`condition_on`) each draw is first updated by Matheron's rule in weight
-        space (:class:`~ntkgp.fsvi.conditioning.MatheronUpdate`, docs/fsvi.md, "Conditioning on new observations"): with
-        :math:`\epsilon \sim N(0, \Sigma)` the observation noise,
+        space (:class:`~ntkgp.fsvi.conditioning.MatheronUpdate`; docs/fsvi.md, "Conditioning on new
+        observations"): with :math:`\epsilon \sim N(0, \Sigma)` the observation noise,
 
         .. math::
             \theta' = \theta + \operatorname{diag}(s^2) J_\mu(X)^\top (K(X, X) + \Sigma)^{-1}
