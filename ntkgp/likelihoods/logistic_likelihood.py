@@ -46,6 +46,8 @@ class LogisticLikelihood(LinkApproximation, TemperatureMixin, _OneDimensionalLik
 
     Attributes:
         temperature (torch.Tensor): :math:`T`, shape ``()``.
+        link_approx, num_samples, learn_temperature: as given; each may be assigned later, validated as here,
+            and the likelihood is then the one built with that value.
 
     Raises:
         ValueError: for a non-positive ``temperature``, an unknown ``link_approx`` or an invalid

@@ -56,6 +56,9 @@ class SoftmaxLikelihood(LinkApproximation, TemperatureMixin, gpytorch.likelihood
 
     Attributes:
         temperature (torch.Tensor): :math:`T`, shape ``()``.
+        link_approx, num_samples, learn_temperature: as given; each may be assigned later, validated as here,
+            and the likelihood is then the one built with that value.
+        num_classes (int): :math:`C`; cannot be changed (build a new likelihood).
 
     Raises:
         ValueError: for ``num_classes`` that is not an integer >= 2, a non-positive ``temperature``, an
