@@ -16,11 +16,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-
-def _check_num_points(num_points: object) -> int:
-    if isinstance(num_points, bool) or not isinstance(num_points, int) or num_points < 1:
-        raise ValueError(f"num_points must be a positive integer, got {num_points!r}")
-    return num_points
+from .checks import positive_int, real_number
 
 
 def _check_data(x: object, argument: str) -> Tensor:
@@ -84,8 +80,7 @@ class UniformBoxContext(ContextDistribution):
     def from_data(cls, x: Tensor, margin: float = 0.0) -> UniformBoxContext:
         r"""The box of the inputs ``x`` ``(N, ...)``, widened by ``margin`` times its width on each side."""
         x = _check_data(x, "x")
-        if not (isinstance(margin, (int, float)) and not isinstance(margin, bool) and 0 <= margin < math.inf):
-            raise ValueError(f"margin must be a non-negative number, got {margin!r}")
+        margin = real_number(margin, "margin")
         lower, upper = x.min(0).values, x.max(0).values
         width = upper - lower
         return cls(lower - margin * width, upper + margin * width)
@@ -93,7 +88,7 @@ class UniformBoxContext(ContextDistribution):
     def sample(
         self, num_points: int, generator: torch.Generator | None = None, batch_x: Tensor | None = None
     ) -> Tensor:
-        num_points = _check_num_points(num_points)
+        num_points = positive_int(num_points, "num_points")
         u = torch.rand((num_points, *self.lower.shape), generator=generator, dtype=torch.float64)
         u = u.to(dtype=self.lower.dtype if self.lower.is_floating_point() else torch.get_default_dtype(),
                  device=self.lower.device)
@@ -152,8 +147,7 @@ class MonochromeContext(ContextDistribution):
         image_shape = tuple(x.shape[1:]) if image_shape is None else tuple(int(s) for s in image_shape)
         if math.prod(image_shape) != math.prod(x.shape[1:]):
             raise ValueError(f"x of shape {tuple(x.shape)} does not hold images of shape {image_shape}")
-        if isinstance(max_pixels, bool) or not isinstance(max_pixels, int) or max_pixels < 1:
-            raise ValueError(f"max_pixels must be a positive integer, got {max_pixels!r}")
+        max_pixels = positive_int(max_pixels, "max_pixels")
         images = x.reshape(x.shape[0], *image_shape)
         channels = image_shape[0] if len(image_shape) >= 3 else 1
         pixels = images.reshape(x.shape[0], channels, -1).transpose(0, 1).reshape(channels, -1)
@@ -164,7 +158,7 @@ class MonochromeContext(ContextDistribution):
     def sample(
         self, num_points: int, generator: torch.Generator | None = None, batch_x: Tensor | None = None
     ) -> Tensor:
-        num_points = _check_num_points(num_points)
+        num_points = positive_int(num_points, "num_points")
         channels, m = self.pixels.shape
         idx = torch.randint(m, (num_points, channels), generator=generator).to(self.pixels.device)
         values = self.pixels.gather(1, idx.T).T  # (K, channels)
@@ -187,7 +181,7 @@ class DatasetContext(ContextDistribution):
     def sample(
         self, num_points: int, generator: torch.Generator | None = None, batch_x: Tensor | None = None
     ) -> Tensor:
-        num_points = _check_num_points(num_points)
+        num_points = positive_int(num_points, "num_points")
         idx = _indices(self.data.shape[0], num_points, generator, num_points > self.data.shape[0])
         return self.data[idx.to(self.data.device)]
 
@@ -208,7 +202,7 @@ class SamplerContext(ContextDistribution):
     def sample(
         self, num_points: int, generator: torch.Generator | None = None, batch_x: Tensor | None = None
     ) -> Tensor:
-        num_points = _check_num_points(num_points)
+        num_points = positive_int(num_points, "num_points")
         points = self.sampler(num_points, generator)
         if not isinstance(points, Tensor):
             raise TypeError(f"the context sampler must return a torch.Tensor, got {type(points).__name__}")
@@ -233,14 +227,12 @@ class BatchMixedContext(ContextDistribution):
     def __init__(self, base: ContextDistribution, fraction: float = 0.5) -> None:
         if not isinstance(base, ContextDistribution):
             raise TypeError(f"base must be a ContextDistribution, got {type(base).__name__}")
-        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 <= fraction <= 1:
-            raise ValueError(f"fraction must be a number in [0, 1], got {fraction!r}")
-        self.base, self.fraction = base, float(fraction)
+        self.base, self.fraction = base, real_number(fraction, "fraction", 0.0, 1.0, high_open=False)
 
     def sample(
         self, num_points: int, generator: torch.Generator | None = None, batch_x: Tensor | None = None
     ) -> Tensor:
-        num_points = _check_num_points(num_points)
+        num_points = positive_int(num_points, "num_points")
         if batch_x is None:
             raise ValueError("BatchMixedContext needs the mini-batch inputs: pass batch_x")
         from_batch = min(round(self.fraction * num_points), batch_x.shape[0])

@@ -6,6 +6,11 @@ import torch
 from linear_operator.utils.cholesky import psd_safe_cholesky
 from torch import Tensor
 
+from ..options import KLCovariance, PriorLinearization
+from .linearized import LinearizedNetwork
+from .prior import GaussianParameterPrior
+from .variational import MeanFieldGaussian
+
 
 def _normalized_cholesky(cov: Tensor, name: str) -> tuple[Tensor, Tensor, Tensor]:
     r"""``(L, d, ε)`` with :math:`\Sigma + \varepsilon \operatorname{diag}(\Sigma) = D L L^\top D`,
@@ -120,3 +125,59 @@ def gaussian_kl(mean_q: Tensor, cov_q: Tensor, mean_p: Tensor, cov_p: Tensor) ->
             f"{tuple(cov_q.shape)}, mean_p {tuple(mean_p.shape)}, cov_p {tuple(cov_p.shape)}"
         )
     return _GaussianKL.apply(mean_q, cov_q, mean_p, cov_p)
+
+
+def diagonal_kl(mean_q: Tensor, var_q: Tensor, mean_p: Tensor, var_p: Tensor) -> Tensor:
+    r""":math:`\sum_i \mathrm{KL}(N(m_{q,i}, v_{q,i}) \,\|\, N(m_{p,i}, v_{p,i}))
+    = \tfrac12 \sum_i \big[v_{q,i}/v_{p,i} + (m_{q,i} - m_{p,i})^2/v_{p,i} - 1 + \log v_{p,i} - \log v_{q,i}\big]`."""
+    for name, v in (("the variational variances", var_q), ("the prior variances", var_p)):
+        if not (v > 0).all():
+            raise ValueError(f"{name} at the context points include zeros: the KL is undefined (use context_jitter > 0)")
+    return 0.5 * (var_q / var_p + (mean_q - mean_p).square() / var_p - 1 + var_p.log() - var_q.log()).sum()
+
+
+def context_kl(
+    linearized: LinearizedNetwork,
+    variational: MeanFieldGaussian,
+    prior: GaussianParameterPrior,
+    x: Tensor,
+    kl_covariance: KLCovariance,
+    context_jitter: float,
+) -> Tensor:
+    r""":math:`\mathrm{KL}(q(f_C) \,\|\, p(f_C))` on the ``K·C`` outputs at prepared context inputs ``x``: the body of
+    :meth:`ntkgp.fsvi.FSVI.function_space_kl` (which states the formula).
+
+    About :math:`\mu` (``prior.prior_linearization``) prior and variational Gaussian share the features of one
+    forward and one backward pass and the mean difference is :math:`J_\mu(\mu - \mu_0)`; about :math:`\mu_0` the
+    prior's features are computed apart, without a graph. ``kl_covariance`` keeps the full covariances, the
+    ``K`` blocks ``C × C`` or the variances; ``context_jitter`` :math:`\tau` adds :math:`\tau \bar\sigma_p^2 I` to
+    both (a constant of the step: no gradient flows through :math:`\bar\sigma_p^2`)."""
+    grad = torch.is_grad_enabled()
+    means = variational.means()
+    feats = linearized.features(means, x, create_graph=grad)
+    if prior.prior_linearization is PriorLinearization.VARIATIONAL_MEAN:
+        feats_p = feats
+        # m_q - m_p = f(X; μ) - [f(X; μ) + J_μ (μ0 - μ)] = J_μ (μ - μ0)
+        prior_means = prior.means()
+        mean_q = linearized.jvp(feats, {n: means[n] - prior_means[n] for n in means})
+        mean_p = torch.zeros_like(mean_q)
+    else:
+        feats_p = linearized.features(prior.means(), x, create_graph=False)
+        mean_q, mean_p = feats.outputs, feats_p.outputs
+    pairs = ((feats, variational.variances()), (feats_p, prior.variances()))
+    diagonal = kl_covariance is KLCovariance.DIAGONAL
+    if kl_covariance is KLCovariance.FULL:
+        cov_q, cov_p = (linearized.covariance_from_features(f, v) for f, v in pairs)
+        mean_q, mean_p = mean_q.reshape(-1), mean_p.reshape(-1)
+    else:  # (K, C, C) blocks, or (K, C) variances
+        cov_q, cov_p = (linearized.blocks_from_features(f, v, variances_only=diagonal) for f, v in pairs)
+    if context_jitter > 0:
+        # a constant of the step: τ times the mean prior variance at the context points
+        prior_variances = cov_p if diagonal else cov_p.diagonal(dim1=-2, dim2=-1)
+        noise = context_jitter * prior_variances.mean().detach()
+        if not diagonal:
+            noise = noise * torch.eye(cov_p.shape[-1], dtype=cov_p.dtype, device=cov_p.device)
+        cov_q, cov_p = cov_q + noise, cov_p + noise
+    if diagonal:
+        return diagonal_kl(mean_q, cov_q, mean_p, cov_p)
+    return gaussian_kl(mean_q, cov_q, mean_p, cov_p).sum()

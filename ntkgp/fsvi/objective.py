@@ -8,7 +8,8 @@ import torch
 from torch import Tensor
 
 from ..likelihoods import log_likelihood, validate_targets
-from .model import FSVI, _check_num_samples
+from .checks import positive_int
+from .model import FSVI
 
 
 class ELBOTerms(NamedTuple):
@@ -54,11 +55,9 @@ class FunctionSpaceELBO:
     def __init__(self, model: FSVI, num_data: int, num_samples: int = 1) -> None:
         if not isinstance(model, FSVI):
             raise TypeError(f"model must be an ntkgp.fsvi.FSVI, got {type(model).__name__}")
-        if isinstance(num_data, bool) or not isinstance(num_data, int) or num_data < 1:
-            raise ValueError(f"num_data must be a positive integer, got {num_data!r}")
+        self.num_data = positive_int(num_data, "num_data")
+        self.num_samples = positive_int(num_samples, "num_samples")
         self.model = model
-        self.num_data = num_data
-        self.num_samples = _check_num_samples(num_samples)
 
     def expected_log_likelihood(
         self, x: Tensor, y: Tensor, generator: torch.Generator | None = None

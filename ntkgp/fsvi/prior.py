@@ -8,8 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from ..ntk import resolve_groups
-from ..options import PriorStructure, choose, renamed_argument
-from .options import PriorLinearization, PriorMean
+from ..options import OptionAttribute, PriorLinearization, PriorStructure, WeightPriorMean, choice, choose
 
 
 class GaussianParameterPrior(nn.Module):
@@ -38,14 +37,19 @@ class GaussianParameterPrior(nn.Module):
             trainable parameter name to a group label (see :func:`ntkgp.ntk.resolve_groups`).
         prior_mean: ``"zero"`` (default), ``"initial"`` (the network's weights now) or a mapping from every
             trainable parameter name to a tensor of its shape.
-        prior_linearization: ``"variational_mean"`` (default) or ``"prior_mean"``.
-        **kwargs: ``groups=`` (deprecated name of ``prior_structure``).
+        prior_linearization: ``"variational_mean"`` (default) or ``"prior_mean"``; the attribute of that name
+            cannot be changed afterwards (it is checked against ``prior_mean`` here: build a new prior or model).
 
     Raises:
         ValueError: an unknown option, a non-positive or wrongly shaped ``prior_precision``, a ``prior_mean``
             mapping that does not match the parameters, or ``prior_linearization="prior_mean"`` with
             ``prior_mean="zero"`` (a degenerate prior).
     """
+
+    prior_linearization = OptionAttribute(
+        choice(PriorLinearization),
+        fixed="it is checked against prior_mean when the prior is built, and the model was trained with it",
+    )
 
     def __init__(
         self,
@@ -54,11 +58,7 @@ class GaussianParameterPrior(nn.Module):
         prior_structure: str | Mapping[str, str] = "layer",
         prior_mean: str | Mapping[str, Tensor] = "zero",
         prior_linearization: str = "variational_mean",
-        **kwargs,
     ) -> None:
-        prior_structure = renamed_argument(kwargs, "groups", "prior_structure", prior_structure, "layer")
-        if kwargs:
-            raise TypeError(f"unexpected keyword arguments {sorted(kwargs)}")
         if not isinstance(net, nn.Module):
             raise TypeError(f"net must be a torch.nn.Module, got {type(net).__name__}")
         if not isinstance(prior_structure, Mapping):
@@ -94,21 +94,21 @@ class GaussianParameterPrior(nn.Module):
                 means.append(value.detach().to(named[n]).clone())
             kind = None
         else:
-            kind = choose(PriorMean, prior_mean, "prior_mean")
-            if kind is PriorMean.ZERO and linearization is PriorLinearization.PRIOR_MEAN:
+            kind = choose(WeightPriorMean, prior_mean, "prior_mean")
+            if kind is WeightPriorMean.ZERO and linearization is PriorLinearization.PRIOR_MEAN:
                 raise ValueError(
                     "prior_linearization='prior_mean' with prior_mean='zero' gives a degenerate prior: at zero "
                     "weights the Jacobian vanishes except for the last bias. Use prior_linearization="
                     "'variational_mean' or a non-zero prior_mean"
                 )
             source = {n: named[n].detach() for n in groups.names}
-            means = [torch.zeros_like(source[n]) if kind is PriorMean.ZERO else source[n].clone() for n in groups.names]
+            means = [torch.zeros_like(source[n]) if kind is WeightPriorMean.ZERO else source[n].clone() for n in groups.names]
         super().__init__()
         self.names: tuple[str, ...] = groups.names
         self.group_of: tuple[int, ...] = groups.group_of
         self.group_names: tuple[str, ...] = groups.group_names
-        self.linearization = linearization
-        self.zero_mean = kind is PriorMean.ZERO
+        self.prior_linearization = linearization
+        self.zero_mean = kind is WeightPriorMean.ZERO
         self.register_buffer("prior_precision", precision)
         for i, m in enumerate(means):
             self.register_buffer(f"mean_{i}", m)

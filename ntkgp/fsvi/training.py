@@ -14,18 +14,11 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from ..likelihoods import num_outputs, validate_targets
-from ..options import choose
-from .context import (
-    BatchMixedContext,
-    ContextDistribution,
-    DatasetContext,
-    MonochromeContext,
-    SamplerContext,
-    UniformBoxContext,
-)
+from ..options import ContextKind, choose
+from . import context as contexts
+from .checks import positive_int, real_number
 from .model import FSVI
 from .objective import FunctionSpaceELBO
-from .options import ContextKind
 
 Batches = Iterable[tuple[Tensor, Tensor]]
 
@@ -46,14 +39,6 @@ class FSVIResult:
     seconds: float = 0.0
 
 
-def _positive_int(value: object, argument: str, allow_none: bool = False) -> int | None:
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{argument} must be a positive integer{' or None' if allow_none else ''}, got {value!r}")
-    return value
-
-
 def _loader_inputs(batches: Batches, max_values: int) -> Tensor:
     """Inputs of the first batches of ``batches``, until ``max_values`` numbers per input feature are collected."""
     xs, count = [], 0
@@ -67,13 +52,13 @@ def _loader_inputs(batches: Batches, max_values: int) -> Tensor:
 
 def _build_context(
     context: object, batches: Batches, x_first: Tensor, input_shape: tuple[int, ...] | None, generator: torch.Generator
-) -> ContextDistribution:
-    if isinstance(context, ContextDistribution):
+) -> contexts.ContextDistribution:
+    if isinstance(context, contexts.ContextDistribution):
         return context
     if isinstance(context, Tensor):
-        return DatasetContext(context)
+        return contexts.DatasetContext(context)
     if callable(context) and not isinstance(context, str):
-        return SamplerContext(context)
+        return contexts.SamplerContext(context)
     if not isinstance(context, str):
         raise TypeError(
             "context must be 'auto', 'uniform', 'monochrome', a ContextDistribution, a tensor of inputs or a "
@@ -88,11 +73,11 @@ def _build_context(
             raise ValueError(
                 "context='monochrome' needs image inputs (N, channels, H, W) or input_shape=(channels, H, W)"
             )
-        return MonochromeContext.from_data(_loader_inputs(batches, 2**20), image_shape, generator=generator)
+        return contexts.MonochromeContext.from_data(_loader_inputs(batches, 2**20), image_shape, generator=generator)
     lower, upper = x_first.min(0).values, x_first.max(0).values
     for x, _ in batches:
         lower, upper = torch.minimum(lower, x.min(0).values), torch.maximum(upper, x.max(0).values)
-    return UniformBoxContext(lower, upper)
+    return contexts.UniformBoxContext(lower, upper)
 
 
 class _TensorBatches:
@@ -115,7 +100,7 @@ def train_fsvi(
     train_y: Tensor | None,
     likelihood: Likelihood,
     *,
-    context: str | ContextDistribution | Tensor | Callable = "auto",
+    context: str | contexts.ContextDistribution | Tensor | Callable = "auto",
     num_context: int = 32,
     context_batch_fraction: float = 0.0,
     prior_precision: float | Tensor = 1.0,
@@ -188,6 +173,8 @@ def train_fsvi(
 
     Raises:
         ValueError / TypeError: naming the argument, before anything is computed.
+        KeyboardInterrupt: propagated as raised; the network, the likelihood and the tensors passed in (with
+            their ``.grad``) are as before the call (the model trained so far is lost).
 
     Example:
         >>> reg_net = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)).double()
@@ -201,17 +188,13 @@ def train_fsvi(
     if not isinstance(likelihood, Likelihood):
         raise TypeError(f"likelihood must be a gpytorch Likelihood, got {type(likelihood).__name__}")
     expected = num_outputs(likelihood)
-    num_context = _positive_int(num_context, "num_context")
-    num_samples = _positive_int(num_samples, "num_samples")
-    epochs = _positive_int(epochs, "epochs")
-    batch_size = _positive_int(batch_size, "batch_size", allow_none=True)
-    num_data = _positive_int(num_data, "num_data", allow_none=True)
-    if isinstance(context_batch_fraction, bool) or not isinstance(context_batch_fraction, (int, float)) or not (
-        0 <= context_batch_fraction <= 1
-    ):
-        raise ValueError(f"context_batch_fraction must be a number in [0, 1], got {context_batch_fraction!r}")
-    if not (isinstance(lr, (int, float)) and not isinstance(lr, bool) and 0 < lr < math.inf):
-        raise ValueError(f"lr must be a positive number, got {lr!r}")
+    num_context = positive_int(num_context, "num_context")
+    num_samples = positive_int(num_samples, "num_samples")
+    epochs = positive_int(epochs, "epochs")
+    batch_size = positive_int(batch_size, "batch_size", allow_none=True)
+    num_data = positive_int(num_data, "num_data", allow_none=True)
+    context_batch_fraction = real_number(context_batch_fraction, "context_batch_fraction", 0.0, 1.0, high_open=False)
+    lr = real_number(lr, "lr", low_open=True)
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"seed must be an integer, got {seed!r}")
     if not callable(optimizer):
@@ -273,7 +256,7 @@ def train_fsvi(
     data = [(train_x, None)] if isinstance(train_x, Tensor) else batches
     sampler = _build_context(context, data, x_first, input_shape, generator)
     if context_batch_fraction > 0:
-        sampler = BatchMixedContext(sampler, context_batch_fraction)
+        sampler = contexts.BatchMixedContext(sampler, context_batch_fraction)
     # one context point must fit the network too, drawn from a copy of the generator and with the global random
     # state restored afterwards (for a sampler that ignores the generator): training's draws are unchanged
     probe = torch.Generator().set_state(generator.get_state())
@@ -294,7 +277,9 @@ def train_fsvi(
     for epoch in bar:
         sums, steps = [0.0, 0.0, 0.0], 0
         for x, y in batches:
-            x_context = sampler.sample(num_context, generator, batch_x=x)
+            # detached: the backward pass reaches μ, s (and the likelihood's copy), never the user's tensors
+            x, y = (t.detach() if isinstance(t, Tensor) else t for t in (x, y))
+            x_context = sampler.sample(num_context, generator, batch_x=x).detach()
             opt.zero_grad(set_to_none=True)
             terms = elbo(x, y, x_context, generator=noise)
             (-terms.value).backward()

@@ -8,11 +8,11 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor, nn
 
+from .checks import real_number
+
 
 def _positive(value: object, argument: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < value < math.inf):
-        raise ValueError(f"{argument} must be a positive finite number, got {value!r}")
-    return float(value)
+    return real_number(value, argument, low_open=True)
 
 
 class MeanFieldGaussian(nn.Module):

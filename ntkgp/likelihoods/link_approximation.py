@@ -16,48 +16,110 @@ from __future__ import annotations
 import math
 import numbers
 import warnings
+from typing import Any
 
 import torch
-from gpytorch.distributions import MultitaskMultivariateNormal
+from gpytorch.distributions import MultitaskMultivariateNormal, MultivariateNormal
 from linear_operator.utils.cholesky import psd_safe_cholesky
 from linear_operator.utils.warnings import NumericalWarning
 from torch import Tensor
+from torch.distributions import Distribution
+
+from ..options import Link, OptionAttribute
 
 LINK_APPROXIMATIONS = ("probit", "mc")
 
 
-def check_link_approx(link_approx: str) -> str:
-    """Validate ``link_approx``.
-
-    Args:
-        link_approx: ``"probit"`` or ``"mc"``.
+def check_link_approx(link_approx: object, argument: str = "link_approx") -> Link:
+    """Validate ``link_approx``: ``"probit"`` or ``"mc"`` (strings or :class:`~ntkgp.options.Link` members).
 
     Returns:
-        ``link_approx``.
+        The :class:`~ntkgp.options.Link` member (equal to its string).
 
     Raises:
-        ValueError: naming ``link_approx`` and the accepted values.
+        ValueError: naming ``argument`` and the accepted values.
     """
-    if link_approx not in LINK_APPROXIMATIONS:
-        raise ValueError(f"link_approx must be one of {LINK_APPROXIMATIONS}, got {link_approx!r}")
-    return link_approx
+    if isinstance(link_approx, str) and link_approx in LINK_APPROXIMATIONS:
+        return Link(link_approx)
+    raise ValueError(f"{argument} must be one of {LINK_APPROXIMATIONS}, got {link_approx!r}")
 
 
-def check_num_samples(num_samples: int) -> int:
-    """Validate ``num_samples``.
-
-    Args:
-        num_samples: a positive integer (``bool`` is rejected).
-
-    Returns:
-        ``num_samples``.
+def check_num_samples(num_samples: object, argument: str = "num_samples") -> int:
+    """Validate ``num_samples``: a positive integer (any ``numbers.Integral``; ``bool`` is rejected).
 
     Raises:
-        ValueError: naming ``num_samples``.
+        ValueError: naming ``argument``.
     """
     if isinstance(num_samples, bool) or not isinstance(num_samples, numbers.Integral) or num_samples < 1:
-        raise ValueError(f"num_samples must be a positive integer, got {num_samples!r}")
+        raise ValueError(f"{argument} must be a positive integer, got {num_samples!r}")
     return int(num_samples)
+
+
+class LinkApproximation:
+    r"""The predictive of a classification likelihood, :math:`p(y) \approx \mathbb E[\mathrm{link}(f)]` under a
+    Gaussian over the logits, by ``link_approx`` (a mixin of :class:`~ntkgp.likelihoods.LogisticLikelihood` and
+    :class:`~ntkgp.likelihoods.SoftmaxLikelihood`: one ``marginal`` and one dispatch for both).
+
+    ``link_approx`` and ``num_samples`` are the defaults of :meth:`marginal` (per-call arguments override them);
+    assigning either validates it as the constructor does, and nothing depends on them but the next call,
+    so the likelihood is then the one built with that value. A likelihood defines ``_check_logits(dist)``,
+    ``_probit(dist)``, ``_monte_carlo(dist, num_samples, generator)``, ``_predictive(probs)`` and
+    ``_labels(observations, predictive)``."""
+
+    link_approx = OptionAttribute(check_link_approx, on_change="_link_option_changed")
+    num_samples = OptionAttribute(check_num_samples, on_change="_link_option_changed")
+
+    def _link_option_changed(self, name: str) -> None:
+        """Nothing is cached from ``link_approx`` or ``num_samples``: every call reads them."""
+
+    def marginal(
+        self,
+        function_dist: MultivariateNormal,
+        *args: Any,
+        link_approx: str | None = None,
+        num_samples: int | None = None,
+        generator: torch.Generator | None = None,
+        **kwargs: Any,
+    ) -> Distribution:
+        r"""The predictive :math:`p(y) \approx \mathbb E_{f \sim N(\mu_n, \Sigma_n)}[\mathrm{link}(f)]` per point.
+
+        Args:
+            function_dist: the distribution over the logits: for ``LogisticLikelihood`` a ``MultivariateNormal``
+                over ``N`` points or a ``MultitaskMultivariateNormal`` of shape ``(N, 1)`` (marginal variances
+                only); for ``SoftmaxLikelihood`` a ``MultitaskMultivariateNormal`` of shape ``(N, C)`` (the
+                marginal variances for ``"probit"``, each point's ``C × C`` block for ``"mc"``).
+            link_approx: ``"probit"`` or ``"mc"``; default ``self.link_approx``.
+            num_samples: Monte Carlo samples; default ``self.num_samples``.
+            generator: optional random number generator for ``"mc"``.
+
+        Returns:
+            ``Bernoulli`` with ``probs`` of the shape of ``function_dist.mean`` (logistic), or ``Categorical``
+            with ``probs`` of shape ``(N, C)`` (softmax).
+
+        Raises:
+            TypeError: a softmax likelihood given another distribution than a ``MultitaskMultivariateNormal``.
+            ValueError: a wrong number of logits, an unknown ``link_approx`` or an invalid ``num_samples``.
+        """
+        self._check_logits(function_dist)
+        link_approx = self.link_approx if link_approx is None else check_link_approx(link_approx)
+        if link_approx == Link.PROBIT:
+            return self._predictive(self._probit(function_dist))
+        num_samples = self.num_samples if num_samples is None else check_num_samples(num_samples)
+        return self._predictive(self._monte_carlo(function_dist, num_samples, generator))
+
+    def log_marginal(self, observations: Tensor, function_dist: MultivariateNormal, *args: Any, **kwargs: Any) -> Tensor:
+        r""":math:`\log p(y)` under :meth:`marginal`, per point.
+
+        Args:
+            observations: labels in {0, 1} of the shape of ``function_dist.mean`` (logistic), or integer labels
+                ``(N,)`` (softmax).
+            function_dist: as :meth:`marginal`; ``kwargs`` are passed to it.
+
+        Returns:
+            The log predictive probabilities, the shape of ``observations``.
+        """
+        predictive = self.marginal(function_dist, *args, **kwargs)
+        return predictive.log_prob(self._labels(observations, predictive))
 
 
 def probit_scaled_mean(mean: Tensor, variance: Tensor) -> Tensor:
@@ -190,7 +252,7 @@ def output_covariance_blocks(function_dist: MultitaskMultivariateNormal) -> Tens
         Shape ``(..., N, C, C)``.
 
     Example:
-        >>> from gpytorch.distributions import MultitaskMultivariateNormal
+        >>> from gpytorch.distributions import MultitaskMultivariateNormal, MultivariateNormal
         >>> dist = MultitaskMultivariateNormal(torch.zeros(2, 3), torch.eye(6))
         >>> output_covariance_blocks(dist).shape
         torch.Size([2, 3, 3])

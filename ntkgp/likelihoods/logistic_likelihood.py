@@ -12,11 +12,11 @@ from gpytorch.priors import Prior
 from torch import Tensor
 from torch.distributions import Bernoulli
 
-from .link_approximation import check_link_approx, check_num_samples, sigmoid_monte_carlo, sigmoid_probit
+from .link_approximation import LinkApproximation, sigmoid_monte_carlo, sigmoid_probit
 from .temperature import TemperatureMixin
 
 
-class LogisticLikelihood(TemperatureMixin, _OneDimensionalLikelihood):
+class LogisticLikelihood(LinkApproximation, TemperatureMixin, _OneDimensionalLikelihood):
     r"""Bernoulli likelihood with the logistic link, for a network with one logit output.
 
     .. math::
@@ -46,6 +46,8 @@ class LogisticLikelihood(TemperatureMixin, _OneDimensionalLikelihood):
 
     Attributes:
         temperature (torch.Tensor): :math:`T`, shape ``()``.
+        link_approx, num_samples, learn_temperature: as given; each may be assigned later, validated as here,
+            and the likelihood is then the one built with that value.
 
     Raises:
         ValueError: for a non-positive ``temperature``, an unknown ``link_approx`` or an invalid
@@ -69,8 +71,8 @@ class LogisticLikelihood(TemperatureMixin, _OneDimensionalLikelihood):
     ) -> None:
         super().__init__()
         self._register_temperature(temperature, learn_temperature, temperature_prior, temperature_constraint)
-        self.link_approx = check_link_approx(link_approx)
-        self.num_samples = check_num_samples(num_samples)
+        self.link_approx = link_approx
+        self.num_samples = num_samples
 
     def forward(self, function_samples: Tensor, *args: Any, **kwargs: Any) -> Bernoulli:
         """The conditional :math:`p(y \\mid f)`.
@@ -83,50 +85,19 @@ class LogisticLikelihood(TemperatureMixin, _OneDimensionalLikelihood):
         """
         return Bernoulli(logits=function_samples)
 
-    def marginal(
-        self,
-        function_dist: MultivariateNormal,
-        *args: Any,
-        link_approx: str | None = None,
-        num_samples: int | None = None,
-        generator: torch.Generator | None = None,
-        **kwargs: Any,
-    ) -> Bernoulli:
-        r"""Predictive :math:`p(y = 1) \approx \mathbb E_{N(f; \mu, \sigma^2)}[\operatorname{sigmoid}(f)]`.
+    def _check_logits(self, function_dist: MultivariateNormal) -> None:
+        """Any distribution over the logits with a mean and marginal variances."""
 
-        Args:
-            function_dist: distribution over the logits: a ``MultivariateNormal`` over ``N`` points, or a
-                ``MultitaskMultivariateNormal`` of shape ``(N, 1)``. Only its marginal variances are used.
-            link_approx: ``"probit"`` or ``"mc"``; default ``self.link_approx``.
-            num_samples: Monte Carlo samples; default ``self.num_samples``.
-            generator: optional random number generator for ``"mc"``.
+    def _probit(self, function_dist: MultivariateNormal) -> Tensor:
+        return sigmoid_probit(function_dist.mean, function_dist.variance)
 
-        Returns:
-            ``Bernoulli`` with ``probs`` of the shape of ``function_dist.mean``.
+    def _monte_carlo(
+        self, function_dist: MultivariateNormal, num_samples: int, generator: torch.Generator | None
+    ) -> Tensor:
+        return sigmoid_monte_carlo(function_dist.mean, function_dist.variance, num_samples, generator)
 
-        Raises:
-            ValueError: for an unknown ``link_approx`` or an invalid ``num_samples``.
-        """
-        link_approx = check_link_approx(self.link_approx if link_approx is None else link_approx)
-        mean, variance = function_dist.mean, function_dist.variance
-        if link_approx == "probit":
-            probs = sigmoid_probit(mean, variance)
-        else:
-            num_samples = self.num_samples if num_samples is None else num_samples
-            probs = sigmoid_monte_carlo(mean, variance, num_samples, generator)
+    def _predictive(self, probs: Tensor) -> Bernoulli:
         return Bernoulli(probs=probs)
 
-    def log_marginal(
-        self, observations: Tensor, function_dist: MultivariateNormal, *args: Any, **kwargs: Any
-    ) -> Tensor:
-        """:math:`\\log p(y)` under :meth:`marginal`, elementwise.
-
-        Args:
-            observations: labels in {0, 1}, the shape of ``function_dist.mean``.
-            function_dist: as :meth:`marginal`.
-
-        Returns:
-            The log predictive probabilities.
-        """
-        marginal = self.marginal(function_dist, *args, **kwargs)
-        return marginal.log_prob(observations.to(marginal.probs.dtype))
+    def _labels(self, observations: Tensor, predictive: Bernoulli) -> Tensor:
+        return observations.to(predictive.probs.dtype)

@@ -13,17 +13,18 @@ from gpytorch.priors import Prior
 from torch import Tensor
 from torch.distributions import Categorical
 
-from .link_approximation import (
-    check_link_approx,
-    check_num_samples,
-    output_covariance_blocks,
-    softmax_monte_carlo,
-    softmax_probit,
-)
+from ..options import OptionAttribute
+from .link_approximation import LinkApproximation, output_covariance_blocks, softmax_monte_carlo, softmax_probit
 from .temperature import TemperatureMixin
 
 
-class SoftmaxLikelihood(TemperatureMixin, gpytorch.likelihoods.SoftmaxLikelihood):
+def _num_classes(value: object, argument: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 2:
+        raise ValueError(f"{argument} must be an integer >= 2, got {value!r}")
+    return int(value)
+
+
+class SoftmaxLikelihood(LinkApproximation, TemperatureMixin, gpytorch.likelihoods.SoftmaxLikelihood):
     r"""Categorical likelihood with the softmax link on the network's :math:`C` logits (no mixing weights).
 
     .. math::
@@ -55,6 +56,9 @@ class SoftmaxLikelihood(TemperatureMixin, gpytorch.likelihoods.SoftmaxLikelihood
 
     Attributes:
         temperature (torch.Tensor): :math:`T`, shape ``()``.
+        link_approx, num_samples, learn_temperature: as given; each may be assigned later, validated as here,
+            and the likelihood is then the one built with that value.
+        num_classes (int): :math:`C`; cannot be changed (build a new likelihood).
 
     Raises:
         ValueError: for ``num_classes`` that is not an integer >= 2, a non-positive ``temperature``, an
@@ -67,6 +71,8 @@ class SoftmaxLikelihood(TemperatureMixin, gpytorch.likelihoods.SoftmaxLikelihood
                 [0.3333, 0.3333, 0.3333]])
     """
 
+    num_classes = OptionAttribute(_num_classes, fixed="the network and the model were built for that many logits")
+
     def __init__(
         self,
         num_classes: int,
@@ -77,13 +83,10 @@ class SoftmaxLikelihood(TemperatureMixin, gpytorch.likelihoods.SoftmaxLikelihood
         link_approx: str = "probit",
         num_samples: int = 100,
     ) -> None:
-        if isinstance(num_classes, bool) or not isinstance(num_classes, numbers.Integral) or num_classes < 2:
-            raise ValueError(f"num_classes must be an integer >= 2, got {num_classes!r}")
-        num_classes = int(num_classes)
-        super().__init__(num_classes=num_classes, mixing_weights=False)
+        super().__init__(num_classes=_num_classes(num_classes, "num_classes"), mixing_weights=False)
         self._register_temperature(temperature, learn_temperature, temperature_prior, temperature_constraint)
-        self.link_approx = check_link_approx(link_approx)
-        self.num_samples = check_num_samples(num_samples)
+        self.link_approx = link_approx
+        self.num_samples = num_samples
 
     def forward(self, function_samples: Tensor, *args: Any, **kwargs: Any) -> Categorical:
         """The conditional :math:`p(y \\mid f)`.
@@ -104,32 +107,8 @@ class SoftmaxLikelihood(TemperatureMixin, gpytorch.likelihoods.SoftmaxLikelihood
             )
         return Categorical(logits=function_samples)
 
-    def marginal(
-        self,
-        function_dist: MultitaskMultivariateNormal,
-        *args: Any,
-        link_approx: str | None = None,
-        num_samples: int | None = None,
-        generator: torch.Generator | None = None,
-        **kwargs: Any,
-    ) -> Categorical:
-        r"""Predictive :math:`p(y) \approx \mathbb E[\operatorname{softmax}(\mathbf f)]` over
-        :math:`\mathbf f \sim N(\mu_n, \Sigma_n)`.
-
-        Args:
-            function_dist: ``MultitaskMultivariateNormal`` over the logits, shape ``(N, C)``.
-            link_approx: ``"probit"`` or ``"mc"``; default ``self.link_approx``.
-            num_samples: Monte Carlo samples; default ``self.num_samples``.
-            generator: optional random number generator for ``"mc"``.
-
-        Returns:
-            ``Categorical`` with ``probs`` of shape ``(N, C)``.
-
-        Raises:
-            TypeError: if ``function_dist`` is not a ``MultitaskMultivariateNormal``.
-            ValueError: for a wrong number of logits, an unknown ``link_approx`` or an invalid
-                ``num_samples``.
-        """
+    def _check_logits(self, function_dist: MultitaskMultivariateNormal) -> None:
+        """A ``MultitaskMultivariateNormal`` over ``(N, C)`` logits, ``C = num_classes``."""
         if not isinstance(function_dist, MultitaskMultivariateNormal):
             raise TypeError(
                 "SoftmaxLikelihood.marginal expects a MultitaskMultivariateNormal of shape (N, C), got "
@@ -140,25 +119,17 @@ class SoftmaxLikelihood(TemperatureMixin, gpytorch.likelihoods.SoftmaxLikelihood
                 f"expected a distribution over {self.num_classes} logits per point, got event shape "
                 f"{tuple(function_dist.event_shape)}"
             )
-        link_approx = check_link_approx(self.link_approx if link_approx is None else link_approx)
-        mean = function_dist.mean
-        if link_approx == "probit":
-            probs = softmax_probit(mean, function_dist.variance)
-        else:
-            num_samples = self.num_samples if num_samples is None else num_samples
-            probs = softmax_monte_carlo(mean, output_covariance_blocks(function_dist), num_samples, generator)
+
+    def _probit(self, function_dist: MultitaskMultivariateNormal) -> Tensor:
+        return softmax_probit(function_dist.mean, function_dist.variance)
+
+    def _monte_carlo(
+        self, function_dist: MultitaskMultivariateNormal, num_samples: int, generator: torch.Generator | None
+    ) -> Tensor:
+        return softmax_monte_carlo(function_dist.mean, output_covariance_blocks(function_dist), num_samples, generator)
+
+    def _predictive(self, probs: Tensor) -> Categorical:
         return Categorical(probs=probs)
 
-    def log_marginal(
-        self, observations: Tensor, function_dist: MultitaskMultivariateNormal, *args: Any, **kwargs: Any
-    ) -> Tensor:
-        """:math:`\\log p(y)` under :meth:`marginal`.
-
-        Args:
-            observations: integer labels, shape ``(N,)``.
-            function_dist: as :meth:`marginal`.
-
-        Returns:
-            Shape ``(N,)``.
-        """
-        return self.marginal(function_dist, *args, **kwargs).log_prob(observations.long())
+    def _labels(self, observations: Tensor, predictive: Categorical) -> Tensor:
+        return observations.long()

@@ -17,6 +17,14 @@ from gpytorch.likelihoods import Likelihood
 from gpytorch.priors import Prior
 from torch import Tensor
 
+from ..options import OptionAttribute
+
+
+def _flag(value: object, argument: str) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{argument} must be True or False, got {value!r}")
+    return value
+
 
 class TemperatureMixin:
     r"""Adds a positive hyperparameter :math:`T` (``raw_temperature`` with a ``Positive()`` constraint).
@@ -27,7 +35,16 @@ class TemperatureMixin:
         temperature (torch.Tensor): :math:`T`, shape ``()``; the setter accepts a positive real number (any
             ``numbers.Real`` such as ``numpy.float32``, but not ``bool``) or a one-element tensor, and raises
             ``TypeError`` or ``ValueError`` otherwise.
+        learn_temperature (bool): whether ``raw_temperature`` requires grad; assigning it sets that flag (as
+            building the likelihood with it does). ``temperature_prior`` and ``raw_temperature_constraint`` are
+            GPyTorch's registered prior and constraint (replace them with ``register_prior`` /
+            ``register_constraint``, or build a new likelihood).
     """
+
+    learn_temperature = OptionAttribute(_flag, on_change="_learn_temperature_changed")
+
+    def _learn_temperature_changed(self, name: str) -> None:
+        self.raw_temperature.requires_grad_(self.learn_temperature)
 
     def _register_temperature(
         self,
@@ -36,12 +53,14 @@ class TemperatureMixin:
         temperature_prior: Prior | None,
         temperature_constraint: Interval | None,
     ) -> None:
+        learn_temperature = _flag(learn_temperature, "learn_temperature")
         if temperature_constraint is None:
             temperature_constraint = Positive()
         self.register_parameter(
             name="raw_temperature",
             parameter=torch.nn.Parameter(torch.zeros(()), requires_grad=learn_temperature),
         )
+        self.learn_temperature = learn_temperature
         self.register_constraint("raw_temperature", temperature_constraint)
         if temperature_prior is not None:
             self.register_prior("temperature_prior", temperature_prior, lambda m: m.temperature)

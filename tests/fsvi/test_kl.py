@@ -110,11 +110,11 @@ def _dense_gaussians(net, model, x, jitter=0.0):
     mu0 = p.means()
     var_q = {n: t.detach() for n, t in q.variances().items()}
     var_p = {n: t.expand(mu[n].shape) for n, t in p.variances().items()}
-    at = mu if p.linearization == "variational_mean" else mu0
+    at = mu if p.prior_linearization == "variational_mean" else mu0
     cov_q = ref.covariance(net, mu, var_q, names, x)
     cov_p = ref.covariance(net, at, var_p, names, x)
     f_q = functional_call(net, mu, (x,)).reshape(-1)
-    if p.linearization == "variational_mean":  # the prior's linearization about μ: f(μ) + J_μ (μ0 - μ)
+    if p.prior_linearization == "variational_mean":  # the prior's linearization about μ: f(μ) + J_μ (μ0 - μ)
         f_p = f_q + ref.jacobian(net, mu, names, x) @ (ref.flat(mu0, names) - ref.flat(mu, names))
     else:
         f_p = functional_call(net, mu0, (x,)).reshape(-1)
@@ -161,7 +161,8 @@ def test_float32_close_to_float64():
     _, model64 = _model(3, "zero", "variational_mean", jitter=1e-2)
     net32 = ref.mlp(d_in=2, width=5, d_out=3, seed=0, dtype=torch.float32)
     model32 = FSVI(net32, MultitaskGaussianLikelihood(3, rank=0), prior_mean="zero", prior_structure="parameter")
-    model32.load_state_dict({k: v.float() for k, v in model64.state_dict().items()}, strict=False)
+    model32.load_state_dict({k: v.float() if torch.is_tensor(v) else v for k, v in model64.state_dict().items()},
+                            strict=False)
     x = torch.randn(4, 2, dtype=torch.float64)
     kl64 = model64.function_space_kl(x)
     kl32 = model32.function_space_kl(x.float())

@@ -156,7 +156,3 @@ def test_errors_name_the_argument():
         model.predict(torch.randn(2, 3, dtype=torch.float64), method="exact")
     with pytest.raises(ValueError, match="num_samples"):
         model.predict(torch.randn(2, 3, dtype=torch.float64), num_samples=0)
-    with pytest.deprecated_call():
-        FSVI(net, GaussianLikelihood(), groups="network")
-    with pytest.deprecated_call():
-        FSVI(net, GaussianLikelihood(), prior_structure="scalar")

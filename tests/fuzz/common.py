@@ -8,6 +8,9 @@ The property checked at every public entry point (docs/guarantees.md):
   message names that argument; never another exception (a raw torch error) and never NaN results;
 * in every case the user's network (state_dict bit for bit, train/eval mode of every module, requires_grad
   of every parameter) and every tensor passed in are unchanged afterwards.
+
+Where a call succeeds, the kernel and engine tests and the training and curvature tests also compare its values
+with brute-force computations written without ntkgp (tests/fuzz/reference.py).
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import ntkgp
+from tests.fuzz import reference
 from tests.fuzz.common import (
     ACCEPTED_INPUT_CORRUPTIONS,
     INPUT_CORRUPTIONS,
@@ -60,10 +61,23 @@ def test_kernel_calls(data):
         [target],
         accepted,
     )
-    if result is not None and corruption is None and not diag:
-        assert result.shape == (n1 * c, n2 * c)
+    if result is None:  # a corrupted call, refused as check_call requires
+        return
+    # every accepted call against the Gram of brute-force Jacobians (the inputs as the network takes them)
+    a, b = (torch.as_tensor(t).to(dtype).reshape(-1, *network.example) for t in (x1, x2))
+    expected = reference.ntk(network.net, a, b)
+    if diag:
+        expected = expected.diagonal()
+    assert result.shape == expected.shape
+    torch.testing.assert_close(result.double(), expected, **_tolerance(dtype, expected))
+    if corruption is None and not diag:
         square = kernel(x1).to_dense()
         assert torch.allclose(square, square.mT) and bool((square.diagonal() >= 0).all())
+
+
+def _tolerance(dtype: torch.dtype, expected: torch.Tensor) -> dict:
+    scale = float(expected.abs().max()) if expected.numel() else 1.0
+    return {"rtol": 1e-4, "atol": 1e-5 * scale} if dtype == torch.float32 else {"rtol": 1e-9, "atol": 1e-11 * scale}
 
 
 @SETTINGS
@@ -138,8 +152,22 @@ def test_engine_products(data):
         "vjp": lambda: engine.vjp(x, v),
     }
     result = check_call(calls[method], network.net, [x, v, weights], corruption, [name or "x"])
-    if result is not None and method == "matvec":
-        j = engine.jacobian(x)
-        cols = engine.groups.column_groups()
-        expected = j @ ((weights[cols].unsqueeze(-1) * j.T) @ v)
-        assert torch.allclose(result, expected, rtol=1e-4 if dtype == torch.float32 else 1e-10, atol=1e-6)
+    if result is None:  # a corrupted call, refused as check_call requires
+        return
+    # every accepted call against brute-force Jacobians (columns in the network's parameter order, "layer" groups)
+    j, group = reference.jacobian(network.net, x)
+    per_group = [j[:, group == g] for g in range(engine.num_groups)]
+    if method == "matvec":
+        result, expected = result, reference.ntk(network.net, x, x, weights) @ v.double()
+    elif method == "jacobian":
+        expected = j
+    elif method == "vjp":
+        result, expected = torch.cat([result[k].reshape(-1, 2) for k in engine.groups.names]), j.T @ v.double()
+    else:
+        grams = torch.stack([jg @ jg.T for jg in per_group])
+        expected = grams
+        if method == "diag_blocks":
+            idx = torch.arange(n * c).reshape(n, c)
+            expected = grams[:, idx[:, :, None], idx[:, None, :]]
+    assert result.shape == expected.shape
+    torch.testing.assert_close(result.double(), expected, **_tolerance(dtype, expected))

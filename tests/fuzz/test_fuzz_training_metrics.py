@@ -1,6 +1,13 @@
-"""Property-based tests of train_marglik (2 epochs), compute_curvature and the metrics (see tests/fuzz/common.py)."""
+"""Property-based tests of train_marglik (2 epochs), compute_curvature and the metrics (see tests/fuzz/common.py).
+
+Every network kind is drawn with every structure (BatchNorm in eval mode and KFAC on the CNN included). A call
+that succeeds is checked against the brute-force Laplace evidence of tests/fuzz/reference.py at the weights and
+hyperparameters it returns (full and diagonal GGN / empirical Fisher: equal; KFAC, whose factors the reference
+does not rebuild: at most the brute-force log joint, as for any positive semi-definite curvature)."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 from hypothesis import given
@@ -24,6 +31,7 @@ from tests.fuzz.common import (
     make_network,
     networks,
 )
+from tests.fuzz import reference
 from tests.fuzz.test_fuzz_models import likelihood
 
 BAD_ARGUMENTS = {
@@ -31,7 +39,7 @@ BAD_ARGUMENTS = {
     "batch_size": [0, 2.5, -2],
     "hyper_lr": [0.0, -1.0, float("nan"), float("inf")],
     "lr": [0.0, float("nan")],
-    "structure": ["full", "kfc", 3],  # "full" is the deprecated spelling of "full_ggn": accepted
+    "structure": ["ggn", "kfc", 3],
     "prior_precision": [0.0, -1.0, float("nan")],
     "frequency": [0, 0.5],
     "hyper_steps": [-1, 1.5],
@@ -61,7 +69,6 @@ def training_problem(draw, structures):
     elif corruption is not None:
         kwargs[corruption] = draw(st.sampled_from(BAD_ARGUMENTS[corruption]))
         names = [corruption]
-        accepted = corruption == "structure" and kwargs[corruption] == "full"
     return network, x, y, likelihood(lik_kind, outputs, dtype), structure, kwargs, corruption, names, accepted
 
 
@@ -69,8 +76,6 @@ def training_problem(draw, structures):
 @given(problem=training_problem(["full_ggn", "full_ef", "kfac", "diag_ggn", "diag_ef"]))
 def test_train_marglik(problem):
     network, x, y, lik, structure, kwargs, corruption, names, accepted = problem
-    if network.kind == "batchnorm" or (network.kind == "cnn" and structure == "kfac"):
-        return  # training mode needs a network without BatchNorm; KFAC covers Linear/Conv2d with "layer" groups
     options = {
         "structure": structure,
         "epochs": 2,
@@ -91,12 +96,29 @@ def test_train_marglik(problem):
         accepted,
         trains=True,
     )
-    if result is not None:
-        for p in network.net.parameters():
-            assert bool(torch.isfinite(p).all())
-        assert (
-            bool(torch.isfinite(result.prior_precision).all()) if hasattr(result, "prior_precision") else True
-        )
+    if result is None:  # a corrupted call, refused as check_call requires
+        return
+    structure = options["structure"]
+    prior_structure = options.get("prior_structure", "layer")
+    for p in network.net.parameters():
+        assert bool(torch.isfinite(p).all())
+    delta = result.prior_precision
+    assert bool(torch.isfinite(delta).all() and (delta > 0).all())
+    assert math.isfinite(result.log_evidence) and result.best_epoch in (1, 2)
+    _check_evidence(network, x, y, result.likelihood, structure, prior_structure, delta, result.log_evidence * len(y))
+
+
+def _check_evidence(network, x, y, lik, structure, prior_structure, delta, value):
+    """``value`` (a total log evidence at the network's weights) against the brute-force Laplace evidence of
+    tests/fuzz/reference.py (full and diagonal structures), or below the brute-force log joint (KFAC: its
+    curvature is positive semi-definite, so its Occam factor is at most 1)."""
+    x = torch.as_tensor(x)
+    tolerance = (1e-3 if next(network.net.parameters()).dtype == torch.float32 else 1e-7) * (1 + abs(value))
+    if structure == "kfac":
+        assert value <= reference.log_joint(network.net, x, y, lik, prior_structure, delta) + tolerance
+    else:
+        expected = reference.laplace_evidence(network.net, x, y, lik, structure, prior_structure, delta)
+        assert abs(value - expected) <= tolerance, (value, expected)
 
 
 @fuzz_settings(15)
@@ -111,9 +133,6 @@ def test_compute_curvature(problem, delta):
     if corruption == "structure":
         structure = kwargs.pop("structure")
         names = ["structure"]
-        accepted = structure == "full"
-        if accepted:  # compute_curvature has no full structures: "full" (= "full_ggn") is rejected there
-            accepted, corruption = False, "structure"
     prior_structure = "layer"
     curvature = check_call(
         lambda: compute_curvature(
@@ -132,11 +151,14 @@ def test_compute_curvature(problem, delta):
         [*names, "x", "y"],
         accepted,
     )
-    if curvature is not None:
-        bad = None if delta == 1.0 and delta is not True else "prior_precision"
-        check_call(
-            lambda: curvature.log_marginal_likelihood(delta, lik), network.net, [], bad, ["prior_precision"]
-        )
+    if curvature is None:  # a corrupted call, refused as check_call requires
+        return
+    bad = None if delta == 1.0 and delta is not True else "prior_precision"
+    check_call(lambda: curvature.log_marginal_likelihood(delta, lik), network.net, [], bad, ["prior_precision"])
+    # whatever delta was drawn, the curvature's evidence at δ = 1 against the brute-force one
+    value = check_call(lambda: curvature.log_marginal_likelihood(1.0, lik).detach(), network.net, [], None)
+    groups = len(set(reference.group_labels(network.net, prior_structure)[1]))
+    _check_evidence(network, x, y, lik, structure, prior_structure, torch.ones(groups), float(value))
 
 
 METRIC_CORRUPTIONS = [
