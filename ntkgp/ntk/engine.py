@@ -2,10 +2,11 @@ r"""The empirical-NTK engine: Jacobians, per-group Grams, diagonals and matrix-f
 
 Everything here is a function of the network at its current weights :math:`\theta^*`, held by a
 :class:`~ntkgp.ntk.network.NetworkCore`. :class:`NTKEngine` is the front: it validates inputs, takes the layer
-plan of each input shape (:mod:`ntkgp.ntk.layer_plan`) and composes the strategies: the structured one
-(:mod:`ntkgp.ntk.structured`: ``nn.Linear`` layers from their layer features, :mod:`ntkgp.ntk.features`), the
-contraction (:mod:`ntkgp.ntk.contraction`: convolutions from their features, ``vmap(jacrev)`` for every other
-parameter) and matrix-free products (:mod:`ntkgp.ntk.products`). Rows are in GPyTorch's interleaved order
+plan of each input shape (:mod:`ntkgp.ntk.layer_plan`) and composes the strategies over chunks
+(:mod:`ntkgp.ntk.grams`): one feature pass per chunk (:mod:`ntkgp.ntk.feature_pass`), the structured terms
+(:mod:`ntkgp.ntk.structured`: ``nn.Linear`` layers from their layer features), the contraction
+(:mod:`ntkgp.ntk.contraction`: convolutions from their features, ``vmap(jacrev)`` for every other parameter)
+and matrix-free products (:mod:`ntkgp.ntk.products`). Rows are in GPyTorch's interleaved order
 ``n·C + c`` (``docs/math.md``, "Structured form").
 
 **Input gradients.** When an input requires grad (and grad mode is on) every result keeps its autograd graph
@@ -22,7 +23,7 @@ import torch
 from torch import nn
 
 from ..options import Strategy, choose
-from . import contraction, structured
+from . import contraction, grams
 from .checks import check_rows, check_tangents
 from .groups import GroupSpec
 from .layer_plan import LayerPlan, plan_layers
@@ -177,15 +178,7 @@ class NTKEngine:
         With ``x2=None`` the symmetric Gram of ``x1`` is computed (only its lower blocks are contracted).
         """
         x1, x2, sym, plan, c, graph = self._pair(x1, x2)
-        n1, n2 = x1.shape[0], x2.shape[0]
-        out = torch.empty(self.num_groups, n1 * c, n2 * c, dtype=self.dtype, device=self.device)
-        written = structured.structured_grams(self.core, plan, out, x1, x2, sym, c, graph) if plan.single else set()
-        for g in range(self.num_groups):
-            if g not in written:
-                out[g].zero_()
-        if plan.generic or plan.multi:
-            contraction.contracted_grams(self.core, plan, out, x1, x2, sym, c, graph)
-        return out
+        return grams.group_grams(self.core, plan, x1, x2, sym, c, graph)
 
     def output_grams(
         self, x1: torch.Tensor, x2: torch.Tensor | None = None, with_diagonal: bool = False
@@ -195,26 +188,13 @@ class NTKEngine:
         ``x2=None``, ``x2 = x1``. ``with_diagonal=True`` also returns the output diagonals of the per-point
         blocks of ``x2``, ``[J_g(x2_m) J_g(x2_m)ᵀ]_{cc}``, shape ``(G, N2, C)``."""
         x1, x2, sym, plan, c, graph = self._pair(x1, x2)
-        kw = {"dtype": self.dtype, "device": self.device}
-        out = torch.zeros(self.num_groups, c, x1.shape[0], x2.shape[0], **kw)
-        diag = torch.zeros(self.num_groups, x2.shape[0], c, **kw) if with_diagonal else None
-        if plan.single:
-            structured.structured_output_grams(self.core, plan, out, diag, x1, x2, sym, c, graph)
-        if plan.generic or plan.multi:
-            contraction.contracted_output_grams(self.core, plan, out, diag, x1, x2, sym, c, graph)
+        out, diag = grams.output_grams(self.core, plan, x1, x2, sym, c, graph, with_diagonal)
         return (out, diag) if with_diagonal else out
 
     def diag_blocks(self, x: torch.Tensor) -> torch.Tensor:
         """Per-group, per-point ``C×C`` blocks ``J_g(x_n) J_g(x_n)ᵀ``, shape ``(G, N, C, C)``, without the Gram."""
         x = self.prepare(x)
-        plan = self.plan(x)
-        c, graph = self.num_outputs(x), self._graph(x)
-        out = torch.zeros(self.num_groups, x.shape[0], c, c, dtype=self.dtype, device=self.device)
-        if plan.single:
-            structured.structured_diag_blocks(self.core, plan, out, x, c, graph)
-        if plan.generic or plan.multi:
-            contraction.contracted_diag_blocks(self.core, plan, out, x, c, graph)
-        return out
+        return grams.diag_blocks(self.core, self.plan(x), x, self.num_outputs(x), self._graph(x))
 
     # ------------------------------------------------------------------ matrix-free products
     def products(self, x: torch.Tensor) -> NTKProducts:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
-from torch.nn.functional import unfold
+from torch.nn.functional import pad, unfold
 
 from .checks import check_outputs
 from .functional import forward
@@ -74,13 +74,27 @@ class Layer:
             parts.append(offset(self.bias) + rows)
         return torch.cat(parts, dim=1)
 
+    def blocks(self, inputs: Tensor, grads: Tensor) -> Tensor:
+        r"""Per-example Jacobian blocks of :math:`\Theta = [W \mid b]` from the features,
+        :math:`\sum_t \Gamma_{n\cdot t} \bar a_{nt}^\top`: ``(n, *lead, d_out, d_a)`` from the inputs ``a``
+        ``(n, d_in, T)`` and gradients ``(n, *lead, d_out, T)`` (one batched matrix product)."""
+        parts = []
+        if self.weight is not None:
+            n, t = inputs.shape[0], inputs.shape[-1]
+            weight = torch.bmm(grads.reshape(n, -1, t), inputs.transpose(1, 2))
+            parts.append(weight.view(*grads.shape[:-1], inputs.shape[1]))
+        if self.bias is not None:
+            parts.append(grads.sum(dim=-1, keepdim=True))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+
     def jacobians(self, inputs: Tensor, grads: Tensor) -> dict[str, Tensor]:
-        r"""Per-example Jacobian blocks from the features, ``{name: (n, M, numel)}``: weight
-        :math:`\sum_t \Gamma_{nmt} a_{nt}^\top`, bias :math:`\sum_t \Gamma_{nmt}`."""
+        r"""Per-example Jacobian blocks from the features, ``{name: (n, M, numel)}`` for gradients
+        ``(n, M, d_out, T)``: weight :math:`\sum_t \Gamma_{nmt} a_{nt}^\top`, bias :math:`\sum_t \Gamma_{nmt}`."""
         n, m = grads.shape[:2]
         out = {}
         if self.weight is not None:
-            out[self.weight] = torch.einsum("nmot,nit->nmoi", grads, inputs).reshape(n, m, -1)
+            t = inputs.shape[-1]
+            out[self.weight] = torch.bmm(grads.reshape(n, -1, t), inputs.transpose(1, 2)).view(n, m, -1)
         if self.bias is not None:
             out[self.bias] = grads.sum(dim=-1)
         return out
@@ -102,13 +116,33 @@ class LayerFeatures:
     grads: dict[str, Tensor]
 
 
+def conv_padding(module: nn.Conv2d) -> tuple[int, int, int, int]:
+    """The convolution's padding as ``F.pad`` takes it, ``(left, right, top, bottom)``: numeric padding on both
+    sides, none for ``"valid"``, and for ``"same"`` a total of ``dilation · (kernel - 1)`` per dimension, the
+    larger half after (as ``nn.Conv2d`` pads)."""
+    if module.padding == "valid":
+        return (0, 0, 0, 0)
+    if module.padding == "same":
+        pads = []
+        for d, k in zip(reversed(module.dilation), reversed(module.kernel_size)):
+            total = d * (k - 1)
+            pads += [total // 2, total - total // 2]
+        return tuple(pads)
+    (ph, pw) = module.padding
+    return (pw, pw, ph, ph)
+
+
 def layer_inputs(module: nn.Module, inputs: Tensor) -> Tensor:
-    """The layer's inputs ``a`` as ``(n, d_in, T)``: unfolded patches for a convolution, extra dimensions as
-    locations for a linear layer."""
+    """The layer's inputs ``a`` as ``(n, d_in, T)``: unfolded patches for a convolution (padded as the layer pads:
+    zeros, or its ``padding_mode``), extra dimensions as locations for a linear layer."""
     n = inputs.shape[0]
     if isinstance(module, nn.Conv2d):
-        padding = 0 if module.padding == "valid" else module.padding
-        return unfold(inputs, module.kernel_size, module.dilation, padding, module.stride)
+        left, right, top, bottom = conv_padding(module)
+        if module.padding_mode == "zeros" and left == right and top == bottom:
+            return unfold(inputs, module.kernel_size, module.dilation, (top, left), module.stride)
+        mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+        padded = pad(inputs, (left, right, top, bottom), mode=mode)
+        return unfold(padded, module.kernel_size, module.dilation, 0, module.stride)
     return inputs.reshape(n, -1, inputs.shape[-1]).transpose(1, 2)
 
 
@@ -126,7 +160,39 @@ def _batched(module: nn.Module, inputs: object, n: int) -> bool:
     return inputs.dim() == 4 if isinstance(module, nn.Conv2d) else inputs.dim() >= 2
 
 
-def record(net, params, layers, x, cotangents, graph) -> tuple[LayerFeatures, dict[str, Exception]]:
+#: One batched backward pass for all cotangent columns (``is_grads_batched``) instead of one per column: ``None``
+#: uses it on accelerators, where it saves the launches of ``M`` passes; on a CPU the passes cost the same either
+#: way and one per column holds the gradients of one column at a time.
+BATCHED_BACKWARD: bool | None = None
+
+
+def _output_gradients(f: Tensor, outs: list[Tensor], cotangents: Tensor | None, graph: bool):
+    """The gradients w.r.t. ``outs`` for each cotangent column (unit vectors when ``cotangents`` is ``None``),
+    one list per column: one batched backward pass (:data:`BATCHED_BACKWARD`) or one pass per column."""
+    columns = f.shape[1] if cotangents is None else cotangents.shape[-1]
+
+    def column(m: int) -> Tensor:
+        if cotangents is not None:
+            return cotangents[:, :, m].to(f)
+        cot = torch.zeros_like(f)
+        cot[:, m] = 1.0
+        return cot
+
+    batched = f.device.type != "cpu" if BATCHED_BACKWARD is None else BATCHED_BACKWARD
+    if batched and columns > 1:
+        cots = torch.stack([column(m) for m in range(columns)])
+        gs = torch.autograd.grad(f, outs, cots, retain_graph=graph, create_graph=graph, allow_unused=True,
+                                 is_grads_batched=True)
+        for m in range(columns):
+            yield [None if g is None else g[m] for g in gs]
+        return
+    for m in range(columns):
+        yield torch.autograd.grad(
+            f, outs, column(m), retain_graph=graph or m + 1 < columns, create_graph=graph, allow_unused=True
+        )
+
+
+def record(net, params, layers, x, cotangents, graph, reduce=None) -> tuple[LayerFeatures, dict[str, Exception]]:
     """One forward pass with hooks and one backward pass per cotangent column; layers called other than once
     or on unbatched inputs are returned as problems (no features). Arguments as :func:`layer_features`."""
     seen: dict[str, list[tuple[object, Tensor]]] = {layer.name: [] for layer in layers}
@@ -162,36 +228,28 @@ def record(net, params, layers, x, cotangents, graph) -> tuple[LayerFeatures, di
                     problems[layer.name] = ValueError(f"layer '{layer.name}' is not applied to batched inputs")
             good = [layer for layer in layers if layer.name not in problems]
             outs = [seen[layer.name][0][1] for layer in good]
+            with torch.set_grad_enabled(graph):  # the layers' inputs (unfolded patches), before the backward passes
+                inputs = {}
+                for layer in good:
+                    a = seen[layer.name][0][0]
+                    inputs[layer.name] = layer_inputs(layer.module, a if graph else a.detach())
             grads: dict[str, list[Tensor]] = {layer.name: [] for layer in good}
             if good:
-                columns = f.shape[1] if cotangents is None else cotangents.shape[-1]
-                for m in range(columns):
-                    if cotangents is None:
-                        cot = torch.zeros_like(f)
-                        cot[:, m] = 1.0
-                    else:
-                        cot = cotangents[:, :, m].to(f)
-                    gs = torch.autograd.grad(
-                        f, outs, cot, retain_graph=graph or m + 1 < columns, create_graph=graph, allow_unused=True
-                    )
+                for gs in _output_gradients(f, outs, cotangents, graph):
                     for layer, g, z in zip(good, gs, outs):
                         g = torch.zeros_like(z) if g is None else g
-                        grads[layer.name].append(layer_output_gradients(layer.module, g if graph else g.detach()))
+                        g = layer_output_gradients(layer.module, g if graph else g.detach())
+                        grads[layer.name].append(g if reduce is None else reduce(layer, inputs[layer.name], g))
     finally:
         for handle in handles:
             handle.remove()
-    with torch.set_grad_enabled(graph and torch.is_grad_enabled()):
-        inputs = {}
-        for layer in good:
-            a = seen[layer.name][0][0]
-            inputs[layer.name] = layer_inputs(layer.module, a if graph else a.detach())
     stacked = {name: torch.stack(g, dim=1) for name, g in grads.items() if g}
     return LayerFeatures(outputs=f if graph else f.detach(), inputs=inputs, grads=stacked), problems
 
 
 def layer_features(
     net: nn.Module, params: dict[str, Tensor], layers: Sequence[Layer], x: Tensor, cotangents: Tensor | None = None,
-    graph: bool = False,
+    graph: bool = False, reduce: Callable[[Layer, Tensor, Tensor], Tensor] | None = None,
 ) -> LayerFeatures:
     r"""Layer inputs :math:`a` and output gradients :math:`\Gamma` of one batch.
 
@@ -204,15 +262,19 @@ def layer_features(
             ``None`` for the unit vectors (``M = C``, :math:`\Gamma_{nc} = \partial f_c / \partial z`).
         graph: keep the autograd graph to ``x`` and to the entries of ``params`` that require grad
             (second-order autograd through :math:`\Gamma`); otherwise every result is detached.
+        reduce: ``reduce(layer, a, g)`` is kept instead of :math:`\Gamma` for each cotangent column, ``g``
+            ``(n, d_out, T)`` (e.g. :meth:`Layer.blocks`: the ``T`` locations summed right away, so that the
+            ``M`` gradients of a convolution's every location are never held together).
 
     Returns:
-        :class:`LayerFeatures`. Cost: one forward and ``M`` backward passes.
+        :class:`LayerFeatures` (``grads`` stacked along dimension 1). Cost: one forward and ``M`` backward
+        passes.
 
     Raises:
         ValueError: when a layer is called other than once (the network's control flow changed since the
             layers were verified).
     """
-    features, problems = record(net, params, layers, x, cotangents, graph)
+    features, problems = record(net, params, layers, x, cotangents, graph, reduce)
     if problems:
         raise ValueError("; ".join(str(p) for p in problems.values()))
     return features

@@ -1,11 +1,11 @@
 r"""The one layer plan: which ``nn.Linear`` / ``nn.Conv2d`` layers take the structured form, decided once per
 input shape and used by the NTK engine, the curvature (KFAC, diagonal), the weight posteriors and FSVI.
 
-The safety rule: the exact types ``nn.Linear`` / ``nn.Conv2d`` (``groups=1``, numeric or ``"valid"`` padding,
-zero padding mode; any stride and dilation), whose parameters belong to no other module
+The safety rule: the exact types ``nn.Linear`` / ``nn.Conv2d`` (``groups=1``; any padding, padding mode, stride
+and dilation), whose parameters belong to no other module
 (:func:`candidate_layers`), called exactly once per forward pass on batched inputs, and whose structured
 Jacobian equals autograd's on a probe example (this catches weights used outside the layer's forward;
-:func:`verify_layers`). Layers that fail take the generic per-example route. Each verified layer has a number
+:func:`verify_layers`: one forward and one backward pass, done once per input shape). Layers that fail take the generic per-example route. Each verified layer has a number
 of locations ``T`` per example on the probe: one for a linear layer on ``(N, d)`` inputs (its Grams factor,
 :attr:`LayerPlan.single`), several for a convolution (:attr:`LayerPlan.multi`). The bias is folded into the
 input once, by :meth:`~ntkgp.ntk.features.Layer.fold` (:math:`\bar a = [a; 1]`).
@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from .checks import check_outputs
 from .features import LAYER_TYPES, Layer, record
-from .functional import per_example_jacobians
+from .functional import forward
 
 
 @dataclass(frozen=True)
@@ -71,11 +72,7 @@ class LayerPlan:
 
 
 def _conv_unsupported(module: nn.Module) -> bool:
-    return isinstance(module, nn.Conv2d) and (
-        module.groups != 1
-        or (isinstance(module.padding, str) and module.padding != "valid")
-        or module.padding_mode != "zeros"
-    )
+    return isinstance(module, nn.Conv2d) and module.groups != 1
 
 
 def candidate_layers(net: nn.Module, names: Sequence[str]) -> tuple[list[Layer], dict[str, Exception]]:
@@ -83,8 +80,8 @@ def candidate_layers(net: nn.Module, names: Sequence[str]) -> tuple[list[Layer],
 
     Returns:
         The candidate layers, and for the layers left out the reason: ``ValueError`` when a parameter is
-        shared with another module (unsafe), ``NotImplementedError`` for a convolution with ``groups > 1``,
-        ``padding="same"`` or a non-zero padding mode (unsupported).
+        shared with another module (unsafe), ``NotImplementedError`` for a convolution with ``groups > 1``
+        (unsupported).
     """
     chosen = set(names)
     owners: dict[int, int] = {}
@@ -106,9 +103,7 @@ def candidate_layers(net: nn.Module, names: Sequence[str]) -> tuple[list[Layer],
             problems[name] = ValueError(f"the {shared[0]} of layer '{name}' is shared with another module")
         elif _conv_unsupported(module):
             problems[name] = NotImplementedError(
-                f"the structured form supports Conv2d with groups=1, numeric or 'valid' padding and "
-                f"padding_mode='zeros'; layer '{name}' has groups={module.groups}, padding={module.padding!r}, "
-                f"padding_mode={module.padding_mode!r}"
+                f"the structured form supports Conv2d with groups=1; layer '{name}' has groups={module.groups}"
             )
         else:
             layers.append(Layer(name, module, weight, bias))
@@ -118,7 +113,12 @@ def candidate_layers(net: nn.Module, names: Sequence[str]) -> tuple[list[Layer],
 def verify_layers(
     net: nn.Module, params: dict[str, Tensor], layers: Sequence[Layer], probe: Tensor
 ) -> tuple[list[Layer], dict[str, int], dict[str, Exception]]:
-    """Keep the layers whose structured Jacobian equals autograd's on the probe (one example).
+    r"""Keep the layers whose structured Jacobian equals autograd's on the probe (one example).
+
+    The check compares :math:`u^\top J` of each layer's parameters for a random cotangent :math:`u` (seeded),
+    from the features (:math:`\sum_t (u^\top \Gamma_t) a_t^\top`) and from autograd: one forward and one
+    backward pass each, whatever the number of outputs. Two Jacobians that differ differ in :math:`u^\top J` for
+    almost every :math:`u`.
 
     Args:
         net: the network.
@@ -134,21 +134,27 @@ def verify_layers(
     if not layers:
         return [], {}, {}
     probe = probe.detach()
-    features, problems = record(net, params, layers, probe, None, graph=False)
-    good = [layer for layer in layers if layer.name not in problems]
-    if not good:
-        return [], {}, problems
-    exact = per_example_jacobians(net, params, probe, [n for layer in good for n in layer.parameter_names])
+    names = [n for layer in layers for n in layer.parameter_names]
+    with torch.enable_grad():
+        local = {**params, **{n: params[n].detach().requires_grad_(True) for n in names}}
+        f = forward(net, local, probe)
+        check_outputs(f, probe.shape[0])
+        generator = torch.Generator().manual_seed(0)
+        u = torch.randn(f.shape, generator=generator, dtype=torch.float64).to(f)
+        exact = dict(zip(names, torch.autograd.grad(f, [local[n] for n in names], u, allow_unused=True)))
+    features, problems = record(net, params, layers, probe, u.unsqueeze(-1), graph=False)
     keep, locations = [], {}
-    for layer in good:
+    for layer in layers:
+        if layer.name in problems:
+            continue
         approx = layer.jacobians(features.inputs[layer.name], features.grads[layer.name])
         ok = True
         for name, value in approx.items():
             ref = exact[name]
-            tol = 1e-4 if ref.dtype == torch.float32 else 1e-9
-            ok &= value.shape == ref.shape and torch.allclose(
-                value, ref, rtol=tol, atol=tol * (1 + ref.abs().max().item())
-            )
+            ref = torch.zeros_like(params[name]) if ref is None else ref
+            ref = ref.reshape(value.shape) if ref.numel() == value.numel() else None
+            tol = 1e-4 if value.dtype == torch.float32 else 1e-9
+            ok &= ref is not None and torch.allclose(value, ref, rtol=tol, atol=tol * (1 + ref.abs().max().item()))
         if ok:
             keep.append(layer)
             locations[layer.name] = features.inputs[layer.name].shape[-1]

@@ -13,7 +13,7 @@ weights, ``requires_grad`` flags, ``.grad``, mode and hooks are left as they are
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -250,9 +250,9 @@ class NetworkCore:
 
     def features(
         self, x: Tensor, layers: Sequence[Layer], cotangents: Tensor | None = None, graph: bool = False,
-        params: dict[str, Tensor] | None = None,
+        params: dict[str, Tensor] | None = None, reduce: Callable[[Layer, Tensor, Tensor], Tensor] | None = None,
     ) -> LayerFeatures:
         """Layer inputs and output gradients of ``layers`` on a prepared batch ``x``
         (:func:`~ntkgp.ntk.features.layer_features`), at :math:`\\theta^*` or at ``params``."""
         given = self.functional_params() if params is None else {**self.functional_params(), **params}
-        return layer_features(self.net, given, layers, x, cotangents, graph)
+        return layer_features(self.net, given, layers, x, cotangents, graph, reduce)

@@ -34,10 +34,10 @@ from torch.func import jvp as func_jvp
 from torch.func import vjp as func_vjp
 from torch.func import vmap
 
+from .feature_pass import FeatureSet
 from .functional import forward
 from .layer_plan import LayerPlan
 from .network import NetworkCore
-from .structured import factored_features
 
 __all__ = ["NTKProducts"]
 
@@ -83,7 +83,7 @@ class NTKProducts:
         self.layers: list[tuple[Tensor, Tensor, int | None, int | None]] = []
         if plan.single:
             with torch.set_grad_enabled(graph and torch.is_grad_enabled()):
-                _, feats = factored_features(core, self.x, plan, graph)
+                feats = FeatureSet(core, plan, self.x, graph, columns=False)
             for layer in plan.single:
                 gam = feats.grads[layer.name].reshape(n, c, -1)
                 kinds = [index.get(layer.weight), index.get(layer.bias)]

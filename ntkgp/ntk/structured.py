@@ -8,47 +8,20 @@ For such a layer (``nn.Linear`` on ``(N, d)`` inputs) the Gram factorises (``doc
     [J_b(x) J_b(x')^\top]_{cc'} = \gamma_c(x) \cdot \gamma_{c'}(x'),
 
 so only the layer inputs :math:`a` and the back-propagated output gradients :math:`\gamma_c = \partial f_c /
-\partial z` are computed (:mod:`ntkgp.ntk.features`), never the Jacobian. The layers with several locations
-per example and the other parameters are contracted (:mod:`ntkgp.ntk.contraction`).
+\partial z` are computed (:mod:`ntkgp.ntk.feature_pass`), never the Jacobian. The functions here add the terms
+of a chunk of rows against a set of columns; the layers with several locations per example and the other
+parameters are contracted (:mod:`ntkgp.ntk.contraction`), and :mod:`ntkgp.ntk.grams` drives the chunks.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
+from .feature_pass import ChunkFeatures
 from .features import Layer
 from .layer_plan import LayerPlan
 from .network import NetworkCore
-
-
-@dataclass
-class Features:
-    """Layer inputs ``a`` ``(n, d_in)`` and output gradients ``Γ`` ``(n·C, d_out)`` of the single-location layers."""
-
-    inputs: dict[str, Tensor]
-    grads: dict[str, Tensor]
-
-
-def factored_features(core: NetworkCore, x: Tensor, plan: LayerPlan, graph: bool = False) -> tuple[Tensor, Features]:
-    """Outputs and features of the plan's single-location layers over all of ``x``, chunk by chunk (memory
-    ``O(N·C·Σ d_out)``)."""
-    layers = plan.single
-    fs, inputs, grads = [], {la.name: [] for la in layers}, {la.name: [] for la in layers}
-    for s, e in core.chunks(x.shape[0], "layer features"):
-        feats = core.features(x[s:e], layers, graph=graph)
-        fs.append(feats.outputs)
-        for layer in layers:
-            a, g = feats.inputs[layer.name], feats.grads[layer.name]  # (n, d_in, T), (n, C, d_out, T)
-            if a.shape[-1] != 1:
-                raise RuntimeError(f"layer '{layer.name}' changed its number of locations since the plan was made")
-            inputs[layer.name].append(a[..., 0])
-            grads[layer.name].append(g[..., 0].reshape(-1, g.shape[2]))
-    return torch.cat(fs), Features(
-        inputs={m: torch.cat(v) for m, v in inputs.items()}, grads={m: torch.cat(v) for m, v in grads.items()}
-    )
 
 
 def layer_terms(core: NetworkCore, layer: Layer) -> list[tuple[int, int | None]]:
@@ -70,41 +43,48 @@ def _factor(aa: Tensor | None, shift: int | None, in_place: bool = False) -> Ten
     return aa.add_(shift) if in_place else aa + shift
 
 
-def structured_grams(core: NetworkCore, plan: LayerPlan, out, x1, x2, sym, c: int, graph: bool) -> set[int]:
-    """Write the single-location layers' terms into ``out`` ``(G, N1·C, N2·C)``; returns the groups written.
+def term_groups(core: NetworkCore, plan: LayerPlan) -> set[int]:
+    """The groups the single-location layers write (the other groups of a Gram start at zero)."""
+    return {g for layer in plan.single for g, _ in layer_terms(core, layer)}
+
+
+def gram_rows(core: NetworkCore, plan: LayerPlan, out: Tensor, start: int, f1: ChunkFeatures, f2: ChunkFeatures,
+              c: int, graph: bool) -> None:
+    """Write the single-location layers' terms of the rows ``f1`` (inputs ``start:``) against all of ``f2`` into
+    ``out`` ``(G, N1·C, N2·C)``: the first term of a group is written, later ones added.
 
     Without ``graph`` every term is formed a block of rows at a time, its input factor ``a·a' (+ 1)`` too: a group
     met for the first time is written in place (``mm`` into the rows of ``out[g]``, then ``mul_``), later ones are
     added, so nothing of the size of ``out`` is allocated besides ``out`` itself (a few temporaries of about
     2²² numbers each). With ``graph`` the same terms are formed out of place (differentiable).
     """
-    f1 = factored_features(core, x1, plan, graph)[1]
-    f2 = f1 if sym else factored_features(core, x2, plan, graph)[1]
-    n1, n2 = x1.shape[0], x2.shape[0]
     written: set[int] = set()
+    n2 = next(iter(f2.inputs.values())).shape[0] if f2.inputs else 0
     for layer in plan.single:
         m, terms = layer.name, layer_terms(core, layer)
         g1, g2 = f1.grads[m], f2.grads[m]
+        n1 = f1.inputs[m].shape[0]
         weight = layer.weight is not None
         if graph:
             aa = f1.inputs[m] @ f2.inputs[m].T if weight else None
+            rows = slice(start * c, (start + n1) * c)
             for g, shift in terms:
                 factor = _factor(aa, shift)
                 term = g1 @ g2.T
                 if factor is not None:
                     term = (term.view(n1, c, n2, c) * factor[:, None, :, None]).view(n1 * c, n2 * c)
-                out[g] = out[g] + term if g in written else term
+                out[g, rows] = out[g, rows] + term if g in written else term
                 written.add(g)
             continue
         a1, a2 = (f1.inputs[m], f2.inputs[m]) if weight else (None, None)
         fresh = {g for g, _ in terms if g not in written}
-        rows = max(1, (1 << 22) // max(1, n2 * c * c))  # a block of the term: rows·C × N2·C numbers
-        for s in range(0, n1, rows):
-            e = min(s + rows, n1)
+        block_rows = max(1, (1 << 22) // max(1, n2 * c * c))  # a block of the term: rows·C × N2·C numbers
+        for s in range(0, n1, block_rows):
+            e = min(s + block_rows, n1)
             aa = a1[s:e] @ a2.T if weight else None
             for g, shift in terms:
                 factor = _factor(aa, shift, in_place=True)
-                target = out[g, s * c : e * c]
+                target = out[g, (start + s) * c : (start + e) * c]
                 if g in fresh:
                     torch.mm(g1[s * c : e * c], g2.T, out=target)
                     if factor is not None:
@@ -115,47 +95,51 @@ def structured_grams(core: NetworkCore, plan: LayerPlan, out, x1, x2, sym, c: in
                         block.mul_(factor[:, None, :, None])
                     target.add_(block.view((e - s) * c, n2 * c))
         written |= fresh
-    return written
 
 
-def structured_output_grams(core: NetworkCore, plan: LayerPlan, out, diag, x1, x2, sym, c: int, graph: bool) -> None:
-    """Add the single-location layers' per-output Grams ``(a·a' + 1)(γ_c·γ'_c)`` to ``out`` ``(G, C, N1, N2)``
-    and, when ``diag`` is given, the output diagonals of the per-point blocks of ``x2`` to ``diag`` ``(G, N2, C)``."""
-    f1 = factored_features(core, x1, plan, graph)[1]
-    f2 = f1 if sym else factored_features(core, x2, plan, graph)[1]
-    n1, n2 = x1.shape[0], x2.shape[0]
+def output_gram_rows(core: NetworkCore, plan: LayerPlan, out: Tensor, f1: ChunkFeatures, f2: ChunkFeatures, c: int,
+                     graph: bool) -> None:
+    """Add the single-location layers' per-output Grams ``(a·a' + 1)(γ_c·γ'_c)`` of the rows ``f1`` against all of
+    ``f2`` to ``out`` ``(G, C, n1, N2)`` (the rows' part of the result)."""
     for layer in plan.single:
         m = layer.name
+        n1, n2 = f1.inputs[m].shape[0], f2.inputs[m].shape[0]
         gam1 = f1.grads[m].view(n1, c, -1).transpose(0, 1)
         gam2 = f2.grads[m].view(n2, c, -1).transpose(0, 1)
-        per_output = torch.bmm(gam1, gam2.transpose(1, 2))  # (C, N1, N2)
-        weight = layer.weight is not None
-        aa = f1.inputs[m] @ f2.inputs[m].T if weight else None
-        a2 = f2.inputs[m].square().sum(-1)[:, None] if weight and diag is not None else None
-        g2 = gam2.square().sum(-1).T if diag is not None else None  # (N2, C)
-        terms = [(g, _factor(aa, shift), _factor(a2, shift)) for g, shift in layer_terms(core, layer)]
+        per_output = torch.bmm(gam1, gam2.transpose(1, 2))  # (C, n1, N2)
+        aa = f1.inputs[m] @ f2.inputs[m].T if layer.weight is not None else None
+        terms = [(g, _factor(aa, shift)) for g, shift in layer_terms(core, layer)]
         terms.sort(key=lambda t: t[1] is not None)  # the plain term first: the factored one may then scale in place
-        for i, (g, factor, factor_diag) in enumerate(terms):
+        for i, (g, factor) in enumerate(terms):
             if factor is None:
                 out[g] += per_output
-            elif not graph and i == len(terms) - 1:  # its last use: no second (C, N1, N2) temporary
+            elif not graph and i == len(terms) - 1:  # its last use: no second (C, n1, N2) temporary
                 out[g] += per_output.mul_(factor)
             else:
                 out[g] += per_output * factor
-            if diag is not None:
-                diag[g] += g2 if factor_diag is None else g2 * factor_diag
 
 
-def structured_diag_blocks(core: NetworkCore, plan: LayerPlan, out, x, c: int, graph: bool) -> None:
-    """Add the single-location layers' per-point blocks ``(a·a)(γ_c·γ_c')`` to ``out`` ``(G, N, C, C)``."""
-    feats = factored_features(core, x, plan, graph)[1]
-    n = x.shape[0]
-    group = dict(zip(core.groups.names, core.groups.group_of))
+def output_diagonal(core: NetworkCore, plan: LayerPlan, diag: Tensor, f: ChunkFeatures, c: int) -> None:
+    """Add the single-location layers' output diagonals of the per-point blocks, ``(a·a + 1)(γ_c·γ_c)``, to
+    ``diag`` ``(G, N, C)``."""
     for layer in plan.single:
-        gam = feats.grads[layer.name].view(n, c, -1)
+        m = layer.name
+        n = f.inputs[m].shape[0]
+        gg = f.grads[m].view(n, c, -1).square().sum(-1)  # (N, C)
+        aa = f.inputs[m].square().sum(-1)[:, None] if layer.weight is not None else None
+        for g, shift in layer_terms(core, layer):
+            factor = _factor(aa, shift)
+            diag[g] += gg if factor is None else gg * factor
+
+
+def diag_block_rows(core: NetworkCore, plan: LayerPlan, out: Tensor, f: ChunkFeatures, c: int) -> None:
+    """Add the single-location layers' per-point blocks ``(a·a)(γ_c·γ_c')`` to ``out`` ``(G, n, C, C)``."""
+    for layer in plan.single:
+        m = layer.name
+        n = f.inputs[m].shape[0]
+        gam = f.grads[m].view(n, c, -1)
         gg = gam @ gam.transpose(-1, -2)
-        if layer.weight is not None:
-            aa = (feats.inputs[layer.name] ** 2).sum(-1)
-            out[group[layer.weight]] += aa[:, None, None] * gg
-        if layer.bias is not None:
-            out[group[layer.bias]] += gg
+        aa = (f.inputs[m] ** 2).sum(-1)[:, None, None] if layer.weight is not None else None
+        for g, shift in layer_terms(core, layer):
+            factor = _factor(aa, shift)
+            out[g] += gg if factor is None else gg * factor

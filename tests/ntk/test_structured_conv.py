@@ -96,24 +96,38 @@ def test_linear_layer_on_sequences_takes_the_expanded_form():
     assert rel_err(engine.group_grams(x), reference_grams(net, x, x, "layer")) < 1e-10
 
 
-@pytest.mark.parametrize(
-    ("conv", "features"),
-    [
-        (lambda: nn.Conv2d(2, 4, 3, groups=2), 36),
-        (lambda: nn.Conv2d(2, 3, 3, padding="same"), 75),
-        (lambda: nn.Conv2d(2, 3, 3, padding=1, padding_mode="reflect"), 75),
-    ],
-    ids=["groups", "same", "reflect"],
-)
-def test_unsupported_convolutions_fall_back_to_contraction(conv, features):
+def test_grouped_convolutions_fall_back_to_contraction():
     torch.manual_seed(0)
-    net = nn.Sequential(conv(), nn.Tanh(), nn.Flatten(), nn.Linear(features, 2)).double()
+    net = nn.Sequential(nn.Conv2d(2, 4, 3, groups=2), nn.Tanh(), nn.Flatten(), nn.Linear(36, 2)).double()
     x = torch.randn(4, 2, 5, 5, dtype=torch.float64)
     for strategy in ("auto", "structured"):  # not an unsafe layer: contraction, no error
         engine = NTKEngine(net, strategy=strategy)
         plan = engine.plan(x)
         assert plan.names == ("3",) and plan.generic == ("0.weight", "0.bias")
+        assert isinstance(plan.problems["0"], NotImplementedError)
         assert rel_err(engine.group_grams(x), reference_grams(net, x, x, "layer")) < 1e-10
+
+
+@pytest.mark.parametrize(
+    ("conv", "features"),
+    [
+        (lambda: nn.Conv2d(2, 3, 3, padding="same"), 75),
+        (lambda: nn.Conv2d(2, 3, (2, 3), padding="same", dilation=(2, 1)), 75),  # even kernel: uneven padding
+        (lambda: nn.Conv2d(2, 3, 3, padding=1, padding_mode="reflect"), 75),
+        (lambda: nn.Conv2d(2, 3, 3, padding=(2, 1), padding_mode="replicate"), 105),
+        (lambda: nn.Conv2d(2, 3, 2, padding=1, padding_mode="circular", stride=2), 27),
+    ],
+    ids=["same", "same_even_dilated", "reflect", "replicate", "circular_strided"],
+)
+def test_every_padding_takes_the_structured_form(conv, features):
+    """'same' padding (odd and even kernels) and the non-zero padding modes: patches padded as the layer pads."""
+    torch.manual_seed(0)
+    net = nn.Sequential(conv(), nn.Tanh(), nn.Flatten(), nn.Linear(features, 2)).double()
+    x = torch.randn(4, 2, 5, 5, dtype=torch.float64)
+    engine = NTKEngine(net, strategy="structured")
+    plan = engine.plan(x)
+    assert plan.names == ("0", "3") and plan.generic == () and [la.name for la in plan.multi] == ["0"]
+    assert rel_err(engine.group_grams(x), reference_grams(net, x, x, "layer")) < 1e-10
 
 
 class OutsideUse(nn.Module):

@@ -32,7 +32,7 @@ def structured_layers(net: nn.Module, groups: ParameterGroups, strict: bool) -> 
 
     With ``strict`` (KFAC) an unsupported layer raises: ``ValueError`` when its weight is shared with another
     module or its weight and bias are in different prior groups, ``NotImplementedError`` for convolutions with
-    ``groups > 1``, ``padding="same"`` or a non-zero padding mode. Otherwise such layers are left out (their
+    ``groups > 1``. Otherwise such layers are left out (their
     parameters take the generic per-example route).
     """
     layers, problems = candidate_layers(net, groups.names)
