@@ -9,8 +9,9 @@ has the output covariance
 
 an empirical NTK with one variance per weight (docs/fsvi.md, "The linearized covariance"). Unlike
 :class:`ntkgp.NTKEngine`, which works at fixed trained weights with one precision per group, everything here is
-a differentiable function of :math:`\theta` *and* :math:`v` (what FSVI trains). It uses the NTK engine's layer
-features (:mod:`ntkgp.ntk.features`, with ``graph=True``), so :math:`J` is never formed for linear layers:
+a differentiable function of :math:`\theta` *and* :math:`v` (what FSVI trains). It uses ntkgp's one network core
+(:class:`~ntkgp.ntk.network.NetworkCore`), layer plan (:mod:`ntkgp.ntk.layer_plan`) and layer features
+(:mod:`ntkgp.ntk.features`, with ``graph=True``), so :math:`J` is never formed for linear layers:
 
 * **linear layers** ``z = W a + b`` on ``(N, d_in)`` inputs: with the back-propagated output gradients
   :math:`\gamma_{nc} = \partial f_c(x_n)/\partial z` and the layer inputs :math:`a_n`,
@@ -25,7 +26,7 @@ features (:mod:`ntkgp.ntk.features`, with ``graph=True``), so :math:`J` is never
   tensor costs only :math:`N^2 d_\text{in} + (NC)^2 d_\text{out}` (the NTK's form).
 * **convolutions** (and linear layers on extra dimensions): per-example Jacobian blocks assembled from the same
   features, :math:`\sum_t \Gamma_{nct} a_{nt}^\top`, then contracted.
-* **every other parameter** (normalization layers, layers that fail the engine's safety rule): per-example
+* **every other parameter** (normalization layers, layers that fail the safety rule): per-example
   Jacobians by ``torch.func.vmap(jacrev)``, contracted.
 """
 
@@ -33,140 +34,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
-from ..ntk import check_eval_mode, check_outputs
-from ..ntk.checks import prepare_inputs
-from ..ntk.features import Layer, candidate_layers, layer_features, layer_jacobians, verify_layers
-from ..ntk.functional import forward, per_example_jacobians
+from ..ntk.checks import check_outputs, check_shape, prepare_inputs
+from ..ntk.features import Layer
+from ..ntk.layer_plan import LayerPlan, plan_layers
+from ..ntk.network import NetworkCore
+from .pair_contraction import PairContraction, SymmetricGram, unit_gradients
 
 Params = Mapping[str, Tensor]
-
-
-class _PairContraction(torch.autograd.Function):
-    r""":math:`T_{n c, m d} = \sum_i \gamma_{1, n c i} B_{n m i} \gamma_{2, m d i}` as ``(N1, C, N2·C)``, by chunks of
-    columns ``m``, every step a batched matrix product over ``m``.
-
-    With :math:`W_{m, nc, i} = \gamma_{1, nci} B_{nmi}` (one element-wise product per chunk, from
-    :math:`B^\top` transposed once), :math:`T_{\cdot, m \cdot}^\top = \gamma_{2, m} W_m^\top` is a product of a
-    ``(C, d_out)`` and a ``(d_out, N1·C)`` matrix for each ``m`` (``C`` rows: the other way round, ``C`` columns,
-    is several times slower on a CPU). The backward pass uses the same shapes: with the output gradient
-    :math:`\bar T_m^\top` ``(C, N1·C)``, :math:`\bar\gamma_{2, m} = \bar T_m^\top W_m`,
-    :math:`V_m = \bar T_m \gamma_{2, m}` and then :math:`\bar B_{nmi} = \sum_c \gamma_{1,nci} V_{m,nci}` and
-    :math:`\bar\gamma_{1,nci} = \sum_m B_{nmi} V_{m,nci}`. Autograd through a broadcast product would keep the
-    ``N1·N2·C·d_out`` product for the backward pass and reduce over the broadcast dimensions there, which on a
-    CPU is memory-bound and dominated FSVI's step.
-
-    ``symmetric=True`` (the same :math:`\gamma` on both sides, ``B`` symmetric: a covariance) reads only the
-    blocks :math:`n \le m` of ``B`` (the lower ones may be left zero; they receive no gradient) and computes
-    :math:`T = T' + T'^\top` with :math:`T'` the contraction of :math:`B'_{nm} = B_{nm}` for :math:`n < m`,
-    :math:`\tfrac12 B_{nn}` on the diagonal and 0 below (:math:`B = B' + B'^\top`, :math:`T` is linear in
-    :math:`B` and :math:`T(B'^\top) = T(B')^\top`): only the blocks :math:`n \le m` are contracted (half the
-    work, forward and backward); the backward pass is that of :math:`T'` for :math:`\bar T' = \bar T + \bar T^\top`.
-    First-order only (FSVI needs the gradient of its objective, not its Hessian)."""
-
-    # elements of one chunk's W (1 MiB in float32). Per-chunk overhead against keeping W in cache: 2¹⁸ was
-    # fastest for K = 32, C = 10, d_out = 256 on a 2-core CPU (one thread), 2¹⁹ close
-    CHUNK_ELEMENTS = 2**18
-
-    @staticmethod
-    def _chunk(n1: int, c: int, d_out: int) -> int:
-        return max(1, _PairContraction.CHUNK_ELEMENTS // (n1 * c * d_out))
-
-    @staticmethod
-    def _upper(n: int, like: Tensor) -> Tensor:
-        """The factors of :math:`B'` ``(n, n, 1)``: 1 for ``n < m``, ½ for ``n = m``, 0 for ``n > m``."""
-        ones = torch.ones(n, n, dtype=like.dtype, device=like.device)
-        return (ones.triu(1) + 0.5 * torch.eye(n, dtype=like.dtype, device=like.device))[:, :, None]
-
-    @staticmethod
-    def forward(ctx, g1: Tensor, b: Tensor, g2: Tensor, symmetric: bool = False) -> Tensor:
-        n1, c, d_out = g1.shape
-        n2 = g2.shape[0]
-        bt = (b * _PairContraction._upper(n1, b) if symmetric else b).transpose(0, 1).contiguous()  # (N2, N1, d)
-        out = (g1.new_zeros if symmetric else g1.new_empty)(n2, c, n1 * c)  # Tᵀ (T'ᵀ), [m, d, (n, c)]
-        step = _PairContraction._chunk(n1, c, d_out)
-        for s in range(0, n2, step):
-            e = min(s + step, n2)
-            r = e if symmetric else n1  # rows n < e hold the blocks n ≤ m
-            w = (g1[None, :r] * bt[s:e, :r, None, :]).view(e - s, r * c, d_out)  # W_m
-            out[s:e, :, : r * c] = torch.bmm(g2[s:e], w.transpose(1, 2))
-        ctx.save_for_backward(g1, bt, g2)
-        ctx.symmetric = symmetric
-        out = out.view(n2 * c, n1 * c)
-        return (out + out.T if symmetric else out.T.contiguous()).view(n1, c, n2 * c)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad: Tensor):
-        g1, bt, g2 = ctx.saved_tensors
-        symmetric = ctx.symmetric
-        n1, c, d_out = g1.shape
-        n2 = g2.shape[0]
-        need_g1, need_b, need_g2 = ctx.needs_input_grad[:3]
-        grad = grad.reshape(n1 * c, n2 * c)
-        # T̄ᵀ (T̄'ᵀ when symmetric), [m, d, (n, c)]
-        grad = (grad + grad.T if symmetric else grad.T.contiguous()).view(n2, c, n1 * c)
-        grad_g1 = g1.new_zeros(n1, c, d_out) if need_g1 else None
-        grad_bt = (bt.new_zeros if symmetric else bt.new_empty)(bt.shape) if need_b else None
-        grad_g2 = torch.empty_like(g2) if need_g2 else None
-        step = _PairContraction._chunk(n1, c, d_out)
-        for s in range(0, n2, step):
-            e = min(s + step, n2)
-            k, r = e - s, (e if symmetric else n1)
-            gm = grad[s:e, :, : r * c]  # T̄_mᵀ, (k, C, r·C)
-            if need_g2:
-                w = (g1[None, :r] * bt[s:e, :r, None, :]).view(k, r * c, d_out)
-                grad_g2[s:e] = torch.bmm(gm, w)
-            if need_g1 or need_b:
-                v = torch.bmm(gm.transpose(1, 2), g2[s:e]).view(k, r, c, d_out)  # V_m
-                if need_b:
-                    grad_bt[s:e, :r] = (v * g1[None, :r]).sum(2)
-                if need_g1:
-                    grad_g1[:r] += (v * bt[s:e, :r, None, :]).sum(0)
-        grad_b = None
-        if need_b:
-            grad_b = grad_bt.transpose(0, 1)
-            grad_b = grad_b * _PairContraction._upper(n1, grad_b) if symmetric else grad_b.contiguous()
-        return grad_g1, grad_b, grad_g2, None
-
-
-class _SymmetricGram(torch.autograd.Function):
-    r""":math:`X X^\top` with the backward pass :math:`\bar X = (\bar G + \bar G^\top) X`: one product, where
-    autograd through ``x @ x.T`` takes one for each of the two operands."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor) -> Tensor:
-        ctx.save_for_backward(x)
-        return x @ x.T
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad: Tensor) -> Tensor:
-        (x,) = ctx.saved_tensors
-        return (grad + grad.T) @ x
-
-
-def _unit_gradients(g: Tensor) -> bool:
-    r"""Whether the output gradients ``(N, C, d_out)`` are the unit vectors, :math:`\gamma_{nci} = \delta_{ci}`: those
-    of the network's output layer (``f = z``), constants without a graph."""
-    _, c, d_out = g.shape
-    unit = torch.eye(c, dtype=g.dtype, device=g.device)
-    return d_out == c and not g.requires_grad and torch.equal(g, unit.expand_as(g))
-
-
-@dataclass
-class _Plan:
-    """The route of every parameter: linear layers in pair form, layers whose Jacobian blocks come from their
-    features, and parameters contracted from ``vmap(jacrev)`` Jacobians."""
-
-    layers: list[Layer] = field(default_factory=list)  # every verified layer (features are computed for these)
-    pairs: list[Layer] = field(default_factory=list)  # the linear layers with one location: pair form
-    generic: list[str] = field(default_factory=list)
-    num_outputs: int = 0
 
 
 @dataclass
@@ -174,7 +53,7 @@ class _Features:
     """Everything the covariance needs at one set of inputs.
 
     ``inputs[m]`` is ``a`` ``(N, d_in)`` and ``grads[m]`` is :math:`\\gamma` ``(N, C, d_out)`` per pair-form
-    layer; ``jacobians[name]`` is ``(N, C, numel)`` per other parameter.
+    layer (the layer plan's single-location layers); ``jacobians[name]`` is ``(N, C, numel)`` per other parameter.
     """
 
     outputs: Tensor
@@ -197,8 +76,9 @@ class LinearizedNetwork:
             eval mode. Held by reference and never modified (hooks are attached only during a call).
         input_shape: shape of one input as the network expects it; inputs arriving as flat ``(N, D)``
             matrices (GPyTorch's convention) are reshaped to ``(N, *input_shape)``.
-        strategy: ``"auto"`` (layer features for the linear and convolution layers that pass the engine's
-            safety rule) or ``"contraction"`` (Jacobians for every parameter; the reference route).
+        strategy: ``"auto"`` (layer features for the linear and convolution layers that pass the safety rule
+            of the layer plan, :mod:`ntkgp.ntk.layer_plan`) or ``"contraction"`` (Jacobians for every
+            parameter; the reference route).
         chunk_size: examples per chunk for the covariances used at prediction (memory bound).
 
     Raises:
@@ -220,18 +100,10 @@ class LinearizedNetwork:
             raise TypeError(f"net must be a torch.nn.Module, got {type(net).__name__}")
         if strategy not in self.STRATEGIES:
             raise ValueError(f"strategy must be one of {self.STRATEGIES}, got {strategy!r}")
-        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-            raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
-        check_eval_mode(net)
-        named = [(n, p) for n, p in net.named_parameters() if p.requires_grad]
-        if not named:
-            raise ValueError("net has no trainable parameters (all have requires_grad=False)")
-        self.net = net
-        self.names: tuple[str, ...] = tuple(n for n, _ in named)
-        self.input_shape = None if input_shape is None else tuple(int(s) for s in input_shape)
+        shape = None if input_shape is None else tuple(input_shape)
+        self.core = NetworkCore(net, input_shape=shape, chunk_size=chunk_size)
         self.strategy = strategy
-        self.chunk_size = chunk_size
-        self._plan: _Plan | None = None
+        self._plan: LayerPlan | None = None
 
     def __deepcopy__(self, memo: dict) -> LinearizedNetwork:
         # A copy of a model refers to the same user network: never duplicate it.
@@ -240,6 +112,19 @@ class LinearizedNetwork:
         memo[id(self)] = new
         return new
 
+    net = property(lambda self: self.core.net, doc="The network (held by reference).")
+    names = property(lambda self: tuple(self.core.names), doc="The trainable parameters' names.")
+    @property
+    def input_shape(self) -> tuple[int, ...] | None:
+        """The shape of one input, or ``None`` (may be set once it is known, e.g. from the first images seen)."""
+        return self.core.input_shape
+
+    @input_shape.setter
+    def input_shape(self, shape: Sequence[int] | None) -> None:
+        self.core.input_shape = check_shape(shape, "input_shape")
+
+    chunk_size = property(lambda self: self.core.chunk_size, doc="Examples per chunk.")
+
     # ------------------------------------------------------------------ inputs and outputs
     def prepare(self, x: Tensor, like: Tensor, argument: str = "x") -> Tensor:
         """Check ``x`` and bring it to the dtype and device of ``like`` and to the network's input shape."""
@@ -247,28 +132,24 @@ class LinearizedNetwork:
 
     def forward(self, params: Params, x: Tensor) -> Tensor:
         """``f(x; θ)`` of shape ``(N, C)`` for the trainable parameters ``params`` (differentiable in both)."""
-        f = forward(self.net, dict(params), x)
+        f = self.core.call(dict(params), x)
         check_outputs(f, x.shape[0])
         return f
 
     def num_outputs(self, params: Params, x: Tensor) -> int:
         """C (one forward pass of ``x[:1]`` the first time)."""
-        return self.plan(params, x).num_outputs
+        self.plan(params, x)
+        return self._num_outputs
 
-    def plan(self, params: Params, x: Tensor) -> _Plan:
-        """Decide the route of every parameter, checked once on the probe ``x[:1]`` (the engine's safety rule)."""
+    def plan(self, params: Params, x: Tensor) -> LayerPlan:
+        """The layer plan (the route of every parameter), checked once on the probe ``x[:1]`` at ``params``."""
         if self._plan is not None:
             return self._plan
-        detached = {n: p.detach() for n, p in params.items()}
+        detached = {**self.core.functional_params(), **{n: p.detach() for n, p in params.items()}}
         with torch.no_grad():
-            c = self.forward(detached, x[:1]).shape[1]
-        layers = []
-        if self.strategy == "auto":
-            layers, _ = candidate_layers(self.net, self.names)
-            layers, locations, _ = verify_layers(self.net, detached, layers, x[:1])
-        pairs = [la for la in layers if isinstance(la.module, nn.Linear) and locations[la.name] == 1]
-        taken = {n for la in layers for n in la.parameter_names}
-        self._plan = _Plan(layers, pairs, [n for n in self.names if n not in taken], c)
+            self._num_outputs = self.forward(detached, x[:1]).shape[1]
+        probe = x[:1] if self.strategy == "auto" else None
+        self._plan = plan_layers(self.net, detached, self.core.names, probe)
         return self._plan
 
     def features(self, params: Params, x: Tensor, create_graph: bool) -> _Features:
@@ -281,24 +162,26 @@ class LinearizedNetwork:
         if not create_graph:
             params = {n: p.detach() for n, p in params.items()}
             x = x.detach()
-        feats = layer_features(self.net, dict(params), plan.layers, x, graph=create_graph)
-        outputs = feats.outputs
+        feats = self.core.features(x, plan.layers, graph=create_graph, params=dict(params))
         inputs, grads, jacobians = {}, {}, {}
-        pair_names = {la.name for la in plan.pairs}
+        pairs = {layer.name for layer in plan.single}
         for layer in plan.layers:
             a, g = feats.inputs[layer.name], feats.grads[layer.name]  # (N, d_in, T), (N, C, d_out, T)
-            if layer.name in pair_names:
+            if layer.name in pairs:
                 inputs[layer.name], grads[layer.name] = a[..., 0], g[..., 0]
             else:
-                jacobians.update(layer_jacobians(layer, a, g))
+                jacobians.update(layer.jacobians(a, g))
         if plan.generic:
             with torch.set_grad_enabled(create_graph and torch.is_grad_enabled()):
-                jacobians.update(per_example_jacobians(self.net, dict(params), x, plan.generic))
-        return _Features(outputs, inputs, grads, jacobians)
+                jacobians.update(self.core.jacobian_chunk(x, plan.generic, params=dict(params)))
+        return _Features(feats.outputs, inputs, grads, jacobians)
 
-    def _variances(self, variances: Params, layer: Layer) -> tuple[Tensor | None, Tensor | None]:
-        return (None if layer.weight is None else variances[layer.weight],
-                None if layer.bias is None else variances[layer.bias])
+    @staticmethod
+    def _variances(variances: Params, layer: Layer) -> tuple[Tensor | None, Tensor | None]:
+        """The layer's weight variances as ``(d_out, d_in)`` (or one number) and its bias variances."""
+        vw = None if layer.weight is None else variances[layer.weight]
+        vw = vw.reshape(vw.shape[0], -1) if vw is not None and vw.dim() > 1 else vw
+        return vw, None if layer.bias is None else variances[layer.bias]
 
     # ------------------------------------------------------------------ covariances from features
     @staticmethod
@@ -336,7 +219,7 @@ class LinearizedNetwork:
         n1, c = f1.outputs.shape
         n2 = f2.outputs.shape[0]
         total = f1.outputs.new_zeros(n1 * c, n2 * c)
-        for layer in self._plan.pairs:
+        for layer in self._plan.single:
             m = layer.name
             a1, a2, g1, g2 = f1.inputs[m], f2.inputs[m], f1.grads[m], f2.grads[m]
             d_out = g1.shape[-1]
@@ -347,12 +230,12 @@ class LinearizedNetwork:
                 if vb is not None:
                     factor = factor + vb
                 if symmetric:
-                    gram = _SymmetricGram.apply(g1.reshape(n1 * c, d_out))
+                    gram = SymmetricGram.apply(g1.reshape(n1 * c, d_out))
                 else:
                     gram = g1.reshape(n1 * c, d_out) @ g2.reshape(n2 * c, d_out).T
                 total = total + (gram.view(n1, c, n2, c) * factor[:, None, :, None]).view(n1 * c, n2 * c)
                 continue
-            if _unit_gradients(g1) and _unit_gradients(g2):
+            if unit_gradients(g1) and unit_gradients(g2):
                 # the output layer: T_{nc,md} = δ_cd B_{nm,c}, no contraction
                 b = self._weighted_inputs(a1, a2, vw, vb, d_out, symmetric)
                 total = total + torch.diag_embed(b).transpose(1, 2).reshape(n1 * c, n2 * c)
@@ -361,7 +244,7 @@ class LinearizedNetwork:
             if c == 1:
                 term = ((g1[:, 0, None, :] * b) * g2[None, :, 0, :]).sum(-1)
             else:
-                term = _PairContraction.apply(g1, b, g2, symmetric)  # (N1, C, N2·C)
+                term = PairContraction.apply(g1, b, g2, symmetric)  # (N1, C, N2·C)
             total = total + term.reshape(n1 * c, n2 * c)
         for n in f1.jacobians:
             v = variances[n]
@@ -376,7 +259,7 @@ class LinearizedNetwork:
         :math:`N d_\text{in} d_\text{out} + N C^2 d_\text{out}`."""
         n, c = feats.outputs.shape
         out = feats.outputs.new_zeros((n, c) if variances_only else (n, c, c))
-        for layer in self._plan.pairs:
+        for layer in self._plan.single:
             a, g = feats.inputs[layer.name], feats.grads[layer.name]
             vw, vb = self._variances(variances, layer)
             weighted = g.new_zeros(n, g.shape[-1])
@@ -406,11 +289,11 @@ class LinearizedNetwork:
         :math:`\gamma_{nc} \cdot (U a_n + u_b)` per linear layer, contracted Jacobians for the rest (no extra pass;
         differentiable in θ, :math:`u` and ``x`` when the features are)."""
         out = torch.zeros_like(feats.outputs)
-        for layer in self._plan.pairs:
+        for layer in self._plan.single:
             a, g = feats.inputs[layer.name], feats.grads[layer.name]
             z = g.new_zeros(g.shape[0], g.shape[-1])
             if layer.weight is not None:
-                z = a @ tangents[layer.weight].T
+                z = a @ tangents[layer.weight].reshape(g.shape[-1], -1).T
             if layer.bias is not None:
                 z = z + tangents[layer.bias]
             out = out + (g @ z[:, :, None]).squeeze(-1)

@@ -9,7 +9,8 @@ from gpytorch.means import Mean
 from torch.func import functional_call, jvp
 
 from ..caching import ValueCache
-from ..ntk import NTKEngine, check_outputs
+from ..ntk import NTKEngine
+from ..ntk.checks import check_outputs
 
 __all__ = ["LinearizedNetworkMean", "NetworkMean"]
 

@@ -1,11 +1,12 @@
 r"""The empirical-NTK engine: Jacobians, per-group Grams, diagonals and matrix-free products.
 
-Everything here is a function of the network at its current weights :math:`\theta^*`. :class:`NTKEngine` is
-the front: it validates inputs, decides once per input shape which parameters take which route
-(:func:`ntkgp.ntk.structured.build_plan`) and dispatches to the structured route (:mod:`ntkgp.ntk.structured`:
-``nn.Linear`` / ``nn.Conv2d`` layers from their layer features, :mod:`ntkgp.ntk.features`, shared with
-:mod:`ntkgp.laplace.weight_space`), the contraction route (:mod:`ntkgp.ntk.contraction`: ``vmap(jacrev)`` for every other
-parameter) and matrix-free products (:mod:`ntkgp.ntk.products`). Rows are in GPyTorch's interleaved order
+Everything here is a function of the network at its current weights :math:`\theta^*`, held by a
+:class:`~ntkgp.ntk.network.NetworkCore`. :class:`NTKEngine` is the front: it validates inputs, takes the layer
+plan of each input shape (:mod:`ntkgp.ntk.layer_plan`) and composes the strategies over chunks
+(:mod:`ntkgp.ntk.grams`): one feature pass per chunk (:mod:`ntkgp.ntk.feature_pass`), the structured terms
+(:mod:`ntkgp.ntk.structured`: ``nn.Linear`` layers from their layer features), the contraction
+(:mod:`ntkgp.ntk.contraction`: convolutions from their features, ``vmap(jacrev)`` for every other parameter)
+and matrix-free products (:mod:`ntkgp.ntk.products`). Rows are in GPyTorch's interleaved order
 ``n·C + c`` (``docs/math.md``, "Structured form").
 
 **Input gradients.** When an input requires grad (and grad mode is on) every result keeps its autograd graph
@@ -17,23 +18,17 @@ fast path).
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
-from ..caching import network_key
-from ..options import Strategy, choose, renamed_argument
-from . import contraction, products, structured
-from .checks import check_count, check_eval_mode, check_fits, check_outputs, check_rows, check_shape
-from .checks import check_tangents, prepare_inputs
-from .functional import forward
-from .groups import GroupSpec, resolve_groups
-from .structured import Features, Plan
-
-#: Deprecated: the accepted values of ``strategy=`` are the members of :class:`ntkgp.options.Strategy`.
-STRATEGIES = tuple(s.value for s in Strategy)
+from ..options import Strategy, choose
+from . import contraction, grams
+from .checks import check_rows, check_tangents
+from .groups import GroupSpec
+from .layer_plan import LayerPlan, plan_layers
+from .network import NetworkCore
+from .products import NTKProducts
 
 
 class NTKEngine:
@@ -46,17 +41,16 @@ class NTKEngine:
         prior_structure: prior-precision groups, see :func:`ntkgp.ntk.resolve_groups`.
         chunk_size: examples per chunk; memory of the contraction route is ``O(chunk_size · C · P)``.
         strategy: ``"auto"`` (structured for every Linear/Conv2d layer that passes the safety rule of
-            :mod:`ntkgp.ntk.features`, contraction for the rest), ``"structured"`` (the same, but a layer that
+            :mod:`ntkgp.ntk.layer_plan`, contraction for the rest), ``"structured"`` (the same, but a layer that
             fails the rule raises) or ``"contraction"`` (``vmap(jacrev)`` for everything).
         input_shape: shape of one input as the network expects it. When given, inputs arriving as
             flat ``(N, D)`` matrices (GPyTorch's convention) are reshaped to ``(N, *input_shape)``.
         max_jacobian_bytes: the contraction route keeps the Jacobian of the second argument in memory
             when it is smaller than this, and recomputes it chunk by chunk otherwise.
         progress: show a tqdm progress bar over chunks.
-        **kwargs: ``groups=``, the deprecated name of ``prior_structure``.
 
     Raises:
-        TypeError: ``net`` is not a module, or an unknown keyword.
+        TypeError: ``net`` is not a module.
         ValueError: an invalid option, or BatchNorm/dropout in training mode.
 
     Example:
@@ -76,28 +70,12 @@ class NTKEngine:
         input_shape: tuple[int, ...] | None = None,
         max_jacobian_bytes: int = 2**30,
         progress: bool = False,
-        **kwargs,
     ) -> None:
-        prior_structure = renamed_argument(kwargs, "groups", "prior_structure", prior_structure, "layer")
-        if kwargs:
-            raise TypeError(f"NTKEngine() got unexpected keyword arguments {sorted(kwargs)}")
         if not isinstance(net, nn.Module):
             raise TypeError(f"net must be a torch.nn.Module, got {type(net).__name__}")
         self.strategy = choose(Strategy, strategy, "strategy")
-        self.chunk_size = check_count(chunk_size, "chunk_size")
-        self.max_jacobian_bytes = check_count(max_jacobian_bytes, "max_jacobian_bytes", minimum=0)
-        input_shape = check_shape(input_shape, "input_shape")
-        if not isinstance(progress, bool):
-            raise TypeError(f"progress must be True or False, got {progress!r}")
-        check_eval_mode(net)
-        self.net = net
+        self.core = NetworkCore(net, None, input_shape, chunk_size, prior_structure, max_jacobian_bytes, progress)
         self.prior_structure = prior_structure
-        self.groups = resolve_groups(net, prior_structure)
-        self.input_shape = input_shape
-        self.progress = progress
-        self._plans: dict[tuple[int, ...], Plan] = {}
-        self._fits: set[tuple] = set()
-        self._num_outputs: int | None = None
 
     def __deepcopy__(self, memo: dict) -> NTKEngine:
         # A copy of a kernel or model refers to the same user network: never duplicate (or detach) it.
@@ -105,51 +83,34 @@ class NTKEngine:
         memo[id(self)] = new
         return new
 
-    # ------------------------------------------------------------------ basic properties
-    num_groups = property(lambda self: self.groups.num_groups, doc="G, the number of prior groups.")
-    num_params = property(lambda self: self.groups.num_params, doc="P, the number of trainable parameters.")
+    # ------------------------------------------------------------------ the network (its core)
+    net = property(lambda self: self.core.net, doc="The network (held by reference).")
+    groups = property(lambda self: self.core.groups, doc="The prior groups (:class:`~ntkgp.ntk.ParameterGroups`).")
+    input_shape = property(lambda self: self.core.input_shape, doc="The shape of one input, or ``None``.")
+    chunk_size = property(lambda self: self.core.chunk_size, doc="Examples per chunk.")
+    num_groups = property(lambda self: self.core.groups.num_groups, doc="G, the number of prior groups.")
+    num_params = property(lambda self: self.core.num_params, doc="P, the number of trainable parameters.")
+    dtype = property(lambda self: self.core.dtype, doc="The network's dtype.")
+    device = property(lambda self: self.core.device, doc="The network's device.")
 
     def parameters(self) -> list[torch.Tensor]:
         """The network's trainable parameters θ*, in the order of ``groups.names``: the network's own tensors
         (not copies; do not modify them). Use them as ``state`` of a :class:`ntkgp.caching.ValueCache`."""
-        named = dict(self.net.named_parameters())
-        return [named[n] for n in self.groups.names]
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.parameters()[0].dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.parameters()[0].device
-
-    def network_state(self) -> list[torch.Tensor]:
-        """What the network's outputs depend on, the key of every value cache computed from it
-        (:func:`~ntkgp.caching.network_key`): the trainable parameters θ* and the buffers themselves, and a
-        fingerprint (exact integer sums of their bit patterns) of the frozen parameters, which change ``J`` without
-        being differentiated (a frozen backbone is not copied into every entry). It also checks the network's
-        mode: a cached result is never served for a network since switched to training mode (BatchNorm or
-        dropout), for which nothing would be recomputed."""
-        check_eval_mode(self.net)
-        return network_key(self.net, self.parameters())
+        return self.core.parameters()
 
     def params(self) -> dict[str, torch.Tensor]:
         """The trainable parameters θ*, detached (they share storage with the network's)."""
-        return {n: p.detach() for n, p in zip(self.groups.names, self.parameters())}
+        return self.core.params()
+
+    def network_state(self) -> list[torch.Tensor]:
+        """The key of every value cache computed from the network (:meth:`NetworkCore.network_state
+        <ntkgp.ntk.network.NetworkCore.network_state>`)."""
+        return self.core.network_state()
 
     def group_sq_norms(self) -> torch.Tensor:
         """``‖θ*_g‖²`` per group at the current weights, shape ``(G,)`` (the prior term is ``Σ_g δ_g ‖θ*_g‖²``)."""
-        norms = torch.zeros(self.num_groups, dtype=self.dtype, device=self.device)
-        for p, g in zip(self.parameters(), self.groups.group_of):
-            norms[g] += p.detach().square().sum()
-        return norms
+        return self.core.group_sq_norms()
 
-    def params_version(self) -> tuple:
-        """Deprecated: a key from ``(data_ptr, _version)`` of the parameters. It misses ``.data`` writes and
-        ``load_state_dict``; key caches by value with :class:`ntkgp.caching.ValueCache` and :meth:`parameters`."""
-        return tuple((p.data_ptr(), p._version) for p in self.parameters())
-
-    # ------------------------------------------------------------------ inputs
     def prepare(self, x: torch.Tensor, argument: str = "x") -> torch.Tensor:
         """Check ``x`` and bring it into the network's dtype, device and input shape (a copy if needed).
 
@@ -158,43 +119,38 @@ class NTKEngine:
             ValueError: ``x`` is empty, has NaN/Inf in some row, or does not fit the network (shape or dtype;
                 checked by one forward pass of one example per new input shape), naming ``argument``.
         """
-        check_eval_mode(self.net)
-        x = prepare_inputs(x, argument, self.dtype, self.device, self.input_shape)
-        key = (tuple(x.shape[1:]), x.dtype)
-        if key not in self._fits:
-            self._num_outputs = check_fits(self.net, self.params(), x, argument, self._num_outputs)
-            self._fits.add(key)
-        return x
-
-    @staticmethod
-    def _graph(*xs: torch.Tensor) -> bool:  # keep a graph to the inputs (else the detached fast path)
-        return torch.is_grad_enabled() and any(x.requires_grad for x in xs)
+        return self.core.prepare(x, argument)
 
     def outputs(self, x: torch.Tensor, argument: str = "x") -> torch.Tensor:
         """Network outputs ``f(x; θ*)``, shape ``(N, C)``, without gradients to the network (with a graph to
         ``x`` when it requires grad)."""
-        x = self.prepare(x, argument)
-        with torch.set_grad_enabled(self._graph(x)):
-            f = torch.cat([forward(self.net, self.params(), xc) for xc in x.split(self.chunk_size)])
-        check_outputs(f, x.shape[0])
-        self._num_outputs = f.shape[1]
-        return f
+        return self.core.outputs(x, argument)
 
     def num_outputs(self, x: torch.Tensor | None = None) -> int:
         """C, the number of network outputs (found by one forward pass of ``x[:1]`` the first time)."""
-        if self._num_outputs is None:
-            if x is None:
-                raise RuntimeError("the number of outputs is unknown until the engine has seen an input")
-            self.prepare(x[:1])
-        return self._num_outputs
+        return self.core.num_outputs(x)
 
-    def plan(self, x: torch.Tensor) -> Plan:
+    # ------------------------------------------------------------------ the plan
+    def plan(self, x: torch.Tensor) -> LayerPlan:
         """Which parameters take which route for inputs shaped like ``x`` (prepared), verified once per input
-        shape on the probe ``x[:1]`` (:func:`ntkgp.ntk.structured.build_plan`)."""
-        key = tuple(x.shape[1:])
-        if key not in self._plans:
-            self._plans[key] = structured.build_plan(self, x[:1].detach())
-        return self._plans[key]
+        shape on the probe ``x[:1]`` (:meth:`NetworkCore.layer_plan <ntkgp.ntk.network.NetworkCore.layer_plan>`).
+
+        Raises:
+            ValueError: with ``strategy="structured"``, when a Linear/Conv2d layer fails the rule for a reason
+                other than an unsupported convolution configuration.
+        """
+        if self.strategy is Strategy.CONTRACTION:
+            return plan_layers(self.net, {}, self.core.names, None)
+        plan = self.core.layer_plan(x)
+        unsafe = plan.unsafe()
+        if self.strategy is Strategy.STRUCTURED and unsafe:
+            reasons = "; ".join(str(e) for e in unsafe.values())
+            raise ValueError(f"strategy='structured' cannot treat layers {sorted(unsafe)} ({reasons}); use strategy='auto'")
+        return plan
+
+    @staticmethod
+    def _graph(*xs: torch.Tensor) -> bool:  # keep a graph to the inputs (else the detached fast path)
+        return torch.is_grad_enabled() and any(x.requires_grad for x in xs)
 
     def _pair(self, x1: torch.Tensor, x2: torch.Tensor | None) -> tuple:
         """``(x1, x2, sym, plan, C, graph)`` for a two-argument computation, both arguments validated first."""
@@ -206,18 +162,6 @@ class NTKEngine:
             raise ValueError("x1 and x2 take different routes through the network (different input shapes)")
         return x1, x2, sym, plan, self.num_outputs(x1), self._graph(x1, x2)
 
-    def _chunks(self, n: int, desc: str) -> Iterator[tuple[int, int]]:
-        starts = range(0, n, self.chunk_size)
-        for s in tqdm(starts, desc=desc, disable=not self.progress or len(starts) < 2, leave=False):
-            yield s, min(s + self.chunk_size, n)
-
-    # ------------------------------------------------------------------ route internals (one place to observe each)
-    def _jacobian_chunk(self, x: torch.Tensor, indices: list[int]) -> list[torch.Tensor]:
-        return contraction.jacobian_chunk(self, x, indices)
-
-    def _features(self, x: torch.Tensor, plan: Plan) -> tuple[torch.Tensor, Features]:
-        return structured.factored_features(self, x, plan)
-
     # ------------------------------------------------------------------ public computations
     def jacobian(self, x: torch.Tensor) -> torch.Tensor:
         """The stacked Jacobian ``J(X)``, shape ``(N·C, P)``, rows ``n·C + c``, columns in parameter order.
@@ -226,7 +170,7 @@ class NTKEngine:
         """
         x = self.prepare(x)
         self.num_outputs(x)
-        return contraction.jacobian(self, x)
+        return contraction.jacobian(self.core, x)
 
     def group_grams(self, x1: torch.Tensor, x2: torch.Tensor | None = None) -> torch.Tensor:
         """Per-group Grams ``K_g = J_g(X1) J_g(X2)ᵀ``, shape ``(G, N1·C, N2·C)``, interleaved order.
@@ -234,15 +178,7 @@ class NTKEngine:
         With ``x2=None`` the symmetric Gram of ``x1`` is computed (only its lower blocks are contracted).
         """
         x1, x2, sym, plan, c, graph = self._pair(x1, x2)
-        n1, n2 = x1.shape[0], x2.shape[0]
-        out = torch.empty(self.num_groups, n1 * c, n2 * c, dtype=self.dtype, device=self.device)
-        written = structured.structured_grams(self, out, x1, x2, sym, plan, c, graph) if plan.factored else set()
-        for g in range(self.num_groups):
-            if g not in written:
-                out[g].zero_()
-        if plan.contracted:
-            contraction.contracted_grams(self, out, x1, x2, sym, plan, c, graph)
-        return out
+        return grams.group_grams(self.core, plan, x1, x2, sym, c, graph)
 
     def output_grams(
         self, x1: torch.Tensor, x2: torch.Tensor | None = None, with_diagonal: bool = False
@@ -252,39 +188,46 @@ class NTKEngine:
         ``x2=None``, ``x2 = x1``. ``with_diagonal=True`` also returns the output diagonals of the per-point
         blocks of ``x2``, ``[J_g(x2_m) J_g(x2_m)ᵀ]_{cc}``, shape ``(G, N2, C)``."""
         x1, x2, sym, plan, c, graph = self._pair(x1, x2)
-        kw = {"dtype": self.dtype, "device": self.device}
-        out = torch.zeros(self.num_groups, c, x1.shape[0], x2.shape[0], **kw)
-        diag = torch.zeros(self.num_groups, x2.shape[0], c, **kw) if with_diagonal else None
-        if plan.factored:
-            structured.structured_output_grams(self, out, diag, x1, x2, sym, plan, c, graph)
-        if plan.contracted:
-            contraction.contracted_output_grams(self, out, diag, x1, x2, sym, plan, c, graph)
+        out, diag = grams.output_grams(self.core, plan, x1, x2, sym, c, graph, with_diagonal)
         return (out, diag) if with_diagonal else out
 
     def diag_blocks(self, x: torch.Tensor) -> torch.Tensor:
         """Per-group, per-point ``C×C`` blocks ``J_g(x_n) J_g(x_n)ᵀ``, shape ``(G, N, C, C)``, without the Gram."""
         x = self.prepare(x)
-        plan = self.plan(x)
-        c, graph = self.num_outputs(x), self._graph(x)
-        out = torch.zeros(self.num_groups, x.shape[0], c, c, dtype=self.dtype, device=self.device)
-        if plan.factored:
-            structured.structured_diag_blocks(self, out, x, plan, c, graph)
-        if plan.contracted:
-            contraction.contracted_diag_blocks(self, out, x, plan, c, graph)
-        return out
+        return grams.diag_blocks(self.core, self.plan(x), x, self.num_outputs(x), self._graph(x))
 
     # ------------------------------------------------------------------ matrix-free products
+    def products(self, x: torch.Tensor) -> NTKProducts:
+        """The products :math:`J(X)^\\top v` and :math:`J(X) u` at ``x``, prepared once for many calls (the layer
+        features of the structured layers computed and kept; :class:`~ntkgp.ntk.products.NTKProducts`); ``x``
+        is checked and prepared, no graph is kept."""
+        x = self.prepare(x).detach()
+        return NTKProducts(self.core, self.plan(x), x, engine=self)
+
+    def _one_shot(self, x: torch.Tensor) -> NTKProducts:
+        """Products for one use: nothing kept, every parameter by ``torch.func`` chunk by chunk."""
+        return NTKProducts(self.core, plan_layers(self.net, {}, self.core.names, None), x, graph=self._graph(x))
+
     def vjp(self, x: torch.Tensor, v: torch.Tensor) -> dict[str, torch.Tensor]:
         """``J(X)ᵀ v`` for ``v`` of shape ``(N·C,)`` or ``(N·C, k)``: per parameter, shape ``(*p.shape[, k])``."""
         x = self.prepare(x)
         check_rows(v, x.shape[0] * self.num_outputs(x), "v")
-        return products.vjp(self, x, v)
+        columns = v if v.dim() == 2 else v.unsqueeze(-1)
+        out = self._one_shot(x).transpose(columns)
+        return {
+            n: t.reshape(*shape, -1) if v.dim() == 2 else t.reshape(shape)
+            for n, shape, t in zip(self.core.names, self.core.shapes, out)
+        }
 
     def jvp(self, x: torch.Tensor, u: dict[str, torch.Tensor]) -> torch.Tensor:
         """``J(X) u`` for parameter-shaped tangents ``u`` (optionally with a trailing ``k``): ``(N·C[, k])``."""
         x = self.prepare(x)
-        check_tangents(u, dict(zip(self.groups.names, self.groups.shapes)), "u")
-        return products.jvp(self, x, u)
+        shapes = dict(zip(self.core.names, self.core.shapes))
+        check_tangents(u, shapes, "u")
+        batched = any(u[n].dim() == len(shapes[n]) + 1 for n in u)
+        tangents = [u[n].reshape(shapes[n].numel(), -1) for n in self.core.names]
+        out = self._one_shot(x).apply(tangents)
+        return out if batched else out.squeeze(-1)
 
     def matvec(self, x: torch.Tensor, v: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Matrix-free ``K v = Σ_g w_g J_g (J_gᵀ v)`` (one vector-Jacobian and one Jacobian-vector product).
@@ -302,4 +245,6 @@ class NTKEngine:
         check_rows(weights, self.num_groups, "weights", max_dim=1)
         if bool((weights < 0).any()):
             raise ValueError(f"weights must be non-negative, got {weights.detach().tolist()}")
-        return products.matvec(self, x, v, weights)
+        columns = v if v.dim() == 2 else v.unsqueeze(-1)
+        out = self._one_shot(x).matvec(columns, weights)
+        return out if v.dim() == 2 else out.squeeze(-1)

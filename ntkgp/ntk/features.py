@@ -1,4 +1,5 @@
-r"""Layer features of ``nn.Linear`` and ``nn.Conv2d`` layers, shared by the NTK engine and the curvature.
+r"""Layer features of ``nn.Linear`` and ``nn.Conv2d`` layers: one forward pass with hooks, back-propagated
+output gradients, and the per-layer quantities built from them.
 
 For a layer :math:`z_{nt} = W a_{nt} + b` (a convolution on unfolded patches, :math:`t` the spatial location;
 a linear layer with :math:`t` running over the extra input dimensions, one location for ``(N, d)`` inputs)
@@ -12,26 +13,21 @@ the Jacobian of the network's output :math:`f_c(x_n)` w.r.t. the layer's paramet
 (``docs/math.md``, "Structured form"), so Grams, curvatures and per-example products of these layers need
 only the layer inputs :math:`a` and the back-propagated output gradients :math:`\Gamma`, never the Jacobian.
 Both come from one batched forward pass with hooks (removed afterwards) and one backward pass per cotangent
-column: the examples do not interact (eval mode).
-
-One safety rule decides which layers take this form (:func:`candidate_layers`, :func:`verify_layers`): the
-exact types ``nn.Linear`` / ``nn.Conv2d`` (``groups=1``, numeric or ``"valid"`` padding, zero padding mode;
-any stride and dilation), whose parameters belong to no other module, called exactly once per forward pass
-on batched inputs, and whose structured Jacobian equals autograd's on a probe example (this catches weights
-used outside the layer's forward). Layers that fail take the generic per-example route.
+column (the examples do not interact: eval mode). Which layers take this form is decided once by the layer
+plan (:mod:`ntkgp.ntk.layer_plan`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
-from torch.nn.functional import unfold
+from torch.nn.functional import pad, unfold
 
 from .checks import check_outputs
-from .functional import forward, per_example_jacobians
+from .functional import forward
 
 LAYER_TYPES = (nn.Linear, nn.Conv2d)
 
@@ -39,7 +35,7 @@ LAYER_TYPES = (nn.Linear, nn.Conv2d)
 @dataclass(frozen=True)
 class Layer:
     """A layer in structured form: its name in ``net.named_modules()``, the module, and the names of its
-    trainable weight and bias (``None`` when absent or frozen)."""
+    weight and bias in :math:`\\theta` (``None`` when absent or not in :math:`\\theta`)."""
 
     name: str
     module: nn.Module
@@ -50,6 +46,59 @@ class Layer:
     def parameter_names(self) -> tuple[str, ...]:
         return tuple(n for n in (self.weight, self.bias) if n is not None)
 
+    @property
+    def fan_in(self) -> int:
+        """The number of weight columns (``in_features`` or ``in_channels · kh · kw``); 0 without a weight."""
+        return self.module.weight[0].numel() if self.weight is not None else 0
+
+    @property
+    def d_out(self) -> int:
+        return (self.module.weight if self.weight is not None else self.module.bias).shape[0]
+
+    def fold(self, a: Tensor) -> Tensor:
+        r"""The input of :math:`\Theta = [W \mid b]`, :math:`\bar a = [a; 1]` ``(n, d_a, T)`` from :math:`a`
+        ``(n, d_in, T)``: the weight's rows when it is in :math:`\theta`, a row of ones when the bias is."""
+        parts = [a] if self.weight is not None else []
+        if self.bias is not None:
+            parts.append(torch.ones_like(a[:, :1]))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+    def index(self, offset: Callable[[str], int], device: torch.device | None = None) -> Tensor:
+        r"""The position in the flat :math:`\theta` of each entry of :math:`\Theta = [W \mid b]`,
+        ``(d_out, d_a)`` (weight row-major, then the bias column); ``offset(name)`` is a parameter's start."""
+        rows = torch.arange(self.d_out, device=device)[:, None]
+        parts = []
+        if self.weight is not None:
+            parts.append(offset(self.weight) + rows * self.fan_in + torch.arange(self.fan_in, device=device))
+        if self.bias is not None:
+            parts.append(offset(self.bias) + rows)
+        return torch.cat(parts, dim=1)
+
+    def blocks(self, inputs: Tensor, grads: Tensor) -> Tensor:
+        r"""Per-example Jacobian blocks of :math:`\Theta = [W \mid b]` from the features,
+        :math:`\sum_t \Gamma_{n\cdot t} \bar a_{nt}^\top`: ``(n, *lead, d_out, d_a)`` from the inputs ``a``
+        ``(n, d_in, T)`` and gradients ``(n, *lead, d_out, T)`` (one batched matrix product)."""
+        parts = []
+        if self.weight is not None:
+            n, t = inputs.shape[0], inputs.shape[-1]
+            weight = torch.bmm(grads.reshape(n, -1, t), inputs.transpose(1, 2))
+            parts.append(weight.view(*grads.shape[:-1], inputs.shape[1]))
+        if self.bias is not None:
+            parts.append(grads.sum(dim=-1, keepdim=True))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+
+    def jacobians(self, inputs: Tensor, grads: Tensor) -> dict[str, Tensor]:
+        r"""Per-example Jacobian blocks from the features, ``{name: (n, M, numel)}`` for gradients
+        ``(n, M, d_out, T)``: weight :math:`\sum_t \Gamma_{nmt} a_{nt}^\top`, bias :math:`\sum_t \Gamma_{nmt}`."""
+        n, m = grads.shape[:2]
+        out = {}
+        if self.weight is not None:
+            t = inputs.shape[-1]
+            out[self.weight] = torch.bmm(grads.reshape(n, -1, t), inputs.transpose(1, 2)).view(n, m, -1)
+        if self.bias is not None:
+            out[self.bias] = grads.sum(dim=-1)
+        return out
+
 
 @dataclass
 class LayerFeatures:
@@ -58,7 +107,7 @@ class LayerFeatures:
     Attributes:
         outputs: the network outputs :math:`f(x)`, ``(n, C)``.
         inputs: per layer, the inputs :math:`a` as ``(n, d_in, T)`` (unfolded patches for a convolution;
-            no column of ones for the bias).
+            no row of ones for the bias).
         grads: per layer, :math:`\Gamma` as ``(n, M, d_out, T)`` for ``M`` cotangent columns.
     """
 
@@ -67,62 +116,33 @@ class LayerFeatures:
     grads: dict[str, Tensor]
 
 
-def _conv_unsupported(module: nn.Module) -> bool:
-    return isinstance(module, nn.Conv2d) and (
-        module.groups != 1
-        or (isinstance(module.padding, str) and module.padding != "valid")
-        or module.padding_mode != "zeros"
-    )
-
-
-def candidate_layers(net: nn.Module, names: Sequence[str]) -> tuple[list[Layer], dict[str, Exception]]:
-    """Every ``nn.Linear`` / ``nn.Conv2d`` (exact types) with a trainable weight or bias, in module order.
-
-    Args:
-        net: the network.
-        names: the trainable parameter names (as in ``net.named_parameters()``).
-
-    Returns:
-        The candidate layers, and for the layers left out the reason: ``ValueError`` when a parameter is
-        shared with another module (unsafe), ``NotImplementedError`` for a convolution with ``groups > 1``,
-        ``padding="same"`` or a non-zero padding mode (unsupported).
-    """
-    trainable = set(names)
-    owners: dict[int, int] = {}
-    for module in net.modules():
-        for p in module._parameters.values():
-            if p is not None:
-                owners[id(p)] = owners.get(id(p), 0) + 1
-    layers, problems = [], {}
-    for name, module in net.named_modules():
-        if type(module) not in LAYER_TYPES:
-            continue
-        prefix = f"{name}." if name else ""
-        weight = prefix + "weight" if prefix + "weight" in trainable else None
-        bias = prefix + "bias" if prefix + "bias" in trainable else None
-        if weight is None and bias is None:
-            continue
-        shared = [k for k in ("weight", "bias") if getattr(module, k) is not None and owners[id(getattr(module, k))] > 1]
-        if shared:
-            problems[name] = ValueError(f"the {shared[0]} of layer '{name}' is shared with another module")
-        elif _conv_unsupported(module):
-            problems[name] = NotImplementedError(
-                f"the structured form supports Conv2d with groups=1, numeric or 'valid' padding and "
-                f"padding_mode='zeros'; layer '{name}' has groups={module.groups}, padding={module.padding!r}, "
-                f"padding_mode={module.padding_mode!r}"
-            )
-        else:
-            layers.append(Layer(name, module, weight, bias))
-    return layers, problems
+def conv_padding(module: nn.Conv2d) -> tuple[int, int, int, int]:
+    """The convolution's padding as ``F.pad`` takes it, ``(left, right, top, bottom)``: numeric padding on both
+    sides, none for ``"valid"``, and for ``"same"`` a total of ``dilation · (kernel - 1)`` per dimension, the
+    larger half after (as ``nn.Conv2d`` pads)."""
+    if module.padding == "valid":
+        return (0, 0, 0, 0)
+    if module.padding == "same":
+        pads = []
+        for d, k in zip(reversed(module.dilation), reversed(module.kernel_size)):
+            total = d * (k - 1)
+            pads += [total // 2, total - total // 2]
+        return tuple(pads)
+    (ph, pw) = module.padding
+    return (pw, pw, ph, ph)
 
 
 def layer_inputs(module: nn.Module, inputs: Tensor) -> Tensor:
-    """The layer's inputs ``a`` as ``(n, d_in, T)``: unfolded patches for a convolution, extra dimensions as
-    locations for a linear layer."""
+    """The layer's inputs ``a`` as ``(n, d_in, T)``: unfolded patches for a convolution (padded as the layer pads:
+    zeros, or its ``padding_mode``), extra dimensions as locations for a linear layer."""
     n = inputs.shape[0]
     if isinstance(module, nn.Conv2d):
-        padding = 0 if module.padding == "valid" else module.padding
-        return unfold(inputs, module.kernel_size, module.dilation, padding, module.stride)
+        left, right, top, bottom = conv_padding(module)
+        if module.padding_mode == "zeros" and left == right and top == bottom:
+            return unfold(inputs, module.kernel_size, module.dilation, (top, left), module.stride)
+        mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+        padded = pad(inputs, (left, right, top, bottom), mode=mode)
+        return unfold(padded, module.kernel_size, module.dilation, 0, module.stride)
     return inputs.reshape(n, -1, inputs.shape[-1]).transpose(1, 2)
 
 
@@ -140,9 +160,41 @@ def _batched(module: nn.Module, inputs: object, n: int) -> bool:
     return inputs.dim() == 4 if isinstance(module, nn.Conv2d) else inputs.dim() >= 2
 
 
-def _record(net, params, layers, x, cotangents, graph) -> tuple[LayerFeatures, dict[str, Exception]]:
+#: One batched backward pass for all cotangent columns (``is_grads_batched``) instead of one per column: ``None``
+#: uses it on accelerators, where it saves the launches of ``M`` passes; on a CPU the passes cost the same either
+#: way and one per column holds the gradients of one column at a time.
+BATCHED_BACKWARD: bool | None = None
+
+
+def _output_gradients(f: Tensor, outs: list[Tensor], cotangents: Tensor | None, graph: bool):
+    """The gradients w.r.t. ``outs`` for each cotangent column (unit vectors when ``cotangents`` is ``None``),
+    one list per column: one batched backward pass (:data:`BATCHED_BACKWARD`) or one pass per column."""
+    columns = f.shape[1] if cotangents is None else cotangents.shape[-1]
+
+    def column(m: int) -> Tensor:
+        if cotangents is not None:
+            return cotangents[:, :, m].to(f)
+        cot = torch.zeros_like(f)
+        cot[:, m] = 1.0
+        return cot
+
+    batched = f.device.type != "cpu" if BATCHED_BACKWARD is None else BATCHED_BACKWARD
+    if batched and columns > 1:
+        cots = torch.stack([column(m) for m in range(columns)])
+        gs = torch.autograd.grad(f, outs, cots, retain_graph=graph, create_graph=graph, allow_unused=True,
+                                 is_grads_batched=True)
+        for m in range(columns):
+            yield [None if g is None else g[m] for g in gs]
+        return
+    for m in range(columns):
+        yield torch.autograd.grad(
+            f, outs, column(m), retain_graph=graph or m + 1 < columns, create_graph=graph, allow_unused=True
+        )
+
+
+def record(net, params, layers, x, cotangents, graph, reduce=None) -> tuple[LayerFeatures, dict[str, Exception]]:
     """One forward pass with hooks and one backward pass per cotangent column; layers called other than once
-    or on unbatched inputs are returned as problems (no features)."""
+    or on unbatched inputs are returned as problems (no features). Arguments as :func:`layer_features`."""
     seen: dict[str, list[tuple[object, Tensor]]] = {layer.name: [] for layer in layers}
 
     def recorder(name: str):
@@ -155,8 +207,12 @@ def _record(net, params, layers, x, cotangents, graph) -> tuple[LayerFeatures, d
     n = x.shape[0]
     try:
         with torch.enable_grad():
-            # parameters that require grad keep their graph when ``graph`` (differentiating w.r.t. θ, e.g. FSVI)
-            local = {k: p if graph and p.requires_grad else p.detach().requires_grad_(True) for k, p in params.items()}
+            # the layers' parameters carry the graph to their outputs; those that require grad keep their own
+            # graph when ``graph`` (differentiating w.r.t. θ, e.g. FSVI)
+            local = dict(params)
+            for name in {k for layer in layers for k in layer.parameter_names}:
+                p = params[name]
+                local[name] = p if graph and p.requires_grad else p.detach().requires_grad_(True)
             f = forward(net, local, x)
             check_outputs(f, n)
             problems: dict[str, Exception] = {}
@@ -172,115 +228,53 @@ def _record(net, params, layers, x, cotangents, graph) -> tuple[LayerFeatures, d
                     problems[layer.name] = ValueError(f"layer '{layer.name}' is not applied to batched inputs")
             good = [layer for layer in layers if layer.name not in problems]
             outs = [seen[layer.name][0][1] for layer in good]
+            with torch.set_grad_enabled(graph):  # the layers' inputs (unfolded patches), before the backward passes
+                inputs = {}
+                for layer in good:
+                    a = seen[layer.name][0][0]
+                    inputs[layer.name] = layer_inputs(layer.module, a if graph else a.detach())
             grads: dict[str, list[Tensor]] = {layer.name: [] for layer in good}
             if good:
-                columns = f.shape[1] if cotangents is None else cotangents.shape[-1]
-                for m in range(columns):
-                    if cotangents is None:
-                        cot = torch.zeros_like(f)
-                        cot[:, m] = 1.0
-                    else:
-                        cot = cotangents[:, :, m].to(f)
-                    gs = torch.autograd.grad(
-                        f, outs, cot, retain_graph=graph or m + 1 < columns, create_graph=graph, allow_unused=True
-                    )
+                for gs in _output_gradients(f, outs, cotangents, graph):
                     for layer, g, z in zip(good, gs, outs):
                         g = torch.zeros_like(z) if g is None else g
-                        grads[layer.name].append(layer_output_gradients(layer.module, g if graph else g.detach()))
+                        g = layer_output_gradients(layer.module, g if graph else g.detach())
+                        grads[layer.name].append(g if reduce is None else reduce(layer, inputs[layer.name], g))
     finally:
         for handle in handles:
             handle.remove()
-    with torch.set_grad_enabled(graph and torch.is_grad_enabled()):
-        inputs = {}
-        for layer in good:
-            a = seen[layer.name][0][0]
-            inputs[layer.name] = layer_inputs(layer.module, a if graph else a.detach())
     stacked = {name: torch.stack(g, dim=1) for name, g in grads.items() if g}
     return LayerFeatures(outputs=f if graph else f.detach(), inputs=inputs, grads=stacked), problems
 
 
 def layer_features(
     net: nn.Module, params: dict[str, Tensor], layers: Sequence[Layer], x: Tensor, cotangents: Tensor | None = None,
-    graph: bool = False,
+    graph: bool = False, reduce: Callable[[Layer, Tensor, Tensor], Tensor] | None = None,
 ) -> LayerFeatures:
     r"""Layer inputs :math:`a` and output gradients :math:`\Gamma` of one batch.
 
     Args:
         net: the network (not modified; the hooks are removed afterwards).
-        params: every trainable parameter (detached, or requiring grad with ``graph``: see below).
-        layers: verified layers (:func:`verify_layers`).
+        params: the parameters passed to ``functional_call`` (detached, or requiring grad with ``graph``).
+        layers: verified layers (:class:`~ntkgp.ntk.layer_plan.LayerPlan`).
         x: prepared inputs ``(n, ...)``.
         cotangents: :math:`u_{nm}` as ``(n, C, M)``: :math:`\Gamma_{nm} = \partial(u_{nm}^\top f_n)/\partial z`;
             ``None`` for the unit vectors (``M = C``, :math:`\Gamma_{nc} = \partial f_c / \partial z`).
         graph: keep the autograd graph to ``x`` and to the entries of ``params`` that require grad
             (second-order autograd through :math:`\Gamma`); otherwise every result is detached.
+        reduce: ``reduce(layer, a, g)`` is kept instead of :math:`\Gamma` for each cotangent column, ``g``
+            ``(n, d_out, T)`` (e.g. :meth:`Layer.blocks`: the ``T`` locations summed right away, so that the
+            ``M`` gradients of a convolution's every location are never held together).
 
     Returns:
-        :class:`LayerFeatures`. Cost: one forward and ``M`` backward passes.
+        :class:`LayerFeatures` (``grads`` stacked along dimension 1). Cost: one forward and ``M`` backward
+        passes.
 
     Raises:
         ValueError: when a layer is called other than once (the network's control flow changed since the
             layers were verified).
     """
-    features, problems = _record(net, params, layers, x, cotangents, graph)
+    features, problems = record(net, params, layers, x, cotangents, graph, reduce)
     if problems:
         raise ValueError("; ".join(str(p) for p in problems.values()))
     return features
-
-
-def layer_jacobians(layer: Layer, inputs: Tensor, grads: Tensor) -> dict[str, Tensor]:
-    r"""Per-example Jacobian blocks of the layer's parameters from its features, ``{name: (n, M, numel)}``:
-    weight :math:`\sum_t \Gamma_{nmt} a_{nt}^\top`, bias :math:`\sum_t \Gamma_{nmt}`."""
-    n, m = grads.shape[:2]
-    out = {}
-    if layer.weight is not None:
-        out[layer.weight] = torch.einsum("nmot,nit->nmoi", grads, inputs).reshape(n, m, -1)
-    if layer.bias is not None:
-        out[layer.bias] = grads.sum(dim=-1)
-    return out
-
-
-def verify_layers(
-    net: nn.Module, params: dict[str, Tensor], layers: Sequence[Layer], probe: Tensor
-) -> tuple[list[Layer], dict[str, int], dict[str, Exception]]:
-    """Keep the layers whose structured Jacobian equals autograd's on the probe (one example).
-
-    Args:
-        net: the network.
-        params: every trainable parameter, detached.
-        layers: candidates (:func:`candidate_layers`).
-        probe: one prepared example ``(1, ...)``.
-
-    Returns:
-        The verified layers; their number of locations ``T`` on the probe; and, for the others, a
-        ``ValueError`` saying why (called other than once, unbatched inputs, a Jacobian that differs, e.g.
-        because the weight is also used outside the layer's forward).
-    """
-    if not layers:
-        return [], {}, {}
-    probe = probe.detach()
-    features, problems = _record(net, params, layers, probe, None, graph=False)
-    good = [layer for layer in layers if layer.name not in problems]
-    if not good:
-        return [], {}, problems
-    names = [n for layer in good for n in layer.parameter_names]
-    exact = per_example_jacobians(net, params, probe, names)
-    keep, locations = [], {}
-    for layer in good:
-        approx = layer_jacobians(layer, features.inputs[layer.name], features.grads[layer.name])
-        ok = True
-        for name, value in approx.items():
-            ref = exact[name]
-            tol = 1e-4 if ref.dtype == torch.float32 else 1e-9
-            ok &= value.shape == ref.shape and torch.allclose(
-                value, ref, rtol=tol, atol=tol * (1 + ref.abs().max().item())
-            )
-        if ok:
-            keep.append(layer)
-            locations[layer.name] = features.inputs[layer.name].shape[-1]
-        else:
-            problems[layer.name] = ValueError(
-                f"the Jacobian of layer '{layer.name}' is not that of a layer applied once (is its weight also "
-                "used outside its forward?)"
-            )
-    return keep, locations, problems

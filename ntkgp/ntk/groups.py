@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from ..options import PriorStructure, choose, renamed_argument
+from ..options import PriorStructure, choose
 
 #: A grouping of the parameters: a :class:`~ntkgp.options.PriorStructure` string or a mapping name → group.
 GroupSpec = str | Mapping[str, str]
@@ -58,30 +58,40 @@ class ParameterGroups:
         return sizes
 
 
-def resolve_groups(net: nn.Module, prior_structure: GroupSpec = "layer", **kwargs) -> ParameterGroups:
-    """Partition the trainable parameters of ``net`` into prior-precision groups.
+def resolve_groups(
+    net: nn.Module, prior_structure: GroupSpec = "layer", names: Sequence[str] | None = None
+) -> ParameterGroups:
+    """Partition the trainable parameters of ``net`` (or the parameters ``names``) into prior-precision groups.
 
     Args:
-        net: the network; parameters with ``requires_grad=False`` are excluded.
-        prior_structure: ``"network"`` (one group; laplace-torch's ``"scalar"``, deprecated spelling here),
+        net: the network.
+        prior_structure: ``"network"`` (one group; laplace-torch's ``"scalar"``),
             ``"layer"`` (one group per module that owns parameters, the default; laplace-torch's
             ``"layerwise"``), ``"parameter"`` (one group per parameter tensor, as laplace-torch's per-layer
-            prior precision), or a mapping from every trainable parameter name to a group label.
-        **kwargs: ``groups=``, the deprecated name of ``prior_structure`` (``DeprecationWarning``).
+            prior precision), or a mapping from every parameter name to a group label.
+        names: the parameters, in this order (distinct parameters of ``net``); by default every parameter
+            with ``requires_grad=True``.
 
     Returns:
         The :class:`ParameterGroups`.
 
     Raises:
-        ValueError: for an unknown structure, a mapping that does not name every trainable parameter
-            exactly, or a network without trainable parameters.
+        ValueError: for an unknown structure, a mapping that does not name every parameter exactly, a
+            network without trainable parameters, or ``names`` that are not distinct parameters of ``net``.
     """
-    prior_structure = renamed_argument(kwargs, "groups", "prior_structure", prior_structure, "layer")
-    if kwargs:
-        raise TypeError(f"resolve_groups() got unexpected keyword arguments {sorted(kwargs)}")
-    named = [(n, p) for n, p in net.named_parameters() if p.requires_grad]
-    if not named:
-        raise ValueError("net has no trainable parameters (all have requires_grad=False)")
+    if names is None:
+        named = [(n, p) for n, p in net.named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError("net has no trainable parameters (all have requires_grad=False)")
+    else:
+        every = dict(net.named_parameters())
+        names = list(names)
+        unknown = [n for n in names if n not in every]
+        if unknown or not names or len(set(names)) != len(names):
+            raise ValueError(
+                f"names must list distinct parameters of net (at least one); unknown {unknown}, got {names}"
+            )
+        named = [(n, every[n]) for n in names]
     names = tuple(n for n, _ in named)
     if isinstance(prior_structure, Mapping):
         missing = [n for n in names if n not in prior_structure]

@@ -1,13 +1,32 @@
-r"""Matrix-free products of the NTK engine: :math:`J^\top v`, :math:`J u` and :math:`K v`.
+r"""Products with the NTK's Jacobian at fixed weights and inputs, :math:`J^\top v` and :math:`J u`, without a
+Jacobian: the one matrix-free implementation (the engine's ``vjp``/``jvp``/``matvec`` and the matrix-free
+evidence, :mod:`ntkgp.laplace.function_space.matrix_free`, which multiplies by :math:`K = J P_0^{-1} J^\top`
+hundreds of times at the same :math:`\theta^*` and :math:`X`).
 
-Each is one pass of ``torch.func.vjp`` / ``torch.func.jvp`` per chunk of examples (``vmap`` over the
-columns of ``v`` or ``u``), never a Jacobian: memory :math:`O(\text{chunk} \cdot (\text{activations} + k P))`.
-Inputs that require grad keep their graph (``torch.func`` composes with autograd).
+:class:`NTKProducts` prepares once what the products need and then applies them as a few matrix products per
+layer (``docs/math.md``, "Structured form"):
+
+* the layer plan's single-location layers (``nn.Linear`` on ``(N, d)`` inputs): their layer inputs
+  :math:`a_n` and back-propagated output gradients :math:`\Gamma_{nc} = \partial f_c(x_n)/\partial z_n` are
+  computed once and kept, and
+
+  .. math::
+      J_W^\top v = \sum_n \Big(\sum_c v_{nc}\Gamma_{nc}\Big) a_n^\top, \qquad
+      (J_W U)_{nc} = \Gamma_{nc}^\top U a_n, \qquad
+      J_b^\top v = \sum_{n,c} v_{nc}\Gamma_{nc}, \qquad (J_b u)_{nc} = \Gamma_{nc}^\top u,
+
+  one GEMM over all examples each (memory :math:`N(C\sum_l d^{out}_l + \sum_l d^{in}_l)` numbers);
+* every other parameter (convolutions, normalization layers, anything the safety rule leaves out; every
+  parameter for a plan without layers, the engine's one-shot products): one ``torch.func.vjp`` /
+  ``torch.func.jvp`` pass per chunk of examples, restricted to those parameters (memory
+  :math:`O(\text{chunk}\cdot(\text{activations} + k P))`).
+
+Tangents in parameter space are lists with one ``(numel, k)`` tensor per parameter of :math:`\theta`, in the
+order of ``core.names``. Rows are in GPyTorch's interleaved order ``n·C + c``. Inputs that require grad keep
+their graph through every product when ``graph`` is set (second-order autograd through the features).
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -15,50 +34,197 @@ from torch.func import jvp as func_jvp
 from torch.func import vjp as func_vjp
 from torch.func import vmap
 
+from .feature_pass import FeatureSet
 from .functional import forward
+from .layer_plan import LayerPlan
+from .network import NetworkCore
 
-if TYPE_CHECKING:
-    from .engine import NTKEngine
+__all__ = ["NTKProducts"]
 
-
-def vjp(engine: NTKEngine, x: Tensor, v: Tensor) -> dict[str, Tensor]:
-    """``J(X)ᵀ v`` for ``v`` ``(N·C,)`` or ``(N·C, k)`` (checked by the engine): per parameter ``(*p.shape[, k])``."""
-    c = engine.num_outputs(x)
-    n = x.shape[0]
-    batched = v.dim() == 2
-    vv = v.reshape(n, c, -1).to(dtype=engine.dtype, device=engine.device)
-    params = engine.params()
-    total = {name: torch.zeros(*p.shape, vv.shape[-1], dtype=p.dtype, device=p.device) for name, p in params.items()}
-    for s, e in engine._chunks(n, "J^T v"):
-        _, pull = func_vjp(lambda p, xs=x[s:e]: forward(engine.net, p, xs), params)
-        grads = vmap(pull, in_dims=-1, out_dims=-1)(vv[s:e])[0]
-        total = {name: total[name] + grads[name] for name in total}
-    return total if batched else {k: t.squeeze(-1) for k, t in total.items()}
+#: Numbers per temporary in a structured product (rows are processed in blocks below this size).
+BLOCK_ELEMENTS = 1 << 24
 
 
-def jvp(engine: NTKEngine, x: Tensor, u: dict[str, Tensor]) -> Tensor:
-    """``J(X) u`` for parameter-shaped tangents ``u`` (checked by the engine), optionally with a trailing
-    ``k``: ``(N·C[, k])``."""
-    params = engine.params()
-    shapes = {name: p.shape for name, p in params.items()}
-    batched = any(u[name].dim() == len(shapes[name]) + 1 for name in u)
-    uu = {
-        name: (t if batched else t.unsqueeze(-1)).to(dtype=engine.dtype, device=engine.device) for name, t in u.items()
-    }
-    rows = []
-    for s, e in engine._chunks(x.shape[0], "J u"):
+class NTKProducts:
+    r"""Per-parameter products :math:`J(X)^\top v` and :math:`J(X) u` of a network at its current weights.
 
-        def push(t, xs=x[s:e]):
-            return func_jvp(lambda p: forward(engine.net, p, xs), (params,), (t,))[1]
+    Built once for fixed weights and inputs (the layer features of the single-location layers are computed
+    and kept); the network is never modified, and later changes of its weights are not seen (build a new one).
+    Made by :meth:`ntkgp.ntk.NTKEngine.products`.
 
-        rows.append(vmap(push, in_dims=-1, out_dims=-1)(uu))
-    out = torch.cat(rows).reshape(-1, rows[0].shape[-1])
-    return out if batched else out.squeeze(-1)
+    Args:
+        core: the network.
+        plan: its layer plan for ``x`` (which layers take the structured form).
+        x: prepared inputs ``(N, ...)``.
+        graph: keep the graph to ``x`` (otherwise ``x`` and everything kept are detached).
+        engine: the engine that made it, kept as :attr:`engine` (for its Grams at ``x``).
 
+    Example:
+        >>> net = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+        >>> from ntkgp.ntk import NTKEngine
+        >>> products = NTKEngine(net).products(torch.randn(5, 3))
+        >>> products.matvec(torch.randn(10, 4), torch.ones(2)).shape
+        torch.Size([10, 4])
+    """
 
-def matvec(engine: NTKEngine, x: Tensor, v: Tensor, weights: Tensor) -> Tensor:
-    """``K v = Σ_g w_g J_g (J_gᵀ v)``: one vector-Jacobian and one Jacobian-vector product per chunk."""
-    jtv = vjp(engine, x, v)
-    w = weights.to(dtype=engine.dtype, device=engine.device)
-    scaled = {name: jtv[name] * w[g] for name, g in zip(engine.groups.names, engine.groups.group_of)}
-    return jvp(engine, x, scaled)
+    def __init__(self, core: NetworkCore, plan: LayerPlan, x: Tensor, graph: bool = False, engine=None) -> None:
+        self.core = core
+        self.engine = engine
+        self.graph = graph
+        self.x = x if graph else x.detach()
+        self.num_data = x.shape[0]
+        self.num_outputs = core.num_outputs(x)
+        self.names = core.names
+        self.shapes = core.shapes
+        self.group_of = core.groups.group_of
+        self.num_groups = core.groups.num_groups
+        index = {n: i for i, n in enumerate(self.names)}
+        n, c = self.num_data, self.num_outputs
+        self.layers: list[tuple[Tensor, Tensor, int | None, int | None]] = []
+        if plan.single:
+            with torch.set_grad_enabled(graph and torch.is_grad_enabled()):
+                feats = FeatureSet(core, plan, self.x, graph, columns=False)
+            for layer in plan.single:
+                gam = feats.grads[layer.name].reshape(n, c, -1)
+                kinds = [index.get(layer.weight), index.get(layer.bias)]
+                self.layers.append((feats.inputs[layer.name], gam, *kinds))
+        #: Preconditioner sketches kept for later hyperparameter steps (:func:`ntkgp.laplace.function_space.matrix_free_log_det`).
+        self.sketches: dict = {}
+        covered = {n for layer in plan.single for n in layer.parameter_names}
+        self.generic = [i for i, name in enumerate(self.names) if name not in covered]
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def num_rows(self) -> int:
+        """``N·C``."""
+        return self.num_data * self.num_outputs
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.core.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.core.device
+
+    def feature_numbers(self) -> int:
+        """How many numbers the kept layer features hold: :math:`N (C \\sum d^{out} + \\sum d^{in})`."""
+        return sum(a.numel() + g.numel() for a, g, _, _ in self.layers)
+
+    def _blocks(self, width: int):
+        rows = max(1, BLOCK_ELEMENTS // max(1, width))
+        for s in range(0, self.num_data, rows):
+            yield s, min(s + rows, self.num_data)
+
+    # ------------------------------------------------------------------ products
+    def transpose(self, v: Tensor) -> list[Tensor]:
+        r""":math:`J^\top v` for ``v`` of shape ``(N·C, k)``: one ``(numel, k)`` tensor per parameter."""
+        n, c = self.num_data, self.num_outputs
+        k = v.shape[-1]
+        vv = v.reshape(n, c, k).to(dtype=self.dtype, device=self.device)
+        out: list[Tensor | None] = [None] * len(self.names)
+        for a, gam, wi, bi in self.layers:
+            d_in, d_out = a.shape[1], gam.shape[2]
+            w = torch.zeros(d_in, d_out * k, dtype=self.dtype, device=self.device) if wi is not None else None
+            b = torch.zeros(d_out, k, dtype=self.dtype, device=self.device) if bi is not None else None
+            for s, e in self._blocks(max(d_out, d_in) * k):
+                g = torch.bmm(gam[s:e].transpose(1, 2), vv[s:e])  # (n_b, d_out, k): Σ_c v_nc Γ_nc
+                if w is not None:
+                    w.addmm_(a[s:e].T, g.reshape(e - s, d_out * k))
+                if b is not None:
+                    b += g.sum(0)
+            if w is not None:
+                out[wi] = w.view(d_in, d_out, k).transpose(0, 1).reshape(d_out * d_in, k)
+            if b is not None:
+                out[bi] = b
+        if self.generic:
+            for i, t in zip(self.generic, self._generic_transpose(vv)):
+                out[i] = t
+        return out  # type: ignore[return-value]
+
+    def apply(self, u: list[Tensor | None]) -> Tensor:
+        r""":math:`J u` for per-parameter tangents ``(numel, k)`` (as :meth:`transpose` returns): ``(N·C, k)``.
+
+        An entry ``None`` stands for a zero tangent (its layer is skipped).
+        """
+        n, c = self.num_data, self.num_outputs
+        k = next(t for t in u if t is not None).shape[-1]
+        out = torch.zeros(n, c, k, dtype=self.dtype, device=self.device)
+        for a, gam, wi, bi in self.layers:
+            d_in, d_out = a.shape[1], gam.shape[2]
+            tw = u[wi] if wi is not None else None
+            tb = u[bi] if bi is not None else None
+            if tw is None and tb is None:
+                continue
+            w = tw.to(a).reshape(d_out, d_in, k).transpose(0, 1).reshape(d_in, d_out * k) if tw is not None else None
+            b = tb.to(a).reshape(1, d_out, k) if tb is not None else None
+            for s, e in self._blocks(max(d_out, d_in) * k):
+                if w is not None:
+                    z = (a[s:e] @ w).view(e - s, d_out, k)
+                    z = z + b if b is not None else z
+                else:
+                    z = b.expand(e - s, d_out, k)
+                out[s:e].baddbmm_(gam[s:e], z)
+        if self.generic and any(u[i] is not None for i in self.generic):
+            zeros = [
+                torch.zeros(self.core.numels[i], k, dtype=self.dtype, device=self.device) for i in self.generic
+            ]
+            tangents = [z if u[i] is None else u[i] for i, z in zip(self.generic, zeros)]
+            out += self._generic_apply(tangents).view(n, c, k)
+        return out.view(n * c, k)
+
+    def weighted(self, t: list[Tensor], weights: Tensor) -> list[Tensor]:
+        """Each parameter's tangent times the weight of its group (``weights`` of shape ``(G,)``)."""
+        w = weights.to(dtype=self.dtype, device=self.device)
+        return [ti * w[g] for ti, g in zip(t, self.group_of)]
+
+    def group_part(self, t: list[Tensor], group: int) -> list[Tensor | None]:
+        """The tangents of the parameters of one group (``None`` for the others), for :meth:`apply`."""
+        return [ti if g == group else None for ti, g in zip(t, self.group_of)]
+
+    def matvec(self, v: Tensor, weights: Tensor) -> Tensor:
+        r""":math:`\sum_g w_g J_g J_g^\top v` for ``v`` ``(N·C, k)`` and group weights ``(G,)`` (e.g. :math:`1/\delta`)."""
+        return self.apply(self.weighted(self.transpose(v), weights))
+
+    def group_inner(self, s: list[Tensor], t: list[Tensor]) -> Tensor:
+        r""":math:`\sum_{p \in g} \langle s_p, t_p \rangle` per group, shape ``(G,)`` (summed over the ``k`` columns)."""
+        out = torch.zeros(self.num_groups, dtype=self.dtype, device=self.device)
+        for si, ti, g in zip(s, t, self.group_of):
+            out[g] += (si * ti).sum()
+        return out
+
+    # ------------------------------------------------------------------ generic parameters (torch.func)
+    def _generic_params(self) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        params = self.core.functional_params()
+        return params, {self.names[i]: params[self.names[i]] for i in self.generic}
+
+    def _generic_transpose(self, vv: Tensor) -> list[Tensor]:
+        params, sub = self._generic_params()
+        k = vv.shape[-1]
+        total = None
+        for s, e in self.core.chunks(self.num_data, "J^T v"):
+
+            def f(ps, xs=self.x[s:e]):
+                return forward(self.core.net, {**params, **ps}, xs)
+
+            _, pull = func_vjp(f, sub)
+            grads = vmap(pull, in_dims=-1, out_dims=-1)(vv[s:e])[0]
+            grads = {name: g.reshape(-1, k) for name, g in grads.items()}
+            total = grads if total is None else {name: total[name] + grads[name] for name in total}
+        return [total[self.names[i]] for i in self.generic]
+
+    def _generic_apply(self, u: list[Tensor]) -> Tensor:
+        params, sub = self._generic_params()
+        k = u[0].shape[-1]
+        tangents = {
+            self.names[i]: t.reshape(*self.shapes[i], k).to(dtype=self.dtype, device=self.device)
+            for i, t in zip(self.generic, u)
+        }
+        rows = []
+        for s, e in self.core.chunks(self.num_data, "J u"):
+
+            def push(t, xs=self.x[s:e]):
+                return func_jvp(lambda ps: forward(self.core.net, {**params, **ps}, xs), (sub,), (t,))[1]
+
+            rows.append(vmap(push, in_dims=-1, out_dims=-1)(tangents))
+        return torch.cat(rows).reshape(-1, k)

@@ -92,13 +92,13 @@ def test_routes_chosen():
     lin = LinearizedNetwork(ref.small_cnn(3))
     params = _params(lin.net)
     plan = lin.plan(params, torch.randn(2, 1, 6, 6, dtype=torch.float64))
-    assert [la.name for la in plan.pairs] == ["fc", "head"]
+    assert [la.name for la in plan.single] == ["fc", "head"]
     assert [la.name for la in plan.layers] == ["conv", "fc", "head"]  # the convolution from its features
-    assert plan.generic == ["bn.weight", "bn.bias"]
+    assert plan.generic == ("bn.weight", "bn.bias")
     twice = LinearizedNetwork(TwiceUsed().double())
     plan = twice.plan(_params(twice.net), torch.randn(2, 3, dtype=torch.float64))
-    assert [la.name for la in plan.pairs] == ["out"]  # a is called twice, b shares its weight
-    assert plan.generic == ["a.weight", "a.bias", "b.bias"]
+    assert [la.name for la in plan.single] == ["out"]  # a is called twice, b shares its weight
+    assert plan.generic == ("a.weight", "a.bias", "b.bias")
 
 
 @pytest.mark.parametrize("variances", ["elementwise", "constant"])
@@ -164,37 +164,37 @@ def test_pair_contraction_value_and_gradients_against_autograd(monkeypatch, chun
     """The chunked contraction T[n,c,m,d] = Σ_i γ1[n,c,i] B[n,m,i] γ2[m,d,i] (one column per chunk, a few, all)
     equals the einsum, and its hand-written backward passes torch.autograd.gradcheck; so does the symmetric
     variant (blocks n ≤ m computed and mirrored)."""
-    from ntkgp.fsvi.linearized import _PairContraction
+    from ntkgp.fsvi.pair_contraction import PairContraction
 
-    monkeypatch.setattr(_PairContraction, "CHUNK_ELEMENTS", chunk_elements)
+    monkeypatch.setattr(PairContraction, "CHUNK_ELEMENTS", chunk_elements)
     torch.manual_seed(0)
     g1 = torch.randn(5, 3, 4, dtype=torch.float64, requires_grad=True)
     b = torch.randn(5, 6, 4, dtype=torch.float64, requires_grad=True)
     g2 = torch.randn(6, 3, 4, dtype=torch.float64, requires_grad=True)
     reference = torch.einsum("nci,nmi,mdi->ncmd", g1, b, g2).reshape(5, 3, 18)
-    torch.testing.assert_close(_PairContraction.apply(g1, b, g2), reference, rtol=1e-12, atol=1e-12)
-    assert torch.autograd.gradcheck(_PairContraction.apply, (g1, b, g2))
+    torch.testing.assert_close(PairContraction.apply(g1, b, g2), reference, rtol=1e-12, atol=1e-12)
+    assert torch.autograd.gradcheck(PairContraction.apply, (g1, b, g2))
     # the same γ on both sides, general and symmetric routes
     g = g2.detach().clone().requires_grad_()
     bs = torch.randn(6, 6, 4, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda gg, bb: _PairContraction.apply(gg, bb, gg), (g, bs))
+    assert torch.autograd.gradcheck(lambda gg, bb: PairContraction.apply(gg, bb, gg), (g, bs))
     sym = (bs + bs.transpose(0, 1)).detach() / 2
-    torch.testing.assert_close(_PairContraction.apply(g, sym, g, True),
+    torch.testing.assert_close(PairContraction.apply(g, sym, g, True),
                                torch.einsum("nci,nmi,mdi->ncmd", g, sym, g).reshape(6, 3, 18), rtol=1e-12, atol=1e-12)
     # it reads only the blocks n ≤ m of B: zero below gives the same result
     upper = sym * torch.ones(6, 6, dtype=torch.bool).triu()[:, :, None]
-    torch.testing.assert_close(_PairContraction.apply(g, upper, g, True),
+    torch.testing.assert_close(PairContraction.apply(g, upper, g, True),
                                torch.einsum("nci,nmi,mdi->ncmd", g, sym, g).reshape(6, 3, 18), rtol=1e-12, atol=1e-12)
     # differentiate through a symmetric B
     assert torch.autograd.gradcheck(
-        lambda gg, bb: _PairContraction.apply(gg, (bb + bb.transpose(0, 1)) / 2, gg, True), (g, bs))
+        lambda gg, bb: PairContraction.apply(gg, (bb + bb.transpose(0, 1)) / 2, gg, True), (g, bs))
     # any B: the symmetric route is the contraction of the symmetric B built from its blocks n ≤ m (and the lower
     # blocks get no gradient)
     upper_of = torch.ones(6, 6, dtype=torch.bool).triu()[:, :, None]
     from_upper = torch.where(upper_of, bs, bs.transpose(0, 1)).detach()
-    torch.testing.assert_close(_PairContraction.apply(g, bs, g, True),
+    torch.testing.assert_close(PairContraction.apply(g, bs, g, True),
                                torch.einsum("nci,nmi,mdi->ncmd", g, from_upper, g).reshape(6, 3, 18), rtol=1e-12,
                                atol=1e-12)
-    assert torch.autograd.gradcheck(lambda gg, bb: _PairContraction.apply(gg, bb, gg, True), (g, bs))
-    (grad_b,) = torch.autograd.grad(_PairContraction.apply(g, bs, g, True).sum(), bs)
+    assert torch.autograd.gradcheck(lambda gg, bb: PairContraction.apply(gg, bb, gg, True), (g, bs))
+    (grad_b,) = torch.autograd.grad(PairContraction.apply(g, bs, g, True).sum(), bs)
     assert grad_b.masked_select(~upper_of).eq(0).all()

@@ -56,12 +56,11 @@ def test_group_grams_match_brute_force(case, strategy, groups):
 def test_structured_route_is_taken_for_linear_and_conv_layers():
     engine = NTKEngine(mlp(d_out=3), strategy="auto")
     plan = engine.plan(torch.randn(2, 3, dtype=torch.float64))
-    assert plan.generic == [] and len(plan.structured) == 3 and plan.expanded == ()
+    assert plan.generic == () and len(plan.layers) == 3 and plan.multi == ()
     cnn = NTKEngine(small_cnn(), strategy="auto")
     plan = cnn.plan(torch.randn(2, 1, 6, 6, dtype=torch.float64))
-    assert list(plan.structured) == ["conv", "head"] and plan.expanded == ("conv",)
-    names = cnn.groups.names
-    assert [names[i] for i in plan.generic] == ["bn.weight", "bn.bias"]  # BatchNorm: contraction
+    assert plan.names == ("conv", "head") and [la.name for la in plan.multi] == ["conv"]
+    assert plan.generic == ("bn.weight", "bn.bias")  # BatchNorm: contraction
 
 
 def test_shared_linear_falls_back_to_contraction():
@@ -77,7 +76,7 @@ def test_shared_linear_falls_back_to_contraction():
     net = Tied().double()
     x = torch.randn(6, 3, dtype=torch.float64)
     engine = NTKEngine(net, strategy="auto", chunk_size=4)
-    assert engine.plan(x).generic == [0, 1]
+    assert engine.plan(x).generic == ("fc.weight", "fc.bias")
     assert rel_err(engine.group_grams(x), reference_group_grams(net, x, x, "layer")) < 1e-10
     with pytest.raises(ValueError, match="structured"):
         NTKEngine(net, strategy="structured").group_grams(x)

@@ -1,10 +1,12 @@
-"""The shared layer features (ntkgp.ntk.features) against brute-force autograd Jacobians."""
+"""The shared layer features (ntkgp.ntk.features) and the layer plan (ntkgp.ntk.layer_plan) against brute-force
+autograd Jacobians."""
 
 import pytest
 import torch
 from torch import nn
 
-from ntkgp.ntk.features import candidate_layers, layer_features, layer_jacobians, verify_layers
+from ntkgp.ntk.features import layer_features
+from ntkgp.ntk.layer_plan import candidate_layers, verify_layers
 from ntkgp.ntk.functional import per_example_vjps
 from tests.helpers import assert_unchanged, brute_jacobian, rel_err, snapshot
 
@@ -41,7 +43,7 @@ def test_layer_jacobians_from_features_equal_brute_force():
     assert_unchanged(net, before)
     reference = columns(net, x, names)
     for layer in kept:
-        for name, block in layer_jacobians(layer, feats.inputs[layer.name], feats.grads[layer.name]).items():
+        for name, block in layer.jacobians(feats.inputs[layer.name], feats.grads[layer.name]).items():
             assert rel_err(block, reference[name]) < 1e-12, name
 
 
@@ -54,7 +56,7 @@ def test_cotangents_give_vector_jacobian_products():
     feats = layer_features(net, params, layers, x, cotangents=u)
     reference = columns(net, x, list(params))
     for layer in layers:
-        for name, block in layer_jacobians(layer, feats.inputs[layer.name], feats.grads[layer.name]).items():
+        for name, block in layer.jacobians(feats.inputs[layer.name], feats.grads[layer.name]).items():
             expected = torch.einsum("ncp,ncm->nmp", reference[name], u)
             assert rel_err(block, expected) < 1e-12
             assert rel_err(block, per_example_vjps(net, params, x, u, [name])) < 1e-12
@@ -71,7 +73,7 @@ def test_graph_to_parameters_that_require_grad():
     def gram_sum(params):
         feats = layer_features(net, params, layers, x, graph=True)
         blocks = [b.reshape(10, -1) for layer in layers
-                  for b in layer_jacobians(layer, feats.inputs[layer.name], feats.grads[layer.name]).values()]
+                  for b in layer.jacobians(feats.inputs[layer.name], feats.grads[layer.name]).values()]
         j = torch.cat(blocks, 1)
         return (weights * (j @ j.T)).sum()
 

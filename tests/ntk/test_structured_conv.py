@@ -55,12 +55,13 @@ def test_conv_grams_match_brute_force_without_contraction(config, prior_structur
     x1, x2 = torch.randn(5, 2, 7, 7, dtype=torch.float64), torch.randn(3, 2, 7, 7, dtype=torch.float64)
     engine = NTKEngine(net, prior_structure=prior_structure, strategy="structured", chunk_size=2)
     plan = engine.plan(x1)
-    assert plan.generic == [] and set(plan.expanded) == {"conv1", "conv2"} and plan.factored == ["head"]
+    assert plan.generic == () and [la.name for la in plan.multi] == ["conv1", "conv2"]
+    assert [la.name for la in plan.single] == ["head"]
 
     def no_jacobian(*args, **kwargs):
         raise AssertionError("vmap(jacrev) Jacobian formed")
 
-    engine._jacobian_chunk = no_jacobian
+    engine.core.jacobian_chunk = no_jacobian
     before = snapshot(net)
     sym, cross = engine.group_grams(x1), engine.group_grams(x1, x2)
     assert_unchanged(net, before)
@@ -91,28 +92,42 @@ def test_linear_layer_on_sequences_takes_the_expanded_form():
     x = torch.randn(5, 2, 3, dtype=torch.float64)
     engine = NTKEngine(net, strategy="structured")
     plan = engine.plan(x)
-    assert plan.expanded == ("0",) and plan.generic == []
+    assert [la.name for la in plan.multi] == ["0"] and plan.generic == ()
     assert rel_err(engine.group_grams(x), reference_grams(net, x, x, "layer")) < 1e-10
+
+
+def test_grouped_convolutions_fall_back_to_contraction():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(2, 4, 3, groups=2), nn.Tanh(), nn.Flatten(), nn.Linear(36, 2)).double()
+    x = torch.randn(4, 2, 5, 5, dtype=torch.float64)
+    for strategy in ("auto", "structured"):  # not an unsafe layer: contraction, no error
+        engine = NTKEngine(net, strategy=strategy)
+        plan = engine.plan(x)
+        assert plan.names == ("3",) and plan.generic == ("0.weight", "0.bias")
+        assert isinstance(plan.problems["0"], NotImplementedError)
+        assert rel_err(engine.group_grams(x), reference_grams(net, x, x, "layer")) < 1e-10
 
 
 @pytest.mark.parametrize(
     ("conv", "features"),
     [
-        (lambda: nn.Conv2d(2, 4, 3, groups=2), 36),
         (lambda: nn.Conv2d(2, 3, 3, padding="same"), 75),
+        (lambda: nn.Conv2d(2, 3, (2, 3), padding="same", dilation=(2, 1)), 75),  # even kernel: uneven padding
         (lambda: nn.Conv2d(2, 3, 3, padding=1, padding_mode="reflect"), 75),
+        (lambda: nn.Conv2d(2, 3, 3, padding=(2, 1), padding_mode="replicate"), 105),
+        (lambda: nn.Conv2d(2, 3, 2, padding=1, padding_mode="circular", stride=2), 27),
     ],
-    ids=["groups", "same", "reflect"],
+    ids=["same", "same_even_dilated", "reflect", "replicate", "circular_strided"],
 )
-def test_unsupported_convolutions_fall_back_to_contraction(conv, features):
+def test_every_padding_takes_the_structured_form(conv, features):
+    """'same' padding (odd and even kernels) and the non-zero padding modes: patches padded as the layer pads."""
     torch.manual_seed(0)
     net = nn.Sequential(conv(), nn.Tanh(), nn.Flatten(), nn.Linear(features, 2)).double()
     x = torch.randn(4, 2, 5, 5, dtype=torch.float64)
-    for strategy in ("auto", "structured"):  # not an unsafe layer: contraction, no error
-        engine = NTKEngine(net, strategy=strategy)
-        plan = engine.plan(x)
-        assert list(plan.structured) == ["3"] and plan.generic == [0, 1]
-        assert rel_err(engine.group_grams(x), reference_grams(net, x, x, "layer")) < 1e-10
+    engine = NTKEngine(net, strategy="structured")
+    plan = engine.plan(x)
+    assert plan.names == ("0", "3") and plan.generic == () and [la.name for la in plan.multi] == ["0"]
+    assert rel_err(engine.group_grams(x), reference_grams(net, x, x, "layer")) < 1e-10
 
 
 class OutsideUse(nn.Module):
@@ -135,7 +150,7 @@ def test_weight_used_outside_forward_is_not_structured():
     x = torch.randn(4, 1, 5, 5, dtype=torch.float64)
     engine = NTKEngine(net)
     plan = engine.plan(x)
-    assert list(plan.structured) == ["head"] and plan.generic == [0, 1]
+    assert plan.names == ("head",) and plan.generic == ("conv.weight", "conv.bias")
     assert rel_err(engine.group_grams(x), reference_grams(net, x, x, "layer")) < 1e-10
     with pytest.raises(ValueError, match="strategy='structured'.*conv"):
         NTKEngine(net, strategy="structured").group_grams(x)
@@ -147,7 +162,7 @@ def test_shared_weight_between_modules_is_rejected_by_structured():
     net[2].weight = net[0].weight
     x = torch.randn(5, 3, dtype=torch.float64)
     plan = NTKEngine(net).plan(x)
-    assert list(plan.structured) == ["4"]
+    assert plan.names == ("4",)
     assert rel_err(NTKEngine(net).group_grams(x), reference_grams(net, x, x, "layer")) < 1e-10
     with pytest.raises(ValueError, match="shared"):
         NTKEngine(net, strategy="structured").group_grams(x)
@@ -159,5 +174,5 @@ def test_float32_conv_agrees_with_float64():
     x = torch.randn(6, 2, 7, 7, dtype=torch.float64)
     k64 = NTKEngine(net64).group_grams(x)
     k32 = NTKEngine(net32).group_grams(x.float())
-    assert k32.dtype == torch.float32 and NTKEngine(net32).plan(x.float()).expanded == ("conv1", "conv2")
+    assert k32.dtype == torch.float32 and [la.name for la in NTKEngine(net32).plan(x.float()).multi] == ["conv1", "conv2"]
     assert rel_err(k32.double(), k64) < 1e-5

@@ -1,5 +1,5 @@
 """Every public entry of the engine validates its inputs before any side effect, naming the argument; the
-vocabulary (prior_structure=, Strategy) and deprecated spellings."""
+vocabulary (prior_structure=, Strategy)."""
 
 import pytest
 import torch
@@ -54,7 +54,7 @@ def test_nan_in_any_row_is_rejected_before_anything_is_computed(method):
     before = snapshot(net)
     with pytest.raises(ValueError, match="contains NaN or Inf"):
         getattr(engine, method)(x)
-    assert engine._plans == {} and engine._num_outputs is None
+    assert engine.core._plans == {} and engine.core._num_outputs is None
     assert_unchanged(net, before)
 
 
@@ -89,21 +89,12 @@ def test_constructor_options_are_validated(kwargs, message):
         NTKEngine(mlp(), **kwargs)
 
 
-def test_deprecated_spellings_still_work():
+def test_unknown_keywords_are_rejected():
     net = mlp(d_out=2)
-    x = torch.randn(5, 3, dtype=torch.float64)
-    reference = NTKEngine(net, prior_structure="network").group_grams(x)
-    with pytest.warns(DeprecationWarning, match="groups= is deprecated"):
-        old = NTKEngine(net, groups="network")
-    assert rel_err(old.group_grams(x), reference) < 1e-15
-    with pytest.warns(DeprecationWarning, match="'scalar' is deprecated"):
-        assert resolve_groups(net, "scalar").num_groups == 1
-    with pytest.warns(DeprecationWarning, match="'layerwise' is deprecated"):
-        assert resolve_groups(net, "layerwise") == resolve_groups(net, "layer")
-    with pytest.raises(TypeError, match="prior_structure= only"):
-        NTKEngine(net, prior_structure="network", groups="layer")
-    with pytest.raises(TypeError, match="unexpected keyword"):
-        NTKEngine(net, group="layer")
+    with pytest.raises(TypeError, match="groups"):
+        NTKEngine(net, groups="network")
+    with pytest.raises(TypeError, match="groups"):
+        resolve_groups(net, groups="network")
 
 
 def test_parameters_are_the_networks_tensors_and_key_a_value_cache():
@@ -119,7 +110,6 @@ def test_parameters_are_the_networks_tensors_and_key_a_value_cache():
     second = cache.get_or_compute("grams", [x], lambda: engine.group_grams(x), state=engine.parameters())
     assert not torch.allclose(first, second)
     assert rel_err(second, NTKEngine(net).group_grams(x)) < 1e-15
-    assert isinstance(engine.params_version(), tuple)  # deprecated, still working
 
 
 def test_structured_strategy_rejects_layers_called_twice_with_the_argument_named():

@@ -16,6 +16,7 @@ so that :class:`~ntkgp.NTKGP`, :class:`~ntkgp.mlls.LaplaceGGNMarginalLogLikeliho
   CG + stochastic Lanczos quadrature on a matrix-free kernel) and their options (``docs/scaling.md``).
 """
 
+from ...ntk.products import NTKProducts
 from .algebra import block_apply, block_sandwich, low_rank_log_det, site_cholesky
 from .eigen import spectral_log_det
 from .evidence import (
@@ -26,7 +27,6 @@ from .evidence import (
     log_det_term,
     prior_term,
 )
-from .kernel_products import NTKProducts
 from .matrix_free import (
     LaplaceSiteOperator,
     MatrixFreeNTKOperator,

@@ -9,7 +9,7 @@ The log-determinant of the evidence (docs/math.md, "Laplace-GGN evidence") is
 with :math:`L` the block-diagonal site factor (:math:`L_n L_n^\top = \Lambda_n`; for a Gaussian likelihood
 :math:`L = \sigma^{-1} I` and :math:`\log|B| = \log|K + \sigma^2 I| - NC\log\sigma^2`).
 :class:`LaplaceSiteOperator` is :math:`B` as a ``linear_operator`` ``LinearOperator`` whose product is
-:math:`v + L^\top J P_0^{-1} J^\top L v` (:class:`~ntkgp.laplace.function_space.kernel_products.NTKProducts`: a
+:math:`v + L^\top J P_0^{-1} J^\top L v` (:class:`~ntkgp.ntk.products.NTKProducts`: a
 vector-Jacobian then a Jacobian-vector product, structured per layer), represented by the tensors
 :math:`(L, \delta)`. Its ``inv_quad_logdet`` is GPyTorch's: preconditioned CG with :math:`t` probe
 vectors, the log-determinant by stochastic Lanczos quadrature, and in the backward pass the stochastic trace
@@ -40,8 +40,8 @@ from linear_operator.operators import LinearOperator
 
 from ...caching import ValueCache
 from ...kernels import NTKKernel
+from ...ntk.products import NTKProducts
 from .algebra import block_apply
-from .kernel_products import NTKProducts
 from .routes import EvidenceOptions, check_options
 
 __all__ = [
@@ -56,12 +56,12 @@ _PRODUCTS: weakref.WeakKeyDictionary[NTKKernel, ValueCache] = weakref.WeakKeyDic
 
 
 def kernel_products(kernel: NTKKernel, x: torch.Tensor) -> NTKProducts:
-    """The :class:`~ntkgp.laplace.function_space.kernel_products.NTKProducts` of ``kernel`` at ``x``, cached by the values
+    """The :class:`~ntkgp.ntk.products.NTKProducts` of ``kernel`` at ``x``, cached by the values
     of ``x`` and of the network's weights and buffers (one entry per kernel)."""
     cache = _PRODUCTS.setdefault(kernel, ValueCache(size=1))
     engine = kernel.engine
     state = engine.network_state()
-    return cache.get_or_compute("products", [x], lambda: NTKProducts(engine, x), state=state)
+    return cache.get_or_compute("products", [x], lambda: engine.products(x), state=state)
 
 
 def _columns(rhs: torch.Tensor) -> tuple[torch.Tensor, bool]:

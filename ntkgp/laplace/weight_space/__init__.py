@@ -23,7 +23,6 @@ from .kfac import KroneckerFactor, KroneckerFactors, KroneckerGGN, kfac_ggn
 from .kfac_laplace import KFACLaplace
 from .laplace_posterior import laplace_posterior
 from .last_layer_laplace import LastLayerLaplace
-from .network_function import NetworkFunction
 from .posterior import WeightPosterior
 from .predictive_estimators import Prediction, default_step_size, laplace_bridge, predict
 from .scaling import output_scale
@@ -43,7 +42,6 @@ __all__ = [
     "KroneckerFactors",
     "KroneckerGGN",
     "LastLayerLaplace",
-    "NetworkFunction",
     "Prediction",
     "WeightPosterior",
     "compute_curvature",

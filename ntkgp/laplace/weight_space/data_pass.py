@@ -1,9 +1,11 @@
 r"""One pass over the training data at :math:`\theta^*`: batches, outputs, unit likelihood factors, and
 per-example vector-Jacobian products :math:`J_n^\top u_n`.
 
-The network is treated functionally through the engine's shared passes (:mod:`ntkgp.ntk.functional`,
-``torch.func.functional_call`` with detached copies of its parameters): the network's weights, flags, mode and
-hooks are left as they are.
+The network at :math:`\theta^*` is ntkgp's one :class:`~ntkgp.ntk.network.NetworkCore` (prior groups, input checks,
+forward passes and per-example products through ``torch.func.functional_call`` with detached aliases of its
+parameters): the network's weights, flags, mode and hooks are left as they are. What this module adds is the
+pass over the data itself: batches, the likelihood's unit factors, the collected outputs and targets, and the
+sums over the ranks of a distributed pass.
 """
 
 from __future__ import annotations
@@ -18,10 +20,9 @@ from tqdm.auto import tqdm
 
 from ...distributed import all_gather_rows, all_reduce_sum, check_distributed, check_replicated, together
 from ...likelihoods import gradient, hessian_sqrt, validate_targets
-from ...ntk import NTKEngine, check_outputs
-from ...ntk.checks import check_count
-from ...ntk.functional import forward, per_example_vjps
+from ...ntk.checks import check_count, check_outputs
 from ...ntk.groups import GroupSpec
+from ...ntk.network import NetworkCore
 from .scaling import output_scale
 
 Data = Tensor | Iterable[tuple[Tensor, Tensor]]
@@ -29,22 +30,20 @@ Data = Tensor | Iterable[tuple[Tensor, Tensor]]
 
 @dataclass
 class DataPass:
-    r"""The network, its parameters :math:`\theta^*` and the likelihood for one pass over the data.
+    r"""The network at :math:`\theta^*` and the likelihood for one pass over the data.
 
     Collects the outputs :math:`f_n` and normalised targets of every batch it hands out.
 
     Attributes:
-        engine: the :class:`~ntkgp.ntk.NTKEngine` (prior groups, input checks, detached parameters).
+        core: the network (:class:`~ntkgp.ntk.network.NetworkCore`: prior groups, input checks, passes).
         likelihood: the likelihood.
-        params: :math:`\theta^*` per trainable parameter name, detached.
         scale0: the output scale :math:`s_0` of the likelihood at computation time, ``(K,)``, detached.
         distributed: each rank passes its shard of the data; sums (:meth:`reduce`) and the collected
             outputs and targets (:meth:`collected`) are over all ranks (:mod:`ntkgp.distributed`).
     """
 
-    engine: NTKEngine
+    core: NetworkCore
     likelihood: Likelihood
-    params: dict[str, Tensor]
     scale0: Tensor
     outputs: list[Tensor] = field(default_factory=list)
     targets: list[Tensor] = field(default_factory=list)
@@ -63,22 +62,34 @@ class DataPass:
         and :math:`s_0`. With ``distributed``, also check that every rank holds the same network."""
         distributed = check_distributed(distributed)
         with together("checking the network", distributed):
-            engine = NTKEngine(net, prior_structure=prior_structure, input_shape=input_shape)
-            scale0 = output_scale(likelihood).detach().to(device=engine.device, dtype=engine.dtype)
+            core = NetworkCore(net, input_shape=input_shape, prior_structure=prior_structure)
+            scale0 = output_scale(likelihood).detach().to(device=core.device, dtype=core.dtype)
         check_replicated([*net.parameters(), *net.buffers()], "the network's weights", distributed)
-        return cls(engine=engine, likelihood=likelihood, params=engine.params(), scale0=scale0, distributed=distributed)
+        return cls(core=core, likelihood=likelihood, scale0=scale0, distributed=distributed)
+
+    @classmethod
+    def on(cls, core: NetworkCore, likelihood: Likelihood) -> DataPass:
+        """A pass (not distributed) over a network already held, e.g. by an :class:`~ntkgp.ntk.NTKEngine`
+        (its layer plans and input checks are reused)."""
+        scale0 = output_scale(likelihood).detach().to(device=core.device, dtype=core.dtype)
+        return cls(core=core, likelihood=likelihood, scale0=scale0)
 
     @property
     def net(self) -> nn.Module:
-        return self.engine.net
+        return self.core.net
+
+    @property
+    def params(self) -> dict[str, Tensor]:
+        """:math:`\theta^*` per trainable parameter name, detached."""
+        return self.core.params()
 
     @property
     def num_data(self) -> int:
         return sum(f.shape[0] for f in self.outputs)
 
-    def forward(self, x: Tensor, params: dict[str, Tensor] | None = None) -> Tensor:
-        """``f(x; θ)`` through ``functional_call`` (``θ*`` unless ``params`` overrides some parameters)."""
-        return forward(self.net, self.params if params is None else {**self.params, **params}, x)
+    def forward(self, x: Tensor) -> Tensor:
+        """``f(x; θ*)`` of a prepared batch."""
+        return self.core.forward(x)
 
     def check(self, x: Data, y: Tensor | None, batch_size: int) -> int:
         """Validate the whole data set before the pass (tensor inputs: every row of ``x`` and ``y``).
@@ -91,12 +102,12 @@ class DataPass:
         """
         batch_size = check_count(batch_size, "batch_size")
         if torch.is_tensor(x):
-            prepared = self.engine.prepare(x, "x")
+            prepared = self.core.prepare(x, "x")
             if not torch.is_tensor(y):
                 raise TypeError("y must be a tensor of targets when x is a tensor")
             if y.dim() < 1 or y.shape[0] != x.shape[0]:
                 raise ValueError(f"x has {x.shape[0]} rows but y has shape {tuple(y.shape)}")
-            validate_targets(self.likelihood, y, self.engine.num_outputs(prepared), num_data=x.shape[0], name="y")
+            validate_targets(self.likelihood, y, self.core.num_outputs(prepared), num_data=x.shape[0], name="y")
         elif y is not None:
             raise ValueError("pass y=None when x is an iterable of (x, y) batches")
         elif not isinstance(x, Iterable):
@@ -136,7 +147,7 @@ class DataPass:
                     "(a DataLoader over a dataset of inputs only has no targets)"
                 )
             xb, yb = pair
-            xb = self.engine.prepare(xb, "x")
+            xb = self.core.prepare(xb, "x")
             with torch.no_grad():
                 fb = self.forward(xb.detach())
             check_outputs(fb, xb.shape[0])
@@ -159,13 +170,12 @@ class DataPass:
             return gradient(self.likelihood, f, y) / self.scale0
 
     def per_example_vjps(self, x: Tensor, cotangents: Tensor, names: list[str]) -> Tensor:
-        r"""Rows :math:`J_n^\top u_{nm}` restricted to the parameters ``names``, shape ``(n, M, P_{names})``
-        (:func:`ntkgp.ntk.functional.per_example_vjps`)."""
-        return per_example_vjps(self.net, self.params, x, cotangents, names)
+        r"""Rows :math:`J_n^\top u_{nm}` restricted to the parameters ``names``, shape ``(n, M, P_{names})``."""
+        return self.core.per_example_vjps(x, cotangents, names)
 
     def theta_sq_norms(self) -> Tensor:
         r""":math:`\|\theta^*_g\|^2` per group, shape ``(G,)``."""
-        return self.engine.group_sq_norms()
+        return self.core.group_sq_norms()
 
     def reduce(self, tensors: list[Tensor]) -> list[Tensor]:
         """Sum ``tensors`` over the ranks in place (:func:`ntkgp.distributed.all_reduce_sum`; no-op unless

@@ -1,4 +1,4 @@
-r"""Dense GGN and empirical Fisher over the parameters :math:`\theta` of a :class:`NetworkFunction` (small
+r"""Dense GGN and empirical Fisher over the parameters :math:`\theta` of a :class:`NetworkCore` (small
 :math:`P`).
 
 .. math::
@@ -15,7 +15,7 @@ the data. Memory :math:`O(K P^2)` (:math:`K = C^2` for the EF of a multi-output 
 
 The components are summed by :func:`ntkgp.laplace.weight_space.full_curvature.curvature_components`, the one implementation shared
 with the weight-space curvature of the evidence (:func:`ntkgp.laplace.weight_space.full_curvature.full_ggn` / ``full_ef``); this
-module only produces the per-example rows from a :class:`NetworkFunction`'s Jacobians.
+module only produces the per-example rows from a :class:`NetworkCore`'s Jacobians.
 """
 
 from __future__ import annotations
@@ -31,15 +31,15 @@ from .scaling import output_scale
 from .full_curvature import component_weights as _component_weights
 from .full_curvature import curvature_components
 from ...likelihoods import gradient, hessian_sqrt, is_gaussian, num_outputs, validate_targets
-from ...ntk import check_outputs
+from ...ntk.checks import check_outputs
 from ...options import Curvature
-from .network_function import NetworkFunction
+from ...ntk.network import NetworkCore
 
 Data = Tensor | Iterable[tuple[Tensor, Tensor]]
 
 
 def data_batches(
-    fn: NetworkFunction,
+    fn: NetworkCore,
     x: Data,
     y: Tensor | None,
     likelihood: Likelihood,
@@ -101,7 +101,7 @@ def scale_size(likelihood: Likelihood) -> int:
 
 
 def dense_curvature(
-    fn: NetworkFunction,
+    fn: NetworkCore,
     x: Data,
     y: Tensor | None,
     likelihood: Likelihood,

@@ -30,7 +30,7 @@ from .kronecker_form import (
     layer_index,
     structured_layers,
 )
-from .network_function import NetworkFunction
+from ...ntk.network import NetworkCore
 from .structured_curvature import structured_curvature
 
 
@@ -103,7 +103,7 @@ class DiagLaplace(WeightPosterior):
             raise TypeError(
                 f"curvature must be diagonal (diag_ggn or diag_ef), got {type(curvature).__name__}"
             )
-        fn = NetworkFunction(net, list(curvature.groups.names), input_shape, chunk_size)
+        fn = NetworkCore(net, list(curvature.groups.names), input_shape, chunk_size)
         prior_precision_vector(prior_precision, curvature.groups, fn)
         super().__init__(fn, likelihood, curvature.groups, prior_precision, curvature.scale_size)
         self.structure = curvature.structure

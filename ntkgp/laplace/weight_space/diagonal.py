@@ -119,7 +119,7 @@ def diagonal_products(
     m = cotangents.shape[-1]
     offsets = dict(zip(names, torch.tensor([0] + [data.params[n].numel() for n in names]).cumsum(0).tolist()))
     out = torch.zeros(m * m if pairs else m, offsets[names[-1]] + data.params[names[-1]].numel(),
-                      dtype=data.engine.dtype, device=data.engine.device)
+                      dtype=data.core.dtype, device=data.core.device)
     structured = {n for layer in layers for n in (layer.weight, layer.bias) if n is not None}
     generic = [n for n in names if n not in structured]
     if generic:
@@ -187,8 +187,8 @@ def diagonal_ggn(
     prior_structure = renamed_argument(kwargs, "groups", "prior_structure", prior_structure, "layer")
     unexpected(kwargs, "diagonal_ggn")
     data = DataPass.start(net, likelihood, prior_structure, input_shape, distributed)
-    names = list(data.engine.groups.names)
-    layers = structured_layers(net, data.engine.groups, strict=False)
+    names = list(data.core.groups.names)
+    layers = structured_layers(net, data.core.groups, strict=False)
     total = 0
     for step, (xb, fb, yb) in enumerate(data.batches(x, y, batch_size, progress, "diagonal GGN")):
         if step == 0:
@@ -196,7 +196,7 @@ def diagonal_ggn(
         total = total + diagonal_ggn_components(data, xb, fb, yb, names, layers)
     data.reduce([total])  # sums over every rank's shard
     f_all, y_all = data.collected()
-    return DiagonalGGN(data.engine.groups, data.theta_sq_norms(), f_all, y_all, data.scale0.shape[0], total)
+    return DiagonalGGN(data.core.groups, data.theta_sq_norms(), f_all, y_all, data.scale0.shape[0], total)
 
 
 def diagonal_ef(
@@ -220,8 +220,8 @@ def diagonal_ef(
     prior_structure = renamed_argument(kwargs, "groups", "prior_structure", prior_structure, "layer")
     unexpected(kwargs, "diagonal_ef")
     data = DataPass.start(net, likelihood, prior_structure, input_shape, distributed)
-    names = list(data.engine.groups.names)
-    layers = structured_layers(net, data.engine.groups, strict=False)
+    names = list(data.core.groups.names)
+    layers = structured_layers(net, data.core.groups, strict=False)
     per_output = data.scale0.shape[0] > 1
     total = 0
     for step, (xb, fb, yb) in enumerate(data.batches(x, y, batch_size, progress, "diagonal EF")):
@@ -232,4 +232,4 @@ def diagonal_ef(
         total = total + diagonal_products(data, xb, cot, names, layers, pairs=True)
     data.reduce([total])  # sums over every rank's shard
     f_all, y_all = data.collected()
-    return DiagonalEF(data.engine.groups, data.theta_sq_norms(), f_all, y_all, data.scale0.shape[0], total)
+    return DiagonalEF(data.core.groups, data.theta_sq_norms(), f_all, y_all, data.scale0.shape[0], total)

@@ -45,13 +45,12 @@ from gpytorch.likelihoods import Likelihood
 from linear_operator.utils.errors import NotPSDError
 from torch import Tensor, nn
 
-from ...ntk import ParameterGroups
+from ...ntk import NTKEngine, ParameterGroups
 from ...ntk.groups import GroupSpec
 from ...options import Curvature as CurvatureKind
 from ...options import Space, choose, choose_space
 from .curvature import Curvature
 from .data_pass import Data, DataPass
-from .scaling import output_scale
 
 __all__ = [
     "FullCurvature",
@@ -303,7 +302,7 @@ def full_curvature(
     """
     fisher = _fisher(curvature)
     data = DataPass.start(net, likelihood, prior_structure, input_shape, distributed)
-    names = list(data.engine.groups.names)
+    names = list(data.core.groups.names)
     per_output = data.scale0.shape[0] > 1
     total = 0
     for xb, fb, yb in data.batches(x, y, batch_size, progress, "full " + ("EF" if fisher else "GGN")):
@@ -316,7 +315,7 @@ def full_curvature(
         total = total + curvature_components(rows, fisher, per_output)
     data.reduce([total])
     f_all, y_all = data.collected()
-    return FullCurvature(data.engine.groups, data.theta_sq_norms(), f_all, y_all, data.scale0.shape[0], total,
+    return FullCurvature(data.core.groups, data.theta_sq_norms(), f_all, y_all, data.scale0.shape[0], total,
                          fisher, spectral)
 
 
@@ -357,10 +356,8 @@ def function_space_curvature(
     """
     fisher = _fisher(curvature)
     if engine is None:
-        data = DataPass.start(net, likelihood, prior_structure, input_shape)
-    else:  # reuse the engine (its structured plan and input checks are cached)
-        scale0 = output_scale(likelihood).detach().to(device=engine.device, dtype=engine.dtype)
-        data = DataPass(engine=engine, likelihood=likelihood, params=engine.params(), scale0=scale0)
+        engine = NTKEngine(net, prior_structure=prior_structure, input_shape=input_shape)
+    data = DataPass.on(engine.core, likelihood)  # reuses the engine's layer plans and input checks
     if fisher and data.scale0.shape[0] > 1:
         raise ValueError("the function-space empirical Fisher needs a single output scale; use full_ef")
     if validated:  # x prepared and y normalized by the caller (train_marglik checked them once)
@@ -372,7 +369,7 @@ def function_space_curvature(
     else:
         (xb, fb, yb), = list(data.batches(x, y, max(int(x.shape[0]), 1), False, "function-space curvature"))
     n, c = fb.shape
-    grams = data.engine.group_grams(xb)  # (G, NC, NC), rows n·C + c
+    grams = engine.group_grams(xb)  # (G, NC, NC), rows n·C + c
     if fisher:
         u = data.unit_gradient(fb, yb)  # (N, C): row n is Σ_c u_nc J_nc
         if c == 1:
@@ -393,7 +390,7 @@ def function_space_curvature(
             grams = grams.reshape(-1, n * c, n * c)
             row_scale = torch.zeros(n * c, dtype=torch.long, device=fb.device)
     f_all, y_all = data.collected()
-    return FunctionSpaceCurvature(data.engine.groups, data.theta_sq_norms(), f_all, y_all, data.scale0.shape[0],
+    return FunctionSpaceCurvature(data.core.groups, data.theta_sq_norms(), f_all, y_all, data.scale0.shape[0],
                                   grams, row_scale, fisher, spectral)
 
 

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from ...options import Curvature, choose
 from .posterior import WeightPosterior, check_likelihood, prior_groups, prior_precision_vector
 from .dense_curvature import Data, component_weights, dense_curvature, scale_size
-from .network_function import NetworkFunction
+from ...ntk.network import NetworkCore
 
 
 class DensePosterior(WeightPosterior):
@@ -38,7 +38,7 @@ class DensePosterior(WeightPosterior):
 
     def __init__(
         self,
-        function: NetworkFunction,
+        function: NetworkCore,
         likelihood: Likelihood,
         groups,
         prior_precision: float | Tensor,
@@ -135,7 +135,7 @@ class FullLaplace(DensePosterior):
         chunk_size: int = 256,
     ) -> None:
         kind = choose(Curvature, curvature, "curvature")
-        fn = NetworkFunction(net, self._parameter_names(net), input_shape, chunk_size)
+        fn = NetworkCore(net, self._parameter_names(net), input_shape, chunk_size)
         groups = prior_groups(fn, prior_structure)
         check_likelihood(likelihood)
         prior_precision_vector(prior_precision, groups, fn)

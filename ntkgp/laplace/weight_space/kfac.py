@@ -257,7 +257,7 @@ def kfac_ggn(
     prior_structure = renamed_argument(kwargs, "groups", "prior_structure", prior_structure, "layer")
     unexpected(kwargs, "kfac_ggn")
     data = DataPass.start(net, likelihood, prior_structure, input_shape, distributed)
-    pg = data.engine.groups
+    pg = data.core.groups
     layers = structured_layers(net, pg, strict=True)
     in_blocks = {n for layer in layers for n in (layer.weight, layer.bias) if n is not None}
     diagonal_names = [n for n in pg.names if n not in in_blocks]
@@ -265,7 +265,7 @@ def kfac_ggn(
     a_sum: dict[str, Tensor] = {}
     g_sum: dict[str, Tensor] = {}
     locations: dict[str, int] = {}
-    diag_total = torch.zeros(num_components, 0, dtype=data.engine.dtype, device=data.engine.device)
+    diag_total = torch.zeros(num_components, 0, dtype=data.core.dtype, device=data.core.device)
     if diagonal_names:
         diag_total = 0
     for step, (xb, fb, yb) in enumerate(data.batches(x, y, batch_size, progress, "KFAC")):
@@ -282,7 +282,7 @@ def kfac_ggn(
             g_sum[layer.name] = g_sum.get(layer.name, 0) + gg
         if diagonal_names:
             diag_total = diag_total + diagonal_ggn_components(data, xb, fb, yb, diagonal_names, [])
-    counts = torch.tensor([locations[layer.name] for layer in layers], device=data.engine.device)
+    counts = torch.tensor([locations[layer.name] for layer in layers], device=data.core.device)
     data.reduce([a_sum[layer.name] for layer in layers] + [g_sum[layer.name] for layer in layers] + [counts]
                 + ([diag_total] if diagonal_names else []))  # sums over every rank's shard
     locations = dict(zip([layer.name for layer in layers], counts.tolist()))

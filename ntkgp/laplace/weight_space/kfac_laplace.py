@@ -48,7 +48,7 @@ from .kronecker_form import (
     layer_index,
     structured_layers,
 )
-from .network_function import NetworkFunction
+from ...ntk.network import NetworkCore
 from .structured_curvature import kronecker_blocks, structured_curvature
 
 
@@ -164,7 +164,7 @@ class KFACLaplace(WeightPosterior):
 
     def _setup(self, curvature, net, likelihood, prior_precision, damping, input_shape, chunk_size) -> None:
         factors, diagonal_names, diagonal_components = kronecker_blocks(curvature)
-        fn = NetworkFunction(net, list(curvature.groups.names), input_shape, chunk_size)
+        fn = NetworkCore(net, list(curvature.groups.names), input_shape, chunk_size)
         prior_precision_vector(prior_precision, curvature.groups, fn)
         super().__init__(fn, likelihood, curvature.groups, prior_precision, curvature.scale_size)
         self.structure = "kfac"

@@ -23,40 +23,23 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ...ntk.features import Layer, candidate_layers, layer_features, verify_layers
-from .network_function import NetworkFunction
+from ...ntk.features import Layer
+from ...ntk.network import NetworkCore
 
 
-def fan_in(layer: Layer) -> int:
-    """The number of weight columns (``in_features`` or ``in_channels · kh · kw``); 0 without a weight."""
-    return layer.module.weight[0].numel() if layer.weight is not None else 0
-
-
-def d_out(layer: Layer) -> int:
-    return (layer.module.weight if layer.weight is not None else layer.module.bias).shape[0]
-
-
-def layer_index(fn: NetworkFunction, layer: Layer) -> Tensor:
+def layer_index(fn: NetworkCore, layer: Layer) -> Tensor:
     r"""The position in the flat vector of :math:`\theta` of each entry of :math:`\Theta = [W \mid b]`,
     ``(d_out, d_a)`` (weight row-major, then the bias column)."""
-    rows = torch.arange(d_out(layer), device=fn.device)[:, None]
-    parts = []
-    if layer.weight is not None:
-        parts.append(
-            fn.offset(layer.weight) + rows * fan_in(layer) + torch.arange(fan_in(layer), device=fn.device)
-        )
-    if layer.bias is not None:
-        parts.append(fn.offset(layer.bias) + rows)
-    return torch.cat(parts, dim=1)
+    return layer.index(fn.offset, fn.device)
 
 
 def structured_layers(
-    fn: NetworkFunction, probe: Tensor, strict: bool, modules: Sequence[str] | None = None
+    fn: NetworkCore, probe: Tensor, strict: bool, modules: Sequence[str] | None = None
 ) -> list[Layer]:
-    """The layers that take the Kronecker form, verified on the example ``probe[:1]``.
+    """The layers that take the Kronecker form: the layer plan of ``probe``'s shape (verified on ``probe[:1]``).
 
     Args:
-        fn: the network function (only layers with a parameter in :math:`\\theta` are candidates).
+        fn: the network (only layers with a parameter in :math:`\theta` are candidates).
         probe: prepared inputs.
         strict: raise for any candidate (or any of ``modules``) that fails the safety rule; otherwise leave it
             out (its parameters take per-example Jacobians).
@@ -65,36 +48,19 @@ def structured_layers(
     Raises:
         ValueError, NotImplementedError: with ``strict``, naming the layer and the reason.
     """
-    candidates, problems = candidate_layers(fn.net, fn.names)
-    if modules is not None:
-        missing = [m for m in modules if m not in {layer.name for layer in candidates} | set(problems)]
-        if missing:
-            raise ValueError(
-                f"modules {missing} are not Linear/Conv2d layers with parameters in the posterior"
-            )
-        candidates = [layer for layer in candidates if layer.name in modules]
-        problems = {m: p for m, p in problems.items() if m in modules}
-    keep, _, failed = verify_layers(fn.net, fn.params(), candidates, probe[:1].detach())
-    problems.update(failed)
-    if strict and problems:
-        raise next(iter(problems.values()))
-    return keep
+    plan = fn.layer_plan(probe, modules)
+    if strict:
+        plan.raise_problems()
+    return list(plan.layers)
 
 
 def kronecker_features(
-    fn: NetworkFunction, x: Tensor, layers: Sequence[Layer]
+    fn: NetworkCore, x: Tensor, layers: Sequence[Layer]
 ) -> dict[str, tuple[Tensor, Tensor]]:
     r"""For a prepared batch ``x``: per layer :math:`\bar a` ``(n, d_a, T)`` and :math:`\gamma`
     ``(n, C, d_out, T)``."""
-    features = layer_features(fn.net, fn.params(), list(layers), x)
-    out = {}
-    for layer in layers:
-        a, gamma = features.inputs[layer.name], features.grads[layer.name]
-        parts = [a] if layer.weight is not None else []
-        if layer.bias is not None:
-            parts.append(torch.ones_like(a[:, :1]))
-        out[layer.name] = (torch.cat(parts, dim=1), gamma)
-    return out
+    features = fn.features(x, list(layers))
+    return {layer.name: (layer.fold(features.inputs[layer.name]), features.grads[layer.name]) for layer in layers}
 
 
 def layer_jacobian(a: Tensor, gamma: Tensor) -> Tensor:

@@ -27,7 +27,7 @@ from .diag_laplace import DiagLaplace
 from .full_laplace import FullLaplace
 from .kfac_laplace import KFACLaplace
 from .last_layer_laplace import LastLayerLaplace
-from .network_function import NetworkFunction
+from ...ntk.network import NetworkCore
 
 
 def laplace_posterior(

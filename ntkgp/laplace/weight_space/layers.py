@@ -1,5 +1,5 @@
-r"""Layer features for the curvature: the engine's shared machinery (:mod:`ntkgp.ntk.features`) with the
-bias folded into the input, :math:`\bar a = [a; 1]`.
+r"""The curvature's layers: ntkgp's one layer plan (:mod:`ntkgp.ntk.layer_plan`) with the bias folded into the
+input, :math:`\bar a = [a; 1]`.
 
 For a layer :math:`z_{nt} = \Theta \bar a_{nt}`, :math:`\Theta = [W \mid b]` (convolution: on unfolded patches,
 :math:`t` the spatial location; linear layer: :math:`t` the extra input dimensions, one location for
@@ -10,30 +10,21 @@ For a layer :math:`z_{nt} = \Theta \bar a_{nt}`, :math:`\Theta = [W \mid b]` (co
     \Gamma_{nmt} = \partial (u_{nm}^\top f_n) / \partial z_{nt},
 
 so the layer's curvature needs :math:`\bar a` and :math:`\Gamma` only, never the Jacobian. Which layers take
-this form is decided by the one safety rule of :mod:`ntkgp.ntk.features` (the NTK engine uses the same); the
-curvature additionally needs a trainable weight (a layer with only a trainable bias takes the per-example
-route) and, for KFAC, weight and bias in one prior group.
+this form is decided by the one safety rule (the NTK engine uses the same); the curvature additionally needs
+a trainable weight (a layer with only a trainable bias takes the per-example route) and, for KFAC, weight and
+bias in one prior group.
 """
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor, nn
 
 from ...ntk import ParameterGroups
-from ...ntk.features import LAYER_TYPES, Layer, candidate_layers, layer_inputs, layer_output_gradients, verify_layers
-from ...ntk.features import layer_features as shared_layer_features
+from ...ntk.features import Layer
+from ...ntk.layer_plan import candidate_layers
 from .data_pass import DataPass
 
-__all__ = [
-    "LAYER_TYPES",
-    "Layer",
-    "layer_features",
-    "layer_output_gradients",
-    "layer_patches",
-    "structured_layers",
-    "usable_layers",
-]
+__all__ = ["Layer", "layer_features", "structured_layers", "usable_layers"]
 
 
 def structured_layers(net: nn.Module, groups: ParameterGroups, strict: bool) -> list[Layer]:
@@ -41,7 +32,7 @@ def structured_layers(net: nn.Module, groups: ParameterGroups, strict: bool) -> 
 
     With ``strict`` (KFAC) an unsupported layer raises: ``ValueError`` when its weight is shared with another
     module or its weight and bias are in different prior groups, ``NotImplementedError`` for convolutions with
-    ``groups > 1``, ``padding="same"`` or a non-zero padding mode. Otherwise such layers are left out (their
+    ``groups > 1``. Otherwise such layers are left out (their
     parameters take the generic per-example route).
     """
     layers, problems = candidate_layers(net, groups.names)
@@ -63,32 +54,21 @@ def structured_layers(net: nn.Module, groups: ParameterGroups, strict: bool) -> 
     return keep
 
 
-def layer_patches(module: nn.Module, inputs: Tensor, with_bias: bool) -> Tensor:
-    r"""The layer's inputs :math:`\bar a_{nt}` as ``(n, d_a, T)``: unfolded patches for a convolution, extra
-    dimensions as locations for a linear layer; a row of ones appended when ``with_bias``."""
-    a = layer_inputs(module, inputs)
-    return torch.cat([a, torch.ones_like(a[:, :1])], dim=1) if with_bias else a
-
-
 def layer_features(
     data: DataPass, layers: list[Layer], x: Tensor, cotangents: Tensor
 ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
     r"""One batch's layer inputs :math:`\bar a` ``(n, d_a, T)`` and output gradients :math:`\Gamma`
     ``(n, M, d_out, T)`` for the cotangents :math:`u_{nm}` ``(n, C, M)``: one forward pass with hooks (removed
-    afterwards) and :math:`M` backward passes (:func:`ntkgp.ntk.features.layer_features`)."""
-    features = shared_layer_features(data.net, data.params, layers, x, cotangents)
-    inputs = {}
-    for layer in layers:
-        a = features.inputs[layer.name]
-        inputs[layer.name] = torch.cat([a, torch.ones_like(a[:, :1])], dim=1) if layer.bias is not None else a
-    return inputs, features.grads
+    afterwards) and :math:`M` backward passes (:meth:`ntkgp.ntk.network.NetworkCore.features`)."""
+    features = data.core.features(x, layers, cotangents)
+    return {layer.name: layer.fold(features.inputs[layer.name]) for layer in layers}, features.grads
 
 
 def usable_layers(data: DataPass, layers: list[Layer], x: Tensor, strict: bool) -> list[Layer]:
-    """The ``layers`` that pass the safety rule on the probe ``x`` (:func:`ntkgp.ntk.features.verify_layers`:
-    called exactly once, batched inputs, structured Jacobian equal to autograd's); with ``strict`` any other
-    raises ``ValueError``."""
-    keep, _, problems = verify_layers(data.net, data.params, layers, x)
-    if problems and strict:
-        raise ValueError("KFAC: " + "; ".join(str(p) for p in problems.values()))
-    return keep
+    """The ``layers`` that pass the safety rule on the probe ``x[:1]`` (the layer plan of ``x``'s shape: called
+    exactly once, batched inputs, structured Jacobian equal to autograd's); with ``strict`` any other raises
+    ``ValueError``."""
+    plan = data.core.layer_plan(x, modules=[layer.name for layer in layers])
+    if strict and plan.problems:
+        raise ValueError("KFAC: " + "; ".join(str(p) for p in plan.problems.values()))
+    return [layer for layer in layers if layer.name in plan.names]

@@ -22,7 +22,7 @@ needs at test inputs :math:`x`:
     R(x) \text{ with } R R^\top = J(X) \Sigma J(X)^\top \ \text{(joint)}, (N, C, R).
 
 Flat vectors (``(P,)``, ``(P, k)``, samples ``(S, P)``) are in the order of :attr:`names`, each parameter
-flattened row-major: :meth:`NetworkFunction.unflatten` splits them.
+flattened row-major: :meth:`NetworkCore.unflatten` splits them.
 """
 
 from __future__ import annotations
@@ -39,10 +39,10 @@ from .scaling import output_scale
 from ...likelihoods import num_outputs
 from ...ntk import ParameterGroups, resolve_groups
 from ...options import PriorStructure, choose
-from .network_function import NetworkFunction
+from ...ntk.network import NetworkCore
 
 
-def prior_groups(fn: NetworkFunction, prior_structure: str | Mapping[str, str]) -> ParameterGroups:
+def prior_groups(fn: NetworkCore, prior_structure: str | Mapping[str, str]) -> ParameterGroups:
     """The prior-precision groups of the parameters :math:`\\theta` of ``fn``.
 
     Args:
@@ -89,7 +89,7 @@ def check_likelihood(likelihood: Likelihood) -> None:
     num_outputs(likelihood)  # raises for an unsupported likelihood
 
 
-def prior_precision_vector(value: float | Tensor, groups: ParameterGroups, fn: NetworkFunction) -> Tensor:
+def prior_precision_vector(value: float | Tensor, groups: ParameterGroups, fn: NetworkCore) -> Tensor:
     """``value`` as a detached ``(G,)`` tensor of positive prior precisions (a scalar is shared by all
     groups).
 
@@ -126,7 +126,7 @@ def check_before_pass(
 ) -> None:
     """What a structured posterior checks before its pass over the data (which runs the network): the network,
     ``chunk_size``, ``prior_structure`` and ``prior_precision``, each error naming its argument."""
-    fn = NetworkFunction(net, None, input_shape, chunk_size)
+    fn = NetworkCore(net, None, input_shape, chunk_size)
     prior_precision_vector(prior_precision, prior_groups(fn, prior_structure), fn)
 
 
@@ -135,7 +135,7 @@ class WeightPosterior(ABC):
     weights.
 
     Args:
-        function: the network as a function of :math:`\theta` (:class:`NetworkFunction`).
+        function: the network as a function of :math:`\theta` (:class:`NetworkCore`).
         likelihood: the likelihood the curvature was computed with; its current noise or temperature sets
             :math:`s` at every evaluation.
         groups: the prior-precision groups of :math:`\theta`.
@@ -151,7 +151,7 @@ class WeightPosterior(ABC):
 
     def __init__(
         self,
-        function: NetworkFunction,
+        function: NetworkCore,
         likelihood: Likelihood,
         groups: ParameterGroups,
         prior_precision: float | Tensor,

@@ -1,0 +1,124 @@
+r"""One pass over a chunk of inputs for everything the NTK's Grams need: the layer features of every structured
+layer (one forward pass with hooks and ``C`` backward passes for the chunk, :mod:`ntkgp.ntk.features`) and the
+per-example Jacobians of the generic parameters (``vmap(jacrev)``, :meth:`NetworkCore.jacobian_chunk
+<ntkgp.ntk.network.NetworkCore.jacobian_chunk>`).
+
+* a single-location layer (``nn.Linear`` on ``(N, d)`` inputs) keeps its inputs :math:`a_n` ``(n, d_in)`` and
+  output gradients :math:`\gamma_{nc}` ``(n·C, d_out)``: its Grams factor (:mod:`ntkgp.ntk.structured`);
+* a layer with several locations (``nn.Conv2d``: unfolded patches) sums its locations right after each
+  backward pass, :math:`\sum_t \Gamma_{nct} \bar a_{nt}^\top` ``(d_out, d_a)`` per example and output (one
+  batched matrix product; the gradients at every location of the ``C`` outputs are never held together), and
+  is contracted with the generic parameters (:mod:`ntkgp.ntk.contraction`) as columns ``(n·C, P_g)`` per group.
+
+A :class:`FeatureSet` holds the features of a whole set of inputs, chunk by chunk: the single-location ones
+always (:math:`O(N(C\sum d_{out} + \sum d_{in}))` numbers), the contracted columns when they fit in
+``max_jacobian_bytes`` (recomputed for each use otherwise).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .features import Layer
+from .layer_plan import LayerPlan
+from .network import NetworkCore
+
+
+@dataclass
+class ChunkFeatures:
+    """The features of one chunk: single-location layers' inputs ``(n, d_in)`` and gradients ``(n·C, d_out)``,
+    and the contracted columns ``{group: (n·C, P_g)}``."""
+
+    inputs: dict[str, Tensor]
+    grads: dict[str, Tensor]
+    columns: dict[int, Tensor]
+
+
+def _reduce(plan: LayerPlan):
+    multi = {layer.name for layer in plan.multi}
+
+    def reduce(layer: Layer, a: Tensor, g: Tensor) -> Tensor:
+        if layer.name in multi:
+            return layer.blocks(a, g)  # (n, d_out, d_a)
+        if g.shape[-1] != 1:
+            raise RuntimeError(f"layer '{layer.name}' changed its number of locations since the plan was made")
+        return g[..., 0]  # (n, d_out)
+
+    return reduce
+
+
+def chunk_features(core: NetworkCore, plan: LayerPlan, x: Tensor, graph: bool, single: bool = True,
+                   columns: bool = True) -> ChunkFeatures:
+    """The features of the chunk ``x`` (prepared): those of the single-location layers (``single``) and the
+    contracted columns (``columns``); with ``graph`` differentiable in ``x``."""
+    layers = [la for la in plan.layers if (la in plan.single and single) or (la in plan.multi and columns)]
+    inputs, grads, pieces = {}, {}, {}
+    group = dict(zip(core.groups.names, core.groups.group_of))
+    if layers:
+        feats = core.features(x, layers, graph=graph, reduce=_reduce(plan))
+        for layer in layers:
+            g = feats.grads[layer.name]
+            if layer in plan.single:  # (n, C, d_out)
+                inputs[layer.name], grads[layer.name] = feats.inputs[layer.name][..., 0], g.reshape(-1, g.shape[-1])
+                continue
+            block = g.flatten(0, 1)  # (n·C, d_out, d_a)
+            kinds = layer.parameter_names
+            if len({group[k] for k in kinds}) == 1:
+                pieces.setdefault(group[kinds[0]], []).append(block.flatten(1))
+            else:  # weight and bias in two groups
+                pieces.setdefault(group[layer.weight], []).append(block[..., : layer.fan_in].flatten(1))
+                pieces.setdefault(group[layer.bias], []).append(block[..., layer.fan_in])
+    if columns and plan.generic:
+        with torch.set_grad_enabled(graph):
+            jac = core.jacobian_chunk(x, plan.generic)
+        for name in plan.generic:
+            pieces.setdefault(group[name], []).append(jac[name].flatten(0, 1))
+    cols = {g: p[0] if len(p) == 1 else torch.cat(p, dim=1) for g, p in sorted(pieces.items())}
+    return ChunkFeatures(inputs, grads, cols)
+
+
+def contracted_width(core: NetworkCore, plan: LayerPlan) -> int:
+    """The number of contracted columns (multi-location layers and generic parameters)."""
+    numel = dict(zip(core.names, core.numels))
+    return sum(numel[n] for n in plan.generic) + sum(numel[n] for la in plan.multi for n in la.parameter_names)
+
+
+class FeatureSet:
+    """The features of a set of inputs ``x`` (prepared), chunk by chunk.
+
+    Attributes:
+        bounds: ``(start, stop)`` of each chunk.
+        inputs, grads: the single-location layers' features over all of ``x`` (``(N, d_in)``, ``(N·C, d_out)``).
+    """
+
+    def __init__(self, core: NetworkCore, plan: LayerPlan, x: Tensor, graph: bool, columns: bool = True) -> None:
+        self.core, self.plan, self.x, self.graph = core, plan, x, graph
+        n, c = x.shape[0], core.num_outputs(x)
+        self.contracted = columns and bool(plan.generic or plan.multi)
+        self.keep = self.contracted and n * c * contracted_width(core, plan) * x.element_size() <= core.max_jacobian_bytes
+        self.bounds = [(s, min(s + core.chunk_size, n)) for s in range(0, n, core.chunk_size)]
+        inputs, grads, self.kept = {}, {}, []
+        for s, e in core.chunks(n, "layer features"):
+            f = chunk_features(core, plan, x[s:e], graph, columns=self.keep)
+            for m in f.inputs:
+                inputs.setdefault(m, []).append(f.inputs[m])
+                grads.setdefault(m, []).append(f.grads[m])
+            if self.keep:
+                self.kept.append(f.columns)
+        self.inputs = {m: v[0] if len(v) == 1 else torch.cat(v) for m, v in inputs.items()}
+        self.grads = {m: v[0] if len(v) == 1 else torch.cat(v) for m, v in grads.items()}
+
+    def rows(self, start: int, stop: int, c: int) -> ChunkFeatures:
+        """The single-location features of the inputs ``start:stop`` (views)."""
+        return ChunkFeatures({m: a[start:stop] for m, a in self.inputs.items()},
+                             {m: g[start * c : stop * c] for m, g in self.grads.items()}, {})
+
+    def columns(self, k: int) -> dict[int, Tensor]:
+        """The contracted columns of chunk ``k`` (kept, or recomputed)."""
+        if self.keep:
+            return self.kept[k]
+        s, e = self.bounds[k]
+        return chunk_features(self.core, self.plan, self.x[s:e], self.graph, single=False).columns

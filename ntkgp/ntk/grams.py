@@ -1,0 +1,94 @@
+r"""The NTK's Grams and diagonals over chunks: one feature pass per chunk (:mod:`ntkgp.ntk.feature_pass`), the
+single-location layers' factored terms (:mod:`ntkgp.ntk.structured`) and the contracted columns
+(:mod:`ntkgp.ntk.contraction`) from the same pass.
+
+The features of the second argument ``x2`` are computed once (its contracted columns kept when they fit in
+``max_jacobian_bytes``, recomputed for each chunk of ``x1`` otherwise) and serve the Gram and the diagonal of
+``x2``; each chunk of ``x1`` is passed through the network once. With ``x2 = x1`` (``sym``) the features of
+``x1`` are those of ``x2`` and only the lower blocks of the contracted part are formed.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import contraction, structured
+from .feature_pass import ChunkFeatures, FeatureSet, chunk_features
+from .layer_plan import LayerPlan
+from .network import NetworkCore
+
+
+def _row_chunks(core: NetworkCore, plan: LayerPlan, x1: Tensor, f2: FeatureSet, sym: bool, c: int, graph: bool):
+    """``(k, s, e, features of x1[s:e])``: from ``f2`` with ``sym``, else from one pass per chunk."""
+    for k, (s, e) in enumerate(core.chunks(x1.shape[0], "Gram")):
+        if sym:
+            rows = f2.rows(s, e, c)
+            if f2.contracted:
+                rows.columns = f2.columns(k)
+            yield k, s, e, rows
+        else:
+            yield k, s, e, chunk_features(core, plan, x1[s:e], graph, columns=f2.contracted)
+
+
+def _pairs(f2: FeatureSet, k1: int, s1: int, rows: ChunkFeatures, sym: bool):
+    """``(s2, e2, columns of x2[s2:e2], mirror)`` for the contracted blocks of the row chunk ``k1``."""
+    for k2, (s2, e2) in enumerate(f2.bounds):
+        if sym and s2 > s1:
+            break
+        yield s2, e2, rows.columns if sym and k2 == k1 else f2.columns(k2), sym and k2 != k1
+
+
+def group_grams(core: NetworkCore, plan: LayerPlan, x1: Tensor, x2: Tensor, sym: bool, c: int, graph: bool) -> Tensor:
+    """Per-group Grams ``(G, N1·C, N2·C)``."""
+    groups = core.groups.num_groups
+    out = torch.empty(groups, x1.shape[0] * c, x2.shape[0] * c, dtype=core.dtype, device=core.device)
+    written = structured.term_groups(core, plan)
+    for g in range(groups):
+        if g not in written:
+            out[g].zero_()
+    f2 = FeatureSet(core, plan, x2, graph)
+    whole = f2.rows(0, x2.shape[0], c)
+    for k1, s1, e1, rows in _row_chunks(core, plan, x1, f2, sym, c, graph):
+        if plan.single:
+            structured.gram_rows(core, plan, out, s1, rows, whole, c, graph)
+        if f2.contracted:
+            for s2, e2, cols, mirror in _pairs(f2, k1, s1, rows, sym):
+                contraction.add_gram(out, s1, e1, rows.columns, s2, e2, cols, c, mirror)
+    return out
+
+
+def output_grams(
+    core: NetworkCore, plan: LayerPlan, x1: Tensor, x2: Tensor, sym: bool, c: int, graph: bool, with_diagonal: bool
+) -> tuple[Tensor, Tensor | None]:
+    """Per-output Grams ``(G, C, N1, N2)`` and, ``with_diagonal``, the output diagonals of ``x2`` ``(G, N2, C)``."""
+    kw = {"dtype": core.dtype, "device": core.device}
+    groups, n2 = core.groups.num_groups, x2.shape[0]
+    out = torch.zeros(groups, c, x1.shape[0], n2, **kw)
+    diag = torch.zeros(groups, n2, c, **kw) if with_diagonal else None
+    f2 = FeatureSet(core, plan, x2, graph)
+    whole = f2.rows(0, n2, c)
+    for k1, s1, e1, rows in _row_chunks(core, plan, x1, f2, sym, c, graph):
+        if plan.single:
+            structured.output_gram_rows(core, plan, out[:, :, s1:e1], rows, whole, c, graph)
+        if f2.contracted:
+            for s2, e2, cols, mirror in _pairs(f2, k1, s1, rows, sym):
+                contraction.add_output_gram(out, s1, e1, rows.columns, s2, e2, cols, c, mirror)
+    if diag is not None:
+        if plan.single:
+            structured.output_diagonal(core, plan, diag, whole, c)
+        if f2.contracted:
+            for k2, (s2, e2) in enumerate(f2.bounds):
+                contraction.add_output_diagonal(diag, s2, e2, f2.columns(k2), c)
+    return out, diag
+
+
+def diag_blocks(core: NetworkCore, plan: LayerPlan, x: Tensor, c: int, graph: bool) -> Tensor:
+    """Per-group, per-point ``C×C`` blocks ``(G, N, C, C)``, chunk by chunk (one feature pass each)."""
+    out = torch.zeros(core.groups.num_groups, x.shape[0], c, c, dtype=core.dtype, device=core.device)
+    for s, e in core.chunks(x.shape[0], "diagonal"):
+        f = chunk_features(core, plan, x[s:e], graph)
+        if plan.single:
+            structured.diag_block_rows(core, plan, out[:, s:e], f, c)
+        contraction.add_diag_blocks(out, s, e, f.columns, c)
+    return out

@@ -1,0 +1,198 @@
+r"""The one layer plan: which ``nn.Linear`` / ``nn.Conv2d`` layers take the structured form, decided once per
+input shape and used by the NTK engine, the curvature (KFAC, diagonal), the weight posteriors and FSVI.
+
+The safety rule: the exact types ``nn.Linear`` / ``nn.Conv2d`` (``groups=1``; any padding, padding mode, stride
+and dilation), whose parameters belong to no other module
+(:func:`candidate_layers`), called exactly once per forward pass on batched inputs, and whose structured
+Jacobian equals autograd's on a probe example (this catches weights used outside the layer's forward;
+:func:`verify_layers`: one forward and one backward pass, done once per input shape). Layers that fail take the generic per-example route. Each verified layer has a number
+of locations ``T`` per example on the probe: one for a linear layer on ``(N, d)`` inputs (its Grams factor,
+:attr:`LayerPlan.single`), several for a convolution (:attr:`LayerPlan.multi`). The bias is folded into the
+input once, by :meth:`~ntkgp.ntk.features.Layer.fold` (:math:`\bar a = [a; 1]`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from .checks import check_outputs
+from .features import LAYER_TYPES, Layer, record
+from .functional import forward
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """The route of every parameter of :math:`\\theta`, for inputs of one shape.
+
+    Attributes:
+        layers: the verified layers, in module order.
+        locations: their number of locations per example on the probe.
+        generic: the parameters of :math:`\\theta` outside the verified layers (per-example Jacobians).
+        problems: for each candidate left out, why: ``NotImplementedError`` for an unsupported convolution,
+            ``ValueError`` otherwise (unsafe: shared, called other than once, a Jacobian that differs).
+    """
+
+    layers: tuple[Layer, ...] = ()
+    locations: dict[str, int] = field(default_factory=dict)
+    generic: tuple[str, ...] = ()
+    problems: dict[str, Exception] = field(default_factory=dict)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The verified layers' names."""
+        return tuple(layer.name for layer in self.layers)
+
+    @property
+    def single(self) -> tuple[Layer, ...]:
+        """The layers with one location per example (factorised Grams)."""
+        return tuple(layer for layer in self.layers if self.locations[layer.name] == 1)
+
+    @property
+    def multi(self) -> tuple[Layer, ...]:
+        """The layers with several locations per example (convolutions, linear layers on sequences)."""
+        return tuple(layer for layer in self.layers if self.locations[layer.name] != 1)
+
+    def routes(self) -> tuple:
+        """What identifies the routes (two plans with equal routes treat the parameters alike)."""
+        return self.names, self.generic, tuple(layer.name for layer in self.multi)
+
+    def unsafe(self) -> dict[str, Exception]:
+        """The problems other than an unsupported configuration."""
+        return {m: e for m, e in self.problems.items() if not isinstance(e, NotImplementedError)}
+
+    def raise_problems(self, prefix: str = "") -> None:
+        """Raise the first problem (its own type, the message prefixed), if any."""
+        if self.problems:
+            problem = next(iter(self.problems.values()))
+            raise type(problem)(f"{prefix}{problem}") from problem
+
+
+def _conv_unsupported(module: nn.Module) -> bool:
+    return isinstance(module, nn.Conv2d) and module.groups != 1
+
+
+def candidate_layers(net: nn.Module, names: Sequence[str]) -> tuple[list[Layer], dict[str, Exception]]:
+    """Every ``nn.Linear`` / ``nn.Conv2d`` (exact types) with a weight or bias in ``names``, in module order.
+
+    Returns:
+        The candidate layers, and for the layers left out the reason: ``ValueError`` when a parameter is
+        shared with another module (unsafe), ``NotImplementedError`` for a convolution with ``groups > 1``
+        (unsupported).
+    """
+    chosen = set(names)
+    owners: dict[int, int] = {}
+    for module in net.modules():
+        for p in module._parameters.values():
+            if p is not None:
+                owners[id(p)] = owners.get(id(p), 0) + 1
+    layers, problems = [], {}
+    for name, module in net.named_modules():
+        if type(module) not in LAYER_TYPES:
+            continue
+        prefix = f"{name}." if name else ""
+        weight = prefix + "weight" if prefix + "weight" in chosen else None
+        bias = prefix + "bias" if prefix + "bias" in chosen else None
+        if weight is None and bias is None:
+            continue
+        shared = [k for k in ("weight", "bias") if getattr(module, k) is not None and owners[id(getattr(module, k))] > 1]
+        if shared:
+            problems[name] = ValueError(f"the {shared[0]} of layer '{name}' is shared with another module")
+        elif _conv_unsupported(module):
+            problems[name] = NotImplementedError(
+                f"the structured form supports Conv2d with groups=1; layer '{name}' has groups={module.groups}"
+            )
+        else:
+            layers.append(Layer(name, module, weight, bias))
+    return layers, problems
+
+
+def verify_layers(
+    net: nn.Module, params: dict[str, Tensor], layers: Sequence[Layer], probe: Tensor
+) -> tuple[list[Layer], dict[str, int], dict[str, Exception]]:
+    r"""Keep the layers whose structured Jacobian equals autograd's on the probe (one example).
+
+    The check compares :math:`u^\top J` of each layer's parameters for a random cotangent :math:`u` (seeded),
+    from the features (:math:`\sum_t (u^\top \Gamma_t) a_t^\top`) and from autograd: one forward and one
+    backward pass each, whatever the number of outputs. Two Jacobians that differ differ in :math:`u^\top J` for
+    almost every :math:`u`.
+
+    Args:
+        net: the network.
+        params: the parameters passed to ``functional_call``, detached.
+        layers: candidates (:func:`candidate_layers`).
+        probe: one prepared example ``(1, ...)``.
+
+    Returns:
+        The verified layers; their number of locations ``T`` on the probe; and, for the others, a
+        ``ValueError`` saying why (called other than once, unbatched inputs, a Jacobian that differs, e.g.
+        because the weight is also used outside the layer's forward).
+    """
+    if not layers:
+        return [], {}, {}
+    probe = probe.detach()
+    names = [n for layer in layers for n in layer.parameter_names]
+    with torch.enable_grad():
+        local = {**params, **{n: params[n].detach().requires_grad_(True) for n in names}}
+        f = forward(net, local, probe)
+        check_outputs(f, probe.shape[0])
+        generator = torch.Generator().manual_seed(0)
+        u = torch.randn(f.shape, generator=generator, dtype=torch.float64).to(f)
+        exact = dict(zip(names, torch.autograd.grad(f, [local[n] for n in names], u, allow_unused=True)))
+    features, problems = record(net, params, layers, probe, u.unsqueeze(-1), graph=False)
+    keep, locations = [], {}
+    for layer in layers:
+        if layer.name in problems:
+            continue
+        approx = layer.jacobians(features.inputs[layer.name], features.grads[layer.name])
+        ok = True
+        for name, value in approx.items():
+            ref = exact[name]
+            ref = torch.zeros_like(params[name]) if ref is None else ref
+            ref = ref.reshape(value.shape) if ref.numel() == value.numel() else None
+            tol = 1e-4 if value.dtype == torch.float32 else 1e-9
+            ok &= ref is not None and torch.allclose(value, ref, rtol=tol, atol=tol * (1 + ref.abs().max().item()))
+        if ok:
+            keep.append(layer)
+            locations[layer.name] = features.inputs[layer.name].shape[-1]
+        else:
+            problems[layer.name] = ValueError(
+                f"the Jacobian of layer '{layer.name}' is not that of a layer applied once (is its weight also "
+                "used outside its forward?)"
+            )
+    return keep, locations, problems
+
+
+def plan_layers(
+    net: nn.Module, params: dict[str, Tensor], names: Sequence[str], probe: Tensor | None,
+    modules: Sequence[str] | None = None,
+) -> LayerPlan:
+    """The layer plan of the parameters ``names``: candidates verified on ``probe`` (one prepared example).
+
+    Args:
+        net: the network.
+        params: the parameters passed to ``functional_call``, detached.
+        names: the parameters :math:`\\theta`.
+        probe: ``(1, ...)``; ``None`` for no structured layer (every parameter generic).
+        modules: restrict the candidates to these module names.
+
+    Raises:
+        ValueError: when ``modules`` names a module that is not a Linear/Conv2d layer with parameters in
+            ``names``.
+    """
+    if probe is None:
+        return LayerPlan(generic=tuple(names))
+    candidates, problems = candidate_layers(net, names)
+    if modules is not None:
+        known = {layer.name for layer in candidates} | set(problems)
+        missing = [m for m in modules if m not in known]
+        if missing:
+            raise ValueError(f"modules {missing} are not Linear/Conv2d layers with parameters in the posterior")
+        candidates = [layer for layer in candidates if layer.name in modules]
+        problems = {m: p for m, p in problems.items() if m in modules}
+    layers, locations, failed = verify_layers(net, params, candidates, probe)
+    covered = {n for layer in layers for n in layer.parameter_names}
+    return LayerPlan(tuple(layers), locations, tuple(n for n in names if n not in covered), {**problems, **failed})

@@ -1,0 +1,258 @@
+r"""The network at its current weights :math:`\theta^*`: the one object every pass through it goes through.
+
+:class:`NetworkCore` holds the network and the parameters :math:`\theta` (by default every trainable one) with
+their prior groups, the chunking and memory limits, and the passes: input checks, forward passes (at
+:math:`\theta^*`, at perturbed or given weights), per-example Jacobians by chunks, forward-mode products,
+per-example vector-Jacobian products, layer features, and the layer plan of each input shape
+(:mod:`ntkgp.ntk.layer_plan`). The NTK engine's strategies, the weight posteriors, the curvature passes and
+FSVI's linearized network all use it.
+
+The network is called through ``torch.func.functional_call`` with detached aliases of its parameters: its
+weights, ``requires_grad`` flags, ``.grad``, mode and hooks are left as they are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+from torch import Tensor, nn
+from torch.func import jvp, vmap
+from tqdm.auto import tqdm
+
+from ..caching import network_key
+from .checks import check_count, check_eval_mode, check_fits, check_outputs, check_shape, prepare_inputs
+from .features import Layer, LayerFeatures, layer_features
+from .functional import forward, per_example_jacobians, per_example_vjps
+from .groups import GroupSpec, resolve_groups
+from .layer_plan import LayerPlan, plan_layers
+
+
+class NetworkCore:
+    r"""The network :math:`\theta \mapsto f(x; \theta)` at :math:`\theta^*`, restricted to the parameters ``names``.
+
+    Args:
+        net: any ``nn.Module`` mapping ``(N, *input_shape)`` to ``(N, C)``; BatchNorm/dropout must be in eval
+            mode. Held by reference, never modified.
+        names: the parameters :math:`\theta` (names as in ``net.named_parameters()``), in the order of the
+            flat vectors; ``None`` takes every parameter with ``requires_grad=True``. The others are held at
+            their values.
+        input_shape: the shape of one input; flat ``(N, D)`` inputs are reshaped to ``(N, *input_shape)``.
+        chunk_size: examples per chunk of Jacobian computations (memory ``O(chunk_size · C · P)``).
+        prior_structure: the prior groups of :math:`\theta` (:func:`~ntkgp.ntk.groups.resolve_groups`).
+        max_jacobian_bytes: Jacobians up to this size may be kept between chunks (the NTK's contraction).
+        progress: show a tqdm progress bar over chunks.
+
+    Raises:
+        TypeError: ``net`` is not an ``nn.Module``, or ``progress`` not a bool.
+        ValueError: an invalid option, unknown or repeated ``names``, no trainable parameter, or
+            BatchNorm/dropout in training mode.
+    """
+
+    def __init__(
+        self,
+        net: nn.Module,
+        names: Sequence[str] | None = None,
+        input_shape: tuple[int, ...] | None = None,
+        chunk_size: int = 256,
+        prior_structure: GroupSpec = "layer",
+        max_jacobian_bytes: int = 2**30,
+        progress: bool = False,
+    ) -> None:
+        if not isinstance(net, nn.Module):
+            raise TypeError(f"net must be a torch.nn.Module, got {type(net).__name__}")
+        self.chunk_size = check_count(chunk_size, "chunk_size")
+        self.max_jacobian_bytes = check_count(max_jacobian_bytes, "max_jacobian_bytes", minimum=0)
+        self.input_shape = check_shape(input_shape, "input_shape")
+        if not isinstance(progress, bool):
+            raise TypeError(f"progress must be True or False, got {progress!r}")
+        check_eval_mode(net)
+        self.groups = resolve_groups(net, prior_structure, names)
+        self.net = net
+        self.progress = progress
+        self.names: list[str] = list(self.groups.names)
+        self.shapes = list(self.groups.shapes)
+        self.numels = list(self.groups.numels)
+        self.offsets = [0, *torch.tensor(self.numels).cumsum(0).tolist()]
+        self._fits: set[tuple] = set()  # input shapes and dtypes seen to fit the network
+        self._num_outputs: int | None = None
+        self._plans: dict[tuple, LayerPlan] = {}
+
+    def __deepcopy__(self, memo: dict) -> NetworkCore:
+        # A copy of a kernel or model refers to the same user network: never duplicate (or detach) it.
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        memo[id(self)] = new
+        return new
+
+    # ------------------------------------------------------------------ parameters
+    @property
+    def num_params(self) -> int:
+        """:math:`P`, the number of coordinates of :math:`\\theta`."""
+        return self.offsets[-1]
+
+    def parameters(self) -> list[Tensor]:
+        """The parameters :math:`\\theta^*` in the order of :attr:`names`: the network's own tensors (not
+        copies; do not modify them)."""
+        named = dict(self.net.named_parameters())
+        return [named[n] for n in self.names]
+
+    def params(self) -> dict[str, Tensor]:
+        """:math:`\\theta^*` per name, detached (sharing storage with the network's)."""
+        return {n: p.detach() for n, p in zip(self.names, self.parameters())}
+
+    def functional_params(self) -> dict[str, Tensor]:
+        """Every parameter of the network, detached: what ``functional_call`` is given (parameters outside
+        :math:`\\theta` are held, and never receive a gradient)."""
+        return {n: p.detach() for n, p in self.net.named_parameters()}
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.parameters()[0].dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.parameters()[0].device
+
+    def network_state(self) -> list[Tensor]:
+        """What the network's outputs depend on, the key of every value cache computed from it
+        (:func:`~ntkgp.caching.network_key`): :math:`\\theta^*` and the buffers themselves, and a fingerprint
+        (exact integer sums of their bit patterns) of the other parameters. It also checks the network's mode:
+        a cached result is never served for a network since switched to training mode."""
+        check_eval_mode(self.net)
+        return network_key(self.net, self.parameters())
+
+    def group_sq_norms(self) -> Tensor:
+        """``‖θ*_g‖²`` per prior group, shape ``(G,)``."""
+        norms = torch.zeros(self.groups.num_groups, dtype=self.dtype, device=self.device)
+        for p, g in zip(self.parameters(), self.groups.group_of):
+            norms[g] += p.detach().square().sum()
+        return norms
+
+    def theta(self) -> Tensor:
+        r""":math:`\theta^*` as a flat vector ``(P,)`` (a copy)."""
+        return torch.cat([p.reshape(-1) for p in self.params().values()])
+
+    def unflatten(self, v: Tensor) -> dict[str, Tensor]:
+        """Split flat vectors ``(..., P)`` into parameter-shaped tensors ``(..., *shape)``."""
+        lead = v.shape[:-1]
+        return {
+            n: v[..., s:e].reshape(*lead, *shape)
+            for n, shape, s, e in zip(self.names, self.shapes, self.offsets[:-1], self.offsets[1:])
+        }
+
+    def offset(self, name: str) -> int:
+        """The position of parameter ``name`` in the flat vector."""
+        return self.offsets[self.names.index(name)]
+
+    # ------------------------------------------------------------------ inputs and outputs
+    def prepare(self, x: Tensor, argument: str = "x") -> Tensor:
+        """Check ``x`` and bring it to the network's dtype, device and input shape (a copy when needed).
+
+        The first input of each shape and dtype is checked to fit the network (one forward pass of one
+        example), so that a wrong shape or dtype is reported naming ``argument``, before any other pass.
+
+        Raises:
+            TypeError: ``x`` is not a real tensor.
+            ValueError: ``x`` is empty, has NaN/Inf in some row, does not fit the network, or gives another
+                number of outputs than earlier inputs, naming ``argument``.
+        """
+        check_eval_mode(self.net)
+        x = prepare_inputs(x, argument, self.dtype, self.device, self.input_shape)
+        key = (tuple(x.shape[1:]), x.dtype)
+        if key not in self._fits:
+            self._num_outputs = check_fits(self.net, self.functional_params(), x, argument, self._num_outputs)
+            self._fits.add(key)
+        return x
+
+    def num_outputs(self, x: Tensor | None = None) -> int:
+        """C, the number of network outputs (found by one forward pass of ``x[:1]`` the first time)."""
+        if self._num_outputs is None:
+            if x is None:
+                raise RuntimeError("the number of outputs is unknown until the network has seen an input")
+            self.prepare(x[:1])
+        return self._num_outputs
+
+    def call(self, params: dict[str, Tensor], x: Tensor) -> Tensor:
+        """``f(x; θ)`` with the parameters ``params`` (e.g. FSVI's mean, differentiable) and the others held."""
+        return forward(self.net, {**self.functional_params(), **params}, x)
+
+    def forward(self, x: Tensor, perturbation: Tensor | None = None) -> Tensor:
+        r""":math:`f(x; \theta^* + \eta)` for a prepared batch ``x`` and a flat ``perturbation`` :math:`\eta`
+        ``(P,)`` (``None``: :math:`\eta = 0`), shape ``(N, C)``."""
+        params = self.functional_params()
+        if perturbation is not None:
+            for n, d in self.unflatten(perturbation).items():
+                params[n] = params[n] + d
+        return forward(self.net, params, x)
+
+    def outputs(self, x: Tensor, argument: str = "x") -> Tensor:
+        r""":math:`f(x; \theta^*)`, shape ``(N, C)``, by chunks; ``x`` is checked and prepared. No graph to the
+        network; a graph to ``x`` when it requires grad (and grad mode is on)."""
+        x = self.prepare(x, argument)
+        with torch.set_grad_enabled(torch.is_grad_enabled() and x.requires_grad):
+            f = torch.cat([self.forward(xc) for xc in x.split(self.chunk_size)])
+        check_outputs(f, x.shape[0])
+        self._num_outputs = f.shape[1]
+        return f
+
+    def chunks(self, n: int, desc: str) -> Iterator[tuple[int, int]]:
+        """``(start, stop)`` of the chunks of ``chunk_size`` examples among ``n`` (a progress bar with
+        :attr:`progress`)."""
+        starts = range(0, n, self.chunk_size)
+        for s in tqdm(starts, desc=desc, disable=not self.progress or len(starts) < 2, leave=False):
+            yield s, min(s + self.chunk_size, n)
+
+    # ------------------------------------------------------------------ derivatives
+    def jacobian_chunk(
+        self, x: Tensor, names: Sequence[str], params: dict[str, Tensor] | None = None
+    ) -> dict[str, Tensor]:
+        """Per-example Jacobians ``{name: (n, C, numel)}`` of the parameters ``names`` on a prepared chunk
+        ``x``, by ``vmap(jacrev)`` (memory :math:`O(n C P_{names})`), at :math:`\theta^*` or at ``params``
+        (differentiable in those that require grad)."""
+        given = self.functional_params() if params is None else {**self.functional_params(), **params}
+        return per_example_jacobians(self.net, given, x, names)
+
+    def jacobian(self, x: Tensor, names: Sequence[str] | None = None) -> Tensor:
+        r"""Per-example Jacobians :math:`J(x_n)`, shape ``(N, C, P)`` (``P`` of ``names``, default all of
+        :math:`\theta`, columns in that order), on a prepared batch ``x``: call it on chunks."""
+        names = self.names if names is None else list(names)
+        jac = self.jacobian_chunk(x, names)
+        return torch.cat([jac[n] for n in names], dim=-1)
+
+    def jvp(self, x: Tensor, tangents: Tensor) -> Tensor:
+        r"""Jacobian-vector products :math:`J(x) \eta_s` for flat tangents ``(S, P)``, shape ``(S, N, C)``.
+
+        Forward mode (``torch.func.jvp``, vectorized over the tangents by ``vmap``): the cost of about
+        three forward passes per tangent; :math:`J` is never formed.
+        """
+        params = self.functional_params()
+        primals = {n: params[n] for n in self.names}
+
+        def push(tangent: dict[str, Tensor]) -> Tensor:
+            return jvp(lambda p: forward(self.net, {**params, **p}, x), (primals,), (tangent,))[1]
+
+        return vmap(push)(self.unflatten(tangents.to(self.dtype)))
+
+    def per_example_vjps(self, x: Tensor, cotangents: Tensor, names: Sequence[str]) -> Tensor:
+        r"""Rows :math:`J_n^\top u_{nm}` restricted to the parameters ``names``, shape ``(n, M, P_{names})``
+        (:func:`ntkgp.ntk.functional.per_example_vjps`)."""
+        return per_example_vjps(self.net, self.functional_params(), x, cotangents, names)
+
+    # ------------------------------------------------------------------ layers
+    def layer_plan(self, x: Tensor, modules: Sequence[str] | None = None) -> LayerPlan:
+        """The layer plan of :math:`\\theta` for inputs shaped like the prepared ``x``, verified once per input
+        shape (and ``modules``) on the probe ``x[:1]`` (:func:`~ntkgp.ntk.layer_plan.plan_layers`)."""
+        key = (tuple(x.shape[1:]), None if modules is None else tuple(modules))
+        if key not in self._plans:
+            self._plans[key] = plan_layers(self.net, self.functional_params(), self.names, x[:1].detach(), modules)
+        return self._plans[key]
+
+    def features(
+        self, x: Tensor, layers: Sequence[Layer], cotangents: Tensor | None = None, graph: bool = False,
+        params: dict[str, Tensor] | None = None, reduce: Callable[[Layer, Tensor, Tensor], Tensor] | None = None,
+    ) -> LayerFeatures:
+        """Layer inputs and output gradients of ``layers`` on a prepared batch ``x``
+        (:func:`~ntkgp.ntk.features.layer_features`), at :math:`\\theta^*` or at ``params``."""
+        given = self.functional_params() if params is None else {**self.functional_params(), **params}
+        return layer_features(self.net, given, layers, x, cotangents, graph, reduce)
