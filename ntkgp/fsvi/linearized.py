@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from ..ntk.checks import check_outputs, check_shape, prepare_inputs
+from ..ntk.checks import check_count, check_outputs, check_shape, prepare_inputs
 from ..ntk.features import Layer
 from ..ntk.layer_plan import LayerPlan, plan_layers
 from ..ntk.network import NetworkCore
@@ -123,7 +123,14 @@ class LinearizedNetwork:
     def input_shape(self, shape: Sequence[int] | None) -> None:
         self.core.input_shape = check_shape(shape, "input_shape")
 
-    chunk_size = property(lambda self: self.core.chunk_size, doc="Examples per chunk.")
+    @property
+    def chunk_size(self) -> int:
+        """Examples per chunk (assignable: it bounds memory and changes no result)."""
+        return self.core.chunk_size
+
+    @chunk_size.setter
+    def chunk_size(self, value: int) -> None:
+        self.core.chunk_size = check_count(value, "chunk_size")
 
     # ------------------------------------------------------------------ inputs and outputs
     def prepare(self, x: Tensor, like: Tensor, argument: str = "x") -> Tensor:
