@@ -21,8 +21,9 @@ from .curvature import Curvature
 from .diagonal import DiagonalCurvature
 from ...options import Curvature as CurvatureKind
 from ...options import choose
-from .posterior import WeightPosterior, check_before_pass, check_likelihood, prior_precision_vector
-from .dense_curvature import Data
+from .data_pass import Data
+from .diagonal import diagonal_ef, diagonal_ggn
+from .posterior import WeightPosterior, check_before_pass, check_likelihood, group_spec
 from .kronecker_form import (
     kronecker_features,
     kronecker_root,
@@ -31,7 +32,6 @@ from .kronecker_form import (
     structured_layers,
 )
 from .network_function import NetworkFunction
-from .structured_curvature import structured_curvature
 
 
 class DiagLaplace(WeightPosterior):
@@ -70,12 +70,10 @@ class DiagLaplace(WeightPosterior):
         input_shape: tuple[int, ...] | None = None,
         chunk_size: int = 256,
     ) -> None:
-        check_likelihood(likelihood)
         kind = choose(CurvatureKind, curvature, "curvature")
-        check_before_pass(net, prior_precision, prior_structure, input_shape, chunk_size)
-        computed = structured_curvature(
-            net, x, y, likelihood, f"diag_{kind.value}", prior_structure, batch_size, progress, input_shape
-        )
+        check_before_pass(net, likelihood, prior_precision, prior_structure, input_shape, chunk_size)
+        build = diagonal_ggn if kind is CurvatureKind.GGN else diagonal_ef
+        computed = build(net, x, y, likelihood, group_spec(prior_structure), batch_size, progress, input_shape)
         self._setup(computed, net, likelihood, prior_precision, input_shape, chunk_size)
 
     @classmethod
@@ -104,7 +102,6 @@ class DiagLaplace(WeightPosterior):
                 f"curvature must be diagonal (diag_ggn or diag_ef), got {type(curvature).__name__}"
             )
         fn = NetworkFunction(net, list(curvature.groups.names), input_shape, chunk_size)
-        prior_precision_vector(prior_precision, curvature.groups, fn)
         super().__init__(fn, likelihood, curvature.groups, prior_precision, curvature.scale_size)
         self.structure = curvature.structure
         self.curvature = curvature

@@ -19,9 +19,9 @@ from linear_operator.utils.cholesky import psd_safe_cholesky
 from torch import Tensor, nn
 
 from ...options import Curvature, choose
-from .posterior import WeightPosterior, check_likelihood, prior_groups, prior_precision_vector
 from .dense_curvature import Data, component_weights, dense_curvature, scale_size
 from .network_function import NetworkFunction
+from .posterior import WeightPosterior, check_before_pass
 
 
 class DensePosterior(WeightPosterior):
@@ -135,10 +135,9 @@ class FullLaplace(DensePosterior):
         chunk_size: int = 256,
     ) -> None:
         kind = choose(Curvature, curvature, "curvature")
-        fn = NetworkFunction(net, self._parameter_names(net), input_shape, chunk_size)
-        groups = prior_groups(fn, prior_structure)
-        check_likelihood(likelihood)
-        prior_precision_vector(prior_precision, groups, fn)
+        fn, groups = check_before_pass(
+            net, likelihood, prior_precision, prior_structure, input_shape, chunk_size, self._parameter_names(net)
+        )
         components = dense_curvature(fn, x, y, likelihood, kind, batch_size, progress)
         super().__init__(fn, likelihood, groups, prior_precision, components, kind)
 

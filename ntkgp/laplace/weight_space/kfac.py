@@ -49,8 +49,7 @@ from torch import Tensor, nn
 
 from ...ntk import ParameterGroups
 from ...ntk.groups import GroupSpec
-from ...options import renamed_argument
-from .curvature import Curvature, unexpected
+from .curvature import Curvature
 from .data_pass import Data, DataPass
 from .diagonal import diagonal_ggn_components
 from .layers import layer_features, structured_layers, usable_layers
@@ -245,7 +244,6 @@ def kfac_ggn(
     progress: bool = False,
     input_shape: tuple[int, ...] | None = None,
     distributed: bool = False,
-    **kwargs,
 ) -> KroneckerGGN:
     r"""KFAC factors :math:`A_l, G_l` of every ``Linear``/``Conv2d`` layer (module docstring) and the exact
     diagonal GGN of the other parameters, batch by batch.
@@ -254,8 +252,6 @@ def kfac_ggn(
     outside the layers); memory :math:`O(\text{batch} \cdot C \cdot \text{activations} + \sum_l d_a^2 + K d_{out}^2)`.
     Arguments as :func:`~ntkgp.laplace.compute_curvature`.
     """
-    prior_structure = renamed_argument(kwargs, "groups", "prior_structure", prior_structure, "layer")
-    unexpected(kwargs, "kfac_ggn")
     data = DataPass.start(net, likelihood, prior_structure, input_shape, distributed)
     pg = data.engine.groups
     layers = structured_layers(net, pg, strict=True)

@@ -39,8 +39,9 @@ from torch import Tensor, nn
 
 from .curvature import Curvature
 from ...ntk.features import Layer
-from .posterior import WeightPosterior, check_before_pass, check_likelihood, prior_precision_vector
-from .dense_curvature import Data
+from .data_pass import Data
+from .kfac import KroneckerFactors, KroneckerGGN, kfac_ggn
+from .posterior import WeightPosterior, check_before_pass, check_likelihood, group_spec
 from .kronecker_form import (
     kronecker_features,
     kronecker_root,
@@ -49,7 +50,6 @@ from .kronecker_form import (
     structured_layers,
 )
 from .network_function import NetworkFunction
-from .structured_curvature import kronecker_blocks, structured_curvature
 
 
 @dataclass
@@ -125,13 +125,10 @@ class KFACLaplace(WeightPosterior):
         input_shape: tuple[int, ...] | None = None,
         chunk_size: int = 256,
     ) -> None:
-        check_likelihood(likelihood)
         if not isinstance(damping, bool):
             raise TypeError(f"damping must be a bool, got {type(damping).__name__}")
-        check_before_pass(net, prior_precision, prior_structure, input_shape, chunk_size)
-        curvature = structured_curvature(
-            net, x, y, likelihood, "kfac", prior_structure, batch_size, progress, input_shape
-        )
+        check_before_pass(net, likelihood, prior_precision, prior_structure, input_shape, chunk_size)
+        curvature = kfac_ggn(net, x, y, likelihood, group_spec(prior_structure), batch_size, progress, input_shape)
         self._setup(curvature, net, likelihood, prior_precision, damping, input_shape, chunk_size)
 
     @classmethod
@@ -163,14 +160,17 @@ class KFACLaplace(WeightPosterior):
         return self
 
     def _setup(self, curvature, net, likelihood, prior_precision, damping, input_shape, chunk_size) -> None:
-        factors, diagonal_names, diagonal_components = kronecker_blocks(curvature)
+        if not isinstance(curvature, KroneckerGGN):
+            raise TypeError(
+                f"curvature must be a KFAC curvature (structure='kfac'), got {type(curvature).__name__}"
+            )
         fn = NetworkFunction(net, list(curvature.groups.names), input_shape, chunk_size)
-        prior_precision_vector(prior_precision, curvature.groups, fn)
         super().__init__(fn, likelihood, curvature.groups, prior_precision, curvature.scale_size)
         self.structure = "kfac"
         self.damping = bool(damping)
         modules = dict(net.named_modules())
         self.blocks: list[KroneckerBlock] = []
+        factors: list[KroneckerFactors] = curvature.blocks
         for f in factors:
             layer = Layer(f.module, modules[f.module], f.weight, f.bias)
             q, u_a = torch.linalg.eigh(f.input_factor)
@@ -190,12 +190,12 @@ class KFACLaplace(WeightPosterior):
                     u_g,
                 )
             )
-        self.diagonal_names = diagonal_names
-        self.diagonal_components = diagonal_components
+        self.diagonal_names = list(curvature.diagonal_names)
+        self.diagonal_components = curvature.diagonal_components
         self.diagonal_index = torch.cat(
             [
                 torch.arange(fn.offset(n), fn.offset(n) + fn.numels[fn.names.index(n)], device=fn.device)
-                for n in diagonal_names
+                for n in self.diagonal_names
             ]
             or [torch.zeros(0, dtype=torch.long, device=fn.device)]
         )

@@ -40,6 +40,7 @@ from ...likelihoods import num_outputs
 from ...ntk import ParameterGroups, resolve_groups
 from ...options import PriorStructure, choose
 from .network_function import NetworkFunction
+from .prior_precision import prior_precision_vector
 
 
 def prior_groups(fn: NetworkFunction, prior_structure: str | Mapping[str, str]) -> ParameterGroups:
@@ -89,45 +90,34 @@ def check_likelihood(likelihood: Likelihood) -> None:
     num_outputs(likelihood)  # raises for an unsupported likelihood
 
 
-def prior_precision_vector(value: float | Tensor, groups: ParameterGroups, fn: NetworkFunction) -> Tensor:
-    """``value`` as a detached ``(G,)`` tensor of positive prior precisions (a scalar is shared by all
-    groups).
-
-    Raises:
-        TypeError: for a bool, a string or another non-number, naming ``prior_precision``.
-        ValueError: for a wrong shape or a non-positive or non-finite value, naming ``prior_precision``.
-    """
-    if isinstance(value, (bool, str, bytes)):
-        raise TypeError(f"prior_precision must be a number or a tensor, got {type(value).__name__}")
-    source = value.detach() if torch.is_tensor(value) else value  # or a float, a numpy number or array, a list
-    try:
-        kind = source.dtype if torch.is_tensor(source) else torch.as_tensor(source).dtype
-    except (TypeError, ValueError, RuntimeError) as error:
-        raise TypeError(f"prior_precision must be a number or a tensor, got {type(value).__name__}") from error
-    if kind == torch.bool or kind.is_complex:  # numpy's bools and complex numbers too
-        raise TypeError(f"prior_precision must hold real numbers, got dtype {kind}")
-    # straight to the net's dtype (a float is not rounded to float32 first), and a copy in every case (as_tensor
-    # shares a tensor's or numpy array's memory): the caller's object cannot change it later
-    delta = torch.as_tensor(source, dtype=fn.dtype, device=fn.device).clone()
-    if delta.dim() == 0:
-        delta = delta.expand(groups.num_groups).clone()
-    if delta.shape != (groups.num_groups,):
-        raise ValueError(
-            f"prior_precision must be a scalar or have shape ({groups.num_groups},) (one per group "
-            f"{list(groups.group_names)}), got shape {tuple(delta.shape)}"
-        )
-    if not bool(torch.isfinite(delta).all() and (delta > 0).all()):
-        raise ValueError(f"prior_precision must be positive and finite, got {delta.tolist()}")
-    return delta
+def group_spec(prior_structure: str | Mapping[str, str]) -> str | Mapping[str, str]:
+    """``prior_structure`` as the curvature builders take it: a mapping as it is, a name validated by
+    :class:`~ntkgp.options.PriorStructure` (a member or its string)."""
+    if isinstance(prior_structure, Mapping):
+        return prior_structure
+    return choose(PriorStructure, prior_structure, "prior_structure").value
 
 
 def check_before_pass(
-    net, prior_precision: float | Tensor, prior_structure, input_shape, chunk_size: int
-) -> None:
-    """What a structured posterior checks before its pass over the data (which runs the network): the network,
-    ``chunk_size``, ``prior_structure`` and ``prior_precision``, each error naming its argument."""
-    fn = NetworkFunction(net, None, input_shape, chunk_size)
-    prior_precision_vector(prior_precision, prior_groups(fn, prior_structure), fn)
+    net,
+    likelihood: Likelihood,
+    prior_precision: float | Tensor,
+    prior_structure: str | Mapping[str, str],
+    input_shape,
+    chunk_size: int,
+    names: list[str] | None = None,
+) -> tuple[NetworkFunction, ParameterGroups]:
+    """What a posterior checks before its pass over the data (which runs the network): the likelihood, the
+    network, ``chunk_size``, ``prior_structure`` and ``prior_precision``, each error naming its argument.
+
+    Returns:
+        The network function over ``names`` (default: every trainable parameter) and its prior groups.
+    """
+    check_likelihood(likelihood)
+    fn = NetworkFunction(net, names, input_shape, chunk_size)
+    groups = prior_groups(fn, prior_structure)
+    prior_precision_vector(prior_precision, groups, fn.dtype, fn.device, keep_graph=False)
+    return fn, groups
 
 
 class WeightPosterior(ABC):
@@ -193,7 +183,9 @@ class WeightPosterior(ABC):
 
     @prior_precision.setter
     def prior_precision(self, value: float | Tensor) -> None:
-        self._prior_precision = prior_precision_vector(value, self.groups, self.function)
+        self._prior_precision = prior_precision_vector(
+            value, self.groups, self.function.dtype, self.function.device, keep_graph=False
+        )
 
     def prior_precision_columns(self) -> Tensor:
         r""":math:`\delta_{g(p)}` for every coordinate, shape ``(P,)``."""
