@@ -12,14 +12,14 @@ from ntkgp.laplace.function_space import (
     LaplaceSiteOperator,
     MatrixFreeNTKOperator,
     NTKProducts,
-    curvature_factor,
     evidence_method,
     laplace_log_marginal_likelihood,
     matrix_free_log_det,
 )
+from ntkgp.laplace.function_space.evidence import curvature_factor
 from ntkgp.ntk import NTKEngine
 from tests.helpers import assert_unchanged, brute_jacobian, mlp, rel_err, small_cnn, snapshot
-from tests.laplace.test_single_delta import make_problem
+from tests.problems import learnable_problem as make_problem
 
 DELTA = torch.tensor([0.5, 2.0, 4.0], dtype=torch.float64)
 

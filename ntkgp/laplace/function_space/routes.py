@@ -97,13 +97,13 @@ class EvidenceOptions:
             raise ValueError(f"cg_tolerance must be None or a positive number, got {tol!r}")
 
 
-def check_options(options: EvidenceOptions | None) -> EvidenceOptions:
+def check_options(options: EvidenceOptions | None, argument: str = "options") -> EvidenceOptions:
     """``options`` or the defaults; raises ``TypeError`` naming the argument for anything else."""
     if options is None:
         return EvidenceOptions()
     if not isinstance(options, EvidenceOptions):
         raise TypeError(
-            f"options must be an ntkgp.laplace.EvidenceOptions or None, got {type(options).__name__}"
+            f"{argument} must be an ntkgp.laplace.EvidenceOptions or None, got {type(options).__name__}"
         )
     return options
 

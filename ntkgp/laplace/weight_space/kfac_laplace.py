@@ -39,6 +39,7 @@ from torch import Tensor, nn
 
 from .curvature import Curvature
 from ...ntk.features import Layer
+from ...options import OptionAttribute
 from .data_pass import Data
 from .kfac import KroneckerFactors, KroneckerGGN, kfac_ggn
 from .posterior import WeightPosterior, check_before_pass, check_likelihood, group_spec
@@ -50,6 +51,12 @@ from .kronecker_form import (
     structured_layers,
 )
 from .network_function import NetworkFunction
+
+
+def _check_damping(value: object, argument: str) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{argument} must be a bool, got {type(value).__name__}")
+    return value
 
 
 @dataclass
@@ -104,12 +111,17 @@ class KFACLaplace(WeightPosterior):
         input_shape: the shape of one input, for flat inputs.
         chunk_size: examples per chunk at prediction time.
 
+    ``damping`` may be assigned after construction (the layer covariances are formed again); the other arguments
+    are fixed.
+
     Example:
         >>> delta = torch.tensor([1.0, 2.0])                 # one per layer
         >>> posterior = KFACLaplace(net, x, y, SoftmaxLikelihood(10), prior_precision=delta)
         >>> posterior.glm_covariance(x_test).shape          # (N, C, C), never a P×P matrix
         torch.Size([1000, 10, 10])
     """
+
+    damping = OptionAttribute(_check_damping, on_change="_option_changed")
 
     def __init__(
         self,
@@ -125,8 +137,7 @@ class KFACLaplace(WeightPosterior):
         input_shape: tuple[int, ...] | None = None,
         chunk_size: int = 256,
     ) -> None:
-        if not isinstance(damping, bool):
-            raise TypeError(f"damping must be a bool, got {type(damping).__name__}")
+        _check_damping(damping, "damping")
         check_before_pass(net, likelihood, prior_precision, prior_structure, input_shape, chunk_size)
         curvature = kfac_ggn(net, x, y, likelihood, group_spec(prior_structure), batch_size, progress, input_shape)
         self._setup(curvature, net, likelihood, prior_precision, damping, input_shape, chunk_size)
@@ -167,7 +178,7 @@ class KFACLaplace(WeightPosterior):
         fn = NetworkFunction(net, list(curvature.groups.names), input_shape, chunk_size)
         super().__init__(fn, likelihood, curvature.groups, prior_precision, curvature.scale_size)
         self.structure = "kfac"
-        self.damping = bool(damping)
+        self.damping = damping
         modules = dict(net.named_modules())
         self.blocks: list[KroneckerBlock] = []
         factors: list[KroneckerFactors] = curvature.blocks
@@ -200,6 +211,10 @@ class KFACLaplace(WeightPosterior):
             or [torch.zeros(0, dtype=torch.long, device=fn.device)]
         )
         self._verified = False
+
+    def _option_changed(self, name: str) -> None:
+        """``damping`` changed: drop the layer covariances formed with the old value."""
+        self._cache.clear()
 
     # ------------------------------------------------------------------ decomposition
     def _block_weights(self) -> list[tuple[Tensor, Tensor, Tensor]]:

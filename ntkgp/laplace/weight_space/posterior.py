@@ -38,7 +38,7 @@ from ...caching import ValueCache, network_key, same_values
 from .scaling import output_scale
 from ...likelihoods import num_outputs
 from ...ntk import ParameterGroups, resolve_groups
-from ...options import PriorStructure, choose
+from ...options import OptionAttribute, PriorStructure, choose
 from .network_function import NetworkFunction
 from .prior_precision import prior_precision_vector
 
@@ -83,11 +83,18 @@ def prior_groups(fn: NetworkFunction, prior_structure: str | Mapping[str, str]) 
     )
 
 
-def check_likelihood(likelihood: Likelihood) -> None:
-    """Raise unless ``likelihood`` is a supported GPyTorch likelihood."""
+def check_likelihood(likelihood: Likelihood, argument: str = "likelihood") -> Likelihood:
+    """``likelihood``, after checking that it is a supported GPyTorch likelihood (errors name ``argument``)."""
     if not isinstance(likelihood, Likelihood):
-        raise TypeError(f"likelihood must be a gpytorch Likelihood, got {type(likelihood).__name__}")
+        raise TypeError(f"{argument} must be a gpytorch Likelihood, got {type(likelihood).__name__}")
     num_outputs(likelihood)  # raises for an unsupported likelihood
+    return likelihood
+
+
+def check_name(value: object, argument: str) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{argument} must be a string, got {type(value).__name__}")
+    return value
 
 
 def group_spec(prior_structure: str | Mapping[str, str]) -> str | Mapping[str, str]:
@@ -133,11 +140,16 @@ class WeightPosterior(ABC):
         scale_size: the length of :math:`s` the curvature is split for (``C`` for Gaussian likelihoods,
             ``1`` otherwise).
 
+    ``prior_precision`` and the likelihood's hyperparameters may change at any time (everything computed from
+    them is cached by value); ``likelihood`` and ``structure`` are fixed at construction (assigning another value
+    raises ``AttributeError``: the curvature was computed with them).
+
     Raises:
         ValueError: for a non-positive prior precision, or one of the wrong shape.
     """
 
-    structure: str = ""
+    likelihood = OptionAttribute(check_likelihood, fixed="the curvature was computed with this likelihood")
+    structure = OptionAttribute(check_name, fixed="a posterior of another structure is another object")
 
     def __init__(
         self,
@@ -147,9 +159,8 @@ class WeightPosterior(ABC):
         prior_precision: float | Tensor,
         scale_size: int,
     ) -> None:
-        check_likelihood(likelihood)
-        self.function = function
         self.likelihood = likelihood
+        self.function = function
         self.groups = groups
         self.scale_size = int(scale_size)
         self.column_groups = groups.column_groups(device=function.device)
