@@ -25,7 +25,7 @@ def outcome(mll, model, x, y):
         return type(error)
 
 
-@pytest.mark.parametrize("structure", ["network", "layer"])
+@pytest.mark.parametrize("structure", [pytest.param("network", marks=pytest.mark.slow), "layer"])
 def test_every_assignment_equals_a_freshly_built_mll(structure):
     net, x, y, lik, _ = make_problem("softmax4")
     model = ntkgp.NTKGP(net, x, y, lik, prior_precision=2.0, prior_structure=structure).train()

@@ -19,15 +19,18 @@ the coefficients :math:`c` and the row scales :math:`r > 0`:
 
 The eigenvalues of :math:`B` are at least 1: the factorization cannot fail for finite hyperparameters, and no
 result is formed by cancellation. Forward: one Cholesky factorization, :math:`O(R^3/3)`. Backward, from the
-same factor: :math:`B^{-1}` (``cholesky_inverse``), then
+same factor: :math:`L^{-1}` (one triangular solve), then
 
 .. math::
     \frac{\partial \log|B|}{\partial c_k} = \langle B^{-1} \circ r r^\top, M_k\rangle, \qquad
     \frac{\partial \log|B|}{\partial r_i} = \frac{2\,(1 - [B^{-1}]_{ii})}{r_i}
 
 (since :math:`B^{-1}(B - I) = I - B^{-1}`), exact and several times cheaper than differentiating through the
-factorization. Memory: :math:`B`, its factor and (backward) its inverse, :math:`3 R^2` numbers besides the
-:math:`M_k`, which are not copied.
+factorization. The row scales need only :math:`\operatorname{diag}(B^{-1})`, the column sums of squares of
+:math:`L^{-1}`; so does a single matrix, :math:`c\,\langle B^{-1} \circ r r^\top, M\rangle = R -
+\operatorname{tr} B^{-1}` (taken when it is not a difference of nearly equal numbers); several matrices form
+:math:`B^{-1} = L^{-\top} L^{-1}`. Memory: :math:`B`, its factor and (backward) :math:`L^{-1}` and
+:math:`B^{-1}`, :math:`4 R^2` numbers besides the :math:`M_k`, which are not copied.
 """
 
 from __future__ import annotations
@@ -54,17 +57,27 @@ class _ScaledLogDet(torch.autograd.Function):
                 "are the hyperparameters finite?"
             )
         ctx.save_for_backward(factor, root, matrices)
+        ctx.coefficients = coefficients.detach()
         return 2 * factor.diagonal().log().sum()
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         factor, root, matrices = ctx.saved_tensors
-        inverse = torch.cholesky_inverse(factor)
-        grad_root = grad * 2 * (1 - inverse.diagonal()) / root if ctx.needs_input_grad[1] else None
+        size = factor.shape[-1]
+        eye = torch.eye(size, dtype=factor.dtype, device=factor.device)
+        inverse_factor = torch.linalg.solve_triangular(factor, eye, upper=False)  # L⁻¹: B⁻¹ = L⁻ᵀ L⁻¹
+        inverse_diagonal = inverse_factor.square().sum(0)
+        grad_root = grad * 2 * (1 - inverse_diagonal) / root if ctx.needs_input_grad[1] else None
         grad_coefficients = None
         if ctx.needs_input_grad[0]:
-            inverse.mul_(root[:, None]).mul_(root[None, :])
-            grad_coefficients = grad * torch.tensordot(matrices, inverse, dims=([1, 2], [0, 1]))
+            coefficients = ctx.coefficients
+            touched = size - inverse_diagonal.sum()  # ⟨B⁻¹, B − I⟩ = c ⟨B⁻¹ ∘ r rᵀ, M⟩ for one matrix
+            if matrices.shape[0] == 1 and touched > 1e-3 * size:
+                grad_coefficients = (grad * touched / coefficients).reshape(1)
+            else:  # several matrices (or almost no curvature: no cancellation): the full B⁻¹
+                inverse = inverse_factor.mT @ inverse_factor
+                inverse.mul_(root[:, None]).mul_(root[None, :])
+                grad_coefficients = grad * torch.tensordot(matrices, inverse, dims=([1, 2], [0, 1]))
         return grad_coefficients, grad_root, None
 
 
