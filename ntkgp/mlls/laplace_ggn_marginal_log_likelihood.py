@@ -13,7 +13,7 @@ from ..laplace.function_space.evidence import _is_kernel_covariance
 from ..laplace.function_space.routes import check_options
 from ..likelihoods import num_outputs, validate_targets
 from ..models import NTKGP
-from ..options import Curvature, EvidenceMethod, Space, choose
+from ..options import Curvature, EvidenceMethod, OptionAttribute, Space, choice
 
 
 class LaplaceGGNMarginalLogLikelihood(MarginalLogLikelihood):
@@ -58,11 +58,20 @@ class LaplaceGGNMarginalLogLikelihood(MarginalLogLikelihood):
         options: :class:`~ntkgp.laplace.EvidenceOptions` (memory limit of ``"auto"``; probes, CG tolerance,
             preconditioner and seed of the matrix-free route).
 
+    ``curvature``, ``space``, ``method`` and ``options`` may be assigned after construction (strings or enum
+    members, validated as by the constructor): the MLL keeps nothing that depends on them, so the next call
+    equals that of an MLL built with the new value.
+
     Raises:
         TypeError: when ``model`` is not an NTKGP, ``likelihood`` not a GPyTorch likelihood or ``options`` not
             an ``EvidenceOptions``.
         ValueError: for an unknown option or a likelihood with another number of outputs.
     """
+
+    curvature = OptionAttribute(choice(Curvature), on_change="_option_changed")
+    space = OptionAttribute(choice(Space), on_change="_option_changed")
+    method = OptionAttribute(choice(EvidenceMethod), on_change="_option_changed")
+    options = OptionAttribute(check_options, on_change="_option_changed")
 
     def __init__(
         self,
@@ -77,20 +86,23 @@ class LaplaceGGNMarginalLogLikelihood(MarginalLogLikelihood):
             raise TypeError(f"model must be an ntkgp.NTKGP, got {type(model).__name__}")
         if not isinstance(likelihood, Likelihood):
             raise TypeError(f"likelihood must be a gpytorch Likelihood, got {type(likelihood).__name__}")
-        curvature = choose(Curvature, curvature, "curvature")
-        space = choose(Space, space, "space")
-        method = choose(EvidenceMethod, method, "method")
-        options = check_options(options)
         if num_outputs(likelihood) != model.num_outputs:
             raise ValueError(
                 f"likelihood {type(likelihood).__name__} expects {num_outputs(likelihood)} outputs but the model's "
                 f"network has {model.num_outputs}"
             )
+        options = check_options(options)  # every argument is checked before the MLL takes the model
+        for enum, value, name in ((Curvature, curvature, "curvature"), (Space, space, "space"),
+                                  (EvidenceMethod, method, "method")):
+            choice(enum)(value, name)
         super().__init__(likelihood, model)
         self.curvature = curvature
         self.space = space
         self.method = method
         self.options = options
+
+    def _option_changed(self, name: str) -> None:
+        """Nothing to recompute: each call reads the options (the model's caches do not depend on them)."""
 
     def forward(self, function_dist: MultivariateNormal, target: torch.Tensor, *params, **kwargs) -> torch.Tensor:
         """The evidence per data point for the prior ``function_dist = model(train_x)`` and ``target``.

@@ -177,14 +177,20 @@ def test_batches_from_an_iterable_equal_tensor_input():
     assert torch.allclose(a.log_marginal_likelihood(1.0, lik), b.log_marginal_likelihood(1.0, lik), rtol=1e-13)
 
 
+def test_the_full_structure_is_the_dense_ggn_whose_diagonal_the_diagonal_structure_holds():
+    """compute_curvature's "full_ggn" is the dense weight-space GGN (per-example vector-Jacobian products); its
+    diagonal is the diagonal GGN of the layer-feature route."""
+    net, x, y, lik = case("softmax")
+    full = compute_curvature(net, x, y, lik, "full_ggn")
+    diagonal = compute_curvature(net, x, y, lik, "diag_ggn")
+    assert full.structure == "full_ggn"
+    assert torch.allclose(full.dense(lik).diagonal(), diagonal.diagonal(lik), rtol=1e-12)
+
+
 def test_invalid_arguments_raise():
     net, x, y, lik = case("softmax")
     with pytest.raises(ValueError, match="structure"):
-        compute_curvature(net, x, y, lik, "full_ggn")
-    with pytest.raises(ValueError, match="structure"):
         compute_curvature(net, x, y, lik, "unknown")
-    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="structure"):
-        compute_curvature(net, x, y, lik, "full")  # deprecated spelling of "full_ggn"
     curv = compute_curvature(net, x, y, lik, "diag_ef")
     with pytest.raises(ValueError, match="shape"):
         curv.log_det(torch.ones(7, dtype=torch.float64), lik)

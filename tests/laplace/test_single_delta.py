@@ -7,42 +7,10 @@ import torch
 
 import ntkgp
 from ntkgp.laplace.function_space import EvidenceOptions, evidence_method, laplace_log_marginal_likelihood
-from ntkgp.likelihoods import LogisticLikelihood, SoftmaxLikelihood
 from tests.helpers import dense_laplace, mlp, reference_log_prob, rel_err
+from tests.problems import LEARNABLE_KINDS as KINDS
+from tests.problems import learnable_problem as make_problem
 
-KINDS = ["regression1", "regression_global_noise", "binary", "softmax3"]
-
-
-def make_problem(kind: str, n: int = 12, seed: int = 0, dtype=torch.float64):
-    """A small problem whose likelihood hyperparameter is learnable (noise or temperature)."""
-    torch.manual_seed(seed)
-    x = torch.randn(n, 3, dtype=dtype)
-    if kind == "regression1":
-        net, lik = mlp(d_out=1, seed=seed, dtype=dtype), gpytorch.likelihoods.GaussianLikelihood().to(dtype)
-        lik.noise = 0.3
-        y = torch.randn(n, dtype=dtype)
-    elif kind == "regression_global_noise":
-        net = mlp(d_out=2, seed=seed, dtype=dtype)
-        lik = gpytorch.likelihoods.MultitaskGaussianLikelihood(num_tasks=2, rank=0, has_task_noise=False).to(
-            dtype
-        )
-        lik.noise = 0.2
-        y = torch.randn(n, 2, dtype=dtype)
-    elif kind == "binary":
-        net, lik = (
-            mlp(d_out=1, seed=seed, dtype=dtype),
-            LogisticLikelihood(temperature=0.7, learn_temperature=True),
-        )
-        lik = lik.to(dtype)
-        y = (torch.rand(n) > 0.5).to(dtype)
-    else:
-        net, lik = (
-            mlp(d_out=3, seed=seed, dtype=dtype),
-            SoftmaxLikelihood(3, temperature=1.3, learn_temperature=True),
-        )
-        lik = lik.to(dtype)
-        y = torch.randint(0, 3, (n,))
-    return net, x, y, lik
 
 
 def hyperparameters(model):

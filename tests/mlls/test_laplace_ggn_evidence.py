@@ -7,35 +7,8 @@ import torch
 import ntkgp
 from ntkgp.likelihoods import LogisticLikelihood, SoftmaxLikelihood
 from ntkgp.ntk import resolve_groups
-from tests.helpers import column_groups, dense_laplace, mlp, reference_log_prob, rel_err
-
-
-def make_problem(kind: str, n: int = 12, seed: int = 0):
-    torch.manual_seed(seed)
-    x = torch.randn(n, 3, dtype=torch.float64)
-    if kind == "regression1":
-        net, lik = mlp(d_out=1, seed=seed), gpytorch.likelihoods.GaussianLikelihood().double()
-        lik.noise = 0.3
-        y = torch.randn(n, dtype=torch.float64)
-        log_prob = lambda f, yy: reference_log_prob("gaussian", f, yy, lik.noise.detach())
-    elif kind == "regression2":
-        net = mlp(d_out=2, seed=seed)
-        lik = gpytorch.likelihoods.MultitaskGaussianLikelihood(num_tasks=2, rank=0, has_global_noise=False).double()
-        lik.task_noises = torch.tensor([0.2, 0.5], dtype=torch.float64)
-        y = torch.randn(n, 2, dtype=torch.float64)
-        log_prob = lambda f, yy: reference_log_prob("gaussian", f, yy, lik.task_noises.detach())
-    elif kind == "binary":
-        net, lik = mlp(d_out=1, seed=seed), LogisticLikelihood(temperature=0.7).double()
-        y = (torch.rand(n) > 0.5).double()
-        log_prob = lambda f, yy: reference_log_prob("logistic", f, yy, temperature=0.7)
-    else:
-        net, lik = mlp(d_out=4, seed=seed), SoftmaxLikelihood(num_classes=4).double()
-        y = torch.randint(0, 4, (n,))
-        log_prob = lambda f, yy: reference_log_prob("softmax", f, yy)
-    return net, x, y, lik, log_prob
-
-
-KINDS = ["regression1", "regression2", "binary", "softmax4"]
+from tests.helpers import column_groups, dense_laplace, reference_log_prob, rel_err
+from tests.problems import KINDS, make_problem
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -162,7 +135,7 @@ def test_mll_method_override_matches_dense_formula(method, monkeypatch):
     matrix-free one), value and gradient."""
     import ntkgp.laplace.function_space.evidence as evidence_module
 
-    route_function = {"cholesky": "log_det_term", "eigen": "spectral_log_det", "matrix_free": "matrix_free_log_det"}
+    route_function = {"cholesky": "evidence_curvature", "eigen": "spectral_log_det", "matrix_free": "matrix_free_log_det"}
     calls = []
     original = getattr(evidence_module, route_function[method])
     monkeypatch.setattr(evidence_module, route_function[method], lambda *a, **k: calls.append(1) or original(*a, **k))

@@ -16,7 +16,7 @@ from tests.helpers import (
     rel_err,
     snapshot,
 )
-from tests.mlls.test_laplace_ggn_evidence import KINDS, make_problem
+from tests.problems import KINDS, make_problem
 
 
 def delta_columns(net, delta):

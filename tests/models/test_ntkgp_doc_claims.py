@@ -9,7 +9,7 @@ import torch
 import ntkgp
 from ntkgp.likelihoods import LogisticLikelihood, SoftmaxLikelihood
 from tests.helpers import mlp, rel_err
-from tests.mlls.test_laplace_ggn_evidence import make_problem
+from tests.problems import make_problem
 
 
 @pytest.mark.parametrize("kind", ["binary", "softmax4"])

@@ -8,7 +8,7 @@ import torch
 import ntkgp
 from ntkgp.models.ntkgp import DEFAULT_PREDICTIVE_MEAN
 from tests.helpers import dense_glm_predictive, dense_laplace, rel_err
-from tests.mlls.test_laplace_ggn_evidence import KINDS, make_problem
+from tests.problems import KINDS, make_problem
 from tests.models.test_ntkgp import delta_columns
 
 DELTA = torch.tensor([0.5, 2.0, 4.0], dtype=torch.float64)

@@ -8,40 +8,7 @@ import torch
 
 from ntkgp.laplace.weight_space import FullLaplace, LastLayerLaplace
 from tests.helpers import assert_unchanged, mlp, snapshot
-from tests.posteriors.reference import (
-    DTYPE,
-    LIKELIHOODS,
-    dense_curvature,
-    glm_blocks,
-    likelihood_case,
-    targets,
-)
-
-TOL = 1e-10
-
-
-def close(a: torch.Tensor, b: torch.Tensor, tol: float = TOL) -> None:
-    assert (a - b).abs().max().item() <= tol * (1 + b.abs().max().item())
-
-
-def check_against(posterior, net, x_test, precision, names=None) -> None:
-    """Every quantity of ``posterior`` against the explicit ``precision`` (P×P)."""
-    sigma = torch.linalg.inv(precision)
-    close(posterior.dense_precision(), precision)
-    v = torch.randn(posterior.num_params, 3, dtype=DTYPE, generator=torch.Generator().manual_seed(1))
-    close(posterior.covariance_matmul(v), sigma @ v)
-    close(posterior.covariance_matmul(v[:, 0]), sigma @ v[:, 0])
-    close(posterior.precision_matmul(v), precision @ v)
-    close(posterior.log_det_precision(), torch.linalg.slogdet(precision)[1])
-    eye = torch.eye(posterior.num_params, dtype=DTYPE)
-    b = posterior.sample_from(eye).T  # the sampler's map B: η = B z
-    close(b @ b.T, sigma)
-    blocks, joint = glm_blocks(net, x_test, sigma, names)
-    close(posterior.glm_covariance(x_test), blocks)
-    root = posterior.glm_root(x_test)
-    root = root.reshape(-1, root.shape[-1])
-    close(root @ root.T, joint)
-
+from tests.posteriors.reference import DTYPE, LIKELIHOODS, check_against, close, dense_curvature, likelihood_case, targets
 
 @pytest.mark.parametrize("kind", ["ggn", "ef"])
 @pytest.mark.parametrize("name", LIKELIHOODS)

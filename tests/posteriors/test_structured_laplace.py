@@ -17,7 +17,7 @@ from tests.posteriors.reference import (
     likelihood_case,
     targets,
 )
-from tests.posteriors.test_full_laplace import check_against, close
+from tests.posteriors.reference import check_against, close
 
 
 def cnn_case(name: str = "softmax"):

@@ -11,30 +11,24 @@ so that :class:`~ntkgp.NTKGP`, :class:`~ntkgp.mlls.LaplaceGGNMarginalLogLikeliho
   space (:func:`posterior_space`), at the network's outputs or iterated to the mode (:func:`site_mode`);
 * :class:`GLMPredictiveCovariance` — the predictive covariance, lazy and chunked over test points;
 * :mod:`~ntkgp.laplace.function_space.algebra` — block-diagonal site factors, :math:`\log|I + L^\top K L|`;
-* :mod:`~ntkgp.laplace.function_space.routes`, :mod:`~ntkgp.laplace.function_space.eigen`, :mod:`~ntkgp.laplace.function_space.matrix_free` — the routes of
-  the evidence's log-determinant (dense Cholesky, one eigendecomposition for one :math:`\delta`, GPyTorch's
-  CG + stochastic Lanczos quadrature on a matrix-free kernel) and their options (``docs/scaling.md``).
+* :mod:`~ntkgp.laplace.function_space.routes` — the routes of the evidence's log-determinant and their options
+  (``docs/scaling.md``): dense Cholesky on the exact curvature built once per network state
+  (:mod:`~ntkgp.laplace.function_space.evidence_curvature`), one eigendecomposition for one :math:`\delta`
+  (:mod:`~ntkgp.laplace.function_space.eigen`), GPyTorch's CG + stochastic Lanczos quadrature
+  (:mod:`~ntkgp.laplace.function_space.matrix_free`) on the matrix-free operators
+  (:mod:`~ntkgp.laplace.function_space.ntk_operator`, :mod:`~ntkgp.laplace.function_space.site_operator`,
+  :mod:`~ntkgp.laplace.function_space.nystrom`).
 """
 
-from ...ntk.products import NTKProducts
-from .algebra import block_apply, block_sandwich, low_rank_log_det, site_cholesky
 from .eigen import spectral_log_det
-from .evidence import (
-    column_weights,
-    curvature_factor,
-    evidence_method,
-    laplace_log_marginal_likelihood,
-    log_det_term,
-    prior_term,
-)
-from .matrix_free import (
-    LaplaceSiteOperator,
-    MatrixFreeNTKOperator,
-    NystromPreconditioner,
-    matrix_free_log_det,
-)
+from .evidence import evidence_method, laplace_log_marginal_likelihood
 from .glm_covariance import GLMPredictiveCovariance, PredictiveContext
+from ...ntk.products import NTKProducts
+from .matrix_free import matrix_free_log_det
+from .nystrom import NystromPreconditioner
+from .ntk_operator import MatrixFreeNTKOperator
 from .routes import DENSE_MEMORY_LIMIT, EvidenceMethod, EvidenceOptions
+from .site_operator import LaplaceSiteOperator
 from .site_posterior import (
     SiteIterationWarning,
     SitePosterior,
@@ -55,19 +49,11 @@ __all__ = [
     "PredictiveContext",
     "SiteIterationWarning",
     "SitePosterior",
-    "block_apply",
-    "block_sandwich",
-    "column_weights",
-    "curvature_factor",
     "evidence_method",
     "fit_site_posterior",
     "laplace_log_marginal_likelihood",
-    "log_det_term",
-    "low_rank_log_det",
     "matrix_free_log_det",
     "posterior_space",
-    "prior_term",
-    "site_cholesky",
     "site_mode",
     "spectral_log_det",
 ]

@@ -14,7 +14,12 @@ from linear_operator.operators import LinearOperator
 
 from ...linalg import cholesky
 
-__all__ = ["block_apply", "block_sandwich", "low_rank_log_det", "site_cholesky"]
+__all__ = ["as_columns", "block_apply", "block_sandwich", "low_rank_log_det", "site_cholesky"]
+
+
+def as_columns(rhs: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """``rhs`` as a matrix of columns, and whether it was a vector (``(n,)`` → ``(n, 1)``)."""
+    return (rhs.unsqueeze(-1), True) if rhs.dim() == 1 else (rhs, False)
 
 
 def block_sandwich(factor: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:

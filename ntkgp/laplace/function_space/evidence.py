@@ -8,9 +8,11 @@ evidence"):
         - \tfrac12 \log\lvert I_{Nk} + L^\top K_{XX} L \rvert,
     \qquad L_n L_n^\top = \Lambda_n \ (\text{GGN}) \text{ or } g_n g_n^\top \ (\text{empirical Fisher}),
 
-where the last term equals :math:`\log|H| - \log|P_0|` (matrix determinant lemma). This module is the one
-implementation used by :meth:`ntkgp.NTKGP.log_marginal_likelihood`,
-:class:`ntkgp.mlls.LaplaceGGNMarginalLogLikelihood` and :func:`ntkgp.training.train_marglik`.
+where the last term equals :math:`\log|H| - \log|P_0|` (matrix determinant lemma). This module is the front door
+used by :meth:`ntkgp.NTKGP.log_marginal_likelihood` and :class:`ntkgp.mlls.LaplaceGGNMarginalLogLikelihood`; its
+dense route at the kernel's own :math:`K_{XX}` evaluates the exact curvature objects of
+:mod:`ntkgp.laplace.weight_space` that :func:`ntkgp.training.train_marglik` evaluates
+(:mod:`~ntkgp.laplace.function_space.evidence_curvature`): one implementation of the exact log-determinant.
 """
 
 from __future__ import annotations
@@ -24,18 +26,13 @@ from ...kernels import NTKKernel
 from ...likelihoods import gradient, hessian_sqrt, log_likelihood
 from ...options import Curvature, Space, choose, choose_space
 from .algebra import low_rank_log_det, site_cholesky
+from ..weight_space.scaling import output_scale
 from .eigen import eigen_problem, spectral_log_det
+from .evidence_curvature import curvature_problem, evidence_curvature
 from .matrix_free import matrix_free_log_det
 from .routes import EvidenceMethod, EvidenceOptions, check_options, choose_method, dense_memory_bytes
 
-__all__ = [
-    "column_weights",
-    "curvature_factor",
-    "evidence_method",
-    "laplace_log_marginal_likelihood",
-    "log_det_term",
-    "prior_term",
-]
+__all__ = ["curvature_factor", "evidence_method", "laplace_log_marginal_likelihood"]
 
 
 def curvature_factor(
@@ -52,11 +49,6 @@ def curvature_factor(
     if choose(Curvature, curvature, "curvature") is Curvature.GGN:
         return hessian_sqrt(likelihood, f, y)
     return gradient(likelihood, f, y).unsqueeze(-1)
-
-
-def column_weights(kernel: NTKKernel, power: float) -> torch.Tensor:
-    r""":math:`\delta_g^{\,\mathrm{power}}` for every Jacobian column, shape ``(P,)`` (:meth:`NTKKernel.column_weights`)."""
-    return kernel.column_weights(power)
 
 
 def prior_term(kernel: NTKKernel) -> torch.Tensor:
@@ -76,19 +68,19 @@ def _root(covariance: LinearOperator | None) -> torch.Tensor | None:
     return None
 
 
-def log_det_term(
+def _given_log_det(
     kernel: NTKKernel,
     x: torch.Tensor,
     factor: torch.Tensor,
     space: Space | str = "auto",
     covariance: LinearOperator | torch.Tensor | None = None,
 ) -> torch.Tensor:
-    r""":math:`\log|I + L^\top K_{XX} L| = \log|H| - \log|P_0|`, by the cheaper route.
+    r""":math:`\log|I + L^\top K_{XX} L| = \log|H| - \log|P_0|` from the site factor at every call (the dense
+    route where the cached curvature does not apply: a given covariance, a batched kernel, inputs with gradients).
 
-    Function space factorises the ``(N·k)²`` matrix :math:`I + L^\top K L` (from the kernel's cached
-    per-group Grams); weight space the ``P²`` matrix :math:`I + W^\top W`, :math:`W = L^\top J P_0^{-1/2}`
-    (from the cached Jacobian). ``"auto"`` takes weight space when :math:`P < N k`
-    (:func:`ntkgp.options.choose_space`).
+    Function space factorises the ``(N·k)²`` matrix :math:`I + L^\top K L`; weight space the ``P²`` matrix
+    :math:`I + W^\top W`, :math:`W = L^\top J P_0^{-1/2}` (from the covariance's root or the cached Jacobian).
+    ``"auto"`` takes weight space when :math:`P < N k` (:func:`ntkgp.options.choose_space`).
 
     Args:
         kernel: the NTK kernel at the training inputs (prior precisions, cached Grams and Jacobians).
@@ -106,7 +98,7 @@ def log_det_term(
         return 2 * site_cholesky(factor, gram.to(factor)).diagonal().log().sum()
     root = _root(covariance)
     if root is None:
-        root = kernel.jacobian(x) * column_weights(kernel, -0.5).to(factor)
+        root = kernel.jacobian(x) * kernel.column_weights(-0.5).to(factor)
     return low_rank_log_det(factor, root.to(factor))
 
 
@@ -183,7 +175,8 @@ def evidence_method(
     n, c = f.shape[-2], f.shape[-1]
     k = c if curvature is Curvature.GGN else 1
     engine = kernel.engine
-    dense = dense_memory_bytes(engine.num_params, engine.num_groups, n, c, k, f.dtype, space)
+    components = output_scale(likelihood).shape[0] ** (2 if curvature is Curvature.EF else 1)
+    dense = dense_memory_bytes(engine.num_params, engine.num_groups, n, c, k, f.dtype, space, components)
     chosen = choose_method(method, dense, options, eigen)
     if chosen is EvidenceMethod.MATRIX_FREE and free is not None:
         return EvidenceMethod.CHOLESKY
@@ -261,7 +254,13 @@ def laplace_log_marginal_likelihood(
     prior = 0.5 * prior_term(kernel).to(fit)
     if route is EvidenceMethod.EIGEN:
         return fit - prior - 0.5 * spectral_log_det(kernel, likelihood, x, f, y, curvature, space).to(fit)
+    if route is EvidenceMethod.CHOLESKY and (covariance is None or _is_kernel_covariance(covariance, kernel, x)):
+        k = f.shape[-1] if curvature is Curvature.GGN else 1
+        resolved = choose_space(space, kernel.engine.num_params, f.shape[-2] * k)
+        if curvature_problem(kernel, likelihood, x, f, y, curvature, resolved) is None:
+            exact = evidence_curvature(kernel, likelihood, x, f, y, curvature, resolved)
+            return fit - prior - 0.5 * exact.log_det_ratio(kernel.prior_precision, likelihood).to(fit)
     factor = curvature_factor(likelihood, f, y, curvature)
     if route is EvidenceMethod.MATRIX_FREE:
         return fit - prior - 0.5 * matrix_free_log_det(kernel, x, factor, options).to(fit)
-    return fit - prior - 0.5 * log_det_term(kernel, x, factor, space, covariance)
+    return fit - prior - 0.5 * _given_log_det(kernel, x, factor, space, covariance)

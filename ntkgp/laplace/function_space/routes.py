@@ -4,8 +4,9 @@ The term :math:`\log|I_{Nk} + L^\top K L|` of :func:`ntkgp.laplace.laplace_log_m
 four routes (``method=``; ``docs/scaling.md``):
 
 * ``"cholesky"``: a dense Cholesky factorization in function space (:math:`(Nk)^2`) or weight space
-  (:math:`P^2`), whichever is smaller (:func:`ntkgp.options.choose_space`); exact, :math:`O(\min(Nk, P)^3)`
-  per hyperparameter step.
+  (:math:`P^2`), whichever is smaller (:func:`ntkgp.options.choose_space`); exact, the curvature built once per
+  network state (:mod:`~ntkgp.laplace.function_space.evidence_curvature`), then :math:`O(\min(Nk, P)^3)` per
+  hyperparameter step.
 * ``"eigen"``: one prior precision and sites whose curvature is a scalar multiple of a fixed matrix: one
   eigendecomposition, then :math:`O(\min(Nk, P))` per step (:mod:`ntkgp.laplace.function_space.eigen`); exact.
 * ``"matrix_free"``: the kernel as a matrix-free ``LinearOperator``, GPyTorch's preconditioned CG and
@@ -96,13 +97,13 @@ class EvidenceOptions:
             raise ValueError(f"cg_tolerance must be None or a positive number, got {tol!r}")
 
 
-def check_options(options: EvidenceOptions | None) -> EvidenceOptions:
+def check_options(options: EvidenceOptions | None, argument: str = "options") -> EvidenceOptions:
     """``options`` or the defaults; raises ``TypeError`` naming the argument for anything else."""
     if options is None:
         return EvidenceOptions()
     if not isinstance(options, EvidenceOptions):
         raise TypeError(
-            f"options must be an ntkgp.laplace.EvidenceOptions or None, got {type(options).__name__}"
+            f"{argument} must be an ntkgp.laplace.EvidenceOptions or None, got {type(options).__name__}"
         )
     return options
 
@@ -115,21 +116,25 @@ def dense_memory_bytes(
     rank: int,
     dtype: torch.dtype,
     space: Space | str,
+    components: int = 1,
 ) -> int:
-    r"""Bytes the dense routes hold at once, in ``space`` (``"auto"``: the space they would take).
+    r"""Bytes the dense routes hold at most, in ``space`` (``"auto"``: the space they would take).
 
     .. math::
-        \text{function: } \big((G + 1)(NC)^2 + 3 (Nk)^2\big)\,b, \qquad
-        \text{weight: } \big((NC + Nk) P + 3 P^2\big)\,b
+        \text{function: } \big(G (NC)^2 + G (Nk)^2 + 3 (Nk)^2\big)\,b, \qquad
+        \text{weight: } \big((NC + Nk) P + (K + 3) P^2\big)\,b
 
-    (the kernel's cached per-group Grams or Jacobian, the weighted Gram, the site matrix, its factor and an
-    eigendecomposition's workspace), :math:`b` bytes per number.
+    (function space: the kernel's cached per-group Grams, the Grams of the unit rows (the same tensor for a
+    Gaussian likelihood), the site matrix, its factor and inverse; weight space: the kernel's cached Jacobian,
+    the rows of one chunk at most, the ``K`` curvature components (``components``: 1, or ``C`` per-output
+    Gaussian noises, ``C²`` for their empirical Fisher) and the ``P × P`` matrix, its factor and inverse),
+    :math:`b` bytes per number.
     """
     b = torch.empty((), dtype=dtype).element_size()
     nc, nk, p = num_data * num_outputs, num_data * rank, num_params
     if choose_space(space, p, nk) is Space.FUNCTION:
-        return ((num_groups + 1) * nc * nc + 3 * nk * nk) * b
-    return ((nc + nk) * p + 3 * p * p) * b
+        return (num_groups * (nc * nc + nk * nk) + 3 * nk * nk) * b
+    return ((nc + nk) * p + (components + 3) * p * p) * b
 
 
 def choose_method(

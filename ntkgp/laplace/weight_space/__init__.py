@@ -5,7 +5,8 @@ estimator of their GLM predictive.
 * :func:`compute_curvature` — one pass over the data, a :class:`Curvature` whose :meth:`~Curvature.log_det` and
   :meth:`~Curvature.log_marginal_likelihood` are cheap to re-evaluate for new prior precisions, noise or
   temperature: ``"diag_ggn"`` (:class:`DiagonalGGN`), ``"diag_ef"`` (:class:`DiagonalEF`), ``"kfac"``
-  (:class:`KroneckerGGN`, no damping), ``"full_ggn"`` / ``"full_ef"`` (:class:`FullCurvature`). The names are the
+  (:class:`KroneckerGGN`, no damping), ``"full_ggn"`` / ``"full_ef"`` (:class:`FullCurvature`, weight space;
+  :func:`exact_curvature` builds it or :class:`FunctionSpaceCurvature`, whichever side is smaller). The names are the
   members of :class:`ntkgp.options.Structure`; :mod:`~ntkgp.laplace.weight_space.structures` is the one place
   that maps a name to its class.
 * :func:`laplace_posterior` — the posterior front door: :class:`FullLaplace`, :class:`KFACLaplace`,
@@ -17,9 +18,10 @@ estimator of their GLM predictive.
 from .curvature import Curvature
 from .diag_laplace import DiagLaplace
 from .diagonal import DiagonalCurvature, DiagonalEF, DiagonalGGN, diagonal_ef, diagonal_ggn
-from .full_curvature import FullCurvature, FunctionSpaceCurvature, exact_curvature, full_curvature
+from .full_curvature import FullCurvature, exact_curvature, full_curvature, full_ef, full_ggn
 from .full_laplace import FullLaplace
-from .kfac import KroneckerFactor, KroneckerFactors, KroneckerGGN, kfac_ggn
+from .gram_curvature import FunctionSpaceCurvature, function_space_curvature
+from .kfac import KroneckerFactors, KroneckerGGN, kfac_ggn
 from .kfac_laplace import KFACLaplace
 from .laplace_posterior import laplace_posterior
 from .last_layer_laplace import LastLayerLaplace
@@ -38,7 +40,6 @@ __all__ = [
     "FullLaplace",
     "FunctionSpaceCurvature",
     "KFACLaplace",
-    "KroneckerFactor",
     "KroneckerFactors",
     "KroneckerGGN",
     "LastLayerLaplace",
@@ -50,6 +51,9 @@ __all__ = [
     "diagonal_ggn",
     "exact_curvature",
     "full_curvature",
+    "full_ef",
+    "full_ggn",
+    "function_space_curvature",
     "kfac_ggn",
     "laplace_bridge",
     "laplace_posterior",

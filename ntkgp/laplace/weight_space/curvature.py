@@ -17,7 +17,6 @@ the noise and the temperature.
 
 from __future__ import annotations
 
-import warnings
 from abc import ABC, abstractmethod
 
 import torch
@@ -26,13 +25,8 @@ from torch import Tensor
 
 from ...likelihoods import log_likelihood
 from ...ntk import ParameterGroups
+from .prior_precision import prior_precision_vector
 from .scaling import output_scale
-
-
-def unexpected(kwargs: dict, function: str) -> None:
-    """Raise ``TypeError`` for keywords left over after the deprecated ones were taken out."""
-    if kwargs:
-        raise TypeError(f"{function}() got unexpected keyword arguments {sorted(kwargs)}")
 
 
 class Curvature(ABC):
@@ -75,27 +69,9 @@ class Curvature(ABC):
         return self.f.dtype
 
     def prior_precision_vector(self, prior_precision: float | Tensor) -> Tensor:
-        r"""The prior precisions :math:`\delta` as a ``(G,)`` tensor (a scalar is shared by all groups)."""
-        if not torch.is_tensor(prior_precision):
-            if isinstance(prior_precision, (str, bytes, bool)):
-                raise TypeError(f"prior_precision must be a number or a tensor, got {prior_precision!r}")
-            try:
-                prior_precision = torch.tensor(prior_precision, dtype=self.dtype)
-            except (TypeError, ValueError, RuntimeError):
-                raise TypeError(f"prior_precision must be a number or a tensor, got {prior_precision!r}") from None
-        elif prior_precision.is_complex() or prior_precision.dtype == torch.bool:
-            raise TypeError(f"prior_precision must be a real tensor, got dtype {prior_precision.dtype}")
-        delta = prior_precision.to(device=self.f.device, dtype=self.dtype)
-        if delta.dim() == 0:
-            delta = delta.expand(self.groups.num_groups)
-        if delta.shape != (self.groups.num_groups,):
-            raise ValueError(
-                f"prior_precision must be a scalar or have shape ({self.groups.num_groups},) (one per group "
-                f"{list(self.groups.group_names)}), got shape {tuple(delta.shape)}"
-            )
-        if not bool((delta > 0).all()) or not bool(torch.isfinite(delta).all()):
-            raise ValueError(f"prior_precision must be positive and finite, got {delta.detach().tolist()}")
-        return delta
+        r"""The prior precisions :math:`\delta` as a ``(G,)`` tensor (a scalar is shared by all groups), with its
+        graph (:func:`~ntkgp.laplace.weight_space.prior_precision.prior_precision_vector`)."""
+        return prior_precision_vector(prior_precision, self.groups, self.dtype, self.f.device, keep_graph=True)
 
     def scale(self, likelihood: Likelihood) -> Tensor:
         r"""The likelihood's output scale :math:`s` (``1/σ²`` or ``1/T``), shape ``(scale_size,)``."""
@@ -118,6 +94,12 @@ class Curvature(ABC):
         r"""The structured :math:`H` (without the prior) as a dense ``(P, P)`` matrix, columns in the order of
         ``groups.names``. For tests and small networks only."""
 
+    def log_det_ratio(self, prior_precision: float | Tensor, likelihood: Likelihood) -> Tensor:
+        r""":math:`\log|H + P_0| - \log|P_0|`, shape ``()``; the exact curvatures compute it directly (without the
+        cancellation of the difference)."""
+        delta = self.prior_precision_vector(prior_precision)
+        return self.log_det(delta, likelihood) - (self.group_sizes * delta.log()).sum()
+
     def log_marginal_likelihood(self, prior_precision: float | Tensor, likelihood: Likelihood) -> Tensor:
         r"""The Laplace approximation of the log marginal likelihood :math:`\log q(\mathcal D)` (module
         docstring), shape ``()``, differentiable w.r.t. ``prior_precision`` and the likelihood's noise or
@@ -137,17 +119,4 @@ class Curvature(ABC):
         """
         delta = self.prior_precision_vector(prior_precision)
         data_fit = log_likelihood(likelihood, self.f, self.y).sum()
-        return (
-            data_fit
-            - 0.5 * (delta * self.theta_sq_norms).sum()
-            + 0.5 * (self.group_sizes * delta.log()).sum()
-            - 0.5 * self.log_det(delta, likelihood)
-        )
-
-    def log_evidence(self, prior_precision: float | Tensor, likelihood: Likelihood) -> Tensor:
-        """Deprecated alias of :meth:`log_marginal_likelihood` (``DeprecationWarning``)."""
-        warnings.warn(
-            "Curvature.log_evidence is deprecated; use Curvature.log_marginal_likelihood", DeprecationWarning,
-            stacklevel=2,
-        )
-        return self.log_marginal_likelihood(prior_precision, likelihood)
+        return data_fit - 0.5 * (delta * self.theta_sq_norms).sum() - 0.5 * self.log_det_ratio(delta, likelihood)

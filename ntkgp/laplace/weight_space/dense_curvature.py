@@ -29,8 +29,8 @@ from tqdm.auto import tqdm
 
 from .scaling import output_scale
 from .full_curvature import component_weights as _component_weights
-from .full_curvature import curvature_components
-from ...likelihoods import gradient, hessian_sqrt, is_gaussian, num_outputs, validate_targets
+from .full_curvature import curvature_components, jacobian_rows
+from ...likelihoods import is_gaussian, num_outputs, validate_targets
 from ...ntk.checks import check_outputs
 from ...options import Curvature
 from ...ntk.network import NetworkCore
@@ -124,15 +124,7 @@ def dense_curvature(
     ):
         jac = fn.jacobian(xb)  # (n, C, P)
         with torch.no_grad():
-            if not fisher and k > 1:
-                rows = jac
-            elif not fisher:
-                root = hessian_sqrt(likelihood, fb, yb) / s0.sqrt()  # (n, C, C), unit factor
-                rows = torch.einsum("ncp,ncm->nmp", jac, root)
-            else:
-                unit = gradient(likelihood, fb, yb) / s0  # (n, C)
-                rows = jac * unit.unsqueeze(-1) if k > 1 else torch.einsum("nc,ncp->np", unit, jac).unsqueeze(1)
-            total += curvature_components(rows, fisher, k > 1)
+            total += curvature_components(jacobian_rows(jac, likelihood, fb, yb, s0, fisher), fisher, k > 1)
     return total
 
 

@@ -20,9 +20,10 @@ from torch import Tensor, nn
 from .curvature import Curvature
 from .diagonal import DiagonalCurvature
 from ...options import Curvature as CurvatureKind
-from ...options import choose
-from .posterior import WeightPosterior, check_before_pass, check_likelihood, prior_precision_vector
-from .dense_curvature import Data
+from ...options import OptionAttribute, choice
+from .data_pass import Data
+from .diagonal import diagonal_ef, diagonal_ggn
+from .posterior import WeightPosterior, check_before_pass, check_likelihood, group_spec
 from .kronecker_form import (
     kronecker_features,
     kronecker_root,
@@ -31,7 +32,6 @@ from .kronecker_form import (
     structured_layers,
 )
 from ...ntk.network import NetworkCore
-from .structured_curvature import structured_curvature
 
 
 class DiagLaplace(WeightPosterior):
@@ -50,11 +50,16 @@ class DiagLaplace(WeightPosterior):
         input_shape: the shape of one input, for flat inputs.
         chunk_size: examples per chunk at prediction time.
 
+    ``curvature`` (``"ggn"`` or ``"ef"``) is fixed after construction; the diagonal it names is
+    :attr:`diagonal_curvature`.
+
     Example:
         >>> posterior = DiagLaplace(net, x, y, likelihood, curvature="ef", prior_structure="parameter")
         >>> posterior.prior_precision = torch.full((posterior.groups.num_groups,), 3.0)
         >>> variances = posterior.glm_covariance(x_test).diagonal(dim1=-2, dim2=-1)
     """
+
+    curvature = OptionAttribute(choice(CurvatureKind), fixed="the diagonal was computed for it")
 
     def __init__(
         self,
@@ -70,12 +75,10 @@ class DiagLaplace(WeightPosterior):
         input_shape: tuple[int, ...] | None = None,
         chunk_size: int = 256,
     ) -> None:
-        check_likelihood(likelihood)
-        kind = choose(CurvatureKind, curvature, "curvature")
-        check_before_pass(net, prior_precision, prior_structure, input_shape, chunk_size)
-        computed = structured_curvature(
-            net, x, y, likelihood, f"diag_{kind.value}", prior_structure, batch_size, progress, input_shape
-        )
+        kind = choice(CurvatureKind)(curvature, "curvature")
+        check_before_pass(net, likelihood, prior_precision, prior_structure, input_shape, chunk_size)
+        build = diagonal_ggn if kind is CurvatureKind.GGN else diagonal_ef
+        computed = build(net, x, y, likelihood, group_spec(prior_structure), batch_size, progress, input_shape)
         self._setup(computed, net, likelihood, prior_precision, input_shape, chunk_size)
 
     @classmethod
@@ -104,17 +107,17 @@ class DiagLaplace(WeightPosterior):
                 f"curvature must be diagonal (diag_ggn or diag_ef), got {type(curvature).__name__}"
             )
         fn = NetworkCore(net, list(curvature.groups.names), input_shape, chunk_size)
-        prior_precision_vector(prior_precision, curvature.groups, fn)
         super().__init__(fn, likelihood, curvature.groups, prior_precision, curvature.scale_size)
         self.structure = curvature.structure
-        self.curvature = curvature
+        self.curvature = "ef" if curvature.structure == "diag_ef" else "ggn"
+        self.diagonal_curvature = curvature
         self._layers = None
 
     def precision_diagonal(self) -> Tensor:
         r""":math:`h(s) + \delta`, ``(P,)``."""
         return self.cached(
             "diagonal",
-            lambda: self.curvature.diagonal(self.likelihood).detach() + self.prior_precision_columns(),
+            lambda: self.diagonal_curvature.diagonal(self.likelihood).detach() + self.prior_precision_columns(),
         )
 
     def _precision_matmul(self, v: Tensor) -> Tensor:

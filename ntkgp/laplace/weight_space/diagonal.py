@@ -31,8 +31,7 @@ from torch import Tensor, nn
 
 from ...ntk import ParameterGroups
 from ...ntk.groups import GroupSpec
-from ...options import renamed_argument
-from .curvature import Curvature, unexpected
+from .curvature import Curvature
 from .data_pass import Data, DataPass
 from .layers import Layer, layer_features, structured_layers, usable_layers
 
@@ -176,7 +175,6 @@ def diagonal_ggn(
     progress: bool = False,
     input_shape: tuple[int, ...] | None = None,
     distributed: bool = False,
-    **kwargs,
 ) -> DiagonalGGN:
     r"""The diagonal GGN :math:`\sum_n \sum_m (J_n^\top L_{n,:m})^{\odot 2}` over the data, batch by batch.
 
@@ -184,8 +182,6 @@ def diagonal_ggn(
     other parameters: per-example vector-Jacobian products, memory :math:`O(\text{batch} \cdot C \cdot P)`.
     Arguments as :func:`~ntkgp.laplace.compute_curvature`.
     """
-    prior_structure = renamed_argument(kwargs, "groups", "prior_structure", prior_structure, "layer")
-    unexpected(kwargs, "diagonal_ggn")
     data = DataPass.start(net, likelihood, prior_structure, input_shape, distributed)
     names = list(data.core.groups.names)
     layers = structured_layers(net, data.core.groups, strict=False)
@@ -209,7 +205,6 @@ def diagonal_ef(
     progress: bool = False,
     input_shape: tuple[int, ...] | None = None,
     distributed: bool = False,
-    **kwargs,
 ) -> DiagonalEF:
     r"""The diagonal empirical Fisher :math:`\sum_n (J_n^\top g_n)^{\odot 2}` over the data, batch by batch.
 
@@ -217,8 +212,6 @@ def diagonal_ef(
     noise differentiable); routes as :func:`diagonal_ggn`. Arguments as
     :func:`~ntkgp.laplace.compute_curvature`.
     """
-    prior_structure = renamed_argument(kwargs, "groups", "prior_structure", prior_structure, "layer")
-    unexpected(kwargs, "diagonal_ef")
     data = DataPass.start(net, likelihood, prior_structure, input_shape, distributed)
     names = list(data.core.groups.names)
     layers = structured_layers(net, data.core.groups, strict=False)

@@ -18,10 +18,10 @@ from gpytorch.likelihoods import Likelihood
 from linear_operator.utils.cholesky import psd_safe_cholesky
 from torch import Tensor, nn
 
-from ...options import Curvature, choose
-from .posterior import WeightPosterior, check_likelihood, prior_groups, prior_precision_vector
+from ...options import Curvature, OptionAttribute, choice
 from .dense_curvature import Data, component_weights, dense_curvature, scale_size
 from ...ntk.network import NetworkCore
+from .posterior import WeightPosterior, check_before_pass
 
 
 class DensePosterior(WeightPosterior):
@@ -33,8 +33,11 @@ class DensePosterior(WeightPosterior):
         groups: prior-precision groups of :math:`\theta`.
         prior_precision: :math:`\delta` (float or ``(G,)``).
         components: the curvature components ``(K, P, P)`` (:func:`dense_curvature`).
-        curvature: ``"ggn"`` or ``"ef"`` (how the components are weighted by :math:`s`).
+        curvature: ``"ggn"`` or ``"ef"`` (how the components are weighted by :math:`s`; fixed after
+            construction).
     """
+
+    curvature = OptionAttribute(choice(Curvature), fixed="the curvature matrix was computed for it")
 
     def __init__(
         self,
@@ -46,9 +49,12 @@ class DensePosterior(WeightPosterior):
         curvature: Curvature | str,
     ) -> None:
         super().__init__(function, likelihood, groups, prior_precision, scale_size(likelihood))
-        self.curvature = choose(Curvature, curvature, "curvature")
-        self.structure = f"full_{self.curvature.value}"
+        self.curvature = curvature
+        self.structure = self._structure_name()
         self.components = components
+
+    def _structure_name(self) -> str:
+        return f"full_{self.curvature.value}"
 
     def curvature_matrix(self) -> Tensor:
         r""":math:`H(s)` for the likelihood's current noise or temperature, ``(P, P)``."""
@@ -134,11 +140,10 @@ class FullLaplace(DensePosterior):
         input_shape: tuple[int, ...] | None = None,
         chunk_size: int = 256,
     ) -> None:
-        kind = choose(Curvature, curvature, "curvature")
-        fn = NetworkCore(net, self._parameter_names(net), input_shape, chunk_size)
-        groups = prior_groups(fn, prior_structure)
-        check_likelihood(likelihood)
-        prior_precision_vector(prior_precision, groups, fn)
+        kind = choice(Curvature)(curvature, "curvature")
+        fn, groups = check_before_pass(
+            net, likelihood, prior_precision, prior_structure, input_shape, chunk_size, self._parameter_names(net)
+        )
         components = dense_curvature(fn, x, y, likelihood, kind, batch_size, progress)
         super().__init__(fn, likelihood, groups, prior_precision, components, kind)
 

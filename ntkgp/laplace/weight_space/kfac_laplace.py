@@ -39,8 +39,10 @@ from torch import Tensor, nn
 
 from .curvature import Curvature
 from ...ntk.features import Layer
-from .posterior import WeightPosterior, check_before_pass, check_likelihood, prior_precision_vector
-from .dense_curvature import Data
+from ...options import OptionAttribute
+from .data_pass import Data
+from .kfac import KroneckerFactors, KroneckerGGN, kfac_ggn
+from .posterior import WeightPosterior, check_before_pass, check_likelihood, group_spec
 from .kronecker_form import (
     kronecker_features,
     kronecker_root,
@@ -49,7 +51,12 @@ from .kronecker_form import (
     structured_layers,
 )
 from ...ntk.network import NetworkCore
-from .structured_curvature import kronecker_blocks, structured_curvature
+
+
+def _check_damping(value: object, argument: str) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{argument} must be a bool, got {type(value).__name__}")
+    return value
 
 
 @dataclass
@@ -104,12 +111,17 @@ class KFACLaplace(WeightPosterior):
         input_shape: the shape of one input, for flat inputs.
         chunk_size: examples per chunk at prediction time.
 
+    ``damping`` may be assigned after construction (the layer covariances are formed again); the other arguments
+    are fixed.
+
     Example:
         >>> delta = torch.tensor([1.0, 2.0])                 # one per layer
         >>> posterior = KFACLaplace(net, x, y, SoftmaxLikelihood(10), prior_precision=delta)
         >>> posterior.glm_covariance(x_test).shape          # (N, C, C), never a P×P matrix
         torch.Size([1000, 10, 10])
     """
+
+    damping = OptionAttribute(_check_damping, on_change="_option_changed")
 
     def __init__(
         self,
@@ -125,13 +137,9 @@ class KFACLaplace(WeightPosterior):
         input_shape: tuple[int, ...] | None = None,
         chunk_size: int = 256,
     ) -> None:
-        check_likelihood(likelihood)
-        if not isinstance(damping, bool):
-            raise TypeError(f"damping must be a bool, got {type(damping).__name__}")
-        check_before_pass(net, prior_precision, prior_structure, input_shape, chunk_size)
-        curvature = structured_curvature(
-            net, x, y, likelihood, "kfac", prior_structure, batch_size, progress, input_shape
-        )
+        _check_damping(damping, "damping")
+        check_before_pass(net, likelihood, prior_precision, prior_structure, input_shape, chunk_size)
+        curvature = kfac_ggn(net, x, y, likelihood, group_spec(prior_structure), batch_size, progress, input_shape)
         self._setup(curvature, net, likelihood, prior_precision, damping, input_shape, chunk_size)
 
     @classmethod
@@ -163,14 +171,17 @@ class KFACLaplace(WeightPosterior):
         return self
 
     def _setup(self, curvature, net, likelihood, prior_precision, damping, input_shape, chunk_size) -> None:
-        factors, diagonal_names, diagonal_components = kronecker_blocks(curvature)
+        if not isinstance(curvature, KroneckerGGN):
+            raise TypeError(
+                f"curvature must be a KFAC curvature (structure='kfac'), got {type(curvature).__name__}"
+            )
         fn = NetworkCore(net, list(curvature.groups.names), input_shape, chunk_size)
-        prior_precision_vector(prior_precision, curvature.groups, fn)
         super().__init__(fn, likelihood, curvature.groups, prior_precision, curvature.scale_size)
         self.structure = "kfac"
-        self.damping = bool(damping)
+        self.damping = damping
         modules = dict(net.named_modules())
         self.blocks: list[KroneckerBlock] = []
+        factors: list[KroneckerFactors] = curvature.blocks
         for f in factors:
             layer = Layer(f.module, modules[f.module], f.weight, f.bias)
             q, u_a = torch.linalg.eigh(f.input_factor)
@@ -190,16 +201,20 @@ class KFACLaplace(WeightPosterior):
                     u_g,
                 )
             )
-        self.diagonal_names = diagonal_names
-        self.diagonal_components = diagonal_components
+        self.diagonal_names = list(curvature.diagonal_names)
+        self.diagonal_components = curvature.diagonal_components
         self.diagonal_index = torch.cat(
             [
                 torch.arange(fn.offset(n), fn.offset(n) + fn.numels[fn.names.index(n)], device=fn.device)
-                for n in diagonal_names
+                for n in self.diagonal_names
             ]
             or [torch.zeros(0, dtype=torch.long, device=fn.device)]
         )
         self._verified = False
+
+    def _option_changed(self, name: str) -> None:
+        """``damping`` changed: drop the layer covariances formed with the old value."""
+        self._cache.clear()
 
     # ------------------------------------------------------------------ decomposition
     def _block_weights(self) -> list[tuple[Tensor, Tensor, Tensor]]:

@@ -21,13 +21,11 @@ from gpytorch.likelihoods import Likelihood
 from torch import Tensor, nn
 
 from ...options import Structure, Subset, choose
-from .posterior import WeightPosterior
-from .dense_curvature import Data
-from .diag_laplace import DiagLaplace
+from .data_pass import Data
 from .full_laplace import FullLaplace
-from .kfac_laplace import KFACLaplace
 from .last_layer_laplace import LastLayerLaplace
-from ...ntk.network import NetworkCore
+from .posterior import WeightPosterior
+from .structures import STRUCTURE_CLASSES
 
 
 def laplace_posterior(
@@ -70,17 +68,14 @@ def laplace_posterior(
     structure = choose(Structure, structure, "structure")
     subset = choose(Subset, subset, "subset")
     common = {"prior_precision": prior_precision, "prior_structure": prior_structure, **kwargs}
+    classes = STRUCTURE_CLASSES[structure]
     if subset is Subset.LAST_LAYER:
-        if structure not in (Structure.FULL_GGN, Structure.FULL_EF):
+        if classes.posterior is not FullLaplace:
             raise ValueError(
                 f"subset='last_layer' needs structure='full_ggn' or 'full_ef', got {structure.value!r}"
             )
-        return LastLayerLaplace(net, x, y, likelihood, curvature=structure.value[5:], **common)
-    if structure in (Structure.FULL_GGN, Structure.FULL_EF):
-        return FullLaplace(net, x, y, likelihood, curvature=structure.value[5:], **common)
-    if structure is Structure.KFAC:
-        return KFACLaplace(net, x, y, likelihood, **common)
-    return DiagLaplace(net, x, y, likelihood, curvature=structure.value[5:], **common)
+        return LastLayerLaplace(net, x, y, likelihood, **classes.posterior_arguments, **common)
+    return classes.posterior(net, x, y, likelihood, **classes.posterior_arguments, **common)
 
 
 __all__ = ["laplace_posterior"]

@@ -8,8 +8,10 @@ from collections.abc import Mapping
 from gpytorch.likelihoods import Likelihood
 from torch import Tensor, nn
 
+from ...options import OptionAttribute
 from .dense_curvature import Data
 from .full_laplace import FullLaplace
+from .posterior import check_name
 
 
 class LastLayerLaplace(FullLaplace):
@@ -37,6 +39,8 @@ class LastLayerLaplace(FullLaplace):
         input_shape: the shape of one input, for flat inputs.
         chunk_size: examples per Jacobian chunk at prediction time.
 
+    ``layer`` holds the module's name (the default resolved) and is fixed after construction.
+
     Raises:
         ValueError: when ``layer`` names no module, or a module without trainable parameters of its own.
 
@@ -45,6 +49,8 @@ class LastLayerLaplace(FullLaplace):
         >>> posterior.names
         ['head.weight', 'head.bias']
     """
+
+    layer = OptionAttribute(check_name, fixed="the posterior is over this layer's parameters")
 
     def __init__(
         self,
@@ -61,7 +67,7 @@ class LastLayerLaplace(FullLaplace):
         input_shape: tuple[int, ...] | None = None,
         chunk_size: int = 256,
     ) -> None:
-        self.layer = layer
+        self._layer_request = layer
         super().__init__(
             net,
             x,
@@ -75,7 +81,9 @@ class LastLayerLaplace(FullLaplace):
             input_shape,
             chunk_size,
         )
-        self.structure = f"last_layer_{self.curvature.value}"
+
+    def _structure_name(self) -> str:
+        return f"last_layer_{self.curvature.value}"
 
     def _parameter_names(self, net: nn.Module) -> list[str]:
         if not isinstance(net, nn.Module):
@@ -92,15 +100,17 @@ class LastLayerLaplace(FullLaplace):
             for name, module in net.named_modules()
         ]
         owners = [(name, params) for name, params in owners if params]
-        if self.layer is None:
+        request = self._layer_request
+        if request is None:
             if not owners:
                 raise ValueError("net has no trainable parameters")
             self.layer = owners[-1][0]
             return owners[-1][1]
         found = dict(owners)
-        if self.layer not in found:
+        if request not in found:
             raise ValueError(
-                f"layer must name a module of net with trainable parameters of its own, got {self.layer!r}; "
+                f"layer must name a module of net with trainable parameters of its own, got {request!r}; "
                 f"candidates: {list(found)}"
             )
-        return found[self.layer]
+        self.layer = request
+        return found[request]

@@ -38,8 +38,9 @@ from ...caching import ValueCache, network_key, same_values
 from .scaling import output_scale
 from ...likelihoods import num_outputs
 from ...ntk import ParameterGroups, resolve_groups
-from ...options import PriorStructure, choose
+from ...options import OptionAttribute, PriorStructure, choose
 from ...ntk.network import NetworkCore
+from .prior_precision import prior_precision_vector
 
 
 def prior_groups(fn: NetworkCore, prior_structure: str | Mapping[str, str]) -> ParameterGroups:
@@ -82,52 +83,48 @@ def prior_groups(fn: NetworkCore, prior_structure: str | Mapping[str, str]) -> P
     )
 
 
-def check_likelihood(likelihood: Likelihood) -> None:
-    """Raise unless ``likelihood`` is a supported GPyTorch likelihood."""
+def check_likelihood(likelihood: Likelihood, argument: str = "likelihood") -> Likelihood:
+    """``likelihood``, after checking that it is a supported GPyTorch likelihood (errors name ``argument``)."""
     if not isinstance(likelihood, Likelihood):
-        raise TypeError(f"likelihood must be a gpytorch Likelihood, got {type(likelihood).__name__}")
+        raise TypeError(f"{argument} must be a gpytorch Likelihood, got {type(likelihood).__name__}")
     num_outputs(likelihood)  # raises for an unsupported likelihood
+    return likelihood
 
 
-def prior_precision_vector(value: float | Tensor, groups: ParameterGroups, fn: NetworkCore) -> Tensor:
-    """``value`` as a detached ``(G,)`` tensor of positive prior precisions (a scalar is shared by all
-    groups).
+def check_name(value: object, argument: str) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{argument} must be a string, got {type(value).__name__}")
+    return value
 
-    Raises:
-        TypeError: for a bool, a string or another non-number, naming ``prior_precision``.
-        ValueError: for a wrong shape or a non-positive or non-finite value, naming ``prior_precision``.
-    """
-    if isinstance(value, (bool, str, bytes)):
-        raise TypeError(f"prior_precision must be a number or a tensor, got {type(value).__name__}")
-    source = value.detach() if torch.is_tensor(value) else value  # or a float, a numpy number or array, a list
-    try:
-        kind = source.dtype if torch.is_tensor(source) else torch.as_tensor(source).dtype
-    except (TypeError, ValueError, RuntimeError) as error:
-        raise TypeError(f"prior_precision must be a number or a tensor, got {type(value).__name__}") from error
-    if kind == torch.bool or kind.is_complex:  # numpy's bools and complex numbers too
-        raise TypeError(f"prior_precision must hold real numbers, got dtype {kind}")
-    # straight to the net's dtype (a float is not rounded to float32 first), and a copy in every case (as_tensor
-    # shares a tensor's or numpy array's memory): the caller's object cannot change it later
-    delta = torch.as_tensor(source, dtype=fn.dtype, device=fn.device).clone()
-    if delta.dim() == 0:
-        delta = delta.expand(groups.num_groups).clone()
-    if delta.shape != (groups.num_groups,):
-        raise ValueError(
-            f"prior_precision must be a scalar or have shape ({groups.num_groups},) (one per group "
-            f"{list(groups.group_names)}), got shape {tuple(delta.shape)}"
-        )
-    if not bool(torch.isfinite(delta).all() and (delta > 0).all()):
-        raise ValueError(f"prior_precision must be positive and finite, got {delta.tolist()}")
-    return delta
+
+def group_spec(prior_structure: str | Mapping[str, str]) -> str | Mapping[str, str]:
+    """``prior_structure`` as the curvature builders take it: a mapping as it is, a name validated by
+    :class:`~ntkgp.options.PriorStructure` (a member or its string)."""
+    if isinstance(prior_structure, Mapping):
+        return prior_structure
+    return choose(PriorStructure, prior_structure, "prior_structure").value
 
 
 def check_before_pass(
-    net, prior_precision: float | Tensor, prior_structure, input_shape, chunk_size: int
-) -> None:
-    """What a structured posterior checks before its pass over the data (which runs the network): the network,
-    ``chunk_size``, ``prior_structure`` and ``prior_precision``, each error naming its argument."""
-    fn = NetworkCore(net, None, input_shape, chunk_size)
-    prior_precision_vector(prior_precision, prior_groups(fn, prior_structure), fn)
+    net,
+    likelihood: Likelihood,
+    prior_precision: float | Tensor,
+    prior_structure: str | Mapping[str, str],
+    input_shape,
+    chunk_size: int,
+    names: list[str] | None = None,
+) -> tuple[NetworkCore, ParameterGroups]:
+    """What a posterior checks before its pass over the data (which runs the network): the likelihood, the
+    network, ``chunk_size``, ``prior_structure`` and ``prior_precision``, each error naming its argument.
+
+    Returns:
+        The network function over ``names`` (default: every trainable parameter) and its prior groups.
+    """
+    check_likelihood(likelihood)
+    fn = NetworkCore(net, names, input_shape, chunk_size)
+    groups = prior_groups(fn, prior_structure)
+    prior_precision_vector(prior_precision, groups, fn.dtype, fn.device, keep_graph=False)
+    return fn, groups
 
 
 class WeightPosterior(ABC):
@@ -143,11 +140,16 @@ class WeightPosterior(ABC):
         scale_size: the length of :math:`s` the curvature is split for (``C`` for Gaussian likelihoods,
             ``1`` otherwise).
 
+    ``prior_precision`` and the likelihood's hyperparameters may change at any time (everything computed from
+    them is cached by value); ``likelihood`` and ``structure`` are fixed at construction (assigning another value
+    raises ``AttributeError``: the curvature was computed with them).
+
     Raises:
         ValueError: for a non-positive prior precision, or one of the wrong shape.
     """
 
-    structure: str = ""
+    likelihood = OptionAttribute(check_likelihood, fixed="the curvature was computed with this likelihood")
+    structure = OptionAttribute(check_name, fixed="a posterior of another structure is another object")
 
     def __init__(
         self,
@@ -157,9 +159,8 @@ class WeightPosterior(ABC):
         prior_precision: float | Tensor,
         scale_size: int,
     ) -> None:
-        check_likelihood(likelihood)
-        self.function = function
         self.likelihood = likelihood
+        self.function = function
         self.groups = groups
         self.scale_size = int(scale_size)
         self.column_groups = groups.column_groups(device=function.device)
@@ -193,7 +194,9 @@ class WeightPosterior(ABC):
 
     @prior_precision.setter
     def prior_precision(self, value: float | Tensor) -> None:
-        self._prior_precision = prior_precision_vector(value, self.groups, self.function)
+        self._prior_precision = prior_precision_vector(
+            value, self.groups, self.function.dtype, self.function.device, keep_graph=False
+        )
 
     def prior_precision_columns(self) -> Tensor:
         r""":math:`\delta_{g(p)}` for every coordinate, shape ``(P,)``."""

@@ -21,7 +21,7 @@ import torch
 from gpytorch.likelihoods import Likelihood
 from torch import Tensor
 
-from ...likelihoods import is_gaussian, likelihood_temperature, noise_variance, num_outputs
+from ...likelihoods import gradient, hessian_sqrt, is_gaussian, likelihood_temperature, noise_variance, num_outputs
 
 
 def output_scale(likelihood: Likelihood) -> Tensor:
@@ -34,3 +34,18 @@ def output_scale(likelihood: Likelihood) -> Tensor:
     if temperature is None:
         return torch.ones(1)
     return temperature.reciprocal().reshape(1)
+
+
+def unit_hessian_sqrt(likelihood: Likelihood, f: Tensor, y: Tensor, scale0: Tensor) -> Tensor:
+    r""":math:`\tilde L_n = S_0^{-1/2} L_n` with :math:`L_n L_n^\top = \Lambda_n` at the output scale
+    :math:`s_0` (``scale0``, detached), shape ``(n, C, C)``, without a graph: :math:`I` for a Gaussian
+    likelihood, :math:`L_n \sqrt{T_0}` for a tempered one."""
+    with torch.no_grad():
+        return hessian_sqrt(likelihood, f, y) * scale0.rsqrt()[:, None]
+
+
+def unit_gradient(likelihood: Likelihood, f: Tensor, y: Tensor, scale0: Tensor) -> Tensor:
+    r""":math:`\tilde g_n = S_0^{-1} g_n` at the output scale :math:`s_0`, shape ``(n, C)``, without a graph
+    (Gaussian: :math:`y_n - f_n`)."""
+    with torch.no_grad():
+        return gradient(likelihood, f, y) / scale0

@@ -1,19 +1,50 @@
-"""The front door: compute a scalable Laplace curvature structure by name."""
+"""The one place that maps a curvature structure's name to what computes it: :func:`compute_curvature`'s
+builder and :func:`~ntkgp.laplace.weight_space.laplace_posterior`'s posterior class."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from gpytorch.likelihoods import Likelihood
 from torch import Tensor, nn
 
 from ...ntk.groups import GroupSpec
-from ...options import Structure, choose, renamed_argument
-from .curvature import Curvature, unexpected
+from ...options import Structure, choose
+from .curvature import Curvature
 from .data_pass import Data
+from .diag_laplace import DiagLaplace
 from .diagonal import diagonal_ef, diagonal_ggn
+from .full_curvature import full_ef, full_ggn
+from .full_laplace import FullLaplace
 from .kfac import kfac_ggn
+from .kfac_laplace import KFACLaplace
+from .posterior import WeightPosterior
 
-# the structures computed here (the full GGN/EF are the function-space evidence of ntkgp's models)
-_STRUCTURES = {Structure.DIAG_GGN: diagonal_ggn, Structure.DIAG_EF: diagonal_ef, Structure.KFAC: kfac_ggn}
+
+@dataclass(frozen=True)
+class StructureClasses:
+    """What computes one structure.
+
+    Attributes:
+        curvature: the builder of its :class:`~ntkgp.laplace.weight_space.Curvature` (one pass over the data).
+        posterior: its :class:`~ntkgp.laplace.weight_space.WeightPosterior` class.
+        posterior_arguments: the fixed keyword arguments of that class (``curvature="ggn"`` / ``"ef"``).
+    """
+
+    curvature: Callable[..., Curvature]
+    posterior: type[WeightPosterior]
+    posterior_arguments: dict = field(default_factory=dict)
+
+
+#: The structures by name (:class:`ntkgp.options.Structure`).
+STRUCTURE_CLASSES: dict[Structure, StructureClasses] = {
+    Structure.FULL_GGN: StructureClasses(full_ggn, FullLaplace, {"curvature": "ggn"}),
+    Structure.FULL_EF: StructureClasses(full_ef, FullLaplace, {"curvature": "ef"}),
+    Structure.KFAC: StructureClasses(kfac_ggn, KFACLaplace),
+    Structure.DIAG_GGN: StructureClasses(diagonal_ggn, DiagLaplace, {"curvature": "ggn"}),
+    Structure.DIAG_EF: StructureClasses(diagonal_ef, DiagLaplace, {"curvature": "ef"}),
+}
 
 
 def compute_curvature(
@@ -27,7 +58,6 @@ def compute_curvature(
     progress: bool = False,
     input_shape: tuple[int, ...] | None = None,
     distributed: bool = False,
-    **kwargs,
 ) -> Curvature:
     r"""Compute the curvature ``structure`` of ``net`` at its current weights :math:`\theta^*`, once.
 
@@ -44,8 +74,10 @@ def compute_curvature(
         likelihood: a supported likelihood; its current noise/temperature is used for the pass, and later
             evaluations follow any new value.
         structure: ``"diag_ggn"`` (:class:`~ntkgp.laplace.weight_space.DiagonalGGN`), ``"diag_ef"``
-            (:class:`~ntkgp.laplace.weight_space.DiagonalEF`) or ``"kfac"`` (:class:`~ntkgp.laplace.weight_space.KroneckerGGN`), members
-            of :class:`ntkgp.options.Structure`.
+            (:class:`~ntkgp.laplace.weight_space.DiagonalEF`), ``"kfac"``
+            (:class:`~ntkgp.laplace.weight_space.KroneckerGGN`) or ``"full_ggn"`` / ``"full_ef"`` (the dense
+            weight-space :class:`~ntkgp.laplace.weight_space.FullCurvature`, :math:`P \times P`), members of
+            :class:`ntkgp.options.Structure`.
         prior_structure: prior-precision groups, see :func:`ntkgp.ntk.resolve_groups`; ``"kfac"`` needs the
             weight and bias of each ``Linear``/``Conv2d`` layer in one group (``"layer"`` or ``"network"``).
         batch_size: examples per batch when ``x`` is a tensor.
@@ -54,14 +86,12 @@ def compute_curvature(
         distributed: each rank of an initialized ``torch.distributed`` process group passes its shard of the
             data (the network replicated on every rank, as in DDP); the sums over the data are all-reduced, so
             every rank gets the curvature of all the data (docs/scaling.md, "Several processes and GPUs").
-        **kwargs: ``groups=``, the deprecated name of ``prior_structure``.
 
     Returns:
         The :class:`~ntkgp.laplace.weight_space.Curvature`.
 
     Raises:
-        ValueError: an unknown or unsupported ``structure`` (``"full_ggn"``/``"full_ef"`` are the exact
-            function-space evidence of :class:`ntkgp.NTKGP`), or invalid data, naming the argument.
+        ValueError: an unknown ``structure``, or invalid data, naming the argument.
 
     Example:
         >>> import torch
@@ -73,17 +103,10 @@ def compute_curvature(
         >>> curvature.log_marginal_likelihood(1.0, likelihood).shape
         torch.Size([])
     """
-    prior_structure = renamed_argument(kwargs, "groups", "prior_structure", prior_structure, "layer")
-    unexpected(kwargs, "compute_curvature")
     chosen = choose(Structure, structure, "structure")
-    if chosen not in _STRUCTURES:
-        raise ValueError(
-            f"structure={chosen.value!r} is not computed by compute_curvature (it is the exact function-space "
-            f"evidence of ntkgp's models); use one of {', '.join(repr(s.value) for s in _STRUCTURES)}"
-        )
     if not isinstance(progress, bool):
         raise TypeError(f"progress must be True or False, got {progress!r}")
-    return _STRUCTURES[chosen](
+    return STRUCTURE_CLASSES[chosen].curvature(
         net, x, y, likelihood, prior_structure=prior_structure, batch_size=batch_size, progress=progress,
         input_shape=input_shape, distributed=distributed,
     )

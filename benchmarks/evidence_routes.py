@@ -1,0 +1,333 @@
+"""Every route of the Laplace evidence against laplace-torch, side by side in one run.
+
+Four problems (float64, networks trained to a MAP point with Adam): Snelson-sized regression (N = 200,
+1-50-50-50-1 tanh, P = 5251: function space), UCI energy (split 0, N = 691, 8-50-1 tanh, P = 501: weight space),
+scikit-learn digits (70 % train, N = 1257, C = 10, 64-32-10 tanh, P = 2410: weight space) and its classes 0-2
+(N = 376, C = 3, 64-32-3 tanh, P = 2179: function space). For each: the full GGN (ntkgp: ``NTKGP`` + the MLL,
+the space chosen by ``choose_space``; laplace-torch ``FullLaplace``), KFAC (``compute_curvature("kfac")``;
+``KronLaplace``) and the diagonal GGN (``"diag_ggn"``; ``DiagLaplace``), with one δ and with one δ per parameter
+tensor (ntkgp's KFAC: one per layer, its weight and bias share a Kronecker block; laplace-torch's KFAC keeps weight
+and bias in separate blocks, each with its own δ). Measured: the build (one pass over the data and the first
+evidence), the time of one hyperparameter step (Adam on log δ, and on the noise for regression; the mean of
+``--steps`` steps after one warm-up step) and the GLM predictive covariance at 1,000 points.
+
+    python benchmarks/evidence_routes.py --data-dir DATA [--steps 5] [--crossover] [--write-docs]
+
+Run with an interpreter that has laplace-torch (kept out of ntkgp's dependencies); without it only ntkgp's side
+is measured. ``--crossover`` also times one evidence step in each space on a grid of N·C / P and prints where
+weight space becomes the cheaper one (the rule of :func:`ntkgp.options.choose_space`). ``--write-docs`` writes
+the table into docs/ntkgp.md (generated region ``ntkgp-evidence-routes``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+import gpytorch
+import torch
+from torch import nn
+
+import ntkgp
+from ntkgp._doctable import command_line, markdown_table, write_block
+from ntkgp.laplace.weight_space import DiagLaplace, KFACLaplace, compute_curvature
+from ntkgp.likelihoods import SoftmaxLikelihood
+
+TEST_POINTS = 1000
+
+
+# ---------------------------------------------------------------------------------------------- problems
+def mlp(sizes: list[int]) -> nn.Module:
+    layers: list[nn.Module] = []
+    for a, b in zip(sizes[:-1], sizes[1:]):
+        layers += [nn.Linear(a, b), nn.Tanh()]
+    return nn.Sequential(*layers[:-1]).double()
+
+
+def train(net: nn.Module, x, y, regression: bool, steps: int = 1000, delta: float = 1.0) -> nn.Module:
+    """MAP with Adam, full batch, prior precision ``delta`` per weight."""
+    opt = torch.optim.Adam(net.parameters(), lr=1e-2)
+    for _ in range(steps):
+        opt.zero_grad()
+        out = net(x)
+        fit = ((out.squeeze(-1) - y) ** 2).sum() / (2 * 0.1**2) if regression else nn.functional.cross_entropy(
+            out, y, reduction="sum")
+        loss = fit + 0.5 * delta * sum((p**2).sum() for p in net.parameters())
+        loss.backward()
+        opt.step()
+    for p in net.parameters():
+        p.grad = None
+    return net.eval()
+
+
+def problems(data_dir: str | None):
+    torch.manual_seed(0)
+    out = []
+    if data_dir and (Path(data_dir) / "toy").is_dir():
+        x, y, _ = ntkgp.datasets.load_snelson(data_dir)
+        y = y.reshape(-1)
+        name = "Snelson"
+    else:
+        x = torch.rand(200, 1, dtype=torch.float64) * 6
+        y = torch.sin(x[:, 0]) + 0.3 * torch.randn(200, dtype=torch.float64)
+        name = "Snelson-sized (synthetic)"
+    out.append((name, "regression", x, y, mlp([1, 50, 50, 50, 1])))
+    if data_dir and (Path(data_dir) / "uci_regression").is_dir():
+        split = ntkgp.datasets.load_uci_regression(data_dir, "energy", split=0)
+        out.append(("UCI energy", "regression", split.x_train, split.y_train.reshape(-1), mlp([8, 50, 1])))
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    digits = load_digits()
+    x_all = torch.tensor(digits.data / 16.0, dtype=torch.float64)
+    y_all = torch.tensor(digits.target)
+    x_tr, _, y_tr, _ = train_test_split(x_all, y_all, train_size=0.7, random_state=0, stratify=y_all)
+    out.append(("digits", "classification", x_tr, y_tr, mlp([64, 32, 10])))
+    keep = y_all < 3
+    x3, _, y3, _ = train_test_split(x_all[keep], y_all[keep], train_size=0.7, random_state=0, stratify=y_all[keep])
+    out.append(("digits 0-2", "classification", x3, y3, mlp([64, 32, 3])))
+    trained = []
+    for name, task, x, y, net in out:
+        train(net, x, y.to(torch.float64) if task == "regression" else y, task == "regression")
+        trained.append((name, task, x, y, net))
+    return trained
+
+
+def test_inputs(x: torch.Tensor) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1)
+    low, high = x.min(0).values, x.max(0).values
+    return low + (high - low) * torch.rand(TEST_POINTS, x.shape[1], generator=g, dtype=x.dtype)
+
+
+def timed(fn):
+    start = time.perf_counter()
+    value = fn()
+    return value, time.perf_counter() - start
+
+
+# ---------------------------------------------------------------------------------------------- ntkgp
+def ntkgp_likelihood(task: str, c: int):
+    if task == "regression":
+        lik = gpytorch.likelihoods.GaussianLikelihood().double()
+        lik.noise = 0.1**2
+        return lik
+    return SoftmaxLikelihood(num_classes=c).double()
+
+
+def ntkgp_full(task, x, y, net, prior_structure, steps, x_test):
+    lik = ntkgp_likelihood(task, net[-1].out_features)
+
+    def build():
+        model = ntkgp.NTKGP(net, x, y, lik, prior_precision=1.0, prior_structure=prior_structure,
+                            predictive_mean="nn")  # laplace-torch's GLM predictive mean: the network's output
+        return model, model.log_marginal_likelihood().item()
+
+    (model, first), t_build = timed(build)
+    mll = ntkgp.LaplaceGGNMarginalLogLikelihood(lik, model)
+    model.train()
+    opt = torch.optim.Adam(model.hyperparameters(), lr=0.1)
+
+    def step():
+        opt.zero_grad()
+        (-mll(model(x), y)).backward()
+        opt.step()
+
+    step()  # warm-up
+    t_step = timed(lambda: [step() for _ in range(steps)])[1] / steps
+    model.eval()
+
+    def predict():
+        with torch.no_grad():
+            return model(x_test).variance
+
+    t_pred = timed(predict)[1]
+    k = net[-1].out_features if task == "classification" else 1
+    from ntkgp.options import choose_space
+
+    space = choose_space("auto", sum(p.numel() for p in net.parameters()), x.shape[0] * k).value
+    return {"build": t_build, "step": t_step, "pred": t_pred, "first": first, "route": f"full GGN, {space} space"}
+
+
+def ntkgp_structured(task, x, y, net, structure, prior_structure, steps, x_test):
+    lik = ntkgp_likelihood(task, net[-1].out_features)
+
+    def build():
+        curvature = compute_curvature(net, x, y, lik, structure, prior_structure=prior_structure, batch_size=256)
+        return curvature, curvature.log_marginal_likelihood(1.0, lik).item()
+
+    (curvature, first), t_build = timed(build)
+    log_delta = torch.zeros(curvature.groups.num_groups, dtype=torch.float64, requires_grad=True)
+    opt = torch.optim.Adam([log_delta, *[p for p in lik.parameters() if p.requires_grad]], lr=0.1)
+
+    def step():
+        opt.zero_grad()
+        (-curvature.log_marginal_likelihood(log_delta.exp(), lik)).backward()
+        opt.step()
+
+    step()
+    t_step = timed(lambda: [step() for _ in range(steps)])[1] / steps
+    delta = log_delta.detach().exp()
+
+    def predict():
+        if structure == "kfac":
+            posterior = KFACLaplace.from_curvature(curvature, net, lik, prior_precision=delta)
+        else:
+            posterior = DiagLaplace.from_curvature(curvature, net, lik, prior_precision=delta)
+        return posterior.glm_covariance(x_test)
+
+    t_pred = timed(predict)[1]
+    return {"build": t_build, "step": t_step, "pred": t_pred, "first": first, "route": structure}
+
+
+# ---------------------------------------------------------------------------------------------- laplace-torch
+def laplace_torch(task, x, y, net, structure, per_tensor, steps, x_test):
+    import laplace
+
+    cls = {"full": laplace.FullLaplace, "kfac": laplace.KronLaplace, "diag_ggn": laplace.DiagLaplace}[structure]
+    n_tensors = len(list(net.parameters()))
+    sigma = 0.1 if task == "regression" else 1.0
+    prior = torch.ones(n_tensors, dtype=torch.float64) if per_tensor else torch.tensor(1.0, dtype=torch.float64)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=256)
+
+    def build():
+        la = cls(net, task, sigma_noise=sigma, prior_precision=prior.clone())
+        la.fit(loader)
+        return la, la.log_marginal_likelihood().item()
+
+    (la, first), t_build = timed(build)
+    log_prior = torch.zeros_like(prior, requires_grad=True)
+    log_sigma = torch.tensor(float(torch.log(torch.tensor(sigma))), dtype=torch.float64, requires_grad=True)
+    params = [log_prior, log_sigma] if task == "regression" else [log_prior]
+    opt = torch.optim.Adam(params, lr=0.1)
+
+    def step():
+        opt.zero_grad()
+        if task == "regression":
+            value = la.log_marginal_likelihood(log_prior.exp(), log_sigma.exp())
+        else:
+            value = la.log_marginal_likelihood(log_prior.exp())
+        (-value).backward()
+        opt.step()
+
+    step()
+    t_step = timed(lambda: [step() for _ in range(steps)])[1] / steps
+    with torch.no_grad():
+        la.prior_precision = log_prior.detach().exp()
+        if task == "regression":
+            la.sigma_noise = log_sigma.detach().exp()
+    t_pred = timed(lambda: la._glm_predictive_distribution(x_test))[1]
+    return {"build": t_build, "step": t_step, "pred": t_pred, "first": first}
+
+
+def have_laplace() -> bool:
+    try:
+        import laplace  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# ---------------------------------------------------------------------------------------------- crossover
+def crossover(steps: int) -> list[tuple[float, float, float]]:
+    """One exact evidence step (per-tensor δ, softmax, 3 classes) in each space for N·C / P on a grid."""
+    net = mlp([20, 24, 24, 3])  # P = 1179
+    p = sum(q.numel() for q in net.parameters())
+    out = []
+    for ratio in (0.5, 0.75, 1.0, 1.5, 2.0):
+        n = int(round(ratio * p / 3))
+        x = torch.randn(n, 20, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+        y = torch.randint(0, 3, (n,), generator=torch.Generator().manual_seed(1))
+        lik = SoftmaxLikelihood(num_classes=3).double()
+        times = []
+        for space in ("function", "weight"):
+            model = ntkgp.NTKGP(net, x, y, lik, prior_precision=1.0, prior_structure="parameter")
+            model.log_marginal_likelihood(space=space, method="cholesky")  # build the curvature
+
+            def step():
+                value = model.log_marginal_likelihood(space=space, method="cholesky")
+                value.backward()
+
+            step()
+            times.append(timed(lambda: [step() for _ in range(steps)])[1] / steps)
+        out.append((n * 3 / p, *times))
+        print(f"N·C/P = {n * 3 / p:.2f}: function {times[0] * 1e3:.1f} ms, weight {times[1] * 1e3:.1f} ms per step")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- main
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data-dir", default=os.environ.get("NTKGP_DATA_DIR"))
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--crossover", action="store_true")
+    parser.add_argument("--write-docs", action="store_true")
+    parser.add_argument("--only", default=None, help="run only these problems (names, comma-separated)")
+    args = parser.parse_args()
+    torch.set_default_dtype(torch.float64)
+    other = have_laplace()
+    rows = []
+    for name, task, x, y, net in problems(args.data_dir):
+        if args.only and name not in args.only.split(","):
+            continue
+        x_test = test_inputs(x)
+        c = net[-1].out_features
+        p = sum(q.numel() for q in net.parameters())
+        label = f"{name} (N = {x.shape[0]}, C = {c}, P = {p})"
+        for per_tensor in (False, True):
+            prior = "parameter" if per_tensor else "network"
+            for structure in ("full", "kfac", "diag_ggn"):
+                if structure == "full":
+                    ours = ntkgp_full(task, x, y, net, prior, args.steps, x_test)
+                else:
+                    grouping = ("layer" if structure == "kfac" else "parameter") if per_tensor else "network"
+                    ours = ntkgp_structured(task, x, y, net, structure, grouping, args.steps, x_test)
+                theirs = laplace_torch(task, x, y, net, structure, per_tensor, args.steps, x_test) if other else None
+                rows.append((label, "per tensor" if per_tensor else "one", ours, theirs))
+                print(format_row(rows[-1]), flush=True)
+    points = crossover(args.steps) if args.crossover else None
+    if args.write_docs:
+        write_docs(rows, points, other)
+
+
+def ratio(a: float, b: float) -> str:
+    return f"{a / b:.2g}×"
+
+
+def format_row(row) -> str:
+    label, prior, ours, theirs = row
+    cells = [label, ours["route"], f"δ: {prior}", f"build {ours['build']:.3g} s", f"step {ours['step'] * 1e3:.3g} ms",
+             f"predict {ours['pred']:.3g} s", f"evidence {ours['first']:.6g}"]
+    if theirs is not None:
+        cells += [f"| laplace-torch build {theirs['build']:.3g} s", f"step {theirs['step'] * 1e3:.3g} ms",
+                  f"predict {theirs['pred']:.3g} s", f"evidence {theirs['first']:.6g}",
+                  f"| ratios {ratio(ours['build'], theirs['build'])} {ratio(ours['step'], theirs['step'])} "
+                  f"{ratio(ours['pred'], theirs['pred'])}"]
+    return ", ".join(cells)
+
+
+def write_docs(rows, points, other: bool) -> None:
+    header = ["problem", "ntkgp route", "δ", "build s", "step ms", "predictive s (1,000 points)"]
+    if other:
+        header += ["laplace-torch build s", "step ms", "predictive s", "ratio build / step / predictive",
+                   "evidence ntkgp / laplace-torch"]
+    table = []
+    for label, prior, ours, theirs in rows:
+        row = [label, ours["route"], prior, f"{ours['build']:.3g}", f"{ours['step'] * 1e3:.3g}", f"{ours['pred']:.3g}"]
+        if theirs is not None:
+            row += [f"{theirs['build']:.3g}", f"{theirs['step'] * 1e3:.3g}", f"{theirs['pred']:.3g}",
+                    " / ".join(ratio(ours[k], theirs[k]) for k in ("build", "step", "pred")),
+                    f"{ours['first']:.6g} / {theirs['first']:.6g}"]
+        table.append(row)
+    text = markdown_table(header, table)
+    if points:
+        text += "\n\nOne exact evidence step (value and gradient) in each space, softmax with 3 classes, P = 1179:\n\n"
+        text += markdown_table(["N·C / P", "function space ms", "weight space ms"],
+                               [[f"{r:.2f}", f"{a * 1e3:.3g}", f"{b * 1e3:.3g}"] for r, a, b in points])
+    note = "  # with laplace-torch importable" if other else ""
+    write_block("docs/ntkgp.md", "ntkgp-evidence-routes", text, command_line() + note)
+
+
+if __name__ == "__main__":
+    main()

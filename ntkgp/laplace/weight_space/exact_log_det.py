@@ -1,0 +1,104 @@
+r"""The one log-determinant of the exact Laplace evidence, in either space, with a fused backward pass.
+
+Both exact representations of :math:`\log|H + P_0| - \log|P_0|` (``docs/math.md``, "Laplace-GGN evidence")
+are the log-determinant of a matrix of one shape,
+
+.. math::
+    B = I + D_r \Bigl(\sum_k c_k M_k\Bigr) D_r, \qquad D_r = \operatorname{diag}(r), \qquad
+    \log|B| = 2 \sum_i \log L_{ii}, \quad L L^\top = B,
+
+with fixed positive semi-definite :math:`M_k` computed once per :math:`\theta^*` and the hyperparameters in
+the coefficients :math:`c` and the row scales :math:`r > 0`:
+
+- **weight space** (:class:`~ntkgp.laplace.weight_space.FullCurvature`): :math:`M_k = D_k` the GGN / EF
+  components (``P × P``), :math:`c = w(s)` their weights in the likelihood's output scale, :math:`r_p =
+  \delta_{g(p)}^{-1/2}`, so :math:`B = P_0^{-1/2} (H + P_0) P_0^{-1/2}`;
+- **function space** (:class:`~ntkgp.laplace.weight_space.FunctionSpaceCurvature`): :math:`M_g = U_g U_g^\top`
+  the per-group Grams of the unit rows (``R × R``), :math:`c_g = 1/\delta_g`, :math:`r_i = \sqrt{w_i(s)}`, so
+  :math:`B = I + W^{1/2} U P_0^{-1} U^\top W^{1/2}` (matrix determinant lemma).
+
+The eigenvalues of :math:`B` are at least 1: the factorization cannot fail for finite hyperparameters, and no
+result is formed by cancellation. Forward: one Cholesky factorization, :math:`O(R^3/3)`. Backward, from the
+same factor: :math:`L^{-1}` (one triangular solve), then
+
+.. math::
+    \frac{\partial \log|B|}{\partial c_k} = \langle B^{-1} \circ r r^\top, M_k\rangle, \qquad
+    \frac{\partial \log|B|}{\partial r_i} = \frac{2\,(1 - [B^{-1}]_{ii})}{r_i}
+
+(since :math:`B^{-1}(B - I) = I - B^{-1}`), exact and several times cheaper than differentiating through the
+factorization. The row scales need only :math:`\operatorname{diag}(B^{-1})`, the column sums of squares of
+:math:`L^{-1}`; so does a single matrix, :math:`c\,\langle B^{-1} \circ r r^\top, M\rangle = R -
+\operatorname{tr} B^{-1}` (taken when it is not a difference of nearly equal numbers); several matrices form
+:math:`B^{-1} = L^{-\top} L^{-1}`. Memory: :math:`B`, its factor and (backward) :math:`L^{-1}` and
+:math:`B^{-1}`, :math:`4 R^2` numbers besides the :math:`M_k`, which are not copied.
+"""
+
+from __future__ import annotations
+
+import torch
+from linear_operator.utils.errors import NotPSDError
+from torch import Tensor
+
+__all__ = ["scaled_log_det", "spectral_log_det_ratio"]
+
+
+class _ScaledLogDet(torch.autograd.Function):
+    r""":math:`\log|I + D_r (\sum_k c_k M_k) D_r|` (module docstring), differentiable in ``coefficients`` and
+    ``root``; the matrices are fixed data."""
+
+    @staticmethod
+    def forward(ctx, coefficients: Tensor, root: Tensor, matrices: Tensor) -> Tensor:
+        matrix = torch.tensordot(coefficients, matrices, dims=1)
+        matrix.mul_(root[:, None]).mul_(root[None, :]).diagonal().add_(1)
+        factor, info = torch.linalg.cholesky_ex(matrix)
+        if int(info) != 0:
+            raise NotPSDError(
+                f"I + D (Σ c M) D of size {matrix.shape[-1]} is not positive definite (leading minor {int(info)}): "
+                "are the hyperparameters finite?"
+            )
+        ctx.save_for_backward(factor, root, matrices)
+        ctx.coefficients = coefficients.detach()
+        return 2 * factor.diagonal().log().sum()
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        factor, root, matrices = ctx.saved_tensors
+        size = factor.shape[-1]
+        eye = torch.eye(size, dtype=factor.dtype, device=factor.device)
+        inverse_factor = torch.linalg.solve_triangular(factor, eye, upper=False)  # L⁻¹: B⁻¹ = L⁻ᵀ L⁻¹
+        inverse_diagonal = inverse_factor.square().sum(0)
+        grad_root = grad * 2 * (1 - inverse_diagonal) / root if ctx.needs_input_grad[1] else None
+        grad_coefficients = None
+        if ctx.needs_input_grad[0]:
+            coefficients = ctx.coefficients
+            touched = size - inverse_diagonal.sum()  # ⟨B⁻¹, B − I⟩ = c ⟨B⁻¹ ∘ r rᵀ, M⟩ for one matrix
+            if matrices.shape[0] == 1 and touched > 1e-3 * size:
+                grad_coefficients = (grad * touched / coefficients).reshape(1)
+            else:  # several matrices (or almost no curvature: no cancellation): the full B⁻¹
+                inverse = inverse_factor.mT @ inverse_factor
+                inverse.mul_(root[:, None]).mul_(root[None, :])
+                grad_coefficients = grad * torch.tensordot(matrices, inverse, dims=([1, 2], [0, 1]))
+        return grad_coefficients, grad_root, None
+
+
+def scaled_log_det(coefficients: Tensor, root: Tensor, matrices: Tensor) -> Tensor:
+    r""":math:`\log|I + D_r (\sum_k c_k M_k) D_r|` by one Cholesky factorization (module docstring).
+
+    Args:
+        coefficients: :math:`c`, ``(K,)``.
+        root: :math:`r > 0`, ``(R,)``.
+        matrices: :math:`M_k`, ``(K, R, R)``, symmetric positive semi-definite (fixed: no gradient).
+
+    Returns:
+        A scalar tensor, differentiable in ``coefficients`` and ``root``.
+
+    Raises:
+        NotPSDError: when the factorization fails (non-finite hyperparameters).
+    """
+    return _ScaledLogDet.apply(coefficients, root, matrices)
+
+
+def spectral_log_det_ratio(eigenvalues: Tensor, ratio: Tensor) -> Tensor:
+    r""":math:`\sum_i \log(1 + \rho \lambda_i)`: :math:`\log|I + \rho M|` from the eigenvalues of :math:`M`,
+    for one matrix and one scalar hyperparameter ratio :math:`\rho` (:math:`c\,r^2`), :math:`O(R)`."""
+    return torch.log1p(ratio * eigenvalues).sum()
