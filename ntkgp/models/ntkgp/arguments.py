@@ -77,8 +77,9 @@ def deterministic_outputs(engine: NTKEngine, x: torch.Tensor) -> torch.Tensor:
     with torch.random.fork_rng(devices=devices):
         f = engine.outputs(x, "train_x")
         first, second = f[:RANDOMNESS_PROBE], engine.outputs(x[:RANDOMNESS_PROBE], "train_x")
-    scale = first.abs().max().clamp_min(1.0)
-    if not torch.allclose(first, second, rtol=1e-3, atol=1e-3 * float(scale)):
+    first, second = first.detach(), second.detach()
+    scale = float(first.abs().max().clamp_min(1.0))
+    if not torch.allclose(first, second, rtol=1e-3, atol=1e-3 * scale):
         raise RandomNetworkError(f"{RANDOM_NETWORK}: two passes over the same training inputs gave different outputs")
     return f
 
