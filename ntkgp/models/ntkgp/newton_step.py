@@ -42,6 +42,13 @@ At test points the mean costs one forward-mode pass (:math:`f` and :math:`J s` t
 Near a MAP the step, and with it the error, vanishes; the function-space (Woodbury) form, which subtracts
 :math:`P_0^{-1}J^\top L B^{-1} L^\top J a` from :math:`a`, is about 30 times less accurate than the weight-space
 solve, which is as accurate as the float32 Jacobians themselves allow.
+
+**Where results stop meaning anything.** When :math:`\epsilon\kappa \ge 1` the identity in :math:`B` (the
+prior, relative to the data term :math:`\Lambda^{1/2}K\Lambda^{1/2}` that grows as :math:`1/(\delta\sigma^2)`)
+is below the rounding of the factorized matrix: the whole predictive, variance included, no longer depends
+on the prior precision as it should (a float64 model with :math:`\delta = 10^{-16}` predicts as with
+:math:`\delta = 10^{-12}`). :func:`newton_step` then warns, naming the prior precision from which on the
+prior is resolved (about :math:`10^{2}\,\epsilon\kappa\,\max\delta`).
 """
 
 from __future__ import annotations
@@ -61,7 +68,14 @@ from ...ntk import NTKEngine
 from ...ntk.functional import forward
 from ...options import Space
 
-__all__ = ["ERROR_CONSTANTS", "ERROR_LIMIT", "condition_number", "newton_step", "relative_error", "shifted_outputs"]
+__all__ = [
+    "ERROR_CONSTANTS",
+    "ERROR_LIMIT",
+    "condition_number",
+    "newton_step",
+    "relative_error",
+    "shifted_outputs",
+]
 
 #: :math:`c` of the error estimate per space: the largest ratio of the measured float32 error to
 #: :math:`\epsilon\kappa\max|J_X s|` (weight space 0.002 to 0.018, function space 0.16 to 0.21; six trained
@@ -133,22 +147,34 @@ def newton_step(
         back = flat_parameters(engine, engine.vjp(x, block_apply(post.factor, solved).to(engine.dtype))).to(dtype)
         step = a - back / precision
     with torch.no_grad():
+        kappa = condition_number(post)
+        delta = float(kernel.prior_precision.detach().max())
+        eps = torch.finfo(dtype).eps
+        if eps * kappa >= 1:
+            warnings.warn(
+                f"the prior is below the rounding of the site posterior: its matrix has condition number {kappa:.1e} "
+                f">= 1/eps of {dtype}, so the predictive (mean and variance) no longer depends on the prior precision "
+                f"as it should; results are meaningful for prior precisions above about {1e2 * eps * kappa * delta:.1e} "
+                "(or a larger noise)" + (", or in float64" if eps > torch.finfo(torch.float64).eps else ""),
+                NumericalWarning,
+                stacklevel=4,
+            )
+            return step
         correction = engine.jvp(x, parameter_dict(engine, step.detach())).abs().max()
-        error = relative_error(post, float(correction), float(f.detach().abs().max()))
+        error = relative_error(post, kappa, float(correction), float(f.detach().abs().max()))
     if error > ERROR_LIMIT:
-        _warn(post, dtype, error)
+        _warn(post, dtype, kappa, error)
     return step
 
 
-def relative_error(post: SitePosterior, correction: float, outputs: float) -> float:
-    r"""The estimated relative error :math:`e` of the mean (above) for the correction's size :math:`\max|J_X s|`
-    and the outputs' :math:`\max|f(X)|`."""
-    kappa = condition_number(post)
+def relative_error(post: SitePosterior, kappa: float, correction: float, outputs: float) -> float:
+    r"""The estimated relative error :math:`e` of the mean (above) for the condition number :math:`\kappa`, the
+    correction's size :math:`\max|J_X s|` and the outputs' :math:`\max|f(X)|`."""
     share = correction / max(outputs + correction, torch.finfo(torch.float64).tiny)
     return ERROR_CONSTANTS[post.space] * torch.finfo(post.dtype).eps * kappa * share
 
 
-def _warn(post: SitePosterior, dtype: torch.dtype, error: float) -> None:
+def _warn(post: SitePosterior, dtype: torch.dtype, kappa: float, error: float) -> None:
     eps = torch.finfo(dtype).eps
     remedy = (
         "compute in float64 (a float64 copy of the network: copy.deepcopy(net).double())"
@@ -159,7 +185,7 @@ def _warn(post: SitePosterior, dtype: torch.dtype, error: float) -> None:
         remedy += ", or use space='weight'"
     warnings.warn(
         f"the predictive mean may be inaccurate: its Newton step is solved in {post.space.value} space with a matrix "
-        f"of condition number {condition_number(post):.1e} in {dtype} (eps = {eps:.1e}), an estimated relative error "
+        f"of condition number {kappa:.1e} in {dtype} (eps = {eps:.1e}), an estimated relative error "
         f"of {error:.1e} (> {ERROR_LIMIT:g}); {remedy}",
         NumericalWarning,
         stacklevel=4,
