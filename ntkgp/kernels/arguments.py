@@ -1,29 +1,32 @@
-"""Validation of :class:`~ntkgp.kernels.NTKKernel`'s arguments, shared by its constructor and its setter.
+"""Validation of :class:`~ntkgp.kernels.NTKKernel`'s arguments, shared by its constructor, its option attributes
+(``kernel.space = ...``, :class:`ntkgp.options.OptionAttribute`) and its prior-precision setter.
 
 Every check runs before anything is built or written, and every error names the argument.
 """
 
 from __future__ import annotations
 
-import warnings
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 from gpytorch.constraints import Interval, Positive
 from gpytorch.priors import Prior
+from torch import nn
 
 from ..ntk import GroupSpec
-from ..options import PriorStructure, Space, Strategy, choose, renamed_argument
+from ..options import PriorStructure, Space, Strategy, choose
 
-_REPRESENTATION_TO_SPACE = {"auto": "auto", "dense": "function", "root": "weight"}
 #: GPyTorch ``Kernel`` keywords the NTK kernel passes on (no lengthscale, ARD or ``eps``: it has none).
 KERNEL_KEYWORDS = ("batch_shape", "active_dims")
+#: The dtypes ntkgp computes in (half precisions cannot be factorized or solved with).
+SUPPORTED_DTYPES = (torch.float32, torch.float64)
 
 
 @dataclass(frozen=True)
 class KernelArguments:
-    """The constructor's arguments after validation (deprecated names resolved)."""
+    """The constructor's arguments after validation."""
 
     prior_structure: GroupSpec
     space: Space
@@ -44,6 +47,58 @@ def check_int(value: object, argument: str, minimum: int) -> int:
     return value
 
 
+def positive_count(value: object, argument: str) -> int:
+    """An integer ``>= 1`` (``chunk_size``)."""
+    return check_int(value, argument, 1)
+
+
+def count(value: object, argument: str) -> int:
+    """An integer ``>= 0`` (``cache_size``; 0 disables the cache)."""
+    return check_int(value, argument, 0)
+
+
+def flag(value: object, argument: str) -> bool:
+    """``True`` or ``False`` (``progress``); ``TypeError`` otherwise."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{argument} must be a bool, got {value!r}")
+    return value
+
+
+def prior_structure_value(value: object, argument: str) -> GroupSpec:
+    """A :class:`~ntkgp.options.PriorStructure` (its string) or a mapping of parameter names to groups."""
+    if isinstance(value, Mapping):
+        return value
+    return choose(PriorStructure, value, argument).value
+
+
+def input_shape_value(value: object, argument: str) -> tuple[int, ...] | None:
+    """``None`` or a non-empty tuple of positive integers (an integer is a 1-tuple)."""
+    if value is None:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = (value,)
+    if not isinstance(value, (tuple, list, torch.Size)) or not value:
+        raise ValueError(f"{argument} must be a non-empty tuple of positive integers, got {value!r}")
+    return tuple(check_int(s, argument, 1) for s in value)
+
+
+def check_network_dtype(net: object, argument: str = "net") -> None:
+    """Refuse a network whose floating parameters or buffers are not float32 or float64 (float16, bfloat16).
+
+    Raises:
+        TypeError: naming ``argument`` and the dtype, saying which dtypes work.
+    """
+    if not isinstance(net, nn.Module):
+        return  # the engine reports a non-module
+    for name, t in [*net.named_parameters(), *net.named_buffers()]:
+        if t.is_floating_point() and t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(
+                f"{argument} has {name!r} of dtype {t.dtype}; ntkgp computes in float32 or float64 (its "
+                f"factorizations and solves have no {t.dtype} kernels and too few digits): pass a converted copy, "
+                f"e.g. copy.deepcopy({argument}).float()"
+            )
+
+
 def kernel_arguments(
     prior_structure: object,
     input_shape: object,
@@ -56,40 +111,18 @@ def kernel_arguments(
     progress: object,
     kwargs: dict,
 ) -> KernelArguments:
-    """Validate the constructor's arguments; pops deprecated names from ``kwargs``.
+    """Validate the constructor's arguments (the same validators as the option attributes).
 
     Raises:
-        TypeError: a wrongly typed argument, an unknown keyword, or a new and a deprecated name together.
+        TypeError: a wrongly typed argument or an unknown keyword.
         ValueError: an invalid value.
     """
-    prior_structure = renamed_argument(kwargs, "groups", "prior_structure", prior_structure, "layer")
-    if "representation" in kwargs:
-        representation = kwargs.pop("representation")
-        if space != "auto":
-            raise TypeError("pass space= only; representation= is its deprecated name")
-        if representation not in _REPRESENTATION_TO_SPACE:
-            raise ValueError(f"representation must be one of 'auto', 'dense', 'root', got {representation!r}")
-        space = _REPRESENTATION_TO_SPACE[representation]
-        warnings.warn(
-            f"representation= is deprecated; use space={space!r} ('dense' is 'function', 'root' is 'weight')",
-            DeprecationWarning,
-            stacklevel=3,
-        )
     unknown = sorted(k for k in kwargs if k not in KERNEL_KEYWORDS)
     if unknown:
         raise TypeError(f"NTKKernel got unexpected keyword arguments {unknown}")
-    if not isinstance(prior_structure, Mapping):
-        prior_structure = choose(PriorStructure, prior_structure, "prior_structure").value
-    if not isinstance(progress, bool):
-        raise TypeError(f"progress must be a bool, got {progress!r}")
-    if input_shape is not None:
-        if isinstance(input_shape, int) and not isinstance(input_shape, bool):
-            input_shape = (input_shape,)
-        if not isinstance(input_shape, (tuple, list, torch.Size)) or not input_shape:
-            raise ValueError(
-                f"input_shape must be a non-empty tuple of positive integers, got {input_shape!r}"
-            )
-        input_shape = tuple(check_int(s, "input_shape", 1) for s in input_shape)
+    prior_structure = prior_structure_value(prior_structure, "prior_structure")
+    progress = flag(progress, "progress")
+    input_shape = input_shape_value(input_shape, "input_shape")
     batch_shape = kwargs.get("batch_shape", torch.Size([]))
     if not isinstance(batch_shape, (tuple, list, torch.Size)) or any(
         isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in batch_shape
@@ -108,14 +141,40 @@ def kernel_arguments(
         prior_structure=prior_structure,
         space=choose(Space, space, "space"),
         strategy=choose(Strategy, strategy, "strategy"),
-        chunk_size=check_int(chunk_size, "chunk_size", 1),
-        cache_size=check_int(cache_size, "cache_size", 0),
+        chunk_size=positive_count(chunk_size, "chunk_size"),
+        cache_size=count(cache_size, "cache_size"),
         progress=progress,
         input_shape=input_shape,
         batch_shape=torch.Size(batch_shape),
         prior_precision_prior=prior_precision_prior,
         constraint=prior_precision_constraint or Positive(transform=torch.exp, inv_transform=torch.log),
     )
+
+
+def kernel_input(x: object, argument: str, input_shape: tuple[int, ...] | None) -> torch.Tensor:
+    """Check ``x`` and flatten trailing ``input_shape`` dimensions: ``(*batch, N, D)`` (or GPyTorch's ``(N,)``).
+
+    Raises:
+        TypeError: not a floating tensor.
+        ValueError: a scalar, a feature count that does not fit ``input_shape``, NaN/Inf.
+    """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{argument} must be a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise TypeError(f"{argument} must be a floating-point tensor, got dtype {x.dtype}")
+    shape = input_shape
+    if shape is not None and len(shape) > 1 and x.dim() > len(shape) and tuple(x.shape[-len(shape) :]) == shape:
+        x = x.flatten(-len(shape))
+    if x.dim() == 0:
+        raise ValueError(f"{argument} must have shape (*batch, N, D), got a scalar")
+    if shape is not None and x.dim() >= 2 and x.shape[-1] != math.prod(shape):
+        raise ValueError(
+            f"{argument} must have shape (*batch, N, {math.prod(shape)}) or (*batch, N, "
+            f"{', '.join(map(str, shape))}) for input_shape={shape}, got {tuple(x.shape)}"
+        )
+    if not torch.isfinite(x).all():
+        raise ValueError(f"{argument} contains NaN or Inf values")
+    return x
 
 
 def prior_precision_tensor(

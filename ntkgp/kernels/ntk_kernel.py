@@ -2,38 +2,35 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 from gpytorch.constraints import Interval
 from gpytorch.kernels import Kernel
 from gpytorch.lazy import LazyEvaluatedKernelTensor
 from gpytorch.priors import Prior
-from linear_operator.operators import (
-    DenseLinearOperator,
-    LinearOperator,
-    LowRankRootLinearOperator,
-    MatmulLinearOperator,
-)
+from linear_operator.operators import LinearOperator
 from torch import nn
 
-from ..caching import ValueCache
 from ..ntk import GroupSpec, NTKEngine
-from ..options import Space, choose_space
-from .arguments import kernel_arguments, prior_precision_tensor
-from .batching import Slices, distinct_slices, gather, pair_grams, tracks_grad
+from ..options import OptionAttribute, Space, Strategy, choice
+from .arguments import (
+    check_network_dtype,
+    count,
+    flag,
+    input_shape_value,
+    kernel_arguments,
+    kernel_input,
+    positive_count,
+    prior_precision_tensor,
+    prior_structure_value,
+)
+from .batching import distinct_slices, gather, tracks_grad
+from .kernel_matrix import kernel_diagonal, kernel_matrix
 from .lazy import NTKLazyKernelTensor
+from .network_state import RANDOM_NETWORK, RandomNetworkError, network_state
+from .shared_cache import SharedValueCache
 
-
-class _SharedValueCache(ValueCache):
-    """The kernel's cache: shared by the copies GPyTorch makes (``kernel[i]``, ``expand_batch``, fantasy
-    models), since its entries depend only on the inputs and the (shared) network; pickled empty."""
-
-    def __deepcopy__(self, memo: dict) -> _SharedValueCache:
-        return self
-
-    def __reduce__(self):
-        return (type(self), (self.size,))
+#: Words of torch's error when a random operation (e.g. functional dropout) runs under ``vmap``.
+_RANDOM_OPERATION = "random operation"
 
 
 class NTKKernel(Kernel):
@@ -79,18 +76,26 @@ class NTKKernel(Kernel):
     kernel's hyperparameters. Both are the network's at construction; after ``kernel.double()`` on a float32
     network the Jacobians keep float32 precision and the GP algebra downstream runs in float64.
 
+    **Options after construction** (:class:`ntkgp.options.OptionAttribute`, validated as the constructor
+    does): ``space``, ``strategy``, ``chunk_size``, ``cache_size`` and ``progress`` can be assigned, and the
+    kernel then equals one built with the new value (``strategy`` and ``chunk_size`` rebuild the engine and
+    drop the cached pieces; the pieces serve both spaces); ``prior_structure`` and ``input_shape`` are fixed
+    (the parameter groups, the shape of :math:`\delta` and the input layout are built from them): assigning
+    another value raises ``AttributeError`` saying to build a new kernel. Freezing or unfreezing a parameter of
+    the network after construction is refused at the next call (``RuntimeError``, see
+    :mod:`ntkgp.kernels.network_state`).
+
     Args:
         net: the trained network, mapping ``(N, *input_shape)`` to ``(N, C)``; in eval mode if it has
             BatchNorm or dropout. Never modified.
         prior_precision: initial :math:`\delta`: a positive float, one value per group ``(G,)``, or
             ``(*batch_shape, G)`` for a batched kernel.
         prior_structure: which parameters share a :math:`\delta`: ``"layer"`` (default), ``"network"``,
-            ``"parameter"`` or a mapping of parameter names to groups (``groups=`` is its deprecated name).
+            ``"parameter"`` or a mapping of parameter names to groups.
         input_shape: shape of one input as the network expects it (see above).
         chunk_size: examples per Jacobian chunk.
         strategy: how Grams are computed, see :class:`ntkgp.ntk.NTKEngine`.
-        space: ``"auto"``, ``"function"`` or ``"weight"`` (see above; ``representation="dense"|"root"`` is the
-            deprecated spelling of ``"function"|"weight"``).
+        space: ``"auto"``, ``"function"`` or ``"weight"`` (see above).
         prior_precision_prior: an optional GPyTorch prior on :math:`\delta`.
         prior_precision_constraint: constraint on :math:`\delta`. The default is ``Positive`` with an
             exponential transform, i.e. :math:`\log\delta` is the raw parameter: prior precisions span orders
@@ -102,7 +107,7 @@ class NTKKernel(Kernel):
         active_dims: GPyTorch's ``active_dims``.
 
     Raises:
-        TypeError: a wrongly typed argument or an unknown keyword.
+        TypeError: a wrongly typed argument or an unknown keyword; a float16/bfloat16 network.
         ValueError: an invalid value (every argument is checked before anything is built).
 
     Example:
@@ -117,6 +122,16 @@ class NTKKernel(Kernel):
     """
 
     has_lengthscale = False
+
+    prior_structure = OptionAttribute(
+        prior_structure_value, fixed="the parameter groups and the shape of prior_precision are built from it"
+    )
+    input_shape = OptionAttribute(input_shape_value, fixed="the engine lays out every input with it")
+    space = OptionAttribute(choice(Space), on_change="_space_changed")
+    strategy = OptionAttribute(choice(Strategy), on_change="_engine_option_changed")
+    chunk_size = OptionAttribute(positive_count, on_change="_engine_option_changed")
+    progress = OptionAttribute(flag, on_change="_engine_option_changed")
+    cache_size = OptionAttribute(count, on_change="_cache_size_changed")
 
     def __init__(
         self,
@@ -134,6 +149,7 @@ class NTKKernel(Kernel):
         **kwargs,
     ) -> None:
         # ---- validate everything before anything is built
+        check_network_dtype(net)
         args = kernel_arguments(
             prior_structure,
             input_shape,
@@ -166,9 +182,14 @@ class NTKKernel(Kernel):
         # ---- build
         super().__init__(**kwargs)
         self.engine = engine
-        self.space = args.space
         self.prior_structure = args.prior_structure
-        self._cache = _SharedValueCache(args.cache_size)
+        self.input_shape = args.input_shape
+        self.space = args.space
+        self.strategy = args.strategy
+        self.chunk_size = args.chunk_size
+        self.progress = args.progress
+        self.cache_size = args.cache_size
+        self._cache = SharedValueCache(args.cache_size)
         self.register_parameter("raw_prior_precision", nn.Parameter(torch.zeros_like(init)))
         self.register_constraint("raw_prior_precision", args.constraint)
         if args.prior_precision_prior is not None:
@@ -179,6 +200,26 @@ class NTKKernel(Kernel):
                 lambda m, v: m._set_prior_precision(v),
             )
         self._set_prior_precision(init)
+
+    # ------------------------------------------------------------------ options
+    def _space_changed(self, name: str) -> None:
+        """Nothing the kernel caches depends on the space: the pieces (``J``, per-group Grams) serve both."""
+
+    def _engine_option_changed(self, name: str) -> None:
+        """A new engine with the current options (as a fresh kernel builds it), and no pieces computed by the old."""
+        self.network_state()  # a frozen parameter is refused, not silently regrouped
+        self.engine = NTKEngine(
+            self.net,
+            self.prior_structure,
+            chunk_size=self.chunk_size,
+            strategy=self.strategy.value,
+            input_shape=self.input_shape,
+            progress=self.progress,
+        )
+        self._cache.clear()
+
+    def _cache_size_changed(self, name: str) -> None:
+        self._cache = SharedValueCache(self.cache_size)
 
     # ------------------------------------------------------------------ hyperparameter
     @property
@@ -207,8 +248,6 @@ class NTKKernel(Kernel):
         cols = self.engine.groups.column_groups(device=self.raw_prior_precision.device)
         return self.prior_precision.pow(power)[..., cols]
 
-    _column_weights = column_weights  # private name kept for callers not yet switched
-
     # ------------------------------------------------------------------ accessors
     @property
     def net(self) -> nn.Module:
@@ -219,11 +258,6 @@ class NTKKernel(Kernel):
     def group_names(self) -> tuple[str, ...]:
         """One label per prior-precision group."""
         return self.engine.groups.group_names
-
-    @property
-    def groups_spec(self) -> GroupSpec:
-        """Deprecated name of :attr:`prior_structure`."""
-        return self.prior_structure
 
     def num_outputs_per_input(self, x1: torch.Tensor, x2: torch.Tensor) -> int:
         """``C``, the number of network outputs (GPyTorch's multi-output convention)."""
@@ -241,8 +275,13 @@ class NTKKernel(Kernel):
         return torch.equal(x1, x2)
 
     # ------------------------------------------------------------------ cached pieces
-    def _network_state(self) -> list[torch.Tensor]:
-        return self.engine.network_state()
+    def network_state(self) -> list[torch.Tensor]:
+        """What every cached piece depends on (:meth:`ntkgp.ntk.NTKEngine.network_state`).
+
+        Raises:
+            RuntimeError: a parameter was frozen or unfrozen since the kernel was built.
+        """
+        return network_state(self.engine, "NTKKernel")
 
     def _piece(self, kind: str, *xs: torch.Tensor) -> torch.Tensor:
         """An engine piece for 2-D inputs, through the value cache (bypassed when an input requires grad)."""
@@ -251,7 +290,12 @@ class NTKKernel(Kernel):
             "jacobian": lambda: self.engine.jacobian(xs[0]),
             "diag": lambda: self.engine.diag_blocks(xs[0]),
         }[kind]
-        return self._cache.get_or_compute(kind, xs, compute, state=self._network_state())
+        try:
+            return self._cache.get_or_compute(kind, xs, compute, state=self.network_state())
+        except RuntimeError as error:
+            if _RANDOM_OPERATION not in str(error):
+                raise
+            raise RandomNetworkError(RANDOM_NETWORK) from None
 
     def group_grams(self, x1: torch.Tensor, x2: torch.Tensor | None = None) -> torch.Tensor:
         """Cached per-group Grams ``J_g(x1) J_g(x2)ᵀ`` of ``(N, D)`` inputs: ``(G, N1·C, N2·C)``."""
@@ -291,29 +335,8 @@ class NTKKernel(Kernel):
 
     # ------------------------------------------------------------------ inputs
     def _as_input(self, x: torch.Tensor, argument: str) -> torch.Tensor:
-        """Check ``x`` and flatten trailing ``input_shape`` dimensions: ``(*batch, N, D)`` (or ``(N,)``)."""
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{argument} must be a torch.Tensor, got {type(x).__name__}")
-        if not x.is_floating_point():
-            raise TypeError(f"{argument} must be a floating-point tensor, got dtype {x.dtype}")
-        shape = self.engine.input_shape
-        if (
-            shape is not None
-            and len(shape) > 1
-            and x.dim() > len(shape)
-            and tuple(x.shape[-len(shape) :]) == shape
-        ):
-            x = x.flatten(-len(shape))
-        if x.dim() == 0:
-            raise ValueError(f"{argument} must have shape (*batch, N, D), got a scalar")
-        if shape is not None and x.dim() >= 2 and x.shape[-1] != math.prod(shape):
-            raise ValueError(
-                f"{argument} must have shape (*batch, N, {math.prod(shape)}) or (*batch, N, "
-                f"{', '.join(map(str, shape))}) for input_shape={shape}, got {tuple(x.shape)}"
-            )
-        if not torch.isfinite(x).all():
-            raise ValueError(f"{argument} contains NaN or Inf values")
-        return x
+        """Check ``x`` and flatten trailing ``input_shape`` dimensions (:func:`ntkgp.kernels.arguments.kernel_input`)."""
+        return kernel_input(x, argument, self.input_shape)
 
     def __call__(
         self,
@@ -358,62 +381,5 @@ class NTKKernel(Kernel):
             ) from None
         square = self.is_square(x1, x2)
         if diag:
-            return self._diagonal(x1, x2, square, batch)
-        n1, n2 = x1.shape[-2], x2.shape[-2]
-        c = self.num_outputs_per_input(x1, x2)
-        ref = self.raw_prior_precision
-        if n1 == 0 or n2 == 0:
-            return DenseLinearOperator(
-                torch.zeros(*batch, n1 * c, n2 * c, dtype=ref.dtype, device=ref.device)
-            )
-        s1 = distinct_slices(x1)
-        s2 = s1 if square else distinct_slices(x2)
-        rows = n1 * c if square else min(n1, n2) * c
-        if choose_space(self.space, self.engine.num_params, rows) is Space.WEIGHT:
-            j1 = self._jacobians(s1, c)
-            if square:
-                root = j1 * self.column_weights(-0.5).unsqueeze(-2)
-                return LowRankRootLinearOperator(root.expand(*batch, *root.shape[-2:]))
-            left = j1 * self.column_weights(-1.0).unsqueeze(-2)
-            right = self._jacobians(s2, c)
-            return MatmulLinearOperator(
-                left.expand(*batch, *left.shape[-2:]), right.expand(*batch, *right.shape[-2:]).mT
-            )
-        grams, pair_index = pair_grams(self._grams, s1, s2, square, c * c * self.engine.num_groups)
-        w = self.prior_precision.reciprocal()
-        grams = grams.to(w)
-        if w.dim() == 1:
-            gram = gather(torch.einsum("g,pgij->pij", w, grams), pair_index)
-        else:
-            gram = torch.einsum("...g,...gij->...ij", w, gather(grams, pair_index))
-        return DenseLinearOperator(gram.expand(*batch, n1 * c, n2 * c))
-
-    def _grams(self, *xs: torch.Tensor) -> torch.Tensor:
-        return self._piece("grams", *xs)
-
-    def _jacobians(self, slices: Slices, c: int) -> torch.Tensor:
-        """``J`` of every batch element, ``(*batch, N·C, P)``, kernel dtype (once per distinct slice)."""
-        ref = self.raw_prior_precision
-        u, n = slices.values.shape[:2]
-        j = self._piece("jacobian", slices.rows).view(u, n * c, -1).to(dtype=ref.dtype, device=ref.device)
-        return gather(j, slices.index)
-
-    def _diagonal(self, x1: torch.Tensor, x2: torch.Tensor, square: bool, batch: torch.Size) -> torch.Tensor:
-        """``diag K(x1, x2)``, ``(*batch, N·C)``: per-point blocks when square, else chunks of the Gram."""
-        n1, n2 = x1.shape[-2], x2.shape[-2]
-        if n1 != n2:
-            raise ValueError(f"diag=True needs x1 and x2 with the same number of points, got {n1} and {n2}")
-        if n1 == 0:  # as the full matrix: an empty result
-            ref = self.raw_prior_precision
-            return torch.zeros(*batch, 0, dtype=ref.dtype, device=ref.device)
-        if square:
-            blocks = self.point_blocks(x1)
-            return blocks.diagonal(dim1=-2, dim2=-1).reshape(*blocks.shape[:-3], -1).expand(*batch, -1)
-        step = self.engine.chunk_size
-        parts = [
-            self.forward(x1[..., s : s + step, :], x2[..., s : s + step, :])
-            .to_dense()
-            .diagonal(dim1=-2, dim2=-1)
-            for s in range(0, n1, step)
-        ]
-        return torch.cat(parts, dim=-1).expand(*batch, -1)
+            return kernel_diagonal(self, x1, x2, square, batch)
+        return kernel_matrix(self, x1, x2, batch, square)

@@ -9,8 +9,11 @@ from gpytorch.means import Mean
 from torch.func import functional_call, jvp
 
 from ..caching import ValueCache
+from ..kernels.arguments import count
+from ..kernels.network_state import network_state
 from ..ntk import NTKEngine
 from ..ntk.checks import check_outputs
+from ..options import OptionAttribute
 
 __all__ = ["LinearizedNetworkMean", "NetworkMean"]
 
@@ -20,18 +23,29 @@ class _NetworkMeanBase(Mean):
 
     Results are cached (:class:`~ntkgp.caching.ValueCache`) by the values of the inputs and of the network's
     parameters and buffers, so that any change of the network is seen; inputs that require grad are never
-    served from the cache and their outputs carry the graph to the inputs (never to the network).
+    served from the cache and their outputs carry the graph to the inputs (never to the network). Freezing or
+    unfreezing a parameter after construction is refused (``RuntimeError``), as by the kernel.
+
+    ``cache_size`` (how many inputs to keep results for; 0 disables the cache) is an option attribute
+    (:class:`ntkgp.options.OptionAttribute`): assigning it validates the value and starts an empty cache.
     """
 
+    cache_size = OptionAttribute(count, on_change="_cache_size_changed")
+
     def __init__(self, engine: NTKEngine, cache_size: int = 4) -> None:
-        super().__init__()
         if not isinstance(engine, NTKEngine):
             raise TypeError(f"engine must be an ntkgp.ntk.NTKEngine, got {type(engine).__name__}")
+        count(cache_size, "cache_size")
+        super().__init__()
         self.engine = engine
+        self.cache_size = cache_size
         self._cache = ValueCache(cache_size)
 
+    def _cache_size_changed(self, name: str) -> None:
+        self._cache = ValueCache(self.cache_size)
+
     def _network_state(self) -> list[torch.Tensor]:
-        return self.engine.network_state()
+        return network_state(self.engine, type(self).__name__)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if not isinstance(x, torch.Tensor):  # before GPyTorch's Mean.__call__ reads x.ndimension()

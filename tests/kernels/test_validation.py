@@ -1,6 +1,5 @@
 """NTKKernel's arguments: validation before any side effect, prior-precision setter, old names, caching."""
 
-import warnings
 from unittest import mock
 
 import pytest
@@ -71,42 +70,24 @@ def test_setter_respects_the_constraint_and_accepts_good_values():
         ({"batch_shape": (2, -1)}, ValueError, "batch_shape must be a tuple"),
         ({"prior_precision_prior": 3.0}, TypeError, "prior_precision_prior must be a gpytorch Prior"),
         ({"prior_precision_constraint": "positive"}, TypeError, "prior_precision_constraint must be"),
-        ({"representation": "sparse"}, ValueError, "representation must be one of"),
         ({"prior_precison": 1.0}, TypeError, "unexpected keyword arguments"),
     ],
 )
 def test_constructor_rejects_bad_arguments_before_building_anything(kwargs, error, match):
     net = mlp()
     before = snapshot(net)
-    with (
-        mock.patch.object(NTKEngine, "__init__", side_effect=AssertionError("engine built")),
-        warnings.catch_warnings(),
-    ):
-        warnings.simplefilter("ignore", DeprecationWarning)
+    with mock.patch.object(NTKEngine, "__init__", side_effect=AssertionError("engine built")):
         with pytest.raises(error, match=match):
             NTKKernel(net, **kwargs)
     assert_unchanged(net, before)
 
 
-def test_deprecated_names_warn_and_mean_the_new_ones():
-    net = mlp(d_out=2)
-    x = torch.randn(30, 3, dtype=D64)  # N·C = 60 < P = 100: "auto" is function space
-    with pytest.warns(DeprecationWarning, match="groups= is deprecated"):
-        old = NTKKernel(net, prior_precision=2.0, groups="network")
-    new = NTKKernel(net, prior_precision=2.0, prior_structure="network")
-    assert old.prior_structure == "network" and old.groups_spec == "network"
-    assert rel_err(old(x).to_dense(), new(x).to_dense()) < 1e-14
-    with pytest.warns(DeprecationWarning, match="prior_structure='scalar' is deprecated"):
-        scalar = NTKKernel(net, prior_structure="scalar")
-    assert scalar.group_names == ("network",)
-    for old_name, space in (("dense", "function"), ("root", "weight")):
-        with pytest.warns(DeprecationWarning, match=f"space='{space}'"):
-            kernel = NTKKernel(net, representation=old_name)
-        assert kernel.space == space
-    with pytest.raises(TypeError, match="pass space= only"):
-        NTKKernel(net, space="weight", representation="root")
-    with pytest.raises(TypeError, match="pass prior_structure= only"):
-        NTKKernel(net, prior_structure="network", groups="layer")
+@pytest.mark.parametrize("old", [{"groups": "network"}, {"representation": "root"}])
+def test_removed_names_are_unknown_keywords(old):
+    """``groups=`` and ``representation=`` were deprecated names; 0.1.0 has no users: they are refused."""
+    with pytest.raises(TypeError, match=f"unexpected keyword arguments \\['{next(iter(old))}'\\]"):
+        NTKKernel(mlp(d_out=2), **old)
+    assert not hasattr(NTKKernel, "groups_spec") and not hasattr(NTKKernel, "_column_weights")
 
 
 def test_space_forms():
@@ -128,7 +109,6 @@ def test_column_weights():
     cols = column_groups(net, labels_of(net))
     for power in (-1.0, -0.5, 1.0):
         assert torch.allclose(kernel.column_weights(power), delta[cols] ** power, rtol=1e-14)
-    assert torch.equal(kernel._column_weights(-1.0), kernel.column_weights(-1.0))
     (grad,) = torch.autograd.grad(kernel.column_weights(1.0).sum(), kernel.raw_prior_precision)
     assert grad.shape == (3,)
 

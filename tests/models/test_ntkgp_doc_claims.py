@@ -39,9 +39,9 @@ def test_batched_training_data_are_refused_naming_train_x():
     net = mlp(d_out=1)
     x = torch.randn(2, 10, 3, dtype=torch.float64)
     lik = gpytorch.likelihoods.GaussianLikelihood().double()
-    with pytest.raises(ValueError, match=r"train_x.*batches of training sets"):
+    with pytest.raises(ValueError, match=r"train_x.*batch-mode training data.*one NTKGP per training set"):
         ntkgp.NTKGP(net, x, torch.randn(2, 10, dtype=torch.float64), lik)
-    with pytest.raises(ValueError, match=r"train_x.*batches of training sets"):
+    with pytest.raises(ValueError, match=r"train_x.*batch-mode training data.*one NTKGP per training set"):
         ntkgp.NTKGP(net, x, torch.randn(2, dtype=torch.float64), lik)
     # test inputs do take GPyTorch's batch dimensions: (b, n, d) is b joint distributions
     model = ntkgp.NTKGP(net, x[0], torch.randn(10, dtype=torch.float64), lik).eval()

@@ -1,0 +1,89 @@
+r"""The matrix :math:`K(x_1, x_2)` of :class:`~ntkgp.kernels.NTKKernel` as a linear operator, and its diagonal.
+
+Weight space (``space="weight"``, or ``"auto"`` when :math:`P < N \cdot C`): a
+:class:`~linear_operator.operators.LowRankRootLinearOperator` with root :math:`J P_0^{-1/2}` for a square kernel,
+a :class:`~linear_operator.operators.MatmulLinearOperator` :math:`(J_1 P_0^{-1}) J_2^\top` otherwise; function
+space: a :class:`~linear_operator.operators.DenseLinearOperator` of the per-group Grams re-weighted by
+:math:`\delta^{-1}`. Each distinct input slice of a batch is computed once (:mod:`ntkgp.kernels.batching`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from linear_operator.operators import (
+    DenseLinearOperator,
+    LinearOperator,
+    LowRankRootLinearOperator,
+    MatmulLinearOperator,
+)
+
+from ..options import Space, choose_space
+from .batching import Slices, distinct_slices, gather, pair_grams
+
+if TYPE_CHECKING:
+    from .ntk_kernel import NTKKernel
+
+__all__ = ["kernel_diagonal", "kernel_matrix"]
+
+
+def kernel_matrix(kernel: NTKKernel, x1: torch.Tensor, x2: torch.Tensor, batch: torch.Size, square: bool) -> LinearOperator:
+    """``K(x1, x2)`` of shape ``(*batch, N1·C, N2·C)`` for flat inputs ``(*b, N, D)`` (``square``: ``x1`` equals ``x2``)."""
+    n1, n2 = x1.shape[-2], x2.shape[-2]
+    c = kernel.num_outputs_per_input(x1, x2)
+    ref = kernel.raw_prior_precision
+    if n1 == 0 or n2 == 0:
+        return DenseLinearOperator(torch.zeros(*batch, n1 * c, n2 * c, dtype=ref.dtype, device=ref.device))
+    s1 = distinct_slices(x1)
+    s2 = s1 if square else distinct_slices(x2)
+    rows = n1 * c if square else min(n1, n2) * c
+    if choose_space(kernel.space, kernel.engine.num_params, rows) is Space.WEIGHT:
+        j1 = _jacobians(kernel, s1, c)
+        if square:
+            root = j1 * kernel.column_weights(-0.5).unsqueeze(-2)
+            return LowRankRootLinearOperator(root.expand(*batch, *root.shape[-2:]))
+        left = j1 * kernel.column_weights(-1.0).unsqueeze(-2)
+        right = _jacobians(kernel, s2, c)
+        return MatmulLinearOperator(left.expand(*batch, *left.shape[-2:]), right.expand(*batch, *right.shape[-2:]).mT)
+    grams, pair_index = pair_grams(
+        lambda *xs: kernel.group_grams(*xs), s1, s2, square, c * c * kernel.engine.num_groups
+    )
+    w = kernel.prior_precision.reciprocal()
+    grams = grams.to(w)
+    if w.dim() == 1:
+        gram = gather(torch.einsum("g,pgij->pij", w, grams), pair_index)
+    else:
+        gram = torch.einsum("...g,...gij->...ij", w, gather(grams, pair_index))
+    return DenseLinearOperator(gram.expand(*batch, n1 * c, n2 * c))
+
+
+def _jacobians(kernel: NTKKernel, slices: Slices, c: int) -> torch.Tensor:
+    """``J`` of every batch element, ``(*batch, N·C, P)``, kernel dtype (once per distinct slice)."""
+    ref = kernel.raw_prior_precision
+    u, n = slices.values.shape[:2]
+    j = kernel.jacobian(slices.rows).view(u, n * c, -1).to(dtype=ref.dtype, device=ref.device)
+    return gather(j, slices.index)
+
+
+def kernel_diagonal(kernel: NTKKernel, x1: torch.Tensor, x2: torch.Tensor, square: bool, batch: torch.Size) -> torch.Tensor:
+    """``diag K(x1, x2)``, ``(*batch, N·C)``: per-point blocks when square, else chunks of the Gram.
+
+    Raises:
+        ValueError: ``x1`` and ``x2`` with different numbers of points.
+    """
+    n1, n2 = x1.shape[-2], x2.shape[-2]
+    if n1 != n2:
+        raise ValueError(f"diag=True needs x1 and x2 with the same number of points, got {n1} and {n2}")
+    if n1 == 0:  # as the full matrix: an empty result
+        ref = kernel.raw_prior_precision
+        return torch.zeros(*batch, 0, dtype=ref.dtype, device=ref.device)
+    if square:
+        blocks = kernel.point_blocks(x1)
+        return blocks.diagonal(dim1=-2, dim2=-1).reshape(*blocks.shape[:-3], -1).expand(*batch, -1)
+    step = kernel.engine.chunk_size
+    parts = [
+        kernel.forward(x1[..., s : s + step, :], x2[..., s : s + step, :]).to_dense().diagonal(dim1=-2, dim2=-1)
+        for s in range(0, n1, step)
+    ]
+    return torch.cat(parts, dim=-1).expand(*batch, -1)
