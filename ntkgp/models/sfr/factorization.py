@@ -59,7 +59,10 @@ def solve(
     b_u, y_u = statistics.projected(weights, slots)  # a fresh B_u, overwritten by the factorization
     eps = rounding(network_dtype, b_u, inducing.k_trace.dtype)
     factors = whitened_factors(None, b_u, y_u, inducing=inducing, overwrite_b_u=True, **eps)
-    return PosteriorState(weights=weights, slots=slots, factors=factors)
+    mean_error = None
+    if eps["cross_eps"] > 0:  # the rounding of float32 cross-covariances in the mean (PosteriorState.mean_error)
+        mean_error = eps["cross_eps"] * (inducing.k_diagonal.sqrt() * factors.alpha.detach().abs()).sum(-1)
+    return PosteriorState(weights=weights, slots=slots, factors=factors, mean_error=mean_error)
 
 
 def rounding(network_dtype: torch.dtype, b_u: Tensor, kzz_dtype: torch.dtype) -> dict[str, float]:

@@ -23,6 +23,7 @@ functional call with detached weights: every term then carries its derivative wi
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -30,6 +31,7 @@ import torch
 from torch import Tensor
 from torch.func import functional_call
 
+from ...linalg import NumericalWarning
 from ...ntk import NTKEngine
 from ...options import OutputCoupling, PredictiveMean, PriorMean
 from .streaming import mean_offset
@@ -47,11 +49,17 @@ class PosteriorState:
         weights: group weights :math:`1/\delta`, ``(G,)``.
         slots: slot weights (:math:`1/\sigma_c^2` or :math:`1/T`), ``(S,)``.
         factors: the whitened factors (:func:`~ntkgp.models.sfr.whitening.whitened_factors`).
+        mean_error: for a network whose features are coarser than the model's algebra (float32): the error of the
+            mean's term :math:`K_{xZ}\alpha` per unit of :math:`\sqrt{K_{xx}}` from the rounding of
+            :math:`K_{xZ}`, :math:`\epsilon_X \sum_k \sqrt{[K_{ZZ}]_{kk}}\,|\alpha_k|` per system ``(nb,)``
+            (each entry of :math:`K_{xZ}` is rounded by about :math:`\epsilon_X\sqrt{K_{xx}[K_{ZZ}]_{kk}}`);
+            ``None`` otherwise.
     """
 
     weights: Tensor
     slots: Tensor
     factors: WhitenedFactors
+    mean_error: Tensor | None = None
 
 
 @dataclass
@@ -193,6 +201,8 @@ class PredictiveTerms:
         diagonal = residual.diagonal(dim1=-2, dim2=-1)
         residual = residual + torch.diag_embed(diagonal.clamp_min(0) - diagonal)
         blocks = residual + point_outer(low_s, n, c)
+        if self.predictive_mean is PredictiveMean.GP and self.state.mean_error is not None:
+            _check_mean_precision(self.state.mean_error, prior_blocks, blocks, self.coupling)
         return ChunkPrediction(mean=mean, blocks=blocks, low_rank_z=low_z, low_rank_s=low_s)
 
     # ------------------------------------------------------------------ the prior covariance of f(x)
@@ -223,3 +233,22 @@ class PredictiveTerms:
             mask = torch.eye(c, dtype=torch.bool, device=prior.device).repeat(n, n)
             prior = prior * mask
         return prior
+
+
+def _check_mean_precision(mean_error: Tensor, prior_blocks: Tensor, blocks: Tensor, coupling: OutputCoupling) -> None:
+    """Warn (``NumericalWarning``) when the rounding of the float32 cross-covariances can move the predictive mean by
+    more than one posterior standard deviation at some test point (:attr:`PosteriorState.mean_error`)."""
+    prior_var = prior_blocks.detach().diagonal(dim1=-2, dim2=-1).clamp_min(0)  # (b, C)
+    std = blocks.detach().diagonal(dim1=-2, dim2=-1).clamp_min(0).sqrt()
+    scale = mean_error if coupling is OutputCoupling.INDEPENDENT else mean_error.expand(prior_var.shape[-1])
+    ratio = (scale * prior_var.sqrt() / std.clamp_min(torch.finfo(std.dtype).tiny)).max()
+    if bool(ratio > 1):
+        warnings.warn(
+            f"SFR's predictive mean may be off by up to about {float(ratio):.2g} posterior standard deviations at "
+            "some test points: the network's float32 features round the cross-covariances K_xZ (and the data's), "
+            "and the sparse system (K_ZZ + B_u)⁻¹ỹ_u amplifies that (a small noise variance, a nearly singular "
+            "K_ZZ). Use a float64 network (net.double() and float64 inputs) for these means; the variances are "
+            "affected much less.",
+            NumericalWarning,
+            stacklevel=4,
+        )

@@ -380,7 +380,7 @@ def _changed_message(recorded: Tensor, current: Tensor) -> str:
         f'this SFR was built with statistics="combined": its dual statistics hold the combined kernel '
         f"Σ_g K_g/δ_g at the prior precisions δ = {show(recorded)} of the pass over the data, and cannot be "
         f"re-weighted to the current δ = {show(current)}. Set sfr.covar_module.prior_precision back to "
-        "sfr.statistics.prior_precision; or build a new SFR on the data at the new δ (inducing_points="
+        "sfr.dual_statistics.prior_precision; or build a new SFR on the data at the new δ (inducing_points="
         "sfr.inducing_points keeps Z); or use statistics=\"per_group\", whose statistics follow any δ without "
         "the data (G² times their memory)"
     )

@@ -30,6 +30,7 @@ class InducingFactors:
     Attributes:
         gram: returns :math:`K_{ZZ}`, ``(nb, K, K)``.
         k_trace: :math:`\operatorname{tr} K_{ZZ}`, ``(nb,)`` (detached).
+        k_diagonal: the diagonal of :math:`K_{ZZ}`, ``(nb, K)`` (detached).
         chol: its Cholesky factor :math:`L_Z`, or ``None`` when that fails.
         inverse_trace: :math:`\operatorname{tr}(K_{ZZ}^{-1})`, filled in lazily by :func:`whitened_factors`.
         inverse_norm: power-iteration estimate of :math:`1/s_{\min}(K_{ZZ})`, filled in lazily.
@@ -37,6 +38,7 @@ class InducingFactors:
 
     gram: Callable[[], Tensor]
     k_trace: Tensor
+    k_diagonal: Tensor
     chol: Tensor | None
     inverse_trace: Tensor | None = None
     inverse_norm: Tensor | None = None
@@ -60,9 +62,8 @@ def inducing_factors(kzz: Tensor | Callable[[], Tensor]) -> InducingFactors:
     else:
         gram, matrix = (lambda: kzz), kzz
     chol_z, info = torch.linalg.cholesky_ex(matrix)
-    return InducingFactors(
-        gram=gram, k_trace=matrix.detach().diagonal(dim1=-2, dim2=-1).sum(-1), chol=None if info.any() else chol_z
-    )
+    diagonal = matrix.detach().diagonal(dim1=-2, dim2=-1).clone()
+    return InducingFactors(gram=gram, k_trace=diagonal.sum(-1), k_diagonal=diagonal, chol=None if info.any() else chol_z)
 
 
 class Whitening:
@@ -289,9 +290,9 @@ def whitened_factors(
             whitening = Whitening(zz.chol)
     if whitening is None:
         whitening, values = _truncated_whitening(zz.kzz if kzz is None else kzz, threshold)
-        _warn_lost_directions(
-            values, whitening.rank(), gram_factor * eps * zz.k_trace, cross_factor * cross_eps**2 * zz.k_trace, site_eps
-        )
+        site = site_factor * site_eps * b_trace
+        _warn_lost_directions(values, whitening.rank(), gram_factor * eps * zz.k_trace,
+                              cross_factor * cross_eps**2 * zz.k_trace, site, site_eps)
     tracked = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (b_u, whitening.chol, whitening.basis)
     )
@@ -353,13 +354,16 @@ def _truncated_whitening(kzz: Tensor, threshold: Tensor) -> tuple[Whitening, Ten
     return Whitening(chol, basis), values
 
 
-def _warn_lost_directions(values: Tensor, kept: Tensor, gram: Tensor, cross: Tensor, site_eps: float) -> None:
+def _warn_lost_directions(
+    values: Tensor, kept: Tensor, gram: Tensor, cross: Tensor, site: Tensor, site_eps: float
+) -> None:
     """Warn (``NumericalWarning``) where directions that :math:`K_{ZZ}` resolves (eigenvalues ``values`` above
     ``gram``) are dropped for lack of precision elsewhere: the features of the cross-covariances (``cross``, a
-    float32 network; any such direction) or the rounding of the summed sites (more than half of them).
+    float32 network; any direction the site term ``site`` keeps) or the rounding of the summed sites (more than half
+    of them).
     Their data are ignored and the predictive there falls back towards the prior."""
     resolved = (values > gram[:, None]).sum(-1)
-    lost_to_features = (values > gram[:, None]) & (values <= cross[:, None])
+    lost_to_features = (values > torch.maximum(gram, site)[:, None]) & (values <= cross[:, None])
     if bool(lost_to_features.any()):
         warnings.warn(
             f"SFR kept {kept.min().item()} of the {resolved.max().item()} inducing directions that K_ZZ resolves: "
