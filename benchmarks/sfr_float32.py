@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import copy
 import gzip
-import math
 import time
 from pathlib import Path
 

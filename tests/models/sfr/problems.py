@@ -39,6 +39,7 @@ def layer_labels(net) -> dict[str, int]:
             prefixes.append(prefix)
     return {name: prefixes.index(name.rsplit(".", 1)[0]) for name, _ in net.named_parameters()}
 
+
 def site_terms(kind: str, f: torch.Tensor, y: torch.Tensor, noise: float = 0.1):
     """g (N, C), Λ (N, C, C) and log p (N,) written out by hand."""
     if kind == "gaussian":
@@ -54,6 +55,7 @@ def site_terms(kind: str, f: torch.Tensor, y: torch.Tensor, noise: float = 0.1):
     p = torch.softmax(f, -1)
     onehot = torch.nn.functional.one_hot(y, f.shape[1]).to(f)
     return onehot - p, torch.diag_embed(p) - p.unsqueeze(-1) * p.unsqueeze(-2), (onehot * torch.log(p)).sum(-1)
+
 
 class Dense:
     """Everything about the linearized network at θ*, from brute-force Jacobians."""
@@ -96,6 +98,7 @@ class Dense:
         inner = torch.linalg.solve(eye + self.lam_big @ k, torch.cat([r[:, None], self.lam_big @ ks.T], 1))
         return ms + ks @ inner[:, 0], kss - ks @ inner[:, 1:]
 
+
 def sfr_formula(dense: Dense, z_idx, xs, mean="zero", independent=False):
     """The SFR predictive written out densely (docs/math.md, "SFR"), for Z = X[z_idx]."""
     js, _ = brute_jacobian(dense.net, xs)
@@ -131,6 +134,7 @@ def sfr_formula(dense: Dense, z_idx, xs, mean="zero", independent=False):
         cov[:, cc, :, cc] = cv
     return mu, cov.reshape(n * c, n * c)
 
+
 def problem(kind: str, c: int = 1, n: int = 12, seed: int = 0):
     torch.manual_seed(seed)
     x = torch.randn(n, D_IN, dtype=torch.float64)
@@ -152,6 +156,7 @@ def problem(kind: str, c: int = 1, n: int = 12, seed: int = 0):
         lik = SoftmaxLikelihood(c).double()
     xs = torch.randn(5, D_IN, dtype=torch.float64)
     return net, x, y, lik, xs
+
 
 def dense_moments(dist):
     mean = dist.mean.reshape(-1)

@@ -22,6 +22,7 @@ def test_z_equal_x_with_linearized_mean_is_the_laplace_glm_posterior(kind, c):
     assert rel_err(cov, ref_cov) < 1e-7
     assert rel_err(sfr(xs).variance.reshape(-1), torch.diagonal(ref_cov)) < 1e-7
 
+
 @pytest.mark.parametrize("kind,c", CASES)
 def test_z_equal_x_with_zero_mean_is_the_exact_gp_with_gaussian_sites(kind, c):
     net, x, y, lik, xs = problem(kind, c)
@@ -30,6 +31,7 @@ def test_z_equal_x_with_zero_mean_is_the_exact_gp_with_gaussian_sites(kind, c):
     ref_mean, ref_cov = Dense(net, x, y, kind).gp_posterior(xs, "zero")
     assert rel_err(mean, ref_mean) < 1e-8
     assert rel_err(cov, ref_cov) < 1e-7
+
 
 @pytest.mark.parametrize("coupling", ["joint", "independent"])
 @pytest.mark.parametrize("kind,c,mean", [("softmax", 3, "zero"), ("gaussian", 2, "linearized"), ("logistic", 1, "zero")])
@@ -43,12 +45,14 @@ def test_sparse_predictive_matches_the_dense_sfr_formula(kind, c, mean, coupling
     assert rel_err(got_cov, ref_cov) < 1e-7
     assert rel_err(sfr(xs).variance.reshape(-1), torch.diagonal(ref_cov)) < 1e-7
 
+
 def test_independent_equals_full_for_one_output():
     net, x, y, lik, xs = problem("logistic", 1, n=20)
     full = SFR(net, x, y, lik, num_inducing=7, prior_precision=DELTA, output_coupling="joint")
     indep = SFR(net, x, y, lik, num_inducing=7, prior_precision=DELTA, output_coupling="independent")
     (m1, c1), (m2, c2) = dense_moments(full(xs)), dense_moments(indep(xs))
     assert rel_err(m2, m1) < 1e-10 and rel_err(c2, c1) < 1e-10
+
 
 def test_nn_predictive_mean_is_the_network_with_sfr_covariance():
     net, x, y, lik, xs = problem("softmax", 3)
@@ -57,6 +61,7 @@ def test_nn_predictive_mean_is_the_network_with_sfr_covariance():
     with torch.no_grad():
         assert torch.allclose(nn_mean(xs).mean, net(xs), atol=1e-12)
     assert torch.allclose(nn_mean(xs).covariance_matrix, gp(xs).covariance_matrix, atol=1e-12)
+
 
 def test_predictive_over_y_and_monte_carlo_blocks():
     net, x, y, lik, xs = problem("softmax", 3)

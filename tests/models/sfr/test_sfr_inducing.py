@@ -74,6 +74,7 @@ def test_random_inducing_inputs_are_a_seeded_subset():
     assert all(any(torch.equal(row, xr) for xr in x) for row in a)
     assert len({tuple(r.tolist()) for r in a}) == 10
 
+
 def test_greedy_variance_is_deterministic_and_covers_clusters():
     torch.manual_seed(0)
     centres = torch.tensor([[0.0, 0, 0], [6, 0, 0], [0, 6, 0], [0, 0, 6], [-6, 0, 0]], dtype=torch.float64)

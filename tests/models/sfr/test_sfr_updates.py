@@ -27,6 +27,10 @@ def test_update_equals_building_on_the_union_and_never_rereads_old_data(kind, c,
     (m1, c1), (m2, c2) = dense_moments(model(xs)), dense_moments(union(xs))
     assert rel_err(m1, m2) < 1e-8 and rel_err(c1, c2) < 1e-8
     assert model.num_data == 30
+    # the condition of the docs' claim: every inducing direction kept (8·C joint, 8 per output independent)
+    full = 8 * c if coupling == "joint" else 8
+    assert model.inducing_rank.tolist() == union.inducing_rank.tolist() == [full] * (1 if coupling == "joint" else c)
+
 
 def test_several_updates_equal_one():
     net, x, y, lik, xs = problem("softmax", 3, n=30)
@@ -38,6 +42,7 @@ def test_several_updates_equal_one():
     (m1, c1), (m2, c2) = dense_moments(one(xs)), dense_moments(several(xs))
     assert rel_err(m1, m2) < 1e-10 and rel_err(c1, c2) < 1e-10
 
+
 def test_dataloader_and_small_batches_equal_tensors():
     net, x, y, lik, xs = problem("softmax", 3, n=30)
     ref = SFR(net, x, y, lik, num_inducing=8, seed=3)
@@ -46,6 +51,7 @@ def test_dataloader_and_small_batches_equal_tensors():
     assert torch.equal(streamed.inducing_points, ref.inducing_points)
     (m1, c1), (m2, c2) = dense_moments(ref(xs)), dense_moments(streamed(xs))
     assert rel_err(m1, m2) < 1e-10 and rel_err(c1, c2) < 1e-10
+
 
 def test_update_and_noise_change_reuse_the_inducing_factorization():
     from ntkgp.models.sfr import factorization as sfr_factorization

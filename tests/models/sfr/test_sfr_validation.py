@@ -137,6 +137,7 @@ def test_network_and_inputs_are_never_modified():
     assert all(torch.equal(a, b) for a, b in zip((x, y, xs), copies)) and torch.equal(z, z_copy)
     assert not any(p is q for p in sfr.parameters() for q in net.parameters())
 
+
 def test_bad_inputs_raise_clear_errors():
     net, x, y, lik, _ = problem("gaussian", 1, n=12)
     with pytest.raises(ValueError, match="same number of rows"):

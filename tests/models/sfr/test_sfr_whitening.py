@@ -28,6 +28,7 @@ def test_singular_inducing_gram_needs_no_jitter_and_duplicates_change_nothing():
         assert rel_err(m2, m1) < 1e-8 and rel_err(c2, c1) < 1e-8
         assert abs(duplicated.log_marginal_likelihood().item() - plain.log_marginal_likelihood().item()) < 1e-8
 
+
 def projected_feature_reference(net, x, y, xs, delta, z_idx, noise):
     """The same sparse (DTC) model computed stably in weight space: the features φ = J P0^{-1/2} projected onto
     the span of φ(Z) (SVD), Gaussian likelihood with noise σ², zero prior mean."""
@@ -50,6 +51,7 @@ def projected_feature_reference(net, x, y, xs, delta, z_idx, noise):
         - torch.log(torch.diagonal(chol)).sum() - 0.5 * residual_trace
     )
     return xst @ c, cov, evidence
+
 
 def test_gap_regression_conditioning_needs_no_jitter_and_matches_a_dense_reference():
     """The demo's case: 1-D inputs, a trained tanh MLP, small noise. K_ZZ of the empirical NTK is singular to
@@ -83,6 +85,7 @@ def test_gap_regression_conditioning_needs_no_jitter_and_matches_a_dense_referen
     assert rel_err(dist.variance, torch.diagonal(ref_cov)) < 0.1
     assert (dist.variance > 0).all()
     assert ref_evidence.item() - 0.1 < evidence <= ref_evidence.item() + 1e-6  # still a lower bound
+
 
 @pytest.mark.parametrize("singular", [False, True])
 def test_whitened_factors_by_solves_match_the_explicit_formulas(singular):
@@ -136,6 +139,7 @@ def test_whitened_factors_by_solves_match_the_explicit_formulas(singular):
     assert torch.equal(tracked.detach(), b_u) and rel_err(grad_fac.chol.detach(), fac.chol) < 1e-14
     with pytest.raises(ValueError, match="kzz or inducing"):
         whitened_factors(None, b_u, y_u)
+
 
 @pytest.mark.parametrize("size", [1, 5, 7, 12])
 def test_symmetrize_in_place_is_the_out_of_place_formula(size):
