@@ -172,12 +172,11 @@ def iterated_update(
 
     Raises:
         ValueError, TypeError: for invalid batches (before anything is computed); NotImplementedError: for
-            inputs or targets that require grad.
+            inputs that require grad.
     """
     xs, ys = [], []
     for bx, by in batches:
         refuse_graph(bx, "x_new")
-        refuse_graph(by, "y_new")
         xs.append(engine.prepare(layout.check(bx, "x_new")[0], "x_new"))
         ys.append(validate_targets(likelihood, by, num_outputs, num_data=bx.shape[0], name="y_new"))
     if not xs:

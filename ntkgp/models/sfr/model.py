@@ -327,8 +327,8 @@ class SFR(BoTorchInterface, GP):
 
         Raises:
             TypeError: for a non-bool ``iterate`` and invalid inputs; ValueError: for invalid inputs and targets;
-            NotImplementedError: for inputs or targets that require grad (the update is not differentiable in
-            them: the gradient would be silently zero).
+            NotImplementedError: for inputs that require grad (the update is not differentiable in them: the
+            gradient would be silently zero; targets that carry a graph, as BoTorch's fantasies, are used as values).
         """
         self.dual_statistics.add_(new_statistics(self, x_new, y_new, iterate))
         self._updates += 1

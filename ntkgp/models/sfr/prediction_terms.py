@@ -235,7 +235,9 @@ class PredictiveTerms:
         return prior
 
 
-def _check_mean_precision(mean_error: Tensor, prior_blocks: Tensor, blocks: Tensor, coupling: OutputCoupling) -> None:
+def _check_mean_precision(
+    mean_error: Tensor, prior_blocks: Tensor, blocks: Tensor, coupling: OutputCoupling
+) -> None:
     """Warn (``NumericalWarning``) when the rounding of the float32 cross-covariances can move the predictive mean by
     more than one posterior standard deviation at some test point (:attr:`PosteriorState.mean_error`)."""
     prior_var = prior_blocks.detach().diagonal(dim1=-2, dim2=-1).clamp_min(0)  # (b, C)

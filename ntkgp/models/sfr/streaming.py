@@ -71,9 +71,8 @@ def stream_statistics(
         The statistics (raises before returning anything if any batch is bad).
 
     Raises:
-        NotImplementedError: for new data (``argument="new"``, :meth:`SFR.update <ntkgp.models.sfr.SFR.update>`)
-            whose inputs or targets require grad: the sums carry no graph, so a gradient with respect to them
-            would be silently zero.
+        NotImplementedError: for new inputs (``argument="new"``, :meth:`SFR.update <ntkgp.models.sfr.SFR.update>`)
+            that require grad: the sums carry no graph, so a gradient with respect to them would be silently zero.
     """
     name_x, name_y = data_names(argument)
     c = engine.num_outputs(z)
@@ -85,7 +84,6 @@ def stream_statistics(
     for x, y in batches:
         if argument == "new":
             refuse_graph(x, name_x)
-            refuse_graph(y, name_y)
         with torch.no_grad():
             x = engine.prepare(layout.check(x, name_x)[0], name_x)
             validate_targets(likelihood, y, c, num_data=x.shape[0], name=name_y)

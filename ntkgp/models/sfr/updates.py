@@ -47,5 +47,7 @@ def new_statistics(sfr, x_new: Tensor | Iterable[tuple[Tensor, Tensor]], y_new: 
                 inducing = kzz_factors(sfr, weights)
             new = iterated_update(*args, sfr._layout, sfr.num_outputs, stats, inducing, weights, slots, rows)
         else:
-            new = stream_statistics(*args, sfr._layout, rows, "new", sfr.progress, prior_precision=stats.prior_precision)
+            new = stream_statistics(
+                *args, sfr._layout, rows, "new", sfr.progress, prior_precision=stats.prior_precision
+            )
     return new.all_reduce_(sfr.distributed)

@@ -225,7 +225,8 @@ def first_batch(engine, train_x: object, train_y: object, likelihood_name: str, 
     try:
         num_outputs = engine.num_outputs(probe)
     except RuntimeError as error:
-        raise ValueError(f"train_x (examples of shape {tuple(probe.shape[1:])}) does not fit the network: {error}") from error
+        shape = tuple(probe.shape[1:])
+        raise ValueError(f"train_x (examples of shape {shape}) does not fit the network: {error}") from error
     if num_outputs != expected_outputs:
         raise ValueError(f"the network has {num_outputs} outputs but {likelihood_name} expects {expected_outputs}")
     return pairs, first, layout, num_outputs

@@ -63,7 +63,8 @@ def inducing_factors(kzz: Tensor | Callable[[], Tensor]) -> InducingFactors:
         gram, matrix = (lambda: kzz), kzz
     chol_z, info = torch.linalg.cholesky_ex(matrix)
     diagonal = matrix.detach().diagonal(dim1=-2, dim2=-1).clone()
-    return InducingFactors(gram=gram, k_trace=diagonal.sum(-1), k_diagonal=diagonal, chol=None if info.any() else chol_z)
+    chol = None if info.any() else chol_z
+    return InducingFactors(gram=gram, k_trace=diagonal.sum(-1), k_diagonal=diagonal, chol=chol)
 
 
 class Whitening:
@@ -220,15 +221,15 @@ def whitened_factors(
     :math:`\epsilon_X` that of the cross-covariances :math:`K_{Zx}` when it is coarser than :math:`K_{ZZ}`'s, as for
     a float32 network whose :math:`K_{ZZ}` is formed in float64: an error :math:`\epsilon_X \lVert K\rVert` in
     :math:`K_{Zx}` moves :math:`V = W K_{Zx}` by about :math:`\epsilon_X\sqrt{\operatorname{tr}K_{ZZ}/s}`
-    relatively, at most :math:`10^{-2}` above :math:`\tau`) are therefore dropped: :math:`W = \tilde L^{-1} U_r^\top` with :math:`U_r` the eigenvectors of :math:`K_{ZZ}` with
-    eigenvalues above :math:`\tau` and :math:`\tilde L \tilde L^\top = U_r^\top K_{ZZ} U_r`. This is *exactly* the sparse
-    model whose inducing variables are the ``r`` linear functionals :math:`U_r^\top f(Z)` (an inter-domain
-    inducing set): the posterior stays a valid DTC posterior and the collapsed evidence stays a lower bound;
-    with duplicate inputs it is exactly the model without the duplicates. No jitter is added and no warning is
-    raised: this is an ordinary situation, reported by ``rank``; except when the cross-covariances' precision drops
-    directions that :math:`K_{ZZ}` itself resolves (a float32 network), or the site term more than half of them
-    (float32 statistics with a small noise): the data in those directions are lost, and a ``NumericalWarning``
-    says so. The constants were set against a stable
+    relatively, at most :math:`10^{-2}` above :math:`\tau`) are therefore dropped: :math:`W = \tilde L^{-1}
+    U_r^\top` with :math:`U_r` the eigenvectors of :math:`K_{ZZ}` with eigenvalues above :math:`\tau` and
+    :math:`\tilde L \tilde L^\top = U_r^\top K_{ZZ} U_r`. This is *exactly* the sparse model whose inducing variables
+    are the ``r`` linear functionals :math:`U_r^\top f(Z)` (an inter-domain inducing set): the posterior stays a
+    valid DTC posterior and the collapsed evidence stays a lower bound; with duplicate inputs it is exactly the
+    model without the duplicates. No jitter is added and no warning is raised: this is an ordinary situation,
+    reported by ``rank``; except when the cross-covariances' precision drops directions that :math:`K_{ZZ}` itself
+    resolves (a float32 network), or the site term more than half of them (float32 statistics with a small noise):
+    the data in those directions are lost, and a ``NumericalWarning`` says so. The constants were set against a stable
     weight-space reference (SVD of the Jacobian features) on trained networks: predictive means within about
     :math:`10^{-4}`, variances within about :math:`3\cdot10^{-3}` and the evidence within :math:`10^{-3}` nats
     (below it). The fast path, a plain Cholesky :math:`W = L_Z^{-1}`, is taken when it succeeds and a
