@@ -57,7 +57,7 @@ def solve(
 ) -> PosteriorState:
     r"""The whitened factors of the posterior at group weights ``weights`` (:math:`1/\delta`) and slot weights."""
     b_u, y_u = statistics.projected(weights, slots)  # a fresh B_u, overwritten by the factorization
-    eps = rounding(network_dtype, b_u, inducing.k_trace.dtype)
+    eps = rounding(network_dtype, b_u, inducing)
     factors = whitened_factors(None, b_u, y_u, inducing=inducing, overwrite_b_u=True, **eps)
     mean_error = None
     if eps["cross_eps"] > 0:  # the rounding of float32 cross-covariances in the mean (PosteriorState.mean_error)
@@ -65,11 +65,12 @@ def solve(
     return PosteriorState(weights=weights, slots=slots, factors=factors, mean_error=mean_error)
 
 
-def rounding(network_dtype: torch.dtype, b_u: Tensor, kzz_dtype: torch.dtype) -> dict[str, float]:
+def rounding(network_dtype: torch.dtype, b_u: Tensor, inducing: InducingFactors) -> dict[str, float]:
     r"""The unit roundoffs of :func:`~ntkgp.models.sfr.whitening.whitened_factors` for SFR: :math:`K_{ZZ}`'s (computed
-    in float64, :func:`~ntkgp.models.sfr.system_grams.inducing_grams`, unless stored lower), the sums in
-    :math:`B_u`'s (the statistics' dtype) and the cross-covariances' (the network's, where it is lower)."""
-    eps = roundoff(torch.float64, kzz_dtype)
+    in float64, :func:`~ntkgp.models.sfr.system_grams.inducing_grams`, unless stored lower:
+    ``inducing.gram_eps``), the sums in :math:`B_u`'s (the statistics' dtype) and the cross-covariances' (the
+    network's, where it is coarser than :math:`K_{ZZ}`'s)."""
+    eps = inducing.gram_eps if inducing.gram_eps is not None else roundoff(torch.float64, inducing.k_trace.dtype)
     cross = roundoff(network_dtype)
     return {"eps": eps, "site_eps": roundoff(b_u.dtype), "cross_eps": cross if cross > eps else 0.0}
 
@@ -128,10 +129,15 @@ class PosteriorCache:
         return self._caches["z_jacobian"].get_or_compute("J(Z)", [], compute, state=[generation])
 
 
-def factors_of_kzz(grams: Tensor, weights: Tensor, combined: bool) -> InducingFactors:
+def factors_of_kzz(
+    grams: Tensor, weights: Tensor, combined: bool, precision: torch.dtype = torch.float64
+) -> InducingFactors:
     r"""The factors of :math:`K_{ZZ}(\delta)` (:func:`~ntkgp.models.sfr.whitening.inducing_factors`): formed from the
-    per-group Grams, factorized and released; combined statistics keep :math:`K_{ZZ}` at their :math:`\delta`."""
-    return inducing_factors(InducingGram(grams, weights.to(grams), combined))
+    per-group Grams, factorized and released; combined statistics keep :math:`K_{ZZ}` at their :math:`\delta`.
+    ``precision``: the dtype the Grams' features were computed in."""
+    factors = inducing_factors(InducingGram(grams, weights.to(grams), combined))
+    factors.gram_eps = roundoff(precision, grams.dtype)
+    return factors
 
 
 # ---------------------------------------------------------------------- of a model
@@ -147,7 +153,7 @@ def group_weights(sfr) -> Tensor:
 
 def kzz_factors(sfr, weights: Tensor) -> InducingFactors:
     r"""The factors of ``sfr``'s :math:`K_{ZZ}` at group weights ``weights``."""
-    return factors_of_kzz(sfr._zz_grams, weights, sfr.dual_statistics.combined)
+    return factors_of_kzz(sfr._zz_grams, weights, sfr.dual_statistics.combined, sfr._zz_precision)
 
 
 def posterior_state(sfr) -> PosteriorState:

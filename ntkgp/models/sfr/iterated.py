@@ -124,7 +124,7 @@ def iterated_statistics(
                 y_new = torch.einsum("ckn,nc->ck", cross, r)
             # the model's own solve (whitened, dropping K_ZZ's negligible directions: no jitter)
             total = b_old + b_new
-            eps = rounding(engine.dtype, total, kzz.dtype)  # as SFR's own solve
+            eps = rounding(engine.dtype, total, inducing)  # as SFR's own solve
             alpha = whitened_factors(kzz, total, y_old + y_new, inducing=inducing, overwrite_b_u=True, **eps).alpha
             return alpha, values(alpha).reshape(-1)
 

@@ -231,7 +231,7 @@ class SFR(BoTorchInterface, GP):
         self.dual_statistics.all_reduce_(self.distributed)
         # per group: (G, nb, K, K); combined: (1, nb, K, K), K_ZZ(δ) at the δ of the statistics
         dtype = statistics_dtype(self.engine.dtype)
-        zz = inducing_grams(  # in float64 (on a float64 copy of a float32 network)
+        zz, self._zz_precision = inducing_grams(  # in float64 (on a float64 copy of a float32 network)
             self.engine, z, self.output_coupling, dtype, delta.reciprocal() if combined else None, self._rows_per_step()
         )
         if combined:  # δ is fixed with combined statistics: no optimizer or evidence gradient should touch it

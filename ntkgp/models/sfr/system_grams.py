@@ -15,10 +15,12 @@ the ``M`` inducing inputs are passed through it, once per model.
 from __future__ import annotations
 
 import copy
+import warnings
 
 import torch
 from torch import Tensor
 
+from ...linalg import NumericalWarning
 from ...ntk import NTKEngine
 from ...options import OutputCoupling, choose
 from .whitening import _symmetrize_
@@ -85,10 +87,21 @@ def combined_system_gram(
 
 def precise_engine(engine: NTKEngine) -> NTKEngine:
     """``engine`` itself for a float64 network; for a lower precision, an engine on a float64 copy of its network
-    (the same weights, exactly; the same groups, routes and chunks). The user's network is not touched."""
+    (the same weights, exactly; the same groups, routes and chunks). The user's network is not touched. A network
+    that cannot be copied keeps ``engine``, with a ``NumericalWarning`` (its ``K_ZZ`` then resolves less)."""
     if torch.finfo(engine.dtype).eps <= torch.finfo(torch.float64).eps:
         return engine
-    net = copy.deepcopy(engine.net).to(torch.float64)
+    try:
+        net = copy.deepcopy(engine.net).to(torch.float64)
+    except Exception as error:  # noqa: BLE001 - any module that refuses a copy: fall back, and say so
+        warnings.warn(
+            f"SFR could not copy the network to form K_ZZ in float64 ({type(error).__name__}: {error}); K_ZZ is "
+            f"formed in {engine.dtype}, which resolves fewer inducing directions (sfr.inducing_rank). A network "
+            "that copy.deepcopy accepts, or a float64 network, avoids this.",
+            NumericalWarning,
+            stacklevel=4,
+        )
+        return engine
     return NTKEngine(
         net, engine.prior_structure, chunk_size=engine.chunk_size, strategy=engine.strategy,
         input_shape=engine.input_shape, max_jacobian_bytes=engine.max_jacobian_bytes,
@@ -98,12 +111,12 @@ def precise_engine(engine: NTKEngine) -> NTKEngine:
 def inducing_grams(
     engine: NTKEngine, z: Tensor, coupling: OutputCoupling | str, dtype: torch.dtype,
     weights: Tensor | None = None, rows: int = 1,
-) -> Tensor:
+) -> tuple[Tensor, torch.dtype]:
     r""":math:`K_{ZZ}` per group, :func:`system_grams` ``(G, nb, K, K)``, or (``weights`` given, combined statistics)
     :math:`\sum_g w_g K_{g,ZZ}` ``(1, nb, K, K)`` (:func:`combined_system_gram`), in ``dtype``, computed in float64
-    (:func:`precise_engine`)."""
+    (:func:`precise_engine`); and the dtype it was computed in."""
     precise = precise_engine(engine)
     z = z.to(precise.dtype)
     if weights is not None:
-        return combined_system_gram(precise, z, coupling, weights.to(precise.dtype), rows, dtype)
-    return system_grams(precise, z, z, coupling).to(dtype)
+        return combined_system_gram(precise, z, coupling, weights.to(precise.dtype), rows, dtype), precise.dtype
+    return system_grams(precise, z, z, coupling).to(dtype), precise.dtype

@@ -34,6 +34,8 @@ class InducingFactors:
         chol: its Cholesky factor :math:`L_Z`, or ``None`` when that fails.
         inverse_trace: :math:`\operatorname{tr}(K_{ZZ}^{-1})`, filled in lazily by :func:`whitened_factors`.
         inverse_norm: power-iteration estimate of :math:`1/s_{\min}(K_{ZZ})`, filled in lazily.
+        gram_eps: the unit roundoff of the features :math:`K_{ZZ}` was computed from, when known (SFR: float64's,
+            or the network's where it could not be copied); ``None``: that of its dtype.
     """
 
     gram: Callable[[], Tensor]
@@ -42,6 +44,7 @@ class InducingFactors:
     chol: Tensor | None
     inverse_trace: Tensor | None = None
     inverse_norm: Tensor | None = None
+    gram_eps: float | None = None
 
     @property
     def kzz(self) -> Tensor:

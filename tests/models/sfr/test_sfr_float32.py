@@ -194,3 +194,34 @@ def test_double_on_a_float32_network_keeps_float32_thresholds():
         dist = sfr(xs.double())
         assert dist.mean.dtype == torch.float64 and (dist.variance > 0).all()
         assert rel_err(dist.mean, mean32) < 1e-5 and rel_err(dist.variance, var32) < 1e-5
+
+
+class _Uncopyable(torch.nn.Module):
+    """A network holding a lock, which copy.deepcopy refuses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import threading
+
+        self.body = torch.nn.Sequential(torch.nn.Linear(2, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+        self.lock = threading.Lock()
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def test_a_network_that_cannot_be_copied_forms_k_zz_in_float32_and_says_so():
+    torch.manual_seed(0)
+    net = _Uncopyable()
+    x, xs = torch.randn(30, 2), torch.randn(10, 2)
+    with pytest.raises(TypeError):
+        copy.deepcopy(net)
+    lik = GaussianLikelihood()
+    lik.noise = 0.1
+    with pytest.warns(NumericalWarning, match="could not copy the network"):
+        sfr = SFR(net, x, torch.sin(x.sum(-1)), lik, num_inducing=10)
+    assert sfr._zz_grams.dtype == torch.float64 and sfr._zz_precision == torch.float32
+    reference = SFR(net.body, x, torch.sin(x.sum(-1)), lik, inducing_points=sfr.inducing_points)  # copyable
+    assert int(sfr.inducing_rank) <= int(reference.inducing_rank)
+    dist = sfr(xs)
+    assert torch.isfinite(dist.mean).all() and (dist.variance > 0).all()
