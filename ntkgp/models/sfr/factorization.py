@@ -28,11 +28,12 @@ from .whitening import InducingFactors, inducing_factors, roundoff, whitened_fac
 
 __all__ = [
     "InducingGram",
-    "rounding",
     "PosteriorCache",
     "factors_of_kzz",
     "group_weights",
+    "kzz_factors",
     "posterior_state",
+    "rounding",
     "solve",
     "z_jacobian",
 ]
