@@ -96,7 +96,7 @@ def measure(args: argparse.Namespace, device: torch.device) -> dict:
     with torch.no_grad():
         post = sfr(x_test)
         sfr_evidence = sfr.log_marginal_likelihood()
-    stats = sfr.statistics
+    stats = sfr.dual_statistics
     return {
         "times": best,
         "rows": xs.shape[0],

@@ -7,11 +7,12 @@ model is built, for two stages: the build (dual statistics and per-group ``K_ZZ`
 of 200 test points plus the sparse evidence (the factorization). The peak is the larger of the two. It is
 compared with the formula
 
-    bytes × [S·(G·K)² + (G + 4)·K² + 3·2²⁴]
+    8 bytes × [S·(G·K)² + (G + 4)·K² + 3·2²⁴]
 
-(``S`` = 1 slot for classification, ``G`` prior groups, the last term the streaming and prediction buffers);
+(``S`` = 1 slot for classification, ``G`` prior groups, the last term the streaming and prediction buffers; 8
+bytes for a float32 network too, whose statistics SFR sums and factorizes in float64);
 before the change that stopped keeping ``K_ZZ``, ``B_u`` and ``A`` the constant was ``G + 8``. With
-``statistics="combined"`` the statistics and ``K_ZZ`` are one group whatever ``G``: ``bytes × [S·K² + 5·K² + 3·2²⁴]``.
+``statistics="combined"`` the statistics and ``K_ZZ`` are one group whatever ``G``: ``8 bytes × [S·K² + 5·K² + 3·2²⁴]``.
 
 A case is ``dtype:prior_structure``, or ``dtype:prior_structure:combined`` for ``statistics="combined"``
 (measured the same way, compared with the combined formula).
@@ -49,11 +50,16 @@ OLD_CONSTANT, NEW_CONSTANT = 8, 4
 def formula(
     dtype: torch.dtype, groups: int, k: int, slots: int = 1, constant: int = NEW_CONSTANT, combined: bool = False
 ) -> float:
-    """The bound of docs/scaling.md in MiB: ``bytes × [S·(G·K)² + (G + constant)·K² + 3·2²⁴]``; with
-    ``combined`` (``statistics="combined"``) the statistics and ``K_ZZ`` are one group: ``G = 1`` in it."""
+    """The bound of docs/scaling.md in MiB: ``8 bytes × [S·(G·K)² + (G + constant)·K² + 3·2²⁴]``; with
+    ``combined`` (``statistics="combined"``) the statistics and ``K_ZZ`` are one group: ``G = 1`` in it.
+
+    SFR keeps its statistics, ``K_ZZ`` and the factorization in float64 whatever the network's dtype (a float32
+    network's cross-Grams are summed in float64), so the bytes are 8 for both dtypes; ``dtype`` (the network's) is
+    kept for the callers and changes only the streaming buffers, which the ``3·2²⁴`` term bounds from above."""
+    del dtype  # every term of the bound is float64 (an upper bound for the network-dtype streaming buffers)
     groups = 1 if combined else groups
     numbers = slots * (groups * k) ** 2 + (groups + constant) * k**2 + 3 * 2**24
-    return numbers * torch.finfo(dtype).bits / 8 / 2**20
+    return numbers * 8 / 2**20
 
 
 def _high_water_mib() -> float:
@@ -136,7 +142,7 @@ def mnist_table() -> str:
         old = "—" if combined else f"{formula(torch.float32, groups, k, constant=OLD_CONSTANT) / gib:.1f}"
         stored = 1 if combined else groups
         rows.append([label, f"{k:,}", old, f"{formula(torch.float32, groups, k, combined=combined) / gib:.1f}",
-                     f"{stored**2 * k**2 * 4 / 2**30:.1f}"])
+                     f"{stored**2 * k**2 * 8 / 2**30:.1f}"])
     return markdown_table(
         ["prior structure", "`K = M·C`", "old formula (`G + 8`), GiB", "formula (`G + 4`), GiB",
          "of which the statistics `(G·K)²`, GiB"], rows)
@@ -180,7 +186,7 @@ def combined_table(n: int, m: int, write_docs: bool) -> None:
         ["`statistics`", "build s", "peak, MiB (build / factorization)", "formula", "formula, MiB",
          "peak / formula", "rel. diff. from per-group: evidence / variances (largest)"], rows)
     note = (f"\n\nfloat32, `prior_structure=\"layer\"` (`G = {per_group['groups']}`), N = {n}, M = {m} "
-            f"(`K = {per_group['k']}`, `K² = {per_group['k'] ** 2 * 4 / 2**20:.0f} MiB`), MLP 784-64-64-10, softmax, "
+            f"(`K = {per_group['k']}`, `K² = {per_group['k'] ** 2 * 8 / 2**20:.0f} MiB` in float64), MLP 784-64-64-10, softmax, "
             "joint coupling, `S = 1`, one thread on the CPU; each case in a fresh interpreter, in the same run. The "
             "last column compares the evidence and the 200 × 10 predictive variances of the combined case with "
             "those of the per-group case.")
@@ -190,8 +196,8 @@ def combined_table(n: int, m: int, write_docs: bool) -> None:
         write_block(DOC, "sfr-memory-combined", table + note, command_line())
 
 
-MNIST_NOTE = ("\n\nComputed from the formulas (float32, `S = 1`, `M = 2048`, `C = 10`), not measured: no GPU was "
-              "available.")
+MNIST_NOTE = ("\n\nComputed from the formulas (a float32 network, whose statistics are float64; `S = 1`, `M = 2048`, "
+              "`C = 10`), not measured: no GPU was available.")
 
 
 def main() -> None:
@@ -231,7 +237,7 @@ def main() -> None:
         before = run_case(spec, args.n, args.m, args.before) if args.before else None
         after = run_case(spec, args.n, args.m)
         dtype = getattr(torch, after["dtype"])
-        unit = after["k"] ** 2 * torch.finfo(dtype).bits / 8 / 2**20
+        unit = after["k"] ** 2 * 8 / 2**20  # K² in float64, the statistics' dtype for both networks
         new = formula(dtype, after["groups"], after["k"], combined=after["statistics"] == "combined")
         old = formula(dtype, after["groups"], after["k"], constant=OLD_CONSTANT)
         same = None if before is None else max(

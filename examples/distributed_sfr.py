@@ -98,7 +98,7 @@ def main() -> None:
         evidence = sfr.log_marginal_likelihood().item() / sfr.num_data
     accuracy = (probs.argmax(-1) == y_test).double().mean().item()
     nll = -probs.gather(-1, y_test[:, None]).clamp_min(1e-300).log().mean().item()
-    checksum = sum(float(b.double().sum()) for b in (sfr.statistics.precision, sfr.statistics.residual))
+    checksum = sum(float(b.double().sum()) for b in (sfr.dual_statistics.precision, sfr.dual_statistics.residual))
     print(f"rank {me}/{world}: {x_train.shape[0] + x_new.shape[0]} of {sfr.num_data} points here, "
           f"statistics checksum {checksum:.12e}", flush=True)
     dist.barrier()

@@ -62,7 +62,7 @@ def sfr_results(rank, world):
 
 
 def _sfr_summary(sfr, x_test):
-    stats = sfr.statistics
+    stats = sfr.dual_statistics
     with torch.no_grad():
         post = sfr(x_test)
         evidence = sfr.log_marginal_likelihood()

@@ -1,22 +1,30 @@
 r"""SFR: a trained network as a sparse function-space GP (Scannell et al.), as a package.
 
-* :mod:`.model` — :class:`SFR`, the GPyTorch model (construction, update, prediction, evidence);
+* :mod:`.model` — :class:`SFR`, the GPyTorch model (options, construction, update, prediction, evidence);
+* :mod:`.validation` — argument checks (inputs, their layout, integer and boolean options);
+* :mod:`.inducing_points` — random and greedy-variance (pivoted Cholesky) choice of :math:`Z`, in one process
+  or across the ranks of ``torch.distributed`` (``distributed=True``);
+* :mod:`.system_grams` — the per-group Grams arranged as SFR's systems (joint or independent outputs);
 * :mod:`.statistics` — :class:`DualStatistics`, the streamed sums over the data, per parameter group (or for
-  the combined kernel at a fixed :math:`\delta`, ``statistics="combined"``);
+  the combined kernel at a fixed :math:`\delta`, ``statistics="combined"``), in float64;
+* :mod:`.streaming` — the pass over the data into the statistics;
+* :mod:`.guard` — what the statistics were computed at (weights, :math:`Z`), saved with the ``state_dict``;
 * :mod:`.whitening` — the whitened ("SGPR") linear algebra on :math:`K_{ZZ}`, :math:`B_u` (no NTK in it);
-* :mod:`.inducing_points` — random and greedy-variance (pivoted Cholesky) choice of :math:`Z`;
-* :mod:`.predictive` — the predictive's terms at test points, chunk by chunk, with or without input gradients;
+* :mod:`.factorization` — the posterior's factors at the current hyperparameters, and their cache;
+* :mod:`.prediction_terms` — the predictive's terms at test points, chunk by chunk, with or without input
+  gradients; :mod:`.prediction` — their assembly into a distribution;
 * :mod:`.covariance` — :class:`SparsePosteriorCovariance`, the lazy posterior covariance (never densified
   by products);
-* :mod:`.data` — argument validation and streaming of the data into the statistics;
-* :mod:`.iterated` — ``update(iterate=True)``: new classification sites at the mode (damped Newton);
-* :mod:`.distributed` — ``distributed=True``: each rank's shard, statistics all-reduced.
+* :mod:`.evidence` — the collapsed evidence lower bound;
+* :mod:`.updates` — ``update``: the new data's statistics, summed aside; :mod:`.iterated` — with
+  ``iterate=True``, new classification sites at the mode (damped Newton).
 """
 
 from .covariance import SparsePosteriorCovariance
 from .inducing_points import greedy_variance, uniform_subset
 from .model import SFR
-from .statistics import DualStatistics, system_grams
+from .statistics import DualStatistics
+from .system_grams import system_grams
 from .whitening import InducingFactors, WhitenedFactors, Whitening, inducing_factors, whitened_factors
 
 __all__ = [

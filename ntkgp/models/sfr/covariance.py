@@ -106,9 +106,15 @@ class SparsePosteriorCovariance(LinearOperator):
         return self
 
     def _points(self, index: int) -> Tensor:
-        """The inputs of batch element ``index`` (flattened batch), ``(n, *example)``."""
+        """The inputs of batch element ``index`` (flattened batch), ``(n, *example)``, in the network's dtype (they
+        are stored in the operator's; the conversion back is exact)."""
         batch = self.blocks.dim() - 3
-        return self.x.reshape(-1, *self.x.shape[batch:])[index]
+        return self.x.reshape(-1, *self.x.shape[batch:])[index].to(self.terms.engine.dtype)
+
+    @property
+    def _algebra_dtype(self) -> torch.dtype:
+        """The dtype of the terms (the statistics'), in which products are formed."""
+        return self.terms.state.weights.dtype
 
     def _factors(self, index: int) -> list[tuple[slice, Tensor, Tensor]]:
         """``(rows, V, S)`` per chunk of batch element ``index``: stored, or recomputed chunk by chunk."""
@@ -142,7 +148,7 @@ class SparsePosteriorCovariance(LinearOperator):
         c = self._num_outputs
         outs = []
         for index in range(flat.shape[0]):
-            v = flat[index]
+            v = flat[index].to(self._algebra_dtype)
             out = op.terms.prior_matmul(op._points(index), v)
             chunks = op._factors(index)
             proj_z = sum(project(z, v[rows], c) for rows, z, _ in chunks)
@@ -151,7 +157,7 @@ class SparsePosteriorCovariance(LinearOperator):
                 chunks = op._factors(index)
             correction = torch.cat([project_t(s, proj_s, c) - project_t(z, proj_z, c) for _, z, s in chunks])
             outs.append(out + correction)
-        result = torch.stack(outs).reshape(*batch, *rhs.shape[-2:])
+        result = torch.stack(outs).reshape(*batch, *rhs.shape[-2:]).to(rhs.dtype)
         return result.squeeze(-1) if vector else result
 
     def matmul(self, other: Tensor | LinearOperator) -> Tensor | LinearOperator:
@@ -171,7 +177,7 @@ class SparsePosteriorCovariance(LinearOperator):
             s = torch.cat([f for _, _, f in chunks], dim=-1)
             prior = self.terms.prior_dense(self._points(index))
             dense.append(prior - low_rank_dense(z, c) + low_rank_dense(s, c))
-        return torch.stack(dense).reshape(*batch, *self.matrix_shape)
+        return torch.stack(dense).reshape(*batch, *self.matrix_shape).to(self.blocks.dtype)
 
     def _get_indices(self, row_index: Tensor, col_index: Tensor, *batch_indices: Tensor) -> Tensor:
         c = self._num_outputs

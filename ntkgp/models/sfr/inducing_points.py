@@ -15,21 +15,43 @@ r"""Choosing SFR's inducing inputs :math:`Z` from the training inputs, in one pa
   :func:`linear_operator.functions.pivoted_cholesky`. The candidates are the training inputs if there are
   at most ``pool_size`` of them, otherwise a seeded uniform subset of ``pool_size`` (the pool's Gram is
   ``pool_size²``); cost ``O(pool_size² C P_layer + pool_size M²)``.
+
+**Over several processes** (:func:`choose_inducing_inputs_distributed`, ``SFR(..., distributed=True)``).
+With ``distributed=True`` each rank of a ``torch.distributed`` process group passes its shard of the training
+data; the shards, concatenated in rank order, are the data set (:func:`ntkgp.distributed.shard`). The dual
+statistics are sums over the data (:mod:`~ntkgp.models.sfr.statistics`), all-reduced after each rank's pass.
+
+Choosing ``Z`` from the data (``num_inducing=``) must give every rank the same ``Z``, and the same ``Z`` as one
+process on all the data. The uniform subset of :func:`~ntkgp.models.sfr.inducing_points.uniform_subset`
+gives point ``i`` (global order) the ``i``-th key of one seeded stream and keeps the smallest; here rank ``r``
+counts its rows first, skips the keys of the ranks before it, keeps its own smallest keys, and the ranks
+exchange those (``all_gather``, ``O(W·M)`` rows): the global smallest keys are among them. The greedy
+method then runs on that common candidate pool on every rank, and ``Z`` is broadcast from rank 0 (so that
+a GPU's non-deterministic reductions cannot make ranks disagree).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from linear_operator.functions import pivoted_cholesky
 from torch import Tensor
 
+from ...distributed import all_gather_rows, broadcast_, rank, together, world_size
 from ...ntk import NTKEngine
 from ...options import InducingMethod, OutputCoupling
-from .statistics import system_grams
+from .system_grams import system_grams
+from .validation import InputLayout, training_batches
 
-__all__ = ["choose_inducing_inputs", "greedy_variance", "smallest_keys", "uniform_subset"]
+__all__ = [
+    "choose_inducing_inputs",
+    "choose_inducing_inputs_distributed",
+    "greedy_variance",
+    "inducing_inputs_from_data",
+    "smallest_keys",
+    "uniform_subset",
+]
 
 
 _SKIP_CHUNK = 1 << 20
@@ -180,3 +202,92 @@ def choose_inducing_inputs(
     if method is InducingMethod.GREEDY_VARIANCE:
         candidates = candidates[greedy_variance(engine, candidates, size, weights)]
     return candidates
+
+
+def choose_inducing_inputs_distributed(
+    engine: NTKEngine,
+    count: Callable[[], int],
+    batches: Callable[[], Iterable[Tensor]],
+    size: int,
+    method: InducingMethod,
+    seed: int,
+    pool_size: int,
+    weights: Tensor,
+) -> Tensor:
+    r"""``M`` inducing inputs from the training inputs of every rank, identical on every rank.
+
+    Equal to :func:`~ntkgp.models.sfr.inducing_points.choose_inducing_inputs` on the concatenation of the
+    shards in rank order (module docstring).
+
+    Args:
+        engine: the NTK engine (the same network on every rank).
+        count: returns the number of rows of this rank's shard (a pass over a loader).
+        batches: returns a fresh iterable over this rank's checked input batches.
+        size: ``M``.
+        method: ``"random"`` or ``"greedy_variance"``.
+        seed: seed of the keys.
+        pool_size: candidates for ``"greedy_variance"``.
+        weights: group weights :math:`1/\delta`.
+
+    Returns:
+        ``Z``, ``(M, *example)``, prepared for the network, the same tensor on every rank.
+
+    Raises:
+        ValueError: on every rank, if all the shards together hold fewer than ``M`` rows.
+    """
+    keep = size if method is InducingMethod.RANDOM else max(size, pool_size)
+    with together("counting train_x"):
+        local = int(count())
+    device = weights.device
+    counts = all_gather_rows(torch.tensor([local], dtype=torch.long, device=device)).cpu()
+    offset, total = int(counts[: rank()].sum()), int(counts.sum())
+    if total < size:
+        raise ValueError(f"cannot choose {size} inducing inputs from {total} training inputs (num_inducing > N)")
+    with together("choosing inducing inputs"):
+        empty = "this rank's shard of train_x holds no data"
+        rows, keys, index, _ = smallest_keys(batches(), keep, seed, offset, empty)
+        rows = engine.prepare(rows, "train_x").detach()
+    rows = all_gather_rows(rows.contiguous())
+    keys = all_gather_rows(keys.to(device)).cpu()
+    index = all_gather_rows(index.to(device)).cpu()
+    if keys.numel() > keep:
+        chosen = torch.topk(keys, keep, largest=False).indices
+        rows, index = rows[chosen.to(rows.device)], index[chosen]
+    candidates = rows[torch.argsort(index).to(rows.device)].clone()
+    if method is InducingMethod.GREEDY_VARIANCE:
+        candidates = candidates[greedy_variance(engine, candidates, size, weights).to(candidates.device)]
+    candidates = candidates.contiguous()
+    if world_size() > 1:
+        broadcast_([candidates])
+    return candidates
+
+
+def inducing_inputs_from_data(
+    engine: NTKEngine,
+    train_x: object,
+    train_y: object,
+    layout: InputLayout,
+    size: int,
+    method: InducingMethod,
+    seed: int,
+    pool_size: int,
+    weights: Tensor,
+    distributed: bool,
+) -> Tensor:
+    r"""``Z`` chosen from the training data as :class:`~ntkgp.models.sfr.SFR` does: one pass over ``train_x``
+    (tensors or a loader, checked batch by batch against ``layout``), over every rank's shard when ``distributed``.
+
+    Returns:
+        ``Z``, ``(M, *example)``, prepared for the network, a new tensor (the same on every rank).
+    """
+    def batches():
+        return (layout.check(bx, "train_x")[0] for bx, _ in training_batches(train_x, train_y, "train"))
+
+    if distributed:
+        def count() -> int:
+            return train_x.shape[0] if torch.is_tensor(train_x) else sum(bx.shape[0] for bx in batches())
+
+        z = choose_inducing_inputs_distributed(engine, count, batches, size, method, seed, pool_size, weights.detach())
+    else:
+        z = choose_inducing_inputs(engine, batches(), size, method, seed, pool_size, weights)
+    return z.detach().clone()

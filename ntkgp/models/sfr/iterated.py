@@ -22,6 +22,7 @@ prior precisions, noise and temperature of the call are used; the sites are then
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterable
 
 import torch
 from gpytorch.likelihoods import Likelihood
@@ -31,11 +32,14 @@ from ...laplace.function_space.site_posterior import SiteIterationWarning, dampe
 from ...likelihoods import gradient, hessian, log_likelihood, validate_targets
 from ...ntk import NTKEngine
 from ...options import OutputCoupling, PriorMean
-from .data import prior_mean
-from .statistics import DualStatistics, system_grams_and_diagonal
-from .whitening import InducingFactors, roundoff, whitened_factors
+from .factorization import rounding
+from .statistics import DualStatistics
+from .streaming import mean_offset
+from .system_grams import system_grams_and_diagonal
+from .validation import InputLayout, refuse_graph
+from .whitening import InducingFactors, whitened_factors
 
-__all__ = ["iterated_statistics"]
+__all__ = ["iterated_statistics", "iterated_update"]
 
 
 def _cross(
@@ -87,14 +91,13 @@ def iterated_statistics(
     dtype = kzz.dtype  # the model's dtype (the statistics are kept in theirs)
     weights, slots = weights.to(dtype), slots.to(dtype)
     with torch.no_grad():
-        f0 = torch.cat([engine.outputs(x[s : s + rows]) for s in range(0, x.shape[0], rows)]).to(dtype)
+        steps = range(0, x.shape[0], rows)
+        f_net = [engine.outputs(x[s : s + rows]) for s in steps]
+        offsets = torch.cat([mean_offset(engine, x[s : s + rows], f, mean) for s, f in zip(steps, f_net)]).to(dtype)
+        f0 = torch.cat(f_net).to(dtype)
         b, c = f0.shape
         y = validate_targets(likelihood, y, c, num_data=b, name="y_new").to(device=f0.device)
-        steps = range(0, b, rows)
-        m = torch.cat(
-            [prior_mean(engine, x[s : s + rows], f0[s : s + rows].to(engine.dtype), mean) for s in steps]
-        )
-        m = m.to(dtype)
+        m = f0 - offsets  # the prior mean, in the statistics' dtype (float64)
         kept = statistics.precision
         b_old, y_old = (t.to(dtype) for t in statistics.projected(weights.to(kept), slots.to(kept)))
         cross = _cross(engine, z, x, coupling, weights, rows)  # (nb, K, R)
@@ -121,8 +124,8 @@ def iterated_statistics(
                 y_new = torch.einsum("ckn,nc->ck", cross, r)
             # the model's own solve (whitened, dropping K_ZZ's negligible directions: no jitter)
             total = b_old + b_new
-            eps = roundoff(engine.dtype, total.dtype)  # as SFR's own solve
-            alpha = whitened_factors(kzz, total, y_old + y_new, inducing=inducing, overwrite_b_u=True, eps=eps).alpha
+            eps = rounding(engine.dtype, total, inducing)  # as SFR's own solve
+            alpha = whitened_factors(kzz, total, y_old + y_new, inducing=inducing, overwrite_b_u=True, **eps).alpha
             return alpha, values(alpha).reshape(-1)
 
         def objective(state: tuple[Tensor, Tensor]) -> Tensor:
@@ -145,7 +148,39 @@ def iterated_statistics(
         for s in range(0, b, rows):
             grams, diag = system_grams_and_diagonal(engine, z, x[s : s + rows], coupling)
             rows_ = slice(s, s + rows)
-            new.accumulate(
-                likelihood, grams.to(kept), diag.to(kept), sites[rows_].to(kept), m[rows_].to(kept), y[rows_]
-            )
+            site, offset = sites[rows_].to(kept), (sites[rows_] - m[rows_]).to(kept)  # o = f − m at the sites
+            new.accumulate(likelihood, grams.to(kept), diag.to(kept), site, offset, y[rows_])
     return new
+
+
+def iterated_update(
+    engine: NTKEngine,
+    likelihood: Likelihood,
+    z: Tensor,
+    coupling: OutputCoupling,
+    mean: PriorMean,
+    batches: Iterable[tuple[Tensor, Tensor]],
+    layout: InputLayout,
+    num_outputs: int,
+    statistics: DualStatistics,
+    inducing: InducingFactors,
+    weights: Tensor,
+    slots: Tensor,
+    rows: int,
+) -> DualStatistics:
+    """:func:`iterated_statistics` of checked ``(x_new, y_new)`` batches, all held in memory for the call.
+
+    Raises:
+        ValueError, TypeError: for invalid batches (before anything is computed); NotImplementedError: for
+            inputs that require grad.
+    """
+    xs, ys = [], []
+    for bx, by in batches:
+        refuse_graph(bx, "x_new")
+        xs.append(engine.prepare(layout.check(bx, "x_new")[0], "x_new"))
+        ys.append(validate_targets(likelihood, by, num_outputs, num_data=bx.shape[0], name="y_new"))
+    if not xs:
+        raise ValueError("x_new holds no data")
+    return iterated_statistics(
+        engine, likelihood, z, coupling, mean, torch.cat(xs), torch.cat(ys), statistics, inducing, weights, slots, rows
+    )

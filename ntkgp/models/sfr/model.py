@@ -3,49 +3,55 @@ r"""SFR: a trained network as a sparse GP whose inducing points summarize all th
 from __future__ import annotations
 
 import itertools
-import warnings
 from collections.abc import Iterable
 
-import gpytorch
 import torch
-from gpytorch.distributions import MultitaskMultivariateNormal, MultivariateNormal
+from gpytorch.distributions import MultivariateNormal
 from gpytorch.likelihoods import Likelihood
 from gpytorch.models import GP
 from torch import Tensor, nn
 
 from ...botorch import BoTorchInterface, botorch_posterior
-from ...caching import ValueCache
 from ...distributed import check_distributed, check_replicated, together
 from ...kernels import NTKKernel
 from ...likelihoods import num_outputs as likelihood_outputs
-from ...likelihoods import validate_targets
 from ...ntk import GroupSpec, NTKEngine
 from ...options import (
     InducingMethod,
+    OptionAttribute,
     OutputCoupling,
     PredictiveMean,
     PriorMean,
     PriorStructure,
     StatisticsMode,
+    choice,
     choose,
-    renamed_argument,
 )
-from .covariance import SparsePosteriorCovariance, per_batch_factors
-from .data import InputLayout, StateGuard, check_inputs, positive_int, stream_statistics, training_batches
-from .distributed import choose_inducing_inputs_distributed
-from .inducing_points import choose_inducing_inputs
-from .iterated import iterated_statistics
+from .evidence import collapsed_bound
+from .factorization import PosteriorCache, posterior_state, z_jacobian
+from .guard import StateGuard, state_key
+from .inducing_points import inducing_inputs_from_data
+from .prediction import predictive_distribution
 from .prediction_terms import PosteriorState, PredictiveTerms
-from .statistics import combined_system_gram, system_grams
-from .whitening import inducing_factors, roundoff, whitened_factors
+from .statistics import statistics_dtype
+from .streaming import stream_statistics
+from .system_grams import inducing_grams
+from .updates import new_statistics
+from .validation import check_training_data, first_batch, flag, integer, optional_positive_int, positive_int
+from .validation import training_batches
 
 __all__ = ["SFR"]
 
+_PASS = "it shaped the pass over the data: the statistics would have to be recomputed from the data"
+_CHOICE = "the inducing inputs were chosen with it at construction"
+
 
 def _reset_after_load(module: SFR, incompatible_keys) -> None:
-    """``load_state_dict`` post hook: new statistics / inducing inputs invalidate every cached factor."""
+    """``load_state_dict`` post hook: the loaded statistics' key re-arms the guard (or disarms it, if they belong to
+    other weights), and every cached factor is dropped."""
     module._generation += 1
-    module._guard = StateGuard.of(module.engine, module.inducing_points)
+    module._guard = module._guard.loaded(module._state_key)
+    module._cache.clear()
 
 
 class SFR(BoTorchInterface, GP):
@@ -77,21 +83,29 @@ class SFR(BoTorchInterface, GP):
 
     **State.** The statistics are kept per parameter group and per noise / temperature slot, so a change of
     :math:`\delta` (``sfr.covar_module.prior_precision``), the Gaussian noise or the temperature, by any route
-    (setter, ``.data``, ``load_state_dict``, optimizer step), re-weights them at the next call: cached
-    factorizations are keyed by those values (:class:`~ntkgp.caching.ValueCache`). The statistics were
-    accumulated at the network's weights :math:`\theta^*`: if the weights change afterwards, every call raises
-    ``RuntimeError`` (build a new model). In ``eval()`` mode (the state after construction) factorizations are
-    cached and detached; in ``train()`` mode they are recomputed with gradients.
+    (setter, ``.data``, ``load_state_dict``, optimizer step), re-weights them at the next call (cached
+    factorizations are keyed by those values). The statistics were
+    accumulated at the network's weights :math:`\theta^*` and inducing inputs :math:`Z`: if either changes afterwards,
+    every call raises ``RuntimeError`` (build a new model). Their key is part of the ``state_dict``
+    (:mod:`~ntkgp.models.sfr.guard`), so loading statistics saved at other weights raises too. In ``eval()`` mode
+    (the state after construction) factorizations are cached and detached; in ``train()`` mode they are
+    recomputed with gradients. A model can be pickled or ``torch.save``\ d whole (its caches are not saved).
 
-    **Combined statistics** (``statistics="combined"``, opt-in). The statistics and :math:`K_{ZZ}` are kept for
-    the combined kernel :math:`\sum_g K_g/\delta_g` at the :math:`\delta` of the pass over the data (recorded in
-    ``sfr.statistics.prior_precision``): ``G²`` times less memory for the statistics, ``G`` times less for
-    :math:`K_{ZZ}` (docs/scaling.md, "Memory of SFR with joint coupling"), the same numbers as the default at
-    that :math:`\delta`. In exchange :math:`\delta` is fixed: the constructor sets
-    ``sfr.covar_module.raw_prior_precision.requires_grad_(False)`` (the noise and the temperature stay
-    differentiable); once :math:`\delta` differs from the recorded one, every call raises ``RuntimeError``
-    (nothing is mixed), and so does a computation that would differentiate through the statistics with respect
-    to :math:`\delta` (if its gradient is switched on again).
+    **Options after construction.** ``predictive_mean``, ``batch_size``, ``chunk_size`` and ``progress`` can be
+    assigned (strings or enum members, validated as in the constructor); the model then equals one built with
+    the new value. ``prior_mean``, ``output_coupling``, ``statistics``, ``inducing_method``, ``seed``,
+    ``pool_size`` and ``distributed`` shaped the pass over the data: assigning another value raises
+    ``AttributeError`` (build a new model).
+
+    **Precision.** A float32 network gives float32 features; the statistics are summed, and the posterior
+    factorized, in float64 (:func:`~ntkgp.models.sfr.statistics.statistics_dtype`), and the mean is the network's
+    output plus a correction (never :math:`f(x) - J(x)\theta^*` formed in float32); results are returned in
+    the network's dtype (docs/sfr.md, "float32").
+
+    **Combined statistics** (``statistics="combined"``, opt-in): the statistics and :math:`K_{ZZ}` are kept for
+    the combined kernel at the :math:`\delta` of the pass over the data (``sfr.dual_statistics.prior_precision``),
+    in ``G²`` times less memory; :math:`\delta` is then fixed (``raw_prior_precision.requires_grad_(False)``), and
+    every call raises ``RuntimeError`` once it differs from the recorded one (docs/sfr.md, "Combined statistics").
 
     Args:
         net: the trained network ``(N, *input_shape) -> (N, C)``; never modified.
@@ -102,8 +116,7 @@ class SFR(BoTorchInterface, GP):
         num_inducing: ``M``, inducing inputs chosen from the training inputs by ``inducing_method``.
         inducing_points: ``Z`` of shape ``(M, ...)`` like the inputs; exclusive with ``num_inducing``.
         prior_precision: initial :math:`\delta` (float or one per group).
-        prior_structure: which parameters share a :math:`\delta`, see :class:`~ntkgp.NTKKernel` (``groups=``
-            is its deprecated name).
+        prior_structure: which parameters share a :math:`\delta`, see :class:`~ntkgp.NTKKernel`.
         prior_mean: ``"linearized"`` (:math:`f(x) - J(x)\theta^*`) or ``"zero"``.
         predictive_mean: ``"gp"`` or ``"nn"`` (the network's output with SFR's covariance).
         output_coupling: ``"joint"`` (one ``MC×MC`` system, full likelihood Hessian) or ``"independent"``.
@@ -111,7 +124,7 @@ class SFR(BoTorchInterface, GP):
         batch_size: points per accumulation step, and per prediction chunk (``sfr(x, chunk_size=...)``
             overrides it); default: as many as keep the ``G`` cross-Grams under ``2**24`` numbers (docs/sfr.md).
         seed: seed of the random choices (inducing subset, candidate pool).
-        progress: show a progress bar over the data.
+        progress: show a progress bar over the data (``True`` or ``False``).
         input_shape: shape of one input, when inputs arrive flat (see :class:`~ntkgp.NTKKernel`).
         chunk_size: examples per Jacobian / feature chunk of the NTK engine.
         pool_size: candidates for ``"greedy_variance"``.
@@ -132,6 +145,18 @@ class SFR(BoTorchInterface, GP):
         >>> probs = sfr.likelihood(sfr(x_test)).probs
         >>> sfr = sfr.update(x_new, y_new)              # condition on new data, no retraining
     """
+
+    prior_mean = OptionAttribute(choice(PriorMean), fixed=_PASS + " (their residuals hold f_n − m_n)")
+    output_coupling = OptionAttribute(choice(OutputCoupling), fixed=_PASS + " (they are kept per system)")
+    statistics = OptionAttribute(choice(StatisticsMode), fixed=_PASS)
+    distributed = OptionAttribute(check_distributed, fixed="the statistics were all-reduced over the ranks")
+    inducing_method = OptionAttribute(choice(InducingMethod), fixed=_CHOICE)
+    seed = OptionAttribute(integer, fixed=_CHOICE)
+    pool_size = OptionAttribute(positive_int, fixed=_CHOICE)
+    predictive_mean = OptionAttribute(choice(PredictiveMean), on_change="_option_changed")
+    batch_size = OptionAttribute(optional_positive_int, on_change="_option_changed")
+    chunk_size = OptionAttribute(positive_int, on_change="_option_changed")
+    progress = OptionAttribute(flag, on_change="_option_changed")
 
     def __init__(
         self,
@@ -155,42 +180,22 @@ class SFR(BoTorchInterface, GP):
         pool_size: int = 4096,
         distributed: bool = False,
         statistics: str = "per_group",
-        **kwargs,
     ) -> None:
-        prior_structure = renamed_argument(kwargs, "groups", "prior_structure", prior_structure, "layer")
-        if kwargs:
-            raise TypeError(f"SFR got unexpected keyword arguments {sorted(kwargs)}")
         super().__init__()
         # ---- validate every argument before anything is computed
-        self.statistics_mode = choose(StatisticsMode, statistics, "statistics")
-        self.prior_mean = choose(PriorMean, prior_mean, "prior_mean")
-        self.predictive_mean = choose(PredictiveMean, predictive_mean, "predictive_mean")
-        self.output_coupling = choose(OutputCoupling, output_coupling, "output_coupling")
-        method = choose(InducingMethod, inducing_method, "inducing_method")
+        self.statistics, self.prior_mean = statistics, prior_mean
+        self.predictive_mean, self.output_coupling = predictive_mean, output_coupling
+        self.inducing_method, self.seed, self.pool_size = inducing_method, seed, pool_size
+        self.batch_size, self.chunk_size, self.progress = batch_size, chunk_size, progress
         if isinstance(prior_structure, str):
             prior_structure = choose(PriorStructure, prior_structure, "prior_structure").value
         if (num_inducing is None) == (inducing_points is None):
             raise ValueError("give exactly one of num_inducing and inducing_points")
         num_inducing = None if num_inducing is None else positive_int(num_inducing, "num_inducing")
-        self.batch_size = None if batch_size is None else positive_int(batch_size, "batch_size")
-        self.chunk_size = positive_int(chunk_size, "chunk_size")
-        pool_size = positive_int(pool_size, "pool_size")
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ValueError(f"seed must be an integer, got {seed!r}")
-        self.distributed = check_distributed(distributed)
+        self.distributed = distributed
         with together("checking train_x", self.distributed):  # this rank's shard
             expected_outputs = likelihood_outputs(likelihood)  # raises for unsupported likelihoods
-            if torch.is_tensor(train_x):
-                if train_y is None:
-                    raise ValueError("train_y is required when train_x is a tensor")
-                check_inputs(train_x, "train_x")
-            if inducing_points is not None:
-                check_inputs(inducing_points, "inducing_points")
-            elif not torch.is_tensor(train_x) and iter(train_x) is train_x:
-                raise ValueError(
-                    "choosing inducing inputs from the data needs two passes over train_x, but it is a one-shot "
-                    "iterator: pass a DataLoader (or tensors), or give inducing_points"
-                )
+            check_training_data(train_x, train_y, inducing_points)
         check_replicated([*net.parameters(), *net.buffers()], "the network's weights", self.distributed)
         if inducing_points is not None:
             check_replicated([inducing_points], "inducing_points", self.distributed)
@@ -198,75 +203,49 @@ class SFR(BoTorchInterface, GP):
         self.covar_module = NTKKernel(
             net, prior_precision, prior_structure, input_shape=input_shape, chunk_size=self.chunk_size, progress=False
         )
-        self.progress = progress
 
-        # ---- the first batch fixes the examples' shape and C
+        # ---- the first batch fixes the examples' layout and C
         with together("checking train_x", self.distributed):
-            pairs, first = self._first_batch(train_x, train_y, expected_outputs)
+            pairs, first, self._layout, self.num_outputs = first_batch(
+                self.engine, train_x, train_y, type(likelihood).__name__, expected_outputs
+            )
         if inducing_points is not None:
             with together("checking inducing_points", self.distributed):
                 z = self.engine.prepare(self._layout.check(inducing_points, "inducing_points")[0], "inducing_points")
-        elif self.distributed:
-            z = choose_inducing_inputs_distributed(
-                self.engine,
-                lambda: train_x.shape[0] if torch.is_tensor(train_x) else sum(
-                    bx.shape[0] for bx, _ in training_batches(train_x, train_y, "train")),
-                lambda: (self._layout.check(bx, "train_x")[0] for bx, _ in training_batches(train_x, train_y, "train")),
-                num_inducing, method, seed, pool_size, self.covar_module.prior_precision.detach().reciprocal(),
+            z = z.detach().clone()
+        else:
+            z = inducing_inputs_from_data(
+                self.engine, train_x, train_y, self._layout, num_inducing, self.inducing_method, self.seed,
+                self.pool_size, self.covar_module.prior_precision.reciprocal(), self.distributed,
             )
             pairs = training_batches(train_x, train_y, "train")
             first = next(pairs)
-        else:
-            weights = self.covar_module.prior_precision.reciprocal()
-            batches = (self._layout.check(bx, "train_x")[0] for bx, _ in training_batches(train_x, train_y, "train"))
-            z = choose_inducing_inputs(self.engine, batches, num_inducing, method, seed, pool_size, weights)
-            pairs = training_batches(train_x, train_y, "train")
-            first = next(pairs)
-        z = z.detach().clone()
         self.register_buffer("inducing_points", z)
-        combined = self.statistics_mode is StatisticsMode.COMBINED
+        combined = self.statistics is StatisticsMode.COMBINED
         delta = self.covar_module.prior_precision.detach()
         with together("the pass over train_x", self.distributed):
-            self.statistics = stream_statistics(
+            self.dual_statistics = stream_statistics(
                 self.engine, likelihood, z, self.output_coupling, self.prior_mean, itertools.chain([first], pairs),
                 self._layout, self._rows_per_step(), "train", progress, prior_precision=delta if combined else None,
             )
-        self.statistics.all_reduce_(self.distributed)
+        self.dual_statistics.all_reduce_(self.distributed)
         # per group: (G, nb, K, K); combined: (1, nb, K, K), K_ZZ(δ) at the δ of the statistics
-        if combined:
-            zz = combined_system_gram(self.engine, z, self.output_coupling, delta.reciprocal(), self._rows_per_step())
-            # δ is fixed with combined statistics: no optimizer or evidence gradient should touch it
+        dtype = statistics_dtype(self.engine.dtype)
+        zz, self._zz_precision = inducing_grams(  # in float64 (on a float64 copy of a float32 network)
+            self.engine, z, self.output_coupling, dtype, delta.reciprocal() if combined else None, self._rows_per_step()
+        )
+        if combined:  # δ is fixed with combined statistics: no optimizer or evidence gradient should touch it
             self.covar_module.raw_prior_precision.requires_grad_(False)
-        else:
-            zz = system_grams(self.engine, z, z, self.output_coupling)
         self.register_buffer("_zz_grams", zz)
+        self.register_buffer("_state_key", state_key(self.engine, z))  # what the statistics belong to
         self._guard = StateGuard.of(self.engine, z)
         self._generation = 0  # bumped by load_state_dict
         self._updates = 0  # bumped by update
-        self._caches = {name: ValueCache(size=1) for name in ("inducing", "posterior", "z_jacobian")}
+        self._cache = PosteriorCache()
         self.register_load_state_dict_post_hook(_reset_after_load)
         self.eval()
 
-    def _first_batch(self, train_x, train_y, expected_outputs: int):
-        """The training pairs and their first batch; sets the examples' layout and ``C`` from it."""
-        pairs = training_batches(train_x, train_y, "train")
-        first = next(pairs, None)
-        if first is None:
-            raise ValueError("train_x holds no data")
-        probe = self.engine.prepare(first[0][:1], "train_x")
-        self._layout = InputLayout(tuple(probe.shape[1:]), self.engine.input_shape is not None)
-        try:
-            self.num_outputs = self.engine.num_outputs(probe)
-        except RuntimeError as error:
-            raise ValueError(f"train_x (examples of shape {tuple(probe.shape[1:])}) does not fit the network: {error}") from error
-        if self.num_outputs != expected_outputs:
-            raise ValueError(
-                f"the network has {self.num_outputs} outputs but {type(self.likelihood).__name__} expects "
-                f"{expected_outputs}"
-            )
-        return pairs, first
-
-    # ------------------------------------------------------------------ construction helpers
+    # ------------------------------------------------------------------ properties and options
     @property
     def engine(self) -> NTKEngine:
         """The :class:`~ntkgp.ntk.NTKEngine` of the kernel (holds the network by reference)."""
@@ -277,15 +256,28 @@ class SFR(BoTorchInterface, GP):
         """``M``."""
         return self.inducing_points.shape[0]
 
+    @num_inducing.setter
+    def num_inducing(self, value) -> None:
+        raise AttributeError(
+            f"SFR.num_inducing cannot be changed after construction ({_PASS}); build a new SFR with "
+            f"num_inducing={value!r}"
+        )
+
     @property
     def num_data(self) -> int:
         """Number of data points summarized so far."""
-        return int(self.statistics.num_data)
+        return int(self.dual_statistics.num_data)
 
     @property
     def batch_shape(self) -> torch.Size:
         """The model's batch shape (BoTorch's ``Model.batch_shape``): SFR is one model, ``torch.Size([])``."""
         return torch.Size([])
+
+    def _option_changed(self, name: str) -> None:
+        """After an assignable option changed: nothing cached depends on ``predictive_mean``, ``batch_size`` or
+        ``progress`` (they are read at each call); ``chunk_size`` is the engine's chunk."""
+        if name == "chunk_size":
+            self.engine.chunk_size = self.chunk_size
 
     def _rows_per_step(self) -> int:
         """Points per accumulation step and prediction chunk: ``batch_size``, or the ``G`` cross-Grams under 2²⁴ numbers."""
@@ -299,7 +291,7 @@ class SFR(BoTorchInterface, GP):
         """Raise if the network's weights or the inducing inputs changed since the statistics were computed, or,
         with combined statistics, the prior precisions."""
         self._guard.check(self.engine, self.inducing_points)
-        self.statistics.check_prior_precision(self.covar_module.prior_precision)
+        self.dual_statistics.check_prior_precision(self.covar_module.prior_precision)
 
     # ------------------------------------------------------------------ conditioning on new data
     def update(
@@ -312,8 +304,9 @@ class SFR(BoTorchInterface, GP):
 
         * ``iterate=False`` (one step), and always for a Gaussian likelihood (exact sites): at the network's
           outputs :math:`f(x;\theta^*)`, as for the training data. The result equals building SFR on the union
-          of the data with the same ``Z``; cost ``O(b (MC)^2 + (MC)^3)``. Classification points that the
-          network gets confidently wrong overshoot (the step uses the curvature at θ*).
+          of the data with the same ``Z`` (to rounding, wherever :math:`K_{ZZ}` keeps all its directions; see
+          docs/sfr.md); cost ``O(b (MC)^2 + (MC)^3)``. Classification points that the network gets confidently
+          wrong overshoot (the step uses the curvature at θ*).
         * ``iterate=True`` (default for classification): at the mode of the sparse model's log joint given the
           old sites, by damped Newton steps (:mod:`~ntkgp.models.sfr.iterated`), at the current prior
           precisions and temperature; a few ``(MC)^3`` solves more, and the new data are held in memory
@@ -333,102 +326,18 @@ class SFR(BoTorchInterface, GP):
             ``self``. All batches are checked and summed aside first: a bad batch leaves the model unchanged.
 
         Raises:
-            TypeError: for a non-bool ``iterate`` and invalid inputs; ValueError: for invalid inputs and targets.
+            TypeError: for a non-bool ``iterate`` and invalid inputs; ValueError: for invalid inputs and targets;
+            NotImplementedError: for inputs that require grad (the update is not differentiable in them: the
+            gradient would be silently zero; targets that carry a graph, as BoTorch's fantasies, are used as values).
         """
-        if iterate is None:
-            iterate = not self.distributed
-        if not isinstance(iterate, bool):
-            raise TypeError(f"iterate must be True, False or None, got {iterate!r}")
-        if iterate and self.distributed and not self.statistics.gaussian:
-            raise ValueError("iterate=True is not data-parallel: a model built with distributed=True takes iterate=False")
-        with together("SFR.update", self.distributed):  # this rank's shard of the new data
-            self._check_state()
-            if torch.is_tensor(x_new) and y_new is None:
-                raise ValueError("y_new is required when x_new is a tensor")
-            if iterate and not self.statistics.gaussian:
-                new = self._iterated_statistics(x_new, y_new)
-            else:
-                new = stream_statistics(
-                    self.engine, self.likelihood, self.inducing_points, self.output_coupling, self.prior_mean,
-                    training_batches(x_new, y_new, "new"), self._layout, self._rows_per_step(), "new", self.progress,
-                    prior_precision=self.statistics.prior_precision,
-                )
-        self.statistics.add_(new.all_reduce_(self.distributed))
+        self.dual_statistics.add_(new_statistics(self, x_new, y_new, iterate))
         self._updates += 1
         return self
 
-    def _iterated_statistics(self, x_new, y_new):
-        """The new data's statistics with their sites at the mode (all batches checked and held in memory)."""
-        xs, ys = [], []
-        for bx, by in training_batches(x_new, y_new, "new"):
-            xs.append(self.engine.prepare(self._layout.check(bx, "x_new")[0], "x_new"))
-            ys.append(validate_targets(self.likelihood, by, self.num_outputs, num_data=bx.shape[0], name="y_new"))
-        if not xs:
-            raise ValueError("x_new holds no data")
-        with torch.no_grad():
-            weights = self.covar_module.prior_precision.reciprocal().detach()
-            slots = self.statistics.slot_weights(self.likelihood).detach()
-            inducing = self._inducing(weights)
-        return iterated_statistics(
-            self.engine, self.likelihood, self.inducing_points, self.output_coupling, self.prior_mean,
-            torch.cat(xs), torch.cat(ys), self.statistics, inducing, weights, slots, self._rows_per_step(),
-        )
-
     # ------------------------------------------------------------------ posterior factors
-    def _key(self) -> Tensor:
-        return torch.tensor([self._generation, self._updates])
-
     def _factors(self) -> PosteriorState:
-        r"""The whitened factorization of the posterior at the current hyperparameters.
-
-        In eval mode (with GPyTorch's ``detach_test_caches``) it is cached, detached, keyed by the values of
-        :math:`1/\delta`, the slot weights and the statistics' generation; the factors of :math:`K_{ZZ}` alone
-        are cached apart, keyed by :math:`1/\delta` only, so :meth:`update` and a change of the noise or
-        temperature reuse them.
-        """
-        self._check_state()
-        weights = self.covar_module.prior_precision.reciprocal()
-        slots = self.statistics.slot_weights(self.likelihood)
-        if self.training or not gpytorch.settings.detach_test_caches.on():
-            return self._solve(weights, slots, self._inducing(weights))
-        weights, slots = weights.detach(), slots.detach()
-        generation = torch.tensor([self._generation])
-        posterior = self._caches["posterior"]
-
-        def new_inducing():  # a miss: drop the stale factors first, so that old and new never coexist
-            posterior.clear()
-            self._caches["inducing"].clear()
-            return self._inducing(weights)
-
-        def new_posterior(inducing):
-            posterior.clear()
-            return self._solve(weights, slots, inducing)
-
-        inducing = self._caches["inducing"].get_or_compute("K_ZZ", [], new_inducing, state=[weights, generation])
-        return posterior.get_or_compute(
-            "posterior", [], lambda: new_posterior(inducing), state=[weights, slots, self._key()]
-        )
-
-    def _inducing(self, weights: Tensor):
-        r"""The factors of :math:`K_{ZZ} = \sum_g w_g K_{g,ZZ}`; :math:`K_{ZZ}` itself is formed, factorized and
-        released (recomputed from the per-group Grams only when needed again). Combined statistics keep
-        :math:`K_{ZZ}(\delta)` itself, at the :math:`\delta` checked by :meth:`_check_state`: it is used as it is."""
-        grams = self._zz_grams
-        if self.statistics.combined:
-            return inducing_factors(lambda: grams[0])
-        return inducing_factors(lambda: torch.einsum("g,gbij->bij", weights, grams))
-
-    def _solve(self, weights: Tensor, slots: Tensor, inducing) -> PosteriorState:
-        b_u, y_u = self.statistics.projected(weights, slots)  # a fresh B_u, overwritten by the factorization
-        eps = roundoff(self.engine.dtype, b_u.dtype)
-        factors = whitened_factors(None, b_u, y_u, inducing=inducing, overwrite_b_u=True, eps=eps)
-        return PosteriorState(weights=weights, slots=slots, factors=factors)
-
-    def _z_jacobian(self) -> Tensor:
-        """:math:`J(Z)`, ``(M·C, P)``, for predictions with a graph to the inputs (cached)."""
-        return self._caches["z_jacobian"].get_or_compute(
-            "J(Z)", [], lambda: self.engine.jacobian(self.inducing_points).detach(), state=[self._key()]
-        )
+        """The posterior's whitened factorization now (:func:`~ntkgp.models.sfr.factorization.posterior_state`)."""
+        return posterior_state(self)
 
     @property
     def inducing_rank(self) -> Tensor:
@@ -446,33 +355,17 @@ class SFR(BoTorchInterface, GP):
                 points as keep the ``G`` cross-Grams of a chunk under ``2**24`` numbers).
 
         Returns:
-            ``MultivariateNormal`` ``(*batch, n)`` (``C = 1``) or ``MultitaskMultivariateNormal`` ``(*batch, n, C)``.
+            ``MultivariateNormal`` ``(*batch, n)`` (``C = 1``) or ``MultitaskMultivariateNormal`` ``(*batch, n, C)``,
+            in the model's dtype (that of ``inducing_points``: the network's, unless converted).
         """
         flat, batch = self._layout.check(x, "x", batched=True)
         chunk = self._rows_per_step() if chunk_size is None else positive_int(chunk_size, "chunk_size")
         x = self.engine.prepare(flat, "x")
         terms = PredictiveTerms(
             self.engine, self.inducing_points, self.output_coupling, self.num_outputs, self._factors(),
-            self.prior_mean, self.predictive_mean, self._z_jacobian,
+            self.prior_mean, self.predictive_mean, lambda: z_jacobian(self),
         )
-        parts = []
-        for start in range(0, x.shape[0], chunk):
-            part = terms.chunk(x[start : start + chunk])
-            if start + chunk < x.shape[0] or parts:  # more than one chunk: keep only the per-point results
-                part.low_rank_z = part.low_rank_s = None
-            parts.append(part)
-        count, c = x.shape[0] // max(1, batch.numel()), self.num_outputs
-        mean = torch.cat([p.mean for p in parts]).reshape(*batch, count, c)
-        blocks = torch.cat([p.blocks for p in parts]).reshape(*batch, count, c, c)
-        factors = [None, None]
-        if len(parts) == 1:  # small enough to keep V and R⁻¹V (per batch element)
-            factors = [per_batch_factors(f, batch) for f in (parts[0].low_rank_z, parts[0].low_rank_s)]
-        covariance = SparsePosteriorCovariance(
-            x.reshape(*batch, count, *x.shape[1:]), blocks, *factors, terms=terms, chunk_size=chunk
-        )
-        if c == 1:
-            return MultivariateNormal(mean.squeeze(-1), covariance)
-        return MultitaskMultivariateNormal(mean, covariance, interleaved=True)
+        return predictive_distribution(terms, x, batch, chunk, self.inducing_points.dtype)
 
     def posterior(self, X: Tensor, output_indices=None, observation_noise=False, posterior_transform=None, **kwargs):
         """BoTorch's ``Model.posterior``: a ``GPyTorchPosterior`` over ``f(X)`` for ``X`` ``(b, q, d)`` (BoTorch is
@@ -490,38 +383,14 @@ class SFR(BoTorchInterface, GP):
 
     # ------------------------------------------------------------------ evidence
     def log_marginal_likelihood(self) -> Tensor:
-        r"""The collapsed (Titsias / DTC) lower bound with the Gaussian sites, summed over the data.
+        r"""The collapsed (Titsias / DTC) lower bound with the Gaussian sites, summed over the data
+        (:func:`~ntkgp.models.sfr.evidence.collapsed_bound`).
 
-        .. math::
-            \mathcal L = c_0 + \tfrac12 \tilde y_u^\top (K_{ZZ} + B_u)^{-1} \tilde y_u
-            - \tfrac12 \log\frac{|K_{ZZ} + B_u|}{|K_{ZZ}|}
-            - \tfrac12 \textstyle\sum_n \operatorname{tr}(\Lambda_n K_{nn}) + \tfrac12 \operatorname{tr}(K_{ZZ}^{-1} B_u),
-
-        :math:`c_0` = :meth:`~ntkgp.models.sfr.statistics.DualStatistics.data_fit`. Gaussian likelihood: a lower
-        bound on the linearized GP's evidence :math:`\log N(y; m(X), K_{XX} + \sigma^2 I)`, equal at ``Z = X``.
-        Classification: the sites are unnormalized Gaussians, so (Jensen) the value for any ``Z`` is at most
-        the value at ``Z = X``; for the linearized mean that is NTKGP's Laplace-GGN evidence plus
-        :math:`\frac12 v^\top H^{-1} v`, :math:`v = J^\top g - P_0 \theta^*` (zero at a stationary :math:`\theta^*`);
-        see docs/sfr.md. Computed in whitened form (:math:`\log|I + A|`, :math:`\operatorname{tr} A`) from the
-        statistics alone; differentiable w.r.t. :math:`\delta`, the Gaussian noise and the temperature in
-        ``train()`` mode.
+        Gaussian likelihood: a lower bound on the linearized GP's evidence :math:`\log N(y; m(X), K_{XX} +
+        \sigma^2 I)`, equal at ``Z = X``. Classification: the sites are unnormalized Gaussians, so (Jensen) the
+        value for any ``Z`` is at most the value at ``Z = X``; for the linearized mean that is NTKGP's Laplace-GGN
+        evidence plus :math:`\frac12 v^\top H^{-1} v`, :math:`v = J^\top g - P_0 \theta^*` (zero at a stationary
+        :math:`\theta^*`); see docs/sfr.md. Computed from the statistics alone; differentiable w.r.t.
+        :math:`\delta`, the Gaussian noise and the temperature in ``train()`` mode.
         """
-        state = self._factors()
-        fac, stats = state.factors, self.statistics
-        log_det = 2 * fac.chol.diagonal(dim1=-2, dim2=-1).log().sum()  # log|I + A| = log(|K_ZZ + B_u| / |K_ZZ|)
-        nystrom_trace = fac.a_diagonal.sum()  # tr(A) = tr(K_ZZ⁻¹ B_u)
-        return (
-            stats.data_fit(self.likelihood, state.slots)
-            + 0.5 * fac.y_white.square().sum()
-            - 0.5 * log_det
-            - 0.5 * stats.trace_term(state.weights, state.slots)
-            + 0.5 * nystrom_trace
-        )
-
-    def sparse_evidence(self) -> Tensor:
-        """Deprecated name of :meth:`log_marginal_likelihood`."""
-        warnings.warn(
-            "SFR.sparse_evidence() is deprecated; use SFR.log_marginal_likelihood()", DeprecationWarning, stacklevel=2
-        )
-        return self.log_marginal_likelihood()
-
+        return collapsed_bound(self._factors(), self.dual_statistics, self.likelihood).to(self.inducing_points.dtype)

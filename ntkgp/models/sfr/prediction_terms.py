@@ -3,10 +3,13 @@ r"""What SFR's predictive needs at test points, chunk by chunk: cross-covariance
 For test inputs ``x`` (``b`` points) and the posterior factors of :mod:`~ntkgp.models.sfr.whitening`:
 
 .. math::
-    \mu(x) = m(x) + K_{xZ}\,\alpha, \qquad
+    \mu(x) = m(x) + K_{xZ}\,\alpha = f(x) + \big(K_{xZ}\,\alpha - o(x)\big), \qquad
     \Sigma(x, x) = K_{xx} - V^\top V + (R^{-1}V)^\top (R^{-1}V), \quad V = W K_{Zx},
 
-with ``nb`` systems (one for ``"joint"`` coupling, ``C`` for ``"independent"``). The variances are the
+with ``nb`` systems (one for ``"joint"`` coupling, ``C`` for ``"independent"``). For the linearized prior mean the
+mean is the network's output plus a correction, :math:`o(x) = J(x)\theta^*` computed directly (a Jacobian-vector
+product): the prior mean :math:`f(x) - J(x)\theta^*` is never formed, so nothing of size :math:`|J\theta^*|` is
+cancelled in the network's dtype; the correction is formed in the statistics' dtype (float64). The variances are the
 Nyström residual :math:`\operatorname{diag}(K_{xx} - V^\top V) \ge 0`, clipped at zero where rounding makes it
 negative (it vanishes at the inducing inputs), plus the sum of squares :math:`\lVert R^{-1}V\rVert^2`: never
 negative. :class:`PredictiveTerms` computes these for one chunk at a time, so that memory is ``O(b · C · K)`` per chunk (``K = M·C`` or ``M``).
@@ -20,6 +23,7 @@ functional call with detached weights: every term then carries its derivative wi
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -27,10 +31,11 @@ import torch
 from torch import Tensor
 from torch.func import functional_call
 
+from ...linalg import NumericalWarning
 from ...ntk import NTKEngine
 from ...options import OutputCoupling, PredictiveMean, PriorMean
-from .data import prior_mean
-from .statistics import system_grams_and_diagonal
+from .streaming import mean_offset
+from .system_grams import system_grams_and_diagonal
 from .whitening import WhitenedFactors
 
 __all__ = ["ChunkPrediction", "PosteriorState", "PredictiveTerms"]
@@ -44,11 +49,17 @@ class PosteriorState:
         weights: group weights :math:`1/\delta`, ``(G,)``.
         slots: slot weights (:math:`1/\sigma_c^2` or :math:`1/T`), ``(S,)``.
         factors: the whitened factors (:func:`~ntkgp.models.sfr.whitening.whitened_factors`).
+        mean_error: for a network whose features are coarser than the model's algebra (float32): the error of the
+            mean's term :math:`K_{xZ}\alpha` per unit of :math:`\sqrt{K_{xx}}` from the rounding of
+            :math:`K_{xZ}`, :math:`\epsilon_X \sum_k \sqrt{[K_{ZZ}]_{kk}}\,|\alpha_k|` per system ``(nb,)``
+            (each entry of :math:`K_{xZ}` is rounded by about :math:`\epsilon_X\sqrt{K_{xx}[K_{ZZ}]_{kk}}`);
+            ``None`` otherwise.
     """
 
     weights: Tensor
     slots: Tensor
     factors: WhitenedFactors
+    mean_error: Tensor | None = None
 
 
 @dataclass
@@ -140,24 +151,22 @@ class PredictiveTerms:
         cross_t = torch.einsum("g,gbkr->bkr", weights, grams.to(weights))
         return cross_t, torch.einsum("g,gnij->nij", weights, diag.to(weights))
 
-    def _means(self, x: Tensor, jac: Tensor | None) -> Tensor:
-        """Prior mean (``"gp"``) or network output (``"nn"``), ``(b, C)``, in the model's dtype."""
-        return self._network_means(x, jac).to(self.state.weights)
-
-    def _network_means(self, x: Tensor, jac: Tensor | None) -> Tensor:
+    def _network_terms(self, x: Tensor, jac: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        r"""The network's output :math:`f(x)` and, for the linearized prior mean of the ``"gp"`` mean, the offset
+        :math:`o(x) = J(x)\theta^*` (else ``None``), ``(b, C)`` each, in the model's dtype."""
+        dtype = self.state.weights
+        linearized = self.predictive_mean is PredictiveMean.GP and self.mean is PriorMean.LINEARIZED
         if jac is None:
             f = self.engine.outputs(x)
-            if self.predictive_mean is PredictiveMean.NN:
-                return f
-            return prior_mean(self.engine, x, f, self.mean)
-        params = self.engine.params()
-        f = functional_call(self.engine.net, params, (x,))
-        if self.predictive_mean is PredictiveMean.NN:
-            return f
-        if self.mean is PriorMean.ZERO:
-            return torch.zeros_like(f)
-        theta = torch.cat([p.reshape(-1) for p in params.values()]).to(jac)
-        return f.to(jac) - (jac @ theta).reshape(f.shape)
+            offset = mean_offset(self.engine, x, f, self.mean) if linearized else None
+        else:  # with a graph to x (detached weights)
+            params = self.engine.params()
+            f = functional_call(self.engine.net, params, (x,))
+            offset = None
+            if linearized:
+                theta = torch.cat([p.reshape(-1) for p in params.values()]).to(jac)
+                offset = (jac @ theta).reshape(f.shape)
+        return f.to(dtype), None if offset is None else offset.to(dtype)
 
     def cross(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
         """:math:`K_{Zx}` per system ``(nb, K, R)``, the prior blocks ``(b, C, C)`` and :math:`J(x)` (or ``None``)."""
@@ -177,10 +186,14 @@ class PredictiveTerms:
         """Mean, posterior point blocks and low-rank factors of one chunk of prepared inputs ``x``."""
         n, c = x.shape[0], self.num_outputs
         cross_t, prior_blocks, jac = self.cross(x)
-        mean = self._means(x, jac)
-        if self.predictive_mean is PredictiveMean.GP:
+        f, offset = self._network_terms(x, jac)
+        if self.predictive_mean is PredictiveMean.NN:
+            mean = f
+        else:
             correction = torch.einsum("bkr,bk->br", cross_t, self.state.factors.alpha)
-            mean = mean + (correction.view(n, c) if self.coupling is OutputCoupling.JOINT else correction.T)
+            correction = correction.view(n, c) if self.coupling is OutputCoupling.JOINT else correction.T
+            # zero prior mean: K_xZ α; linearized: f(x) + (K_xZ α − J(x)θ*), never f(x) − J(x)θ* first
+            mean = correction if offset is None else f + (correction - offset)
         low_z, low_s = self.state.factors.project(cross_t)
         # K_xx − VᵀV is the Nyström residual, a Schur complement ≥ 0 that cancels in rounding (it is 0 at Z):
         # its diagonal is clipped at 0, so that the variances are that plus the sum of squares ‖R⁻¹V‖² ≥ 0
@@ -188,6 +201,8 @@ class PredictiveTerms:
         diagonal = residual.diagonal(dim1=-2, dim2=-1)
         residual = residual + torch.diag_embed(diagonal.clamp_min(0) - diagonal)
         blocks = residual + point_outer(low_s, n, c)
+        if self.predictive_mean is PredictiveMean.GP and self.state.mean_error is not None:
+            _check_mean_precision(self.state.mean_error, prior_blocks, blocks, self.coupling)
         return ChunkPrediction(mean=mean, blocks=blocks, low_rank_z=low_z, low_rank_s=low_s)
 
     # ------------------------------------------------------------------ the prior covariance of f(x)
@@ -196,12 +211,13 @@ class PredictiveTerms:
         one vector-Jacobian and one Jacobian-vector product; differentiable in ``x``). For independent outputs
         the output-diagonal blocks only, by ``C`` masked right-hand sides in one product."""
         weights = self.state.weights
+        dtype = self.engine.dtype  # the product is the network's (one vjp and one jvp), formed in its dtype
         if self.coupling is OutputCoupling.JOINT or self.num_outputs == 1:
-            return self.engine.matvec(x, rhs, weights).to(rhs)
+            return self.engine.matvec(x, rhs.to(dtype), weights.to(dtype)).to(rhs)
         n, c, k = x.shape[0], self.num_outputs, rhs.shape[-1]
         eye = torch.eye(c, dtype=rhs.dtype, device=rhs.device)
         masked = torch.einsum("nck,cd->ncdk", rhs.view(n, c, k), eye).reshape(n * c, c * k)
-        out = self.engine.matvec(x, masked, weights).to(rhs).view(n, c, c, k)
+        out = self.engine.matvec(x, masked.to(dtype), weights.to(dtype)).to(rhs).view(n, c, c, k)
         return out.diagonal(dim1=1, dim2=2).permute(0, 2, 1).reshape(n * c, k)
 
     def prior_dense(self, x: Tensor) -> Tensor:
@@ -217,3 +233,24 @@ class PredictiveTerms:
             mask = torch.eye(c, dtype=torch.bool, device=prior.device).repeat(n, n)
             prior = prior * mask
         return prior
+
+
+def _check_mean_precision(
+    mean_error: Tensor, prior_blocks: Tensor, blocks: Tensor, coupling: OutputCoupling
+) -> None:
+    """Warn (``NumericalWarning``) when the rounding of the float32 cross-covariances can move the predictive mean by
+    more than one posterior standard deviation at some test point (:attr:`PosteriorState.mean_error`)."""
+    prior_var = prior_blocks.detach().diagonal(dim1=-2, dim2=-1).clamp_min(0)  # (b, C)
+    std = blocks.detach().diagonal(dim1=-2, dim2=-1).clamp_min(0).sqrt()
+    scale = mean_error if coupling is OutputCoupling.INDEPENDENT else mean_error.expand(prior_var.shape[-1])
+    ratio = (scale * prior_var.sqrt() / std.clamp_min(torch.finfo(std.dtype).tiny)).max()
+    if bool(ratio > 1):
+        warnings.warn(
+            f"SFR's predictive mean may be off by up to about {float(ratio):.2g} posterior standard deviations at "
+            "some test points: the network's float32 features round the cross-covariances K_xZ (and the data's), "
+            "and the sparse system (K_ZZ + B_u)⁻¹ỹ_u amplifies that (a small noise variance, a nearly singular "
+            "K_ZZ). Use a float64 network (net.double() and float64 inputs) for these means; the variances are "
+            "affected much less.",
+            NumericalWarning,
+            stacklevel=4,
+        )

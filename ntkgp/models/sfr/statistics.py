@@ -40,6 +40,12 @@ statistics are untempered and weighted by :math:`1/T`. Output couplings:
 * ``"independent"``: ``C`` systems of size ``M``, one per output, with the kernel's diagonal blocks
   :math:`K_{cc}` and the diagonal of :math:`\Lambda_n` (the public SFR code); slot ``c`` = output ``c``.
 
+**Precision.** The sums are kept in :func:`statistics_dtype` (float64, also for a float32 network): the
+network's numbers (cross-Grams, outputs, offsets) arrive in its dtype and are summed in float64, so the
+rounding of the sums (about :math:`\epsilon \operatorname{tr} B_u`, large next to :math:`K_{ZZ}`'s small
+eigenvalues when :math:`N` is large or the noise small) is that of float64; what remains is the features'
+own rounding (docs/sfr.md, "float32").
+
 The class also keeps what the collapsed evidence needs: :math:`t_g = \sum_n \operatorname{tr}(\Lambda_n
 K_g(x_n, x_n))` and the data-fit constants.
 """
@@ -62,67 +68,15 @@ from ...likelihoods import (
     noise_variance,
     validate_targets,
 )
-from ...ntk import NTKEngine
 from ...options import OutputCoupling, choose
-from .whitening import _symmetrize_
 
-__all__ = ["DualStatistics", "combined_system_gram", "system_grams", "system_grams_and_diagonal"]
-
-
-def system_grams(engine: NTKEngine, x1: Tensor, x2: Tensor, coupling: OutputCoupling | str) -> Tensor:
-    r"""Per-group Grams arranged as the systems SFR solves, unweighted by :math:`\delta`.
-
-    * ``"joint"``: ``(G, 1, N1·C, N2·C)``, interleaved rows and columns;
-    * ``"independent"``: ``(G, C, N1, N2)``, the diagonal output blocks :math:`[K_g]_{(n,c),(m,c)}`.
-
-    ``"independent"`` uses :meth:`NTKEngine.output_grams` (only the diagonal output blocks are formed when
-    every parameter takes the engine's structured route: ``C`` times fewer flops than the full Gram).
-    """
-    return system_grams_and_diagonal(engine, x1, x2, coupling, with_diagonal=False)[0]
+__all__ = ["DualStatistics", "statistics_dtype"]
 
 
-def system_grams_and_diagonal(
-    engine: NTKEngine, x1: Tensor, x2: Tensor, coupling: OutputCoupling | str, with_diagonal: bool = True
-) -> tuple[Tensor, Tensor | None]:
-    """:func:`system_grams` and the per-group diagonal blocks ``K_g(x2_n, x2_n)``, ``(G, N2, C, C)``.
-
-    For independent outputs the grams and the diagonal come from :meth:`NTKEngine.output_grams` (only the
-    output-diagonal entries of the blocks, which are all that coupling uses); otherwise from
-    :meth:`NTKEngine.group_grams` and :meth:`NTKEngine.diag_blocks`.
-    """
-    if choose(OutputCoupling, coupling, "output_coupling") is OutputCoupling.INDEPENDENT:
-        if not with_diagonal:
-            return engine.output_grams(x1, x2), None
-        grams, diag = engine.output_grams(x1, x2, with_diagonal=True)
-        return grams, torch.diag_embed(diag)
-    full = engine.group_grams(x1, x2)
-    return full.unsqueeze(1), engine.diag_blocks(x2) if with_diagonal else None
-
-
-def combined_system_gram(
-    engine: NTKEngine, z: Tensor, coupling: OutputCoupling | str, weights: Tensor, rows: int
-) -> Tensor:
-    r""":math:`K_{ZZ} = \sum_g w_g K_{g,ZZ}` arranged as :func:`system_grams` of ``(Z, Z)``, ``(1, nb, K, K)``.
-
-    Built ``rows`` inducing inputs (columns) at a time, so that the ``G`` per-group Grams are never held at
-    once (``G·K·rows·C'`` numbers per step instead of ``G·K²``), and symmetrized in place.
-
-    Args:
-        engine: the NTK engine; z: the inducing inputs ``(M, *example)``, prepared.
-        coupling: output coupling.
-        weights: group weights :math:`1/\delta`, ``(G,)``.
-        rows: inducing inputs per step.
-    """
-    joint = choose(OutputCoupling, coupling, "output_coupling") is OutputCoupling.JOINT
-    m, c = z.shape[0], engine.num_outputs(z)
-    size, per_point = (m * c, c) if joint else (m, 1)
-    out = torch.empty(1 if joint else c, size, size, dtype=engine.dtype, device=engine.device)
-    for s in range(0, m, rows):
-        e = min(s + rows, m)
-        grams = system_grams(engine, z, z[s:e], coupling)  # (G, nb, K, (e - s)·C')
-        out[..., s * per_point : e * per_point] = torch.tensordot(weights.to(grams), grams, dims=1)
-    _symmetrize_(out)
-    return out.unsqueeze(0)
+def statistics_dtype(network_dtype: torch.dtype) -> torch.dtype:
+    """The dtype SFR accumulates its statistics and solves its systems in: float64, whatever the network's
+    (float32 features, float64 sums: their rounding, ``ε·tr B_u``, is then negligible; docs/sfr.md, "float32")."""
+    return torch.promote_types(network_dtype, torch.float64)
 
 
 def _add_symmetric_product(out: Tensor, w: Tensor, block: int = 256) -> None:
@@ -246,17 +200,20 @@ class DualStatistics(nn.Module):
         cross: Tensor,
         diag: Tensor,
         f: Tensor,
-        m: Tensor,
+        offset: Tensor,
         y: Tensor,
     ) -> None:
-        r"""Add one batch of ``b`` points.
+        r"""Add one batch of ``b`` points (every tensor in the statistics' dtype).
 
         Args:
             likelihood: the model's likelihood (its current noise / temperature is divided out).
-            cross: :func:`system_grams` of ``(Z, x_batch)``: ``(G, 1, M·C, b·C)`` or ``(G, C, M, b)`` (``G`` the
-                kernel's groups; combined statistics sum them with the weights :math:`1/\delta` first).
+            cross: :func:`~ntkgp.models.sfr.system_grams.system_grams` of ``(Z, x_batch)``: ``(G, 1, M·C, b·C)`` or
+                ``(G, C, M, b)`` (``G`` the kernel's groups; combined statistics sum them with the weights
+                :math:`1/\delta` first).
             diag: per-group diagonal blocks :math:`K_g(x_n, x_n)`, ``(G, b, C, C)``.
-            f: network outputs ``(b, C)``; m: prior mean ``(b, C)``; y: targets of the batch.
+            f: network outputs ``(b, C)``; offset: :math:`o_n = f_n - m_n` ``(b, C)``, the network output minus the
+                prior mean (:func:`~ntkgp.models.sfr.streaming.mean_offset`; never formed by a subtraction
+                here); y: targets of the batch.
         """
         b, c = f.shape
         if self.combined:  # one group: the cross-Grams and point blocks of the combined kernel
@@ -265,18 +222,19 @@ class DualStatistics(nn.Module):
             diag = torch.tensordot(weights, diag.to(cross), dims=1).unsqueeze(0)
         g_count = self.num_groups
         if self.gaussian:
-            e = validate_targets(likelihood, y, c, num_data=b).to(f) - m  # (b, C), noise divided out
+            # y − m = (y − f) + o, noise divided out
+            e = (validate_targets(likelihood, y, c, num_data=b).to(f) - f) + offset
             self._accumulate_gaussian(cross, diag, e)
         else:
             temperature = likelihood_temperature(likelihood)
             scale = 1.0 if temperature is None else temperature.detach().to(f)
             grad = gradient(likelihood, f, y) * scale
             lam = hessian(likelihood, f, y) * scale
-            d = m - f
+            d = -offset  # m − f
             self.log_lik += log_likelihood(likelihood, f, y).sum() * scale
             if self.coupling is OutputCoupling.JOINT:
                 root = hessian_sqrt(likelihood, f, y) * scale**0.5
-                r = torch.einsum("nij,nj->ni", lam, -d) + grad
+                r = torch.einsum("nij,nj->ni", lam, offset) + grad
                 w = torch.einsum("gknc,ncd->gknd", cross[:, 0].view(g_count, self.size, b, c), root)
                 w = w.reshape(g_count * self.size, b * c)
                 _add_symmetric_product(self.precision[0], w)
@@ -285,7 +243,7 @@ class DualStatistics(nn.Module):
                 self.fit[0] += (grad * d).sum() - 0.5 * torch.einsum("ni,nij,nj->", d, lam, d)
             else:
                 lam_diag = lam.diagonal(dim1=-2, dim2=-1)  # (b, C)
-                r = lam_diag * (-d) + grad
+                r = lam_diag * offset + grad
                 self._accumulate_independent(cross, lam_diag, r)
                 self.trace += torch.einsum("gncc,nc->cg", diag, lam_diag)
                 self.fit += (grad * d).sum(0) - 0.5 * (lam_diag * d * d).sum(0)
@@ -422,7 +380,7 @@ def _changed_message(recorded: Tensor, current: Tensor) -> str:
         f'this SFR was built with statistics="combined": its dual statistics hold the combined kernel '
         f"Σ_g K_g/δ_g at the prior precisions δ = {show(recorded)} of the pass over the data, and cannot be "
         f"re-weighted to the current δ = {show(current)}. Set sfr.covar_module.prior_precision back to "
-        "sfr.statistics.prior_precision; or build a new SFR on the data at the new δ (inducing_points="
+        "sfr.dual_statistics.prior_precision; or build a new SFR on the data at the new δ (inducing_points="
         "sfr.inducing_points keeps Z); or use statistics=\"per_group\", whose statistics follow any δ without "
         "the data (G² times their memory)"
     )

@@ -30,16 +30,21 @@ class InducingFactors:
     Attributes:
         gram: returns :math:`K_{ZZ}`, ``(nb, K, K)``.
         k_trace: :math:`\operatorname{tr} K_{ZZ}`, ``(nb,)`` (detached).
+        k_diagonal: the diagonal of :math:`K_{ZZ}`, ``(nb, K)`` (detached).
         chol: its Cholesky factor :math:`L_Z`, or ``None`` when that fails.
         inverse_trace: :math:`\operatorname{tr}(K_{ZZ}^{-1})`, filled in lazily by :func:`whitened_factors`.
         inverse_norm: power-iteration estimate of :math:`1/s_{\min}(K_{ZZ})`, filled in lazily.
+        gram_eps: the unit roundoff of the features :math:`K_{ZZ}` was computed from, when known (SFR: float64's,
+            or the network's where it could not be copied); ``None``: that of its dtype.
     """
 
     gram: Callable[[], Tensor]
     k_trace: Tensor
+    k_diagonal: Tensor
     chol: Tensor | None
     inverse_trace: Tensor | None = None
     inverse_norm: Tensor | None = None
+    gram_eps: float | None = None
 
     @property
     def kzz(self) -> Tensor:
@@ -60,9 +65,9 @@ def inducing_factors(kzz: Tensor | Callable[[], Tensor]) -> InducingFactors:
     else:
         gram, matrix = (lambda: kzz), kzz
     chol_z, info = torch.linalg.cholesky_ex(matrix)
-    return InducingFactors(
-        gram=gram, k_trace=matrix.detach().diagonal(dim1=-2, dim2=-1).sum(-1), chol=None if info.any() else chol_z
-    )
+    diagonal = matrix.detach().diagonal(dim1=-2, dim2=-1).clone()
+    chol = None if info.any() else chol_z
+    return InducingFactors(gram=gram, k_trace=diagonal.sum(-1), k_diagonal=diagonal, chol=chol)
 
 
 class Whitening:
@@ -168,8 +173,9 @@ class WhitenedFactors:
 
 
 def roundoff(*dtypes: torch.dtype) -> float:
-    """The unit roundoff of statistics computed in the coarsest of ``dtypes`` (the network's, where the Jacobians
-    are computed, and the statistics' own: ``sfr.double()`` on a float32 network keeps float32 rounding)."""
+    """The unit roundoff of a quantity computed in the coarsest of ``dtypes`` (e.g. :math:`K_{ZZ}`: the network's
+    dtype, where its features are computed, and that of its storage; ``sfr.float()`` of a model keeps float32
+    rounding)."""
     return max(torch.finfo(d).eps for d in dtypes)
 
 
@@ -182,6 +188,9 @@ def whitened_factors(
     inducing: InducingFactors | None = None,
     overwrite_b_u: bool = False,
     eps: float | None = None,
+    site_eps: float | None = None,
+    cross_eps: float = 0.0,
+    cross_factor: float = 1e4,
 ) -> WhitenedFactors:
     r"""SFR's posterior in whitened ("SGPR") form, batched over systems ``(nb, K, K)``; no jitter in ordinary cases.
 
@@ -208,17 +217,22 @@ def whitened_factors(
     about :math:`\epsilon\operatorname{tr}B_u/s` there. Directions with :math:`s \le \tau`,
 
     .. math::
-        \tau = \max\big(c_K\, \epsilon \operatorname{tr}K_{ZZ},\; c_B\, \epsilon\operatorname{tr}B_u\big),
-        \qquad c_K = \text{gram\_factor} = 10,\ c_B = \text{site\_factor} = 10,
+        \tau = \max\big(c_K\, \epsilon_K \operatorname{tr}K_{ZZ},\; c_X\, \epsilon_X^2 \operatorname{tr}K_{ZZ},\;
+        c_B\, \epsilon_B\operatorname{tr}B_u\big), \qquad c_K = c_B = 10,\ c_X = 10^4,
 
-    are therefore dropped: :math:`W = \tilde L^{-1} U_r^\top` with :math:`U_r` the eigenvectors of :math:`K_{ZZ}` with
-    eigenvalues above :math:`\tau` and :math:`\tilde L \tilde L^\top = U_r^\top K_{ZZ} U_r`. This is *exactly* the sparse
-    model whose inducing variables are the ``r`` linear functionals :math:`U_r^\top f(Z)` (an inter-domain
-    inducing set): the posterior stays a valid DTC posterior and the collapsed evidence stays a lower bound;
-    with duplicate inputs it is exactly the model without the duplicates. No jitter is added and no warning is
-    raised: this is an ordinary situation, reported by ``rank``; except when the site term drops more than half
-    of the directions that :math:`K_{ZZ}` itself resolves (float32 statistics with a small noise: the data in
-    those directions are lost), which warns with a ``NumericalWarning``. The constants were set against a stable
+    (:math:`\epsilon_K` the unit roundoff of :math:`K_{ZZ}`, :math:`\epsilon_B` that of the summed :math:`B_u`;
+    :math:`\epsilon_X` that of the cross-covariances :math:`K_{Zx}` when it is coarser than :math:`K_{ZZ}`'s, as for
+    a float32 network whose :math:`K_{ZZ}` is formed in float64: an error :math:`\epsilon_X \lVert K\rVert` in
+    :math:`K_{Zx}` moves :math:`V = W K_{Zx}` by about :math:`\epsilon_X\sqrt{\operatorname{tr}K_{ZZ}/s}`
+    relatively, at most :math:`10^{-2}` above :math:`\tau`) are therefore dropped: :math:`W = \tilde L^{-1}
+    U_r^\top` with :math:`U_r` the eigenvectors of :math:`K_{ZZ}` with eigenvalues above :math:`\tau` and
+    :math:`\tilde L \tilde L^\top = U_r^\top K_{ZZ} U_r`. This is *exactly* the sparse model whose inducing variables
+    are the ``r`` linear functionals :math:`U_r^\top f(Z)` (an inter-domain inducing set): the posterior stays a
+    valid DTC posterior and the collapsed evidence stays a lower bound; with duplicate inputs it is exactly the
+    model without the duplicates. No jitter is added and no warning is raised: this is an ordinary situation,
+    reported by ``rank``; except when the cross-covariances' precision drops directions that :math:`K_{ZZ}` itself
+    resolves (a float32 network), or the site term more than half of them (float32 statistics with a small noise):
+    the data in those directions are lost, and a ``NumericalWarning`` says so. The constants were set against a stable
     weight-space reference (SVD of the Jacobian features) on trained networks: predictive means within about
     :math:`10^{-4}`, variances within about :math:`3\cdot10^{-3}` and the evidence within :math:`10^{-3}` nats
     (below it). The fast path, a plain Cholesky :math:`W = L_Z^{-1}`, is taken when it succeeds and a
@@ -246,9 +260,13 @@ def whitened_factors(
         inducing: :func:`inducing_factors` of ``kzz``, reused (and completed) when given.
         overwrite_b_u: ``b_u`` is a temporary of the caller, which may be overwritten (its content is
             undefined afterwards); ignored when a gradient is tracked.
-        eps: :math:`\epsilon`, the unit roundoff of the precision in which :math:`K_{ZZ}` and :math:`B_u` were
-            computed (default: that of ``b_u``'s dtype; a float32 network's statistics stored in float64 carry
-            float32 rounding).
+        eps: :math:`\epsilon_K`, the unit roundoff of the precision in which :math:`K_{ZZ}` was computed (default:
+            that of ``b_u``'s dtype; a float32 network's Gram stored in float64 carries float32 rounding).
+        site_eps: :math:`\epsilon_B`, the unit roundoff of the sums in :math:`B_u` (default: ``eps``).
+        cross_eps: :math:`\epsilon_X`, the unit roundoff of the cross-covariances :math:`K_{Zx}` (the network's
+            features), when it exceeds that of :math:`K_{ZZ}` (a float32 network with :math:`K_{ZZ}` in float64);
+            0 otherwise.
+        cross_factor: :math:`c_X`.
 
     Returns:
         The :class:`WhitenedFactors`.
@@ -258,8 +276,10 @@ def whitened_factors(
     zz = inducing_factors(kzz) if inducing is None else inducing
     size = b_u.shape[-1]
     eps = torch.finfo(b_u.dtype).eps if eps is None else eps
+    site_eps = eps if site_eps is None else site_eps
     b_trace = b_u.detach().diagonal(dim1=-2, dim2=-1).sum(-1).clamp_min(0)
-    threshold = torch.maximum(gram_factor * eps * zz.k_trace, site_factor * eps * b_trace)  # (nb,)
+    gram_threshold = max(gram_factor * eps, cross_factor * cross_eps**2) * zz.k_trace
+    threshold = torch.maximum(gram_threshold, site_factor * site_eps * b_trace)  # (nb,)
     whitening = None
     if zz.chol is not None:
         # either test suffices; the power iteration (O(K²) per step) is tried before tr(K_ZZ⁻¹) (O(K³))
@@ -274,18 +294,9 @@ def whitened_factors(
             whitening = Whitening(zz.chol)
     if whitening is None:
         whitening, values = _truncated_whitening(zz.kzz if kzz is None else kzz, threshold)
-        # directions K_ZZ resolves that only the site term drops: their data are lost
-        gram_rank = (values > (gram_factor * eps * zz.k_trace)[:, None]).sum(-1)
-        if bool((2 * whitening.rank() < gram_rank).any()):
-            warnings.warn(
-                f"SFR kept {whitening.rank().min().item()} of {size} inducing directions, of which K_ZZ resolves "
-                f"{gram_rank.max().item()}: the rounding of the summed site statistics B_u in {b_u.dtype} "
-                "(tr B_u ≫ tr K_ZZ, as with a small noise variance) hides the rest, and the data in them are "
-                "ignored (the predictive falls back towards the prior). Use float64 (net.double() and float64 "
-                "data), a larger noise, or fewer inducing points.",
-                NumericalWarning,
-                stacklevel=2,
-            )
+        site = site_factor * site_eps * b_trace
+        _warn_lost_directions(values, whitening.rank(), gram_factor * eps * zz.k_trace,
+                              cross_factor * cross_eps**2 * zz.k_trace, site, site_eps)
     tracked = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (b_u, whitening.chol, whitening.basis)
     )
@@ -345,3 +356,35 @@ def _truncated_whitening(kzz: Tensor, threshold: Tensor) -> tuple[Whitening, Ten
     reduced = 0.5 * (reduced + reduced.mT)
     chol = cholesky(reduced, "K_ZZ on its leading eigenvectors")
     return Whitening(chol, basis), values
+
+
+def _warn_lost_directions(
+    values: Tensor, kept: Tensor, gram: Tensor, cross: Tensor, site: Tensor, site_eps: float
+) -> None:
+    """Warn (``NumericalWarning``) where directions that :math:`K_{ZZ}` resolves (eigenvalues ``values`` above
+    ``gram``) are dropped for lack of precision elsewhere: the features of the cross-covariances (``cross``, a
+    float32 network; any direction the site term ``site`` keeps) or the rounding of the summed sites (more than half
+    of them).
+    Their data are ignored and the predictive there falls back towards the prior."""
+    resolved = (values > gram[:, None]).sum(-1)
+    lost_to_features = (values > torch.maximum(gram, site)[:, None]) & (values <= cross[:, None])
+    if bool(lost_to_features.any()):
+        warnings.warn(
+            f"SFR kept {kept.min().item()} of the {resolved.max().item()} inducing directions that K_ZZ resolves: "
+            f"{lost_to_features.sum(-1).max().item()} of them have prior variances below what the network's "
+            "float32 features resolve in the cross-covariances K_Zx, and their data are ignored (the predictive falls "
+            "back towards the prior there). For all of them use a float64 network (net.double() and float64 "
+            "inputs), or fewer (or more distinct) inducing points.",
+            NumericalWarning,
+            stacklevel=3,
+        )
+    elif bool((2 * kept < resolved).any()):
+        warnings.warn(
+            f"SFR kept {kept.min().item()} of the {resolved.max().item()} inducing directions that K_ZZ resolves: "
+            f"the rounding of the summed site statistics B_u (unit roundoff {site_eps:.1e}; tr B_u ≫ tr K_ZZ, as "
+            "with a small noise variance) hides the rest, and their data are ignored (the predictive falls back "
+            "towards the prior). Keep the statistics in float64 (SFR's default, also for a float32 network: do not "
+            "convert the model with .float()), use a larger noise, or fewer inducing points.",
+            NumericalWarning,
+            stacklevel=3,
+        )

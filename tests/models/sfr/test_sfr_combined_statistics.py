@@ -15,8 +15,17 @@ from ntkgp.likelihoods import SoftmaxLikelihood
 from ntkgp.models.sfr import SFR
 from ntkgp.options import StatisticsMode
 from tests.helpers import brute_jacobian, column_groups, rel_err
-from tests.models.sfr.test_sfr_state import NEW_DELTA, change_delta  # the four routes of changing δ
-from tests.models.test_sfr import DELTA, Dense, dense_moments, layer_labels, problem, sfr_formula, site_terms
+from tests.models.sfr.problems import (  # change_delta: the four routes of changing δ
+    DELTA,
+    NEW_DELTA,
+    Dense,
+    change_delta,
+    dense_moments,
+    layer_labels,
+    problem,
+    sfr_formula,
+    site_terms,
+)
 
 Z_IDX = torch.tensor([0, 3, 5, 8, 13, 17])
 COMBINED = 'statistics="combined"'
@@ -61,7 +70,7 @@ def test_combined_predictions_and_evidence_equal_per_group_and_the_dense_formula
 @pytest.mark.parametrize("kind,c,coupling", [("softmax", 3, "joint"), ("gaussian", 2, "independent")])
 def test_combined_statistics_are_the_weighted_sums_of_brute_force_group_grams(kind, c, coupling):
     per_group, combined, (net, x, y, lik, _) = pair(kind, c, coupling)
-    stats, w = combined.statistics, DELTA.reciprocal()
+    stats, w = combined.dual_statistics, DELTA.reciprocal()
     # per-group Jacobians written out by autograd, grouped by layer without ntkgp's grouping code
     cols = column_groups(net, layer_labels(net))
     jx, _ = brute_jacobian(net, x)
@@ -94,7 +103,7 @@ def test_combined_statistics_are_the_weighted_sums_of_brute_force_group_grams(ki
     assert rel_err(combined._zz_grams[0], zz) < 1e-10
     assert torch.equal(stats.prior_precision, DELTA)
     # and from the per-group statistics, Σ_gh w_g w_h A_gh block by block
-    a = per_group.statistics.precision
+    a = per_group.dual_statistics.precision
     s, k = a.shape[0], stats.size
     blocks = a.view(s, 3, k, 3, k)
     reweighted = torch.einsum("g,h,sgihj->sij", w, w, blocks)
@@ -104,18 +113,18 @@ def test_combined_statistics_are_the_weighted_sums_of_brute_force_group_grams(ki
 def test_the_statistics_are_g_squared_times_smaller():
     per_group, combined, _ = pair("softmax", 3, "joint")
     g, k = 3, len(Z_IDX) * 3
-    assert per_group.statistics.precision.shape == (1, g * k, g * k)
-    assert combined.statistics.precision.shape == (1, k, k)
-    assert per_group.statistics.precision.numel() == g**2 * combined.statistics.precision.numel()
-    assert combined.statistics.residual.shape == (1, 1, k) and combined.statistics.trace.shape == (1, 1)
+    assert per_group.dual_statistics.precision.shape == (1, g * k, g * k)
+    assert combined.dual_statistics.precision.shape == (1, k, k)
+    assert per_group.dual_statistics.precision.numel() == g**2 * combined.dual_statistics.precision.numel()
+    assert combined.dual_statistics.residual.shape == (1, 1, k) and combined.dual_statistics.trace.shape == (1, 1)
     assert per_group._zz_grams.shape == (g, 1, k, k) and combined._zz_grams.shape == (1, 1, k, k)
     # per group the state_dict is unchanged (no recorded δ); combined records δ
-    assert "statistics.prior_precision" not in per_group.state_dict()
-    assert torch.equal(combined.state_dict()["statistics.prior_precision"], DELTA)
+    assert "dual_statistics.prior_precision" not in per_group.state_dict()
+    assert torch.equal(combined.state_dict()["dual_statistics.prior_precision"], DELTA)
     # Gaussian, C slots: (C, K, K) against (C, G·K, G·K)
     per_group, combined, _ = pair("gaussian", 2, "joint")
-    assert combined.statistics.precision.shape == (2, 12, 12)
-    assert per_group.statistics.precision.numel() == 9 * combined.statistics.precision.numel()
+    assert combined.dual_statistics.precision.shape == (2, 12, 12)
+    assert per_group.dual_statistics.precision.numel() == 9 * combined.dual_statistics.precision.numel()
 
 
 # ---------------------------------------------------------------------- conditioning on new data
@@ -129,7 +138,7 @@ def test_update_equals_a_combined_build_on_all_the_data_and_the_per_group_update
     model(xs)  # cached factors must be refreshed by the update
     model.update(x[18:24], y[18:24], iterate=False).update(x[24:], y[24:], iterate=False)
     for name in ("precision", "residual", "trace", "fit", "log_lik", "num_data"):
-        got, ref = getattr(model.statistics, name).double(), getattr(union.statistics, name).double()
+        got, ref = getattr(model.dual_statistics, name).double(), getattr(union.dual_statistics, name).double()
         assert (got - ref).norm() <= 1e-10 * ref.norm(), name  # log_lik is 0 for a Gaussian likelihood
     assert_close(results(model, xs), results(union, xs))
     per_group = SFR(net, x[:18], y[:18], lik, **{**kw, "statistics": "per_group"})
@@ -157,23 +166,23 @@ def test_changing_delta_after_the_build_raises_until_it_is_restored(route):
             call()
         assert "per_group" in str(error.value) and "build a new SFR" in str(error.value)
     assert combined.num_data == 30  # the failed updates changed nothing
-    combined.covar_module.prior_precision = combined.statistics.prior_precision  # as the message says
+    combined.covar_module.prior_precision = combined.dual_statistics.prior_precision  # as the message says
     assert_close(results(combined, xs), before)
 
 
 def test_statistics_combined_at_another_delta_cannot_be_used_or_added():
     _, combined, (net, x, y, lik, xs) = pair("softmax", 3, "joint")
     weights = NEW_DELTA.reciprocal()
-    slots = combined.statistics.slot_weights(lik)
+    slots = combined.dual_statistics.slot_weights(lik)
     with pytest.raises(RuntimeError, match=COMBINED):
-        combined.statistics.projected(weights, slots)
+        combined.dual_statistics.projected(weights, slots)
     with pytest.raises(RuntimeError, match=COMBINED):
-        combined.statistics.trace_term(weights, slots)
+        combined.dual_statistics.trace_term(weights, slots)
     other = SFR(net, x, y, lik, inducing_points=x[Z_IDX], prior_precision=NEW_DELTA, statistics="combined")
     per_group = SFR(net, x, y, lik, inducing_points=x[Z_IDX], prior_precision=DELTA)
-    for stats in (other.statistics, per_group.statistics):
+    for stats in (other.dual_statistics, per_group.dual_statistics):
         with pytest.raises(ValueError, match="kept differently"):
-            combined.statistics.add_(stats)
+            combined.dual_statistics.add_(stats)
 
 
 # ---------------------------------------------------------------------- gradients
@@ -217,8 +226,8 @@ def test_the_option_is_validated_before_any_side_effect():
             SFR(net, batches, None, lik, inducing_points=x[:4], statistics=bad)
         assert next(batches, None) is not None
     sfr = SFR(net, x, y, lik, inducing_points=x[:4], statistics=StatisticsMode.COMBINED)
-    assert sfr.statistics_mode is StatisticsMode.COMBINED and sfr.statistics.combined
-    assert SFR(net, x, y, lik, inducing_points=x[:4]).statistics_mode == "per_group"
+    assert sfr.statistics is StatisticsMode.COMBINED and sfr.dual_statistics.combined
+    assert SFR(net, x, y, lik, inducing_points=x[:4]).statistics == "per_group"
 
 
 def test_state_dict_round_trip_and_no_loading_across_modes():
@@ -244,7 +253,7 @@ def distributed_case(rank, world):
     out = {"built": results(sfr, xs), "Z": sfr.inducing_points.clone()}
     sfr.update(*new, iterate=False)
     out["updated"] = results(sfr, xs)
-    out["precision"] = sfr.statistics.precision.clone()
+    out["precision"] = sfr.dual_statistics.precision.clone()
     if rank is not None:  # ranks that combined at different δ are refused on every rank
         try:
             SFR(net, *parts, lik, **{**kw, "prior_precision": DELTA * (1 + rank)})

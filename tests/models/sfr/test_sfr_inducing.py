@@ -4,11 +4,12 @@ selection on a Gram built from autograd Jacobians."""
 from __future__ import annotations
 
 import torch
+from gpytorch.likelihoods import GaussianLikelihood
 
 from ntkgp.models.sfr import SFR
 from ntkgp.models.sfr.inducing_points import uniform_subset
 from tests.helpers import brute_jacobian, column_groups, mlp
-from tests.models.test_sfr import DELTA, layer_labels
+from tests.models.sfr.problems import DELTA, Dense, layer_labels, problem
 
 
 def brute_force_greedy(k: torch.Tensor, size: int) -> list[int]:
@@ -62,3 +63,42 @@ def test_uniform_subset_is_the_bottom_k_of_seeded_keys_in_data_order():
     for batches in ([x], list(x.split(7)), list(x.split(1))):
         subset, total = uniform_subset(batches, 6, seed=5)
         assert total == 20 and torch.equal(subset[:, 0].long(), expected)
+
+
+def test_random_inducing_inputs_are_a_seeded_subset():
+    net, x, y, lik, _ = problem("gaussian", 1, n=40)
+    a = SFR(net, x, y, lik, num_inducing=10, seed=1).inducing_points
+    b = SFR(net, x, y, lik, num_inducing=10, seed=1).inducing_points
+    c = SFR(net, x, y, lik, num_inducing=10, seed=2).inducing_points
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    assert all(any(torch.equal(row, xr) for xr in x) for row in a)
+    assert len({tuple(r.tolist()) for r in a}) == 10
+
+
+def test_greedy_variance_is_deterministic_and_covers_clusters():
+    torch.manual_seed(0)
+    centres = torch.tensor([[0.0, 0, 0], [6, 0, 0], [0, 6, 0], [0, 0, 6], [-6, 0, 0]], dtype=torch.float64)
+    sizes = [200, 4, 4, 4, 4]
+    x = torch.cat([ctr + 0.3 * torch.randn(s, 3, dtype=torch.float64) for ctr, s in zip(centres, sizes)])
+    cluster = torch.cat([torch.full((s,), i) for i, s in enumerate(sizes)])
+    net = mlp(3, 6, 1, seed=0)
+    with torch.no_grad():
+        y = net(x).squeeze(-1)
+    lik = GaussianLikelihood().double()
+    kw = {"num_inducing": 6, "inducing_method": "greedy_variance"}
+    z1 = SFR(net, x, y, lik, seed=0, **kw).inducing_points
+    z2 = SFR(net, x, y, lik, seed=5, **kw).inducing_points
+    assert torch.equal(z1, z2)
+
+    dense = Dense(net, x, y, "gaussian")
+    k = dense.kernel(dense.j, dense.j)
+
+    def nystrom_error(z):
+        idx = torch.tensor([int(torch.nonzero((x == r).all(1))[0]) for r in z])
+        q = k[:, idx] @ torch.linalg.solve(k[idx][:, idx], k[idx, :])
+        return torch.trace(k - q).item(), len(set(cluster[idx].tolist()))
+
+    greedy_err, greedy_clusters = nystrom_error(z1)
+    random_errs = [nystrom_error(SFR(net, x, y, lik, num_inducing=6, seed=s).inducing_points) for s in range(5)]
+    assert greedy_clusters == 5
+    assert all(greedy_err < err for err, _ in random_errs)

@@ -13,8 +13,8 @@ from torch import nn
 
 from ntkgp.models.sfr import SFR, prediction_terms
 from ntkgp.models.sfr.prediction_terms import PredictiveTerms
-from tests.helpers import small_cnn
-from tests.models.test_sfr import DELTA, dense_moments, problem, rel_err
+from tests.helpers import rel_err, small_cnn
+from tests.models.sfr.problems import DELTA, dense_moments, problem
 
 CASES = [("gaussian", 1, "joint", "linearized"), ("softmax", 3, "joint", "linearized"), ("softmax", 3, "independent", "zero")]
 

@@ -3,44 +3,15 @@ the next prediction and evidence equal those of a freshly built SFR; a change of
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 
 from ntkgp.likelihoods import SoftmaxLikelihood
 from ntkgp.models.sfr import SFR
-from tests.helpers import mlp
-from tests.models.test_sfr import DELTA, dense_moments, problem, rel_err
-
-NEW_DELTA = torch.tensor([0.3, 4.0, 2.0], dtype=torch.float64)
-
-
-def predictions(model, xs):
-    mean, cov = dense_moments(model(xs))
-    return mean, cov, model.log_marginal_likelihood().detach()
-
-
-def assert_same(a, b, tol=1e-10):
-    for u, v in zip(a, b):
-        assert rel_err(u, v) < tol
-
-
-def change_delta(sfr, route: str) -> torch.Tensor:
-    kernel = sfr.covar_module
-    constraint = kernel.raw_prior_precision_constraint
-    if route == "setter":
-        kernel.prior_precision = NEW_DELTA
-    elif route == "data":
-        kernel.raw_prior_precision.data.copy_(constraint.inverse_transform(NEW_DELTA))
-    elif route == "load_state_dict":
-        state = sfr.state_dict()
-        state["covar_module.raw_prior_precision"] = constraint.inverse_transform(NEW_DELTA)
-        sfr.load_state_dict(state)
-    else:  # an optimizer step with a fixed gradient
-        optimizer = torch.optim.SGD([kernel.raw_prior_precision], lr=0.5)
-        kernel.raw_prior_precision.grad = torch.tensor([1.0, -1.0, 0.5], dtype=torch.float64)
-        optimizer.step()
-    return kernel.prior_precision.detach().clone()
-
+from tests.helpers import mlp, rel_err
+from tests.models.sfr.problems import DELTA, NEW_DELTA, assert_same, change_delta, dense_moments, predictions, problem
 
 ROUTES = ["setter", "data", "load_state_dict", "optimizer"]
 
@@ -204,65 +175,20 @@ def test_cached_factors_keep_only_the_two_triangular_factors_and_never_touch_the
     net, x, y, lik, xs = problem("softmax", 3, n=20)
     kw = {"inducing_points": x[:6], "output_coupling": "joint"}
     sfr = SFR(net, x, y, lik, prior_precision=DELTA, **kw)
-    statistics = {name: buffer.clone() for name, buffer in sfr.statistics.named_buffers()}
+    statistics = {name: buffer.clone() for name, buffer in sfr.dual_statistics.named_buffers()}
     first = predictions(sfr, xs)
     size = 6 * 3
-    cached = [v for cache in sfr._caches.values() for _, _, v in cache._entries.values()]
-    squares = {id(t): t for value in cached for t in _square_tensors(value, size)}
+    own = {id(b) for b in sfr.buffers()}  # the model's own per-group K_ZZ Grams are referenced, not copied
+    squares = {id(t): t for value in sfr._cache.entries() for t in _square_tensors(value, size) if id(t) not in own}
     state = sfr._factors()
     assert set(squares) == {id(state.factors.chol), id(state.factors.whitening.chol)}
     delta = change_delta(sfr, "setter")
     second = predictions(sfr, xs)
-    assert all(len(sfr._caches[name]) == 1 for name in ("inducing", "posterior"))
+    assert all(len(sfr._cache._caches[name]) == 1 for name in ("inducing", "posterior"))
     assert sfr._factors().factors.whitening.chol is not state.factors.whitening.chol
-    for name, buffer in sfr.statistics.named_buffers():
+    for name, buffer in sfr.dual_statistics.named_buffers():
         assert torch.equal(buffer, statistics[name]), name
     fresh = SFR(net, x, y, SoftmaxLikelihood(3).double(), prior_precision=delta, **kw)
     assert_same(second, predictions(fresh, xs))
     sfr.covar_module.prior_precision = DELTA
     assert_same(predictions(sfr, xs), first, tol=1e-12)
-
-
-def test_float32_with_a_small_noise_warns_when_the_site_statistics_hide_most_directions():
-    """In float32, ε·tr B_u grows like 1/σ²: with σ² = 1e-3 it exceeds (almost) every eigenvalue of K_ZZ, and the
-    data in those directions are lost. That is not silent: a NumericalWarning says so; float64 keeps them all."""
-    from gpytorch.likelihoods import GaussianLikelihood
-
-    from ntkgp.linalg import NumericalWarning
-
-    torch.manual_seed(3)
-    net = torch.nn.Sequential(torch.nn.Linear(2, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
-    x = torch.randn(40, 2)
-    y = torch.sin(2 * x.sum(-1))
-    lik = GaussianLikelihood()
-    lik.noise = 1e-3
-    sfr = SFR(net, x, y, lik, num_inducing=20)
-    with pytest.warns(NumericalWarning, match="inducing directions"):
-        rank = int(sfr.inducing_rank.min())
-    assert rank < 10
-    lik64 = GaussianLikelihood().double()
-    lik64.noise = 1e-3
-    sfr64 = SFR(net.double(), x.double(), y.double(), lik64, inducing_points=sfr.inducing_points.double())
-    assert int(sfr64.inducing_rank.min()) == 20
-
-
-def test_double_on_a_float32_network_keeps_float32_thresholds():
-    """sfr.double() converts the GP algebra, not the network: the statistics still carry float32 rounding, so
-    the whitening drops directions at float32's ε (not float64's, which made I + A indefinite); the float64
-    model agrees with the float32 one to float32 accuracy."""
-    torch.manual_seed(5)
-    net = torch.nn.Sequential(torch.nn.Linear(2, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
-    x, xs = torch.randn(30, 2), torch.randn(5, 2)
-    y = torch.sin(x.sum(-1))
-    from gpytorch.likelihoods import GaussianLikelihood
-
-    lik = GaussianLikelihood()
-    lik.noise = 0.1
-    sfr = SFR(net, x, y, lik, num_inducing=10)
-    with torch.no_grad():
-        single = sfr(xs)
-        mean32, var32 = single.mean.double(), single.variance.double()
-        sfr.double()
-        dist = sfr(xs.double())
-        assert dist.mean.dtype == torch.float64 and (dist.variance > 0).all()
-        assert rel_err(dist.mean, mean32) < 1e-3 and rel_err(dist.variance, var32) < 1e-2

@@ -1,16 +1,15 @@
-"""Every public entry of SFR validates its inputs before any side effect, with errors naming the argument;
-old option spellings keep working with a DeprecationWarning."""
+"""Every public entry of SFR validates its inputs before any side effect, with errors naming the argument."""
 
 from __future__ import annotations
 
-import warnings
-
+import gpytorch
 import pytest
 import torch
 
+from ntkgp.likelihoods import SoftmaxLikelihood
 from ntkgp.models.sfr import SFR
-from tests.helpers import assert_unchanged, snapshot
-from tests.models.test_sfr import DELTA, dense_moments, problem, rel_err
+from tests.helpers import assert_unchanged, rel_err, snapshot
+from tests.models.sfr.problems import DELTA, dense_moments, problem
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +87,7 @@ def test_update_validates_everything_before_changing_the_model(gaussian):
     net, x, y, lik, xs = gaussian
     sfr = SFR(net, x, y, lik, num_inducing=3)
     before = dense_moments(sfr(xs))
-    precision = sfr.statistics.precision.clone()
+    precision = sfr.dual_statistics.precision.clone()
     batches = [(x[:4], y[:4]), (x[4:8].long(), y[4:8])]  # the second batch is bad
     for args, error, match in [
         ((x[:4], y[:3]), ValueError, "same number of rows"),
@@ -99,7 +98,7 @@ def test_update_validates_everything_before_changing_the_model(gaussian):
     ]:
         with pytest.raises(error, match=match):
             sfr.update(*args)
-    assert torch.equal(sfr.statistics.precision, precision) and sfr.num_data == 12
+    assert torch.equal(sfr.dual_statistics.precision, precision) and sfr.num_data == 12
     after = dense_moments(sfr(xs))
     assert all(torch.equal(a, b) for a, b in zip(before, after))
 
@@ -116,37 +115,57 @@ def test_failed_calls_leave_network_and_tensors_untouched(gaussian):
     assert all(torch.equal(a, b) for a, b in zip((x, y, xs), copies))
 
 
-@pytest.mark.parametrize(
-    "old,new",
-    [
-        ({"groups": "network"}, {"prior_structure": "network"}),
-        ({"prior_structure": "scalar"}, {"prior_structure": "network"}),
-        ({"output_coupling": "full"}, {"output_coupling": "joint"}),
-        ({"prior_mean": "linearised"}, {"prior_mean": "linearized"}),
-    ],
-)
-def test_deprecated_spellings_warn_and_equal_the_new_ones(old, new):
-    net, x, y, lik, xs = problem("softmax", 3, n=12)
-    with pytest.warns(DeprecationWarning):
-        legacy = SFR(net, x, y, lik, inducing_points=x[:4], **old)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", DeprecationWarning)
-        current = SFR(net, x, y, lik, inducing_points=x[:4], **new)
-    (m1, c1), (m2, c2) = dense_moments(legacy(xs)), dense_moments(current(xs))
-    assert rel_err(m1, m2) < 1e-12 and rel_err(c1, c2) < 1e-12
-
-
-def test_both_names_of_a_renamed_argument_is_an_error(gaussian):
+def test_unknown_keywords_are_refused(gaussian):
     net, x, y, lik, _ = gaussian
-    with pytest.raises(TypeError, match="prior_structure"):
-        SFR(net, x, y, lik, num_inducing=3, prior_structure="network", groups="layer")
-    with pytest.raises(TypeError, match="unexpected keyword"):
-        SFR(net, x, y, lik, num_inducing=3, inducing=3)
+    for name in ("groups", "inducing"):  # groups= was prior_structure's old name: no aliases in 0.1.0
+        with pytest.raises(TypeError, match="unexpected keyword"):
+            SFR(net, x, y, lik, num_inducing=3, **{name: "layer"})
+    assert not hasattr(SFR, "sparse_evidence")
 
 
-def test_sparse_evidence_is_a_deprecated_name_of_log_marginal_likelihood(gaussian):
-    net, x, y, lik, _ = gaussian
-    sfr = SFR(net, x, y, lik, num_inducing=3, prior_precision=DELTA)
-    with pytest.warns(DeprecationWarning, match="log_marginal_likelihood"):
-        old = sfr.sparse_evidence()
-    assert old.item() == sfr.log_marginal_likelihood().item()
+def test_network_and_inputs_are_never_modified():
+    net, x, y, lik, xs = problem("softmax", 3, n=20)
+    before, copies = snapshot(net), [t.clone() for t in (x, y, xs)]
+    z = x[:5].clone()
+    z_copy = z.clone()
+    sfr = SFR(net, x, y, lik, inducing_points=z)
+    sfr.update(x[:4], y[:4])
+    assert torch.isfinite(sfr(xs).covariance_matrix).all()
+    sfr.train()
+    sfr.log_marginal_likelihood().backward()
+    assert_unchanged(net, before)
+    assert all(torch.equal(a, b) for a, b in zip((x, y, xs), copies)) and torch.equal(z, z_copy)
+    assert not any(p is q for p in sfr.parameters() for q in net.parameters())
+
+
+def test_bad_inputs_raise_clear_errors():
+    net, x, y, lik, _ = problem("gaussian", 1, n=12)
+    with pytest.raises(ValueError, match="same number of rows"):
+        SFR(net, x, y[:-1], lik, num_inducing=3)
+    bad = x.clone()
+    bad[2, 1] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        SFR(net, bad, y, lik, num_inducing=3)
+    bad_y = y.clone()
+    bad_y[0] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        SFR(net, x, bad_y, lik, num_inducing=3)
+    with pytest.raises(ValueError, match="num_inducing > N"):
+        SFR(net, x, y, lik, num_inducing=13)
+    with pytest.raises(ValueError, match="inducing_points must have shape"):
+        SFR(net, x, y, lik, inducing_points=torch.randn(4, 5, dtype=torch.float64))
+    with pytest.raises(ValueError, match="exactly one"):
+        SFR(net, x, y, lik)
+    with pytest.raises(NotImplementedError, match="does not support"):
+        SFR(net, x, y, gpytorch.likelihoods.BernoulliLikelihood(), num_inducing=3)
+    with pytest.raises(ValueError, match="outputs"):
+        SFR(net, x, y, SoftmaxLikelihood(3), num_inducing=3)
+    with pytest.raises(ValueError, match="output_coupling"):
+        SFR(net, x, y, lik, num_inducing=3, output_coupling="diagonal")
+    sfr = SFR(net, x, y, lik, num_inducing=3)
+    with pytest.raises(ValueError, match="same number of rows"):
+        sfr.update(x[:4], y[:3])
+    before = sfr.dual_statistics.precision.clone()
+    with pytest.raises(ValueError, match="NaN"):
+        sfr.update(bad, y)
+    assert torch.equal(sfr.dual_statistics.precision, before) and sfr.num_data == 12

@@ -1,4 +1,4 @@
-"""The collapsed sparse evidence of SFR against dense evidences built from brute-force Jacobians."""
+"""The collapsed sparse evidence of SFR (and its GPyTorch MLL) against dense evidences from brute-force Jacobians."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from gpytorch.likelihoods import GaussianLikelihood
 from ntkgp.mlls.sparse_evidence import SparseLaplaceMarginalLogLikelihood
 from ntkgp.models.sfr import SFR
 from tests.helpers import brute_jacobian, column_groups, mlp
-from tests.models.test_sfr import DELTA, Dense, layer_labels, problem
+from tests.models.sfr.problems import DELTA, Dense, layer_labels, problem
 
 
 def dense_linearized_evidence(net, x, y, delta, noise):
@@ -151,14 +151,13 @@ def test_trained_two_moons_bound_needs_no_jitter_and_stays_below_the_full_site_e
     assert sparse / n <= (log_q + gap) / n and -1.0 < sparse / n < 0.0
 
 
-def test_gpytorch_signature_and_the_deprecated_alias():
+def test_gpytorch_signature_against_the_dense_evidence_per_datum():
     net, x, y, lik = gaussian_problem()
-    sfr = SFR(net, x, y, lik, num_inducing=5, prior_precision=DELTA)
+    sfr = SFR(net, x, y, lik, inducing_points=x, prior_precision=DELTA)  # Z = X: the exact linearized evidence
     mll = SparseLaplaceMarginalLogLikelihood(sfr.likelihood, sfr)
-    expected = (sfr.log_marginal_likelihood() / x.shape[0]).item()
-    assert mll().item() == expected
-    assert mll(sfr(x), y).item() == expected  # GPyTorch's loop: the training output and targets (not read)
-    assert mll(None, None).item() == expected
+    expected = dense_linearized_evidence(net, x, y, DELTA, torch.tensor(0.1, dtype=torch.float64)).item() / x.shape[0]
+    for value in (mll(), mll(sfr(x), y), mll(None, None)):  # GPyTorch's loop: the training output and targets
+        assert abs(value.item() - expected) < 1e-8 * abs(expected)
     with pytest.raises(ValueError, match="training inputs"):
         mll(sfr(x[:4]), y)
     with pytest.raises(ValueError, match="training targets"):

@@ -1,8 +1,10 @@
-r"""Checking what SFR is given, and streaming the data into :class:`~ntkgp.models.sfr.statistics.DualStatistics`.
+r"""Checking what SFR is given: tensors, their layout, integer and boolean options.
 
 Every public entry of :class:`~ntkgp.models.sfr.SFR` validates its arguments here before any side effect:
 tensors must be floating point, finite in every row and shaped like the network's input; integer
-arguments must be positive integers (``2.7`` is rejected, not truncated). Errors name the argument.
+arguments must be positive integers (``2.7`` is rejected, not truncated); flags must be ``True`` or ``False``.
+Errors name the argument. The same validators check an option assigned after construction
+(:class:`~ntkgp.options.OptionAttribute`).
 """
 
 from __future__ import annotations
@@ -13,23 +15,19 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
-from gpytorch.likelihoods import Likelihood
 from torch import Tensor
-from tqdm.auto import tqdm
-
-from ...caching import same_values
-from ...likelihoods import is_gaussian, validate_targets
-from ...ntk import NTKEngine
-from ...options import OutputCoupling, PriorMean
-from .statistics import DualStatistics, system_grams_and_diagonal
 
 __all__ = [
     "InputLayout",
-    "StateGuard",
     "check_inputs",
+    "check_training_data",
     "data_names",
+    "first_batch",
+    "flag",
+    "integer",
+    "optional_positive_int",
     "positive_int",
-    "stream_statistics",
+    "refuse_graph",
     "training_batches",
 ]
 
@@ -47,6 +45,33 @@ def positive_int(value: object, argument: str) -> int:
     if number is None or number < 1:
         raise ValueError(f"{argument} must be a positive integer, got {value!r}")
     return number
+
+
+def optional_positive_int(value: object, argument: str) -> int | None:
+    """``None``, or ``value`` as a positive ``int`` (:func:`positive_int`)."""
+    return None if value is None else positive_int(value, argument)
+
+
+def integer(value: object, argument: str) -> int:
+    """``value`` as an ``int`` if it is an integer (``bool`` and floats are rejected).
+
+    Raises:
+        ValueError: naming ``argument``.
+    """
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{argument} must be an integer, got {value!r}")
+    return int(value)
+
+
+def flag(value: object, argument: str) -> bool:
+    """``value`` if it is ``True`` or ``False``.
+
+    Raises:
+        TypeError: naming ``argument``.
+    """
+    if not isinstance(value, bool):
+        raise TypeError(f"{argument} must be True or False, got {value!r}")
+    return value
 
 
 def check_inputs(x: object, argument: str) -> Tensor:
@@ -114,41 +139,6 @@ class InputLayout:
         return flat, batch
 
 
-@dataclass(frozen=True)
-class StateGuard:
-    """What the statistics were computed at: the network's weights :math:`\theta^*` and the inducing inputs.
-
-    Attributes:
-        weights: :meth:`~ntkgp.ntk.NTKEngine.network_state`: copies of the trainable parameters and the buffers
-            (e.g. BatchNorm's running statistics), and a fingerprint of the frozen parameters (they change ``J``
-            too).
-        inducing_points: a copy of ``Z``.
-    """
-
-    weights: tuple[Tensor, ...]
-    inducing_points: Tensor
-
-    @classmethod
-    def of(cls, engine: NTKEngine, inducing_points: Tensor) -> StateGuard:
-        return cls(tuple(p.detach().clone() for p in engine.network_state()), inducing_points.detach().clone())
-
-    def check(self, engine: NTKEngine, inducing_points: Tensor) -> None:
-        """Raise ``RuntimeError`` if either changed (compared by value: ``.data`` writes, optimizers and
-        ``load_state_dict`` are all seen)."""
-        if not same_values(self.weights, engine.network_state()):
-            raise RuntimeError(
-                "the network's weights changed after this SFR model was built (trainable or frozen parameters, or "
-                "buffers such as BatchNorm's running statistics); its dual statistics were "
-                "accumulated at the old weights, so it no longer describes the network: build a new SFR"
-            )
-        current_z = inducing_points.detach().to(dtype=self.inducing_points.dtype, device=self.inducing_points.device)
-        if current_z.shape != self.inducing_points.shape or not torch.equal(current_z, self.inducing_points):
-            raise RuntimeError(
-                "sfr.inducing_points was modified in place; the statistics belong to the old inducing inputs: "
-                "build a new SFR with inducing_points=..."
-            )
-
-
 def data_names(argument: str) -> tuple[str, str]:
     """The public names of the inputs and targets: ``train_x``, ``train_y`` or ``x_new``, ``y_new`` (``"new"``)."""
     return ("x_new", "y_new") if argument == "new" else (f"{argument}_x", f"{argument}_y")
@@ -185,64 +175,58 @@ def training_batches(x: object, y: object, argument: str) -> Iterator[tuple[Tens
         yield bx, by
 
 
-def prior_mean(engine: NTKEngine, x: Tensor, f: Tensor, kind: PriorMean) -> Tensor:
-    r"""The prior mean at prepared inputs ``x`` with network outputs ``f`` ``(N, C)`` (no gradients):
-    zero, or :math:`f(x) - J(x)\theta^*` (one forward-mode product, the Jacobian is never formed)."""
-    if kind is PriorMean.ZERO:
-        return torch.zeros_like(f)
-    return f - engine.jvp(x, engine.params()).reshape(f.shape)
+def refuse_graph(tensor: object, argument: str) -> None:
+    """Raise ``NotImplementedError`` if ``tensor`` requires grad: SFR's update sums its statistics without a graph,
+    so a gradient with respect to the new data would be silently zero."""
+    if torch.is_tensor(tensor) and tensor.requires_grad:
+        raise NotImplementedError(
+            f"{argument} requires grad, but SFR.update sums its statistics without a graph: a gradient with respect "
+            f"to {argument} would be silently zero. Pass {argument}.detach(), or use NTKGP or FSVI, whose "
+            "conditioning is differentiable in the new inputs"
+        )
 
 
-def stream_statistics(
-    engine: NTKEngine,
-    likelihood: Likelihood,
-    z: Tensor,
-    coupling: OutputCoupling,
-    mean: PriorMean,
-    batches: Iterable[tuple[Tensor, Tensor]],
-    layout: InputLayout,
-    rows: int,
-    argument: str,
-    progress: bool = False,
-    prior_precision: Tensor | None = None,
-) -> DualStatistics:
-    r"""Fresh :class:`DualStatistics` of ``batches`` at inducing inputs ``z`` (nothing else is changed).
+def check_training_data(train_x: object, train_y: object, inducing_points: object) -> None:
+    """The checks of the constructor's data before anything is computed: tensors (and targets with them), a
+    re-iterable loader when ``Z`` is chosen from it, ``inducing_points`` like inputs.
 
-    Args:
-        engine: the NTK engine of the network.
-        likelihood: the model's likelihood.
-        z: inducing inputs ``(M, *example)``.
-        coupling: output coupling.
-        mean: prior mean.
-        batches: checked ``(x, y)`` pairs (:func:`training_batches`).
-        layout: the examples' layout (every batch is checked against it).
-        rows: points per accumulation step.
-        argument: prefix for error messages (``"train"``, ``"new"``).
-        progress: show a progress bar.
-        prior_precision: ``None`` (statistics per group), or the :math:`\delta` at which the groups are combined
-            (``statistics="combined"``, :class:`DualStatistics`).
+    Raises:
+        ValueError, TypeError: naming the argument.
+    """
+    if torch.is_tensor(train_x):
+        if train_y is None:
+            raise ValueError("train_y is required when train_x is a tensor")
+        check_inputs(train_x, "train_x")
+    if inducing_points is not None:
+        check_inputs(inducing_points, "inducing_points")
+    elif not torch.is_tensor(train_x) and iter(train_x) is train_x:
+        raise ValueError(
+            "choosing inducing inputs from the data needs two passes over train_x, but it is a one-shot "
+            "iterator: pass a DataLoader (or tensors), or give inducing_points"
+        )
+
+
+def first_batch(engine, train_x: object, train_y: object, likelihood_name: str, expected_outputs: int):
+    """The training pairs, their first batch, the examples' layout and ``C`` (checked against the likelihood's).
 
     Returns:
-        The statistics (raises before returning anything if any batch is bad).
-    """
-    name_x, name_y = data_names(argument)
-    c = engine.num_outputs(z)
-    stats = DualStatistics(
-        engine.num_groups, z.shape[0], c, coupling, is_gaussian(likelihood), z.dtype, z.device, prior_precision
-    )
-    bar = tqdm(desc="SFR dual statistics", unit="pt", disable=not progress, leave=False)
-    with torch.no_grad():
-        for x, y in batches:
-            x = engine.prepare(layout.check(x, name_x)[0], name_x)
-            validate_targets(likelihood, y, c, num_data=x.shape[0], name=name_y)
-            for s in range(0, x.shape[0], rows):
-                xb, yb = x[s : s + rows], y[s : s + rows]
-                f = engine.outputs(xb)
-                cross, diag = system_grams_and_diagonal(engine, z, xb, coupling)
-                stats.accumulate(likelihood, cross, diag, f, prior_mean(engine, xb, f, mean), yb)
-                bar.update(xb.shape[0])
-    bar.close()
-    if int(stats.num_data) == 0:
-        raise ValueError(f"{name_x} holds no data")
-    return stats
+        ``(pairs, first, layout, num_outputs)``: the rest of the pairs after ``first``.
 
+    Raises:
+        ValueError: for no data, inputs that do not fit the network, or a number of outputs that is not the
+            likelihood's.
+    """
+    pairs = training_batches(train_x, train_y, "train")
+    first = next(pairs, None)
+    if first is None:
+        raise ValueError("train_x holds no data")
+    probe = engine.prepare(first[0][:1], "train_x")
+    layout = InputLayout(tuple(probe.shape[1:]), engine.input_shape is not None)
+    try:
+        num_outputs = engine.num_outputs(probe)
+    except RuntimeError as error:
+        shape = tuple(probe.shape[1:])
+        raise ValueError(f"train_x (examples of shape {shape}) does not fit the network: {error}") from error
+    if num_outputs != expected_outputs:
+        raise ValueError(f"the network has {num_outputs} outputs but {likelihood_name} expects {expected_outputs}")
+    return pairs, first, layout, num_outputs

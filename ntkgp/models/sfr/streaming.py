@@ -1,0 +1,100 @@
+r"""Streaming the data into :class:`~ntkgp.models.sfr.statistics.DualStatistics`, batch by batch.
+
+Each batch needs the network's outputs :math:`f_n`, the cross-Grams :math:`K_g(Z, x_n)` and point blocks
+(:mod:`~ntkgp.models.sfr.system_grams`) and, for the linearized prior mean, the **offset**
+:math:`o_n = f_n - m_n = J(x_n)\theta^*` (one forward-mode product, the Jacobian is never formed): the offset is
+computed directly, never as :math:`f_n - (f_n - J_n\theta^*)`, so that no quantity is formed by cancellation.
+
+The network's numbers (outputs, Grams, offsets) come in the network's dtype; the sums are accumulated in
+:func:`~ntkgp.models.sfr.statistics.statistics_dtype` (float64 for a float32 network), in which their rounding
+is negligible next to that of the features (docs/sfr.md, "float32").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from gpytorch.likelihoods import Likelihood
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from ...likelihoods import is_gaussian, validate_targets
+from ...ntk import NTKEngine
+from ...options import OutputCoupling, PriorMean
+from .statistics import DualStatistics, statistics_dtype
+from .system_grams import system_grams_and_diagonal
+from .validation import InputLayout, data_names, refuse_graph
+
+__all__ = ["mean_offset", "stream_statistics"]
+
+
+def mean_offset(engine: NTKEngine, x: Tensor, f: Tensor, kind: PriorMean) -> Tensor:
+    r"""The offset :math:`o(x) = f(x) - m(x)` of the prior mean at prepared inputs ``x`` with network outputs ``f``
+    ``(N, C)``: :math:`f(x)` for the zero mean, :math:`J(x)\theta^*` for the linearized mean (a Jacobian-vector
+    product in the network's dtype; no gradients)."""
+    if kind is PriorMean.ZERO:
+        return f
+    return engine.jvp(x, engine.params()).reshape(f.shape)
+
+
+def stream_statistics(
+    engine: NTKEngine,
+    likelihood: Likelihood,
+    z: Tensor,
+    coupling: OutputCoupling,
+    mean: PriorMean,
+    batches: Iterable[tuple[Tensor, Tensor]],
+    layout: InputLayout,
+    rows: int,
+    argument: str,
+    progress: bool = False,
+    prior_precision: Tensor | None = None,
+) -> DualStatistics:
+    r"""Fresh :class:`DualStatistics` of ``batches`` at inducing inputs ``z`` (nothing else is changed).
+
+    Args:
+        engine: the NTK engine of the network.
+        likelihood: the model's likelihood.
+        z: inducing inputs ``(M, *example)``.
+        coupling: output coupling.
+        mean: prior mean.
+        batches: checked ``(x, y)`` pairs (:func:`~ntkgp.models.sfr.validation.training_batches`).
+        layout: the examples' layout (every batch is checked against it).
+        rows: points per accumulation step.
+        argument: prefix for error messages (``"train"``, ``"new"``).
+        progress: show a progress bar.
+        prior_precision: ``None`` (statistics per group), or the :math:`\delta` at which the groups are combined
+            (``statistics="combined"``, :class:`DualStatistics`).
+
+    Returns:
+        The statistics (raises before returning anything if any batch is bad).
+
+    Raises:
+        NotImplementedError: for new inputs (``argument="new"``, :meth:`SFR.update <ntkgp.models.sfr.SFR.update>`)
+            that require grad: the sums carry no graph, so a gradient with respect to them would be silently zero.
+    """
+    name_x, name_y = data_names(argument)
+    c = engine.num_outputs(z)
+    dtype = statistics_dtype(engine.dtype)
+    stats = DualStatistics(
+        engine.num_groups, z.shape[0], c, coupling, is_gaussian(likelihood), dtype, z.device, prior_precision
+    )
+    bar = tqdm(desc="SFR dual statistics", unit="pt", disable=not progress, leave=False)
+    for x, y in batches:
+        if argument == "new":
+            refuse_graph(x, name_x)
+        with torch.no_grad():
+            x = engine.prepare(layout.check(x, name_x)[0], name_x)
+            validate_targets(likelihood, y, c, num_data=x.shape[0], name=name_y)
+            for s in range(0, x.shape[0], rows):
+                xb, yb = x[s : s + rows], y[s : s + rows]
+                f = engine.outputs(xb)
+                offset = mean_offset(engine, xb, f, mean)
+                cross, diag = system_grams_and_diagonal(engine, z, xb, coupling)
+                stats.accumulate(likelihood, cross.to(dtype), diag.to(dtype), f.to(dtype), offset.to(dtype), yb)
+                bar.update(xb.shape[0])
+    bar.close()
+    if int(stats.num_data) == 0:
+        raise ValueError(f"{name_x} holds no data")
+    return stats

@@ -1,0 +1,122 @@
+r"""The per-group Grams of SFR arranged as the systems it solves: joint (one ``M·C`` system) or independent outputs.
+
+* ``"joint"``: ``(G, 1, N1·C, N2·C)``, interleaved rows and columns (``n·C + c``);
+* ``"independent"``: ``(G, C, N1, N2)``, the diagonal output blocks :math:`[K_g]_{(n,c),(m,c)}`.
+
+They come from :class:`~ntkgp.ntk.NTKEngine` in the network's dtype, unweighted by :math:`\delta`; except those of the
+inducing inputs with themselves, :math:`K_{ZZ}` (:func:`inducing_grams`), which are computed in float64 whatever the
+network's dtype: on a float64 copy of a float32 network (:func:`precise_engine`), whose weights are exactly the
+network's. :math:`K_{ZZ}`'s small eigenvalues decide which inducing directions SFR can use; a Gram formed in float32
+resolves them only down to about :math:`\epsilon_{32}\operatorname{tr} K_{ZZ}`, a float64 one down to
+:math:`\epsilon_{64}\operatorname{tr} K_{ZZ}` (docs/sfr.md, "float32"). The copy costs ``P`` float64 numbers while
+the ``M`` inducing inputs are passed through it, once per model.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import torch
+from torch import Tensor
+
+from ...linalg import NumericalWarning
+from ...ntk import NTKEngine
+from ...options import OutputCoupling, choose
+from .whitening import _symmetrize_
+
+__all__ = ["combined_system_gram", "inducing_grams", "precise_engine", "system_grams", "system_grams_and_diagonal"]
+
+
+def system_grams(engine: NTKEngine, x1: Tensor, x2: Tensor, coupling: OutputCoupling | str) -> Tensor:
+    r"""Per-group Grams arranged as the systems SFR solves, unweighted by :math:`\delta`.
+
+    * ``"joint"``: ``(G, 1, N1·C, N2·C)``, interleaved rows and columns;
+    * ``"independent"``: ``(G, C, N1, N2)``, the diagonal output blocks :math:`[K_g]_{(n,c),(m,c)}`.
+
+    ``"independent"`` uses :meth:`NTKEngine.output_grams` (only the diagonal output blocks are formed when
+    every parameter takes the engine's structured route: ``C`` times fewer flops than the full Gram).
+    """
+    return system_grams_and_diagonal(engine, x1, x2, coupling, with_diagonal=False)[0]
+
+
+def system_grams_and_diagonal(
+    engine: NTKEngine, x1: Tensor, x2: Tensor, coupling: OutputCoupling | str, with_diagonal: bool = True
+) -> tuple[Tensor, Tensor | None]:
+    """:func:`system_grams` and the per-group diagonal blocks ``K_g(x2_n, x2_n)``, ``(G, N2, C, C)``.
+
+    For independent outputs the grams and the diagonal come from :meth:`NTKEngine.output_grams` (only the
+    output-diagonal entries of the blocks, which are all that coupling uses); otherwise from
+    :meth:`NTKEngine.group_grams` and :meth:`NTKEngine.diag_blocks`.
+    """
+    if choose(OutputCoupling, coupling, "output_coupling") is OutputCoupling.INDEPENDENT:
+        if not with_diagonal:
+            return engine.output_grams(x1, x2), None
+        grams, diag = engine.output_grams(x1, x2, with_diagonal=True)
+        return grams, torch.diag_embed(diag)
+    full = engine.group_grams(x1, x2)
+    return full.unsqueeze(1), engine.diag_blocks(x2) if with_diagonal else None
+
+
+def combined_system_gram(
+    engine: NTKEngine, z: Tensor, coupling: OutputCoupling | str, weights: Tensor, rows: int, dtype: torch.dtype
+) -> Tensor:
+    r""":math:`K_{ZZ} = \sum_g w_g K_{g,ZZ}` arranged as :func:`system_grams` of ``(Z, Z)``, ``(1, nb, K, K)``.
+
+    Built ``rows`` inducing inputs (columns) at a time, so that the ``G`` per-group Grams are never held at
+    once (``G·K·rows·C'`` numbers per step instead of ``G·K²``), and symmetrized in place.
+
+    Args:
+        engine: the NTK engine; z: the inducing inputs ``(M, *example)``, prepared.
+        coupling: output coupling.
+        weights: group weights :math:`1/\delta`, ``(G,)``.
+        rows: inducing inputs per step.
+        dtype: of the result (the statistics' dtype; the Grams are computed in the network's).
+    """
+    joint = choose(OutputCoupling, coupling, "output_coupling") is OutputCoupling.JOINT
+    m, c = z.shape[0], engine.num_outputs(z)
+    size, per_point = (m * c, c) if joint else (m, 1)
+    out = torch.empty(1 if joint else c, size, size, dtype=dtype, device=engine.device)
+    for s in range(0, m, rows):
+        e = min(s + rows, m)
+        grams = system_grams(engine, z, z[s:e], coupling)  # (G, nb, K, (e - s)·C')
+        out[..., s * per_point : e * per_point] = torch.tensordot(weights.to(out), grams.to(out), dims=1)
+    _symmetrize_(out)
+    return out.unsqueeze(0)
+
+
+def precise_engine(engine: NTKEngine) -> NTKEngine:
+    """``engine`` itself for a float64 network; for a lower precision, an engine on a float64 copy of its network
+    (the same weights, exactly; the same groups, routes and chunks). The user's network is not touched. A network
+    that cannot be copied keeps ``engine``, with a ``NumericalWarning`` (its ``K_ZZ`` then resolves less)."""
+    if torch.finfo(engine.dtype).eps <= torch.finfo(torch.float64).eps:
+        return engine
+    try:
+        net = copy.deepcopy(engine.net).to(torch.float64)
+    except Exception as error:  # noqa: BLE001 - any module that refuses a copy: fall back, and say so
+        warnings.warn(
+            f"SFR could not copy the network to form K_ZZ in float64 ({type(error).__name__}: {error}); K_ZZ is "
+            f"formed in {engine.dtype}, which resolves fewer inducing directions (sfr.inducing_rank). A network "
+            "that copy.deepcopy accepts, or a float64 network, avoids this.",
+            NumericalWarning,
+            stacklevel=4,
+        )
+        return engine
+    return NTKEngine(
+        net, engine.prior_structure, chunk_size=engine.chunk_size, strategy=engine.strategy,
+        input_shape=engine.input_shape, max_jacobian_bytes=engine.max_jacobian_bytes,
+    )
+
+
+def inducing_grams(
+    engine: NTKEngine, z: Tensor, coupling: OutputCoupling | str, dtype: torch.dtype,
+    weights: Tensor | None = None, rows: int = 1,
+) -> tuple[Tensor, torch.dtype]:
+    r""":math:`K_{ZZ}` per group, :func:`system_grams` ``(G, nb, K, K)``, or (``weights`` given, combined statistics)
+    :math:`\sum_g w_g K_{g,ZZ}` ``(1, nb, K, K)`` (:func:`combined_system_gram`), in ``dtype``, computed in float64
+    (:func:`precise_engine`); and the dtype it was computed in."""
+    precise = precise_engine(engine)
+    z = z.to(precise.dtype)
+    if weights is not None:
+        return combined_system_gram(precise, z, coupling, weights.to(precise.dtype), rows, dtype), precise.dtype
+    return system_grams(precise, z, z, coupling).to(dtype), precise.dtype

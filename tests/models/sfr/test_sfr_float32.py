@@ -1,0 +1,227 @@
+"""float32 SFR against the same SFR on a float64 copy of the network (issue 27, item 2).
+
+A float32 network gives float32 features; SFR sums its statistics and factorizes in float64, forms K_ZZ on a
+float64 copy of the network, and returns the network plus a correction as the mean. The reference is the same
+model (same weights, exactly, and the same Z) computed from a float64 network: equal inducing rank where the float64
+model has full rank, means and variances within float32-appropriate tolerances, the same decisions on a toy
+classification; a NumericalWarning where float32 truly loses precision, and not otherwise.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import warnings
+
+import pytest
+import torch
+from gpytorch.likelihoods import GaussianLikelihood
+
+from ntkgp.likelihoods import SoftmaxLikelihood
+from ntkgp.linalg import NumericalWarning
+from ntkgp.models.sfr import SFR
+from tests.helpers import mlp, rel_err, small_cnn
+
+
+def likelihood(kind: str, c: int, dtype: torch.dtype, noise: float = 0.1):
+    if kind == "softmax":
+        return SoftmaxLikelihood(c).to(dtype)
+    lik = GaussianLikelihood().to(dtype)
+    lik.noise = noise
+    return lik
+
+
+def pair(net32, x, y, xs, kind, c, noise=0.1, **kw):
+    """The float32 model, its float64 twin (same weights in float64, same Z) and both predictives; the float32
+    model is built and evaluated with warnings recorded."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", NumericalWarning)
+        sfr32 = SFR(net32, x, y, likelihood(kind, c, torch.float32, noise), **kw)
+        d32 = sfr32(xs)
+        rank32 = sfr32.inducing_rank
+    kw.pop("num_inducing", None)
+    kw["inducing_points"] = sfr32.inducing_points.double()
+    y64 = y.double() if y.is_floating_point() else y
+    sfr64 = SFR(copy.deepcopy(net32).double(), x.double(), y64, likelihood(kind, c, torch.float64, noise), **kw)
+    d64 = sfr64(xs.double())
+    numerical = [w for w in caught if issubclass(w.category, NumericalWarning)]
+    return sfr32, sfr64, d32, d64, rank32, numerical
+
+
+def trained_classifier(seed=1):
+    torch.manual_seed(seed)
+    x, xs = torch.randn(200, 4), torch.randn(100, 4)
+    net = mlp(4, 32, 3, depth=2, dtype=torch.float32, seed=seed)
+    with torch.no_grad():
+        y = net(x).argmax(-1)
+    return net, x, y, xs
+
+
+@pytest.mark.parametrize("coupling", ["joint", "independent"])
+def test_float32_classifier_equals_its_float64_copy(coupling):
+    net, x, y, xs = trained_classifier()
+    sfr32, sfr64, d32, d64, rank32, numerical = pair(net, x, y, xs, "softmax", 3, num_inducing=40,
+                                                     output_coupling=coupling)
+    assert not numerical
+    assert sfr32.dual_statistics.precision.dtype == torch.float64 and sfr32._zz_grams.dtype == torch.float64
+    assert d32.mean.dtype == torch.float32 and d32.covariance_matrix.dtype == torch.float32
+    assert torch.equal(rank32, sfr64.inducing_rank) and int(rank32.min()) == (120 if coupling == "joint" else 40)
+    assert rel_err(d32.mean.double(), d64.mean) < 1e-4
+    assert rel_err(d32.variance.double(), d64.variance) < 1e-4
+    p32, p64 = sfr32.likelihood(d32).probs.double(), sfr64.likelihood(d64).probs
+    assert (p32 - p64).abs().max() < 1e-4
+    assert torch.equal(p32.argmax(-1), p64.argmax(-1))  # the same decisions: equal accuracy on any labels
+    assert abs(sfr32.log_marginal_likelihood().item() - sfr64.log_marginal_likelihood().item()) < 1e-3
+
+
+def test_float32_small_cnn_equals_its_float64_copy():
+    net = small_cnn(3, dtype=torch.float32, seed=0)  # Conv2d, BatchNorm (eval), ReLU, pooling, Linear
+    torch.manual_seed(2)
+    x, xs = torch.randn(80, 1, 6, 6), torch.randn(30, 1, 6, 6)
+    with torch.no_grad():
+        y = net(x).argmax(-1)
+    sfr32, sfr64, d32, d64, rank32, numerical = pair(net, x, y, xs, "softmax", 3, num_inducing=20)
+    assert not numerical
+    assert torch.equal(rank32, sfr64.inducing_rank) and int(rank32.min()) == 60
+    assert rel_err(d32.mean.double(), d64.mean) < 1e-4
+    assert rel_err(d32.variance.double(), d64.variance) < 1e-4
+    assert torch.equal(sfr32.likelihood(d32).probs.argmax(-1), sfr64.likelihood(d64).probs.argmax(-1))
+
+
+def regression_problem(seed=3):
+    torch.manual_seed(seed)
+    net = torch.nn.Sequential(torch.nn.Linear(2, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    x, xs = torch.randn(40, 2), torch.randn(30, 2)
+    return net, x, torch.sin(2 * x.sum(-1)), xs
+
+
+def mean_error_bound(numerical) -> float | None:
+    """The bound (in posterior standard deviations) stated by the mean-precision warning, if one was raised."""
+    for w in numerical:
+        found = re.search(r"may be off by up to about ([0-9.e+-]+) posterior", str(w.message))
+        if found:
+            return float(found.group(1))
+    return None
+
+
+@pytest.mark.parametrize("noise", [0.1, 1e-2, 1e-3])
+def test_float32_regression_with_a_small_noise_keeps_every_direction_float64_keeps(noise):
+    """The sums in float64 (ε·tr B_u grows like 1/σ²) and K_ZZ from float64 features: with σ² down to 1e-3 the float32
+    model keeps all 20 inducing directions, as float64 does (float32 sums kept 2 to 6 of them). Its mean is within a
+    fraction of a posterior standard deviation of float64's, or (σ² = 1e-3) a NumericalWarning bounds how far off it
+    may be, and the bound holds."""
+    net, x, y, xs = regression_problem()
+    sfr32, sfr64, d32, d64, rank32, numerical = pair(net, x, y, xs, "gaussian", 1, noise=noise, num_inducing=20)
+    assert int(sfr64.inducing_rank) == 20 and int(rank32) == 20
+    error = ((d32.mean.double() - d64.mean).abs() / d64.variance.sqrt()).max().item()
+    bound = mean_error_bound(numerical)
+    if noise >= 1e-2:
+        assert not numerical and error < 0.2
+    else:
+        assert bound is not None and error <= bound
+    assert rel_err(d32.variance.double(), d64.variance) < 1e-2
+
+
+def trained_tanh():
+    """The reliability audit's case (issue 25, item 1): a trained 1-16-1 tanh MLP, N = 100."""
+    torch.manual_seed(0)
+    x = torch.linspace(-1, 1, 100)[:, None]
+    y = torch.sin(3 * x[:, 0]) + 0.05 * torch.randn(100)
+    net = torch.nn.Sequential(torch.nn.Linear(1, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    optimizer = torch.optim.Adam(net.parameters(), lr=1e-2)
+    for _ in range(1000):
+        optimizer.zero_grad()
+        (net(x)[:, 0] - y).square().mean().backward()
+        optimizer.step()
+    return net, x, y, torch.linspace(-1.2, 1.2, 50)[:, None]
+
+
+@pytest.mark.slow
+def test_the_float32_mean_at_the_noise_floor_is_right_or_says_how_far_it_can_be():
+    """At GaussianLikelihood's floor (σ² = 1e-4) NTKGP's float32 mean was off by 0.69 (180 posterior standard
+    deviations). SFR's mean, the network plus a correction formed in float64, is within a posterior standard deviation
+    of the float64 copy's, or a NumericalWarning states a bound on its error (in posterior standard deviations) that
+    holds."""
+    net, x, y, xs = trained_tanh()
+    for m in (100, 30):
+        sfr32, sfr64, d32, d64, rank32, numerical = pair(net, x, y, xs, "gaussian", 1, noise=1e-4, num_inducing=m)
+        assert torch.equal(rank32, sfr64.inducing_rank)
+        error = ((d32.mean.double() - d64.mean).abs() / d64.variance.sqrt()).max().item()
+        bound = mean_error_bound(numerical)
+        assert error <= (1.0 if bound is None else bound), "a mean this far off must warn, with a bound that holds"
+        assert rel_err(d32.variance.double(), d64.variance) < 1e-2
+
+
+def test_directions_float32_features_cannot_resolve_are_dropped_with_a_warning():
+    """Two nearly equal inducing inputs: K_ZZ (formed in float64) resolves their difference, float32 cross-covariances
+    do not. float32 drops that direction (its data are ignored: the predictive differs from float64's, which keeps it)
+    and says so, naming the remedy."""
+    net, x, y, xs = regression_problem()
+    z = torch.cat([x[:10], x[:1] + 1e-3])
+    sfr32, sfr64, d32, d64, rank32, numerical = pair(net, x, y, xs, "gaussian", 1, inducing_points=z)
+    assert int(sfr64.inducing_rank) == 11 and int(rank32) == 10
+    assert any("float32 features" in str(w.message) and "net.double()" in str(w.message) for w in numerical)
+    assert (d32.variance > 0).all()
+
+
+def test_float32_statistics_with_a_small_noise_still_warn():
+    """Converting the model's statistics to float32 (sfr.float()) brings back float32 sums: with σ² = 1e-3 their
+    rounding hides most directions, and a NumericalWarning says so (the float32 default keeps all 20)."""
+    net, x, y, xs = regression_problem()
+    lik = GaussianLikelihood()
+    lik.noise = 1e-3
+    sfr = SFR(net, x, y, lik, num_inducing=20)
+    assert int(sfr.inducing_rank) == 20
+    sfr.float()
+    with pytest.warns(NumericalWarning, match="rounding of the summed site statistics"):
+        rank = int(sfr.inducing_rank.min())
+    assert rank < 10
+
+
+def test_double_on_a_float32_network_keeps_float32_thresholds():
+    """sfr.double() converts the GP algebra, not the network: the cross-covariances still carry float32 rounding,
+    so the thresholds stay float32's; the float64 model agrees with the float32 one to float32 accuracy."""
+    torch.manual_seed(5)
+    net = torch.nn.Sequential(torch.nn.Linear(2, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    x, xs = torch.randn(30, 2), torch.randn(5, 2)
+    lik = GaussianLikelihood()
+    lik.noise = 0.1
+    sfr = SFR(net, x, torch.sin(x.sum(-1)), lik, num_inducing=10)
+    with torch.no_grad():
+        single = sfr(xs)
+        mean32, var32 = single.mean.double(), single.variance.double()
+        sfr.double()
+        dist = sfr(xs.double())
+        assert dist.mean.dtype == torch.float64 and (dist.variance > 0).all()
+        assert rel_err(dist.mean, mean32) < 1e-5 and rel_err(dist.variance, var32) < 1e-5
+
+
+class _Uncopyable(torch.nn.Module):
+    """A network holding a lock, which copy.deepcopy refuses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import threading
+
+        self.body = torch.nn.Sequential(torch.nn.Linear(2, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+        self.lock = threading.Lock()
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def test_a_network_that_cannot_be_copied_forms_k_zz_in_float32_and_says_so():
+    torch.manual_seed(0)
+    net = _Uncopyable()
+    x, xs = torch.randn(30, 2), torch.randn(10, 2)
+    with pytest.raises(TypeError):
+        copy.deepcopy(net)
+    lik = GaussianLikelihood()
+    lik.noise = 0.1
+    with pytest.warns(NumericalWarning, match="could not copy the network"):
+        sfr = SFR(net, x, torch.sin(x.sum(-1)), lik, num_inducing=10)
+    assert sfr._zz_grams.dtype == torch.float64 and sfr._zz_precision == torch.float32
+    reference = SFR(net.body, x, torch.sin(x.sum(-1)), lik, inducing_points=sfr.inducing_points)  # copyable
+    assert int(sfr.inducing_rank) <= int(reference.inducing_rank)
+    dist = sfr(xs)
+    assert torch.isfinite(dist.mean).all() and (dist.variance > 0).all()
