@@ -85,8 +85,8 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         outcome, detail = run_case(c)
         counts[c.area][outcome] += 1
-        print(f"{c.id:10s} {c.area:11s} {c.what:95s} {outcome:20s} {time.perf_counter() - t0:5.1f}s  {detail}",
-              flush=True)
+        seconds = time.perf_counter() - t0
+        print(f"{c.id:10s} {c.area:11s} {c.what:95s} {outcome:20s} {seconds:5.1f}s  {detail}", flush=True)
     total = collections.Counter()
     print(f"\n{'area':11s} " + " ".join(f"{o:>20s}" for o in OUTCOMES) + f" {'cases':>6s}")
     for area in [a for a in AREAS if a in counts]:

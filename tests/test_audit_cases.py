@@ -1,7 +1,7 @@
 """``benchmarks/audit.py``: its verdicts are the right ones, and the fast areas of the audit stay clean.
 
-The audit (issue 25's second one) runs as a benchmark script (``python benchmarks/audit.py``, about two minutes);
-here only what takes seconds: the classification of each outcome on made-up cases whose outcome is known, and the
+The audit (issue 25's second one) runs as a benchmark script (``python benchmarks/audit.py``, 2 minutes); here
+only what takes seconds: the classification of each outcome on made-up cases whose outcome is known, and the
 ``likelihoods`` and ``data`` areas, whose failures were fixed (each fix has its own test in its folder).
 """
 

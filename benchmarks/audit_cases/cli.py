@@ -44,10 +44,11 @@ def _main(*argv: str, expect: tuple[str, ...] = ()) -> tuple[str, str]:
 def _judge(status, message: str, expect: tuple[str, ...]) -> tuple[str, str]:
     if status == 0:
         raise SilentWrong("exit status 0: the demo ran on a bad argument")
+    last = message.strip().splitlines()[-1][:200] if message.strip() else ""
     if status != 2:
-        raise RuntimeError(f"exit status {status}: {message.strip().splitlines()[-1][:200] if message else ''}")
+        raise RuntimeError(f"exit status {status}: {last}")
     if "Traceback" in message:
-        raise RuntimeError(f"exit status 2 but a traceback on stderr: {message.strip().splitlines()[-1][:200]}")
+        raise RuntimeError(f"exit status 2 but a traceback on stderr: {last}")
     if expect and not any(e in message for e in expect):
         raise RuntimeError(f"exit status 2 but the message names none of {expect}: {message.strip()[-200:]}")
     return CLEAR, "exit 2: " + message.strip().splitlines()[-1][:160]
@@ -68,8 +69,8 @@ def _rows(n: int = 20, extra: str = "") -> str:
 def epochs_not_a_number():
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     with tempfile.TemporaryDirectory() as folder:
-        run = subprocess.run([sys.executable, "-m", "ntkgp", "demo", "--epochs", "abc", "--output-dir", folder],
-                             capture_output=True, text=True, timeout=300, env=env, cwd=folder)
+        command = [sys.executable, "-m", "ntkgp", "demo", "--epochs", "abc", "--output-dir", folder]
+        run = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=folder)
     return _judge(run.returncode, run.stderr, ("--epochs",))
 
 
@@ -81,14 +82,16 @@ def fractional_seed():
 @case("cli-03", AREA, "--csv naming a directory")
 def csv_is_directory():
     with tempfile.TemporaryDirectory() as folder:
-        return _main("--csv", folder, "--input-columns", "a", "--target-column", "y", expect=(folder, "--csv"))
+        return _main("--csv", folder, "--input-columns", "a", "--target-column", "y",
+                     expect=(folder, "--csv"))
 
 
 @case("cli-04", AREA, "--csv with a header row and no data rows")
 def csv_header_only():
     path = _csv("a,b,y\n")
     try:
-        return _main("--csv", str(path), "--input-columns", "a", "b", "--target-column", "y", expect=(str(path),))
+        return _main("--csv", str(path), "--input-columns", "a", "b", "--target-column", "y",
+                     expect=(str(path),))
     finally:
         path.unlink()
 
@@ -97,7 +100,8 @@ def csv_header_only():
 def target_among_inputs():
     path = _csv(_rows())
     try:
-        return _main("--csv", str(path), "--input-columns", "a", "y", "--target-column", "y", expect=("'y'", "target"))
+        return _main("--csv", str(path), "--input-columns", "a", "y", "--target-column", "y",
+                     expect=("'y'", "target"))
     finally:
         path.unlink()
 

@@ -87,8 +87,8 @@ def nan_eps():
 
 @case("data-09", AREA, "expected_calibration_error against a loop over equal-width bins (ties on edges)")
 def ece_brute_force():
-    probs = torch.tensor([[0.8, 0.2], [0.3, 0.7], [0.5, 0.5], [0.9, 0.1], [0.6, 0.4], [0.2, 0.8], [0.95, 0.05]],
-                         dtype=F64)
+    top = torch.tensor([0.8, 0.3, 0.5, 0.9, 0.6, 0.2, 0.95], dtype=F64)
+    probs = torch.stack([top, 1 - top], dim=1)
     y = torch.tensor([0, 0, 1, 0, 1, 1, 0])
     with untouched(probs=probs, y=y):
         value = metrics.expected_calibration_error(probs, y, num_bins=5)
@@ -107,7 +107,8 @@ def ece_brute_force():
 def auroc_ties():
     scores_in = torch.tensor([0.1, 0.4, 0.4, 0.7, 0.2])
     scores_out = torch.tensor([0.4, 0.9, 0.1, 0.7])
-    pairs = [(1.0 if o > i else 0.5 if o == i else 0.0) for o in scores_out.tolist() for i in scores_in.tolist()]
+    pairs = [1.0 if o > i else 0.5 if o == i else 0.0
+             for o in scores_out.tolist() for i in scores_in.tolist()]
     close(metrics.ood_auroc(scores_in, scores_out), sum(pairs) / len(pairs), 1e-12, what="AUROC")
     return HELD, "equal"
 
@@ -119,7 +120,7 @@ def expanded_probabilities():
     y = torch.tensor([1, 0, 2, 1])
     with untouched(row=row):
         brier, acc = metrics.brier_score(probs, y), metrics.accuracy(probs, y)
-    brute = sum(sum((row[0, c].item() - (1.0 if c == y[n].item() else 0.0)) ** 2 for c in range(3)) for n in range(4)) / 4
+    brute = sum((row[0, c].item() - float(c == y[n].item())) ** 2 for c in range(3) for n in range(4)) / 4
     close(brier, brute, 1e-7, what="Brier score")
     close(acc, 0.5, 0.0, what="accuracy")
     return HELD, "equal to the loops"

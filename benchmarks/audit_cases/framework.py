@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-HELD, CLEAR, SILENT, MODIFIED, RAW = "HELD", "CLEAR-ERROR", "SILENT-WRONG", "MODIFIED-USER-OBJECT", "RAW-ERROR"
+HELD, CLEAR, SILENT = "HELD", "CLEAR-ERROR", "SILENT-WRONG"
+MODIFIED, RAW = "MODIFIED-USER-OBJECT", "RAW-ERROR"
 OUTCOMES = (HELD, CLEAR, SILENT, MODIFIED, RAW)
 
 
@@ -85,7 +86,8 @@ def attempt(fn: Callable[[], object], errors: tuple[type[BaseException], ...] = 
     except errors as error:
         message = str(error)
         if names and not any(name in message for name in names):
-            raise UnclearError(f"{type(error).__name__} not naming {' / '.join(names)}: {message[:200]}") from error
+            named = " / ".join(names)
+            raise UnclearError(f"{type(error).__name__} not naming {named}: {message[:200]}") from error
         return Refused(error)
 
 
@@ -156,7 +158,8 @@ class _Record:
         if isinstance(obj, nn.Module):
             self.state = {k: v.detach().clone() for k, v in obj.state_dict(keep_vars=True).items()}
             self.params = list(obj.named_parameters())
-            self.grads = [(p.grad, None if p.grad is None else p.grad.detach().clone()) for _, p in self.params]
+            self.grads = [(p.grad, None if p.grad is None else p.grad.detach().clone())
+                          for _, p in self.params]
             self.flags = [p.requires_grad for _, p in self.params]
             self.dtypes = [p.dtype for _, p in self.params]
             self.modes = [m.training for m in obj.modules()]
@@ -180,7 +183,8 @@ class _Record:
             for (name, p), (obj_before, value_before), flag, dtype in zip(self.params, self.grads, self.flags,
                                                                            self.dtypes):
                 if p.grad is not obj_before:
-                    out.append(f"{name}.grad (a different object: {_describe(obj_before)} -> {_describe(p.grad)})")
+                    now = _describe(p.grad)
+                    out.append(f"{name}.grad (another object: {_describe(obj_before)} -> {now})")
                 elif value_before is not None and not _bitwise_equal(p.grad.detach(), value_before):
                     out.append(f"{name}.grad values")
                 if p.requires_grad != flag:
@@ -215,8 +219,8 @@ def _hook_count(m: nn.Module) -> int:
 
 class Snapshot:
     """Copies of user objects (``label=object`` pairs) taken now; :meth:`check` compares them. With
-    ``state=False`` the values of modules' parameters and buffers are not compared (``train_marglik`` trains the
-    network in place), everything else is."""
+    ``state=False`` the values of modules' parameters and buffers are not compared (``train_marglik`` trains
+    the network in place), everything else is."""
 
     def __init__(self, state: bool = True, **objects: object) -> None:
         self.records = [_Record(label, obj, state) for label, obj in objects.items() if obj is not None]
@@ -262,7 +266,8 @@ class Interrupter:
         self.handle.remove()
 
 
-def expect_interrupt(fn: Callable[[], object], kind: type[BaseException] = KeyboardInterrupt) -> BaseException:
+def expect_interrupt(fn: Callable[[], object],
+                     kind: type[BaseException] = KeyboardInterrupt) -> BaseException:
     """Run ``fn``; it must raise ``kind`` (returned); returning normally means the interrupt was lost."""
     try:
         fn()

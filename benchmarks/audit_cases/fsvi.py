@@ -1,4 +1,4 @@
-"""Audit cases of ``ntkgp.fsvi`` (``FSVI``, ``train_fsvi``, ``condition_on``): against the dense linearized GP.
+"""Audit cases of ``ntkgp.fsvi`` (``FSVI``, ``train_fsvi``, ``condition_on``) against the dense linearized GP.
 
 The reference: ``f(x; μ)`` and ``J_μ diag(s²) J_μᵀ`` from ``torch.func`` Jacobians of a copy of the network
 holding μ, conditioned by the dense GP formulas (float64).
@@ -15,8 +15,8 @@ from torch import nn
 
 from ntkgp.fsvi import FSVI, train_fsvi
 
-from .framework import (CLEAR, HELD, Interrupter, Refused, SilentWrong, attempt, case, close, expect_interrupt,
-                        refusal, untouched)
+from .framework import (CLEAR, HELD, Interrupter, Refused, SilentWrong, attempt, case, close,
+                        expect_interrupt, refusal, untouched)
 from .references import F64, fit, gaussian, mlp, outputs_and_jacobian, regression
 
 AREA = "fsvi"
@@ -49,7 +49,8 @@ def dense(model, x_test, observed=None, noise=None):
         for name, p in net.named_parameters():
             if name in means:
                 p.copy_(means[name])
-    s2 = torch.cat([variances[n].detach().reshape(-1).to(F64) for n, p in net.named_parameters() if p.requires_grad])
+    s2 = torch.cat([variances[n].detach().reshape(-1).to(F64)
+                    for n, p in net.named_parameters() if p.requires_grad])
     f_test, j_test = outputs_and_jacobian(net, x_test)
     mean, cov = f_test.reshape(-1), (j_test * s2) @ j_test.T
     if observed is not None:
@@ -103,8 +104,8 @@ class _Count:
 
 
 class _InterruptingLikelihood(type(gaussian())):
-    """A GaussianLikelihood whose noise raises KeyboardInterrupt at its 3rd read after arming (the count is on the
-    class: train_fsvi copies the likelihood)."""
+    """A GaussianLikelihood whose noise raises KeyboardInterrupt at its 3rd read after arming (the count is on
+    the class: train_fsvi copies the likelihood)."""
 
     @property
     def noise(self):
@@ -151,7 +152,8 @@ def interrupt_in_optimizer():
     lik.raw_noise.grad = torch.full_like(lik.raw_noise, 2.0)
     _InterruptingAdam.steps = 0
     with untouched(net=net, likelihood=lik, train_x=x, train_y=y):
-        expect_interrupt(lambda: _short_training(net, x, y, lik, optimizer=_InterruptingAdam, learn_likelihood=True))
+        expect_interrupt(lambda: _short_training(net, x, y, lik, optimizer=_InterruptingAdam,
+                                                 learn_likelihood=True))
     return HELD, "propagated; nothing of the user's changed"
 
 
@@ -314,7 +316,8 @@ def interrupt_condition_on():
     del outcome
     after = _predict(model, x_test)
     close(after[0], before[0], 0.0, what="the original's mean")
-    _against_dense(model.condition_on(*observed), x_test, observed, 0.05, what="conditioned after the interrupt:")
+    _against_dense(model.condition_on(*observed), x_test, observed, 0.05,
+                   what="conditioned after the interrupt:")
     return HELD, "original unchanged, the next conditioning right"
 
 
@@ -340,7 +343,8 @@ def buffer_changed_after_conditioning():
 def pickle_trained_on_batches():
     net, x, y, x_test, _ = _setup()
     batches = [(x[:8], y[:8]), (x[8:], y[8:])]
-    trained = train_fsvi(net, batches, None, gaussian(0.05), epochs=2, lr=1e-2, num_context=8, progress=False).model
+    trained = train_fsvi(net, batches, None, gaussian(0.05), epochs=2, lr=1e-2, num_context=8,
+                         progress=False).model
     loaded = pickle.loads(pickle.dumps(trained))
     m, v = _predict(loaded, x_test)
     ref = _predict(trained, x_test)

@@ -1,5 +1,5 @@
-"""Audit cases of ``ntkgp.likelihoods``: constructor and option checks, targets, the Laplace terms and the link
-approximations, against torch.distributions, autograd and brute-force Monte Carlo."""
+"""Audit cases of ``ntkgp.likelihoods``: constructor and option checks, targets, the Laplace terms and the
+link approximations, against torch.distributions, autograd and brute-force Monte Carlo."""
 
 from __future__ import annotations
 
@@ -76,7 +76,8 @@ def softmax_mc():
     lik = SoftmaxLikelihood(3, link_approx="mc", num_samples=20000).double()
     probs = lik(dist, generator=torch.Generator().manual_seed(0)).probs
     g = torch.Generator().manual_seed(1)
-    draws = mean + (torch.linalg.cholesky(blocks) @ torch.randn(200000, 4, 3, 1, generator=g, dtype=F64)).squeeze(-1)
+    z = torch.randn(200000, 4, 3, 1, generator=g, dtype=F64)
+    draws = mean + (torch.linalg.cholesky(blocks) @ z).squeeze(-1)
     reference = torch.softmax(draws, -1).mean(0)
     close(probs, reference, 0.01, what="probabilities")
     return HELD, "within Monte Carlo error"
@@ -140,8 +141,8 @@ def float_labels():
         out = validate_targets(lik, y, name="train_y")
     if out.dtype != torch.long or out.tolist() != [0, 2, 1]:
         raise SilentWrong(f"normalized to {out}")
-    return refusal(lambda: validate_targets(lik, torch.tensor([0.0, 1.0000001, 2.0], dtype=F64), name="train_y"),
-                   names=("train_y",))
+    almost = torch.tensor([0.0, 1.0000001, 2.0], dtype=F64)
+    return refusal(lambda: validate_targets(lik, almost, name="train_y"), names=("train_y",))
 
 
 @case("likelihoods-12", AREA, "SoftmaxLikelihood given a MultivariateNormal (not multitask)")

@@ -44,9 +44,10 @@ def _check_best_checkpoint(result, net, x, y, lik, initial, initial_noise):
         close(lik.noise, initial_noise, 0.0, what="noise (initial expected)")
         return "initial state"
     recomputed = result.model(x, y).log_marginal_likelihood().item() / x.shape[0]
-    close(recomputed, result.log_evidence, 1e-8, what="evidence of the state left behind vs the best checkpoint's")
+    close(recomputed, result.log_evidence, 1e-8, what="evidence of the state left vs the best checkpoint's")
     best = next(r for r in result.history if r["epoch"] == result.best_epoch)
-    close(lik.noise.reshape(-1), torch.tensor(best["noise"], dtype=F64), 1e-12, what="noise of the best checkpoint")
+    close(lik.noise.reshape(-1), torch.tensor(best["noise"], dtype=F64), 1e-12,
+          what="noise of the best checkpoint")
     return f"best checkpoint (epoch {result.best_epoch})"
 
 
@@ -296,7 +297,8 @@ def numpy_loader():
     net, x, y, lik = _setup()
     batches = [(x[:10].numpy(), y[:10].numpy()), (x[10:].numpy(), y[10:].numpy())]
     with untouched(net=net, likelihood=lik):
-        return refusal(lambda: _run(net, batches, None, lik, structure="kfac"), (TypeError,), names=("train_x",))
+        return refusal(lambda: _run(net, batches, None, lik, structure="kfac"), (TypeError,),
+                       names=("train_x",))
 
 
 @case("marglik-16", AREA, "epochs=np.int64(6), batch_size=np.int64(10) (numpy integers) against Python ints")

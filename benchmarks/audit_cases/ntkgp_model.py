@@ -1,4 +1,4 @@
-"""Audit cases of ``ntkgp.NTKGP``: inputs, state changes, persistence and interrupts (against dense float64)."""
+"""Audit cases of ``ntkgp.NTKGP``: inputs, state changes, persistence, interrupts (against dense float64)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from torch import nn
 import ntkgp
 from ntkgp.likelihoods import LogisticLikelihood
 
-from .framework import (CLEAR, HELD, Interrupter, Refused, SilentWrong, attempt, case, close, expect_interrupt,
-                        refusal, untouched)
+from .framework import (CLEAR, HELD, Interrupter, Refused, SilentWrong, attempt, case, close,
+                        expect_interrupt, refusal, untouched)
 from .references import F64, binary, fit, gaussian, glm_predictive, mlp, regression
 
 AREA = "ntkgp"
@@ -154,8 +154,8 @@ def unfrozen_after_construction():
     model = ntkgp.NTKGP(net, x, y, lik).eval()
     _predict(model, x_test)
     net[0].weight.requires_grad_(True)
-    outcome = attempt(lambda: _predict(model, x_test), (RuntimeError, ValueError), names=("requires_grad", "frozen",
-                                                                                          "trainable", "parameters"))
+    outcome = attempt(lambda: _predict(model, x_test), (RuntimeError, ValueError),
+                      names=("requires_grad", "frozen", "trainable", "parameters"))
     if isinstance(outcome, Refused):
         return CLEAR, str(outcome)
     ref_m, ref_v = glm_predictive(net, x, y, x_test, 1.0, 0.1)  # all four tensors trainable now
@@ -214,7 +214,7 @@ def deepcopy_then_change():
     return HELD, "the copy keeps its own network" if clone.net is not net else "shares the network"
 
 
-@case("ntkgp-15", AREA, "KeyboardInterrupt from a forward hook during the first prediction, then predict again")
+@case("ntkgp-15", AREA, "KeyboardInterrupt from a forward hook in the first prediction, then predict again")
 def interrupt_first_prediction():
     net, x, y, x_test, lik = _setup()
     model = ntkgp.NTKGP(net, x, y, lik).eval()
@@ -315,7 +315,8 @@ def bool_labels():
     labels = y.bool()
     x_test = torch.randn(6, 2, dtype=F64, generator=torch.Generator().manual_seed(3))
     with untouched(net=net, train_y=labels):
-        built = attempt(lambda: ntkgp.NTKGP(net, x, labels, LogisticLikelihood().double()).eval(), names=("train_y",))
+        built = attempt(lambda: ntkgp.NTKGP(net, x, labels, LogisticLikelihood().double()).eval(),
+                        names=("train_y",))
     if isinstance(built, Refused):
         return CLEAR, str(built)
     m, v = _predict(built, x_test)
@@ -329,7 +330,8 @@ def bool_labels():
 def numpy_prior_precision():
     net, x, y, x_test, lik = _setup()
     delta = np.array([2.0, 2.0])
-    built = attempt(lambda: ntkgp.NTKGP(net, x, y, lik, prior_precision=delta).eval(), names=("prior_precision",))
+    built = attempt(lambda: ntkgp.NTKGP(net, x, y, lik, prior_precision=delta).eval(),
+                    names=("prior_precision",))
     if isinstance(built, Refused):
         return CLEAR, str(built)
     _against_reference(built, net, x, y, x_test, delta=2.0)

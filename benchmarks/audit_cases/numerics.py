@@ -50,7 +50,7 @@ def huge_prior_precision():
     return HELD, "equals the dense GLM"
 
 
-@case("numerics-02", AREA, "NTKGP with δ = 1e-8 (train_marglik's lower bound), N > P: against a 30-digit solve")
+@case("numerics-02", AREA, "NTKGP at δ = 1e-8 (train_marglik's floor), N > P, against a 30-digit solve")
 def small_prior_precision():
     from linear_operator.utils.warnings import NumericalWarning
 
@@ -103,7 +103,8 @@ def float32_logistic_sfr():
     x, y = binary(40)
     net = fit(mlp(2, 8, 1), x, y, loss="bce")
     x_test = torch.randn(8, 2, dtype=F64, generator=torch.Generator().manual_seed(2))
-    model32 = ntkgp.SFR(copy.deepcopy(net).float(), x.float(), y.float(), LogisticLikelihood(), inducing_points=x.float())
+    model32 = ntkgp.SFR(copy.deepcopy(net).float(), x.float(), y.float(), LogisticLikelihood(),
+                        inducing_points=x.float())
     m32, v32 = _predict(model32, x_test.float())
     ref_m, ref_v = glm_predictive(net, x, y, x_test, 1.0, None)
     close(m32, ref_m, 1e-2, rtol=1e-2, what="float32 SFR mean")
@@ -232,7 +233,8 @@ def float32_ntkgp_mean():
     model = ntkgp.NTKGP(net, x, y, gaussian(1e-2)).eval()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        model32 = ntkgp.NTKGP(copy.deepcopy(net).float(), x.float(), y.float(), gaussian(1e-2, torch.float32)).eval()
+        model32 = ntkgp.NTKGP(copy.deepcopy(net).float(), x.float(), y.float(),
+                              gaussian(1e-2, torch.float32)).eval()
         m32, v32 = _predict(model32, x_test.float())
     m, v = _predict(model, x_test)
     if any(issubclass(w.category, NumericalWarning) for w in caught):

@@ -7,6 +7,7 @@ and the weight-space Laplace quantities from dense float64 matrices.
 from __future__ import annotations
 
 import copy
+import math
 
 import gpytorch
 import torch
@@ -22,14 +23,16 @@ def mlp(d_in: int = 1, hidden: int = 8, d_out: int = 1, dtype: torch.dtype = F64
     return nn.Sequential(nn.Linear(d_in, hidden), activation(), nn.Linear(hidden, d_out)).to(dtype).eval()
 
 
-def regression(n: int = 20, d: int = 1, dtype: torch.dtype = F64, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def regression(n: int = 20, d: int = 1, dtype: torch.dtype = F64, seed: int = 0):
+    """``n`` inputs uniform on ``[-2, 2]^d`` and noisy ``Σ sin(2x)`` targets ``(n,)``."""
     g = torch.Generator().manual_seed(seed)
     x = torch.rand(n, d, generator=g, dtype=F64) * 4 - 2
     y = torch.sin(2 * x).sum(-1) + 0.1 * torch.randn(n, generator=g, dtype=F64)
     return x.to(dtype), y.to(dtype)
 
 
-def binary(n: int = 30, d: int = 2, dtype: torch.dtype = F64, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def binary(n: int = 30, d: int = 2, dtype: torch.dtype = F64, seed: int = 0):
+    """``n`` Gaussian inputs and noisy linear labels in {0, 1} (floating)."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, d, generator=g, dtype=F64)
     y = (x[:, 0] + 0.5 * x[:, -1] + 0.3 * torch.randn(n, generator=g, dtype=F64) > 0).to(dtype)
@@ -65,7 +68,7 @@ def fit(net: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int = 150, lr: 
 
 def gaussian(noise: float = 0.1, dtype: torch.dtype = F64) -> gpytorch.likelihoods.GaussianLikelihood:
     likelihood = gpytorch.likelihoods.GaussianLikelihood().to(dtype)
-    likelihood.noise = torch.tensor(noise, dtype=dtype)  # a Python float would pass through float32 in GPyTorch
+    likelihood.noise = torch.tensor(noise, dtype=dtype)  # GPyTorch passes a Python float through float32
     return likelihood
 
 
@@ -145,8 +148,7 @@ def log_evidence(net: nn.Module, x: torch.Tensor, y: torch.Tensor, delta: float,
     y = y.detach().to(F64).reshape(-1)
     n, p = jac.shape
     theta = flat(net)
-    log_lik = -0.5 * ((y - f.reshape(-1)) ** 2).sum() / noise - 0.5 * n * torch.log(torch.tensor(2 * torch.pi * noise,
-                                                                                                  dtype=F64))
+    log_lik = -0.5 * ((y - f.reshape(-1)) ** 2).sum() / noise - 0.5 * n * math.log(2 * math.pi * noise)
     h = jac.T @ jac / noise + delta * torch.eye(p, dtype=F64)
     return (log_lik - 0.5 * delta * theta @ theta + 0.5 * p * torch.log(torch.tensor(delta, dtype=F64))
             - 0.5 * torch.linalg.slogdet(h)[1]).item()

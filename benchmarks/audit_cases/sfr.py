@@ -15,8 +15,8 @@ import torch
 
 import ntkgp
 
-from .framework import (CLEAR, HELD, Interrupter, Refused, SilentWrong, attempt, case, close, expect_interrupt,
-                        refusal, untouched)
+from .framework import (CLEAR, HELD, Interrupter, Refused, SilentWrong, attempt, case, close,
+                        expect_interrupt, refusal, untouched)
 from .references import F64, fit, gaussian, glm_predictive, mlp, regression
 
 AREA = "sfr"
@@ -53,7 +53,8 @@ def _dense(model, net, x, y, x_test, delta=1.0, noise=0.1, what="", mean="gp"):
 def numpy_inducing_points():
     net, x, y, x_test, lik = _setup()
     with untouched(net=net, likelihood=lik):
-        return refusal(lambda: ntkgp.SFR(net, x, y, lik, inducing_points=x.numpy()), names=("inducing_points",))
+        return refusal(lambda: ntkgp.SFR(net, x, y, lik, inducing_points=x.numpy()),
+                       names=("inducing_points",))
 
 
 @case("sfr-02", AREA, "inducing_points a non-contiguous view equal to train_x (Z = X: the dense GLM)")
@@ -153,8 +154,8 @@ def predictive_mean_assigned():
     net, x, y, x_test, lik = _setup()
     model = ntkgp.SFR(net, x, y, lik, inducing_points=x)
     _predict(model, x_test)
-    outcome = attempt(lambda: setattr(model, "predictive_mean", "nn"), (ValueError, TypeError, AttributeError),
-                      names=("predictive_mean",))
+    outcome = attempt(lambda: setattr(model, "predictive_mean", "nn"),
+                      (ValueError, TypeError, AttributeError), names=("predictive_mean",))
     if isinstance(outcome, Refused):
         return CLEAR, str(outcome)
     fresh = ntkgp.SFR(net, x, y, lik, inducing_points=x, predictive_mean="nn")
@@ -231,7 +232,7 @@ def interrupt_update_loader():
     close(after[1], before[1], 0.0, what="variance after the interrupted update")
     model.update(batches, None)
     untouched_copy.update(batches, None)
-    _same_as(model, untouched_copy, x_test, "update after the interrupt against an uninterrupted copy:", tol=1e-12)
+    _same_as(model, untouched_copy, x_test, "update after the interrupt vs an uninterrupted copy:", tol=1e-12)
     return HELD, "unchanged, and a later update equals an uninterrupted one"
 
 
@@ -330,7 +331,8 @@ def pickle_combined():
 @case("sfr-21", AREA, "prior_precision given as a numpy array")
 def numpy_prior_precision():
     net, x, y, x_test, lik = _setup()
-    outcome = attempt(lambda: ntkgp.SFR(net, x, y, lik, inducing_points=x, prior_precision=np.array([2.0, 2.0])),
+    delta = np.array([2.0, 2.0])
+    outcome = attempt(lambda: ntkgp.SFR(net, x, y, lik, inducing_points=x, prior_precision=delta),
                       names=("prior_precision",))
     if isinstance(outcome, Refused):
         return CLEAR, str(outcome)
