@@ -62,7 +62,8 @@ def small_prior_precision():
     if any(issubclass(w.category, NumericalWarning) for w in caught):
         return HELD, "warned (NumericalWarning)"
     ref_m, ref_v = glm_predictive(net, x, y, x_test, 1e-8, 0.1, digits=30)
-    close(m, ref_m, 1e-2 * ref_v.sqrt().min().item(), what="mean (tolerance 1e-2 predictive std)")
+    std = ref_v.sqrt()
+    close(m / std, ref_m / std, 1e-2, what="mean, in predictive standard deviations (tolerance 0.01),")
     close(v, ref_v, 0.0, rtol=1e-6, what="variance")
     return HELD, "equals the extended-precision GLM"
 
@@ -217,10 +218,10 @@ def float32_sfr_small_noise():
     m, v = _predict(model, x_test)
     if any(issubclass(w.category, NumericalWarning) for w in caught):
         return HELD, "warned (NumericalWarning)"
-    scale = v.sqrt().max().item()
-    close(m32, m, 0.1 * scale, what="float32 mean (in units of the float64 predictive std)")
+    std = v.sqrt()
+    close(m32 / std, m / std, 1e-2, what="float32 mean in float64 predictive stds (tolerance 0.01):")
     close(v32, v, 1e-4, rtol=0.1, what="float32 variance")
-    return HELD, "agrees within a tenth of a standard deviation"
+    return HELD, "within 0.01 standard deviations"
 
 
 @case("numerics-13", AREA, "a float32 NTKGP regression with noise 1e-2 against float64: agrees or warns")
@@ -239,6 +240,7 @@ def float32_ntkgp_mean():
     m, v = _predict(model, x_test)
     if any(issubclass(w.category, NumericalWarning) for w in caught):
         return HELD, "warned (NumericalWarning)"
-    scale = v.sqrt().min().item()
-    close(m32, m, 0.1 * scale, what="float32 mean (in units of the float64 predictive std)")
-    return HELD, f"within {0.1 * scale:.2g}"
+    # here the float32 network output is off by 5e-6 standard deviations and the whole correction is 0.2
+    std = v.sqrt()
+    close(m32 / std, m / std, 1e-2, what="float32 mean in float64 predictive stds (tolerance 0.01):")
+    return HELD, "within 0.01 standard deviations"
