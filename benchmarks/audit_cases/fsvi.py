@@ -17,7 +17,8 @@ from ntkgp.fsvi import FSVI, train_fsvi
 
 from .framework import (CLEAR, HELD, Interrupter, Refused, SilentWrong, attempt, case, close,
                         expect_interrupt, refusal, untouched)
-from .references import F64, fit, gaussian, mlp, outputs_and_jacobian, regression
+from .references import (F64, InterruptingGaussian, fit, gaussian, interrupting_gaussian, mlp,
+                         outputs_and_jacobian, regression)
 
 AREA = "fsvi"
 TOL = 1e-8
@@ -99,39 +100,17 @@ def integer_targets():
     return HELD, "the same model as with float targets"
 
 
-class _Count:
-    calls, armed = 0, False
-
-
-class _InterruptingLikelihood(type(gaussian())):
-    """A GaussianLikelihood whose noise raises KeyboardInterrupt at its 3rd read after arming (the count is on
-    the class: train_fsvi copies the likelihood)."""
-
-    @property
-    def noise(self):
-        if _Count.armed:
-            _Count.calls += 1
-            if _Count.calls == 3:
-                raise KeyboardInterrupt
-        return super().noise
-
-    @noise.setter
-    def noise(self, value):
-        type(gaussian()).noise.fset(self, value)
-
-
 @case("fsvi-03", AREA, "KeyboardInterrupt from the likelihood (its noise, 3rd read) during train_fsvi")
 def interrupt_in_likelihood():
     net, x, y, _, _ = _setup()
-    lik = _InterruptingLikelihood().double()
-    lik.noise = torch.tensor(0.05, dtype=F64)
+    lik = interrupting_gaussian(0.05)
     net[0].weight.grad = torch.ones_like(net[0].weight)
-    _Count.calls, _Count.armed = 0, True
+    InterruptingGaussian.arm(3)
     try:
         with untouched(net=net, likelihood=lik, train_x=x, train_y=y):
             expect_interrupt(lambda: _short_training(net, x, y, lik, epochs=5))
     finally:
-        _Count.armed = False
+        InterruptingGaussian.disarm()
     return HELD, "propagated; network, likelihood and data as before"
 
 

@@ -316,3 +316,28 @@ def numpy_counts():
     for (k, a), b in zip(net.state_dict().items(), net_ref.state_dict().values()):
         close(a, b, 0.0, what=k)
     return HELD, "the same run"
+
+
+@case("marglik-17", AREA, "KeyboardInterrupt from the likelihood (a read of its noise) half-way through training")
+def interrupt_in_likelihood():
+    from .references import InterruptingGaussian, interrupting_gaussian
+
+    net, x, y, _ = _setup()
+    lik = interrupting_gaussian(0.1)
+    InterruptingGaussian.arm(10**9)  # a dry run: how often the noise is read
+    try:
+        _run(copy.deepcopy(net), x, y, lik)
+    finally:
+        reads = InterruptingGaussian.disarm()
+    lik = interrupting_gaussian(0.1)
+    initial, noise0 = _state(net), lik.noise.detach().clone()
+    with untouched(state=False, net=net, likelihood=lik, train_x=x, train_y=y):
+        InterruptingGaussian.arm(reads // 2)
+        try:
+            interrupt = expect_interrupt(lambda: _run(net, x, y, lik))
+        finally:
+            InterruptingGaussian.disarm()
+    result = getattr(interrupt, "marglik_result", None)
+    if result is None:
+        raise SilentWrong("the KeyboardInterrupt carries no marglik_result")
+    return HELD, _check_best_checkpoint(result, net, x, y, lik, initial, noise0) + f" (read {reads // 2} of {reads})"

@@ -359,3 +359,31 @@ def load_state_dict_other_structure():
                      names=("prior_precision", "size", "shape"))
     _against_reference(model, net, x, y, x_test, what="refused, but partly loaded:")
     return result
+
+
+@case("ntkgp-26", AREA, "KeyboardInterrupt from the likelihood (its noise) in the first prediction, then again")
+def interrupt_in_likelihood():
+    from .references import InterruptingGaussian, interrupting_gaussian
+
+    net, x, y, x_test, _ = _setup()
+    lik = interrupting_gaussian(0.1)
+    model = ntkgp.NTKGP(net, x, y, lik).eval()
+    InterruptingGaussian.arm(1)
+    try:
+        expect_interrupt(lambda: _predict(model, x_test))
+    finally:
+        InterruptingGaussian.disarm()
+    _against_reference(model, net, x, y, x_test, what="after the interrupt:")
+    return HELD, "no half-filled cache"
+
+
+@case("ntkgp-27", AREA, "model.predictive_mean = 'nn' after a prediction, then train() / eval() switched")
+def predictive_mean_assigned():
+    net, x, y, x_test, lik = _setup()
+    model = ntkgp.NTKGP(net, x, y, lik).eval()
+    _predict(model, x_test)
+    model.predictive_mean = "nn"
+    model.train()
+    model.eval()
+    _against_reference(model, net, x, y, x_test, what="predictive_mean='nn':", mean="nn")
+    return HELD, "the network's output with the GLM covariance"

@@ -263,3 +263,19 @@ def numpy_prior_precision():
         return CLEAR, str(outcome)
     _against_dense(outcome, net, x, x_test, delta=3.0)
     return HELD, "accepted, equal to the dense GGN at δ = 3"
+
+
+@case("posteriors-20", AREA, "KeyboardInterrupt from the likelihood (its noise) in the first predict, then again")
+def interrupt_in_likelihood():
+    from .references import InterruptingGaussian, interrupting_gaussian
+
+    net, x, y, x_test, _ = _setup()
+    lik = interrupting_gaussian(NOISE)
+    posterior = laplace_posterior(net, x, y, lik, structure="full_ggn")
+    InterruptingGaussian.arm(1)
+    try:
+        expect_interrupt(lambda: _glm(posterior, x_test))
+    finally:
+        InterruptingGaussian.disarm()
+    _against_dense(posterior, net, x, x_test, what="after the interrupt:")
+    return HELD, "no half-filled cache"

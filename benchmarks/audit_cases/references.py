@@ -72,6 +72,41 @@ def gaussian(noise: float = 0.1, dtype: torch.dtype = F64) -> gpytorch.likelihoo
     return likelihood
 
 
+class InterruptingGaussian(gpytorch.likelihoods.GaussianLikelihood):
+    """A GaussianLikelihood whose noise raises ``KeyboardInterrupt`` at its ``at``-th read once :meth:`arm` was
+    called (the count lives on the class, so that copies made by the library count too)."""
+
+    calls, at, armed = 0, 0, False
+
+    @classmethod
+    def arm(cls, at: int) -> None:
+        cls.calls, cls.at, cls.armed = 0, at, True
+
+    @classmethod
+    def disarm(cls) -> int:
+        cls.armed = False
+        return cls.calls
+
+    @property
+    def noise(self):
+        cls = type(self)
+        if cls.armed:
+            cls.calls += 1
+            if cls.calls == cls.at:
+                raise KeyboardInterrupt
+        return super().noise
+
+    @noise.setter
+    def noise(self, value):
+        gpytorch.likelihoods.GaussianLikelihood.noise.fset(self, value)
+
+
+def interrupting_gaussian(noise: float = 0.1, dtype: torch.dtype = F64) -> InterruptingGaussian:
+    likelihood = InterruptingGaussian().to(dtype)
+    likelihood.noise = torch.tensor(noise, dtype=dtype)
+    return likelihood
+
+
 # ---------------------------------------------------------------------- dense references (float64, no ntkgp)
 def trainable(net: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().to(F64) for n, p in net.named_parameters() if p.requires_grad}

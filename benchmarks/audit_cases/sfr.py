@@ -338,3 +338,18 @@ def numpy_prior_precision():
         return CLEAR, str(outcome)
     _dense(outcome, net, x, y, x_test, delta=2.0)
     return HELD, "equals the dense GLM at δ = 2"
+
+
+@case("sfr-22", AREA, "KeyboardInterrupt from the likelihood (its noise) in the first prediction, then again")
+def interrupt_prediction_likelihood():
+    from .references import InterruptingGaussian, interrupting_gaussian
+
+    net, x, y, x_test, _ = _setup()
+    model = ntkgp.SFR(net, x, y, interrupting_gaussian(0.1), inducing_points=x)
+    InterruptingGaussian.arm(1)
+    try:
+        expect_interrupt(lambda: _predict(model, x_test))
+    finally:
+        InterruptingGaussian.disarm()
+    _dense(model, net, x, y, x_test, what="after the interrupt:")
+    return HELD, "no half-filled cache: the dense GLM"
