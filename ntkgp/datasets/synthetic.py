@@ -2,13 +2,13 @@ r"""Synthetic data: 1-D regression with a gap in the inputs, and scikit-learn's 
 
 from __future__ import annotations
 
-import math
+import numbers
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-from .arguments import _float_dtype
+from .arguments import _float_dtype, _integer, _non_negative
 
 __all__ = [
     "GAP_REGRESSION_INTERVALS",
@@ -86,20 +86,21 @@ def gap_regression(
         :class:`GapRegression` ``(x_train, y_train, x_test, f_test, noise_std)``.
 
     Raises:
-        ValueError: naming the argument, for ``n < 2``, ``n_test < 1``, a negative or non-finite
-            ``noise_std`` or a ``dtype`` that is not floating point.
+        ValueError: naming the argument, for ``n < 2``, ``n_test < 1``, a negative, non-finite or non-numeric
+            ``noise_std``, a ``seed`` that is not an integer or a ``dtype`` that is not floating point (counts
+            and seeds may be numpy integers).
 
     Example:
         >>> data = gap_regression(n=20, n_test=50)
         >>> data.x_train.shape, data.x_test.shape
         (torch.Size([20, 1]), torch.Size([50, 1]))
     """
-    if isinstance(n, bool) or not isinstance(n, int) or n < 2:
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 2:
         raise ValueError(f"n must be an integer >= 2 (one point on each side of the gap); got {n!r}")
-    if isinstance(n_test, bool) or not isinstance(n_test, int) or n_test < 1:
-        raise ValueError(f"n_test must be a positive integer; got {n_test!r}")
-    if not (math.isfinite(noise_std) and noise_std >= 0):
-        raise ValueError(f"noise_std must be finite and >= 0; got {noise_std!r}")
+    n = int(n)
+    n_test = _integer(n_test, "n_test", minimum=1)
+    noise_std = _non_negative(noise_std, "noise_std")
+    seed = _integer(seed, "seed", minimum=-(2**63), maximum=2**64 - 1)  # torch.Generator.manual_seed's range
     _float_dtype(dtype)
     generator = torch.Generator().manual_seed(seed)
     u = torch.rand(n, generator=generator, dtype=torch.float64)
@@ -128,7 +129,7 @@ def two_moons(
     Args:
         n: number of points (half per class, scikit-learn's split), at least 2.
         noise: standard deviation of the Gaussian noise added to the points, ``>= 0``.
-        seed: scikit-learn's ``random_state``.
+        seed: scikit-learn's ``random_state``, in ``0..2**32 - 1``.
         dtype: floating-point dtype of ``x``.
 
     Returns:
@@ -136,18 +137,18 @@ def two_moons(
 
     Raises:
         ImportError: without scikit-learn (the ``examples`` extra).
-        ValueError: naming the argument, for ``n < 2``, a negative ``noise`` or a ``dtype`` that is not
-            floating point.
+        ValueError: naming the argument, for ``n < 2``, a negative, non-finite or non-numeric ``noise``, a
+            ``seed`` outside ``0..2**32 - 1`` or not an integer, or a ``dtype`` that is not floating point
+            (counts and seeds may be numpy integers).
 
     Example:
         >>> x, y = two_moons(n=10, seed=1)
         >>> x.shape, sorted(y.unique().tolist())
         (torch.Size([10, 2]), [0, 1])
     """
-    if isinstance(n, bool) or not isinstance(n, int) or n < 2:
-        raise ValueError(f"n must be an integer >= 2; got {n!r}")
-    if not (math.isfinite(noise) and noise >= 0):
-        raise ValueError(f"noise must be finite and >= 0; got {noise!r}")
+    n = _integer(n, "n", minimum=2)
+    noise = _non_negative(noise, "noise")
+    seed = _integer(seed, "seed", minimum=0, maximum=2**32 - 1)  # scikit-learn's random_state
     _float_dtype(dtype)
     try:
         from sklearn.datasets import make_moons

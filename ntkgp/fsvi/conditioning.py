@@ -168,6 +168,31 @@ class Conditioning:
         destination[prefix + "observed_x"], destination[prefix + "observed_y"] = x, y
         destination[prefix + "input_shape"] = torch.tensor(shape, dtype=torch.int64, device=reference.device)
 
+    def load_state_dict(self, state_dict: Mapping[str, object], strict: bool = True, assign: bool = False):
+        """``torch.nn.Module.load_state_dict``, checked in full first: a tensor whose shape differs from this
+        model's (the state of another network) and, with ``strict``, a missing or unexpected key raise
+        ``RuntimeError`` naming them **before anything is copied** (torch's own check copies every tensor that
+        fits, then raises about the others, and would leave a mixture of two models)."""
+        own = self.state_dict(keep_vars=True)
+        problems = [
+            f"size mismatch for {key}: copying a param with shape {tuple(value.shape)} from checkpoint, the shape "
+            f"in current model is {tuple(own[key].shape)}"
+            for key, value in state_dict.items()
+            if key in own and key not in self.STATE_KEYS and isinstance(value, Tensor)
+            and value.shape != own[key].shape
+        ]
+        if strict:
+            missing = [key for key in own if key not in state_dict]
+            unexpected = [key for key in state_dict if key not in own]
+            if missing:
+                problems.append(f"Missing key(s) in state_dict: {', '.join(map(repr, missing))}")
+            if unexpected:
+                problems.append(f"Unexpected key(s) in state_dict: {', '.join(map(repr, unexpected))}")
+        if problems:
+            raise RuntimeError(f"Error(s) in loading state_dict for {type(self).__name__} (nothing was loaded):\n\t"
+                               + "\n\t".join(problems))
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs) -> None:
         """``load_state_dict``: this model is then conditioned on the stored observations (or on none) and takes

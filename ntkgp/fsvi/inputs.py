@@ -21,6 +21,8 @@ class NetworkInputs:
 
     def prepare(self, x: Tensor, argument: str = "x") -> Tensor:
         """``x`` in the network's shape, dtype and device (a copy only if needed)."""
+        if isinstance(x, Tensor) and x.is_meta:
+            raise ValueError(f"{argument} is on the meta device, which holds shapes but no values to compute with")
         return self.linearized.prepare(x, self._reference(), argument)
 
     def _flat(self, x: Tensor, argument: str = "x", batch: bool = True) -> Tensor:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+import numbers
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -195,8 +196,9 @@ def train_fsvi(
     num_data = positive_int(num_data, "num_data", allow_none=True)
     context_batch_fraction = real_number(context_batch_fraction, "context_batch_fraction", 0.0, 1.0, high_open=False)
     lr = real_number(lr, "lr", low_open=True)
-    if isinstance(seed, bool) or not isinstance(seed, int):
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
         raise TypeError(f"seed must be an integer, got {seed!r}")
+    seed = int(seed)
     if not callable(optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer class (a callable), got {optimizer!r}")
     # the model first: it checks its own options before a loader is read (reading one can draw from the global
@@ -229,8 +231,11 @@ def train_fsvi(
         x_first = train_x
     else:
         if train_y is not None:
-            raise ValueError("train_y must be None when train_x is a loader of (x, y) batches")
-        if not isinstance(train_x, Iterable):
+            raise TypeError(
+                f"train_x must be a torch.Tensor when train_y is given (or a loader of (x, y) batches with "
+                f"train_y=None), got {type(train_x).__name__}"
+            )
+        if isinstance(train_x, (str, bytes)) or not isinstance(train_x, Iterable):
             raise TypeError(f"train_x must be a tensor or an iterable of (x, y) batches, got {type(train_x).__name__}")
         if isinstance(train_x, Iterator):  # read once by the setup, it would leave no batch to train on
             raise TypeError(
@@ -241,6 +246,10 @@ def train_fsvi(
         first = next(iter(batches), None)
         if first is None:
             raise ValueError("train_x yields no batches")
+        if not (isinstance(first, (tuple, list)) and len(first) == 2 and all(isinstance(t, Tensor) for t in first)):
+            kind = (f"a {type(first).__name__} of {', '.join(type(t).__name__ for t in first)}"
+                    if isinstance(first, (tuple, list)) else f"a {type(first).__name__}")
+            raise TypeError(f"train_x must give (x, y) batches of two tensors, its first batch is {kind}")
         x_first = first[0]
         if num_data is None:
             dataset = getattr(train_x, "dataset", None)

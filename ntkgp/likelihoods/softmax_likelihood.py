@@ -8,7 +8,7 @@ from typing import Any
 import gpytorch
 import torch
 from gpytorch.constraints import Interval
-from gpytorch.distributions import MultitaskMultivariateNormal
+from gpytorch.distributions import MultitaskMultivariateNormal, MultivariateNormal
 from gpytorch.priors import Prior
 from torch import Tensor
 from torch.distributions import Categorical
@@ -87,6 +87,19 @@ class SoftmaxLikelihood(LinkApproximation, TemperatureMixin, gpytorch.likelihood
         self._register_temperature(temperature, learn_temperature, temperature_prior, temperature_constraint)
         self.link_approx = link_approx
         self.num_samples = num_samples
+
+    def __call__(self, input: Any, *args: Any, **kwargs: Any) -> Any:
+        """GPyTorch's ``likelihood(input)``: the predictive for a distribution over the logits, the conditional
+        for samples. A plain ``MultivariateNormal`` (no batch dimension of tasks for GPyTorch to convert) is a
+        ``TypeError`` here, not GPyTorch's message about its ``task_dim``."""
+        if (isinstance(input, MultivariateNormal) and not isinstance(input, MultitaskMultivariateNormal)
+                and len(input.batch_shape) == 0):
+            raise TypeError(
+                f"SoftmaxLikelihood expects a MultitaskMultivariateNormal over the logits, of shape (N, C) with "
+                f"C = {self.num_classes} (function_dist), got a MultivariateNormal over {input.event_shape[0]} "
+                "values; a model with C outputs returns the multitask form"
+            )
+        return super().__call__(input, *args, **kwargs)
 
     def forward(self, function_samples: Tensor, *args: Any, **kwargs: Any) -> Categorical:
         """The conditional :math:`p(y \\mid f)`.

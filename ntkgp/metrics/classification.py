@@ -12,6 +12,16 @@ from .checks import _class_probs, _labels
 __all__ = ["accuracy", "brier_score", "categorical_nlpd", "expected_calibration_error", "predictive_entropy"]
 
 
+def _clamp(eps: object) -> float:
+    """``eps`` of :func:`categorical_nlpd` as a float in ``[0, 1)`` (a real number or a one-element tensor), else
+    ``ValueError`` naming it (``nan`` would make every clamped value NaN, ``eps >= 1`` every NLPD zero)."""
+    if torch.is_tensor(eps) and eps.numel() == 1 and eps.dtype != torch.bool and not eps.is_complex():
+        eps = eps.item()
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not 0 <= eps < 1:
+        raise ValueError(f"eps must be a number in [0, 1), got {eps!r}")
+    return float(eps)
+
+
 def categorical_nlpd(probs: Tensor, y: Tensor, eps: float = 1e-12) -> float:
     r"""Mean negative log predictive probability of the observed class.
 
@@ -20,8 +30,8 @@ def categorical_nlpd(probs: Tensor, y: Tensor, eps: float = 1e-12) -> float:
     Args:
         probs: ``(N, C)`` class probabilities, or ``(N,)`` / ``(N, 1)`` with :math:`P(y=1)`.
         y: ``(N,)`` integer labels.
-        eps: lower clamp on the probabilities, so that a confident wrong prediction gives
-            :math:`-\log\epsilon` instead of infinity. The clamp and the logarithm are computed in at least
+        eps: lower clamp on the probabilities, a number in :math:`[0, 1)`, so that a confident wrong prediction
+            gives :math:`-\log\epsilon` instead of infinity. The clamp and the logarithm are computed in at least
             float32, so the default ``1e-12`` does not underflow for float16 / bfloat16 ``probs``.
 
     Returns:
@@ -30,12 +40,13 @@ def categorical_nlpd(probs: Tensor, y: Tensor, eps: float = 1e-12) -> float:
     Raises:
         TypeError: if an input is not a tensor.
         ValueError: for non-finite or out-of-range probabilities, ``(N, C)`` rows that do not sum to one,
-            invalid labels or mismatched sizes.
+            invalid labels or mismatched sizes, or an ``eps`` that is not a number in :math:`[0, 1)`.
 
     Example:
         >>> round(categorical_nlpd(torch.tensor([[0.5, 0.5], [0.9, 0.1]]), torch.tensor([0, 0])), 4)
         0.3993
     """
+    eps = _clamp(eps)
     p = _class_probs(probs)
     y = _labels(y, p.shape[0], p.shape[1])
     p_observed = p.gather(1, y[:, None]).squeeze(1)

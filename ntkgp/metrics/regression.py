@@ -3,6 +3,7 @@ r"""Regression metrics: the Gaussian negative log predictive density and the roo
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 from torch import Tensor
@@ -34,7 +35,7 @@ def gaussian_nlpd(mean: Tensor, var: Tensor, y: Tensor, y_scale: float | Tensor 
         The NLPD per example (summed over the ``C`` outputs, averaged over the ``N`` examples).
 
     Raises:
-        TypeError: if an input is not a tensor.
+        TypeError: if an input is not a tensor, or ``y_scale`` is neither a real number nor a tensor.
         ValueError: naming the argument, for non-finite values, a non-positive ``var`` or ``y_scale``, a
             ``y_scale`` that is not a scalar or ``(C,)``, or a ``var`` or ``y`` whose shape differs from
             ``mean``'s.
@@ -49,8 +50,8 @@ def gaussian_nlpd(mean: Tensor, var: Tensor, y: Tensor, y_scale: float | Tensor 
     if (var <= 0).any():
         raise ValueError("var must be strictly positive")
     num_outputs = mean.shape[1] if mean.dim() == 2 else 1
-    if isinstance(y_scale, bool):
-        raise TypeError("y_scale must be a real number or a tensor, got bool")
+    if isinstance(y_scale, bool) or not (isinstance(y_scale, numbers.Real) or torch.is_tensor(y_scale)):
+        raise TypeError(f"y_scale must be a real number or a tensor, got {type(y_scale).__name__}")
     scale = torch.as_tensor(y_scale)
     if scale.dim() > 1 or (scale.dim() == 1 and scale.shape[0] != num_outputs):
         raise ValueError(f"y_scale must be a scalar or have shape ({num_outputs},) (one per output), "

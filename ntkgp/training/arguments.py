@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import numbers
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
@@ -21,13 +22,15 @@ __all__ = ["MarglikOptions", "Schedule", "check_options", "make_optimizer", "mak
 
 
 def _count(value: object, argument: str, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    """``value`` as an ``int >= minimum``: any ``numbers.Integral`` (numpy's included) but ``bool``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
         raise ValueError(f"{argument} must be an integer >= {minimum}, got {value!r}")
-    return value
+    return int(value)
 
 
 def _positive_float(value: object, argument: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+    """``value`` as a positive finite ``float``: any ``numbers.Real`` (numpy's included) but ``bool``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
         raise ValueError(f"{argument} must be a positive finite number, got {value!r}")
     return float(value)
 

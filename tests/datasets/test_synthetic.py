@@ -84,3 +84,39 @@ def test_gap_regression_in_lower_precision_rounds_the_float64_draw(dtype):
     reference, data = gap_regression(n=30, seed=2), gap_regression(n=30, seed=2, dtype=dtype)
     for field in ("x_train", "y_train", "x_test", "f_test"):
         torch.testing.assert_close(getattr(data, field), getattr(reference, field).to(dtype), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "call, argument",
+    [
+        (lambda: gap_regression(noise_std="0.1"), "noise_std"),
+        (lambda: gap_regression(noise_std=None), "noise_std"),
+        (lambda: gap_regression(seed=1.5), "seed"),
+        (lambda: gap_regression(seed="0"), "seed"),
+        (lambda: gap_regression(seed=True), "seed"),
+        (lambda: two_moons(noise=None), "noise"),
+        (lambda: two_moons(noise="0.2"), "noise"),
+        (lambda: two_moons(seed=-1), "seed"),
+        (lambda: two_moons(seed=1.5), "seed"),
+        (lambda: two_moons(seed=2**32), "seed"),
+    ],
+)
+def test_bad_seed_or_noise_is_refused_naming_it_before_drawing(call, argument):
+    """A string, None or fractional seed or noise reached torch's / scikit-learn's own errors (naming
+    ``manual_seed`` or ``random_state``, or "must be real number")."""
+    pytest.importorskip("sklearn")
+    with pytest.raises((TypeError, ValueError), match=argument):
+        call()
+
+
+def test_numpy_integers_are_integers():
+    """``n=np.int64(10)`` (a count computed with numpy) was refused as "not an integer"; it gives what ``n=10``
+    gives, as do numpy seeds and a numpy noise level."""
+    pytest.importorskip("sklearn")
+    np = pytest.importorskip("numpy")
+    x, y = two_moons(n=np.int64(10), noise=np.float32(0.25), seed=np.int64(3))
+    x_ref, y_ref = two_moons(n=10, noise=float(np.float32(0.25)), seed=3)
+    assert torch.equal(x, x_ref) and torch.equal(y, y_ref)
+    data = gap_regression(n=np.int32(12), n_test=np.int64(5), seed=np.int64(2), noise_std=np.float64(0.2))
+    reference = gap_regression(n=12, n_test=5, seed=2, noise_std=0.2)
+    assert torch.equal(data.y_train, reference.y_train) and data.x_test.shape == (5, 1)

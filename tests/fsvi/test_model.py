@@ -156,3 +156,16 @@ def test_errors_name_the_argument():
         model.predict(torch.randn(2, 3, dtype=torch.float64), method="exact")
     with pytest.raises(ValueError, match="num_samples"):
         model.predict(torch.randn(2, 3, dtype=torch.float64), num_samples=0)
+
+
+def test_inputs_on_the_meta_device_are_refused_naming_the_argument():
+    """A meta tensor (shapes, no values) reached torch's "Tensor.item() cannot be called on meta tensors"."""
+    model = FSVI(ref.mlp(), GaussianLikelihood().double())
+    meta = torch.zeros(4, 3, dtype=torch.float64, device="meta")
+    calls = {"x": lambda: model(meta), "x_context": lambda: model.function_space_kl(meta),
+             "x_new": lambda: model.condition_on(meta, torch.zeros(4, dtype=torch.float64))}
+    for argument, call in calls.items():
+        with pytest.raises(ValueError, match=f"^{argument} is on the meta device"):
+            call()
+    with pytest.raises(ValueError, match="meta device"):
+        model.predict(meta)

@@ -103,6 +103,39 @@ def test_a_state_that_does_not_fit_is_refused_before_anything_changes():
         target.load_state_dict(state)
 
 
+def test_a_state_of_another_network_or_with_a_key_missing_changes_nothing():
+    """torch's ``load_state_dict`` copies every tensor that fits before it raises about the others: the state of a
+    wider network's FSVI left this model with that model's last bias and noise (its mean moved by 0.25), a state
+    without ``observed_x`` with all of the other model's parameters. Both are refused before anything is copied."""
+    _, model = _model(1)
+    target = _fresh(1).condition_on(*_data(2, 1, seed=9))
+    x = _data(5, 1, seed=11)[0]
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    with torch.no_grad():
+        mean = target(x).mean
+
+    def unchanged():
+        for k, v in target.state_dict().items():
+            assert torch.equal(v, before[k]), k
+        with torch.no_grad():
+            torch.testing.assert_close(target(x).mean, mean, rtol=0, atol=0)
+
+    wider = FSVI(ref.mlp(d_in=2, width=7, d_out=1, seed=3), _likelihood(1))
+    wider.likelihood.noise = 0.3
+    for strict in (True, False):
+        with pytest.raises(RuntimeError, match=r"size mismatch for variational_distribution\.mean\.0"):
+            target.load_state_dict(wider.state_dict(), strict=strict)
+        unchanged()
+    state = model.condition_on(*_data(3, 1)).state_dict()
+    del state["observed_x"]
+    with pytest.raises(RuntimeError, match="observed_x"):
+        target.load_state_dict(state)
+    unchanged()
+    with pytest.raises(RuntimeError, match="unexpected.key"):
+        target.load_state_dict({**model.state_dict(), "unexpected.key": torch.zeros(1)})
+    unchanged()
+
+
 def test_pickle_and_torch_save_of_trained_and_conditioned_models():
     x, y = _data(12, 1)
     result = train_fsvi(ref.mlp(d_in=2, width=5), x, y, _likelihood(1), epochs=2, batch_size=6, num_context=4,

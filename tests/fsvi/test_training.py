@@ -173,6 +173,30 @@ def test_inputs_context_and_loaders_that_cannot_work_raise_before_training():
     assert all(torch.equal(v, before[k]) for k, v in net.state_dict().items())
 
 
+def test_arrays_and_batches_that_are_not_tensors_are_type_errors_naming_train_x():
+    """A numpy ``train_x`` with ``train_y`` was read as a loader ("train_y must be None when train_x is a loader");
+    without ``train_y`` its rows were taken for batches. A list of numpy batches reached a raw error."""
+    x, y = _data()
+    net = ref.mlp(d_in=2, width=4, d_out=1)
+    lik = GaussianLikelihood().double()
+    for train_x, train_y in [(x.numpy(), y), (x.numpy(), None), (x.tolist(), y), ([(x.numpy(), y.numpy())], None),
+                             ([x], None), ([(x, y, y)], None)]:
+        with pytest.raises(TypeError, match="train_x"):
+            train_fsvi(net, train_x, train_y, lik, epochs=1, num_context=4, progress=False)
+
+
+def test_a_numpy_seed_is_a_seed():
+    """``seed=np.int64(0)`` was refused as "not an integer"; it gives the run of ``seed=0``."""
+    np = pytest.importorskip("numpy")
+    x, y = _data()
+    runs = [train_fsvi(ref.mlp(d_in=2, width=4, d_out=1), x, y, GaussianLikelihood().double(), epochs=2,
+                       num_context=4, seed=seed, progress=False).model for seed in (np.int64(3), 3)]
+    with torch.no_grad():
+        torch.testing.assert_close(runs[0](x).mean, runs[1](x).mean, rtol=0, atol=0)
+    with pytest.raises(TypeError, match="seed"):
+        train_fsvi(ref.mlp(d_in=2), x, y, GaussianLikelihood().double(), seed=2.0, progress=False)
+
+
 def test_a_likelihood_with_another_number_of_outputs_is_refused_by_the_model():
     net = ref.mlp(d_in=2, width=4, d_out=2)
     model = FSVI(net, GaussianLikelihood().double())

@@ -132,6 +132,13 @@ def test_marginal_input_checks():
         likelihood(MultitaskMultivariateNormal(torch.zeros(N, 2), torch.eye(2 * N)))
 
 
+def test_a_plain_multivariate_normal_is_a_type_error_naming_what_is_expected():
+    """``likelihood(MultivariateNormal over N points)`` reached GPyTorch's conversion of a batch of tasks and its
+    "task_dim of -1 is incompatible with MVN batch shape" ``ValueError``."""
+    with pytest.raises(TypeError, match=r"MultitaskMultivariateNormal.*\(N, C\)"):
+        SoftmaxLikelihood(C)(MultivariateNormal(torch.zeros(N), torch.eye(N)))
+
+
 def test_batch_multivariate_normal_input_is_converted_by_gpytorch():
     batch = MultivariateNormal(torch.zeros(C, N), torch.eye(N).expand(C, N, N))
     with pytest.warns(DeprecationWarning):

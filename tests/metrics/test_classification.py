@@ -188,3 +188,20 @@ def test_numpy_scalars_are_accepted_as_options():
         SoftmaxLikelihood(3, temperature=np.bool_(True))
     with pytest.raises(TypeError, match="temperature"):
         SoftmaxLikelihood(3, temperature=True)
+
+
+@pytest.mark.parametrize("eps", [float("nan"), -1e-3, 1.5, "1e-12", None, True, torch.tensor([1e-12, 1e-3])])
+def test_categorical_nlpd_refuses_an_eps_outside_zero_one_naming_it(eps):
+    """``eps=nan`` returned a NaN NLPD without an error; a string reached torch's ``clamp_min`` error."""
+    probs, y = torch.tensor([[0.9, 0.1], [0.2, 0.8]]), torch.tensor([0, 1])
+    with pytest.raises((TypeError, ValueError), match="eps"):
+        categorical_nlpd(probs, y, eps=eps)
+
+
+def test_categorical_nlpd_eps_zero_is_the_unclamped_value():
+    probs = torch.tensor([[0.9, 0.1], [0.2, 0.8]], dtype=torch.float64)
+    assert categorical_nlpd(probs, torch.tensor([0, 1]), eps=0.0) == pytest.approx(-(math.log(0.9) + math.log(0.8)) / 2)
+    assert categorical_nlpd(probs, torch.tensor([0, 1]), eps=np.float32(1e-3)) == pytest.approx(
+        -(math.log(0.9) + math.log(0.8)) / 2)
+    assert categorical_nlpd(probs, torch.tensor([1, 1]), eps=torch.tensor(0.05)) == pytest.approx(
+        -(math.log(0.1) + math.log(0.8)) / 2)

@@ -90,3 +90,11 @@ def test_gaussian_nlpd_rejects_y_scale_of_the_wrong_shape(shape, y_scale):
     mean, var = torch.zeros(shape), torch.ones(shape)
     with pytest.raises(ValueError, match=r"^y_scale must be a scalar or have shape"):
         gaussian_nlpd(mean, var, mean, y_scale=y_scale)
+
+
+@pytest.mark.parametrize("y_scale", ["2", None, [2.0], torch.tensor(2 + 0j)])
+def test_gaussian_nlpd_refuses_a_y_scale_that_is_no_number_naming_it(y_scale):
+    """A string reached torch's ``new(): invalid data type 'str'``, a list was read as a tensor."""
+    mean = torch.zeros(3)
+    with pytest.raises((TypeError, ValueError), match="y_scale"):
+        gaussian_nlpd(mean, torch.ones(3), mean, y_scale=y_scale)

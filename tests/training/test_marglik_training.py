@@ -106,6 +106,24 @@ def test_bad_numbers_are_named_before_training(argument, value):
     assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())
 
 
+def test_numpy_numbers_are_numbers(small_regression):
+    """``epochs=np.int64(6)`` (a count computed with numpy) was refused as "not an integer", as were numpy
+    batch sizes, seeds and float32 learning rates; they give the run of the Python numbers."""
+    np = pytest.importorskip("numpy")
+    x, y, net, lik = small_regression(n=20)
+    net_ref, lik_ref = copy.deepcopy(net), copy.deepcopy(lik)
+    options = {"burn_in": 0, "frequency": 2, "hyper_steps": 3, "progress": False}
+    result = train_marglik(net, x, y, lik, epochs=np.int64(4), batch_size=np.int32(10), seed=np.int64(1),
+                           lr=np.float32(0.5) / 50, hyper_lr=np.float64(0.1), curvature_batch_size=np.int64(8),
+                           **options)
+    reference = train_marglik(net_ref, x, y, lik_ref, epochs=4, batch_size=10, seed=1, lr=float(np.float32(0.5) / 50),
+                              hyper_lr=0.1, curvature_batch_size=8, **options)
+    assert result.log_evidence == reference.log_evidence
+    assert all(torch.equal(a, b) for a, b in zip(net.state_dict().values(), net_ref.state_dict().values()))
+    with pytest.raises(ValueError, match="epochs"):
+        train_marglik(net, x, y, lik, epochs=np.bool_(True), **options)
+
+
 def test_a_huge_hyper_lr_cannot_run_away_silently():
     from ntkgp.training import HyperparameterWarning
     from ntkgp.training.safeguards import PRIOR_PRECISION_RANGE

@@ -1,0 +1,14 @@
+"""The cases of ``benchmarks/audit.py``, one module per area (each registers its cases when imported)."""
+
+from __future__ import annotations
+
+import importlib
+
+AREAS = ("ntkgp", "sfr", "fsvi", "marglik", "posteriors", "numerics", "likelihoods", "cli", "data")
+MODULES = {"ntkgp": "ntkgp_model", "data": "data"}
+
+
+def load(areas) -> None:
+    """Import the case modules of ``areas``."""
+    for area in areas:
+        importlib.import_module(f"{__name__}.{MODULES.get(area, area)}")
