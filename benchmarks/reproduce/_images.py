@@ -143,16 +143,29 @@ def parser(description: str, name: str, epochs_help: str) -> argparse.ArgumentPa
     return p
 
 
+def parse(p: argparse.ArgumentParser) -> argparse.Namespace:
+    """The parsed options, every count checked before any default replaces it (``p.error``: exit 2)."""
+    args = p.parse_args()
+    for name, value in vars(args).items():
+        values = value if isinstance(value, list) else [value]
+        if name in COUNTS and value is not None and any(v < 1 for v in values):
+            p.error(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
+    if args.quick and args.write_docs:
+        p.error("--quick runs check the pipeline; their tables are not written into the docs")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        p.error(f"--device {args.device}: CUDA is not available")
+    return args
+
+
+#: The options that count something (checked by :func:`parse`).
+COUNTS = {"epochs", "n_train", "n_test", "seeds", "width_scale", "threads", "frequency", "hyper_steps", "inducing",
+          "evidence_steps", "num_context", "mc_samples", "num_inducing", "batch_size"}
+
+
 def setup(args: argparse.Namespace) -> None:
-    """Threads, the output folder and the checks of the common options (``parser.error`` style, exit 2)."""
+    """Threads and the output folder."""
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    for name in ("epochs", "n_train", "n_test", "seeds", "width_scale"):
-        value = getattr(args, name, None)
-        if value is not None and value < 1:
-            raise SystemExit(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise SystemExit(f"--device {args.device}: CUDA is not available")
     Path(args.out).mkdir(parents=True, exist_ok=True)
 
 
@@ -295,8 +308,8 @@ def fit_marglik(net: nn.Module, x: Tensor, y: Tensor, likelihood, *, structure: 
     and without decay; the returned ``how`` says which, and how many decays fell inside the run."""
     params = inspect.signature(train_marglik).parameters
     common = dict(structure=structure, prior_structure=prior_structure, prior_precision=1.0, epochs=epochs,
-                  lr=lr, optimizer=optimizer, burn_in=burn_in, frequency=frequency, hyper_steps=hyper_steps, hyper_lr=hyper_lr,
-                  seed=seed, progress=False)
+                  lr=lr, optimizer=optimizer, burn_in=burn_in, frequency=frequency, hyper_steps=hyper_steps,
+                  hyper_lr=hyper_lr, seed=seed, progress=False)
     inside = [m for m in milestones if m < epochs]
     if "scheduler" in params:
         schedule = partial(torch.optim.lr_scheduler.MultiStepLR, milestones=milestones, gamma=gamma)
@@ -363,15 +376,18 @@ def cell(values, published: tuple[float, float] | None, paper_runs: int | None, 
     return text + _common.MARK[verdict], verdict
 
 
-def run_note(args: argparse.Namespace, protocol_epochs: int, extra: str = "", test_images: bool = True) -> str:
-    """The line under a table: what was run (epochs, training and test images, width scale, device, threads) and
-    whether it is the paper's protocol or a short run."""
+def run_note(args: argparse.Namespace, protocol_epochs: int, extra: str = "", test_images: bool = True,
+             runs: list[dict] | None = None) -> str:
+    """The line under a table: what was run (epochs, training and test images, width scale, device, threads: those
+    recorded in ``runs`` when given) and whether it is the paper's protocol or a short run."""
     n_train, n_test = args.n_train or FULL_TRAIN, args.n_test or 10_000
     short = args.epochs < protocol_epochs or n_train < FULL_TRAIN or args.width_scale != 1 or args.quick
     what = ("**Short run, not the protocol**: " if short else "The paper's protocol: ")
     what += f"{args.epochs} epoch(s) (the paper: {protocol_epochs}), {n_train:,} training images (of 60,000), "
     what += f"{n_test:,} test images, " if test_images else ""
-    what += f"device {args.device}, {torch.get_num_threads()} thread(s)"
+    devices = sorted({str(r.get("device", args.device)) for r in runs or []}) or [args.device]
+    threads = sorted({int(r["threads"]) for r in runs or [] if "threads" in r}) or [torch.get_num_threads()]
+    what += f"device {', '.join(devices)}, {'/'.join(map(str, threads))} thread(s)"
     if args.width_scale != 1:
         what += f", every width divided by {args.width_scale}"
     if args.quick:

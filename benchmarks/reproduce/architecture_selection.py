@@ -69,7 +69,7 @@ def run_one(args, family: str, width: int, depth: int, seed: int) -> dict:
             "num_parameters": _images.num_parameters(net), **_images.classification(probs, y_test),
             "marglik": result.log_evidence, "best_epoch": result.best_epoch,
             "prior_precision": result.prior_precision.tolist(), "train_seconds": seconds,
-            "data_and_schedule": how, "structure": args.structure}
+            "data_and_schedule": how, "structure": args.structure, "device": args.device}
 
 
 def figure(runs: list[dict], path: Path) -> None:
@@ -103,10 +103,8 @@ def main() -> None:
     p.add_argument("--hyper-steps", type=int, default=None, help="K (paper: 100)")
     p.add_argument("--figure", default=None, help=f"the figure's path (default: OUT/architecture_selection.png; "
                    f"{FIGURE} with --write-docs)")
-    args = p.parse_args()
+    args = _images.parse(p)
     if args.quick:
-        if args.write_docs:
-            p.error("--quick runs check the pipeline; their tables are not written into the docs")
         args.models = args.models or [name("mlp", 50, 1), name("cnn", 4, 3), name("cnn", 2, 2)]
         args.epochs, args.seeds = args.epochs or 1, args.seeds or 1
         args.n_train, args.n_test = min(args.n_train or 256, 256), min(args.n_test or 128, 128)
@@ -148,7 +146,7 @@ def main() -> None:
                f"mini-batches: {'; '.join(hows) or '—'}.")
     if args.write_docs:
         summary += f"\n\n![log marginal likelihood against test accuracy]({figure_path.name})"
-    note = _images.run_note(args, PROTOCOL_EPOCHS)
+    note = _images.run_note(args, PROTOCOL_EPOCHS, runs=runs)
     _common.publish(args, REGION, _common.table(header, rows) + summary + note, "architecture selection")
     print(f"figure: {figure_path}" if runs else "no runs")
 

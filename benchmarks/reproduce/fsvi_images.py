@@ -62,7 +62,8 @@ def scores(probs_fn, x_test, y_test, ood, seconds: float) -> dict:
     probs, probs_ood = _images.in_chunks(probs_fn, x_test), _images.in_chunks(probs_fn, ood)
     seconds += time.perf_counter() - start
     out = _images.classification(probs, y_test)
-    out["ood_auroc"] = ood_auroc(predictive_entropy(probs.double().cpu()), predictive_entropy(probs_ood.double().cpu()))
+    entropy_in, entropy_out = (predictive_entropy(p.double().cpu()) for p in (probs, probs_ood))
+    out["ood_auroc"] = ood_auroc(entropy_in, entropy_out)
     return {**out, "seconds": seconds}
 
 
@@ -87,9 +88,10 @@ def run_method(args, method: str, seed: int, state: Path) -> dict:
                             context_batch_fraction=0.5, num_context=args.num_context,
                             prior_precision=args.fsvi_prior_precision, prior_structure="network", epochs=args.epochs,
                             batch_size=128, lr=5e-3, optimizer=optimizer(args, len(y)), seed=seed, progress=False)
-        out = scores(lambda b: result.model.predict(b, num_samples=args.mc_samples, generator=gen).probs, x_test, y_test,
-                     ood, result.seconds)
-        return {**out, "method": method, "seed": seed, "elbo": [h["elbo"] for h in result.history]}
+        out = scores(lambda b: result.model.predict(b, num_samples=args.mc_samples, generator=gen).probs, x_test,
+                     y_test, ood, result.seconds)
+        return {**out, "method": method, "seed": seed, "device": args.device,
+                "elbo": [h["elbo"] for h in result.history]}
     net, train_seconds = trained_map(args, seed, state, x, y)
     if method == "map":
         out = scores(lambda b: net(b).softmax(-1), x_test, y_test, ood, train_seconds or 0.0)
@@ -105,7 +107,7 @@ def run_method(args, method: str, seed: int, state: Path) -> dict:
                         prior_structure="network", output_coupling="independent", seed=seed)
         out = scores(lambda b: sfr.likelihood(sfr(b)).probs, x_test, y_test, ood, time.perf_counter() - start)
         out["inducing_rank_min"] = int(sfr.inducing_rank.min())
-    return {**out, "method": method, "seed": seed, "map_train_seconds": train_seconds}
+    return {**out, "method": method, "seed": seed, "device": args.device, "map_train_seconds": train_seconds}
 
 
 def claims(means: dict) -> list[str]:
@@ -131,10 +133,8 @@ def main() -> None:
     p.add_argument("--num-context", type=int, default=32)
     p.add_argument("--mc-samples", type=int, default=30, help="FSVI's Monte Carlo samples per prediction")
     p.add_argument("--num-inducing", type=int, default=512, help="SFR's M")
-    args = p.parse_args()
+    args = _images.parse(p)
     if args.quick:
-        if args.write_docs:
-            p.error("--quick runs check the pipeline; their tables are not written into the docs")
         args.epochs, args.seeds = args.epochs or 1, args.seeds or 1
         args.n_train, args.n_test = min(args.n_train or 256, 256), min(args.n_test or 128, 128)
         args.num_inducing, args.mc_samples, args.num_context = min(args.num_inducing, 16), 5, 8
@@ -166,7 +166,8 @@ def main() -> None:
         f"MAP δ = {args.delta:g}, FSVI prior precision {args.fsvi_prior_precision:g}, {args.num_context} context "
         f"points (half from the batch), {args.mc_samples} MC samples, SFR M = {args.num_inducing}; seconds: MAP its "
         "training, the others building on the trained network (FSVI its own training) plus predicting the test and "
-        "OOD images. The paper's claims: " + ("; ".join(checked) if checked else "not checked (FSVI not run)") + "."))
+        "OOD images. The paper's claims: " + ("; ".join(checked) if checked else "not checked (FSVI not run)") + "."),
+        runs=[r for rs in runs.values() for r in rs])
     _common.publish(args, REGION, _common.table(header, rows) + note, "FSVI on Fashion-MNIST")
     for line in checked:
         print(line)

@@ -90,7 +90,8 @@ def run_map(args) -> dict:
     schedule = functools.partial(torch.optim.lr_scheduler.MultiStepLR, milestones=MILESTONES, gamma=0.1)
     out = _images.train_map(net, x, y, delta=1.0, epochs=args.epochs, lr=1e-3, scheduler=schedule)
     total = sum(out["epoch_seconds"])
-    return {"method": "map", "total": total, "per_epoch": total / args.epochs, "rounds": 0, "round": 0.0}
+    return {"method": "map", "device": args.device, "total": total, "per_epoch": total / args.epochs, "rounds": 0,
+            "round": 0.0}
 
 
 def ntkgp_round(net, x, y, likelihood, groups: int, args) -> tuple[float, float]:
@@ -116,8 +117,8 @@ def run_ntkgp(args) -> dict:
         gamma=0.1, frequency=args.frequency, hyper_steps=args.hyper_steps, hyper_lr=args.hyper_lr, burn_in=0, seed=0)
     total = time.perf_counter() - start
     round_seconds, pass_seconds = ntkgp_round(result.net, x, y, likelihood, result.prior_precision.numel(), args)
-    return {"method": "ntkgp", "total": total, "rounds": len(result.history), "round": round_seconds,
-            "curvature": pass_seconds, "data_and_schedule": how, "marglik": result.log_evidence}
+    return {"method": "ntkgp", "device": args.device, "total": total, "rounds": len(result.history),
+            "round": round_seconds, "curvature": pass_seconds, "data_and_schedule": how, "marglik": result.log_evidence}
 
 
 def laplace_python(args) -> str | None:
@@ -138,7 +139,7 @@ def run_laplace(args, python: str) -> dict:
     if done.returncode != 0:
         raise RuntimeError(f"laplace-torch run failed:\n{done.stderr[-3000:]}")
     out = json.loads(done.stdout.strip().splitlines()[-1])
-    return {"method": "laplace_torch", **out}
+    return {"method": "laplace_torch", "device": args.device, **out}
 
 
 def per_epoch_at(r: dict, args, frequency: int) -> float:
@@ -155,10 +156,8 @@ def main() -> None:
     p.add_argument("--hyper-lr", type=float, default=1.0, help="γ (paper: 1)")
     p.add_argument("--laplace-python", default=None, help="an interpreter with laplace-torch (default: this one "
                    "if it can import laplace, else that row is skipped)")
-    args = p.parse_args()
+    args = _images.parse(p)
     if args.quick:
-        if args.write_docs:
-            p.error("--quick runs check the pipeline; their tables are not written into the docs")
         args.epochs, args.hyper_steps = args.epochs or 1, args.hyper_steps or 3
         args.n_train = min(args.n_train or 256, 256)
     args.epochs, args.hyper_steps = args.epochs or 2, args.hyper_steps or 100
@@ -198,7 +197,7 @@ def main() -> None:
         verdicts.append("laplace-torch not run (no interpreter with laplace-torch): the second target is unmeasured")
     extra = (f"K = {args.hyper_steps}, γ = {args.hyper_lr:g}, Adam 1e-3, batch 128. " + "; ".join(verdicts) + "."
              + (f" ntkgp's KFAC pass alone: {runs['ntkgp']['curvature']:.1f} s." if runs["ntkgp"] else ""))
-    note = _images.run_note(args, PROTOCOL_EPOCHS, extra, test_images=False)
+    note = _images.run_note(args, PROTOCOL_EPOCHS, extra, test_images=False, runs=[r for r in runs.values() if r])
     _common.publish(args, REGION, _common.table(header, rows) + note, "cost of online marglik (FMNIST MLP)")
 
 

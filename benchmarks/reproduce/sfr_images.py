@@ -64,8 +64,8 @@ def train(args, seed: int, state_path: Path) -> dict:
                             eval_every=2, patience=7)
     torch.save(net.state_dict(), state_path)
     probs = _images.in_chunks(lambda b: net(b).softmax(-1), x_test)
-    return {"seed": seed, "delta_train": delta, "n_train": len(y), "num_parameters": _images.num_parameters(net),
-            **out, "map": _images.classification(probs, y_test), "state": state_path.name}
+    return {"seed": seed, "device": args.device, "delta_train": delta, "n_train": len(y),
+            "num_parameters": _images.num_parameters(net), **out, "map": _images.classification(probs, y_test), "state": state_path.name}
 
 
 def set_delta(model, delta: float) -> None:
@@ -114,8 +114,8 @@ def run_one(args, trained: dict, m: int) -> dict:
               **CONFIGURATIONS[args.configuration])
     build = time.perf_counter() - start
     rank = sfr.inducing_rank.reshape(-1)
-    out = {"seed": trained["seed"], "num_inducing": m, "configuration": args.configuration, "build_seconds": build,
-           "inducing_rank": [int(rank.min()), int(rank.max())], "delta_train": trained["delta_train"],
+    out = {"seed": trained["seed"], "device": args.device, "num_inducing": m, "configuration": args.configuration,
+           "build_seconds": build, "inducing_rank": [int(rank.min()), int(rank.max())], "delta_train": trained["delta_train"],
            "train": evaluate(sfr, x_test, y_test)}
     try:
         out["delta_evidence"] = evidence_delta(sfr, trained["delta_train"], args.evidence_steps)
@@ -134,14 +134,13 @@ def main() -> None:
     p.add_argument("--inducing", type=int, nargs="+", default=None, help=f"M (the paper: {INDUCING})")
     p.add_argument("--configuration", choices=list(CONFIGURATIONS), default="public")
     p.add_argument("--evidence-steps", type=int, default=30, help="Adam steps on log δ after the grid")
-    args = p.parse_args()
+    args = _images.parse(p)
     if args.quick:
-        if args.write_docs:
-            p.error("--quick runs check the pipeline; their tables are not written into the docs")
         args.epochs, args.seeds, args.inducing = args.epochs or 2, args.seeds or 1, args.inducing or [16, 32]
         args.n_train, args.n_test = min(args.n_train or 256, 256), min(args.n_test or 128, 128)
         args.evidence_steps = min(args.evidence_steps, 3)
-    args.epochs, args.seeds, args.inducing = args.epochs or PROTOCOL_EPOCHS, args.seeds or 1, args.inducing or INDUCING
+    args.epochs, args.seeds = args.epochs or PROTOCOL_EPOCHS, args.seeds or 1
+    args.inducing = args.inducing or INDUCING
     _images.setup(args)
     store = _common.Store(args.out)
     runs: dict[int, list[dict]] = {}
@@ -187,7 +186,7 @@ def main() -> None:
         f"Epochs run (best checkpoint): {stopped}. SFR configuration: {args.configuration} "
         f"({CONFIGURATIONS[args.configuration]}); test = half of the test images, validation = the other half; "
         "NLPD per image, probit class probabilities; the paper's columns have no published errors here, so no "
-        "verdict is drawn."))
+        "verdict is drawn."), runs=trainings + [r for rs in runs.values() for r in rs])
     _common.publish(args, REGION, _common.table(header, rows) + note, "SFR on Fashion-MNIST")
 
 
