@@ -133,6 +133,40 @@ def test_map_training_keeps_the_best_validation_checkpoint():
     assert out["best_epoch"] <= out["epochs_run"] <= 6
 
 
+def test_fit_marglik_passes_a_loader_and_the_decay_where_train_marglik_takes_them(monkeypatch):
+    """The adapter against a train_marglik with the documented loader/scheduler interface (issue 28)."""
+    seen = {}
+
+    def fake_train_marglik(net, train_x, train_y, likelihood, *, scheduler=None, batch_size=None, **kwargs):
+        seen.update(train_x=train_x, train_y=train_y, scheduler=scheduler, batch_size=batch_size, **kwargs)
+        return "result"
+
+    monkeypatch.setattr(images, "train_marglik", fake_train_marglik)
+    x, y = torch.randn(300, 1, 28, 28), torch.arange(300) % 10
+    result, how = images.fit_marglik(nn.Linear(1, 1), x, y, None, structure="kfac", epochs=200, batch_size=128,
+                                     lr=1e-3, milestones=[150, 225, 275], gamma=0.1, frequency=10, hyper_steps=100,
+                                     hyper_lr=1.0, burn_in=0, seed=3)
+    assert result == "result" and seen["train_y"] is None and seen["batch_size"] is None
+    batches = list(seen["train_x"])
+    assert [len(b) for b, _ in batches] == [128, 128, 44]
+    assert sorted(torch.cat([b for _, b in batches]).tolist()) == sorted(y.tolist())  # every image once, shuffled
+    assert not torch.equal(torch.cat([b for b, _ in batches]), x)
+    schedule = seen["scheduler"](torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1.0))
+    assert isinstance(schedule, torch.optim.lr_scheduler.MultiStepLR) and dict(schedule.milestones) == {150: 1, 225: 1,
+                                                                                                        275: 1}
+    assert "1 decays inside the run" in how and seen["frequency"] == 10 and seen["hyper_lr"] == 1.0
+
+    def old_train_marglik(net, train_x, train_y, likelihood, *, batch_size=None, **kwargs):  # no scheduler yet
+        seen.update(train_x=train_x, batch_size=batch_size)
+        return "old"
+
+    monkeypatch.setattr(images, "train_marglik", old_train_marglik)
+    result, how = images.fit_marglik(nn.Linear(1, 1), x, y, None, structure="kfac", epochs=200, batch_size=128,
+                                     lr=1e-3, milestones=[150], gamma=0.1, frequency=10, hyper_steps=100,
+                                     hyper_lr=1.0, burn_in=0, seed=3)
+    assert result == "old" and seen["train_x"] is x and seen["batch_size"] == 128 and "1 decays missed" in how
+
+
 # --------------------------------------------------------------------------------- the scripts, --quick
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
@@ -199,6 +233,7 @@ def test_sfr_images_quick(tiny, tmp_path):
     run16 = json.loads(next(tmp_path.glob("public_M16_*.json")).read_text())
     assert run16["inducing_rank"][1] <= 16 and {"gp", "nn"} <= set(run16["train"])
     assert run16["delta_evidence"] > 0 and run16["train"]["gp"]["nll"] > 0
+    assert run16["train"]["gp"]["nll"] != run16["train"]["nn"]["nll"]  # the two means are two predictives
 
 
 def test_fsvi_images_quick(tiny, tmp_path):

@@ -159,7 +159,7 @@ def parse(p: argparse.ArgumentParser) -> argparse.Namespace:
 
 #: The options that count something (checked by :func:`parse`).
 COUNTS = {"epochs", "n_train", "n_test", "seeds", "width_scale", "threads", "frequency", "hyper_steps", "inducing",
-          "evidence_steps", "num_context", "mc_samples", "num_inducing", "batch_size"}
+          "evidence_steps", "num_context", "mc_samples", "num_inducing", "batch_size", "chunk_size"}
 
 
 def setup(args: argparse.Namespace) -> None:

@@ -57,9 +57,9 @@ def optimizer(args, n: int):
     return _images.cosine_sgd(args.epochs * math.ceil(n / 128), alpha=0.05, momentum=0.9)
 
 
-def scores(probs_fn, x_test, y_test, ood, seconds: float) -> dict:
+def scores(probs_fn, x_test, y_test, ood, seconds: float, size: int = 500) -> dict:
     start = time.perf_counter()
-    probs, probs_ood = _images.in_chunks(probs_fn, x_test), _images.in_chunks(probs_fn, ood)
+    probs, probs_ood = _images.in_chunks(probs_fn, x_test, size), _images.in_chunks(probs_fn, ood, size)
     seconds += time.perf_counter() - start
     out = _images.classification(probs, y_test)
     entropy_in, entropy_out = (predictive_entropy(p.double().cpu()) for p in (probs, probs_ood))
@@ -100,12 +100,14 @@ def run_method(args, method: str, seed: int, state: Path) -> dict:
         posterior = ntkgp.laplace.laplace_posterior(net, x, y, lik, structure="kfac", prior_precision=args.delta,
                                                     prior_structure="network")
         out = scores(lambda b: ntkgp.laplace.predict(posterior, b, link="probit").probs, x_test, y_test, ood,
-                     time.perf_counter() - start)
+                     time.perf_counter() - start, args.chunk_size)
     else:
         start = time.perf_counter()
         sfr = ntkgp.SFR(net, x, y, lik, num_inducing=args.num_inducing, prior_precision=args.delta,
-                        prior_structure="network", output_coupling="independent", seed=seed)
-        out = scores(lambda b: sfr.likelihood(sfr(b)).probs, x_test, y_test, ood, time.perf_counter() - start)
+                        prior_structure="network", output_coupling="independent", seed=seed,
+                        chunk_size=args.chunk_size)
+        out = scores(lambda b: sfr.likelihood(sfr(b)).probs, x_test, y_test, ood, time.perf_counter() - start,
+                     args.chunk_size)
         out["inducing_rank_min"] = int(sfr.inducing_rank.min())
     return {**out, "method": method, "seed": seed, "device": args.device, "map_train_seconds": train_seconds}
 
@@ -133,6 +135,8 @@ def main() -> None:
     p.add_argument("--num-context", type=int, default=32)
     p.add_argument("--mc-samples", type=int, default=30, help="FSVI's Monte Carlo samples per prediction")
     p.add_argument("--num-inducing", type=int, default=512, help="SFR's M")
+    p.add_argument("--chunk-size", type=int, default=64, help="images per Jacobian / prediction chunk of the GLM "
+                   "and SFR (memory: about chunk · C · P numbers)")
     args = _images.parse(p)
     if args.quick:
         args.epochs, args.seeds = args.epochs or 1, args.seeds or 1
