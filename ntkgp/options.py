@@ -39,7 +39,7 @@ class Space(Option):
     """Where an NTK computation is carried out (``space=``): on the ``N·C`` function values or the ``P`` weights.
 
     ``"function"``: dense ``(N·C)²`` Grams; ``"weight"``: the Jacobian ``J`` as a low-rank root (kernel) or a
-    ``P × P`` system (evidence). ``"auto"`` picks weight space when ``P < N·C`` (:func:`choose_space`).
+    ``P × P`` system (evidence). ``"auto"`` picks weight space when ``N·C > 0.6 P`` (:func:`choose_space`, measured).
     """
 
     AUTO = "auto"
@@ -173,12 +173,20 @@ def choose(enum: type[E], value: object, argument: str) -> E:
     raise ValueError(f"{argument} must be one of {accepted}, got {value!r}")
 
 
+#: ``"auto"`` takes weight space once ``N·C`` exceeds this fraction of ``P``. Measured by
+#: ``benchmarks/evidence_routes.py --crossover`` (docs/ntkgp.md): an exact evidence step (per-tensor δ, the
+#: curvature built once) costs the same in both spaces at ``N·C ≈ 0.56 P`` and is 2.3× cheaper in weight space at
+#: ``N·C = P`` (the ``P × P`` backward needs only the diagonal of the inverse, the function-space one all of it).
+WEIGHT_SPACE_FROM = 0.6
+
+
 def choose_space(space: Space | str, num_params: int, num_rows: int) -> Space:
-    """Resolve ``"auto"``: weight space when ``P < N·C`` (the cheaper exact route), else function space."""
+    """Resolve ``"auto"``: weight space when ``N·C > WEIGHT_SPACE_FROM · P`` (the cheaper exact route, measured),
+    else function space."""
     space = choose(Space, space, "space")
     if space is not Space.AUTO:
         return space
-    return Space.WEIGHT if num_params < num_rows else Space.FUNCTION
+    return Space.WEIGHT if num_rows > WEIGHT_SPACE_FROM * num_params else Space.FUNCTION
 
 
 def renamed_argument(kwargs: dict, old: str, new: str, value: object, default: object) -> object:
