@@ -7,7 +7,7 @@ and every call raises ``RuntimeError`` instead of mixing old statistics with new
 
 The check has two parts:
 
-* a **key** saved with the model's ``state_dict`` (the buffer ``sfr.state_key``): integer fingerprints
+* a **key** saved with the model's ``state_dict`` (the buffer ``sfr._state_key``): integer fingerprints
   (:func:`~ntkgp.caching.fingerprint`) of :meth:`~ntkgp.ntk.NTKEngine.network_state` and of :math:`Z` (in
   float64, so that ``sfr.double()`` does not change it). Loading a state dict loads the key of the statistics it
   holds, so statistics saved at other weights raise at the next call, as they must;
