@@ -49,11 +49,18 @@ def test_demo_quick(tmp_path, capsys):
     assert main([*QUICK, "--output-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     rows = table_rows(out)
-    assert len(rows) == 10
+    assert len(rows) == 11  # 5 rows per task, and the NTKGP with δ refit for the classification task
     assert {row[0] for row in rows} == {"gap_regression", "two_moons"}
     for model in ("network (MAP)", "NTKGP + new batch", "SFR (M=8)", "SFR + new batch"):
         assert sum(model in line for line in out.splitlines()) == 2
+    assert [row[0] for row in rows if " ".join(row[1:-10]) == "NTKGP, δ refit"] == ["two_moons"]
     assert_finite_numbers(rows)
+    header = out.splitlines()[0].split()
+    assert header[-8:] == ["train", "s", "build", "s", "predict", "s", "update", "s"]
+    for row in rows:  # the network has a training time and no build time; the built models the reverse
+        name, train, build = " ".join(row[1:-10]), row[-4], row[-3]
+        assert (train != "-") == (name == "network (MAP)")
+        assert (build != "-") == (name != "network (MAP)" and not name.endswith("+ new batch"))
     for name in ("gap_regression_ntkgp", "gap_regression_sfr", "two_moons_ntkgp", "two_moons_sfr"):
         path = tmp_path / f"{name}.png"
         assert path.stat().st_size > 10_000
@@ -101,7 +108,7 @@ def test_csv_regression_one_input(csv_files, tmp_path, capsys):
     rows = table_rows(capsys.readouterr().out)
     assert len(rows) == 5 and all(row[0] == "my_data" for row in rows)
     assert_finite_numbers(rows)
-    rmse = float(rows[1][4])  # NTKGP row: task, model, N, evidence, NLPD, RMSE
+    rmse = float(rows[1][5])  # NTKGP row: task, model, N, evidence, NLPD, RMSE
     assert rmse > 1.0  # reported in the original units (the target's std is about 20), not standardised ones
     assert sorted(p.name for p in out_dir.glob("*.png")) == ["my_data_ntkgp.png", "my_data_sfr.png"]
 
@@ -113,7 +120,8 @@ def test_csv_classification_three_classes_two_inputs(csv_files, tmp_path, capsys
     rows = table_rows(capsys.readouterr().out)
     assert len(rows) == 5
     assert_finite_numbers(rows)
-    accuracy = float(rows[1][-5])  # NTKGP row: ..., accuracy, ECE, build s, predict s, update s
+    assert len(rows) == 6  # with the NTKGP whose δ is refit by the evidence
+    accuracy = float(rows[1][-6])  # NTKGP row: ..., accuracy, ECE, train s, build s, predict s, update s
     assert 0.0 <= accuracy <= 1.0
     assert (tmp_path / "flowers_ntkgp.png").is_file() and (tmp_path / "flowers_sfr.png").is_file()
 
