@@ -10,12 +10,16 @@ mode). Rows, each scored on the test images (NLPD, ECE with 10 bins, accuracy):
 - ``NTKGP`` at the δ that maximizes its Laplace-GGN evidence, θ* fixed (100 Adam steps of 0.1 on log δ);
 - the GLM predictive at each δ of a grid, with the network's own mean (``FullLaplace`` GGN posterior and
   ``ntkgp.predictive.predict``; ``NTKGP(predictive_mean="nn")`` gives the same), with the evidence and the
-  validation NLPD of each: the δ that validation would choose.
+  validation NLPD of each: the δ that validation would choose;
+- ``NTKGP`` with its default mean at a δ of the grid other than the training δ (its mean is then the
+  linearized model's posterior mean, not the network's);
+- Algorithm 1 (``ntkgp.training.train_marglik`` with the demo's settings: δ learned by the evidence while
+  training), one δ for the network, and with ``--per-layer`` also one δ per layer: the network and its NTKGP.
 
-    python benchmarks/digits_calibration.py [--write-docs]
+    python benchmarks/digits_calibration.py [--per-layer] [--write-docs]
 
 ``--write-docs`` writes the table into the generated regions ``digits-calibration`` of docs/predictive.md and
-docs/ntkgp.md. About a minute on one core.
+docs/ntkgp.md. A few minutes on one core (``--per-layer``: about five more).
 """
 
 from __future__ import annotations
@@ -96,56 +100,85 @@ def maximize_evidence(model: ntkgp.NTKGP, steps: int = 100, lr: float = 0.1) -> 
     return model
 
 
-def run() -> tuple[list[list[str]], str]:
+def ntkgp_row(name: str, model: ntkgp.NTKGP, delta: str, val: tuple, test: tuple) -> list[str]:
+    return [name, delta, f"{evidence_per_datum(model):.4f}",
+            f"{metrics.categorical_nlpd(ntkgp_probs(model, val[0]), val[1]):.4f}",
+            *scores(ntkgp_probs(model, test[0]), test[1])]
+
+
+def network_row(name: str, net: nn.Module, val: tuple, test: tuple) -> list[str]:
+    with torch.no_grad():
+        return [name, "-", "-", f"{metrics.categorical_nlpd(net(val[0]).softmax(-1), val[1]):.4f}",
+                *scores(net(test[0]).softmax(-1), test[1])]
+
+
+def algorithm_1_rows(train: tuple, val: tuple, test: tuple, prior_structure: str) -> list[list[str]]:
+    """Algorithm 1 (``train_marglik``, the demo's settings): the network and its NTKGP, δ learned online."""
+    from ntkgp.training import train_marglik
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(64, 32), nn.Tanh(), nn.Linear(32, 10)).double()
+    likelihood = SoftmaxLikelihood(num_classes=10).double()
+    result = train_marglik(net, *train, likelihood, structure="full_ggn", prior_structure=prior_structure,
+                           epochs=1000, lr=1e-2, burn_in=100, frequency=100, hyper_steps=50, progress=False)
+    which = "one δ" if prior_structure == "network" else "δ per layer"
+    delta = ", ".join(f"{d:.3g}" for d in result.prior_precision.tolist())
+    return [network_row(f"Algorithm 1 ({which} learned in training): network", net, val, test),
+            ntkgp_row(f"Algorithm 1 ({which} learned in training): NTKGP", result.model(*train), delta, val, test)]
+
+
+def run(per_layer: bool = False) -> str:
     start = time.perf_counter()
-    (x, y), (x_val, y_val), (x_test, y_test) = digits()
-    net = train_map(x, y, TRAINING_DELTA)
+    train, val, test = digits()
+    net = train_map(*train, TRAINING_DELTA)
     likelihood = SoftmaxLikelihood(num_classes=10).double()
     header = ["predictive", "δ", "evidence/N", "validation NLPD", "test NLPD", "test ECE", "test accuracy"]
-    with torch.no_grad():
-        rows = [["network (softmax of f(x; θ*))", "-", "-", f"{metrics.categorical_nlpd(net(x_val).softmax(-1), y_val):.4f}",
-                 *scores(net(x_test).softmax(-1), y_test)]]
-    print(rows[-1], flush=True)
-
-    model = ntkgp.NTKGP(net, x, y, likelihood, prior_precision=TRAINING_DELTA, prior_structure="network")
-    rows.append(["NTKGP, training δ", f"{TRAINING_DELTA:g}", f"{evidence_per_datum(model):.4f}",
-                 f"{metrics.categorical_nlpd(ntkgp_probs(model, x_val), y_val):.4f}",
-                 *scores(ntkgp_probs(model, x_test), y_test)])
-    print(rows[-1], flush=True)
+    rows = [network_row("network (softmax of f(x; θ*))", net, val, test)]
+    model = ntkgp.NTKGP(net, *train, likelihood, prior_precision=TRAINING_DELTA, prior_structure="network")
+    rows.append(ntkgp_row("NTKGP, training δ", model, f"{TRAINING_DELTA:g}", val, test))
     maximize_evidence(model.train())
-    best_delta = model.covar_module.prior_precision.item()
-    rows.append(["NTKGP, δ by the evidence (θ* fixed)", f"{best_delta:.3g}", f"{evidence_per_datum(model):.4f}",
-                 f"{metrics.categorical_nlpd(ntkgp_probs(model, x_val), y_val):.4f}",
-                 *scores(ntkgp_probs(model, x_test), y_test)])
-    print(rows[-1], flush=True)
+    rows.append(ntkgp_row("NTKGP, δ by the evidence (θ* fixed)", model,
+                          f"{model.covar_module.prior_precision.item():.3g}", val, test))
+    for row in rows:
+        print(row, flush=True)
 
-    posterior = laplace_posterior(net, x, y, likelihood, structure="full_ggn", prior_precision=TRAINING_DELTA,
+    posterior = laplace_posterior(net, *train, likelihood, structure="full_ggn", prior_precision=TRAINING_DELTA,
                                   prior_structure="network")
     grid_rows = []
     for delta in GRID:
         posterior.prior_precision = torch.tensor([delta], dtype=torch.float64)
         model.covar_module.prior_precision = torch.tensor([delta], dtype=torch.float64)
         with torch.no_grad():
-            val = metrics.categorical_nlpd(predict(posterior, x_val).probs, y_val)
-            test = scores(predict(posterior, x_test).probs, y_test)
-        grid_rows.append(["GLM, network's mean", f"{delta:g}", f"{evidence_per_datum(model):.4f}", f"{val:.4f}",
-                          *test])
+            nlpd_val = metrics.categorical_nlpd(predict(posterior, val[0]).probs, val[1])
+            grid_rows.append(["GLM with the network's mean", f"{delta:g}", f"{evidence_per_datum(model):.4f}",
+                              f"{nlpd_val:.4f}", *scores(predict(posterior, test[0]).probs, test[1])])
         print(grid_rows[-1], flush=True)
     chosen = min(range(len(GRID)), key=lambda i: float(grid_rows[i][3]))
     grid_rows[chosen][0] += " (best validation NLPD)"
     rows += grid_rows
+    collapse = GRID[2]  # NTKGP's default mean at a δ away from the training δ
+    model.covar_module.prior_precision = torch.tensor([collapse], dtype=torch.float64)
+    rows.append(ntkgp_row('NTKGP, predictive_mean="gp" (default), δ not the training δ', model, f"{collapse:g}",
+                          val, test))
+    print(rows[-1], flush=True)
+    for structure in ("network", "layer") if per_layer else ("network",):
+        rows += algorithm_1_rows(train, val, test, structure)
+        print(*rows[-2:], sep="\n", flush=True)
     seconds = time.perf_counter() - start
-    note = (f"\n\nN = {len(x)} training, {len(x_val)} validation, {len(x_test)} test images; P = "
-            f"{sum(p.numel() for p in net.parameters())}; training δ = {TRAINING_DELTA:g}; the GLM rows use the "
-            f"probit link; evidence/N is NTKGP's Laplace-GGN evidence at that δ (θ* fixed). Wall time {seconds:.0f} s.")
-    return rows, markdown_table(header, rows) + note
+    note = (f"\n\nN = {len(train[0])} training, {len(val[0])} validation, {len(test[0])} test images; P = "
+            f"{sum(p.numel() for p in net.parameters())}; training δ = {TRAINING_DELTA:g} (weight decay of the MAP "
+            "fit); every GLM row uses the probit link; evidence/N is NTKGP's Laplace-GGN evidence at that δ and "
+            f"θ* (the weights it was trained at). Wall time {seconds:.0f} s.")
+    return markdown_table(header, rows) + note
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--write-docs", action="store_true", help=f"write the table into {' and '.join(DOCS)}")
+    parser.add_argument("--per-layer", action="store_true",
+                        help="also Algorithm 1 with one δ per layer (about five more minutes on one core)")
     args = parser.parse_args()
-    _, table = run()
+    table = run(args.per_layer)
     print(table)
     if args.write_docs:
         for doc in DOCS:

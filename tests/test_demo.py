@@ -100,19 +100,35 @@ def _row(model: str, evidence=None, nlpd=0.1, ece=None, task="t") -> DemoRow:
     return DemoRow(task, model, 10, evidence, nlpd, None, None, ece, None, None, None, None)
 
 
+def _acc(model: str, evidence=None, nlpd=0.1, ece=0.01, task="c") -> DemoRow:
+    return DemoRow(task, model, 10, evidence, nlpd, None, 0.9, ece, None, None, None, None)
+
+
 def test_notes_give_reasons_only_where_they_hold():
-    rows = [_row("network (MAP)", nlpd=0.09, ece=0.005), _row("NTKGP", 0.57, 0.12, 0.043),
-            _row("NTKGP + new batch", 0.19, 0.11, 0.041), _row(REFIT, 0.58, 0.119, 0.042),
-            _row("SFR (M=4)", 0.61, 0.12, 0.043), _row("SFR + new batch", 0.63, 0.11, 0.034)]
+    rows = [_acc("network (MAP)", nlpd=0.09, ece=0.005), _acc("NTKGP", 0.57, 0.12, 0.043),
+            _acc("NTKGP + new batch", 0.19, 0.11, 0.041), _acc(REFIT, 0.58, 0.119, 0.042),
+            _acc("SFR (M=4)", 0.61, 0.12, 0.043), _acc("SFR + new batch", 0.63, 0.11, 0.034)]
     lines = explain(rows)
     assert len(lines) == 2
-    assert "evidence/N falls after the update (0.570 → 0.190)" in lines[0] and "SFR's column rises" in lines[0]
+    assert lines[0].startswith("[c] NTKGP's evidence/N falls after the update (0.570 → 0.190)")
+    assert "SFR's column rises" in lines[0]
     assert "ECE (0.043) is above the network's (0.005)" in lines[1] and "does not change it (ECE 0.042)" in lines[1]
-    fixed = [*rows[:3], _row(REFIT, 0.58, 0.09, 0.004)]
+    fixed = [*rows[:3], _acc(REFIT, 0.58, 0.09, 0.004)]
     assert "fixes it: ECE 0.004" in explain(fixed)[1]
-    calm = [_row("network (MAP)", nlpd=0.2, ece=0.05), _row("NTKGP", 0.5, 0.1, 0.01),
-            _row("NTKGP + new batch", 0.6, 0.09, 0.01)]
-    assert explain(calm) == []
+    # the network confidently wrong where NTKGP is not; SFR's update worse while NTKGP's is better
+    tip = [_acc("network (MAP)", nlpd=0.35, ece=0.05), _acc("NTKGP", -0.1, 0.2, 0.05),
+           _acc("NTKGP + new batch", -0.4, 0.12, 0.03), _acc("SFR (M=4)", -0.1, 0.2, 0.05),
+           _acc("SFR + new batch", -0.1, 0.33, 0.04)]
+    lines = explain(tip)
+    assert len(lines) == 3 and "NTKGP's test NLPD (0.200) is below the network's (0.350)" in lines[1]
+    assert "SFR's test NLPD rises after the update (0.200 → 0.330) while NTKGP's falls (0.200 → 0.120)" in lines[2]
+    # regression rows (no accuracy) get no classification notes; nothing to explain gives no line
+    regression = [_row(r.model, r.evidence, r.nlpd, None, task="r") for r in tip]
+    assert len(explain(regression)) == 1
+    calm = [_acc("network (MAP)", nlpd=0.2, ece=0.05), _acc("NTKGP", 0.5, 0.1, 0.01),
+            _acc("NTKGP + new batch", 0.6, 0.09, 0.01)]
+    assert "[c] NTKGP's test NLPD (0.100) is below" in explain(calm)[0] and len(explain(calm)) == 1
+    assert explain([_row("network (MAP)", nlpd=0.2), _row("NTKGP", 0.5, 0.3), _row("NTKGP + new batch", 0.6, 0.2)]) == []
 
 
 def test_refit_prior_precision_maximizes_the_evidence():

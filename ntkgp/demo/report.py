@@ -91,10 +91,10 @@ def predict(model: Callable[[Tensor], object], likelihood: Likelihood, x: Tensor
     with torch.no_grad():
         f = model(x)
         out = likelihood(f)
-    if kind == "regression":
-        f_std = f.variance.sqrt().reshape(-1) if not isinstance(f, Tensor) else None
-        return Predictive(mean=out.mean.reshape(-1), std=out.variance.sqrt().reshape(-1), f_std=f_std)
-    return Predictive(probs=out.probs)
+        if kind == "regression":
+            f_std = f.variance.sqrt().reshape(-1) if not isinstance(f, Tensor) else None
+            return Predictive(mean=out.mean.reshape(-1), std=out.variance.sqrt().reshape(-1), f_std=f_std)
+        return Predictive(probs=out.probs)
 
 
 def scores(task: DemoTask, p: Predictive) -> dict[str, float | None]:

@@ -126,7 +126,9 @@ def _class_map(ax: Axes, grid: Grid2D, values: Tensor, x: Tensor | None, y: Tens
     levels = torch.linspace(low, high, 21).tolist()
     image = ax.contourf(_np(grid.x1), _np(grid.x2), _np(values).reshape(grid.x1.shape).clip(low, high),
                         levels=levels, cmap=cmap)
-    ax.figure.colorbar(image, ax=ax, label=label, ticks=ticks if ticks is not None else MaxNLocator(nbins=5, steps=[1, 2, 5, 10]))
+    if ticks is None:
+        ticks = MaxNLocator(nbins=5, steps=[1, 2, 5, 10])
+    ax.figure.colorbar(image, ax=ax, label=label, ticks=ticks)
     _scatter(ax, x, y, num_classes, marked)
     _finish(ax, grid, title, legend, num_classes, marked)
 
