@@ -352,29 +352,40 @@ def test_documented_demo_table_matches_a_run(tmp_path, capsys):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert main(["demo", "--no-progress", "--output-dir", str(tmp_path)]) == 0
-    ran, documented = table_rows(capsys.readouterr().out), documented_demo_table()
+    out = capsys.readouterr().out
+    ran, documented = table_rows(out), documented_demo_table()
     # "The run emits no JitterWarning and no NumericalWarning"
     assert not [w for w in caught if issubclass(w.category, (JitterWarning, NumericalWarning))]
-    cells = {" ".join(row[1:-9]): row for row in ran if row[0] == "gap_regression"}
-    nlpd = {name: float(row[-7]) for name, row in cells.items()}
-    rmse = {name: float(row[-6]) for name, row in cells.items()}
-    sfr = next(name for name in cells if name.startswith("SFR ("))
-    # the GP predictives beat the network's own on the regression test set
-    assert max(nlpd["NTKGP"], nlpd[sfr]) < nlpd["network (MAP)"]
+    # cells: task, model words..., N, evidence, NLPD, RMSE, accuracy, ECE, train, build, predict, update
+    named = {(row[0], " ".join(row[1:-10])): row for row in ran}
+    nlpd = {key: float(row[-8]) for key, row in named.items()}
+    rmse = {key: float(row[-7]) for key, row in named.items() if row[-7] != "-"}
+    accuracy = {key: float(row[-6]) for key, row in named.items() if row[-6] != "-"}
+    evidence = {key: float(row[-9]) for key, row in named.items() if row[-9] != "-"}
+    gap, moons = "gap_regression", "two_moons"
+    sfr = {task: next(name for t, name in named if t == task and name.startswith("SFR (")) for task in (gap, moons)}
+    train_s = float(named[gap, "network (MAP)"][-4])
+    # regression: the GP predictives beat the network's own on the test set
+    assert max(nlpd[gap, "NTKGP"], nlpd[gap, sfr[gap]]) < nlpd[gap, "network (MAP)"]
     # conditioning on the gap batch lowers test NLPD and RMSE of both models, in < 1/10 of the training time
-    for before, after in (("NTKGP", "NTKGP + new batch"), (sfr, "SFR + new batch")):
-        assert nlpd[after] < nlpd[before] and rmse[after] < rmse[before]
-        assert float(cells[after][-1]) < 0.1 * float(cells["network (MAP)"][-3])
-    # SFR with a quarter of the points matches NTKGP's test NLPD to within 0.05
-    assert abs(nlpd[sfr] - nlpd["NTKGP"]) < 0.05
-    # on two moons the GP models stay within a few points of the network's accuracy
-    moons = {" ".join(row[1:-9]): float(row[-5]) for row in ran if row[0] == "two_moons"}
-    assert all(abs(acc - moons["network (MAP)"]) < 0.05 for acc in moons.values())
-    assert len(ran) == len(documented) == 10
+    for before, after in (("NTKGP", "NTKGP + new batch"), (sfr[gap], "SFR + new batch")):
+        assert nlpd[gap, after] < nlpd[gap, before] and rmse[gap, after] < rmse[gap, before]
+        assert float(named[gap, after][-1]) < 0.1 * train_s
+    # SFR with a quarter of the points as inducing inputs matches NTKGP's test NLPD to within 0.05
+    assert abs(nlpd[gap, sfr[gap]] - nlpd[gap, "NTKGP"]) < 0.05
+    # NTKGP's evidence falls after the update (and the table says why)
+    assert evidence[gap, "NTKGP + new batch"] < evidence[gap, "NTKGP"] and "[gap_regression] NTKGP's evidence" in out
+    # two moons: NTKGP beats the network that never saw the tip, and its update improves NLPD and accuracy
+    assert nlpd[moons, "NTKGP"] < nlpd[moons, "network (MAP)"]
+    assert nlpd[moons, "NTKGP + new batch"] < nlpd[moons, "NTKGP"]
+    assert accuracy[moons, "NTKGP + new batch"] > accuracy[moons, "NTKGP"] >= accuracy[moons, "network (MAP)"]
+    # SFR's update, which iterates only the new sites, does worse than NTKGP's, and the table says why
+    assert nlpd[moons, "SFR + new batch"] > nlpd[moons, "NTKGP + new batch"]
+    assert ("[two_moons] SFR's test NLPD rises" in out) == (nlpd[moons, "SFR + new batch"] > nlpd[moons, sfr[moons]])
+    assert len(ran) == len(documented)
     for got, want in zip(ran, documented):
-        # cells: task, model words..., N, evidence, NLPD, RMSE, accuracy, ECE, build, predict, update
-        got_cells, want_cells = got[-9:-3], want[-9:-3]
-        assert got[: len(got) - 9] == want[: len(want) - 9]
+        got_cells, want_cells = got[-10:-4], want[-10:-4]
+        assert got[: len(got) - 10] == want[: len(want) - 10]
         for a, b in zip(got_cells, want_cells):
             if b == "-":
                 assert a == "-"

@@ -106,15 +106,20 @@ def _acc(model: str, evidence=None, nlpd=0.1, ece=0.01, task="c") -> DemoRow:
 
 def test_notes_give_reasons_only_where_they_hold():
     rows = [_acc("network (MAP)", nlpd=0.09, ece=0.005), _acc("NTKGP", 0.57, 0.12, 0.043),
-            _acc("NTKGP + new batch", 0.19, 0.11, 0.041), _acc(REFIT, 0.58, 0.119, 0.042),
+            _acc("NTKGP + new batch", 0.19, 0.11, 0.041), _acc(REFIT, 0.58, 0.119, 0.038),
             _acc("SFR (M=4)", 0.61, 0.12, 0.043), _acc("SFR + new batch", 0.63, 0.11, 0.034)]
     lines = explain(rows)
     assert len(lines) == 2
     assert lines[0].startswith("[c] NTKGP's evidence/N falls after the update (0.570 → 0.190)")
     assert "SFR's column rises" in lines[0]
-    assert "ECE (0.043) is above the network's (0.005)" in lines[1] and "does not change it (ECE 0.042)" in lines[1]
+    assert "ECE (0.043) is above the network's (0.005)" in lines[1] and "lowers it only (ECE 0.038)" in lines[1]
+    assert "although its test NLPD improves" in lines[0]
     fixed = [*rows[:3], _acc(REFIT, 0.58, 0.09, 0.004)]
     assert "fixes it: ECE 0.004" in explain(fixed)[1]
+    for ece, effect in ((0.0435, "leaves it as it is"), (0.05, "raises it")):
+        assert f"{effect} (ECE {ece:.3f})" in explain([*rows[:3], _acc(REFIT, 0.58, 0.1, ece)])[1]
+    worse = [rows[0], rows[1], _acc("NTKGP + new batch", 0.19, 0.13, 0.041)]
+    assert "falls after the update (0.570 → 0.190): the Laplace" in explain(worse)[0]
     # the network confidently wrong where NTKGP is not; SFR's update worse while NTKGP's is better
     tip = [_acc("network (MAP)", nlpd=0.35, ece=0.05), _acc("NTKGP", -0.1, 0.2, 0.05),
            _acc("NTKGP + new batch", -0.4, 0.12, 0.03), _acc("SFR (M=4)", -0.1, 0.2, 0.05),

@@ -66,7 +66,8 @@ def before_after_figure(task: DemoTask, model_name: str, plot_at: Tensor | plott
 def _curves(task: DemoTask, x: Tensor, before: Predictive, after: Predictive, inducing: Tensor | None,
             before_title: str, after_title: str):
     fig, axes = plotting.new_figure(1, 3)
-    stages = ((axes[0][0], before, before_title, None, None), (axes[0][1], after, after_title, task.x_new, task.y_new))
+    stages = ((axes[0][0], before, before_title, None, None),
+              (axes[0][1], after, after_title, task.x_new, task.y_new))
     for ax, p, title, x_new, y_new in stages:
         plotting.plot_regression(ax, x, p.mean, p.std, f_std=p.f_std, x_train=task.x_train, y_train=task.y_train,
                                  x_new=x_new, y_new=y_new, inducing=inducing, gaps=task.gaps, title=title,
@@ -84,6 +85,8 @@ def _curves(task: DemoTask, x: Tensor, before: Predictive, after: Predictive, in
                           noise_std=noise, gaps=task.gaps, x_data=task.x_train,
                           title="uncertainty about f: before and after")
         ax.set_xlabel(task.axis_labels[0])
+    else:
+        ax.set_axis_off()
     handles, labels = axes[0][1].get_legend_handles_labels()
     fig.legend(handles, labels, loc="outside lower center", ncols=len(labels), fontsize="small")
     return fig

@@ -43,10 +43,11 @@ def _task_notes(task: str, rows: dict[str, DemoRow]) -> list[str]:
     sfr, sfr_updated = rows.get("SFR"), rows.get("SFR + new batch")
     if ntkgp and updated and ntkgp.evidence is not None and updated.evidence < ntkgp.evidence:
         rises = sfr and sfr_updated and sfr_updated.evidence > sfr.evidence
+        although = " although its test NLPD improves" if updated.nlpd < ntkgp.nlpd else ""
         lines.append(
-            f"[{task}] NTKGP's evidence/N falls after the update ({ntkgp.evidence:.3f} → {updated.evidence:.3f}) "
-            "although its test NLPD improves: the Laplace evidence assumes θ* is a MAP of the data, and the "
-            "network never saw the new batch, so the evidence charges its misfit there. "
+            f"[{task}] NTKGP's evidence/N falls after the update ({ntkgp.evidence:.3f} → {updated.evidence:.3f})"
+            f"{although}: the Laplace evidence assumes θ* is a MAP of the data, and the network never saw the new "
+            "batch, so the evidence charges its misfit there. "
             + ("SFR's column rises: the linearized GP's evidence lets the GP mean move to the new points "
                "(it exceeds the Laplace evidence by ½vᵀH⁻¹v, v = ∇θ log p(D, θ*))." if rises else
                "SFR's column is the linearized GP's evidence, which exceeds it by ½vᵀH⁻¹v, v = ∇θ log p(D, θ*)."))
@@ -80,8 +81,13 @@ def _calibration_note(task: str, network: DemoRow, ntkgp: DemoRow, refit: DemoRo
     if refit.ece <= network.ece:
         return text + (f" Refitting δ by the evidence at the final θ* (row '{REFIT}') fixes it: ECE "
                        f"{refit.ece:.3f}.")
-    better = "lowers it a little" if refit.ece < ntkgp.ece - 0.002 else "does not change it"
-    return text + (f" Refitting δ by the evidence at the final θ* (row '{REFIT}') {better} (ECE "
-                   f"{refit.ece:.3f}): the evidence picks the δ that best explains the training data, not the "
-                   "one that calibrates the test predictive. To calibrate, choose δ or the likelihood's "
-                   "temperature on validation data (docs/predictive.md, 'Calibration').")
+    if refit.ece < ntkgp.ece - 0.002:
+        effect = "lowers it only"
+    elif refit.ece > ntkgp.ece + 0.002:
+        effect = "raises it"
+    else:
+        effect = "leaves it as it is"
+    return text + (f" Refitting δ by the evidence at the final θ* (row '{REFIT}') {effect} (ECE {refit.ece:.3f}): "
+                   "the evidence picks the δ that best explains the training data; it is no calibration "
+                   "criterion. To calibrate, choose δ on validation data, with predictive_mean=\"nn\" "
+                   "(docs/predictive.md, 'Calibration').")
