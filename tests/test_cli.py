@@ -382,6 +382,9 @@ def test_documented_demo_table_matches_a_run(tmp_path, capsys):
     # SFR's update, which iterates only the new sites, does worse than NTKGP's, and the table says why
     assert nlpd[moons, "SFR + new batch"] > nlpd[moons, "NTKGP + new batch"]
     assert ("[two_moons] SFR's test NLPD rises" in out) == (nlpd[moons, "SFR + new batch"] > nlpd[moons, sfr[moons]])
+    # "When NTKGP's ECE is above the network's (not in the run above)": no refit row
+    ece = {key: float(row[-5]) for key, row in named.items() if row[-5] != "-"}
+    assert ece[moons, "NTKGP"] <= ece[moons, "network (MAP)"] and (moons, "NTKGP, δ refit") not in named
     assert len(ran) == len(documented)
     for got, want in zip(ran, documented):
         got_cells, want_cells = got[-10:-4], want[-10:-4]
