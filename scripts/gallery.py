@@ -265,7 +265,7 @@ The quick run shown below (`tests/test_examples.py` runs the examples with their
         run = f"""The run shown below ({entry.full_note}):
 
 ```bash
-# illustrative: the run takes a minute or more; its output and figures follow
+# illustrative: its output and figures follow (the wall time of the run is the first line below)
 {shown}
 ```
 

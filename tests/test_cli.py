@@ -49,11 +49,21 @@ def test_demo_quick(tmp_path, capsys):
     assert main([*QUICK, "--output-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     rows = table_rows(out)
-    assert len(rows) == 10
     assert {row[0] for row in rows} == {"gap_regression", "two_moons"}
     for model in ("network (MAP)", "NTKGP + new batch", "SFR (M=8)", "SFR + new batch"):
         assert sum(model in line for line in out.splitlines()) == 2
+    # 5 rows per task, and the NTKGP with δ refit where it is less calibrated than the network (classification)
+    moons = {" ".join(row[1:-10]): row for row in rows if row[0] == "two_moons"}
+    less_calibrated = float(moons["NTKGP"][-5]) > float(moons["network (MAP)"][-5])
+    assert len(rows) == 10 + less_calibrated and ("NTKGP, δ refit" in moons) == less_calibrated
+    assert ("is above the network's" in out) == less_calibrated
     assert_finite_numbers(rows)
+    header = out.splitlines()[0].split()
+    assert header[-8:] == ["train", "s", "build", "s", "predict", "s", "update", "s"]
+    for row in rows:  # the network has a training time and no build time; the built models the reverse
+        name, train, build = " ".join(row[1:-10]), row[-4], row[-3]
+        assert (train != "-") == (name == "network (MAP)")
+        assert (build != "-") == (name != "network (MAP)" and not name.endswith("+ new batch"))
     for name in ("gap_regression_ntkgp", "gap_regression_sfr", "two_moons_ntkgp", "two_moons_sfr"):
         path = tmp_path / f"{name}.png"
         assert path.stat().st_size > 10_000
@@ -101,7 +111,7 @@ def test_csv_regression_one_input(csv_files, tmp_path, capsys):
     rows = table_rows(capsys.readouterr().out)
     assert len(rows) == 5 and all(row[0] == "my_data" for row in rows)
     assert_finite_numbers(rows)
-    rmse = float(rows[1][4])  # NTKGP row: task, model, N, evidence, NLPD, RMSE
+    rmse = float(rows[1][5])  # NTKGP row: task, model, N, evidence, NLPD, RMSE
     assert rmse > 1.0  # reported in the original units (the target's std is about 20), not standardised ones
     assert sorted(p.name for p in out_dir.glob("*.png")) == ["my_data_ntkgp.png", "my_data_sfr.png"]
 
@@ -111,10 +121,13 @@ def test_csv_classification_three_classes_two_inputs(csv_files, tmp_path, capsys
             "--target-column", "species", "--task", "classification", "--output-dir", str(tmp_path)]
     assert main(args) == 0
     rows = table_rows(capsys.readouterr().out)
-    assert len(rows) == 5
     assert_finite_numbers(rows)
-    accuracy = float(rows[1][-5])  # NTKGP row: ..., accuracy, ECE, build s, predict s, update s
+    accuracy = float(rows[1][-6])  # NTKGP row: ..., accuracy, ECE, train s, build s, predict s, update s
     assert 0.0 <= accuracy <= 1.0
+    # the NTKGP with δ refit by the evidence appears exactly when NTKGP is less calibrated than the network
+    less_calibrated = float(rows[1][-5]) > float(rows[0][-5])
+    assert len(rows) == 5 + less_calibrated
+    assert ("NTKGP, δ refit" in " ".join(" ".join(row) for row in rows)) == less_calibrated
     assert (tmp_path / "flowers_ntkgp.png").is_file() and (tmp_path / "flowers_sfr.png").is_file()
 
 
@@ -327,29 +340,43 @@ def test_documented_demo_table_matches_a_run(tmp_path, capsys):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert main(["demo", "--no-progress", "--output-dir", str(tmp_path)]) == 0
-    ran, documented = table_rows(capsys.readouterr().out), documented_demo_table()
+    out = capsys.readouterr().out
+    ran, documented = table_rows(out), documented_demo_table()
     # "The run emits no JitterWarning and no NumericalWarning"
     assert not [w for w in caught if issubclass(w.category, (JitterWarning, NumericalWarning))]
-    cells = {" ".join(row[1:-9]): row for row in ran if row[0] == "gap_regression"}
-    nlpd = {name: float(row[-7]) for name, row in cells.items()}
-    rmse = {name: float(row[-6]) for name, row in cells.items()}
-    sfr = next(name for name in cells if name.startswith("SFR ("))
-    # the GP predictives beat the network's own on the regression test set
-    assert max(nlpd["NTKGP"], nlpd[sfr]) < nlpd["network (MAP)"]
+    # cells: task, model words..., N, evidence, NLPD, RMSE, accuracy, ECE, train, build, predict, update
+    named = {(row[0], " ".join(row[1:-10])): row for row in ran}
+    nlpd = {key: float(row[-8]) for key, row in named.items()}
+    rmse = {key: float(row[-7]) for key, row in named.items() if row[-7] != "-"}
+    accuracy = {key: float(row[-6]) for key, row in named.items() if row[-6] != "-"}
+    evidence = {key: float(row[-9]) for key, row in named.items() if row[-9] != "-"}
+    gap, moons = "gap_regression", "two_moons"
+    sfr = {task: next(name for t, name in named if t == task and name.startswith("SFR (")) for task in (gap, moons)}
+    train_s = float(named[gap, "network (MAP)"][-4])
+    # regression: the GP predictives beat the network's own on the test set
+    assert max(nlpd[gap, "NTKGP"], nlpd[gap, sfr[gap]]) < nlpd[gap, "network (MAP)"]
     # conditioning on the gap batch lowers test NLPD and RMSE of both models, in < 1/10 of the training time
-    for before, after in (("NTKGP", "NTKGP + new batch"), (sfr, "SFR + new batch")):
-        assert nlpd[after] < nlpd[before] and rmse[after] < rmse[before]
-        assert float(cells[after][-1]) < 0.1 * float(cells["network (MAP)"][-3])
-    # SFR with a quarter of the points matches NTKGP's test NLPD to within 0.05
-    assert abs(nlpd[sfr] - nlpd["NTKGP"]) < 0.05
-    # on two moons the GP models stay within a few points of the network's accuracy
-    moons = {" ".join(row[1:-9]): float(row[-5]) for row in ran if row[0] == "two_moons"}
-    assert all(abs(acc - moons["network (MAP)"]) < 0.05 for acc in moons.values())
-    assert len(ran) == len(documented) == 10
+    for before, after in (("NTKGP", "NTKGP + new batch"), (sfr[gap], "SFR + new batch")):
+        assert nlpd[gap, after] < nlpd[gap, before] and rmse[gap, after] < rmse[gap, before]
+        assert float(named[gap, after][-1]) < 0.1 * train_s
+    # SFR with a quarter of the points as inducing inputs matches NTKGP's test NLPD to within 0.05
+    assert abs(nlpd[gap, sfr[gap]] - nlpd[gap, "NTKGP"]) < 0.05
+    # NTKGP's evidence falls after the update (and the table says why)
+    assert evidence[gap, "NTKGP + new batch"] < evidence[gap, "NTKGP"] and "[gap_regression] NTKGP's evidence" in out
+    # two moons: NTKGP beats the network that never saw the tip, and its update improves NLPD and accuracy
+    assert nlpd[moons, "NTKGP"] < nlpd[moons, "network (MAP)"]
+    assert nlpd[moons, "NTKGP + new batch"] < nlpd[moons, "NTKGP"]
+    assert accuracy[moons, "NTKGP + new batch"] > accuracy[moons, "NTKGP"] >= accuracy[moons, "network (MAP)"]
+    # SFR's update, which iterates only the new sites, does worse than NTKGP's, and the table says why
+    assert nlpd[moons, "SFR + new batch"] > nlpd[moons, "NTKGP + new batch"]
+    assert ("[two_moons] SFR's test NLPD rises" in out) == (nlpd[moons, "SFR + new batch"] > nlpd[moons, sfr[moons]])
+    # "When NTKGP's ECE is above the network's (not in the run above)": no refit row
+    ece = {key: float(row[-5]) for key, row in named.items() if row[-5] != "-"}
+    assert ece[moons, "NTKGP"] <= ece[moons, "network (MAP)"] and (moons, "NTKGP, δ refit") not in named
+    assert len(ran) == len(documented)
     for got, want in zip(ran, documented):
-        # cells: task, model words..., N, evidence, NLPD, RMSE, accuracy, ECE, build, predict, update
-        got_cells, want_cells = got[-9:-3], want[-9:-3]
-        assert got[: len(got) - 9] == want[: len(want) - 9]
+        got_cells, want_cells = got[-10:-4], want[-10:-4]
+        assert got[: len(got) - 10] == want[: len(want) - 10]
         for a, b in zip(got_cells, want_cells):
             if b == "-":
                 assert a == "-"

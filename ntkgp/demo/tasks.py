@@ -87,6 +87,8 @@ class DemoTask:
 
     Regression targets are ``(N, 1)``; when they were standardized, ``y_scale`` is the training std, so that
     NLPD and RMSE are reported in the original units. Class labels are ``(N,)`` in ``0..num_classes-1``.
+    ``gaps`` are input intervals (1-D tasks) with no training data, shaded in the figures; ``new_batch`` says
+    in a few words where the new batch lies (for the figure titles).
     """
 
     name: str
@@ -100,6 +102,8 @@ class DemoTask:
     num_classes: int = 0
     y_scale: float = 1.0
     axis_labels: tuple[str, str] = ("x", "y")
+    gaps: tuple[tuple[float, float], ...] = ()
+    new_batch: str = "a random subset"
 
 
 def gap_regression_task(config: DemoConfig) -> DemoTask:
@@ -125,13 +129,17 @@ def gap_regression_task(config: DemoConfig) -> DemoTask:
 
     x_new, y_new = draw(config.n_new_regression, gap_low, gap_high)
     x_test, y_test = draw(config.n_test, low, high)
-    return DemoTask("gap_regression", "regression", data.x_train, data.y_train, x_new, y_new, x_test, y_test)
+    return DemoTask("gap_regression", "regression", data.x_train, data.y_train, x_new, y_new, x_test, y_test,
+                    gaps=((gap_low, gap_high),), new_batch="inside the gap")
 
 
 def two_moons_task(config: DemoConfig) -> DemoTask:
     """Two-moons classification (scikit-learn's ``make_moons``, noise 0.2, so that the classes overlap).
 
-    A random ``new_fraction`` of the points is held back as the new batch; the test set is a fresh draw.
+    The new batch is the left tip of the lower moon, which reaches into the bend of the upper one: the
+    ``round(new_fraction * n)`` points of class 1 with the smallest first coordinate. The network never sees
+    them, so the update has something to change, as the gap batch of :func:`gap_regression_task` has. The
+    test set is a fresh draw of both moons.
 
     Args:
         config: sizes (``n_classification``, ``new_fraction``, ``n_test``) and ``seed``.
@@ -140,12 +148,14 @@ def two_moons_task(config: DemoConfig) -> DemoTask:
         The task ``"two_moons"``.
     """
     x, y = two_moons(n=config.n_classification, noise=0.2, seed=config.seed)
-    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(config.seed + 1))
-    n_new = max(1, round(config.new_fraction * len(x)))
-    train, new = order[:-n_new].sort().values, order[-n_new:].sort().values
+    n_new = min(max(1, round(config.new_fraction * len(x))), int((y == 1).sum()) - 1)
+    lower = (y == 1).nonzero().reshape(-1)
+    new = lower[x[lower, 0].argsort()[:n_new]].sort().values
+    train = torch.ones(len(x), dtype=torch.bool)
+    train[new] = False
     x_test, y_test = two_moons(n=config.n_test, noise=0.2, seed=config.seed + 1)
     return DemoTask("two_moons", "classification", x[train], y[train], x[new], y[new], x_test, y_test,
-                    num_classes=2, axis_labels=("x1", "x2"))
+                    num_classes=2, axis_labels=("x1", "x2"), new_batch="the left tip of the lower moon")
 
 
 def csv_task(path: str | Path, input_columns: Sequence[str], target_column: str, kind: str,
@@ -203,4 +213,4 @@ def csv_task(path: str | Path, input_columns: Sequence[str], target_column: str,
               f"{target_column} (standardized)" if kind == "regression" else
               f"{data.input_names[-1]} (standardized)")
     return DemoTask(name, kind, x[train], y[train], x[new], y[new], x[test], y[test], num_classes=num_classes,
-                    y_scale=y_scale, axis_labels=labels)
+                    y_scale=y_scale, axis_labels=labels, new_batch="a random 20 % of the rest")
