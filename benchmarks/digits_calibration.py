@@ -9,7 +9,7 @@ mode). Rows, each scored on the test images (NLPD, ECE with 10 bins, accuracy):
 - ``NTKGP`` (the GLM predictive, probit link) at the training δ;
 - ``NTKGP`` at the δ that maximizes its Laplace-GGN evidence, θ* fixed (100 Adam steps of 0.1 on log δ);
 - the GLM predictive at each δ of a grid, with the network's own mean (``FullLaplace`` GGN posterior and
-  ``ntkgp.predictive.predict``; ``NTKGP(predictive_mean="nn")`` gives the same), with the evidence and the
+  ``ntkgp.laplace.predict``; ``NTKGP(predictive_mean="nn")`` gives the same), with the evidence and the
   validation NLPD of each: the δ that validation would choose;
 - ``NTKGP`` with its default mean at a δ of the grid other than the training δ (its mean is then the
   linearized model's posterior mean, not the network's);
@@ -39,8 +39,8 @@ import ntkgp  # noqa: E402
 from ntkgp import metrics  # noqa: E402
 from ntkgp._doctable import command_line, markdown_table, write_block  # noqa: E402
 from ntkgp.likelihoods import SoftmaxLikelihood  # noqa: E402
-from ntkgp.posteriors import laplace_posterior  # noqa: E402
-from ntkgp.predictive import predict  # noqa: E402
+from ntkgp.laplace.weight_space import laplace_posterior  # noqa: E402
+from ntkgp.laplace.weight_space.predictive_estimators import predict  # noqa: E402
 
 DOCS = ("docs/predictive.md", "docs/ntkgp.md")
 REGION = "digits-calibration"
