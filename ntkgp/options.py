@@ -1,13 +1,12 @@
-"""Every option string of ntkgp in one place, as ``str`` enums, and the deprecation helpers for old names.
+"""Every option string of ntkgp in one place, as ``str`` enums, and the one mechanism for option attributes.
 
 Each public argument that takes one of a fixed set of strings is validated here with :func:`choose`, so
-that the accepted values, the error message and the deprecated spellings are the same everywhere. The enum
+that the accepted values and the error message are the same everywhere. The enum
 members compare equal to their strings (``Space.WEIGHT == "weight"``), so users pass plain strings.
 """
 
 from __future__ import annotations
 
-import warnings
 from enum import Enum
 from typing import TypeVar
 
@@ -139,19 +138,11 @@ class FiniteDifference(Option):
     FORWARD = "forward"
 
 
-#: Old spellings still accepted for one release, with a ``DeprecationWarning``: ``{enum: {old: new}}``.
-DEPRECATED_VALUES: dict[type[Option], dict[str, str]] = {
-    PriorStructure: {"scalar": "network", "layerwise": "layer"},
-    Structure: {"full": "full_ggn"},
-    OutputCoupling: {"full": "joint"},
-    PriorMean: {"linearised": "linearized"},
-}
-
 E = TypeVar("E", bound=Option)
 
 
 def choose(enum: type[E], value: object, argument: str) -> E:
-    """Validate ``value`` as a member of ``enum`` (a string or a member); deprecated spellings warn.
+    """Validate ``value`` as a member of ``enum`` (a string or a member).
 
     Raises:
         ValueError: naming ``argument`` and the accepted values.
@@ -159,12 +150,6 @@ def choose(enum: type[E], value: object, argument: str) -> E:
     if isinstance(value, enum):
         return value
     if isinstance(value, str):
-        old = DEPRECATED_VALUES.get(enum, {})
-        if value in old:
-            warnings.warn(
-                f"{argument}={value!r} is deprecated; use {argument}={old[value]!r}", DeprecationWarning, stacklevel=3
-            )
-            value = old[value]
         try:
             return enum(value)
         except ValueError:
@@ -189,27 +174,6 @@ def choose_space(space: Space | str, num_params: int, num_rows: int) -> Space:
     return Space.WEIGHT if num_rows > WEIGHT_SPACE_FROM * num_params else Space.FUNCTION
 
 
-def renamed_argument(kwargs: dict, old: str, new: str, value: object, default: object) -> object:
-    """Pop a deprecated keyword ``old`` from ``kwargs`` and return the value for ``new`` (warns once per call).
-
-    ``value`` is what the caller received for ``new``; passing both raises ``TypeError``.
-    """
-    if old not in kwargs:
-        return value
-    if value is not default:
-        raise TypeError(f"pass {new}= only; {old}= is its deprecated name")
-    warnings.warn(f"{old}= is deprecated; use {new}=", DeprecationWarning, stacklevel=3)
-    return kwargs.pop(old)
-
-
-def deprecated_alias(new: type, old_name: str) -> type:
-    """A subclass of ``new`` named ``old_name`` that warns on construction (old public class names)."""
-
-    def __init__(self, *args, **kwargs):
-        warnings.warn(f"{old_name} is deprecated; use {new.__name__}", DeprecationWarning, stacklevel=2)
-        new.__init__(self, *args, **kwargs)
-
-    return type(old_name, (new,), {"__init__": __init__, "__doc__": f"Deprecated alias of :class:`{new.__name__}`."})
 
 
 class OptionAttribute:
