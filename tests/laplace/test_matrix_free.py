@@ -44,7 +44,7 @@ def test_products_match_brute_force_jacobians(case):
     net, strategy, x = networks()[case]
     before = snapshot(net)
     engine = NTKEngine(net, prior_structure="parameter", strategy=strategy, chunk_size=4)
-    products = NTKProducts(engine, x)
+    products = engine.products(x)
     if case == "mlp-structured":
         assert len(products.layers) == 3 and products.generic == []
     if case == "cnn":
@@ -75,7 +75,7 @@ def test_kernel_operator_products_diagonal_and_derivative():
     engine = NTKEngine(net, prior_structure="layer")
     cols = engine.groups.column_groups()
     delta = DELTA.clone().requires_grad_(True)
-    op = MatrixFreeNTKOperator(delta, NTKProducts(engine, x))
+    op = MatrixFreeNTKOperator(delta, engine.products(x))
     dense = dense_kernel(net, x, delta, cols)
     v = torch.randn(dense.shape[0], 4, dtype=torch.float64)
     assert rel_err(op.matmul(v), dense.detach() @ v) < 1e-12
@@ -93,7 +93,7 @@ def test_site_operator_products_and_bilinear_derivative():
     n = x.shape[0]
     factor = torch.randn(n, 3, 3, dtype=torch.float64, requires_grad=True)  # any (N, C, k) blocks
     delta = DELTA.clone().requires_grad_(True)
-    op = LaplaceSiteOperator(factor, delta, NTKProducts(engine, x))
+    op = LaplaceSiteOperator(factor, delta, engine.products(x))
     big_l = torch.block_diag(*factor)  # (N·C, N·k), independent of ntkgp's block algebra
     dense = torch.eye(3 * n, dtype=torch.float64) + big_l.T @ dense_kernel(net, x, delta, cols) @ big_l
     v = torch.randn(3 * n, 6, dtype=torch.float64)
@@ -111,7 +111,7 @@ def test_nystrom_preconditioner():
     engine = NTKEngine(net, prior_structure="layer")
     n = x.shape[0]
     factor = torch.randn(n, 3, 3, dtype=torch.float64)
-    products = NTKProducts(engine, x)
+    products = engine.products(x)
     generator = torch.Generator().manual_seed(0)
     dense = LaplaceSiteOperator(factor, DELTA, products).to_dense()
     # full rank: P = B (up to the shift)

@@ -53,7 +53,7 @@ def kernel_products(kernel: NTKKernel, x: torch.Tensor) -> NTKProducts:
     cache = _PRODUCTS.setdefault(kernel, ValueCache(size=1))
     engine = kernel.engine
     state = engine.network_state()
-    return cache.get_or_compute("products", [x], lambda: NTKProducts(engine, x), state=state)
+    return cache.get_or_compute("products", [x], lambda: engine.products(x), state=state)
 
 
 @contextlib.contextmanager
