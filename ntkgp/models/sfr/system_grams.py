@@ -103,8 +103,7 @@ def precise_engine(engine: NTKEngine) -> NTKEngine:
         )
         return engine
     return NTKEngine(
-        net, engine.prior_structure, chunk_size=engine.chunk_size, strategy=engine.strategy,
-        input_shape=engine.input_shape, max_jacobian_bytes=engine.max_jacobian_bytes,
+        net, engine.prior_structure, chunk_size=engine.chunk_size, strategy=engine.strategy, input_shape=engine.input_shape
     )
 
 
