@@ -26,6 +26,7 @@ from ...options import (
     StatisticsMode,
     choice,
     choose,
+    option_attributes,
 )
 from .evidence import collapsed_bound
 from .factorization import PosteriorCache, posterior_state, z_jacobian
@@ -275,9 +276,12 @@ class SFR(BoTorchInterface, GP):
 
     def _option_changed(self, name: str) -> None:
         """After an assignable option changed: nothing cached depends on ``predictive_mean``, ``batch_size`` or
-        ``progress`` (they are read at each call); ``chunk_size`` is the engine's chunk."""
+        ``progress`` (they are read at each call); ``chunk_size`` is the kernel's (its engine's chunk)."""
         if name == "chunk_size":
-            self.engine.chunk_size = self.chunk_size
+            if "chunk_size" in option_attributes(type(self.covar_module)):  # the kernel rebuilds its engine
+                self.covar_module.chunk_size = self.chunk_size
+            else:
+                self.engine.chunk_size = self.chunk_size
 
     def _rows_per_step(self) -> int:
         """Points per accumulation step and prediction chunk: ``batch_size``, or the ``G`` cross-Grams under 2²⁴ numbers."""
