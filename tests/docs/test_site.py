@@ -80,7 +80,9 @@ def test_site_builds_without_warnings_and_documents_every_public_name(tmp_path):
         if names is None:  # ntkgp.options: its public classes and functions
             names = [n for n, o in vars(mod).items() if not n.startswith("_") and callable(o)
                      and getattr(o, "__module__", None) == mod.__name__]
-        missing += [f"ntkgp.{module}.{n}" for n in names if f"ntkgp.{module}.{n}" not in documented]
+        # a package front door (ntkgp.laplace) may document its names in the subpackages that define them
+        missing += [f"ntkgp.{module}.{n}" for n in names if f"ntkgp.{module}.{n}" not in documented
+                    and not any(d.startswith(f"ntkgp.{module}.") and d.endswith(f".{n}") for d in documented)]
     assert not missing, f"public names not on the site: {missing}"
     # math is rendered by MathJax, bundled when sphinx-mathjax-offline is installed (the docs extra)
     page = (out / "math.html").read_text()
