@@ -221,14 +221,18 @@ class OptionAttribute:
         old = state[self._slot]
         if _same_option(old, new):
             return
+        self.refuse_if_fixed(obj, value)
+        state[self._slot] = new
+        getattr(obj, self.on_change)(self.name)
+
+    def refuse_if_fixed(self, obj, value) -> None:
+        """Raise the ``AttributeError`` of a fixed option that is given another value (nothing if assignable)."""
         if self.fixed is not None:
             kind = type(obj).__name__
             raise AttributeError(
                 f"{kind}.{self.name} cannot be changed after construction ({self.fixed}); build a new {kind} "
                 f"with {self.name}={value!r}"
             )
-        state[self._slot] = new
-        getattr(obj, self.on_change)(self.name)
 
 
 def _same_option(old, new) -> bool:

@@ -9,7 +9,7 @@ kernel fixes (``prior_structure``, ``input_shape``) is fixed on the model too, w
 from __future__ import annotations
 
 from ...kernels import NTKKernel
-from ...options import OptionAttribute, option_attributes
+from ...options import OptionAttribute, _same_option, option_attributes
 
 __all__ = ["KernelOption"]
 
@@ -39,13 +39,8 @@ class KernelOption(OptionAttribute):
     def __set__(self, obj, value) -> None:
         new = self.validate(value, self.name)
         kernel = obj.covar_module
-        if getattr(kernel, self.name) == new:
+        if _same_option(getattr(kernel, self.name), new):
             return
-        if self.fixed is not None:
-            kind = type(obj).__name__
-            raise AttributeError(
-                f"{kind}.{self.name} cannot be changed after construction ({self.fixed}); build a new {kind} "
-                f"with {self.name}={value!r}"
-            )
+        self.refuse_if_fixed(obj, value)
         setattr(kernel, self.name, new)
         getattr(obj, self.on_change)(self.name)
