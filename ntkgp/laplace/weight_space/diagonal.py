@@ -182,17 +182,8 @@ def diagonal_ggn(
     other parameters: per-example vector-Jacobian products, memory :math:`O(\text{batch} \cdot C \cdot P)`.
     Arguments as :func:`~ntkgp.laplace.compute_curvature`.
     """
-    data = DataPass.start(net, likelihood, prior_structure, input_shape, distributed)
-    names = list(data.core.groups.names)
-    layers = structured_layers(net, data.core.groups, strict=False)
-    total = 0
-    for step, (xb, fb, yb) in enumerate(data.batches(x, y, batch_size, progress, "diagonal GGN")):
-        if step == 0:
-            layers = usable_layers(data, layers, xb[:1], strict=False)
-        total = total + diagonal_ggn_components(data, xb, fb, yb, names, layers)
-    data.reduce([total])  # sums over every rank's shard
-    f_all, y_all = data.collected()
-    return DiagonalGGN(data.core.groups, data.theta_sq_norms(), f_all, y_all, data.scale0.shape[0], total)
+    return _diagonal_pass(DiagonalGGN, "diagonal GGN", diagonal_ggn_components, net, x, y, likelihood,
+                          prior_structure, batch_size, progress, input_shape, distributed)
 
 
 def diagonal_ef(
@@ -212,17 +203,29 @@ def diagonal_ef(
     noise differentiable); routes as :func:`diagonal_ggn`. Arguments as
     :func:`~ntkgp.laplace.compute_curvature`.
     """
+    return _diagonal_pass(DiagonalEF, "diagonal EF", _diagonal_ef_components, net, x, y, likelihood,
+                          prior_structure, batch_size, progress, input_shape, distributed)
+
+
+def _diagonal_ef_components(data: DataPass, x: Tensor, f: Tensor, y: Tensor, names: list[str], layers) -> Tensor:
+    """One batch's :math:`\sum_n (J_n^\top \tilde g_n)^{\odot 2}`, per output for a multi-output Gaussian."""
+    g = data.unit_gradient(f, y)
+    cot = torch.diag_embed(g) if data.scale0.shape[0] > 1 else g.unsqueeze(-1)
+    return diagonal_products(data, x, cot, names, layers, pairs=True)
+
+
+def _diagonal_pass(kind, label: str, components, net, x, y, likelihood, prior_structure, batch_size, progress,
+                   input_shape, distributed):
+    """The one pass over the data of both diagonals: ``components(data, x, f, y, names, layers)`` summed over
+    the batches (and the ranks), the layer features checked on the first batch."""
     data = DataPass.start(net, likelihood, prior_structure, input_shape, distributed)
     names = list(data.core.groups.names)
     layers = structured_layers(net, data.core.groups, strict=False)
-    per_output = data.scale0.shape[0] > 1
     total = 0
-    for step, (xb, fb, yb) in enumerate(data.batches(x, y, batch_size, progress, "diagonal EF")):
+    for step, (xb, fb, yb) in enumerate(data.batches(x, y, batch_size, progress, label)):
         if step == 0:
             layers = usable_layers(data, layers, xb[:1], strict=False)
-        g = data.unit_gradient(fb, yb)
-        cot = torch.diag_embed(g) if per_output else g.unsqueeze(-1)
-        total = total + diagonal_products(data, xb, cot, names, layers, pairs=True)
+        total = total + components(data, xb, fb, yb, names, layers)
     data.reduce([total])  # sums over every rank's shard
     f_all, y_all = data.collected()
-    return DiagonalEF(data.core.groups, data.theta_sq_norms(), f_all, y_all, data.scale0.shape[0], total)
+    return kind(data.core.groups, data.theta_sq_norms(), f_all, y_all, data.scale0.shape[0], total)
