@@ -24,7 +24,7 @@ exposed to rounding:
 
 * weight space: :math:`s = P_0^{-1/2} R^{-1} R^{-\top} P_0^{-1/2} u` with the site posterior's factor
   :math:`R^\top R = I + W^\top W` (formed in float64 for lower-precision models), products with the kernel's
-  cached Jacobian :math:`J_X`;
+  cached Jacobian :math:`J_X` (summed in float64 for lower-precision models, a block of rows at a time);
 * function space (Woodbury): :math:`s = a - P_0^{-1} J_X^\top L B^{-1} L^\top J_X a`, :math:`a = P_0^{-1} u`,
   with :math:`B = I + L^\top K_{XX} L = R R^\top`; two vector-Jacobian and one Jacobian-vector product over
   the training inputs, never a Jacobian.
@@ -112,6 +112,17 @@ def condition_number(post: SitePosterior, iterations: int = 10) -> float:
     return max(value, 1.0)
 
 
+#: Rows of the Jacobian converted to float64 at a time for the weight-space products of a lower-precision model.
+_ROWS = 4096
+
+
+def _wide(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """float64 for a lower-precision ``dtype`` (except on devices without it), else ``dtype``."""
+    if torch.finfo(dtype).eps > torch.finfo(torch.float64).eps and device.type != "mps":
+        return torch.float64
+    return dtype
+
+
 def newton_step(
     kernel: NTKKernel, likelihood: Likelihood, x: torch.Tensor, f: torch.Tensor, y: torch.Tensor, post: SitePosterior
 ) -> torch.Tensor:
@@ -137,12 +148,15 @@ def newton_step(
     theta = flat_parameters(engine, engine.params()).to(dtype)
     precision = kernel.column_weights(1.0).to(dtype)
     if post.space is Space.WEIGHT:  # the Jacobian J_X is at hand (the kernel's cache): products are matmuls
-        jac = kernel.jacobian(x).to(dtype)
-        u = jac.mT @ natural.reshape(-1) - precision * theta
-        scale = post.root_scale.to(dtype)
-        half = torch.linalg.solve_triangular(post.chol.mT, (scale * u).unsqueeze(-1), upper=False)
-        step = scale * torch.linalg.solve_triangular(post.chol, half, upper=True).squeeze(-1)
-        correction = lambda: (jac @ step.detach()).abs().max()  # noqa: E731
+        jac = kernel.jacobian(x)
+        work = _wide(dtype, jac.device)  # float64 sums for lower precisions, as the factor was formed
+        r = natural.reshape(-1).to(work)
+        u = sum(j.to(work).mT @ r[start : start + len(j)] for start, j in zip(range(0, len(jac), _ROWS), jac.split(_ROWS)))
+        u = u - precision.to(work) * theta.to(work)
+        scale, chol = post.root_scale.to(work), post.chol.to(work)
+        half = torch.linalg.solve_triangular(chol.mT, (scale * u).unsqueeze(-1), upper=False)
+        step = (scale * torch.linalg.solve_triangular(chol, half, upper=True).squeeze(-1)).to(dtype)
+        correction = lambda: (jac.to(dtype) @ step.detach()).abs().max()  # noqa: E731
     else:  # no Jacobian: two vector-Jacobian and one Jacobian-vector product over the training inputs
         u = flat_parameters(engine, engine.vjp(x, natural.reshape(-1))).to(dtype) - precision * theta
         a = u / precision
