@@ -23,10 +23,11 @@ is the gradient of the log joint at :math:`\theta^*` (small near a MAP), and onl
 exposed to rounding:
 
 * weight space: :math:`s = P_0^{-1/2} R^{-1} R^{-\top} P_0^{-1/2} u` with the site posterior's factor
-  :math:`R^\top R = I + W^\top W` (formed in float64 for lower-precision models);
+  :math:`R^\top R = I + W^\top W` (formed in float64 for lower-precision models), products with the kernel's
+  cached Jacobian :math:`J_X` (summed in float64 for lower-precision models, a block of rows at a time);
 * function space (Woodbury): :math:`s = a - P_0^{-1} J_X^\top L B^{-1} L^\top J_X a`, :math:`a = P_0^{-1} u`,
-  with :math:`B = I + L^\top K_{XX} L = R R^\top`; one vector-Jacobian and one Jacobian-vector product per
-  pass over the training inputs, never a Jacobian.
+  with :math:`B = I + L^\top K_{XX} L = R R^\top`; two vector-Jacobian and one Jacobian-vector product over
+  the training inputs, never a Jacobian.
 
 At test points the mean costs one forward-mode pass (:math:`f` and :math:`J s` together), no cross-Gram.
 
@@ -96,7 +97,7 @@ def parameter_dict(engine: NTKEngine, vector: torch.Tensor) -> dict[str, torch.T
     return {name: p.reshape(shape) for name, p, shape in zip(engine.groups.names, pieces, engine.groups.shapes)}
 
 
-def condition_number(post: SitePosterior, iterations: int = 30) -> float:
+def condition_number(post: SitePosterior, iterations: int = 10) -> float:
     r""":math:`\kappa = \lambda_{max}` of the factorized matrix (:math:`B = R R^\top` or :math:`R^\top R`), whose
     smallest eigenvalue is :math:`\ge 1`: a few power iterations on the factor, :math:`O(\text{iterations}\cdot r^2)`."""
     chol = post.chol.detach()
@@ -109,6 +110,17 @@ def condition_number(post: SitePosterior, iterations: int = 30) -> float:
             return float("inf") if not torch.isfinite(norm) else value
         value, v = float(norm / v.norm()), w / norm
     return max(value, 1.0)
+
+
+#: Rows of the Jacobian converted to float64 at a time for the weight-space products of a lower-precision model.
+_ROWS = 4096
+
+
+def _wide(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """float64 for a lower-precision ``dtype`` (except on devices without it), else ``dtype``."""
+    if torch.finfo(dtype).eps > torch.finfo(torch.float64).eps and device.type != "mps":
+        return torch.float64
+    return dtype
 
 
 def newton_step(
@@ -135,17 +147,25 @@ def newton_step(
     natural = (lam @ (sites - f).to(dtype).unsqueeze(-1)).squeeze(-1) + gradient(likelihood, sites, y).to(dtype)
     theta = flat_parameters(engine, engine.params()).to(dtype)
     precision = kernel.column_weights(1.0).to(dtype)
-    u = flat_parameters(engine, engine.vjp(x, natural.reshape(-1))).to(dtype) - precision * theta
-    if post.space is Space.WEIGHT:
-        scale = post.root_scale.to(dtype)
-        half = torch.linalg.solve_triangular(post.chol.mT, (scale * u).unsqueeze(-1), upper=False)
-        step = scale * torch.linalg.solve_triangular(post.chol, half, upper=True).squeeze(-1)
-    else:
+    if post.space is Space.WEIGHT:  # the Jacobian J_X is at hand (the kernel's cache): products are matmuls
+        jac = kernel.jacobian(x)
+        work = _wide(dtype, jac.device)  # float64 sums for lower precisions, as the factor was formed
+        r = natural.reshape(-1).to(work)
+        u = sum(j.to(work).mT @ r[start : start + len(j)] for start, j in zip(range(0, len(jac), _ROWS), jac.split(_ROWS)))
+        u = u - precision.to(work) * theta.to(work)
+        scale, chol = post.root_scale.to(work), post.chol.to(work)
+        half = torch.linalg.solve_triangular(chol.mT, (scale * u).unsqueeze(-1), upper=False)
+        step = (scale * torch.linalg.solve_triangular(chol, half, upper=True).squeeze(-1)).to(dtype)
+        correction = lambda: (jac.to(dtype) @ step.detach()).abs().max()  # noqa: E731
+    else:  # no Jacobian: two vector-Jacobian and one Jacobian-vector product over the training inputs
+        u = flat_parameters(engine, engine.vjp(x, natural.reshape(-1))).to(dtype) - precision * theta
         a = u / precision
         z = engine.jvp(x, parameter_dict(engine, a)).to(dtype)
         solved = torch.cholesky_solve(block_apply(post.factor, z, transpose=True).unsqueeze(-1), post.chol).squeeze(-1)
-        back = flat_parameters(engine, engine.vjp(x, block_apply(post.factor, solved).to(engine.dtype))).to(dtype)
-        step = a - back / precision
+        v = block_apply(post.factor, solved)
+        step = a - flat_parameters(engine, engine.vjp(x, v.to(engine.dtype))).to(dtype) / precision
+        # J_X s = z - K_XX v, from the cached Gram: only the size matters here
+        correction = lambda: (z - kernel(x).to_dense().to(dtype) @ v).detach().abs().max()  # noqa: E731
     with torch.no_grad():
         kappa = condition_number(post)
         delta = float(kernel.prior_precision.detach().max())
@@ -160,8 +180,7 @@ def newton_step(
                 stacklevel=4,
             )
             return step
-        correction = engine.jvp(x, parameter_dict(engine, step.detach())).abs().max()
-        error = relative_error(post, kappa, float(correction), float(f.detach().abs().max()))
+        error = relative_error(post, kappa, float(correction()), float(f.detach().abs().max()))
     if error > ERROR_LIMIT:
         _warn(post, dtype, kappa, error)
     return step
@@ -193,12 +212,9 @@ def _warn(post: SitePosterior, dtype: torch.dtype, kappa: float, error: float) -
 
 
 def shifted_outputs(engine: NTKEngine, x: torch.Tensor, step: dict[str, torch.Tensor]) -> torch.Tensor:
-    r""":math:`f(x;\theta^*) + J(x)\,s` ``(n, C)`` in one forward-mode pass per chunk (no Jacobian), in the network's
-    dtype; with a graph to ``x`` when it requires grad (and to ``step`` when it carries one)."""
+    r""":math:`f(x;\theta^*) + J(x)\,s` ``(n, C)`` in one forward-mode pass (no Jacobian; the caller chunks the test
+    points), in the network's dtype; with a graph to ``x`` when it requires grad (and to ``step`` when it carries
+    one)."""
     x = engine.prepare(x, "X")
-    params = engine.params()
-    parts = []
-    for chunk in x.split(engine.chunk_size):
-        f, push = jvp(lambda p, xs=chunk: forward(engine.net, p, xs), (params,), (step,))
-        parts.append(f + push)
-    return torch.cat(parts)
+    f, push = jvp(lambda p: forward(engine.net, p, x), (engine.params(),), (step,))
+    return f + push
