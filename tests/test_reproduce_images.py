@@ -196,7 +196,7 @@ def run(script: str, *args: str, check: bool = True) -> subprocess.CompletedProc
 def quick(script, tiny, out, *extra):
     fmnist, mnist = tiny
     return run(script, "--quick", "--threads", "1", "--data-dir", str(fmnist), "--mnist", str(mnist), "--out",
-               str(out), *extra)
+               str(out), "--state-dir", str(out / "states"), *extra)
 
 
 def test_immer_table2_quick_resumes_and_rebuilds_from_its_files(tiny, tmp_path):
@@ -252,7 +252,8 @@ def test_fsvi_images_quick(tiny, tmp_path):
 ])
 def test_bad_options_are_refused_before_any_run(tiny, tmp_path, args, message, monkeypatch, capsys):
     script = _load("immer_table2")
-    monkeypatch.setattr(sys, "argv", ["immer_table2.py", "--data-dir", str(tiny[0]), "--out", str(tmp_path), *args])
+    monkeypatch.setattr(sys, "argv", ["immer_table2.py", "--data-dir", str(tiny[0]), "--out", str(tmp_path),
+                                      "--state-dir", str(tmp_path / "states"), *args])
     with pytest.raises(SystemExit) as exit_:
         script.main()
     assert exit_.value.code == 2 and message in capsys.readouterr().err

@@ -139,7 +139,10 @@ def parser(description: str, name: str, epochs_help: str) -> argparse.ArgumentPa
                    "(default: all 60,000)")
     p.add_argument("--n-test", type=int, default=None, help="a seeded random subset of the test images")
     p.add_argument("--seeds", type=int, default=None, help="network seeds 0..S-1 (the papers: 5)")
+    p.add_argument("--state-dir", default=None, help="where trained networks are kept between runs (default: "
+                   "$XDG_CACHE_HOME/ntkgp-reproduce/NAME, outside the repository: they are not results)")
     p.add_argument("--width-scale", type=int, default=1, help=argparse.SUPPRESS)  # tests: tiny networks
+    p.set_defaults(results_name=name)
     return p
 
 
@@ -163,10 +166,13 @@ COUNTS = {"epochs", "n_train", "n_test", "seeds", "width_scale", "threads", "fre
 
 
 def setup(args: argparse.Namespace) -> None:
-    """Threads and the output folder."""
+    """Threads, the output folder and the folder of trained networks (``args.state_dir``)."""
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     Path(args.out).mkdir(parents=True, exist_ok=True)
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    args.state_dir = Path(args.state_dir or cache / "ntkgp-reproduce" / args.results_name)
+    args.state_dir.mkdir(parents=True, exist_ok=True)
 
 
 def settings_key(args: argparse.Namespace, *parts: object) -> str:
