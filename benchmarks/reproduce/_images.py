@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import inspect
 import math
-import platform
 import os
 from functools import partial
 from pathlib import Path
@@ -40,8 +39,6 @@ from ntkgp.datasets import load_fashion_mnist, load_mnist
 from ntkgp.metrics import accuracy, categorical_nlpd, expected_calibration_error
 from ntkgp.training import train_marglik
 
-#: The papers' parameter counts.
-PUBLISHED_P = {"immer_mlp": 1_494_154, "immer_cnn": 892_010, "fsvi_cnn": 421_642}
 FULL_TRAIN = 60_000  # both data sets' training images (MNIST: the classic 50,000 + its 10,000 validation images)
 
 
@@ -399,7 +396,3 @@ def run_note(args: argparse.Namespace, protocol_epochs: int, extra: str = "", te
     if args.quick:
         what += " (--quick)"
     return f"\n\n{what}. {extra}".rstrip()
-
-
-def machine() -> str:
-    return f"{platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}"
