@@ -23,9 +23,10 @@ SCRIPTS = ROOT / "benchmarks" / "reproduce"
 
 
 def _load(name: str):
-    """A module of benchmarks/reproduce under its own name, with the ``_common`` it imports taken from there and
-    ``sys.modules["_common"]`` left as it was (examples/ has a ``_common`` too)."""
-    saved = sys.modules.pop("_common", None)
+    """A module of benchmarks/reproduce under its own name, with the ``_common`` / ``_images`` it imports taken from
+    there and ``sys.modules`` left as it was for those names (examples/ has a ``_common`` too)."""
+    shared = ("_common", "_images")
+    saved = {key: sys.modules.pop(key) for key in shared if key in sys.modules}
     sys.path.insert(0, str(SCRIPTS))
     try:
         spec = importlib.util.spec_from_file_location(f"reproduce_{name}", SCRIPTS / f"{name}.py")
@@ -34,9 +35,9 @@ def _load(name: str):
         return module
     finally:
         sys.path.remove(str(SCRIPTS))
-        sys.modules.pop("_common", None)
-        if saved is not None:
-            sys.modules["_common"] = saved
+        for key in shared:
+            sys.modules.pop(key, None)
+        sys.modules.update(saved)
 
 
 images = _load("_images")
@@ -195,7 +196,7 @@ def run(script: str, *args: str, check: bool = True) -> subprocess.CompletedProc
 def quick(script, tiny, out, *extra):
     fmnist, mnist = tiny
     return run(script, "--quick", "--threads", "1", "--data-dir", str(fmnist), "--mnist", str(mnist), "--out",
-               str(out), *extra)
+               str(out), "--state-dir", str(out / "states"), *extra)
 
 
 def test_immer_table2_quick_resumes_and_rebuilds_from_its_files(tiny, tmp_path):
@@ -249,7 +250,11 @@ def test_fsvi_images_quick(tiny, tmp_path):
     (["--epochs", "0"], "--epochs must be a positive integer"),
     (["--quick", "--write-docs"], "are not written into the docs"),
 ])
-def test_bad_options_are_refused_before_any_run(tiny, tmp_path, args, message):
-    done = run("immer_table2", "--data-dir", str(tiny[0]), "--out", str(tmp_path), *args, check=False)
-    assert done.returncode != 0 and message in done.stderr + done.stdout
+def test_bad_options_are_refused_before_any_run(tiny, tmp_path, args, message, monkeypatch, capsys):
+    script = _load("immer_table2")
+    monkeypatch.setattr(sys, "argv", ["immer_table2.py", "--data-dir", str(tiny[0]), "--out", str(tmp_path),
+                                      "--state-dir", str(tmp_path / "states"), *args])
+    with pytest.raises(SystemExit) as exit_:
+        script.main()
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
     assert not list(tmp_path.glob("*.json"))

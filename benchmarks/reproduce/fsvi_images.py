@@ -150,7 +150,7 @@ def main() -> None:
     store = _common.Store(args.out)
     runs: dict[str, list[dict]] = {}
     for seed in range(args.seeds):
-        state = Path(args.out) / (_images.settings_key(args, "map_state", f"seed{seed}", f"d{args.delta:g}") + ".pt")
+        state = args.state_dir / (_images.settings_key(args, "map_state", f"seed{seed}", f"d{args.delta:g}") + ".pt")
         for method in args.methods:
             settings = {"fsvi": (f"d{args.fsvi_prior_precision:g}", f"K{args.num_context}", f"S{args.mc_samples}"),
                         "sfr": (f"d{args.delta:g}", f"M{args.num_inducing}")}.get(method, (f"d{args.delta:g}",))

@@ -107,7 +107,7 @@ def evaluate(sfr: SFR, x, y, size: int) -> dict:
 def run_one(args, trained: dict, m: int) -> dict:
     x, y, _, (x_test, y_test) = data(args)
     net = _images.immer_cnn(args.width_scale, trained["seed"]).to(args.device)
-    net.load_state_dict(torch.load(Path(args.out) / trained["state"], map_location=args.device))
+    net.load_state_dict(torch.load(args.state_dir / trained["state"], map_location=args.device))
     net.eval()
     start = time.perf_counter()
     sfr = SFR(net, x, y, SoftmaxLikelihood(num_classes=10).to(args.device), num_inducing=m,
@@ -150,7 +150,7 @@ def main() -> None:
     trainings = []
     for seed in range(args.seeds):
         k = _images.settings_key(args, "train", f"seed{seed}")
-        trained = store.run(k, lambda: train(args, seed, Path(args.out) / f"{k}.pt"), enabled=not args.table_only)
+        trained = store.run(k, lambda: train(args, seed, args.state_dir / f"{k}.pt"), enabled=not args.table_only)
         if trained is None:
             continue
         trainings.append(trained)
