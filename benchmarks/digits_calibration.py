@@ -19,7 +19,8 @@ mode). Rows, each scored on the test images (NLPD, ECE with 10 bins, accuracy):
     python benchmarks/digits_calibration.py [--per-layer] [--write-docs]
 
 ``--write-docs`` writes the table into the generated regions ``digits-calibration`` of docs/predictive.md and
-docs/ntkgp.md. A few minutes on one core (``--per-layer``: about five more).
+docs/ntkgp.md. About eight minutes on a 2-core machine (``--per-layer``: about fifteen more); the table's
+note gives the wall time of the run.
 """
 
 from __future__ import annotations
@@ -176,7 +177,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--write-docs", action="store_true", help=f"write the table into {' and '.join(DOCS)}")
     parser.add_argument("--per-layer", action="store_true",
-                        help="also Algorithm 1 with one δ per layer (about five more minutes on one core)")
+                        help="also Algorithm 1 with one δ per layer (about fifteen more minutes on 2 cores)")
     args = parser.parse_args()
     table = run(args.per_layer)
     print(table)

@@ -3,8 +3,10 @@
 Train a network with Algorithm 1 (online optimization of the log marginal likelihood,
 :func:`~ntkgp.training.train_marglik`), turn it into an :class:`~ntkgp.NTKGP` and an :class:`~ntkgp.SFR`,
 condition both on a new batch of data without retraining, and report evidence, test metrics and timings in
-one table, with figures of the predictive before and after the update. The command line itself (arguments,
-exit codes) is :mod:`ntkgp.cli`; see ``docs/cli_and_examples.md``.
+one table (:mod:`~ntkgp.demo.report`), with the reason for each number a first reader would question
+(:mod:`~ntkgp.demo.notes`) and figures of the predictive before and after the update and of what it changed
+(:mod:`~ntkgp.demo.figures`). The command line itself (arguments, exit codes) is :mod:`ntkgp.cli`; see
+``docs/cli_and_examples.md``.
 
 Example:
     >>> from ntkgp.demo import QUICK, gap_regression_task, run_demo
