@@ -19,10 +19,11 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from ...distributed import all_gather_rows, all_reduce_sum, check_distributed, check_replicated, together
-from ...likelihoods import gradient, hessian_sqrt, validate_targets
+from ...likelihoods import validate_targets
 from ...ntk.checks import check_count, check_outputs
 from ...ntk.groups import GroupSpec
 from ...ntk.network import NetworkCore
+from . import scaling
 from .scaling import output_scale
 
 Data = Tensor | Iterable[tuple[Tensor, Tensor]]
@@ -161,13 +162,11 @@ class DataPass:
 
         Gaussian: :math:`\tilde L_n = I`; tempered classification: :math:`L_n \sqrt{T_0}`.
         """
-        with torch.no_grad():
-            return hessian_sqrt(self.likelihood, f, y) * self.scale0.rsqrt()[:, None]
+        return scaling.unit_hessian_sqrt(self.likelihood, f, y, self.scale0)
 
     def unit_gradient(self, f: Tensor, y: Tensor) -> Tensor:
         r""":math:`\tilde g_n = S_0^{-1} g_n`, shape ``(n, C)`` (Gaussian: :math:`y_n - f_n`)."""
-        with torch.no_grad():
-            return gradient(self.likelihood, f, y) / self.scale0
+        return scaling.unit_gradient(self.likelihood, f, y, self.scale0)
 
     def per_example_vjps(self, x: Tensor, cotangents: Tensor, names: list[str]) -> Tensor:
         r"""Rows :math:`J_n^\top u_{nm}` restricted to the parameters ``names``, shape ``(n, M, P_{names})``."""
