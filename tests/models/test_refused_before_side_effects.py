@@ -154,3 +154,15 @@ def test_numpy_integers_are_counts_and_numpy_bools_are_not(option):
     torch.testing.assert_close(v, v_ref, rtol=1e-10, atol=0)
     with pytest.raises(ValueError, match=option):
         ntkgp.NTKGP(net, x, y, likelihood, **{option: np.bool_(True)})
+
+
+# ---------------------------------------------------------------------------------------------- the likelihood's mode
+@pytest.mark.parametrize("mode", [True, False])
+def test_building_and_updating_an_sfr_keeps_the_likelihoods_mode(mode):
+    """SFR starts in eval mode; its ``self.eval()`` switched the user's likelihood (a submodule) with it."""
+    x, y, likelihood = regression()
+    likelihood.train(mode)
+    sfr = ntkgp.SFR(mlp(), x, y, likelihood, num_inducing=5)
+    sfr.update(x[:3], y[:3])
+    assert not sfr.training
+    assert [m.training for m in likelihood.modules()] == [mode] * len(list(likelihood.modules()))

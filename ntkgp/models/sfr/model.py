@@ -235,7 +235,10 @@ class SFR(CheckedLoad, BoTorchInterface, GP):
         self._updates = 0  # bumped by update
         self._cache = PosteriorCache()
         self.register_load_state_dict_post_hook(_reset_after_load)
-        self.eval()
+        modes = [m.training for m in likelihood.modules()]
+        self.eval()  # the model starts in eval mode; the user's likelihood keeps its own
+        for module, mode in zip(likelihood.modules(), modes):
+            module.training = mode
 
     # ------------------------------------------------------------------ properties and options
     @property
