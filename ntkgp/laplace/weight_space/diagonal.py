@@ -208,7 +208,7 @@ def diagonal_ef(
 
 
 def _diagonal_ef_components(data: DataPass, x: Tensor, f: Tensor, y: Tensor, names: list[str], layers) -> Tensor:
-    """One batch's :math:`\sum_n (J_n^\top \tilde g_n)^{\odot 2}`, per output for a multi-output Gaussian."""
+    r"""One batch's :math:`\sum_n (J_n^\top \tilde g_n)^{\odot 2}`, per output for a multi-output Gaussian."""
     g = data.unit_gradient(f, y)
     cot = torch.diag_embed(g) if data.scale0.shape[0] > 1 else g.unsqueeze(-1)
     return diagonal_products(data, x, cot, names, layers, pairs=True)
