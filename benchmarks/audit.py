@@ -16,6 +16,7 @@ exception the library did not turn into a clear error), then the counts per area
     python benchmarks/audit.py --areas sfr fsvi     # some areas
     python benchmarks/audit.py --cases sfr-03       # some cases
     python benchmarks/audit.py --list               # the cases, without running them
+    python benchmarks/audit.py --write-docs         # every area, the counts into docs/guarantees.md
 
 Areas: ntkgp, sfr, fsvi, marglik, posteriors, numerics, likelihoods, cli, data. The exit status is 1 when a
 case is SILENT-WRONG, MODIFIED-USER-OBJECT or RAW-ERROR, else 0.
@@ -60,13 +61,27 @@ def run_case(c) -> tuple[str, str]:
     return outcome, detail
 
 
+def _write_docs(counts, total) -> None:
+    from ntkgp._doctable import command_line, markdown_table, write_block
+
+    rows = [[area, *(counts[area][o] for o in OUTCOMES), sum(counts[area].values())]
+            for area in AREAS if area in counts]
+    rows.append(["**all**", *(f"**{total[o]}**" for o in OUTCOMES), f"**{sum(total.values())}**"])
+    write_block("docs/guarantees.md", "guarantees-audit", markdown_table(["area", *OUTCOMES, "cases"], rows),
+                command_line())
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--areas", nargs="+", choices=AREAS, help="the areas to run (default: all)")
     parser.add_argument("--cases", nargs="+", metavar="ID", help="the case ids to run")
     parser.add_argument("--list", action="store_true", help="list the cases and exit")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    parser.add_argument("--write-docs", action="store_true",
+                        help="write the counts into docs/guarantees.md (region guarantees-audit; every case only)")
     args = parser.parse_args(argv)
+    if args.write_docs and (args.areas or args.cases or args.list):
+        parser.error("--write-docs writes the counts of the whole audit: give no --areas, --cases or --list")
     load(args.areas or AREAS)
     cases = iter_cases(args.areas, args.cases)
     if args.cases and len(cases) != len(set(args.cases)):
@@ -95,6 +110,8 @@ def main(argv=None) -> int:
               + f" {sum(counts[area].values()):6d}")
     print(f"{'all':11s} " + " ".join(f"{total[o]:20d}" for o in OUTCOMES) + f" {sum(total.values()):6d}")
     print(f"{sum(total.values())} cases in {time.perf_counter() - start:.0f} s")
+    if args.write_docs:
+        _write_docs(counts, total)
     return 1 if any(total[o] for o in (SILENT, MODIFIED, RAW)) else 0
 
 

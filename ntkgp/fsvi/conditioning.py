@@ -16,17 +16,19 @@ from ..caching import ValueCache
 from ..likelihoods import is_gaussian, noise_variance, validate_targets
 from ..linalg import cholesky
 from ..ntk.checks import OutputShapeError
+from ..persistence import CheckedLoad
 from .linearized import LinearizedNetwork
 
 
-class Conditioning:
+class Conditioning(CheckedLoad):
     """The conditioning of :class:`~ntkgp.fsvi.FSVI` (a mixin of the model: it reads its ``likelihood``,
     ``linearized``, ``variational_distribution``, ``mean_module`` and ``covar_module``).
 
     The observations are part of the model's state: ``state_dict()`` holds them (detached) and the input shape
     (:attr:`STATE_KEYS`), so ``load_state_dict`` into a freshly built :class:`~ntkgp.fsvi.FSVI` gives a model
     conditioned on them that predicts as the saved one; the state of a model that was not conditioned makes a
-    conditioned model forget its observations (the state describes the whole model)."""
+    conditioned model forget its observations (the state describes the whole model). A state dict that does not
+    fit is refused before anything is loaded (:class:`~ntkgp.persistence.CheckedLoad`)."""
 
     _observed: tuple[Tensor, Tensor] | None
     _conditioning_cache: ValueCache
@@ -167,31 +169,6 @@ class Conditioning:
         shape = self.linearized.input_shape or ()
         destination[prefix + "observed_x"], destination[prefix + "observed_y"] = x, y
         destination[prefix + "input_shape"] = torch.tensor(shape, dtype=torch.int64, device=reference.device)
-
-    def load_state_dict(self, state_dict: Mapping[str, object], strict: bool = True, assign: bool = False):
-        """``torch.nn.Module.load_state_dict``, checked in full first: a tensor whose shape differs from this
-        model's (the state of another network) and, with ``strict``, a missing or unexpected key raise
-        ``RuntimeError`` naming them **before anything is copied** (torch's own check copies every tensor that
-        fits, then raises about the others, and would leave a mixture of two models)."""
-        own = self.state_dict(keep_vars=True)
-        problems = [
-            f"size mismatch for {key}: copying a param with shape {tuple(value.shape)} from checkpoint, the shape "
-            f"in current model is {tuple(own[key].shape)}"
-            for key, value in state_dict.items()
-            if key in own and key not in self.STATE_KEYS and isinstance(value, Tensor)
-            and value.shape != own[key].shape
-        ]
-        if strict:
-            missing = [key for key in own if key not in state_dict]
-            unexpected = [key for key in state_dict if key not in own]
-            if missing:
-                problems.append(f"Missing key(s) in state_dict: {', '.join(map(repr, missing))}")
-            if unexpected:
-                problems.append(f"Unexpected key(s) in state_dict: {', '.join(map(repr, unexpected))}")
-        if problems:
-            raise RuntimeError(f"Error(s) in loading state_dict for {type(self).__name__} (nothing was loaded):\n\t"
-                               + "\n\t".join(problems))
-        return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs) -> None:

@@ -7,6 +7,7 @@ Every check runs before anything is built or written, and every error names the 
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -16,6 +17,7 @@ from gpytorch.priors import Prior
 from torch import nn
 
 from ..ntk import GroupSpec
+from ..ntk.checks import check_has_values, check_network_values
 from ..options import PriorStructure, Space, Strategy, choose
 
 #: GPyTorch ``Kernel`` keywords the NTK kernel passes on (no lengthscale, ARD or ``eps``: it has none).
@@ -41,10 +43,11 @@ class KernelArguments:
 
 
 def check_int(value: object, argument: str, minimum: int) -> int:
-    """``value`` if it is an integer (not a bool) ``>= minimum``; else ``ValueError`` naming ``argument``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    """``value`` as an ``int`` if it is an integer (any ``numbers.Integral`` such as ``numpy.int64``, not a bool)
+    ``>= minimum``; else ``ValueError`` naming ``argument``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
         raise ValueError(f"{argument} must be an integer >= {minimum}, got {value!r}")
-    return value
+    return int(value)
 
 
 def positive_count(value: object, argument: str) -> int:
@@ -87,9 +90,11 @@ def check_network_dtype(net: object, argument: str = "net") -> None:
 
     Raises:
         TypeError: naming ``argument`` and the dtype, saying which dtypes work.
+        ValueError: a parameter or buffer on the meta device.
     """
     if not isinstance(net, nn.Module):
         return  # the engine reports a non-module
+    check_network_values(net, argument)
     for name, t in [*net.named_parameters(), *net.named_buffers()]:
         if t.is_floating_point() and t.dtype not in SUPPORTED_DTYPES:
             raise TypeError(
@@ -160,6 +165,7 @@ def kernel_input(x: object, argument: str, input_shape: tuple[int, ...] | None) 
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{argument} must be a torch.Tensor, got {type(x).__name__}")
+    check_has_values(x, argument)
     if not x.is_floating_point():
         raise TypeError(f"{argument} must be a floating-point tensor, got dtype {x.dtype}")
     shape = input_shape

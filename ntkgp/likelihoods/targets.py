@@ -59,6 +59,8 @@ def validate_targets(
     """
     if not torch.is_tensor(y):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(y).__name__}")
+    if y.is_meta:
+        raise ValueError(f"{name} is on the meta device, which holds shapes but no values to compute with")
     expected = likelihood_num_outputs(likelihood)
     if num_outputs is not None and num_outputs != expected:
         raise ValueError(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 from torch import nn
@@ -37,10 +38,25 @@ def check_eval_mode(net: nn.Module, argument: str = "net") -> None:
             )
 
 
+def check_has_values(x: torch.Tensor, argument: str) -> None:
+    """Raise ``ValueError`` naming ``argument`` for a tensor on the ``meta`` device (shapes without values)."""
+    if x.is_meta:
+        raise ValueError(f"{argument} is on the meta device, which holds shapes but no values to compute with")
+
+
+def check_network_values(net: nn.Module, argument: str = "net") -> None:
+    """Raise ``ValueError`` naming ``argument`` for a network with a parameter or buffer on the ``meta`` device."""
+    for name, t in [*net.named_parameters(), *net.named_buffers()]:
+        if t.is_meta:
+            raise ValueError(f"{argument} has {name!r} on the meta device, which holds shapes but no values to "
+                             "compute with: load the network's weights first")
+
+
 def check_inputs(x: torch.Tensor, argument: str = "x") -> None:
-    """Raise on non-tensor, empty or non-finite inputs."""
+    """Raise on non-tensor, meta, empty or non-finite inputs."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{argument} must be a torch.Tensor, got {type(x).__name__}")
+    check_has_values(x, argument)
     if x.dim() < 1 or x.shape[0] == 0:
         raise ValueError(f"{argument} must have a leading batch dimension with at least one example, got shape {tuple(x.shape)}")
     if x.is_floating_point() and not torch.isfinite(x).all():
@@ -65,7 +81,8 @@ def check_outputs(f: torch.Tensor, n: int, argument: str = "net") -> None:
 
 def check_count(value: object, argument: str, minimum: int = 1) -> int:
     """An integer ``>= minimum`` (a bool or a non-integral number is rejected), returned as ``int``."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value) or value < minimum:
+    if (isinstance(value, bool) or not isinstance(value, numbers.Integral | float) or value != int(value)
+            or value < minimum):
         raise ValueError(f"{argument} must be an integer >= {minimum}, got {value!r}")
     return int(value)
 
@@ -83,6 +100,7 @@ def check_rows(v: torch.Tensor, rows: int, argument: str, max_dim: int = 2) -> N
     """Raise unless ``v`` is a finite floating tensor of shape ``(rows,)`` or ``(rows, k)``."""
     if not isinstance(v, torch.Tensor):
         raise TypeError(f"{argument} must be a torch.Tensor, got {type(v).__name__}")
+    check_has_values(v, argument)
     if not v.is_floating_point():
         raise TypeError(f"{argument} must be a floating-point tensor, got dtype {v.dtype}")
     if not 1 <= v.dim() <= max_dim or v.shape[0] != rows:
@@ -105,6 +123,7 @@ def check_tangents(u: object, shapes: dict[str, torch.Size], argument: str = "u"
         t = u[name]
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
             raise TypeError(f"{argument}[{name!r}] must be a floating-point tensor")
+        check_has_values(t, f"{argument}[{name!r}]")
         if tuple(t.shape) == tuple(shape):
             trailing.add(None)
         elif t.dim() == len(shape) + 1 and tuple(t.shape[:-1]) == tuple(shape):

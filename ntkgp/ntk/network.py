@@ -21,7 +21,8 @@ from torch.func import jvp, vmap
 from tqdm.auto import tqdm
 
 from ..caching import network_key
-from .checks import check_count, check_eval_mode, check_fits, check_outputs, check_shape, prepare_inputs
+from .checks import (check_count, check_eval_mode, check_fits, check_network_values, check_outputs, check_shape,
+                     prepare_inputs)
 from .features import Layer, LayerFeatures, layer_features
 from .functional import forward, per_example_jacobians, per_example_vjps
 from .groups import GroupSpec, resolve_groups
@@ -61,6 +62,7 @@ class NetworkCore:
     ) -> None:
         if not isinstance(net, nn.Module):
             raise TypeError(f"net must be a torch.nn.Module, got {type(net).__name__}")
+        check_network_values(net)
         self.chunk_size = check_count(chunk_size, "chunk_size")
         self.max_jacobian_bytes = check_count(max_jacobian_bytes, "max_jacobian_bytes", minimum=0)
         self.input_shape = check_shape(input_shape, "input_shape")

@@ -188,3 +188,16 @@ def test_learn_likelihood_false_leaves_the_likelihood_alone_after_an_interrupt(s
         train_marglik(net, x, y, lik, epochs=20, learn_likelihood=False,
                       optimizer=_interrupting_optimizer(10, _raise_keyboard_interrupt), **SETTINGS)
     assert torch.equal(lik.raw_noise, raw)
+
+
+@pytest.mark.parametrize("mode", [False, True])
+@pytest.mark.parametrize("structure", ["full_ggn", "kfac"])
+def test_the_likelihoods_train_eval_modes_are_kept(small_regression, structure, mode):
+    """train_marglik built an NTKGP holding the likelihood and called ``model.train()``, which switched a
+    likelihood the user had put in eval mode (and its submodules) to training mode."""
+    x, y, net, lik = small_regression()
+    lik.train(mode)
+    net_modes = [m.training for m in net.modules()]
+    train_marglik(net, x, y, lik, structure=structure, epochs=4, **SETTINGS)
+    assert [m.training for m in lik.modules()] == [mode] * len(list(lik.modules()))
+    assert [m.training for m in net.modules()] == net_modes

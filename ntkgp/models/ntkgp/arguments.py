@@ -9,6 +9,8 @@ training data").
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 from gpytorch.likelihoods import Likelihood
 from torch import nn
@@ -18,7 +20,7 @@ from ...kernels.arguments import check_network_dtype
 from ...kernels.network_state import RANDOM_NETWORK, RandomNetworkError
 from ...likelihoods import num_outputs, validate_targets
 from ...ntk import GroupSpec, NTKEngine
-from ...ntk.checks import OutputShapeError
+from ...ntk.checks import OutputShapeError, check_has_values
 
 __all__ = ["check_floating", "optional_positive_int", "positive_int", "setup"]
 
@@ -34,10 +36,11 @@ BATCH_MODE = (
 
 
 def positive_int(value: object, argument: str) -> int:
-    """An integer ``>= 1`` (not a bool); ``ValueError`` naming ``argument`` otherwise."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    """An integer ``>= 1`` (any ``numbers.Integral`` such as ``numpy.int64``, not a bool), returned as ``int``;
+    ``ValueError`` naming ``argument`` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise ValueError(f"{argument} must be a positive integer, got {value!r}")
-    return value
+    return int(value)
 
 
 def optional_positive_int(value: object, argument: str) -> int | None:
@@ -49,6 +52,7 @@ def check_floating(x: object, argument: str) -> torch.Tensor:
     """A floating-point tensor; ``TypeError`` naming ``argument`` otherwise."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{argument} must be a torch.Tensor, got {type(x).__name__}")
+    check_has_values(x, argument)
     if not x.is_floating_point():
         raise TypeError(
             f"{argument} must be a floating-point tensor, got dtype {x.dtype} (convert it with .to(torch.float64))"

@@ -17,6 +17,7 @@ from ...likelihoods import is_gaussian, validate_targets
 from ...means import LinearizedNetworkMean, NetworkMean
 from ...ntk import GroupSpec
 from ...options import OptionAttribute, PredictiveMean, choice, choose
+from ...persistence import CheckedLoad
 from .arguments import optional_positive_int, setup
 from .conditioning import ConditioningMixin
 from .kernel_options import KernelOption
@@ -28,7 +29,7 @@ from .prediction import PredictionMixin
 DEFAULT_PREDICTIVE_MEAN = "gp"
 
 
-class NTKGP(PredictionMixin, ConditioningMixin, BoTorchInterface, GP):
+class NTKGP(CheckedLoad, PredictionMixin, ConditioningMixin, BoTorchInterface, GP):
     r"""The Laplace-GGN posterior of a trained network, as a Gaussian process over its outputs.
 
     The linearized network :math:`f_{lin}(x) = f(x;\theta^*) + J(x)(\theta - \theta^*)` with prior

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from ...caching import fingerprint, same_values
+from ...kernels.network_state import network_state
 from ...ntk import NTKEngine
 
 __all__ = ["StateGuard", "state_key"]
@@ -71,7 +72,10 @@ class StateGuard:
         return StateGuard(key, None, None)
 
     def check(self, engine: NTKEngine, inducing_points: Tensor) -> None:
-        """Raise ``RuntimeError`` if the weights or :math:`Z` differ from those of the statistics."""
+        """Raise ``RuntimeError`` if the weights or :math:`Z` differ from those of the statistics, or a parameter
+        was frozen or unfrozen since (``TrainableParametersChanged``: the statistics' Jacobian columns and
+        prior groups belong to the old set of trainable parameters)."""
+        network_state(engine, "SFR")
         if self.weights is None:  # after loading other statistics: the key decides, then copies are taken
             current = state_key(engine, inducing_points)
             if current.shape != self.key.shape or not torch.equal(current[:-2], self.key[:-2]):

@@ -16,18 +16,9 @@ from ...distributed import check_distributed, check_replicated, together
 from ...kernels import NTKKernel
 from ...likelihoods import num_outputs as likelihood_outputs
 from ...ntk import GroupSpec, NTKEngine
-from ...options import (
-    InducingMethod,
-    OptionAttribute,
-    OutputCoupling,
-    PredictiveMean,
-    PriorMean,
-    PriorStructure,
-    StatisticsMode,
-    choice,
-    choose,
-    option_attributes,
-)
+from ...options import (InducingMethod, OptionAttribute, OutputCoupling, PredictiveMean, PriorMean, PriorStructure,
+                         StatisticsMode, choice, choose, option_attributes)
+from ...persistence import CheckedLoad
 from .evidence import collapsed_bound
 from .factorization import PosteriorCache, posterior_state, z_jacobian
 from .guard import StateGuard, state_key
@@ -55,7 +46,7 @@ def _reset_after_load(module: SFR, incompatible_keys) -> None:
     module._cache.clear()
 
 
-class SFR(BoTorchInterface, GP):
+class SFR(CheckedLoad, BoTorchInterface, GP):
     r"""Sparse function-space representation of a trained network: an inducing-point GP in closed form.
 
     The network's Laplace-GGN posterior, written with its dual parameters :math:`g_n`, :math:`\Lambda_n`
@@ -244,7 +235,10 @@ class SFR(BoTorchInterface, GP):
         self._updates = 0  # bumped by update
         self._cache = PosteriorCache()
         self.register_load_state_dict_post_hook(_reset_after_load)
-        self.eval()
+        modes = [m.training for m in likelihood.modules()]
+        self.eval()  # the model starts in eval mode; the user's likelihood keeps its own
+        for module, mode in zip(likelihood.modules(), modes):
+            module.training = mode
 
     # ------------------------------------------------------------------ properties and options
     @property

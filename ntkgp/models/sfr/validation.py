@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ...ntk.checks import check_has_values
+
 __all__ = [
     "InputLayout",
     "check_inputs",
@@ -79,10 +81,11 @@ def check_inputs(x: object, argument: str) -> Tensor:
 
     Raises:
         TypeError: if ``x`` is not a tensor or not floating point.
-        ValueError: for fewer than two dimensions, no rows, or NaN/Inf values (the first bad row is named).
+        ValueError: for a meta tensor, fewer than two dimensions, no rows, or NaN/Inf values (the first bad row is named).
     """
     if not torch.is_tensor(x):
         raise TypeError(f"{argument} must be a torch.Tensor, got {type(x).__name__}")
+    check_has_values(x, argument)
     if not x.is_floating_point():
         raise TypeError(f"{argument} must be a floating-point tensor, got dtype {x.dtype}")
     if x.dim() < 2 or x.shape[0] == 0:

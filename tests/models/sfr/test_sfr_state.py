@@ -136,6 +136,25 @@ def test_changing_a_frozen_parameter_raises_too():
     assert_same(predictions(sfr, xs), before)
 
 
+@pytest.mark.parametrize("change", ["freeze", "unfreeze"])
+def test_freezing_or_unfreezing_a_parameter_after_construction_raises(change):
+    """requires_grad_ after construction changes the Jacobian's columns and δ's groups of a freshly built SFR
+    (here its variance differs by O(1)): every call refuses, naming the parameter, until the flag is restored."""
+    net, x, y, lik, xs = problem("gaussian", 1, n=15)
+    if change == "unfreeze":
+        net[0].weight.requires_grad_(False)
+    sfr = SFR(net, x, y, lik, inducing_points=x[:6])
+    before = predictions(sfr, xs)
+    net[0].weight.requires_grad_(change == "unfreeze")
+    fresh = SFR(net, x, y, lik, inducing_points=x[:6])  # what a silent mix would have to equal
+    assert rel_err(predictions(fresh, xs)[1], before[1]) > 1e-3
+    for call in (lambda: sfr(xs), sfr.log_marginal_likelihood, lambda: sfr.update(x[:3], y[:3])):
+        with pytest.raises(RuntimeError, match=r"trainable parameters of net changed.*'0.weight'.*build a new SFR"):
+            call()
+    net[0].weight.requires_grad_(change == "freeze")  # restored: usable again, as before
+    assert_same(predictions(sfr, xs), before)
+
+
 def test_inducing_points_modified_in_place_raise():
     net, x, y, lik, xs = problem("gaussian", 1, n=15)
     sfr = SFR(net, x, y, lik, num_inducing=5)
