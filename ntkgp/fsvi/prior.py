@@ -8,6 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from ..ntk import resolve_groups
+from ..ntk.prior_precision import prior_precision_vector
 from ..options import OptionAttribute, PriorLinearization, PriorStructure, WeightPriorMean, choice, choose
 
 
@@ -41,6 +42,7 @@ class GaussianParameterPrior(nn.Module):
             cannot be changed afterwards (it is checked against ``prior_mean`` here: build a new prior or model).
 
     Raises:
+        TypeError: a ``prior_precision`` that is not a number or a tensor of real numbers (a bool included).
         ValueError: an unknown option, a non-positive or wrongly shaped ``prior_precision``, a ``prior_mean``
             mapping that does not match the parameters, or ``prior_linearization="prior_mean"`` with
             ``prior_mean="zero"`` (a degenerate prior).
@@ -67,16 +69,8 @@ class GaussianParameterPrior(nn.Module):
         linearization = choose(PriorLinearization, prior_linearization, "prior_linearization")
         named = dict(net.named_parameters())
         reference = named[groups.names[0]]
-        precision = torch.as_tensor(prior_precision, dtype=reference.dtype, device=reference.device)
-        if precision.dim() == 0:
-            precision = precision.expand(groups.num_groups).clone()
-        if precision.shape != (groups.num_groups,):
-            raise ValueError(
-                f"prior_precision must be a float or have one value per group ({groups.num_groups}: "
-                f"{list(groups.group_names)}), got shape {tuple(precision.shape)}"
-            )
-        if not (torch.isfinite(precision).all() and (precision > 0).all()):
-            raise ValueError(f"prior_precision must be positive and finite, got {precision.tolist()}")
+        precision = prior_precision_vector(prior_precision, groups, reference.dtype, reference.device,
+                                           keep_graph=False)
         if isinstance(prior_mean, Mapping):
             missing = [n for n in groups.names if n not in prior_mean]
             unknown = [n for n in prior_mean if n not in groups.names]

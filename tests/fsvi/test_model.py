@@ -169,3 +169,19 @@ def test_inputs_on_the_meta_device_are_refused_naming_the_argument():
             call()
     with pytest.raises(ValueError, match="meta device"):
         model.predict(meta)
+
+
+def test_prior_precision_bool_refused_and_user_tensor_not_shared():
+    from ntkgp.fsvi.prior import GaussianParameterPrior
+
+    net = ref.mlp()
+    with pytest.raises(TypeError, match="prior_precision"):
+        FSVI(net, GaussianLikelihood(), prior_precision=True)
+    prior = GaussianParameterPrior(net, prior_precision=1.0, prior_structure="layer")
+    delta = torch.full((len(prior.prior_precision),), 2.0, dtype=torch.float64)
+    kept = delta.clone()
+    prior = GaussianParameterPrior(net, prior_precision=delta, prior_structure="layer")
+    prior.prior_precision.mul_(3.0)  # the prior's state is its own copy
+    assert torch.equal(delta, kept)
+    delta.fill_(5.0)  # and the user's later changes do not reach it
+    assert torch.equal(prior.prior_precision, torch.full_like(kept, 6.0))

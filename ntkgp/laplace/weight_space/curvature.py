@@ -25,7 +25,7 @@ from torch import Tensor
 
 from ...likelihoods import log_likelihood
 from ...ntk import ParameterGroups
-from .prior_precision import prior_precision_vector
+from ...ntk.prior_precision import prior_precision_vector
 from .scaling import output_scale
 
 
@@ -70,7 +70,7 @@ class Curvature(ABC):
 
     def prior_precision_vector(self, prior_precision: float | Tensor) -> Tensor:
         r"""The prior precisions :math:`\delta` as a ``(G,)`` tensor (a scalar is shared by all groups), with its
-        graph (:func:`~ntkgp.laplace.weight_space.prior_precision.prior_precision_vector`)."""
+        graph (:func:`~ntkgp.ntk.prior_precision.prior_precision_vector`)."""
         return prior_precision_vector(prior_precision, self.groups, self.dtype, self.f.device, keep_graph=True)
 
     def scale(self, likelihood: Likelihood) -> Tensor:

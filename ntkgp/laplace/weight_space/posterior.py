@@ -40,7 +40,7 @@ from ...likelihoods import num_outputs
 from ...ntk import ParameterGroups, resolve_groups
 from ...options import OptionAttribute, PriorStructure, choose
 from ...ntk.network import NetworkCore
-from .prior_precision import prior_precision_vector
+from ...ntk.prior_precision import prior_precision_vector
 
 
 def prior_groups(fn: NetworkCore, prior_structure: str | Mapping[str, str]) -> ParameterGroups:

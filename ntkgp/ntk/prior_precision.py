@@ -1,11 +1,12 @@
-r"""The one check of the prior precisions :math:`\delta` of the weight-space curvatures and posteriors."""
+r"""The one check of the prior precisions :math:`\delta` (one per parameter group): weight-space curvatures and
+posteriors, FSVI."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from ...ntk import ParameterGroups
+from .groups import ParameterGroups
 
 
 def prior_precision_vector(
