@@ -89,6 +89,15 @@ def test_diagonal_equals_brute_force_diagonal(name, structure):
     ggn, ef = brute_curvatures(net, x, y, lik)
     reference = (ggn if structure == "diag_ggn" else ef).diagonal()
     assert rel_err(curv.diagonal(lik).detach(), reference) < 1e-12
+    # the data term from the statistics stored at the first value, and its gradient, against log_likelihood
+    params = [p for p in lik.parameters()]
+    for p in params:
+        p.requires_grad_(True)
+    ours = curv.data_fit(lik)
+    direct = log_likelihood(lik, net(x).detach(), y).sum()
+    assert rel_err(ours.detach(), direct.detach()) < 1e-12
+    for a, b in zip(torch.autograd.grad(ours, params), torch.autograd.grad(direct, params)):
+        assert rel_err(a, b) < 1e-12
     assert curv.num_data == N
 
 
@@ -130,6 +139,15 @@ def test_new_likelihood_hyperparameters_without_recomputation(name, structure):
     ggn, ef = brute_curvatures(net, x, y, lik)
     reference = (ggn if structure == "diag_ggn" else ef).diagonal()
     assert rel_err(curv.diagonal(lik).detach(), reference) < 1e-12
+    # the data term from the statistics stored at the first value, and its gradient, against log_likelihood
+    params = [p for p in lik.parameters()]
+    for p in params:
+        p.requires_grad_(True)
+    ours = curv.data_fit(lik)
+    direct = log_likelihood(lik, net(x).detach(), y).sum()
+    assert rel_err(ours.detach(), direct.detach()) < 1e-12
+    for a, b in zip(torch.autograd.grad(ours, params), torch.autograd.grad(direct, params)):
+        assert rel_err(a, b) < 1e-12
 
 
 def finite_difference(fn, value: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

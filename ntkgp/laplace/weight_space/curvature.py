@@ -17,16 +17,16 @@ the noise and the temperature.
 
 from __future__ import annotations
 
+import weakref
 from abc import ABC, abstractmethod
 
 import torch
 from gpytorch.likelihoods import Likelihood
 from torch import Tensor
 
-from ...likelihoods import log_likelihood
 from ...ntk import ParameterGroups
 from .prior_precision import prior_precision_vector
-from .scaling import output_scale
+from .scaling import data_fit, data_fit_statistics, output_scale
 
 
 class Curvature(ABC):
@@ -53,6 +53,9 @@ class Curvature(ABC):
         self.scale_size = int(scale_size)
         self.column_groups = groups.column_groups(device=f.device)
         self.group_sizes = groups.group_sizes().to(f)
+        self._fit_statistics: tuple[type, Tensor] | None = None
+        self._checked: weakref.ref | None = None
+        self._checked_version = -1
 
     @property
     def num_data(self) -> int:
@@ -71,7 +74,12 @@ class Curvature(ABC):
     def prior_precision_vector(self, prior_precision: float | Tensor) -> Tensor:
         r"""The prior precisions :math:`\delta` as a ``(G,)`` tensor (a scalar is shared by all groups), with its
         graph (:func:`~ntkgp.laplace.weight_space.prior_precision.prior_precision_vector`)."""
-        return prior_precision_vector(prior_precision, self.groups, self.dtype, self.f.device, keep_graph=True)
+        checked = self._checked() if self._checked is not None else None
+        if checked is not None and prior_precision is checked and checked._version == self._checked_version:
+            return checked  # the vector this method returned, unchanged since: valid (log_det_ratio passes it on)
+        delta = prior_precision_vector(prior_precision, self.groups, self.dtype, self.f.device, keep_graph=True)
+        self._checked, self._checked_version = weakref.ref(delta), delta._version
+        return delta
 
     def scale(self, likelihood: Likelihood) -> Tensor:
         r"""The likelihood's output scale :math:`s` (``1/σ²`` or ``1/T``), shape ``(scale_size,)``."""
@@ -83,6 +91,15 @@ class Curvature(ABC):
                 "likelihood"
             )
         return s
+
+    def data_fit(self, likelihood: Likelihood) -> Tensor:
+        r""":math:`\sum_n \log p(y_n \mid f_n)` at the likelihood's current noise or temperature, shape ``()``,
+        differentiable in them: :math:`O(K)` from statistics of the stored outputs computed once per likelihood
+        type (:func:`~ntkgp.laplace.weight_space.scaling.data_fit_statistics`)."""
+        scale = self.scale(likelihood)
+        if self._fit_statistics is None or self._fit_statistics[0] is not type(likelihood):
+            self._fit_statistics = (type(likelihood), data_fit_statistics(likelihood, self.f, self.y))
+        return data_fit(self._fit_statistics[1], scale)
 
     @abstractmethod
     def log_det(self, prior_precision: float | Tensor, likelihood: Likelihood) -> Tensor:
@@ -111,12 +128,12 @@ class Curvature(ABC):
 
         Returns:
             The log marginal likelihood, summed over the data: divide by :attr:`num_data` to report it per
-            data point. Cost: :math:`O(NC)` for the data term plus that of :meth:`log_det`.
+            data point. Cost: :math:`O(K)` for the data term (:meth:`data_fit`; :math:`O(NC)` once) plus that
+            of :meth:`log_det`.
 
         Raises:
             ValueError: ``prior_precision`` of the wrong shape or not positive, or a likelihood with another
                 output scale.
         """
         delta = self.prior_precision_vector(prior_precision)
-        data_fit = log_likelihood(likelihood, self.f, self.y).sum()
-        return data_fit - 0.5 * (delta * self.theta_sq_norms).sum() - 0.5 * self.log_det_ratio(delta, likelihood)
+        return self.data_fit(likelihood) - 0.5 * (delta * self.theta_sq_norms).sum() - 0.5 * self.log_det_ratio(delta, likelihood)

@@ -33,6 +33,7 @@ from ...ntk import ParameterGroups
 from ...ntk.groups import GroupSpec
 from .curvature import Curvature
 from .data_pass import Data, DataPass
+from .exact_log_det import diagonal_log_det
 from .layers import Layer, layer_features, structured_layers, usable_layers
 
 
@@ -71,7 +72,8 @@ class DiagonalCurvature(Curvature):
     def log_det(self, prior_precision: float | Tensor, likelihood: Likelihood) -> Tensor:
         r""":math:`\sum_p \log(H_{pp} + \delta_{g(p)})`, :math:`O(KP)`."""
         delta = self.prior_precision_vector(prior_precision)
-        return torch.log(self.diagonal(likelihood) + delta[self.column_groups]).sum()
+        return diagonal_log_det(self.component_weights(self.scale(likelihood)), delta, self.components,
+                                self.column_groups)
 
     def dense(self, likelihood: Likelihood) -> Tensor:
         return torch.diag(self.diagonal(likelihood))
@@ -208,7 +210,7 @@ def diagonal_ef(
 
 
 def _diagonal_ef_components(data: DataPass, x: Tensor, f: Tensor, y: Tensor, names: list[str], layers) -> Tensor:
-    """One batch's :math:`\sum_n (J_n^\top \tilde g_n)^{\odot 2}`, per output for a multi-output Gaussian."""
+    r"""One batch's :math:`\sum_n (J_n^\top \tilde g_n)^{\odot 2}`, per output for a multi-output Gaussian."""
     g = data.unit_gradient(f, y)
     cot = torch.diag_embed(g) if data.scale0.shape[0] > 1 else g.unsqueeze(-1)
     return diagonal_products(data, x, cot, names, layers, pairs=True)
