@@ -209,7 +209,8 @@ def laplace_torch(task, x, y, net, structure, per_tensor, steps, x_test):
     n_tensors = len(list(net.parameters()))
     sigma = 0.1 if task == "regression" else 1.0
     prior = torch.ones(n_tensors, dtype=torch.float64) if per_tensor else torch.tensor(1.0, dtype=torch.float64)
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=256)
+    targets = y.reshape(-1, 1) if task == "regression" else y  # laplace-torch: (N, 1) regression targets
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, targets), batch_size=256)
 
     def build():
         la = cls(net, task, sigma_noise=sigma, prior_precision=prior.clone())
