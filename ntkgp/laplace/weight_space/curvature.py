@@ -27,6 +27,7 @@ from torch import Tensor
 from ...ntk import ParameterGroups
 from .prior_precision import prior_precision_vector
 from .scaling import data_fit, data_fit_statistics, output_scale
+from .structured_evidence import structured_evidence
 
 
 class Curvature(ABC):
@@ -92,14 +93,23 @@ class Curvature(ABC):
             )
         return s
 
-    def data_fit(self, likelihood: Likelihood) -> Tensor:
-        r""":math:`\sum_n \log p(y_n \mid f_n)` at the likelihood's current noise or temperature, shape ``()``,
-        differentiable in them: :math:`O(K)` from statistics of the stored outputs computed once per likelihood
-        type (:func:`~ntkgp.laplace.weight_space.scaling.data_fit_statistics`)."""
-        scale = self.scale(likelihood)
+    def fit_statistics(self, likelihood: Likelihood) -> Tensor:
+        r"""The statistics ``(3, K)`` of the data term (:func:`~ntkgp.laplace.weight_space.scaling.data_fit_statistics`),
+        computed once per likelihood type from the stored outputs, :math:`O(NC)`."""
         if self._fit_statistics is None or self._fit_statistics[0] is not type(likelihood):
             self._fit_statistics = (type(likelihood), data_fit_statistics(likelihood, self.f, self.y))
-        return data_fit(self._fit_statistics[1], scale)
+        return self._fit_statistics[1]
+
+    def data_fit(self, likelihood: Likelihood) -> Tensor:
+        r""":math:`\sum_n \log p(y_n \mid f_n)` at the likelihood's current noise or temperature, shape ``()``,
+        differentiable in them: :math:`O(K)` from :meth:`fit_statistics`."""
+        scale = self.scale(likelihood)
+        return data_fit(self.fit_statistics(likelihood), scale)
+
+    def diagonal_spectrum(self) -> tuple[Tensor, Tensor, int] | None:
+        r"""``(u, groups, q)`` when every eigenvalue of :math:`H + P_0` is :math:`s^q u_p + \delta_{g(p)}` for the one
+        output scale :math:`s` (:mod:`~ntkgp.laplace.weight_space.structured_evidence`), else ``None``."""
+        return None
 
     @abstractmethod
     def log_det(self, prior_precision: float | Tensor, likelihood: Likelihood) -> Tensor:
@@ -136,4 +146,8 @@ class Curvature(ABC):
                 output scale.
         """
         delta = self.prior_precision_vector(prior_precision)
+        spectrum = self.diagonal_spectrum()
+        if spectrum is not None:  # one node of the graph, O(P)
+            return structured_evidence(delta, self.scale(likelihood), *spectrum, self.theta_sq_norms,
+                                       self.group_sizes, self.fit_statistics(likelihood))
         return self.data_fit(likelihood) - 0.5 * (delta * self.theta_sq_norms).sum() - 0.5 * self.log_det_ratio(delta, likelihood)

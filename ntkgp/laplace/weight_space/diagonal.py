@@ -75,6 +75,11 @@ class DiagonalCurvature(Curvature):
         return diagonal_log_det(self.component_weights(self.scale(likelihood)), delta, self.components,
                                 self.column_groups)
 
+    def diagonal_spectrum(self) -> tuple[Tensor, Tensor, int] | None:
+        if self.scale_size != 1 or self.components.shape[0] != 1:
+            return None
+        return self.components[0], self.column_groups, (2 if self.structure == "diag_ef" else 1)
+
     def dense(self, likelihood: Likelihood) -> Tensor:
         return torch.diag(self.diagonal(likelihood))
 

@@ -181,6 +181,11 @@ class KroneckerGGN(Curvature):
                  for b in blocks] + [self.diagonal_groups]
             )
 
+    def diagonal_spectrum(self) -> tuple[Tensor, Tensor, int] | None:
+        if self.unit_eigenvalues is None:
+            return None
+        return self.unit_eigenvalues[0], self.eigenvalue_groups, 1
+
     def output_eigenvalues(self, block: KroneckerFactors, scale: Tensor) -> Tensor:
         r"""Eigenvalues of :math:`\sum_k s_k G_k`, ``(d_out,)``, differentiable in :math:`s`."""
         if scale.shape[0] == 1:
