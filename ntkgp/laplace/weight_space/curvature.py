@@ -17,6 +17,7 @@ the noise and the temperature.
 
 from __future__ import annotations
 
+import math
 import weakref
 from abc import ABC, abstractmethod
 
@@ -78,13 +79,19 @@ class Curvature(ABC):
         checked = self._checked() if self._checked is not None else None
         if checked is not None and prior_precision is checked and checked._version == self._checked_version:
             return checked  # the vector this method returned, unchanged since: valid (log_det_ratio passes it on)
-        delta = prior_precision_vector(prior_precision, self.groups, self.dtype, self.f.device, keep_graph=True)
+        delta = prior_precision
+        if not (torch.is_tensor(delta) and delta.dtype == self.dtype and delta.device == self.f.device
+                and delta.shape == self.group_sizes.shape and bool(((delta > 0) & (delta < math.inf)).all())):
+            # anything but a positive finite (G,) tensor of the curvature's dtype: the full conversion and check
+            delta = prior_precision_vector(prior_precision, self.groups, self.dtype, self.f.device, keep_graph=True)
         self._checked, self._checked_version = weakref.ref(delta), delta._version
         return delta
 
     def scale(self, likelihood: Likelihood) -> Tensor:
         r"""The likelihood's output scale :math:`s` (``1/σ²`` or ``1/T``), shape ``(scale_size,)``."""
-        s = output_scale(likelihood).to(device=self.f.device, dtype=self.dtype)
+        s = output_scale(likelihood)
+        if s.dtype != self.dtype or s.device != self.f.device:
+            s = s.to(device=self.f.device, dtype=self.dtype)
         if s.shape != (self.scale_size,):
             raise ValueError(
                 f"the curvature was computed for a likelihood with an output scale of size {self.scale_size}, "
