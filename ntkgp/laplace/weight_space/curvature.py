@@ -78,12 +78,13 @@ class Curvature(ABC):
         graph (:func:`~ntkgp.laplace.weight_space.prior_precision.prior_precision_vector`)."""
         checked = self._checked() if self._checked is not None else None
         if checked is not None and prior_precision is checked and checked._version == self._checked_version:
-            return checked  # the vector this method returned, unchanged since: valid (log_det_ratio passes it on)
+            return checked  # returned by this method and unchanged since: valid (log_det_ratio passes it on)
         delta = prior_precision
         if not (torch.is_tensor(delta) and delta.dtype == self.dtype and delta.device == self.f.device
                 and delta.shape == self.group_sizes.shape and bool(((delta > 0) & (delta < math.inf)).all())):
             # anything but a positive finite (G,) tensor of the curvature's dtype: the full conversion and check
-            delta = prior_precision_vector(prior_precision, self.groups, self.dtype, self.f.device, keep_graph=True)
+            delta = prior_precision_vector(prior_precision, self.groups, self.dtype, self.f.device,
+                                           keep_graph=True)
         self._checked, self._checked_version = weakref.ref(delta), delta._version
         return delta
 
@@ -101,21 +102,21 @@ class Curvature(ABC):
         return s
 
     def fit_statistics(self, likelihood: Likelihood) -> Tensor:
-        r"""The statistics ``(3, K)`` of the data term (:func:`~ntkgp.laplace.weight_space.scaling.data_fit_statistics`),
-        computed once per likelihood type from the stored outputs, :math:`O(NC)`."""
+        r"""The statistics ``(3, K)`` of the data term
+        (:func:`~ntkgp.laplace.weight_space.scaling.data_fit_statistics`), computed once per likelihood type from the stored outputs, :math:`O(NC)`."""
         if self._fit_statistics is None or self._fit_statistics[0] is not type(likelihood):
             self._fit_statistics = (type(likelihood), data_fit_statistics(likelihood, self.f, self.y))
         return self._fit_statistics[1]
 
     def data_fit(self, likelihood: Likelihood) -> Tensor:
-        r""":math:`\sum_n \log p(y_n \mid f_n)` at the likelihood's current noise or temperature, shape ``()``,
-        differentiable in them: :math:`O(K)` from :meth:`fit_statistics`."""
+        r""":math:`\sum_n \log p(y_n \mid f_n)` at the likelihood's current noise or temperature, shape
+        ``()``, differentiable in them: :math:`O(K)` from :meth:`fit_statistics`."""
         scale = self.scale(likelihood)
         return data_fit(self.fit_statistics(likelihood), scale)
 
     def diagonal_spectrum(self) -> tuple[Tensor, Tensor, int] | None:
-        r"""``(u, groups, q)`` when every eigenvalue of :math:`H + P_0` is :math:`s^q u_p + \delta_{g(p)}` for the one
-        output scale :math:`s` (:mod:`~ntkgp.laplace.weight_space.structured_evidence`), else ``None``."""
+        r"""``(u, groups, q)`` when every eigenvalue of :math:`H + P_0` is :math:`s^q u_p + \delta_{g(p)}` for the
+        one output scale :math:`s` (:mod:`~ntkgp.laplace.weight_space.structured_evidence`), else ``None``."""
         return None
 
     @abstractmethod
@@ -157,4 +158,5 @@ class Curvature(ABC):
         if spectrum is not None:  # one node of the graph, O(P)
             return structured_evidence(delta, self.scale(likelihood), *spectrum, self.theta_sq_norms,
                                        self.group_sizes, self.fit_statistics(likelihood))
-        return self.data_fit(likelihood) - 0.5 * (delta * self.theta_sq_norms).sum() - 0.5 * self.log_det_ratio(delta, likelihood)
+        prior = 0.5 * (delta * self.theta_sq_norms).sum()
+        return self.data_fit(likelihood) - prior - 0.5 * self.log_det_ratio(delta, likelihood)

@@ -105,13 +105,17 @@ def spectral_log_det_ratio(eigenvalues: Tensor, ratio: Tensor) -> Tensor:
 
 
 class _DiagonalLogDet(torch.autograd.Function):
-    r""":math:`\sum_p \log t_p`, :math:`t = w^\top U + \delta_{g(\cdot)}`, as one node of the graph: the gradients
-    :math:`U t^{-1}` (``(K,)``) and :math:`\sum_{p \in g} t_p^{-1}` (``(G,)``) from the saved :math:`t^{-1}`."""
+    r""":math:`\sum_p \log t_p`, :math:`t = w^\top U + \delta_{g(\cdot)}`, as one node of the graph: the
+    gradients :math:`U t^{-1}` (``(K,)``) and :math:`\sum_{p \in g} t_p^{-1}` (``(G,)``) from the saved
+    :math:`t^{-1}`."""
 
     @staticmethod
     def forward(ctx, weights: Tensor, delta: Tensor, components: Tensor, groups: Tensor) -> Tensor:
         terms = delta[groups]
-        terms = terms.addmv_(components.mT, weights) if components.shape[0] > 1 else terms.add_(components[0] * weights)
+        if components.shape[0] > 1:
+            terms = terms.addmv_(components.mT, weights)
+        else:
+            terms = terms.add_(components[0] * weights)
         ctx.save_for_backward(components, terms.reciprocal(), groups)
         ctx.num_groups = delta.shape[0]
         return terms.log().sum()
@@ -127,9 +131,9 @@ class _DiagonalLogDet(torch.autograd.Function):
 
 
 def diagonal_log_det(weights: Tensor, delta: Tensor, components: Tensor, groups: Tensor) -> Tensor:
-    r""":math:`\log|\operatorname{diag}(w^\top U) + P_0| = \sum_p \log(\sum_k w_k U_{kp} + \delta_{g(p)})`: the diagonal
-    curvatures, and KFAC with one output-scale component on its eigenvalues. :math:`O(KP)` forward and backward,
-    one node of the graph (the steps of these structures cost little else).
+    r""":math:`\log|\operatorname{diag}(w^\top U) + P_0| = \sum_p \log(\sum_k w_k U_{kp} + \delta_{g(p)})`: the
+    diagonal curvatures, and KFAC with one output-scale component on its eigenvalues. :math:`O(KP)` forward
+    and backward, one node of the graph (the steps of these structures cost little else).
 
     Args:
         weights: :math:`w \ge 0`, ``(K,)``, differentiable.

@@ -54,7 +54,8 @@ def data_fit_statistics(likelihood: Likelihood, f: Tensor, y: Tensor) -> Tensor:
 
     (:func:`data_fit`). Gaussian, :math:`s_c = 1/\sigma_c^2`: :math:`\alpha_c = -\tfrac N2 \log 2\pi`,
     :math:`\beta_c = \tfrac N2`, :math:`\gamma_c = -\tfrac12 \sum_n (y_{nc} - f_{nc})^2`; tempered,
-    :math:`s = 1/T`: :math:`\alpha = \beta = 0`, :math:`\gamma = \sum_n \log p(y_n \mid f_n)` at :math:`T = 1`.
+    :math:`s = 1/T`: :math:`\alpha = \beta = 0`, :math:`\gamma = \sum_n \log p(y_n \mid f_n)` at
+    :math:`T = 1`.
     Computed once without a graph, :math:`O(NC)`; :func:`data_fit` then costs :math:`O(K)`."""
     with torch.no_grad():
         if is_gaussian(likelihood):

@@ -1,8 +1,8 @@
 r"""The evidence of a curvature with a diagonal spectrum, as one node of the graph.
 
 For the diagonal curvatures and KFAC with one output-scale component :math:`s` (``docs/math.md``, "Laplace-GGN
-evidence"), every eigenvalue of :math:`H` is :math:`s^q u_p` with fixed :math:`u_p \ge 0` (the diagonal, or the
-products of the Kronecker factors' eigenvalues; :math:`q = 1` for the GGN, :math:`2` for the empirical Fisher)
+evidence"), every eigenvalue of :math:`H` is :math:`s^q u_p` with fixed :math:`u_p \ge 0` (the diagonal, or
+the products of the Kronecker factors' eigenvalues; :math:`q = 1` for the GGN, :math:`2` for the empirical Fisher)
 shifted by the prior precision of its group, and the data term is :math:`\alpha + \beta \log s + \gamma s`
 (:func:`~ntkgp.laplace.weight_space.scaling.data_fit_statistics`), so
 
@@ -42,7 +42,8 @@ class _StructuredEvidence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        delta, scale, eigenvalues, groups, theta_sq_norms, group_sizes, statistics, reciprocal = ctx.saved_tensors
+        delta, scale, eigenvalues, groups, theta_sq_norms, group_sizes, statistics, reciprocal = (
+            ctx.saved_tensors)
         grad_delta = grad_scale = None
         if ctx.needs_input_grad[0]:
             per_group = reciprocal.new_zeros(delta.shape[0]).index_add_(0, groups, reciprocal)
