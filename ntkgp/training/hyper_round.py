@@ -60,8 +60,7 @@ def round_space(options: MarglikOptions, likelihood: Likelihood, num_params: int
     r"""The space of a round's exact curvature. :func:`~ntkgp.options.choose_space` is measured for many steps on
     one build; a round of few steps (``hyper_steps < STEPS_FOR_THE_STEP_RULE``, Algorithm 1 at F = K = 1 builds
     one curvature per step) costs its build, :math:`(Nk)^2 P` operations in function space against
-    :math:`N k P^2` in weight space, so it takes function space while :math:`N k \le P` (measured on boston,
-    :math:`N = 455`, :math:`P = 751`: a build and a step cost 2.6× more in weight space)."""
+    :math:`N k P^2` in weight space, so it takes function space while :math:`N k \le P`."""
     c = num_outputs(likelihood)
     rows = num_data * (1 if kind == "ef" else c)
     weight_only = kind == "ef" and is_gaussian(likelihood) and c > 1
