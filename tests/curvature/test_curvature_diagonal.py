@@ -211,6 +211,13 @@ def test_invalid_arguments_raise():
         curv.log_det(torch.ones(7, dtype=torch.float64), lik)
     with pytest.raises(ValueError, match="positive"):
         curv.log_det(-1.0, lik)
+    g = curv.groups.num_groups
+    for bad in (float("nan"), float("inf"), -2.0):  # tensors of the curvature's dtype and shape
+        delta = torch.ones(g, dtype=torch.float64, requires_grad=True).clone()
+        with torch.no_grad():
+            delta[-1] = bad
+        with pytest.raises(ValueError, match="positive"):
+            curv.log_marginal_likelihood(delta, lik)
     with pytest.raises(ValueError, match="output scale"):
         curv.log_det(1.0, multitask())
     cnn = small_cnn().train()

@@ -18,7 +18,6 @@ the noise and the temperature.
 from __future__ import annotations
 
 import math
-import weakref
 from abc import ABC, abstractmethod
 
 import torch
@@ -56,8 +55,6 @@ class Curvature(ABC):
         self.column_groups = groups.column_groups(device=f.device)
         self.group_sizes = groups.group_sizes().to(f)
         self._fit_statistics: tuple[type, Tensor] | None = None
-        self._checked: weakref.ref | None = None
-        self._checked_version = -1
 
     @property
     def num_data(self) -> int:
@@ -76,16 +73,12 @@ class Curvature(ABC):
     def prior_precision_vector(self, prior_precision: float | Tensor) -> Tensor:
         r"""The prior precisions :math:`\delta` as a ``(G,)`` tensor (a scalar is shared by all groups), with its
         graph (:func:`~ntkgp.laplace.weight_space.prior_precision.prior_precision_vector`)."""
-        checked = self._checked() if self._checked is not None else None
-        if checked is not None and prior_precision is checked and checked._version == self._checked_version:
-            return checked  # returned by this method and unchanged since: valid (log_det_ratio passes it on)
         delta = prior_precision
         if not (torch.is_tensor(delta) and delta.dtype == self.dtype and delta.device == self.f.device
                 and delta.shape == self.group_sizes.shape and bool(((delta > 0) & (delta < math.inf)).all())):
             # anything but a positive finite (G,) tensor of the curvature's dtype: the full conversion and check
             delta = prior_precision_vector(prior_precision, self.groups, self.dtype, self.f.device,
                                            keep_graph=True)
-        self._checked, self._checked_version = weakref.ref(delta), delta._version
         return delta
 
     def scale(self, likelihood: Likelihood) -> Tensor:
