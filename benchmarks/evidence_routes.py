@@ -9,9 +9,13 @@ the space chosen by ``choose_space``; laplace-torch ``FullLaplace``), KFAC (``co
 tensor (ntkgp's KFAC: one per layer, its weight and bias share a Kronecker block; laplace-torch's KFAC keeps weight
 and bias in separate blocks, each with its own δ). Measured: the build (one pass over the data and the first
 evidence), the time of one hyperparameter step (Adam on log δ, and on the noise for regression; the mean of
-``--steps`` steps after one warm-up step) and the GLM predictive covariance at 1,000 points.
+``--steps`` steps after one warm-up step) and the GLM predictive covariance at 1,000 points. Times are the CPU
+time of the process (``time.process_time``) with ``--threads`` threads (default 1), which the load of other
+processes on a shared machine changes little; with one thread it is the time the work took. Beside the rows: the
+floor of any hyperparameter step, an Adam step on log δ after the backward pass of a one-operation graph (what
+neither library can avoid; the structured steps of both are a small multiple of it).
 
-    python benchmarks/evidence_routes.py --data-dir DATA [--steps 5] [--crossover] [--write-docs]
+    python benchmarks/evidence_routes.py --data-dir DATA [--steps 5] [--threads 1] [--crossover] [--write-docs]
 
 Run with an interpreter that has laplace-torch (kept out of ntkgp's dependencies); without it only ntkgp's side
 is measured. ``--crossover`` also times one evidence step in each space on a grid of N·C / P and prints where
@@ -102,9 +106,25 @@ def test_inputs(x: torch.Tensor) -> torch.Tensor:
 
 
 def timed(fn):
-    start = time.perf_counter()
+    """``fn()`` and the CPU seconds of the process it took (module docstring)."""
+    start = time.process_time()
     value = fn()
-    return value, time.perf_counter() - start
+    return value, time.process_time() - start
+
+
+def step_floor(steps: int, num_groups: int = 6) -> float:
+    """Seconds of the least hyperparameter step: Adam on ``num_groups`` log δ after one backward pass of
+    ``exp(log δ).sum()`` (the mean of ``steps`` steps after a warm-up step)."""
+    log_delta = torch.zeros(num_groups, dtype=torch.float64, requires_grad=True)
+    opt = torch.optim.Adam([log_delta], lr=0.1)
+
+    def step():
+        opt.zero_grad()
+        log_delta.exp().sum().backward()
+        opt.step()
+
+    step()
+    return timed(lambda: [step() for _ in range(steps)])[1] / steps
 
 
 # ---------------------------------------------------------------------------------------------- ntkgp
@@ -189,7 +209,8 @@ def laplace_torch(task, x, y, net, structure, per_tensor, steps, x_test):
     n_tensors = len(list(net.parameters()))
     sigma = 0.1 if task == "regression" else 1.0
     prior = torch.ones(n_tensors, dtype=torch.float64) if per_tensor else torch.tensor(1.0, dtype=torch.float64)
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=256)
+    targets = y.reshape(-1, 1) if task == "regression" else y  # laplace-torch: (N, 1) regression targets
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, targets), batch_size=256)
 
     def build():
         la = cls(net, task, sigma_noise=sigma, prior_precision=prior.clone())
@@ -261,12 +282,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data-dir", default=os.environ.get("NTKGP_DATA_DIR"))
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--crossover", action="store_true")
     parser.add_argument("--write-docs", action="store_true")
     parser.add_argument("--only", default=None, help="run only these problems (names, comma-separated)")
     args = parser.parse_args()
     torch.set_default_dtype(torch.float64)
+    torch.set_num_threads(args.threads)
     other = have_laplace()
+    floor = step_floor(max(args.steps, 100))
+    print(f"floor of a hyperparameter step: {floor * 1e3:.3g} ms")
     points = crossover(args.steps) if args.crossover else None
     rows = []
     order = ["digits", "digits 0-2", "UCI energy"]  # the problems of the issue first; Snelson (P = 5251) last
@@ -291,7 +316,7 @@ def main() -> None:
                 rows.append((label, "per tensor" if per_tensor else "one", ours, theirs))
                 print(format_row(rows[-1]), flush=True)
         if args.write_docs:  # after each problem: a long run leaves what it measured
-            write_docs(rows, points, other)
+            write_docs(rows, points, other, floor, args.threads)
 
 
 def ratio(a: float, b: float) -> str:
@@ -310,7 +335,7 @@ def format_row(row) -> str:
     return ", ".join(cells)
 
 
-def write_docs(rows, points, other: bool) -> None:
+def write_docs(rows, points, other: bool, floor: float, threads: int) -> None:
     header = ["problem", "ntkgp route", "δ", "build s", "step ms", "predictive s (1,000 points)"]
     if other:
         header += ["laplace-torch build s", "step ms", "predictive s", "ratio build / step / predictive",
@@ -324,6 +349,8 @@ def write_docs(rows, points, other: bool) -> None:
                     f"{ours['first']:.6g} / {theirs['first']:.6g}"]
         table.append(row)
     text = markdown_table(header, table)
+    text += (f"\n\nCPU time of the process, {threads} thread(s). The floor of any hyperparameter step (an Adam step "
+             f"on log δ after the backward pass of a one-operation graph): {floor * 1e3:.3g} ms.")
     if points:
         text += "\n\nOne exact evidence step (value and gradient) in each space, softmax with 3 classes, P = 1179:\n\n"
         text += markdown_table(["N·C / P", "function space ms", "weight space ms"],

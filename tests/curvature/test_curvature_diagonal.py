@@ -73,6 +73,19 @@ def brute_curvatures(net, x, y, likelihood) -> tuple[torch.Tensor, torch.Tensor]
     return ggn.detach(), (per_example.T @ per_example).detach()
 
 
+def assert_data_fit_is_the_log_likelihood(curv, net, x, y, lik) -> None:
+    """The curvature's data term (from statistics stored when it was computed) and its gradient in the
+    likelihood's parameters equal those of ``log_likelihood`` at the likelihood's current values."""
+    params = list(lik.parameters())
+    for p in params:
+        p.requires_grad_(True)
+    ours = curv.data_fit(lik)
+    direct = log_likelihood(lik, net(x).detach(), y).sum()
+    assert rel_err(ours.detach(), direct.detach()) < 1e-12
+    for a, b in zip(torch.autograd.grad(ours, params), torch.autograd.grad(direct, params)):
+        assert rel_err(a, b) < 1e-12
+
+
 def expanded_precision(net, delta: torch.Tensor) -> torch.Tensor:
     groups = resolve_groups(net, "layer")
     return delta[groups.column_groups()]
@@ -89,6 +102,7 @@ def test_diagonal_equals_brute_force_diagonal(name, structure):
     ggn, ef = brute_curvatures(net, x, y, lik)
     reference = (ggn if structure == "diag_ggn" else ef).diagonal()
     assert rel_err(curv.diagonal(lik).detach(), reference) < 1e-12
+    assert_data_fit_is_the_log_likelihood(curv, net, x, y, lik)
     assert curv.num_data == N
 
 
@@ -130,6 +144,7 @@ def test_new_likelihood_hyperparameters_without_recomputation(name, structure):
     ggn, ef = brute_curvatures(net, x, y, lik)
     reference = (ggn if structure == "diag_ggn" else ef).diagonal()
     assert rel_err(curv.diagonal(lik).detach(), reference) < 1e-12
+    assert_data_fit_is_the_log_likelihood(curv, net, x, y, lik)
 
 
 def finite_difference(fn, value: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -196,6 +211,13 @@ def test_invalid_arguments_raise():
         curv.log_det(torch.ones(7, dtype=torch.float64), lik)
     with pytest.raises(ValueError, match="positive"):
         curv.log_det(-1.0, lik)
+    g = curv.groups.num_groups
+    for bad in (float("nan"), float("inf"), -2.0):  # tensors of the curvature's dtype and shape
+        delta = torch.ones(g, dtype=torch.float64, requires_grad=True).clone()
+        with torch.no_grad():
+            delta[-1] = bad
+        with pytest.raises(ValueError, match="positive"):
+            curv.log_marginal_likelihood(delta, lik)
     with pytest.raises(ValueError, match="output scale"):
         curv.log_det(1.0, multitask())
     cnn = small_cnn().train()

@@ -8,7 +8,8 @@ from linear_operator.utils.errors import NotPSDError
 from linear_operator.utils.warnings import NumericalWarning
 
 from ntkgp.laplace.function_space.algebra import block_apply, block_sandwich, low_rank_log_det, site_cholesky
-from ntkgp.linalg import JitterWarning, cholesky
+from ntkgp import linalg
+from ntkgp.linalg import JitterWarning, cholesky, gram
 
 
 def dense_factor(blocks: torch.Tensor) -> torch.Tensor:
@@ -83,3 +84,22 @@ def test_low_rank_log_det_is_the_determinant_lemma():
     big = dense_factor(blocks)
     reference = torch.linalg.slogdet(torch.eye(n * k, dtype=torch.float64) + big.T @ root @ root.T @ big)[1]
     assert abs(low_rank_log_det(blocks, root) - reference) < 1e-10
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("p", [3, 7, 11])
+def test_gram_from_lower_blocks_equals_the_sum_of_outer_products(monkeypatch, dtype, p):
+    """Blocks of 2 columns (several panels, a ragged last block) and a batch dimension: AᵀA against the
+    sum over rows of outer products (float64), exactly symmetric, and its gradient against autograd's."""
+    monkeypatch.setattr(linalg, "GRAM_BLOCK", 2)
+    torch.manual_seed(1)
+    a = torch.randn(3, 13, p, dtype=torch.float64)
+    reference = torch.einsum("bnp,bnq->bpq", a, a)
+    out = gram(a.to(dtype))
+    assert out.dtype == dtype and torch.equal(out, out.mT)
+    tol = 1e-13 if dtype == torch.float64 else 1e-5
+    assert ((out.double() - reference).abs().max() / reference.abs().max()) < tol
+    weights = torch.randn(p, p, dtype=torch.float64)
+    leaf = a.clone().requires_grad_(True)
+    (grad,) = torch.autograd.grad((gram(leaf) * weights).sum(), leaf)
+    assert torch.allclose(grad, a @ (weights + weights.T), rtol=1e-12, atol=1e-12)

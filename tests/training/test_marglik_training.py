@@ -258,6 +258,35 @@ def test_the_curvature_is_built_once_per_round_not_per_step(monkeypatch, prior_s
     assert all(c.spectral == (prior_structure == "network") for c in calls)
 
 
+@pytest.mark.parametrize("hyper_steps", [1, 10])
+def test_a_round_of_few_steps_takes_the_space_of_the_cheaper_build(monkeypatch, hyper_steps):
+    """N = 25 between 0.6 P and P = 33: one step per build takes function space (the cheaper build), ten steps the
+    weight space of ``choose_space``; the curvature's evidence equals the other space's at the same θ."""
+    import ntkgp.training.hyper_round as module
+    from ntkgp.laplace.weight_space import FullCurvature, FunctionSpaceCurvature
+
+    calls = []
+    original = module.exact_curvature
+
+    def counting(*args, **kwargs):
+        calls.append((args, kwargs, original(*args, **kwargs)))
+        return calls[-1][2]
+
+    monkeypatch.setattr(module, "exact_curvature", counting)
+    torch.manual_seed(0)
+    x = torch.randn(25, 2, dtype=torch.float64)
+    y = torch.sin(x[:, 0]) + 0.1 * torch.randn(25, dtype=torch.float64)
+    net = torch.nn.Sequential(torch.nn.Linear(2, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).double()
+    lik = gpytorch.likelihoods.GaussianLikelihood().double()
+    train_marglik(net, x, y, lik, epochs=2, lr=1e-2, burn_in=0, frequency=1, hyper_steps=hyper_steps, progress=False)
+    args, kwargs, curvature = calls[-1]
+    assert isinstance(curvature, FunctionSpaceCurvature if hyper_steps == 1 else FullCurvature)
+    other = original(*args, **{**kwargs, "space": "weight" if hyper_steps == 1 else "function"})
+    delta = torch.tensor([0.7, 3.0], dtype=torch.float64)
+    ours, theirs = curvature.log_marginal_likelihood(delta, lik), other.log_marginal_likelihood(delta, lik)
+    assert abs(ours.item() - theirs.item()) < 1e-10 * abs(theirs.item())
+
+
 def _diverging_problem():
     torch.manual_seed(0)
     x = torch.randn(30, 2, dtype=torch.float64)

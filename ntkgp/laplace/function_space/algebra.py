@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from linear_operator.operators import LinearOperator
 
-from ...linalg import cholesky
+from ...linalg import cholesky, gram
 
 __all__ = ["as_columns", "block_apply", "block_sandwich", "low_rank_log_det", "site_cholesky"]
 
@@ -62,6 +62,6 @@ def low_rank_log_det(factor: torch.Tensor, root: torch.Tensor) -> torch.Tensor:
     :math:`\log|H| - \log|P_0|`. Costs :math:`O(N k P^2 + P^3)` instead of :math:`O((Nk)^3)`.
     """
     w = block_apply(factor, root, transpose=True)  # (N·k, r)
-    inner = w.mT @ w
+    inner = gram(w)
     inner = inner + torch.eye(inner.shape[0], dtype=inner.dtype, device=inner.device)
     return 2 * cholesky(inner, "I + Wᵀ W (the whitened posterior precision)").diagonal().log().sum()

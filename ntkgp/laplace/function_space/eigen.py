@@ -39,6 +39,7 @@ from gpytorch.likelihoods import Likelihood, MultitaskGaussianLikelihood
 from ...caching import ValueCache
 from ...kernels import NTKKernel
 from ...likelihoods import gradient, hessian_sqrt, is_gaussian, likelihood_temperature, noise_variance
+from ...linalg import gram
 from ...options import Curvature, Space, choose, choose_space
 from .algebra import block_apply, block_sandwich
 
@@ -123,7 +124,7 @@ def spectrum(
                 matrix = block_sandwich(base, kernel.group_grams(x).sum(0).to(base))
             else:
                 w = block_apply(base, kernel.jacobian(x).to(base), transpose=True)
-                matrix = w.mT @ w
+                matrix = gram(w)
             return torch.linalg.eigvalsh(matrix).clamp_min(0)
 
     tag = ("spectrum", curvature.value, space.value, type(likelihood).__name__)

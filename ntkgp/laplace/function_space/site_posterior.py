@@ -28,7 +28,7 @@ from linear_operator.operators import LinearOperator
 
 from ...kernels import NTKKernel
 from ...likelihoods import gradient, hessian, is_gaussian, log_likelihood
-from ...linalg import cholesky
+from ...linalg import cholesky, gram
 from ...options import Space, choose_space
 from .algebra import block_apply, site_cholesky
 from .evidence import curvature_factor
@@ -63,7 +63,7 @@ def _weight_factor(w: torch.Tensor) -> torch.Tensor:
     if torch.finfo(w.dtype).eps > torch.finfo(torch.float64).eps and w.device.type != "mps":
         work = torch.float64
     wide = w.to(work)
-    inner = wide.mT @ wide
+    inner = gram(wide)
     inner = inner + torch.eye(inner.shape[-1], dtype=work, device=w.device)
     return cholesky(inner, "I + Wᵀ W (the whitened posterior precision)").mT.to(w.dtype)
 

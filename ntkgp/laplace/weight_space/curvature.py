@@ -17,16 +17,17 @@ the noise and the temperature.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 
 import torch
 from gpytorch.likelihoods import Likelihood
 from torch import Tensor
 
-from ...likelihoods import log_likelihood
 from ...ntk import ParameterGroups
 from ...ntk.prior_precision import prior_precision_vector
-from .scaling import output_scale
+from .scaling import data_fit, data_fit_statistics, output_scale
+from .structured_evidence import structured_evidence
 
 
 class Curvature(ABC):
@@ -53,6 +54,7 @@ class Curvature(ABC):
         self.scale_size = int(scale_size)
         self.column_groups = groups.column_groups(device=f.device)
         self.group_sizes = groups.group_sizes().to(f)
+        self._fit_statistics: tuple[type, Tensor] | None = None
 
     @property
     def num_data(self) -> int:
@@ -71,11 +73,19 @@ class Curvature(ABC):
     def prior_precision_vector(self, prior_precision: float | Tensor) -> Tensor:
         r"""The prior precisions :math:`\delta` as a ``(G,)`` tensor (a scalar is shared by all groups), with its
         graph (:func:`~ntkgp.ntk.prior_precision.prior_precision_vector`)."""
-        return prior_precision_vector(prior_precision, self.groups, self.dtype, self.f.device, keep_graph=True)
+        delta = prior_precision
+        if not (torch.is_tensor(delta) and delta.dtype == self.dtype and delta.device == self.f.device
+                and delta.shape == self.group_sizes.shape and bool(((delta > 0) & (delta < math.inf)).all())):
+            # anything but a positive finite (G,) tensor of the curvature's dtype: the full conversion and check
+            delta = prior_precision_vector(prior_precision, self.groups, self.dtype, self.f.device,
+                                           keep_graph=True)
+        return delta
 
     def scale(self, likelihood: Likelihood) -> Tensor:
         r"""The likelihood's output scale :math:`s` (``1/σ²`` or ``1/T``), shape ``(scale_size,)``."""
-        s = output_scale(likelihood).to(device=self.f.device, dtype=self.dtype)
+        s = output_scale(likelihood)
+        if s.dtype != self.dtype or s.device != self.f.device:
+            s = s.to(device=self.f.device, dtype=self.dtype)
         if s.shape != (self.scale_size,):
             raise ValueError(
                 f"the curvature was computed for a likelihood with an output scale of size {self.scale_size}, "
@@ -83,6 +93,24 @@ class Curvature(ABC):
                 "likelihood"
             )
         return s
+
+    def fit_statistics(self, likelihood: Likelihood) -> Tensor:
+        r"""The statistics ``(3, K)`` of the data term
+        (:func:`~ntkgp.laplace.weight_space.scaling.data_fit_statistics`), computed once per likelihood type from the stored outputs, :math:`O(NC)`."""
+        if self._fit_statistics is None or self._fit_statistics[0] is not type(likelihood):
+            self._fit_statistics = (type(likelihood), data_fit_statistics(likelihood, self.f, self.y))
+        return self._fit_statistics[1]
+
+    def data_fit(self, likelihood: Likelihood) -> Tensor:
+        r""":math:`\sum_n \log p(y_n \mid f_n)` at the likelihood's current noise or temperature, shape
+        ``()``, differentiable in them: :math:`O(K)` from :meth:`fit_statistics`."""
+        scale = self.scale(likelihood)
+        return data_fit(self.fit_statistics(likelihood), scale)
+
+    def diagonal_spectrum(self) -> tuple[Tensor, Tensor, int] | None:
+        r"""``(u, groups, q)`` when every eigenvalue of :math:`H + P_0` is :math:`s^q u_p + \delta_{g(p)}` for the
+        one output scale :math:`s` (:mod:`~ntkgp.laplace.weight_space.structured_evidence`), else ``None``."""
+        return None
 
     @abstractmethod
     def log_det(self, prior_precision: float | Tensor, likelihood: Likelihood) -> Tensor:
@@ -111,12 +139,17 @@ class Curvature(ABC):
 
         Returns:
             The log marginal likelihood, summed over the data: divide by :attr:`num_data` to report it per
-            data point. Cost: :math:`O(NC)` for the data term plus that of :meth:`log_det`.
+            data point. Cost: :math:`O(K)` for the data term (:meth:`data_fit`; :math:`O(NC)` once) plus that
+            of :meth:`log_det`.
 
         Raises:
             ValueError: ``prior_precision`` of the wrong shape or not positive, or a likelihood with another
                 output scale.
         """
         delta = self.prior_precision_vector(prior_precision)
-        data_fit = log_likelihood(likelihood, self.f, self.y).sum()
-        return data_fit - 0.5 * (delta * self.theta_sq_norms).sum() - 0.5 * self.log_det_ratio(delta, likelihood)
+        spectrum = self.diagonal_spectrum()
+        if spectrum is not None:  # one node of the graph, O(P)
+            return structured_evidence(delta, self.scale(likelihood), *spectrum, self.theta_sq_norms,
+                                       self.group_sizes, self.fit_statistics(likelihood))
+        prior = 0.5 * (delta * self.theta_sq_norms).sum()
+        return self.data_fit(likelihood) - prior - 0.5 * self.log_det_ratio(delta, likelihood)

@@ -33,6 +33,7 @@ from ...ntk import ParameterGroups
 from ...ntk.groups import GroupSpec
 from .curvature import Curvature
 from .data_pass import Data, DataPass
+from .exact_log_det import diagonal_log_det
 from .layers import Layer, layer_features, structured_layers, usable_layers
 
 
@@ -71,7 +72,13 @@ class DiagonalCurvature(Curvature):
     def log_det(self, prior_precision: float | Tensor, likelihood: Likelihood) -> Tensor:
         r""":math:`\sum_p \log(H_{pp} + \delta_{g(p)})`, :math:`O(KP)`."""
         delta = self.prior_precision_vector(prior_precision)
-        return torch.log(self.diagonal(likelihood) + delta[self.column_groups]).sum()
+        return diagonal_log_det(self.component_weights(self.scale(likelihood)), delta, self.components,
+                                self.column_groups)
+
+    def diagonal_spectrum(self) -> tuple[Tensor, Tensor, int] | None:
+        if self.scale_size != 1 or self.components.shape[0] != 1:
+            return None
+        return self.components[0], self.column_groups, (2 if self.structure == "diag_ef" else 1)
 
     def dense(self, likelihood: Likelihood) -> Tensor:
         return torch.diag(self.diagonal(likelihood))

@@ -35,6 +35,7 @@ from gpytorch.likelihoods import Likelihood
 from torch import Tensor, nn
 
 from ...likelihoods import is_gaussian, num_outputs
+from ...linalg import gram
 from ...ntk import ParameterGroups
 from ...ntk.groups import GroupSpec
 from ...options import Curvature as CurvatureKind
@@ -71,9 +72,8 @@ def curvature_components(rows: Tensor, fisher: bool, per_output: bool) -> Tensor
     if fisher and per_output:
         return torch.einsum("nap,nbq->abpq", rows, rows).flatten(0, 1)
     if per_output:
-        return torch.einsum("ncp,ncq->cpq", rows, rows)
-    flat = rows.reshape(-1, rows.shape[-1])
-    return (flat.T @ flat)[None]
+        return gram(rows.transpose(0, 1))
+    return gram(rows.reshape(-1, rows.shape[-1]))[None]
 
 
 def jacobian_rows(

@@ -49,6 +49,7 @@ from ...ntk.groups import GroupSpec
 from .curvature import Curvature
 from .data_pass import Data, DataPass
 from .diagonal import diagonal_ggn_components
+from .exact_log_det import diagonal_log_det
 from .layers import layer_features, structured_layers, usable_layers
 
 
@@ -168,6 +169,22 @@ class KroneckerGGN(Curvature):
             [torch.full((n,), index[name]) for name, n in zip(groups.names, groups.numels) if name in diagonal_names]
             or [torch.zeros(0, dtype=torch.long)]
         ).to(f.device)
+        # one output-scale component (K = 1): every eigenvalue of H is s times one of these, formed once
+        self.unit_eigenvalues = self.eigenvalue_groups = None
+        if scale_size == 1:
+            self.unit_eigenvalues = torch.cat(
+                [(b.output_eigenvalues[:, None] * b.input_eigenvalues[None, :]).reshape(-1) for b in blocks]
+                + [diagonal_components.reshape(-1)]
+            ).unsqueeze(0)
+            self.eigenvalue_groups = torch.cat(
+                [torch.full((b.output_eigenvalues.numel() * b.input_eigenvalues.numel(),), b.group, device=f.device)
+                 for b in blocks] + [self.diagonal_groups]
+            )
+
+    def diagonal_spectrum(self) -> tuple[Tensor, Tensor, int] | None:
+        if self.unit_eigenvalues is None:
+            return None
+        return self.unit_eigenvalues[0], self.eigenvalue_groups, 1
 
     def output_eigenvalues(self, block: KroneckerFactors, scale: Tensor) -> Tensor:
         r"""Eigenvalues of :math:`\sum_k s_k G_k`, ``(d_out,)``, differentiable in :math:`s`."""
@@ -179,6 +196,8 @@ class KroneckerGGN(Curvature):
         r""":math:`\sum_l \log|G_l \otimes A_l + \delta_l I| + \sum_{p \notin \text{blocks}} \log(H_{pp} + \delta)`."""
         delta = self.prior_precision_vector(prior_precision)
         scale = self.scale(likelihood)
+        if scale.shape[0] == 1:  # one pass over all eigenvalues, O(P)
+            return diagonal_log_det(scale, delta, self.unit_eigenvalues, self.eigenvalue_groups)
         total = torch.log(scale @ self.diagonal_components + delta[self.diagonal_groups]).sum()
         for block in self.blocks:
             total = total + block.log_det(scale, delta[block.group])

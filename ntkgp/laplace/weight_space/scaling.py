@@ -17,11 +17,21 @@ A curvature computed once therefore follows any new noise or temperature through
 
 from __future__ import annotations
 
+import math
+
 import torch
 from gpytorch.likelihoods import Likelihood
 from torch import Tensor
 
-from ...likelihoods import gradient, hessian_sqrt, is_gaussian, likelihood_temperature, noise_variance, num_outputs
+from ...likelihoods import (
+    gradient,
+    hessian_sqrt,
+    is_gaussian,
+    likelihood_temperature,
+    log_likelihood,
+    noise_variance,
+    num_outputs,
+)
 
 
 def output_scale(likelihood: Likelihood) -> Tensor:
@@ -34,6 +44,35 @@ def output_scale(likelihood: Likelihood) -> Tensor:
     if temperature is None:
         return torch.ones(1)
     return temperature.reciprocal().reshape(1)
+
+
+def data_fit_statistics(likelihood: Likelihood, f: Tensor, y: Tensor) -> Tensor:
+    r"""Statistics ``(3, K)`` of :math:`f_n, y_n` from which the data term follows for any output scale:
+
+    .. math::
+        \sum_n \log p(y_n \mid f_n) = \sum_k \alpha_k + \beta_k \log s_k + \gamma_k s_k
+
+    (:func:`data_fit`). Gaussian, :math:`s_c = 1/\sigma_c^2`: :math:`\alpha_c = -\tfrac N2 \log 2\pi`,
+    :math:`\beta_c = \tfrac N2`, :math:`\gamma_c = -\tfrac12 \sum_n (y_{nc} - f_{nc})^2`; tempered,
+    :math:`s = 1/T`: :math:`\alpha = \beta = 0`, :math:`\gamma = \sum_n \log p(y_n \mid f_n)` at
+    :math:`T = 1`.
+    Computed once without a graph, :math:`O(NC)`; :func:`data_fit` then costs :math:`O(K)`."""
+    with torch.no_grad():
+        if is_gaussian(likelihood):
+            n = float(f.shape[0])
+            gamma = -0.5 * (y.to(f).reshape(f.shape) - f).square().sum(dim=0)
+            return torch.stack([torch.full_like(gamma, -0.5 * n * math.log(2 * math.pi)),
+                                torch.full_like(gamma, 0.5 * n), gamma])
+        s0 = output_scale(likelihood).to(f)
+        gamma = (log_likelihood(likelihood, f, y).sum() / s0).reshape(1)
+        return torch.stack([torch.zeros_like(gamma), torch.zeros_like(gamma), gamma])
+
+
+def data_fit(statistics: Tensor, scale: Tensor) -> Tensor:
+    r""":math:`\sum_n \log p(y_n \mid f_n)` at the output scale :math:`s` (``(K,)``) from
+    :func:`data_fit_statistics`, shape ``()``, differentiable in :math:`s`."""
+    alpha, beta, gamma = statistics
+    return (alpha + beta * scale.log() + gamma * scale).sum()
 
 
 def unit_hessian_sqrt(likelihood: Likelihood, f: Tensor, y: Tensor, scale0: Tensor) -> Tensor:
