@@ -29,14 +29,14 @@ from ...options import (
     option_attributes,
 )
 from .evidence import collapsed_bound
-from .factorization import PosteriorCache, posterior_state, z_jacobian
+from .factorization import PosteriorCache, generation_key, inducing_feature_set, posterior_state, z_jacobian
 from .guard import StateGuard, state_key
 from .inducing_points import inducing_inputs_from_data
 from .prediction import predictive_distribution
 from .prediction_terms import PosteriorState, PredictiveTerms
 from .statistics import statistics_dtype
 from .streaming import stream_statistics
-from .system_grams import inducing_grams
+from .system_grams import inducing_features, inducing_grams
 from .updates import new_statistics
 from .validation import check_training_data, first_batch, flag, integer, optional_positive_int, positive_int
 from .validation import training_batches
@@ -224,17 +224,20 @@ class SFR(BoTorchInterface, GP):
         self.register_buffer("inducing_points", z)
         combined = self.statistics is StatisticsMode.COMBINED
         delta = self.covar_module.prior_precision.detach()
+        z_features, *exact = inducing_features(self.engine, z)  # once per model (float64 ones for K_ZZ)
+        # per group: (G, nb, K, K); combined: (1, nb, K, K), K_ZZ(δ) at the δ of the statistics
+        zz, self._zz_precision = inducing_grams(  # in float64 (on a float64 copy of a float32 network)
+            self.engine, z, self.output_coupling, statistics_dtype(self.engine.dtype),
+            delta.reciprocal() if combined else None, self._rows_per_step(), exact,
+        )
+        del exact  # the float64 features: not held during the pass
         with together("the pass over train_x", self.distributed):
             self.dual_statistics = stream_statistics(
                 self.engine, likelihood, z, self.output_coupling, self.prior_mean, itertools.chain([first], pairs),
                 self._layout, self._rows_per_step(), "train", progress, prior_precision=delta if combined else None,
+                z_features=z_features,
             )
         self.dual_statistics.all_reduce_(self.distributed)
-        # per group: (G, nb, K, K); combined: (1, nb, K, K), K_ZZ(δ) at the δ of the statistics
-        dtype = statistics_dtype(self.engine.dtype)
-        zz, self._zz_precision = inducing_grams(  # in float64 (on a float64 copy of a float32 network)
-            self.engine, z, self.output_coupling, dtype, delta.reciprocal() if combined else None, self._rows_per_step()
-        )
         if combined:  # δ is fixed with combined statistics: no optimizer or evidence gradient should touch it
             self.covar_module.raw_prior_precision.requires_grad_(False)
         self.register_buffer("_zz_grams", zz)
@@ -242,7 +245,7 @@ class SFR(BoTorchInterface, GP):
         self._guard = StateGuard.of(self.engine, z)
         self._generation = 0  # bumped by load_state_dict
         self._updates = 0  # bumped by update
-        self._cache = PosteriorCache()
+        self._cache = PosteriorCache(z_features, generation_key(self))
         self.register_load_state_dict_post_hook(_reset_after_load)
         self.eval()
 
@@ -367,7 +370,7 @@ class SFR(BoTorchInterface, GP):
         x = self.engine.prepare(flat, "x")
         terms = PredictiveTerms(
             self.engine, self.inducing_points, self.output_coupling, self.num_outputs, self._factors(),
-            self.prior_mean, self.predictive_mean, lambda: z_jacobian(self),
+            self.prior_mean, self.predictive_mean, lambda: z_jacobian(self), inducing_feature_set(self),
         )
         return predictive_distribution(terms, x, batch, chunk, self.inducing_points.dtype)
 
