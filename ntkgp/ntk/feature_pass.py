@@ -104,6 +104,19 @@ def chunk_bytes(core: NetworkCore, plan: LayerPlan, c: int, itemsize: int) -> in
     return itemsize * (2 * c * contracted_width(core, plan) + unfolded + 3 * c * generic)
 
 
+#: The memory one chunk's feature pass may take by default (:func:`chunk_for_budget`).
+CHUNK_BYTES = 2**30
+
+
+def chunk_for_budget(core: NetworkCore, plan: LayerPlan, c: int, itemsize: int, budget: int = CHUNK_BYTES,
+                     largest: int = 1024) -> int:
+    """The examples per chunk whose feature pass fits in ``budget`` bytes (:func:`chunk_bytes`), between 1 and
+    ``largest``. E.g. the Fashion-MNIST CNN (P = 421,642; convolutions P_c = 18,816, T = 784 and 196), float32,
+    C = 10: about 1.7 MB per example, 610 examples per GiB (a chunk of 1,024 on the per-example Jacobian route
+    would hold ``1024·C·P`` numbers, 17 GB)."""
+    return max(1, min(largest, budget // max(1, chunk_bytes(core, plan, c, itemsize))))
+
+
 class FeatureSet:
     """The features of a set of inputs ``x`` (prepared), chunk by chunk.
 

@@ -35,6 +35,7 @@ __all__ = [
     "inducing_feature_set",
     "kzz_factors",
     "posterior_state",
+    "reset_after_load",
     "rounding",
     "solve",
     "z_jacobian",
@@ -182,6 +183,14 @@ def posterior_state(sfr) -> PosteriorState:
     if sfr.training or not gpytorch.settings.detach_test_caches.on():
         return posterior(weights, slots, kzz_factors(sfr, weights))
     return sfr._cache.factors(lambda w: kzz_factors(sfr, w), posterior, weights, slots, generation_key(sfr))
+
+
+def reset_after_load(module, incompatible_keys) -> None:
+    """``load_state_dict`` post hook: the loaded statistics' key re-arms the guard (or disarms it, if they belong to
+    other weights), and every cached factor is dropped (the inducing inputs' features too)."""
+    module._generation += 1
+    module._guard = module._guard.loaded(module._state_key)
+    module._cache.clear()
 
 
 def inducing_feature_set(sfr):

@@ -29,14 +29,15 @@ from ...options import (
     option_attributes,
 )
 from .evidence import collapsed_bound
-from .factorization import PosteriorCache, generation_key, inducing_feature_set, posterior_state, z_jacobian
+from .factorization import PosteriorCache, generation_key, inducing_feature_set, posterior_state, reset_after_load
+from .factorization import z_jacobian
 from .guard import StateGuard, state_key
 from .inducing_points import inducing_inputs_from_data
 from .prediction import predictive_distribution
 from .prediction_terms import PosteriorState, PredictiveTerms
 from .statistics import statistics_dtype
 from .streaming import stream_statistics
-from .system_grams import inducing_features, inducing_grams
+from .system_grams import auto_chunk_size, inducing_features, inducing_grams
 from .updates import new_statistics
 from .validation import check_training_data, first_batch, flag, integer, optional_positive_int, positive_int
 from .validation import training_batches
@@ -45,14 +46,6 @@ __all__ = ["SFR"]
 
 _PASS = "it shaped the pass over the data: the statistics would have to be recomputed from the data"
 _CHOICE = "the inducing inputs were chosen with it at construction"
-
-
-def _reset_after_load(module: SFR, incompatible_keys) -> None:
-    """``load_state_dict`` post hook: the loaded statistics' key re-arms the guard (or disarms it, if they belong to
-    other weights), and every cached factor is dropped."""
-    module._generation += 1
-    module._guard = module._guard.loaded(module._state_key)
-    module._cache.clear()
 
 
 class SFR(BoTorchInterface, GP):
@@ -127,7 +120,8 @@ class SFR(BoTorchInterface, GP):
         seed: seed of the random choices (inducing subset, candidate pool).
         progress: show a progress bar over the data (``True`` or ``False``).
         input_shape: shape of one input, when inputs arrive flat (see :class:`~ntkgp.NTKKernel`).
-        chunk_size: examples per Jacobian / feature chunk of the NTK engine.
+        chunk_size: examples per Jacobian / feature chunk of the NTK engine; default: as many as keep one chunk's
+            feature pass under 1 GiB, at most 1,024 (:func:`~ntkgp.models.sfr.system_grams.auto_chunk_size`).
         pool_size: candidates for ``"greedy_variance"``.
         distributed: each rank of an initialized ``torch.distributed`` process group passes its shard of the
             training data (every rank the same network, as in DDP, and the same call); the statistics are
@@ -177,7 +171,7 @@ class SFR(BoTorchInterface, GP):
         seed: int = 0,
         progress: bool = False,
         input_shape: tuple[int, ...] | None = None,
-        chunk_size: int = 1024,
+        chunk_size: int | None = None,
         pool_size: int = 4096,
         distributed: bool = False,
         statistics: str = "per_group",
@@ -187,7 +181,8 @@ class SFR(BoTorchInterface, GP):
         self.statistics, self.prior_mean = statistics, prior_mean
         self.predictive_mean, self.output_coupling = predictive_mean, output_coupling
         self.inducing_method, self.seed, self.pool_size = inducing_method, seed, pool_size
-        self.batch_size, self.chunk_size, self.progress = batch_size, chunk_size, progress
+        self.batch_size, self.progress = batch_size, progress
+        self.chunk_size = 1024 if chunk_size is None else chunk_size  # None: from a memory budget, below
         if isinstance(prior_structure, str):
             prior_structure = choose(PriorStructure, prior_structure, "prior_structure").value
         if (num_inducing is None) == (inducing_points is None):
@@ -210,6 +205,8 @@ class SFR(BoTorchInterface, GP):
             pairs, first, self._layout, self.num_outputs = first_batch(
                 self.engine, train_x, train_y, type(likelihood).__name__, expected_outputs
             )
+        if chunk_size is None:
+            self.chunk_size = auto_chunk_size(self.engine, self.engine.prepare(first[0][:1], "train_x"))
         if inducing_points is not None:
             with together("checking inducing_points", self.distributed):
                 z = self.engine.prepare(self._layout.check(inducing_points, "inducing_points")[0], "inducing_points")
@@ -246,7 +243,7 @@ class SFR(BoTorchInterface, GP):
         self._generation = 0  # bumped by load_state_dict
         self._updates = 0  # bumped by update
         self._cache = PosteriorCache(z_features, generation_key(self))
-        self.register_load_state_dict_post_hook(_reset_after_load)
+        self.register_load_state_dict_post_hook(reset_after_load)
         self.eval()
 
     # ------------------------------------------------------------------ properties and options

@@ -22,12 +22,12 @@ from torch import Tensor
 
 from ...linalg import NumericalWarning
 from ...ntk import NTKEngine
-from ...ntk.feature_pass import FeatureSet, contracted_width
+from ...ntk.feature_pass import FeatureSet, chunk_for_budget, contracted_width
 from ...options import OutputCoupling, choose
 from .whitening import _symmetrize_
 
 __all__ = [
-    "combined_system_gram", "inducing_features", "inducing_grams", "precise_engine", "system_grams",
+    "auto_chunk_size", "combined_system_gram", "inducing_features", "inducing_grams", "precise_engine", "system_grams",
     "system_grams_and_diagonal",
 ]
 
@@ -127,6 +127,13 @@ def precise_engine(engine: NTKEngine) -> NTKEngine:
 #: in the network's dtype: ``M·C·P_c`` numbers for the contracted columns (convolutions and generic parameters)
 #: plus the linear layers' ``M·(Σ d_in + C Σ d_out)``; beyond it they are recomputed for every batch and chunk.
 INDUCING_FEATURE_BYTES = 4 * 2**30
+
+
+def auto_chunk_size(engine: NTKEngine, probe: Tensor) -> int:
+    r"""SFR's default ``chunk_size``: the examples whose feature pass fits in
+    :data:`~ntkgp.ntk.feature_pass.CHUNK_BYTES` (1 GiB; :func:`~ntkgp.ntk.feature_pass.chunk_for_budget`), at most
+    1,024, for inputs shaped like the prepared ``probe``."""
+    return chunk_for_budget(engine.core, engine.plan(probe), engine.num_outputs(probe), probe.element_size())
 
 
 def inducing_features(engine: NTKEngine, z: Tensor) -> tuple[FeatureSet | None, FeatureSet | None, NTKEngine]:
