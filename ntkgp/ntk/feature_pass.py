@@ -108,12 +108,13 @@ def chunk_bytes(core: NetworkCore, plan: LayerPlan, c: int, itemsize: int) -> in
 CHUNK_BYTES = 2**30
 
 
-def chunk_for_budget(core: NetworkCore, plan: LayerPlan, c: int, itemsize: int, budget: int = CHUNK_BYTES,
+def chunk_for_budget(core: NetworkCore, plan: LayerPlan, c: int, itemsize: int, budget: int | None = None,
                      largest: int = 1024) -> int:
-    """The examples per chunk whose feature pass fits in ``budget`` bytes (:func:`chunk_bytes`), between 1 and
-    ``largest``. E.g. the Fashion-MNIST CNN (P = 421,642; convolutions P_c = 18,816, T = 784 and 196), float32,
+    """The examples per chunk whose feature pass fits in ``budget`` bytes (:func:`chunk_bytes`; default
+    :data:`CHUNK_BYTES`), between 1 and ``largest``. E.g. the Fashion-MNIST CNN (P = 421,642; convolutions P_c = 18,816, T = 784 and 196), float32,
     C = 10: about 1.7 MB per example, 610 examples per GiB (a chunk of 1,024 on the per-example Jacobian route
     would hold ``1024·C·P`` numbers, 17 GB)."""
+    budget = CHUNK_BYTES if budget is None else budget
     return max(1, min(largest, budget // max(1, chunk_bytes(core, plan, c, itemsize))))
 
 
