@@ -298,6 +298,16 @@ def vs_laplace_torch(args, net, x, y, x_test, y_test, n: int) -> dict:
     return out
 
 
+def run_command() -> str:
+    """This run's command for the docs, with the machine's paths as placeholders."""
+    out, placeholder = [], None
+    for token in sys.argv[1:]:
+        out.append(placeholder or token)
+        placeholder = None if placeholder else {"--weights": "WEIGHTS.pt", "--sfr-code": "SFR_CODE",
+                                                "--data-dir": "DATA", "--json": "RUN.json"}.get(token)
+    return "python benchmarks/image_scale.py " + " ".join(out)
+
+
 def _fmt(seconds: float | None) -> str:
     return "—" if seconds is None else f"{seconds:.0f} s" if seconds >= 10 else f"{seconds:.2f} s"
 
@@ -338,8 +348,12 @@ def write_docs(paths: list[Path]) -> None:
                               f"{int(r['row'].split(':')[1]):,}", f"{r[f'ntkgp_{part}_s'] / r[f'{other}_s']:.2f}×",
                               "", target, f"{r['peak_mib']:.0f}", load(r)])
     header = ["row", "N", "measured", "extrapolated", "target", "peak MiB", "load"]
-    names = " ".join(str(p) for p in paths)
-    write_block("docs/scaling.md", "image-scale", markdown_table(header, table),
+    runs = sorted({r["command"] for r in results})
+    note = ("\n\nFloat32 network, one δ, independent outputs; `load`: the load average when the row ended (the "
+            "machine's 2 cores were shared with other jobs, so times are inflated by up to that factor over 2). "
+            "Each run locked the machine against other timed runs: " + "; ".join(f"`{c}`" for c in runs) + ".")
+    names = " ".join(os.path.relpath(p, ROOT) for p in paths)
+    write_block("docs/scaling.md", "image-scale", markdown_table(header, table) + note,
                 f"python benchmarks/image_scale.py --write-docs {names}")
 
 
@@ -383,7 +397,7 @@ def main() -> None:
             lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
             result = json.loads(lines[-1][7:]) if lines else {"row": name, "error": done.stderr[-2000:]}
             result |= {"n": args.n, "n_test": args.n_test, "threads": torch.get_num_threads(),
-                       "load_average": os.getloadavg()[0]}
+                       "load_average": os.getloadavg()[0], "command": run_command()}
             results.append(result)
             print(json.dumps(result), flush=True)
             if args.json is not None:  # after every row: a run stopped for time keeps what it measured
