@@ -45,7 +45,8 @@ def new_statistics(sfr, x_new: Tensor | Iterable[tuple[Tensor, Tensor]], y_new: 
                 weights = group_weights(sfr).detach()
                 slots = stats.slot_weights(sfr.likelihood).detach()
                 inducing = kzz_factors(sfr, weights)
-            new = iterated_update(*args, sfr._layout, sfr.num_outputs, stats, inducing, weights, slots, rows)
+            new = iterated_update(*args, sfr._layout, sfr.num_outputs, stats, inducing, weights, slots, rows,
+                                  inducing_feature_set(sfr))
         else:
             new = stream_statistics(
                 *args, sfr._layout, rows, "new", sfr.progress, prior_precision=stats.prior_precision,

@@ -39,6 +39,9 @@ def test_inducing_features_are_computed_once_per_model(coupling, dtype):
         sfr = SFR(net, x, y, SoftmaxLikelihood(3).to(dtype), num_inducing=8, output_coupling=coupling, batch_size=7)
         for chunk in (3, 5):
             sfr(xs, chunk_size=chunk).variance
+        sfr.update(x[:5], y[:5])  # iterated sites
+        sfr.update(x[5:9], y[5:9], iterate=False)
+        sfr(xs).variance
     assert calls == [(8, torch.float64)]  # once, on the float64 copy for a float32 network
 
 
