@@ -87,7 +87,7 @@ class PosteriorCache:
     def __init__(self, z_features=None, generation: Tensor | None = None) -> None:
         self._caches = {name: ValueCache(size=1) for name in ("inducing", "posterior", "z_jacobian", "z_features")}
         if z_features is not None:
-            self._caches["z_features"].get_or_compute("Z features", [], lambda: z_features, state=[generation])
+            self._caches["z_features"].get_or_compute("Z features", [], lambda: z_features, state=[generation[:1]])
 
     def __getstate__(self) -> dict:  # a pickled or copied model recomputes its factors
         return {"empty": True}
@@ -133,8 +133,9 @@ class PosteriorCache:
         return cached.get_or_compute("posterior", [], lambda: new_posterior(zz), state=[weights, slots, generation])
 
     def z_features(self, compute: Callable[[], object], generation: Tensor):
-        """The inducing inputs' features, from the cache or ``compute()``."""
-        return self._caches["z_features"].get_or_compute("Z features", [], compute, state=[generation])
+        """The inducing inputs' features, from the cache or ``compute()`` (keyed by the ``load_state_dict`` count only:
+        an update changes the statistics, not ``Z``)."""
+        return self._caches["z_features"].get_or_compute("Z features", [], compute, state=[generation[:1]])
 
     def z_jacobian(self, compute: Callable[[], Tensor], generation: Tensor) -> Tensor:
         """:math:`J(Z)` (detached), from the cache or ``compute()``."""
