@@ -317,7 +317,8 @@ def write_docs(paths: list[Path]) -> None:
     extrapolation formulas)."""
     from ntkgp._doctable import markdown_table, write_block
 
-    results = [r for p in paths for r in json.loads(p.read_text()) if "error" not in r and r["row"] != "train"]
+    results = [r | {"command": r.get("command", "").replace("RUN.json", p.name)}
+               for p in paths for r in json.loads(p.read_text()) if "error" not in r and r["row"] != "train"]
     table, load = [], lambda r: f"{r['load_average']:.1f}"
     builds = sorted((r for r in results if r["row"].startswith("sfr_predict")), key=lambda r: r["n"])
     for r in builds:
@@ -352,7 +353,7 @@ def write_docs(paths: list[Path]) -> None:
     note = ("\n\nFloat32 network, one δ, independent outputs; `load`: the load average when the row ended (the "
             "machine's 2 cores were shared with other jobs, so times are inflated by up to that factor over 2). "
             "Each run locked the machine against other timed runs: " + "; ".join(f"`{c}`" for c in runs) + ".")
-    names = " ".join(os.path.relpath(p, ROOT) for p in paths)
+    names = " ".join(p.name for p in paths)  # the runs' --json files
     write_block("docs/scaling.md", "image-scale", markdown_table(header, table) + note,
                 f"python benchmarks/image_scale.py --write-docs {names}")
 
