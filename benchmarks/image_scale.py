@@ -352,7 +352,8 @@ def write_docs(paths: list[Path]) -> None:
     runs = sorted({r["command"] for r in results})
     note = ("\n\nFloat32 network, one δ, independent outputs; `load`: the load average when the row ended (the "
             "machine's 2 cores were shared with other jobs, so times are inflated by up to that factor over 2). "
-            "Each run locked the machine against other timed runs: " + "; ".join(f"`{c}`" for c in runs) + ".")
+            "Each run locked the machine against other timed runs: " + "; ".join(f"`{c}`" for c in runs) + "; "
+            "`WEIGHTS.pt` is the CNN the first run trained and kept (1 epoch of Adam on its `--n` images).")
     names = " ".join(p.name for p in paths)  # the runs' --json files
     write_block("docs/scaling.md", "image-scale", markdown_table(header, table) + note,
                 f"python benchmarks/image_scale.py --write-docs {names}")
