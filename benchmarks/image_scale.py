@@ -350,10 +350,13 @@ def write_docs(paths: list[Path]) -> None:
                               "", target, f"{r['peak_mib']:.0f}", load(r)])
     header = ["row", "N", "measured", "extrapolated", "target", "peak MiB", "load"]
     runs = sorted({r["command"] for r in results})
-    note = ("\n\nFloat32 network, one δ, independent outputs; `load`: the load average when the row ended (the "
+    trainers = [(p.name, r) for p in paths for r in json.loads(p.read_text()) if r["row"] == "train"]
+    trained = "; ".join(f"{name}: `--epochs` of Adam, test accuracy {r['map_accuracy']:.3f}" for name, r in trainers)
+    note = ("\n\nFloat32 network (the rows against the public SFR code: float64, zero prior mean), one δ, independent "
+            "outputs; `load`: the load average when the row ended (the "
             "machine's 2 cores were shared with other jobs, so times are inflated by up to that factor over 2). "
             "Each run locked the machine against other timed runs: " + "; ".join(f"`{c}`" for c in runs) + "; "
-            "`WEIGHTS.pt` is the CNN the first run trained and kept (1 epoch of Adam on its `--n` images).")
+            "`WEIGHTS.pt` is the CNN trained and kept by the run that found no such file (" + trained + ").")
     names = " ".join(p.name for p in paths)  # the runs' --json files
     write_block("docs/scaling.md", "image-scale", markdown_table(header, table) + note,
                 f"python benchmarks/image_scale.py --write-docs {names}")
