@@ -21,10 +21,22 @@ Rows (``--rows`` selects some; default all):
   the public SFR code (``--sfr-code SFR_CODE``, the folder of its five modules; skipped without it), both in
   float64 with zero prior mean (the public code's only setting), one δ, independent outputs;
 * ``vs_laplace_torch:N`` — ntkgp's KFAC-GLM fit and GLM predictive of 1,000 test images against
-  laplace-torch's ``KronLaplace`` (skipped where laplace-torch is not installed).
+  laplace-torch's ``KronLaplace`` (skipped where laplace-torch is not installed);
+* ``bound:M`` — a measured lower bound of SFR's pass per image at ``M`` inducing points, float32: the products no
+  exact structured pass can avoid, timed bare on 250 images: the forward pass and the C backward passes to the
+  layers' outputs, the convolutions' per-example blocks :math:`\sum_t \Gamma_{ct} \bar a_t^\top` (one batched
+  product per layer), their contraction with the M inducing inputs' blocks (``C·M·P_conv`` multiply-adds per
+  image) and the fully connected layers' factored products ``M·(d_in + C·d_out)``; copies, the statistics'
+  updates, K_ZZ and the factorization are not counted.
+
+Targets at 60,000 images are extrapolated linearly from the measured rows (``--write-docs``): with builds at two
+sizes ``N1 < N2``, :math:`t(60000) = t(N_2) + (t(N_2) - t(N_1))\,(60000 - N_2)/(N_2 - N_1)` (the pass is linear in
+``N``; K_ZZ and the factorization are the intercept); predictions scale with the number of test images,
+:math:`t(10000) = t(n)\cdot 10000/n`; the bound as ``60000 ×`` its time per image.
 
     python benchmarks/image_scale.py [--data-dir /usr/share/datasets/fashion-mnist] [--n 60000] [--n-test 10000]
-        [--rows ...] [--sfr-code SFR_CODE] [--device cuda] [--json out.json]
+        [--rows ...] [--sfr-code SFR_CODE] [--device cuda] [--json out.json] [--threads T]
+    python benchmarks/image_scale.py --write-docs run1.json run2.json ...   # the table in docs/scaling.md
 
 Targets on the 2-core CPU (issue "image scale"): SFR build M = 512 ≤ 5 min, M = 3,200 ≤ 30 min and ≤ 16 GiB;
 predict 10,000 ≤ 2 min; KFAC fit ≤ 3 min, predict 10,000 ≤ 1 min; ≤ 0.2× the public SFR code and ≤ 0.5×
@@ -141,9 +153,69 @@ def row(args, name: str, weights: Path) -> dict:
         out |= vs_public(args, net, x, y, x_test, y_test, int(params[0]), int(params[1]))
     elif kind == "vs_laplace_torch":
         out |= vs_laplace_torch(args, net, x, y, x_test, y_test, int(params[0]))
+    elif kind == "bound":
+        out |= bound(net, x[:250], int(params[0]))
     else:
         raise SystemExit(f"unknown row {name!r}")
     out["peak_mib"] = high_water_mib() - base
+    return out
+
+
+def best_of(call, repeats: int = 3) -> float:
+    """The shortest of ``repeats`` wall-clock times of ``call()`` (the least disturbed by other load)."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def bound(net: nn.Sequential, x: torch.Tensor, m: int) -> dict:
+    """The ``bound:M`` row (module doc): seconds per image of each unavoidable product, bare."""
+    from torch.nn.functional import unfold
+
+    b, c = x.shape[0], 10
+    convs = [layer for layer in net if isinstance(layer, nn.Conv2d)]
+    linears = [layer for layer in net if isinstance(layer, nn.Linear)]
+
+    def passes():  # the forward pass, keeping each layer's output, and C backward passes to those outputs
+        outs, h = [], x
+        with torch.enable_grad():
+            for layer in net:
+                h = layer(h)
+                if isinstance(layer, nn.Conv2d | nn.Linear):
+                    outs.append(h)
+            for k in range(c):
+                cot = torch.zeros_like(h)
+                cot[:, k] = 1
+                torch.autograd.grad(h, outs, cot, retain_graph=k < c - 1)
+
+    shapes, h = [], x
+    with torch.no_grad():
+        for layer in net:
+            if isinstance(layer, nn.Conv2d):
+                patches = unfold(h, layer.kernel_size, padding=layer.padding)
+                shapes.append((layer.out_channels, patches.shape[-1], patches.shape[1] + 1))
+            h = layer(h)
+    generator = torch.Generator().manual_seed(0)
+    blocks = [(torch.randn(b, c * d, t, generator=generator), torch.randn(b, t, a, generator=generator))
+              for d, t, a in shapes]
+    p_conv = sum(sum(p.numel() for p in layer.parameters()) for layer in convs)
+    columns = torch.randn(c, b, p_conv, generator=generator)
+    inducing = torch.randn(c, p_conv, m, generator=generator)
+    d_in, d_out = linears[0].in_features, linears[0].out_features
+    fc = [(torch.randn(b, d_in, generator=generator), torch.randn(d_in, m, generator=generator)),
+          (torch.randn(c, b, d_out, generator=generator), torch.randn(c, d_out, m, generator=generator))]
+    times = {
+        "bound_passes_s": best_of(passes),
+        "bound_blocks_s": best_of(lambda: [torch.bmm(g, a) for g, a in blocks]),
+        "bound_contraction_s": best_of(lambda: torch.bmm(columns, inducing)),
+        "bound_fc_s": best_of(lambda: [p @ q for p, q in fc]),
+    }
+    out = {k: v / b for k, v in times.items()}  # per image
+    out["bound_per_image_s"] = sum(out.values())
+    out["contraction_macs_per_image"] = c * m * p_conv
     return out
 
 
@@ -226,6 +298,70 @@ def vs_laplace_torch(args, net, x, y, x_test, y_test, n: int) -> dict:
     return out
 
 
+def run_command() -> str:
+    """This run's command for the docs, with the machine's paths as placeholders."""
+    out, placeholder = [], None
+    for token in sys.argv[1:]:
+        out.append(placeholder or token)
+        placeholder = None if placeholder else {"--weights": "WEIGHTS.pt", "--sfr-code": "SFR_CODE",
+                                                "--data-dir": "DATA", "--json": "RUN.json"}.get(token)
+    return "python benchmarks/image_scale.py " + " ".join(out)
+
+
+def _fmt(seconds: float | None) -> str:
+    return "—" if seconds is None else f"{seconds:.0f} s" if seconds >= 10 else f"{seconds:.2f} s"
+
+
+def write_docs(paths: list[Path]) -> None:
+    """The generated region ``image-scale`` of docs/scaling.md from the JSON results of runs (module doc: the
+    extrapolation formulas)."""
+    from ntkgp._doctable import markdown_table, write_block
+
+    results = [r | {"command": r.get("command", "").replace("RUN.json", p.name)}
+               for p in paths for r in json.loads(p.read_text()) if "error" not in r and r["row"] != "train"]
+    table, load = [], lambda r: f"{r['load_average']:.1f}"
+    builds = sorted((r for r in results if r["row"].startswith("sfr_predict")), key=lambda r: r["n"])
+    for r in builds:
+        table.append([f"SFR build, M = {r['row'].split(':')[1]}", f"{r['n']:,}", _fmt(r["build_s"]), "", "",
+                      f"{r['peak_mib']:.0f}", load(r)])
+        table.append([f"SFR predict {r['n_test']:,} test images", f"{r['n']:,}", _fmt(r["predict_s"]),
+                      _fmt(r["predict_s"] * 10_000 / r["n_test"]) + " (10,000)", "≤ 2 min", "", load(r)])
+    if len(builds) >= 2:
+        (n1, t1), (n2, t2) = [(r["n"], r["build_s"]) for r in (builds[0], builds[-1])]
+        table[-2][3:5] = [_fmt(t2 + (t2 - t1) * (60_000 - n2) / (n2 - n1)) + " (60,000)", "≤ 5 min"]
+    for r in (r for r in results if r["row"].startswith("bound")):
+        table.append([f"lower bound of the pass, M = {r['row'].split(':')[1]} (bare products, per image "
+                      f"{1e3 * r['bound_per_image_s']:.1f} ms)", "—", "", _fmt(60_000 * r["bound_per_image_s"])
+                      + " (60,000)", "≤ 5 min", "", load(r)])
+    for r in (r for r in results if r["row"] in ("kfac_fit", "kfac_predict")):
+        table.append([f"KFAC-GLM fit", f"{r['n']:,}", _fmt(r["fit_s"]), _fmt(r["fit_s"] * 60_000 / r["n"])
+                      + " (60,000)", "≤ 3 min", f"{r['peak_mib']:.0f}", load(r)])
+        if "predict_s" in r:
+            table.append([f"KFAC-GLM predict {r['n_test']:,}", f"{r['n']:,}", _fmt(r["predict_s"]),
+                          _fmt(r["predict_s"] * 10_000 / r["n_test"]) + " (10,000)", "≤ 1 min", "", load(r)])
+    for r in (r for r in results if r["row"].startswith("vs_")):
+        public = r["row"].startswith("vs_public")
+        ours, theirs, target = ("build", "public_build", "≤ 0.2×") if public else ("fit", "laplace_torch_fit", "≤ 0.5×")
+        name = "public SFR" if public else "laplace-torch KronLaplace"
+        for part, other in ((ours, theirs), ("predict", theirs.replace(ours, "predict"))):
+            if f"{other}_s" in r:
+                table.append([f"ntkgp / {name}, {part} ({_fmt(r[f'ntkgp_{part}_s'])} / {_fmt(r[f'{other}_s'])})",
+                              f"{int(r['row'].split(':')[1]):,}", f"{r[f'ntkgp_{part}_s'] / r[f'{other}_s']:.2f}×",
+                              "", target, f"{r['peak_mib']:.0f}", load(r)])
+    header = ["row", "N", "measured", "extrapolated", "target", "peak MiB", "load"]
+    runs = sorted({r["command"] for r in results})
+    trainers = [(p.name, r) for p in paths for r in json.loads(p.read_text()) if r["row"] == "train"]
+    trained = "; ".join(f"{name}: `--epochs` of Adam, test accuracy {r['map_accuracy']:.3f}" for name, r in trainers)
+    note = ("\n\nFloat32 network (the rows against the public SFR code: float64, zero prior mean), one δ, independent "
+            "outputs; `load`: the load average when the row ended (the "
+            "machine's 2 cores were shared with other jobs, so times are inflated by up to that factor over 2). "
+            "Each run locked the machine against other timed runs: " + "; ".join(f"`{c}`" for c in runs) + "; "
+            "`WEIGHTS.pt` is the CNN trained and kept by the run that found no such file (" + trained + ").")
+    names = " ".join(p.name for p in paths)  # the runs' --json files
+    write_block("docs/scaling.md", "image-scale", markdown_table(header, table) + note,
+                f"python benchmarks/image_scale.py --write-docs {names}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data-dir", default=None)
@@ -239,16 +375,24 @@ def main() -> None:
     parser.add_argument("--weights", type=Path, default=None, help="a trained CNN's state_dict (skip training)")
     parser.add_argument("--progress", action="store_true")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads of every row")
+    parser.add_argument("--write-docs", nargs="+", type=Path, default=None, metavar="JSON",
+                        help="write the table of these runs' results into docs/scaling.md (no run)")
     parser.add_argument("--row", default=None, help=argparse.SUPPRESS)  # internal: run one row, print JSON
     args = parser.parse_args()
+    if args.write_docs is not None:
+        write_docs(args.write_docs)
+        return
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     if args.row is not None:
         print("RESULT " + json.dumps(row(args, args.row, args.weights)))
         return
     results: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
         weights = args.weights
-        if weights is None:
-            weights = Path(tmp) / "cnn.pt"
+        if weights is None or not weights.exists():  # train (and keep at --weights, when given)
+            weights = weights or Path(tmp) / "cnn.pt"
             results.append({"row": "train"} | train(args, weights))
             print(json.dumps(results[-1]), flush=True)
         base = [a for a in sys.argv[1:]]
@@ -257,8 +401,12 @@ def main() -> None:
             done = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
             lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
             result = json.loads(lines[-1][7:]) if lines else {"row": name, "error": done.stderr[-2000:]}
+            result |= {"n": args.n, "n_test": args.n_test, "threads": torch.get_num_threads(),
+                       "load_average": os.getloadavg()[0], "command": run_command()}
             results.append(result)
             print(json.dumps(result), flush=True)
+            if args.json is not None:  # after every row: a run stopped for time keeps what it measured
+                args.json.write_text(json.dumps(results, indent=1))
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=1))
 

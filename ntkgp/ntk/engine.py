@@ -25,6 +25,7 @@ from torch import nn
 from ..options import Strategy, choose
 from . import contraction, grams
 from .checks import check_rows, check_tangents
+from .feature_pass import FeatureSet
 from .groups import GroupSpec
 from .layer_plan import LayerPlan, plan_layers
 from .network import NetworkCore
@@ -172,23 +173,60 @@ class NTKEngine:
         self.num_outputs(x)
         return contraction.jacobian(self.core, x)
 
-    def group_grams(self, x1: torch.Tensor, x2: torch.Tensor | None = None) -> torch.Tensor:
+    def feature_set(self, x: torch.Tensor) -> FeatureSet:
+        """The layer features of ``x`` (checked and prepared, no graph), all kept: given as ``x1_features`` to
+        :meth:`group_grams` and :meth:`output_grams` they spare recomputing ``x1`` at every call (a set of inputs
+        used many times, as SFR's inducing inputs). Memory: ``N·C·P_c`` numbers for the contracted columns
+        (convolutions and generic parameters, :func:`~ntkgp.ntk.feature_pass.contracted_width`) and
+        ``N·(Σ d_in + C Σ d_out)`` for the linear layers. :meth:`FeatureSet.converted
+        <ntkgp.ntk.feature_pass.FeatureSet.converted>` gives them in another dtype."""
+        x = self.prepare(x).detach()
+        return FeatureSet(self.core, self.plan(x), x, graph=False, keep=True)
+
+    def _given(self, x1: torch.Tensor, features: FeatureSet | None, plan, graph: bool) -> FeatureSet | None:
+        """``features`` checked against ``x1`` (same number of points and routes) and usable (no graph)."""
+        if features is None:
+            return None
+        if not isinstance(features, FeatureSet):
+            raise TypeError(f"x1_features must be a FeatureSet (NTKEngine.feature_set), got {type(features).__name__}")
+        if features.num_points != x1.shape[0] or features.plan.routes() != plan.routes():
+            raise ValueError("x1_features are not those of x1 (another number of points or other routes)")
+        if graph:  # a graph to the inputs: the given features carry none
+            raise ValueError("x1_features cannot be combined with inputs that require grad")
+        return features
+
+    def group_grams(
+        self, x1: torch.Tensor, x2: torch.Tensor | None = None, x1_features: FeatureSet | None = None,
+        with_blocks: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Per-group Grams ``K_g = J_g(X1) J_g(X2)ᵀ``, shape ``(G, N1·C, N2·C)``, interleaved order.
 
         With ``x2=None`` the symmetric Gram of ``x1`` is computed (only its lower blocks are contracted).
+        ``x1_features`` (:meth:`feature_set` of ``x1``) spares recomputing ``x1``'s features; with it and ``x2``,
+        ``with_blocks=True`` also returns :meth:`diag_blocks` of ``x2`` from the same pass over ``x2``.
         """
         x1, x2, sym, plan, c, graph = self._pair(x1, x2)
-        return grams.group_grams(self.core, plan, x1, x2, sym, c, graph)
+        f1 = self._given(x1, x1_features, plan, graph)
+        if with_blocks and (f1 is None or sym):
+            raise ValueError("with_blocks=True needs x1_features and x2")
+        blocks = None
+        if with_blocks:
+            blocks = torch.zeros(self.num_groups, x2.shape[0], c, c, dtype=self.dtype, device=self.device)
+        out = grams.group_grams(self.core, plan, x1, x2, sym, c, graph, f1, blocks)
+        return (out, blocks) if with_blocks else out
 
     def output_grams(
-        self, x1: torch.Tensor, x2: torch.Tensor | None = None, with_diagonal: bool = False
+        self, x1: torch.Tensor, x2: torch.Tensor | None = None, with_diagonal: bool = False,
+        x1_features: FeatureSet | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Per-group, per-output Grams ``[K_g]_{(n,c),(m,c)}``, shape ``(G, C, N1, N2)``: the diagonal output
         blocks of :meth:`group_grams` (independent outputs), ``C`` times cheaper than the full Gram; with
         ``x2=None``, ``x2 = x1``. ``with_diagonal=True`` also returns the output diagonals of the per-point
-        blocks of ``x2``, ``[J_g(x2_m) J_g(x2_m)ᵀ]_{cc}``, shape ``(G, N2, C)``."""
+        blocks of ``x2``, ``[J_g(x2_m) J_g(x2_m)ᵀ]_{cc}``, shape ``(G, N2, C)``. ``x1_features`` as in
+        :meth:`group_grams`."""
         x1, x2, sym, plan, c, graph = self._pair(x1, x2)
-        out, diag = grams.output_grams(self.core, plan, x1, x2, sym, c, graph, with_diagonal)
+        f1 = self._given(x1, x1_features, plan, graph)
+        out, diag = grams.output_grams(self.core, plan, x1, x2, sym, c, graph, with_diagonal, f1)
         return (out, diag) if with_diagonal else out
 
     def diag_blocks(self, x: torch.Tensor) -> torch.Tensor:

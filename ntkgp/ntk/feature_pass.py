@@ -12,11 +12,19 @@ per-example Jacobians of the generic parameters (``vmap(jacrev)``, :meth:`Networ
 
 A :class:`FeatureSet` holds the features of a whole set of inputs, chunk by chunk: the single-location ones
 always (:math:`O(N(C\sum d_{out} + \sum d_{in}))` numbers), the contracted columns when they fit in
-``max_jacobian_bytes`` (recomputed for each use otherwise).
+``max_jacobian_bytes`` or when asked to (``keep=True``: the features of a set used many times, as SFR's inducing
+inputs; recomputed for each use otherwise).
+
+**Memory of one chunk** of ``n`` examples (``s`` bytes per number): the contracted columns
+``n·C·P_c`` (``P_c`` = :func:`contracted_width`), twice while the ``C`` per-output blocks are stacked and the
+groups concatenated, plus the unfolded inputs of the multi-location layers :math:`n \sum_l d_{a,l} T_l` and the
+per-example Jacobians of the generic parameters (``vmap(jacrev)``, about ``3·n·C·P_g``): :func:`chunk_bytes` per
+example.
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -86,19 +94,52 @@ def contracted_width(core: NetworkCore, plan: LayerPlan) -> int:
     return sum(numel[n] for n in plan.generic) + sum(numel[n] for la in plan.multi for n in la.parameter_names)
 
 
+def chunk_bytes(core: NetworkCore, plan: LayerPlan, c: int, itemsize: int) -> int:
+    """Bytes per example of one chunk's feature pass (module doc, "Memory of one chunk"): ``itemsize·(2·C·P_c +
+    Σ_l d_a T_l + 3·C·P_g)`` for the multi-location layers' columns and unfolded inputs and the generic
+    parameters' Jacobians (``T_l`` the locations on the probe)."""
+    numel = dict(zip(core.names, core.numels))
+    generic = sum(numel[n] for n in plan.generic)
+    unfolded = sum((layer.fan_in + 1) * plan.locations[layer.name] for layer in plan.multi)
+    return itemsize * (2 * c * contracted_width(core, plan) + unfolded + 3 * c * generic)
+
+
+#: The memory one chunk's feature pass may take by default (:func:`chunk_for_budget`).
+CHUNK_BYTES = 2**30
+
+
+def chunk_for_budget(core: NetworkCore, plan: LayerPlan, c: int, itemsize: int, budget: int | None = None,
+                     largest: int = 1024) -> int:
+    """The examples per chunk whose feature pass fits in ``budget`` bytes (:func:`chunk_bytes`; default
+    :data:`CHUNK_BYTES`), between 1 and ``largest``. E.g. the Fashion-MNIST CNN (P = 421,642; convolutions P_c = 18,816, T = 784 and 196), float32,
+    C = 10: about 1.7 MB per example, 610 examples per GiB (a chunk of 1,024 on the per-example Jacobian route
+    would hold ``1024·C·P`` numbers, 17 GB)."""
+    budget = CHUNK_BYTES if budget is None else budget
+    return max(1, min(largest, budget // max(1, chunk_bytes(core, plan, c, itemsize))))
+
+
 class FeatureSet:
     """The features of a set of inputs ``x`` (prepared), chunk by chunk.
+
+    Args:
+        core, plan: the network and its layer plan for ``x``.
+        x: the inputs (prepared).
+        graph: keep the autograd graph to ``x``.
+        columns: compute the contracted columns at all.
+        keep: keep the contracted columns whatever their size (``None``: when they fit in ``max_jacobian_bytes``).
 
     Attributes:
         bounds: ``(start, stop)`` of each chunk.
         inputs, grads: the single-location layers' features over all of ``x`` (``(N, d_in)``, ``(N·C, d_out)``).
     """
 
-    def __init__(self, core: NetworkCore, plan: LayerPlan, x: Tensor, graph: bool, columns: bool = True) -> None:
+    def __init__(self, core: NetworkCore, plan: LayerPlan, x: Tensor, graph: bool, columns: bool = True,
+                 keep: bool | None = None) -> None:
         self.core, self.plan, self.x, self.graph = core, plan, x, graph
         n, c = x.shape[0], core.num_outputs(x)
         self.contracted = columns and bool(plan.generic or plan.multi)
-        self.keep = self.contracted and n * c * contracted_width(core, plan) * x.element_size() <= core.max_jacobian_bytes
+        fits = n * c * contracted_width(core, plan) * x.element_size() <= core.max_jacobian_bytes
+        self.keep = self.contracted and (fits if keep is None else keep)
         self.bounds = [(s, min(s + core.chunk_size, n)) for s in range(0, n, core.chunk_size)]
         inputs, grads, self.kept = {}, {}, []
         for s, e in core.chunks(n, "layer features"):
@@ -110,6 +151,27 @@ class FeatureSet:
                 self.kept.append(f.columns)
         self.inputs = {m: v[0] if len(v) == 1 else torch.cat(v) for m, v in inputs.items()}
         self.grads = {m: v[0] if len(v) == 1 else torch.cat(v) for m, v in grads.items()}
+
+    @property
+    def num_points(self) -> int:
+        return self.x.shape[0]
+
+    def converted(self, dtype: torch.dtype) -> FeatureSet:
+        """The same features in ``dtype`` (rounded once), for a set whose columns are kept (e.g. features computed
+        on a float64 copy of a network, used against a float32 network's)."""
+        if self.contracted and not self.keep:
+            raise ValueError("only a feature set whose contracted columns are kept can be converted")
+        new = copy.copy(self)
+        new.x = self.x.to(dtype)
+        new.inputs = {m: a.to(dtype) for m, a in self.inputs.items()}
+        new.grads = {m: g.to(dtype) for m, g in self.grads.items()}
+        new.kept = [{g: t.to(dtype) for g, t in cols.items()} for cols in self.kept]
+        return new
+
+    def nbytes(self) -> int:
+        """The bytes held."""
+        tensors = [*self.inputs.values(), *self.grads.values(), *(t for cols in self.kept for t in cols.values())]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def rows(self, start: int, stop: int, c: int) -> ChunkFeatures:
         """The single-location features of the inputs ``start:stop`` (views)."""

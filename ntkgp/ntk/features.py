@@ -138,9 +138,14 @@ def layer_inputs(module: nn.Module, inputs: Tensor) -> Tensor:
     n = inputs.shape[0]
     if isinstance(module, nn.Conv2d):
         left, right, top, bottom = conv_padding(module)
+        mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+        if tuple(module.dilation) == (1, 1):  # strided views of the padded input, one copy (faster than im2col)
+            padded = pad(inputs, (left, right, top, bottom), mode=mode) if any((left, right, top, bottom)) else inputs
+            (kh, kw), (sh, sw) = module.kernel_size, module.stride
+            patches = padded.unfold(2, kh, sh).unfold(3, kw, sw)  # (n, c_in, H', W', kh, kw)
+            return patches.permute(0, 1, 4, 5, 2, 3).reshape(n, -1, patches.shape[2] * patches.shape[3])
         if module.padding_mode == "zeros" and left == right and top == bottom:
             return unfold(inputs, module.kernel_size, module.dilation, (top, left), module.stride)
-        mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
         padded = pad(inputs, (left, right, top, bottom), mode=mode)
         return unfold(padded, module.kernel_size, module.dilation, 0, module.stride)
     return inputs.reshape(n, -1, inputs.shape[-1]).transpose(1, 2)

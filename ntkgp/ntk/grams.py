@@ -6,6 +6,11 @@ The features of the second argument ``x2`` are computed once (its contracted col
 ``max_jacobian_bytes``, recomputed for each chunk of ``x1`` otherwise) and serve the Gram and the diagonal of
 ``x2``; each chunk of ``x1`` is passed through the network once. With ``x2 = x1`` (``sym``) the features of
 ``x1`` are those of ``x2`` and only the lower blocks of the contracted part are formed.
+
+**Given features of** ``x1`` (``f1``, a :class:`~ntkgp.ntk.feature_pass.FeatureSet` with its columns kept: SFR's
+inducing inputs, computed once per model) nothing of ``x1`` is recomputed: ``x2`` is passed through the network
+one chunk at a time (one forward and ``C`` backward passes per chunk, its columns never kept) and each chunk is
+contracted against all of ``f1``; with ``sym`` the Gram of ``f1`` with itself.
 """
 
 from __future__ import annotations
@@ -39,15 +44,46 @@ def _pairs(f2: FeatureSet, k1: int, s1: int, rows: ChunkFeatures, sym: bool):
         yield s2, e2, rows.columns if sym and k2 == k1 else f2.columns(k2), sym and k2 != k1
 
 
-def group_grams(core: NetworkCore, plan: LayerPlan, x1: Tensor, x2: Tensor, sym: bool, c: int, graph: bool) -> Tensor:
-    """Per-group Grams ``(G, N1·C, N2·C)``."""
+def _given_rows(core: NetworkCore, f1: FeatureSet, c: int) -> tuple[ChunkFeatures, list[tuple[int, int, dict]]]:
+    """All single-location features of ``f1`` and its chunks' columns ``(s, e, columns)``."""
+    chunks = [(s, e, f1.columns(k)) for k, (s, e) in enumerate(f1.bounds)] if f1.contracted else []
+    return f1.rows(0, f1.num_points, c), chunks
+
+
+def _group_grams_given(core: NetworkCore, plan: LayerPlan, f1: FeatureSet, x2: Tensor, c: int, out: Tensor,
+                       blocks: Tensor | None) -> None:
+    """:func:`group_grams` from the given features of ``x1`` against ``x2``, one chunk of ``x2`` at a time (and, into
+    ``blocks``, the per-point blocks of ``x2`` from the same pass)."""
+    whole, chunks = _given_rows(core, f1, c)
+    for s2, e2 in core.chunks(x2.shape[0], "Gram"):
+        f2 = chunk_features(core, plan, x2[s2:e2], False, columns=f1.contracted)
+        block = out[:, :, s2 * c : e2 * c]
+        if plan.single:  # written into a contiguous block, then copied into the columns of out
+            part = torch.zeros(block.shape, dtype=out.dtype, device=out.device)
+            structured.gram_rows(core, plan, part, 0, whole, f2, c, False)
+            block.copy_(part)
+        for s1, e1, cols in chunks:
+            contraction.add_gram(out, s1, e1, cols, s2, e2, f2.columns, c, False)
+        if blocks is not None:
+            if plan.single:
+                structured.diag_block_rows(core, plan, blocks[:, s2:e2], f2, c)
+            contraction.add_diag_blocks(blocks, s2, e2, f2.columns, c)
+
+
+def group_grams(core: NetworkCore, plan: LayerPlan, x1: Tensor, x2: Tensor, sym: bool, c: int, graph: bool,
+                f1: FeatureSet | None = None, blocks: Tensor | None = None) -> Tensor:
+    """Per-group Grams ``(G, N1·C, N2·C)`` (``f1``: the given features of ``x1``, see the module doc; then
+    ``blocks``, if given, receives the per-point blocks of ``x2`` ``(G, N2, C, C)`` from the same pass)."""
     groups = core.groups.num_groups
     out = torch.empty(groups, x1.shape[0] * c, x2.shape[0] * c, dtype=core.dtype, device=core.device)
     written = structured.term_groups(core, plan)
     for g in range(groups):
-        if g not in written:
+        if g not in written or (f1 is not None and not sym):
             out[g].zero_()
-    f2 = FeatureSet(core, plan, x2, graph)
+    if f1 is not None and not sym:
+        _group_grams_given(core, plan, f1, x2, c, out, blocks)
+        return out
+    f2 = FeatureSet(core, plan, x2, graph) if f1 is None else f1
     whole = f2.rows(0, x2.shape[0], c)
     for k1, s1, e1, rows in _row_chunks(core, plan, x1, f2, sym, c, graph):
         if plan.single:
@@ -58,15 +94,36 @@ def group_grams(core: NetworkCore, plan: LayerPlan, x1: Tensor, x2: Tensor, sym:
     return out
 
 
+def _output_grams_given(core: NetworkCore, plan: LayerPlan, f1: FeatureSet, x2: Tensor, c: int, out: Tensor,
+                        diag: Tensor | None) -> None:
+    """:func:`output_grams` from the given features of ``x1`` against ``x2``, one chunk of ``x2`` at a time."""
+    whole, chunks = _given_rows(core, f1, c)
+    for s2, e2 in core.chunks(x2.shape[0], "Gram"):
+        f2 = chunk_features(core, plan, x2[s2:e2], False, columns=f1.contracted)
+        if plan.single:
+            structured.output_gram_rows(core, plan, out[..., s2:e2], whole, f2, c, False)
+            if diag is not None:
+                structured.output_diagonal(core, plan, diag[:, s2:e2], f2, c)
+        for s1, e1, cols in chunks:
+            contraction.add_output_gram(out, s1, e1, cols, s2, e2, f2.columns, c, False)
+        if diag is not None and f2.columns:
+            contraction.add_output_diagonal(diag, s2, e2, f2.columns, c)
+
+
 def output_grams(
-    core: NetworkCore, plan: LayerPlan, x1: Tensor, x2: Tensor, sym: bool, c: int, graph: bool, with_diagonal: bool
+    core: NetworkCore, plan: LayerPlan, x1: Tensor, x2: Tensor, sym: bool, c: int, graph: bool, with_diagonal: bool,
+    f1: FeatureSet | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """Per-output Grams ``(G, C, N1, N2)`` and, ``with_diagonal``, the output diagonals of ``x2`` ``(G, N2, C)``."""
+    """Per-output Grams ``(G, C, N1, N2)`` and, ``with_diagonal``, the output diagonals of ``x2`` ``(G, N2, C)``
+    (``f1``: the given features of ``x1``, see the module doc)."""
     kw = {"dtype": core.dtype, "device": core.device}
     groups, n2 = core.groups.num_groups, x2.shape[0]
     out = torch.zeros(groups, c, x1.shape[0], n2, **kw)
     diag = torch.zeros(groups, n2, c, **kw) if with_diagonal else None
-    f2 = FeatureSet(core, plan, x2, graph)
+    if f1 is not None and not sym:
+        _output_grams_given(core, plan, f1, x2, c, out, diag)
+        return out, diag
+    f2 = FeatureSet(core, plan, x2, graph) if f1 is None else f1
     whole = f2.rows(0, n2, c)
     for k1, s1, e1, rows in _row_chunks(core, plan, x1, f2, sym, c, graph):
         if plan.single:

@@ -24,6 +24,7 @@ from torch import Tensor
 from ...caching import ValueCache
 from .prediction_terms import PosteriorState
 from .statistics import DualStatistics
+from .system_grams import inducing_features
 from .whitening import InducingFactors, inducing_factors, roundoff, whitened_factors
 
 __all__ = [
@@ -31,8 +32,10 @@ __all__ = [
     "PosteriorCache",
     "factors_of_kzz",
     "group_weights",
+    "inducing_feature_set",
     "kzz_factors",
     "posterior_state",
+    "reset_after_load",
     "rounding",
     "solve",
     "z_jacobian",
@@ -77,10 +80,14 @@ def rounding(network_dtype: torch.dtype, b_u: Tensor, inducing: InducingFactors)
 
 
 class PosteriorCache:
-    """The cached factors of one model (eval mode): :math:`K_{ZZ}`'s, the posterior's and :math:`J(Z)`."""
+    """The cached factors of one model (eval mode): :math:`K_{ZZ}`'s, the posterior's, :math:`J(Z)` and the inducing
+    inputs' layer features (``z_features``, given at construction with their ``generation``: computed once per model,
+    for its statistics and every prediction chunk)."""
 
-    def __init__(self) -> None:
-        self._caches = {name: ValueCache(size=1) for name in ("inducing", "posterior", "z_jacobian")}
+    def __init__(self, z_features=None, generation: Tensor | None = None) -> None:
+        self._caches = {name: ValueCache(size=1) for name in ("inducing", "posterior", "z_jacobian", "z_features")}
+        if z_features is not None:
+            self._caches["z_features"].get_or_compute("Z features", [], lambda: z_features, state=[generation[:1]])
 
     def __getstate__(self) -> dict:  # a pickled or copied model recomputes its factors
         return {"empty": True}
@@ -124,6 +131,11 @@ class PosteriorCache:
 
         zz = self._caches["inducing"].get_or_compute("K_ZZ", [], new_inducing, state=[weights, generation[:1]])
         return cached.get_or_compute("posterior", [], lambda: new_posterior(zz), state=[weights, slots, generation])
+
+    def z_features(self, compute: Callable[[], object], generation: Tensor):
+        """The inducing inputs' features, from the cache or ``compute()`` (keyed by the ``load_state_dict`` count only:
+        an update changes the statistics, not ``Z``)."""
+        return self._caches["z_features"].get_or_compute("Z features", [], compute, state=[generation[:1]])
 
     def z_jacobian(self, compute: Callable[[], Tensor], generation: Tensor) -> Tensor:
         """:math:`J(Z)` (detached), from the cache or ``compute()``."""
@@ -172,6 +184,20 @@ def posterior_state(sfr) -> PosteriorState:
     if sfr.training or not gpytorch.settings.detach_test_caches.on():
         return posterior(weights, slots, kzz_factors(sfr, weights))
     return sfr._cache.factors(lambda w: kzz_factors(sfr, w), posterior, weights, slots, generation_key(sfr))
+
+
+def reset_after_load(module, incompatible_keys) -> None:
+    """``load_state_dict`` post hook: the loaded statistics' key re-arms the guard (or disarms it, if they belong to
+    other weights), and every cached factor is dropped (the inducing inputs' features too)."""
+    module._generation += 1
+    module._guard = module._guard.loaded(module._state_key)
+    module._cache.clear()
+
+
+def inducing_feature_set(sfr):
+    """The layer features of ``sfr``'s inducing inputs in the network's dtype (cached; ``None`` where they are too
+    large to keep: :func:`~ntkgp.models.sfr.system_grams.inducing_features`)."""
+    return sfr._cache.z_features(lambda: inducing_features(sfr.engine, sfr.inducing_points)[0], generation_key(sfr))
 
 
 def z_jacobian(sfr) -> Tensor:

@@ -43,12 +43,13 @@ __all__ = ["iterated_statistics", "iterated_update"]
 
 
 def _cross(
-    engine: NTKEngine, z: Tensor, x: Tensor, coupling: OutputCoupling, weights: Tensor, rows: int
+    engine: NTKEngine, z: Tensor, x: Tensor, coupling: OutputCoupling, weights: Tensor, rows: int, z_features=None
 ) -> Tensor:
     """:math:`K_{Zx}` per system at group weights ``weights``: ``(1, M·C, b·C)`` or ``(C, M, b)``."""
     parts = []
     for s in range(0, x.shape[0], rows):
-        grams, _ = system_grams_and_diagonal(engine, z, x[s : s + rows], coupling, with_diagonal=False)
+        grams, _ = system_grams_and_diagonal(engine, z, x[s : s + rows], coupling, with_diagonal=False,
+                                             x1_features=z_features)
         parts.append(torch.einsum("g,gbkr->bkr", weights, grams.to(weights)))
     return torch.cat(
         parts, dim=-1
@@ -68,6 +69,7 @@ def iterated_statistics(
     weights: Tensor,
     slots: Tensor,
     rows: int,
+    z_features=None,
 ) -> DualStatistics:
     r"""Fresh :class:`DualStatistics` of the new points ``(x, y)`` with their sites at the mode of :math:`\Psi`.
 
@@ -83,6 +85,8 @@ def iterated_statistics(
         inducing: the factors of :math:`K_{ZZ}` per system at ``weights`` (:func:`~ntkgp.models.sfr.whitening.inducing_factors`).
         weights: group weights :math:`1/\delta` ``(G,)``; slots: the slot weights.
         rows: points per accumulation step.
+        z_features: the layer features of ``z`` kept by the model (:meth:`~ntkgp.ntk.NTKEngine.feature_set`), or
+            ``None``.
 
     Warns:
         SiteIterationWarning: when the Newton iteration stops before it converged (the last iterate is used).
@@ -100,7 +104,7 @@ def iterated_statistics(
         m = f0 - offsets  # the prior mean, in the statistics' dtype (float64)
         kept = statistics.precision
         b_old, y_old = (t.to(dtype) for t in statistics.projected(weights.to(kept), slots.to(kept)))
-        cross = _cross(engine, z, x, coupling, weights, rows)  # (nb, K, R)
+        cross = _cross(engine, z, x, coupling, weights, rows, z_features)  # (nb, K, R)
         joint = coupling is OutputCoupling.JOINT
         size = cross.shape[1]
 
@@ -146,7 +150,7 @@ def iterated_statistics(
         kept = statistics.precision.dtype
         new = statistics.empty_like()  # per group, or combined at the same δ
         for s in range(0, b, rows):
-            grams, diag = system_grams_and_diagonal(engine, z, x[s : s + rows], coupling)
+            grams, diag = system_grams_and_diagonal(engine, z, x[s : s + rows], coupling, x1_features=z_features)
             rows_ = slice(s, s + rows)
             site, offset = sites[rows_].to(kept), (sites[rows_] - m[rows_]).to(kept)  # o = f − m at the sites
             new.accumulate(likelihood, grams.to(kept), diag.to(kept), site, offset, y[rows_])
@@ -167,6 +171,7 @@ def iterated_update(
     weights: Tensor,
     slots: Tensor,
     rows: int,
+    z_features=None,
 ) -> DualStatistics:
     """:func:`iterated_statistics` of checked ``(x_new, y_new)`` batches, all held in memory for the call.
 
@@ -182,5 +187,6 @@ def iterated_update(
     if not xs:
         raise ValueError("x_new holds no data")
     return iterated_statistics(
-        engine, likelihood, z, coupling, mean, torch.cat(xs), torch.cat(ys), statistics, inducing, weights, slots, rows
+        engine, likelihood, z, coupling, mean, torch.cat(xs), torch.cat(ys), statistics, inducing, weights, slots, rows,
+        z_features,
     )

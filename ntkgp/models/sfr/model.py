@@ -20,14 +20,15 @@ from ...options import (InducingMethod, OptionAttribute, OutputCoupling, Predict
                          StatisticsMode, choice, choose, option_attributes)
 from ...persistence import CheckedLoad
 from .evidence import collapsed_bound
-from .factorization import PosteriorCache, posterior_state, z_jacobian
+from .factorization import PosteriorCache, generation_key, inducing_feature_set, posterior_state, reset_after_load
+from .factorization import z_jacobian
 from .guard import StateGuard, state_key
 from .inducing_points import inducing_inputs_from_data
 from .prediction import predictive_distribution
 from .prediction_terms import PosteriorState, PredictiveTerms
 from .statistics import statistics_dtype
 from .streaming import stream_statistics
-from .system_grams import inducing_grams
+from .system_grams import auto_chunk_size, inducing_features, inducing_grams
 from .updates import new_statistics
 from .validation import check_training_data, first_batch, flag, integer, optional_positive_int, positive_int
 from .validation import training_batches
@@ -36,14 +37,6 @@ __all__ = ["SFR"]
 
 _PASS = "it shaped the pass over the data: the statistics would have to be recomputed from the data"
 _CHOICE = "the inducing inputs were chosen with it at construction"
-
-
-def _reset_after_load(module: SFR, incompatible_keys) -> None:
-    """``load_state_dict`` post hook: the loaded statistics' key re-arms the guard (or disarms it, if they belong to
-    other weights), and every cached factor is dropped."""
-    module._generation += 1
-    module._guard = module._guard.loaded(module._state_key)
-    module._cache.clear()
 
 
 class SFR(CheckedLoad, BoTorchInterface, GP):
@@ -118,7 +111,8 @@ class SFR(CheckedLoad, BoTorchInterface, GP):
         seed: seed of the random choices (inducing subset, candidate pool).
         progress: show a progress bar over the data (``True`` or ``False``).
         input_shape: shape of one input, when inputs arrive flat (see :class:`~ntkgp.NTKKernel`).
-        chunk_size: examples per Jacobian / feature chunk of the NTK engine.
+        chunk_size: examples per Jacobian / feature chunk of the NTK engine; default: as many as keep one chunk's
+            feature pass under 1 GiB, at most 1,024 (:func:`~ntkgp.models.sfr.system_grams.auto_chunk_size`).
         pool_size: candidates for ``"greedy_variance"``.
         distributed: each rank of an initialized ``torch.distributed`` process group passes its shard of the
             training data (every rank the same network, as in DDP, and the same call); the statistics are
@@ -168,7 +162,7 @@ class SFR(CheckedLoad, BoTorchInterface, GP):
         seed: int = 0,
         progress: bool = False,
         input_shape: tuple[int, ...] | None = None,
-        chunk_size: int = 1024,
+        chunk_size: int | None = None,
         pool_size: int = 4096,
         distributed: bool = False,
         statistics: str = "per_group",
@@ -178,7 +172,8 @@ class SFR(CheckedLoad, BoTorchInterface, GP):
         self.statistics, self.prior_mean = statistics, prior_mean
         self.predictive_mean, self.output_coupling = predictive_mean, output_coupling
         self.inducing_method, self.seed, self.pool_size = inducing_method, seed, pool_size
-        self.batch_size, self.chunk_size, self.progress = batch_size, chunk_size, progress
+        self.batch_size, self.progress = batch_size, progress
+        self.chunk_size = 1024 if chunk_size is None else chunk_size  # None: from a memory budget, below
         if isinstance(prior_structure, str):
             prior_structure = choose(PriorStructure, prior_structure, "prior_structure").value
         if (num_inducing is None) == (inducing_points is None):
@@ -201,6 +196,8 @@ class SFR(CheckedLoad, BoTorchInterface, GP):
             pairs, first, self._layout, self.num_outputs = first_batch(
                 self.engine, train_x, train_y, type(likelihood).__name__, expected_outputs
             )
+        if chunk_size is None:
+            self.chunk_size = auto_chunk_size(self.engine, self.engine.prepare(first[0][:1], "train_x"))
         if inducing_points is not None:
             with together("checking inducing_points", self.distributed):
                 z = self.engine.prepare(self._layout.check(inducing_points, "inducing_points")[0], "inducing_points")
@@ -215,17 +212,20 @@ class SFR(CheckedLoad, BoTorchInterface, GP):
         self.register_buffer("inducing_points", z)
         combined = self.statistics is StatisticsMode.COMBINED
         delta = self.covar_module.prior_precision.detach()
+        z_features, *exact = inducing_features(self.engine, z)  # once per model (float64 ones for K_ZZ)
+        # per group: (G, nb, K, K); combined: (1, nb, K, K), K_ZZ(δ) at the δ of the statistics
+        zz, self._zz_precision = inducing_grams(  # in float64 (on a float64 copy of a float32 network)
+            self.engine, z, self.output_coupling, statistics_dtype(self.engine.dtype),
+            delta.reciprocal() if combined else None, self._rows_per_step(), exact,
+        )
+        del exact  # the float64 features: not held during the pass
         with together("the pass over train_x", self.distributed):
             self.dual_statistics = stream_statistics(
                 self.engine, likelihood, z, self.output_coupling, self.prior_mean, itertools.chain([first], pairs),
                 self._layout, self._rows_per_step(), "train", progress, prior_precision=delta if combined else None,
+                z_features=z_features,
             )
         self.dual_statistics.all_reduce_(self.distributed)
-        # per group: (G, nb, K, K); combined: (1, nb, K, K), K_ZZ(δ) at the δ of the statistics
-        dtype = statistics_dtype(self.engine.dtype)
-        zz, self._zz_precision = inducing_grams(  # in float64 (on a float64 copy of a float32 network)
-            self.engine, z, self.output_coupling, dtype, delta.reciprocal() if combined else None, self._rows_per_step()
-        )
         if combined:  # δ is fixed with combined statistics: no optimizer or evidence gradient should touch it
             self.covar_module.raw_prior_precision.requires_grad_(False)
         self.register_buffer("_zz_grams", zz)
@@ -233,8 +233,8 @@ class SFR(CheckedLoad, BoTorchInterface, GP):
         self._guard = StateGuard.of(self.engine, z)
         self._generation = 0  # bumped by load_state_dict
         self._updates = 0  # bumped by update
-        self._cache = PosteriorCache()
-        self.register_load_state_dict_post_hook(_reset_after_load)
+        self._cache = PosteriorCache(z_features, generation_key(self))
+        self.register_load_state_dict_post_hook(reset_after_load)
         modes = [m.training for m in likelihood.modules()]
         self.eval()  # the model starts in eval mode; the user's likelihood keeps its own
         for module, mode in zip(likelihood.modules(), modes):
@@ -361,7 +361,7 @@ class SFR(CheckedLoad, BoTorchInterface, GP):
         x = self.engine.prepare(flat, "x")
         terms = PredictiveTerms(
             self.engine, self.inducing_points, self.output_coupling, self.num_outputs, self._factors(),
-            self.prior_mean, self.predictive_mean, lambda: z_jacobian(self),
+            self.prior_mean, self.predictive_mean, lambda: z_jacobian(self), inducing_feature_set(self),
         )
         return predictive_distribution(terms, x, batch, chunk, self.inducing_points.dtype)
 

@@ -33,6 +33,7 @@ from torch.func import functional_call
 
 from ...linalg import NumericalWarning
 from ...ntk import NTKEngine
+from ...ntk.feature_pass import FeatureSet
 from ...options import OutputCoupling, PredictiveMean, PriorMean
 from .streaming import mean_offset
 from .system_grams import system_grams_and_diagonal
@@ -99,6 +100,8 @@ class PredictiveTerms:
         mean: the prior mean.
         predictive_mean: ``"gp"`` or ``"nn"``.
         z_jacobian: returns :math:`J(Z)` ``(M·C, P)`` (detached; used only on the route with a graph to ``x``).
+        z_features: the layer features of ``Z`` (:meth:`~ntkgp.ntk.NTKEngine.feature_set`, kept by the model), or
+            ``None`` (recomputed for every chunk).
     """
 
     def __init__(
@@ -111,6 +114,7 @@ class PredictiveTerms:
         mean: PriorMean,
         predictive_mean: PredictiveMean,
         z_jacobian: Callable[[], Tensor],
+        z_features: FeatureSet | None = None,
     ) -> None:
         self.engine = engine
         self.inducing_points = inducing_points
@@ -120,6 +124,7 @@ class PredictiveTerms:
         self.mean = mean
         self.predictive_mean = predictive_mean
         self.z_jacobian = z_jacobian
+        self.z_features = z_features
 
     @staticmethod
     def with_graph(x: Tensor) -> bool:
@@ -146,7 +151,8 @@ class PredictiveTerms:
 
     def _gram_terms(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """Route without a graph: :math:`K_{Zx}` per system and prior blocks from the engine's Grams."""
-        grams, diag = system_grams_and_diagonal(self.engine, self.inducing_points, x, self.coupling)
+        grams, diag = system_grams_and_diagonal(self.engine, self.inducing_points, x, self.coupling,
+                                                 x1_features=self.z_features)
         weights = self.state.weights
         cross_t = torch.einsum("g,gbkr->bkr", weights, grams.to(weights))
         return cross_t, torch.einsum("g,gnij->nij", weights, diag.to(weights))

@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 
 from ...likelihoods import is_gaussian, validate_targets
 from ...ntk import NTKEngine
+from ...ntk.feature_pass import FeatureSet
 from ...options import OutputCoupling, PriorMean
 from .statistics import DualStatistics, statistics_dtype
 from .system_grams import system_grams_and_diagonal
@@ -50,6 +51,7 @@ def stream_statistics(
     argument: str,
     progress: bool = False,
     prior_precision: Tensor | None = None,
+    z_features: FeatureSet | None = None,
 ) -> DualStatistics:
     r"""Fresh :class:`DualStatistics` of ``batches`` at inducing inputs ``z`` (nothing else is changed).
 
@@ -66,6 +68,7 @@ def stream_statistics(
         progress: show a progress bar.
         prior_precision: ``None`` (statistics per group), or the :math:`\delta` at which the groups are combined
             (``statistics="combined"``, :class:`DualStatistics`).
+        z_features: the engine's :meth:`~ntkgp.ntk.NTKEngine.feature_set` of ``z`` (``None``: recomputed per step).
 
     Returns:
         The statistics (raises before returning anything if any batch is bad).
@@ -91,7 +94,7 @@ def stream_statistics(
                 xb, yb = x[s : s + rows], y[s : s + rows]
                 f = engine.outputs(xb)
                 offset = mean_offset(engine, xb, f, mean)
-                cross, diag = system_grams_and_diagonal(engine, z, xb, coupling)
+                cross, diag = system_grams_and_diagonal(engine, z, xb, coupling, x1_features=z_features)
                 stats.accumulate(likelihood, cross.to(dtype), diag.to(dtype), f.to(dtype), offset.to(dtype), yb)
                 bar.update(xb.shape[0])
     bar.close()

@@ -22,13 +22,19 @@ from torch import Tensor
 
 from ...linalg import NumericalWarning
 from ...ntk import NTKEngine
+from ...ntk.feature_pass import FeatureSet, chunk_for_budget, contracted_width
 from ...options import OutputCoupling, choose
 from .whitening import _symmetrize_
 
-__all__ = ["combined_system_gram", "inducing_grams", "precise_engine", "system_grams", "system_grams_and_diagonal"]
+__all__ = [
+    "auto_chunk_size", "combined_system_gram", "inducing_features", "inducing_grams", "precise_engine", "system_grams",
+    "system_grams_and_diagonal",
+]
 
 
-def system_grams(engine: NTKEngine, x1: Tensor, x2: Tensor, coupling: OutputCoupling | str) -> Tensor:
+def system_grams(
+    engine: NTKEngine, x1: Tensor, x2: Tensor | None, coupling: OutputCoupling | str, x1_features: FeatureSet | None = None
+) -> Tensor:
     r"""Per-group Grams arranged as the systems SFR solves, unweighted by :math:`\delta`.
 
     * ``"joint"``: ``(G, 1, N1·C, N2·C)``, interleaved rows and columns;
@@ -36,30 +42,38 @@ def system_grams(engine: NTKEngine, x1: Tensor, x2: Tensor, coupling: OutputCoup
 
     ``"independent"`` uses :meth:`NTKEngine.output_grams` (only the diagonal output blocks are formed when
     every parameter takes the engine's structured route: ``C`` times fewer flops than the full Gram).
+    ``x1_features``: the engine's :meth:`~ntkgp.ntk.NTKEngine.feature_set` of ``x1`` (not recomputed); ``x2=None``:
+    the symmetric Gram of ``x1``.
     """
-    return system_grams_and_diagonal(engine, x1, x2, coupling, with_diagonal=False)[0]
+    return system_grams_and_diagonal(engine, x1, x2, coupling, with_diagonal=False, x1_features=x1_features)[0]
 
 
 def system_grams_and_diagonal(
-    engine: NTKEngine, x1: Tensor, x2: Tensor, coupling: OutputCoupling | str, with_diagonal: bool = True
+    engine: NTKEngine, x1: Tensor, x2: Tensor | None, coupling: OutputCoupling | str, with_diagonal: bool = True,
+    x1_features: FeatureSet | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """:func:`system_grams` and the per-group diagonal blocks ``K_g(x2_n, x2_n)``, ``(G, N2, C, C)``.
 
     For independent outputs the grams and the diagonal come from :meth:`NTKEngine.output_grams` (only the
     output-diagonal entries of the blocks, which are all that coupling uses); otherwise from
-    :meth:`NTKEngine.group_grams` and :meth:`NTKEngine.diag_blocks`.
+    :meth:`NTKEngine.group_grams` and :meth:`NTKEngine.diag_blocks` (with ``x1_features``, both from one pass
+    over ``x2``).
     """
     if choose(OutputCoupling, coupling, "output_coupling") is OutputCoupling.INDEPENDENT:
         if not with_diagonal:
-            return engine.output_grams(x1, x2), None
-        grams, diag = engine.output_grams(x1, x2, with_diagonal=True)
+            return engine.output_grams(x1, x2, x1_features=x1_features), None
+        grams, diag = engine.output_grams(x1, x2, with_diagonal=True, x1_features=x1_features)
         return grams, torch.diag_embed(diag)
-    full = engine.group_grams(x1, x2)
+    if x1_features is not None and with_diagonal:
+        full, blocks = engine.group_grams(x1, x2, x1_features=x1_features, with_blocks=True)
+        return full.unsqueeze(1), blocks
+    full = engine.group_grams(x1, x2, x1_features=x1_features)
     return full.unsqueeze(1), engine.diag_blocks(x2) if with_diagonal else None
 
 
 def combined_system_gram(
-    engine: NTKEngine, z: Tensor, coupling: OutputCoupling | str, weights: Tensor, rows: int, dtype: torch.dtype
+    engine: NTKEngine, z: Tensor, coupling: OutputCoupling | str, weights: Tensor, rows: int, dtype: torch.dtype,
+    z_features: FeatureSet | None = None,
 ) -> Tensor:
     r""":math:`K_{ZZ} = \sum_g w_g K_{g,ZZ}` arranged as :func:`system_grams` of ``(Z, Z)``, ``(1, nb, K, K)``.
 
@@ -72,6 +86,7 @@ def combined_system_gram(
         weights: group weights :math:`1/\delta`, ``(G,)``.
         rows: inducing inputs per step.
         dtype: of the result (the statistics' dtype; the Grams are computed in the network's).
+        z_features: the engine's :meth:`~ntkgp.ntk.NTKEngine.feature_set` of ``z`` (not recomputed).
     """
     joint = choose(OutputCoupling, coupling, "output_coupling") is OutputCoupling.JOINT
     m, c = z.shape[0], engine.num_outputs(z)
@@ -79,7 +94,7 @@ def combined_system_gram(
     out = torch.empty(1 if joint else c, size, size, dtype=dtype, device=engine.device)
     for s in range(0, m, rows):
         e = min(s + rows, m)
-        grams = system_grams(engine, z, z[s:e], coupling)  # (G, nb, K, (e - s)·C')
+        grams = system_grams(engine, z, z[s:e], coupling, z_features)  # (G, nb, K, (e - s)·C')
         out[..., s * per_point : e * per_point] = torch.tensordot(weights.to(out), grams.to(out), dims=1)
     _symmetrize_(out)
     return out.unsqueeze(0)
@@ -108,15 +123,48 @@ def precise_engine(engine: NTKEngine) -> NTKEngine:
     )
 
 
+#: SFR keeps its inducing inputs' layer features (:func:`inducing_features`) when they take at most this many bytes
+#: in the network's dtype: ``M·C·P_c`` numbers for the contracted columns (convolutions and generic parameters)
+#: plus the linear layers' ``M·(Σ d_in + C Σ d_out)``; beyond it they are recomputed for every batch and chunk.
+INDUCING_FEATURE_BYTES = 4 * 2**30
+
+
+def auto_chunk_size(engine: NTKEngine, probe: Tensor) -> int:
+    r"""SFR's default ``chunk_size``: the examples whose feature pass fits in
+    :data:`~ntkgp.ntk.feature_pass.CHUNK_BYTES` (1 GiB; :func:`~ntkgp.ntk.feature_pass.chunk_for_budget`), at most
+    1,024, for inputs shaped like the prepared ``probe``."""
+    return chunk_for_budget(engine.core, engine.plan(probe), engine.num_outputs(probe), probe.element_size())
+
+
+def inducing_features(engine: NTKEngine, z: Tensor) -> tuple[FeatureSet | None, FeatureSet | None, NTKEngine]:
+    r"""The layer features of the inducing inputs, computed once per model: those for the network's own passes (in its
+    dtype) and those of :func:`precise_engine` (float64, for :math:`K_{ZZ}`), and that engine.
+
+    For a float32 network the features are computed once on the float64 copy and rounded once to float32 for the
+    cross-Grams :math:`K_{Zx}` (as accurate as float32 features can be). Both are ``None`` when they would exceed
+    :data:`INDUCING_FEATURE_BYTES` (then every use recomputes them)."""
+    precise = precise_engine(engine)
+    z = engine.prepare(z, "inducing_points").detach()
+    plan, c = engine.plan(z), engine.num_outputs(z)
+    width = contracted_width(engine.core, plan) if (plan.multi or plan.generic) else 0
+    numel = dict(zip(engine.core.names, engine.core.numels))
+    single = sum(numel[n] for la in plan.single for n in la.parameter_names)  # ≥ Σ d_in + C Σ d_out / C
+    if z.shape[0] * (c * width + single) * z.element_size() > INDUCING_FEATURE_BYTES:
+        return None, None, precise
+    exact = precise.feature_set(z.to(precise.dtype))
+    return (exact if precise is engine else exact.converted(engine.dtype)), exact, precise
+
+
 def inducing_grams(
     engine: NTKEngine, z: Tensor, coupling: OutputCoupling | str, dtype: torch.dtype,
-    weights: Tensor | None = None, rows: int = 1,
+    weights: Tensor | None = None, rows: int = 1, features: tuple[FeatureSet | None, NTKEngine] | None = None,
 ) -> tuple[Tensor, torch.dtype]:
     r""":math:`K_{ZZ}` per group, :func:`system_grams` ``(G, nb, K, K)``, or (``weights`` given, combined statistics)
     :math:`\sum_g w_g K_{g,ZZ}` ``(1, nb, K, K)`` (:func:`combined_system_gram`), in ``dtype``, computed in float64
-    (:func:`precise_engine`); and the dtype it was computed in."""
-    precise = precise_engine(engine)
+    (:func:`precise_engine`); and the dtype it was computed in. ``features``: the float64 features of ``z`` and their
+    engine (:func:`inducing_features`), reused."""
+    exact, precise = (None, precise_engine(engine)) if features is None else features
     z = z.to(precise.dtype)
     if weights is not None:
-        return combined_system_gram(precise, z, coupling, weights.to(precise.dtype), rows, dtype), precise.dtype
-    return system_grams(precise, z, z, coupling).to(dtype), precise.dtype
+        return combined_system_gram(precise, z, coupling, weights.to(precise.dtype), rows, dtype, exact), precise.dtype
+    return system_grams(precise, z, None if exact is not None else z, coupling, exact).to(dtype), precise.dtype

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from ...distributed import together
-from .factorization import group_weights, kzz_factors
+from .factorization import group_weights, inducing_feature_set, kzz_factors
 from .iterated import iterated_update
 from .statistics import DualStatistics
 from .streaming import stream_statistics
@@ -45,9 +45,11 @@ def new_statistics(sfr, x_new: Tensor | Iterable[tuple[Tensor, Tensor]], y_new: 
                 weights = group_weights(sfr).detach()
                 slots = stats.slot_weights(sfr.likelihood).detach()
                 inducing = kzz_factors(sfr, weights)
-            new = iterated_update(*args, sfr._layout, sfr.num_outputs, stats, inducing, weights, slots, rows)
+            new = iterated_update(*args, sfr._layout, sfr.num_outputs, stats, inducing, weights, slots, rows,
+                                  inducing_feature_set(sfr))
         else:
             new = stream_statistics(
-                *args, sfr._layout, rows, "new", sfr.progress, prior_precision=stats.prior_precision
+                *args, sfr._layout, rows, "new", sfr.progress, prior_precision=stats.prior_precision,
+                z_features=inducing_feature_set(sfr),
             )
     return new.all_reduce_(sfr.distributed)

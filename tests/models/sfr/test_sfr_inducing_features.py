@@ -1,0 +1,82 @@
+"""SFR computes its inducing inputs' layer features once per model (issue 27): for K_ZZ, the statistics and every
+prediction chunk; a float32 network's are computed on the float64 copy and rounded once. The results equal a model
+that recomputes them (the features are the same numbers), checked against the dense reference elsewhere
+(test_sfr_dense_reference)."""
+
+import importlib
+from unittest import mock
+
+import pytest
+import torch
+
+from ntkgp.likelihoods import SoftmaxLikelihood
+from ntkgp.models.sfr import SFR
+from ntkgp.ntk import NTKEngine
+from tests.helpers import rel_err
+from tests.ntk.test_cnn_passes import small_fmnist_cnn
+
+system_grams = importlib.import_module("ntkgp.models.sfr.system_grams")
+
+
+def data(dtype=torch.float64):
+    torch.manual_seed(0)
+    return torch.randn(30, 1, 8, 8, dtype=dtype), torch.randint(0, 3, (30,)), torch.randn(11, 1, 8, 8, dtype=dtype)
+
+
+@pytest.mark.parametrize("coupling", ["joint", "independent"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_inducing_features_are_computed_once_per_model(coupling, dtype):
+    net = small_fmnist_cnn().to(dtype)
+    x, y, xs = data(dtype)
+    calls = []
+    real = NTKEngine.feature_set
+
+    def spy(engine, z):
+        calls.append((z.shape[0], engine.dtype))
+        return real(engine, z)
+
+    with mock.patch.object(NTKEngine, "feature_set", spy):
+        sfr = SFR(net, x, y, SoftmaxLikelihood(3).to(dtype), num_inducing=8, output_coupling=coupling, batch_size=7)
+        for chunk in (3, 5):
+            sfr(xs, chunk_size=chunk).variance
+        sfr.update(x[:5], y[:5])  # iterated sites
+        sfr.update(x[5:9], y[5:9], iterate=False)
+        sfr(xs).variance
+    assert calls == [(8, torch.float64)]  # once, on the float64 copy for a float32 network
+
+
+@pytest.mark.parametrize("coupling", ["joint", "independent"])
+def test_a_model_without_kept_features_predicts_the_same(coupling, monkeypatch):
+    net = small_fmnist_cnn()
+    x, y, xs = data()
+    kw = {"num_inducing": 8, "output_coupling": coupling, "batch_size": 7}
+    kept = SFR(net, x, y, SoftmaxLikelihood(3).double(), **kw)
+    monkeypatch.setattr(system_grams, "INDUCING_FEATURE_BYTES", 0)  # too large to keep: recomputed per use
+    recomputed = SFR(net, x, y, SoftmaxLikelihood(3).double(), **kw)
+    assert recomputed._cache.entries() == [] or all(e is None for e in recomputed._cache.entries())
+    d1, d2 = kept(xs, chunk_size=4), recomputed(xs, chunk_size=4)
+    assert rel_err(d1.mean, d2.mean) < 1e-12 and rel_err(d1.covariance_matrix, d2.covariance_matrix) < 1e-12
+    assert abs(kept.log_marginal_likelihood().item() - recomputed.log_marginal_likelihood().item()) < 1e-9
+
+
+def test_features_are_recomputed_after_load_state_dict():
+    net = small_fmnist_cnn()
+    x, y, xs = data()
+    sfr = SFR(net, x, y, SoftmaxLikelihood(3).double(), num_inducing=8)
+    before = sfr(xs).mean
+    other = SFR(net, x[:20], y[:20], SoftmaxLikelihood(3).double(), num_inducing=6, seed=3)
+    sfr_state = other.state_dict()
+    fresh = SFR(net, x, y, SoftmaxLikelihood(3).double(), inducing_points=other.inducing_points)
+    fresh.load_state_dict(sfr_state)  # other Z size is not allowed; same Z: the loaded statistics are other's
+    assert rel_err(fresh(xs).mean, other(xs).mean) < 1e-10
+    assert rel_err(sfr(xs).mean, before) == 0
+
+
+def test_default_chunk_size_follows_the_memory_budget():
+    net = small_fmnist_cnn()
+    x, y, _ = data()
+    sfr = SFR(net, x, y, SoftmaxLikelihood(3).double(), num_inducing=8)
+    assert sfr.chunk_size == system_grams.auto_chunk_size(sfr.engine, x[:1]) == sfr.engine.chunk_size
+    with mock.patch("ntkgp.ntk.feature_pass.CHUNK_BYTES", 1):
+        assert system_grams.auto_chunk_size(sfr.engine, x[:1]) == 1
+    assert SFR(net, x, y, SoftmaxLikelihood(3).double(), num_inducing=8, chunk_size=5).engine.chunk_size == 5

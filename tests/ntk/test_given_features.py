@@ -1,0 +1,104 @@
+"""Grams against given layer features of the first argument (``NTKEngine.feature_set``, ``x1_features``): the inducing
+inputs' features computed once and reused (issue 27). Checked against dense autograd Jacobians in float64 on a small
+CNN over several chunks, with one pass over ``x2`` per call; the per-chunk memory formula against the tensors a
+chunk's pass actually holds; and the refusals."""
+
+from unittest import mock
+
+import pytest
+import torch
+from torch import nn
+
+from ntkgp.ntk import NTKEngine, feature_pass
+from ntkgp.ntk.feature_pass import chunk_bytes, chunk_for_budget, chunk_features
+from tests.helpers import rel_err
+from tests.ntk.test_cnn_passes import reference, small_fmnist_cnn
+
+
+def dense_output_grams(full: torch.Tensor, c: int) -> torch.Tensor:
+    """``(G, C, N1, N2)`` from full Grams ``(G, N1·C, N2·C)``."""
+    g, r1, r2 = full.shape
+    blocks = full.view(g, r1 // c, c, r2 // c, c)
+    return torch.stack([blocks[:, :, k, :, k] for k in range(c)], dim=1)
+
+
+@pytest.mark.parametrize("prior_structure", ["layer", "network"])
+@pytest.mark.parametrize("batchnorm", [False, True])
+def test_grams_from_given_features_equal_brute_force(prior_structure, batchnorm):
+    net = small_fmnist_cnn(batchnorm)  # BatchNorm: a generic parameter (vmap(jacrev) columns) among the layers
+    torch.manual_seed(1)
+    z, x = torch.randn(7, 1, 8, 8, dtype=torch.float64), torch.randn(9, 1, 8, 8, dtype=torch.float64)
+    engine = NTKEngine(net, prior_structure, chunk_size=4)  # several chunks on both sides
+    fz = engine.feature_set(z)
+    ref, ref_zz = reference(net, z, x, prior_structure), reference(net, z, z, prior_structure)
+    blocks_ref = reference(net, x, x, prior_structure).view(-1, 9, 3, 9, 3).diagonal(dim1=1, dim2=3).permute(0, 3, 1, 2)
+    full, blocks = engine.group_grams(z, x, x1_features=fz, with_blocks=True)
+    assert rel_err(full, ref) < 1e-12 and rel_err(blocks, blocks_ref) < 1e-12
+    assert rel_err(engine.group_grams(z, x, x1_features=fz), ref) < 1e-12
+    per_output, diag = engine.output_grams(z, x, with_diagonal=True, x1_features=fz)
+    assert rel_err(per_output, dense_output_grams(ref, 3)) < 1e-12
+    assert rel_err(diag, blocks_ref.diagonal(dim1=-2, dim2=-1)) < 1e-12
+    assert rel_err(engine.group_grams(z, x1_features=fz), ref_zz) < 1e-12  # symmetric: Z with itself
+    assert rel_err(engine.output_grams(z, x1_features=fz), dense_output_grams(ref_zz, 3)) < 1e-12
+
+
+def test_given_features_pass_each_chunk_of_x2_once_and_never_recompute_x1():
+    net = small_fmnist_cnn()
+    z, x = torch.randn(6, 1, 8, 8, dtype=torch.float64), torch.randn(10, 1, 8, 8, dtype=torch.float64)
+    engine = NTKEngine(net, chunk_size=4)
+    fz = engine.feature_set(z)
+    sizes = []
+    real = feature_pass.chunk_features
+
+    def spy(core, plan, xc, *args, **kwargs):
+        sizes.append(xc.shape[0])
+        return real(core, plan, xc, *args, **kwargs)
+
+    with mock.patch("ntkgp.ntk.grams.chunk_features", spy), mock.patch("ntkgp.ntk.feature_pass.chunk_features", spy):
+        engine.output_grams(z, x, with_diagonal=True, x1_features=fz)
+        engine.group_grams(z, x, x1_features=fz, with_blocks=True)
+    assert sizes == [4, 4, 2, 4, 4, 2]  # x2's three chunks per call; nothing of z
+
+
+def test_features_converted_to_float32_give_the_float32_grams():
+    net64 = small_fmnist_cnn()
+    net32 = small_fmnist_cnn().float()
+    z, x = torch.randn(5, 1, 8, 8, dtype=torch.float64), torch.randn(6, 1, 8, 8, dtype=torch.float64)
+    exact = NTKEngine(net64).feature_set(z)
+    engine32 = NTKEngine(net32)
+    got = engine32.output_grams(z.float(), x.float(), x1_features=exact.converted(torch.float32))
+    assert got.dtype == torch.float32
+    assert rel_err(got.double(), dense_output_grams(reference(net64, z, x), 3)) < 1e-5
+
+
+def test_given_features_are_checked():
+    net = small_fmnist_cnn()
+    z = torch.randn(5, 1, 8, 8, dtype=torch.float64)
+    engine = NTKEngine(net)
+    fz = engine.feature_set(z)
+    with pytest.raises(ValueError, match="x1_features are not those of x1"):
+        engine.output_grams(z[:4], z, x1_features=fz)
+    with pytest.raises(TypeError, match="x1_features must be a FeatureSet"):
+        engine.output_grams(z, z, x1_features=z)
+    with pytest.raises(ValueError, match="with_blocks=True needs x1_features and x2"):
+        engine.group_grams(z, z, with_blocks=True)
+    with pytest.raises(ValueError, match="require grad"):
+        engine.output_grams(z, z.clone().requires_grad_(True), x1_features=fz)
+
+
+def test_chunk_bytes_bounds_what_a_chunk_holds():
+    """The columns and unfolded inputs a chunk's pass holds are within the stated per-example bytes; the chunk for a
+    budget is the largest that fits it."""
+    net = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 36, 3)).double()
+    engine = NTKEngine(net)
+    x = torch.randn(8, 1, 6, 6, dtype=torch.float64)
+    plan = engine.plan(x)
+    per_example = chunk_bytes(engine.core, plan, 3, 8)
+    held = chunk_features(engine.core, plan, x, False)
+    columns = sum(t.numel() for t in held.columns.values()) * 8
+    assert columns == 8 * 3 * (4 * 10) * 8  # n·C·P_c numbers: the conv's weight and bias columns
+    assert 2 * columns + 8 * 10 * 36 * 8 <= 8 * per_example  # twice the columns (stacking) and the patches
+    budget = 5 * per_example + 1
+    assert chunk_for_budget(engine.core, plan, 3, 8, budget=budget) == 5
+    assert chunk_for_budget(engine.core, plan, 3, 8, budget=1) == 1
+    assert chunk_for_budget(engine.core, plan, 3, 8, budget=2**40, largest=64) == 64
