@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import time
 from functools import partial
 from pathlib import Path
 
@@ -299,19 +300,34 @@ def validation_loss(net, x, y, delta, n) -> float:
 def fit_marglik(net: nn.Module, x: Tensor, y: Tensor, likelihood, *, structure: str, epochs: int,
                 batch_size: int, lr: float, milestones: list[int], gamma: float, frequency: int, hyper_steps: int,
                 hyper_lr: float, burn_in: int, seed: int, prior_structure: str = "layer",
-                optimizer=torch.optim.Adam):
+                optimizer=torch.optim.Adam, clock: list[float] | None = None):
     """Algorithm 1 through ``ntkgp.training.train_marglik`` on a ``DataLoader`` of shuffled mini-batches of
     ``batch_size`` (:func:`loader`, seeded by ``seed``) with ``scheduler=`` the learning-rate decay by ``gamma`` at
     the epochs ``milestones`` (``MultiStepLR``, stepped once per epoch; Immer et al.: 0.1 at 150, 225, 275),
     per-layer δ initialised to 1, ``optimizer`` (Adam; called as ``optimizer(params, lr=lr)``) on the weights.
-    Returns the ``MarglikResult`` and a line saying how the data and the schedule were given (for the footers)."""
+    With ``clock`` (a list), the ``time.perf_counter()`` of every scheduler step (the end of each epoch's MAP
+    steps, before that epoch's round) is appended to it. Returns the ``MarglikResult`` and a line saying how the data
+    and the schedule were given (for the footers)."""
     schedule = partial(torch.optim.lr_scheduler.MultiStepLR, milestones=milestones, gamma=gamma)
+    if clock is not None:
+        schedule = partial(StepClock, schedule, clock)
     result = train_marglik(net, loader(x, y, batch_size, seed), None, likelihood, structure=structure,
                            prior_structure=prior_structure, prior_precision=1.0, epochs=epochs, lr=lr,
                            optimizer=optimizer, scheduler=schedule, burn_in=burn_in, frequency=frequency,
                            hyper_steps=hyper_steps, hyper_lr=hyper_lr, seed=seed, progress=False)
     inside = sum(m < epochs for m in milestones)
     return result, f"DataLoader of {batch_size}, MultiStepLR {milestones} x{gamma:g} ({inside} decays inside the run)"
+
+
+class StepClock:
+    """A learning-rate scheduler ``make(optimizer)`` that appends the time of each of its steps to ``times``."""
+
+    def __init__(self, make, times: list[float], optimizer):
+        self.scheduler, self.times = make(optimizer), times
+
+    def step(self, *args) -> None:
+        self.scheduler.step(*args)
+        self.times.append(time.perf_counter())
 
 
 # -------------------------------------------------------------------------------------------------- metrics
