@@ -300,13 +300,13 @@ def validation_loss(net, x, y, delta, n) -> float:
 def fit_marglik(net: nn.Module, x: Tensor, y: Tensor, likelihood, *, structure: str, epochs: int,
                 batch_size: int, lr: float, milestones: list[int], gamma: float, frequency: int, hyper_steps: int,
                 hyper_lr: float, burn_in: int, seed: int, prior_structure: str = "layer",
-                optimizer=torch.optim.Adam, clock: list[float] | None = None):
+                optimizer=torch.optim.Adam, clock: list[tuple[float, float]] | None = None):
     """Algorithm 1 through ``ntkgp.training.train_marglik`` on a ``DataLoader`` of shuffled mini-batches of
     ``batch_size`` (:func:`loader`, seeded by ``seed``) with ``scheduler=`` the learning-rate decay by ``gamma`` at
     the epochs ``milestones`` (``MultiStepLR``, stepped once per epoch; Immer et al.: 0.1 at 150, 225, 275),
     per-layer δ initialised to 1, ``optimizer`` (Adam; called as ``optimizer(params, lr=lr)``) on the weights.
-    With ``clock`` (a list), the ``time.perf_counter()`` of every scheduler step (the end of each epoch's MAP
-    steps, before that epoch's round) is appended to it. Returns the ``MarglikResult`` and a line saying how the data
+    With ``clock`` (a list), the wall and CPU times of every scheduler step (the end of each epoch's MAP steps,
+    before that epoch's round; :class:`StepClock`) are appended to it. Returns the ``MarglikResult`` and a line saying how the data
     and the schedule were given (for the footers)."""
     schedule = partial(torch.optim.lr_scheduler.MultiStepLR, milestones=milestones, gamma=gamma)
     if clock is not None:
@@ -320,14 +320,15 @@ def fit_marglik(net: nn.Module, x: Tensor, y: Tensor, likelihood, *, structure: 
 
 
 class StepClock:
-    """A learning-rate scheduler ``make(optimizer)`` that appends the time of each of its steps to ``times``."""
+    """A learning-rate scheduler ``make(optimizer)`` that appends ``(time.perf_counter(), time.process_time())``, the
+    wall and this process's CPU time, at each of its steps to ``times``."""
 
-    def __init__(self, make, times: list[float], optimizer):
+    def __init__(self, make, times: list[tuple[float, float]], optimizer):
         self.scheduler, self.times = make(optimizer), times
 
     def step(self, *args) -> None:
         self.scheduler.step(*args)
-        self.times.append(time.perf_counter())
+        self.times.append((time.perf_counter(), time.process_time()))
 
 
 # -------------------------------------------------------------------------------------------------- metrics
