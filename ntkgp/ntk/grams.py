@@ -104,10 +104,10 @@ def _output_grams_given(core: NetworkCore, plan: LayerPlan, f1: FeatureSet, x2: 
             structured.output_gram_rows(core, plan, out[..., s2:e2], whole, f2, c, False)
             if diag is not None:
                 structured.output_diagonal(core, plan, diag[:, s2:e2], f2, c)
-        for s1, e1, cols in chunks:
-            contraction.add_output_gram(out, s1, e1, cols, s2, e2, f2.columns, c, False)
-        if diag is not None and f2.columns:
-            contraction.add_output_diagonal(diag, s2, e2, f2.columns, c)
+        for s1, e1, cols in chunks:  # the chunk's columns as the pass wrote them (never joined)
+            contraction.add_output_gram_pieces(out, s1, e1, cols, s2, e2, f2.pieces, c)
+        if diag is not None and f2.pieces:
+            contraction.add_output_diagonal_pieces(diag, s2, e2, f2.pieces)
 
 
 def output_grams(
