@@ -44,8 +44,10 @@ class ChunkFeatures:
     (:func:`~ntkgp.ntk.contraction.add_output_gram_pieces`) never form it."""
 
     def __init__(self, inputs: dict[str, Tensor], grads: dict[str, Tensor], columns: dict[int, Tensor] | None = None,
-                 pieces: dict[int, list[Tensor]] | None = None) -> None:
+                 pieces: dict[int, list[Tensor]] | None = None, outputs: Tensor | None = None,
+                 linearized: Tensor | None = None) -> None:
         self.inputs, self.grads, self.pieces, self._columns = inputs, grads, pieces, columns
+        self.outputs, self.linearized = outputs, linearized  # f(x) and J(x)θ* (n, C), when the pass formed them
 
     @property
     def columns(self) -> dict[int, Tensor]:
@@ -93,23 +95,57 @@ class _Reducer:
         return g[..., 0]  # (n, d_out)
 
 
+def _layer_parameters(layer: Layer, theta: dict[str, Tensor]) -> Tensor:
+    r""":math:`\Theta = [W \mid b]` ``(d_out, d_a)`` of the layer's parameters in :math:`\theta` (the columns of
+    :meth:`Layer.fold`'s :math:`\bar a`)."""
+    parts = [theta[layer.weight].reshape(layer.d_out, -1)] if layer.weight is not None else []
+    if layer.bias is not None:
+        parts.append(theta[layer.bias][:, None])
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
+def _layer_output(layer: Layer, theta: dict[str, Tensor], a: Tensor) -> Tensor:
+    """The part of the layer's output ``W a + b`` ``(n, d_out)`` that its parameters in :math:`\theta` make."""
+    z = a @ theta[layer.weight].T if layer.weight is not None else None
+    if layer.bias is not None:
+        b = theta[layer.bias]
+        z = b.expand(a.shape[0], -1) if z is None else z + b
+    return z
+
+
 def chunk_features(core: NetworkCore, plan: LayerPlan, x: Tensor, graph: bool, single: bool = True,
-                   columns: bool = True) -> ChunkFeatures:
+                   columns: bool = True, linearized: bool = False) -> ChunkFeatures:
     """The features of the chunk ``x`` (prepared): those of the single-location layers (``single``) and the
-    contracted columns (``columns``, as pieces: :class:`ChunkFeatures`); with ``graph`` differentiable in ``x``."""
+    contracted columns (``columns``, as pieces: :class:`ChunkFeatures`); with ``graph`` differentiable in ``x``.
+
+    ``linearized`` (no ``graph``, every feature): also the outputs :math:`f(x)` of the pass and :math:`J(x)\theta^*`
+    from the features, layer by layer :math:`\sum_t \Gamma_{nct} \cdot (W a_{nt} + b)` (the blocks against
+    :math:`\Theta`, the linear layers' gradients against their outputs, the generic Jacobians against their
+    parameters): the Jacobian-vector product without another pass (``ChunkFeatures.outputs``, ``.linearized``)."""
+    if linearized and (graph or not single or not (columns or not (plan.multi or plan.generic))):
+        raise ValueError("linearized=True needs every feature (single=True, columns=True) and no graph")
     layers = [la for la in plan.layers if (la in plan.single and single) or (la in plan.multi and columns)]
     inputs, grads, pieces = {}, {}, {}
     group = dict(zip(core.groups.names, core.groups.group_of))
+    theta = core.params() if linearized else {}
+    outputs = jt = None
     if layers:
         reducer = _Reducer(plan, graph)
         feats = core.features(x, layers, graph=graph, reduce=reducer)
+        outputs = feats.outputs
+        jt = torch.zeros_like(outputs) if linearized else None
         for layer in layers:
             if layer in plan.single:  # (n, C, d_out)
                 g = feats.grads[layer.name]
-                inputs[layer.name], grads[layer.name] = feats.inputs[layer.name][..., 0], g.reshape(-1, g.shape[-1])
+                a = inputs[layer.name] = feats.inputs[layer.name][..., 0]
+                grads[layer.name] = g.reshape(-1, g.shape[-1])
+                if linearized:  # γ_c · (W a + b)
+                    jt += (g @ _layer_output(layer, theta, a)[..., None]).squeeze(-1)
                 continue
             # (C, n, d_out, d_a)
             block = feats.grads[layer.name].transpose(0, 1) if graph else reducer.blocks.pop(layer.name)
+            if linearized:
+                jt += (block.flatten(2) @ _layer_parameters(layer, theta).flatten()).T
             kinds = layer.parameter_names
             if len({group[k] for k in kinds}) == 1:
                 pieces.setdefault(group[kinds[0]], []).append(block.flatten(2))
@@ -121,7 +157,13 @@ def chunk_features(core: NetworkCore, plan: LayerPlan, x: Tensor, graph: bool, s
             jac = core.jacobian_chunk(x, plan.generic)
         for name in plan.generic:  # (n, C, numel)
             pieces.setdefault(group[name], []).append(jac[name].transpose(0, 1))
-    return ChunkFeatures(inputs, grads, pieces=dict(sorted(pieces.items())))
+            if linearized:
+                if jt is None:
+                    with torch.no_grad():
+                        outputs = core.forward(x)
+                    jt = torch.zeros_like(outputs)
+                jt += jac[name] @ theta[name].reshape(-1).to(jac[name])
+    return ChunkFeatures(inputs, grads, pieces=dict(sorted(pieces.items())), outputs=outputs, linearized=jt)
 
 
 def contracted_width(core: NetworkCore, plan: LayerPlan) -> int:
