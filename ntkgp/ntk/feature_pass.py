@@ -16,8 +16,8 @@ always (:math:`O(N(C\sum d_{out} + \sum d_{in}))` numbers), the contracted colum
 inputs; recomputed for each use otherwise).
 
 **Memory of one chunk** of ``n`` examples (``s`` bytes per number): the contracted columns
-``n·C·P_c`` (``P_c`` = :func:`contracted_width`), twice while the ``C`` per-output blocks are stacked and the
-groups concatenated, plus the unfolded inputs of the multi-location layers :math:`n \sum_l d_{a,l} T_l` and the
+``n·C·P_c`` (``P_c`` = :func:`contracted_width`; written in place, one product per output and layer, and twice
+where a consumer joins the layers' blocks into ``(n·C, P_g)`` columns: :class:`ChunkFeatures`), plus the unfolded inputs of the multi-location layers :math:`n \sum_l d_{a,l} T_l` and the
 per-example Jacobians of the generic parameters (``vmap(jacrev)``, about ``3·n·C·P_g``): :func:`chunk_bytes` per
 example.
 """
