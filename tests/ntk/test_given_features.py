@@ -122,7 +122,7 @@ def test_chunk_bytes_bounds_what_a_chunk_holds():
     held = chunk_features(engine.core, plan, x, False)
     columns = sum(t.numel() for t in held.columns.values()) * 8
     assert columns == 8 * 3 * (4 * 10) * 8  # n·C·P_c numbers: the conv's weight and bias columns
-    assert 2 * columns + 8 * 10 * 36 * 8 <= 8 * per_example  # twice the columns (stacking) and the patches
+    assert 2 * columns + 8 * 10 * 36 * 8 <= 8 * per_example  # twice the columns (joined from the pieces) and the patches
     budget = 5 * per_example + 1
     assert chunk_for_budget(engine.core, plan, 3, 8, budget=budget) == 5
     assert chunk_for_budget(engine.core, plan, 3, 8, budget=1) == 1
