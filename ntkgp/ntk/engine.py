@@ -224,7 +224,7 @@ class NTKEngine:
         ``x2=None``, ``x2 = x1``. ``with_diagonal=True`` also returns the output diagonals of the per-point
         blocks of ``x2``, ``[J_g(x2_m) J_g(x2_m)ᵀ]_{cc}``, shape ``(G, N2, C)``. ``x1_features`` as in
         :meth:`group_grams`. ``with_outputs=True`` (with ``x1_features`` and ``x2``) also returns, after them, the
-        network outputs :math:`f(x_2)` and :math:`J(x_2)\theta^*` ``(N2, C)`` from the same pass over ``x2``
+        network outputs :math:`f(x_2)` and :math:`J(x_2)\\theta^*` ``(N2, C)`` from the same pass over ``x2``
         (:func:`~ntkgp.ntk.feature_pass.chunk_features`; no other forward or Jacobian-vector product)."""
         x1, x2, sym, plan, c, graph = self._pair(x1, x2)
         f1 = self._given(x1, x1_features, plan, graph)

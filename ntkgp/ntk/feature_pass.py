@@ -105,7 +105,7 @@ def _layer_parameters(layer: Layer, theta: dict[str, Tensor]) -> Tensor:
 
 
 def _layer_output(layer: Layer, theta: dict[str, Tensor], a: Tensor) -> Tensor:
-    """The part of the layer's output ``W a + b`` ``(n, d_out)`` that its parameters in :math:`\theta` make."""
+    r"""The part of the layer's output ``W a + b`` ``(n, d_out)`` that its parameters in :math:`\theta` make."""
     z = a @ theta[layer.weight].T if layer.weight is not None else None
     if layer.bias is not None:
         b = theta[layer.bias]
@@ -115,7 +115,7 @@ def _layer_output(layer: Layer, theta: dict[str, Tensor], a: Tensor) -> Tensor:
 
 def chunk_features(core: NetworkCore, plan: LayerPlan, x: Tensor, graph: bool, single: bool = True,
                    columns: bool = True, linearized: bool = False) -> ChunkFeatures:
-    """The features of the chunk ``x`` (prepared): those of the single-location layers (``single``) and the
+    r"""The features of the chunk ``x`` (prepared): those of the single-location layers (``single``) and the
     contracted columns (``columns``, as pieces: :class:`ChunkFeatures`); with ``graph`` differentiable in ``x``.
 
     ``linearized`` (no ``graph``, every feature): also the outputs :math:`f(x)` of the pass and :math:`J(x)\theta^*`

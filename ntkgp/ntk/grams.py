@@ -97,7 +97,7 @@ def group_grams(core: NetworkCore, plan: LayerPlan, x1: Tensor, x2: Tensor, sym:
 def _output_grams_given(core: NetworkCore, plan: LayerPlan, f1: FeatureSet, x2: Tensor, c: int, out: Tensor,
                         diag: Tensor | None, outputs: tuple[Tensor, Tensor] | None = None) -> None:
     """:func:`output_grams` from the given features of ``x1`` against ``x2``, one chunk of ``x2`` at a time (and,
-    into ``outputs``, :math:`f(x_2)` and :math:`J(x_2)\theta^*` from the same pass)."""
+    into ``outputs``, :math:`f(x_2)` and :math:`J(x_2)\\theta^*` from the same pass)."""
     whole, chunks = _given_rows(core, f1, c)
     for s2, e2 in core.chunks(x2.shape[0], "Gram"):
         f2 = chunk_features(core, plan, x2[s2:e2], False, columns=f1.contracted, linearized=outputs is not None)
@@ -119,7 +119,7 @@ def output_grams(
 ) -> tuple[Tensor, Tensor | None]:
     """Per-output Grams ``(G, C, N1, N2)`` and, ``with_diagonal``, the output diagonals of ``x2`` ``(G, N2, C)``
     (``f1``: the given features of ``x1``, see the module doc; with them and ``outputs``, two ``(N2, C)`` tensors,
-    :math:`f(x_2)` and :math:`J(x_2)\theta^*` are written into ``outputs`` from the same pass)."""
+    :math:`f(x_2)` and :math:`J(x_2)\\theta^*` are written into ``outputs`` from the same pass)."""
     kw = {"dtype": core.dtype, "device": core.device}
     groups, n2 = core.groups.num_groups, x2.shape[0]
     out = torch.zeros(groups, c, x1.shape[0], n2, **kw)

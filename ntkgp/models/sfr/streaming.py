@@ -43,7 +43,7 @@ def _step(engine: NTKEngine, z: Tensor, xb: Tensor, coupling: OutputCoupling, me
           z_features: FeatureSet | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     r"""The outputs, offsets, cross-Grams and point blocks of one step. Independent outputs with the inducing inputs'
     features: all from one feature pass over ``xb`` (:meth:`NTKEngine.output_grams <ntkgp.ntk.NTKEngine.output_grams>`
-    with ``with_outputs``: :math:`J(x)	heta^*` from the layer features, no forward or Jacobian-vector product of
+    with ``with_outputs``: :math:`J(x)\theta^*` from the layer features, no forward or Jacobian-vector product of
     its own); otherwise :meth:`~ntkgp.ntk.NTKEngine.outputs`, :func:`mean_offset` and
     :func:`~ntkgp.models.sfr.system_grams.system_grams_and_diagonal`."""
     if coupling is OutputCoupling.INDEPENDENT and z_features is not None:
