@@ -40,6 +40,27 @@ def add_output_gram(out: Tensor, s1: int, e1: int, j1: Columns, s2: int, e2: int
             out[g, :, s2:e2, s1:e1] += block.transpose(1, 2)
 
 
+def add_output_gram_pieces(out: Tensor, s1: int, e1: int, j1: Columns, s2: int, e2: int, pieces: dict[int, list[Tensor]],
+                           c: int) -> None:
+    """:func:`add_output_gram` with the columns of the chunk ``s2:e2`` as pieces ``(C, n, P_i)``
+    (:class:`~ntkgp.ntk.feature_pass.ChunkFeatures`): one batched product per piece against the matching columns of
+    ``j1``, so that the chunk's columns are never joined (the same products, summed over the pieces)."""
+    for g, parts in pieces.items():
+        rows = j1[g].view(e1 - s1, c, -1)
+        target, start = out[g, :, s1:e1, s2:e2], 0
+        for piece in parts:
+            width = piece.shape[-1]
+            target += torch.bmm(rows[..., start : start + width].transpose(0, 1), piece.transpose(1, 2))
+            start += width
+
+
+def add_output_diagonal_pieces(diag: Tensor, s: int, e: int, pieces: dict[int, list[Tensor]]) -> None:
+    """:func:`add_output_diagonal` from the pieces ``(C, n, P_i)`` of the chunk's columns."""
+    for g, parts in pieces.items():
+        for piece in parts:
+            diag[g, s:e] += piece.square().sum(-1).T
+
+
 def add_output_diagonal(diag: Tensor, s: int, e: int, j: Columns, c: int) -> None:
     """Add the output diagonals of the chunk's per-point blocks to ``diag`` ``(G, N, C)``."""
     for g, cols in j.items():

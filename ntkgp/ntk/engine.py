@@ -217,17 +217,25 @@ class NTKEngine:
 
     def output_grams(
         self, x1: torch.Tensor, x2: torch.Tensor | None = None, with_diagonal: bool = False,
-        x1_features: FeatureSet | None = None,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        x1_features: FeatureSet | None = None, with_outputs: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """Per-group, per-output Grams ``[K_g]_{(n,c),(m,c)}``, shape ``(G, C, N1, N2)``: the diagonal output
         blocks of :meth:`group_grams` (independent outputs), ``C`` times cheaper than the full Gram; with
         ``x2=None``, ``x2 = x1``. ``with_diagonal=True`` also returns the output diagonals of the per-point
         blocks of ``x2``, ``[J_g(x2_m) J_g(x2_m)ᵀ]_{cc}``, shape ``(G, N2, C)``. ``x1_features`` as in
-        :meth:`group_grams`."""
+        :meth:`group_grams`. ``with_outputs=True`` (with ``x1_features`` and ``x2``) also returns, after them, the
+        network outputs :math:`f(x_2)` and :math:`J(x_2)\\theta^*` ``(N2, C)`` from the same pass over ``x2``
+        (:func:`~ntkgp.ntk.feature_pass.chunk_features`; no other forward or Jacobian-vector product)."""
         x1, x2, sym, plan, c, graph = self._pair(x1, x2)
         f1 = self._given(x1, x1_features, plan, graph)
-        out, diag = grams.output_grams(self.core, plan, x1, x2, sym, c, graph, with_diagonal, f1)
-        return (out, diag) if with_diagonal else out
+        outputs = None
+        if with_outputs:
+            if f1 is None or sym:
+                raise ValueError("with_outputs=True needs x1_features and x2")
+            outputs = tuple(torch.empty(x2.shape[0], c, dtype=self.dtype, device=self.device) for _ in range(2))
+        out, diag = grams.output_grams(self.core, plan, x1, x2, sym, c, graph, with_diagonal, f1, outputs)
+        extra = ((diag,) if with_diagonal else ()) + (outputs or ())
+        return (out, *extra) if extra else out
 
     def diag_blocks(self, x: torch.Tensor) -> torch.Tensor:
         """Per-group, per-point ``C×C`` blocks ``J_g(x_n) J_g(x_n)ᵀ``, shape ``(G, N, C, C)``, without the Gram."""

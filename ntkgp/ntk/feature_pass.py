@@ -16,8 +16,8 @@ always (:math:`O(N(C\sum d_{out} + \sum d_{in}))` numbers), the contracted colum
 inputs; recomputed for each use otherwise).
 
 **Memory of one chunk** of ``n`` examples (``s`` bytes per number): the contracted columns
-``n·C·P_c`` (``P_c`` = :func:`contracted_width`), twice while the ``C`` per-output blocks are stacked and the
-groups concatenated, plus the unfolded inputs of the multi-location layers :math:`n \sum_l d_{a,l} T_l` and the
+``n·C·P_c`` (``P_c`` = :func:`contracted_width`; written in place, one product per output and layer, and twice
+where a consumer joins the layers' blocks into ``(n·C, P_g)`` columns: :class:`ChunkFeatures`), plus the unfolded inputs of the multi-location layers :math:`n \sum_l d_{a,l} T_l` and the
 per-example Jacobians of the generic parameters (``vmap(jacrev)``, about ``3·n·C·P_g``): :func:`chunk_bytes` per
 example.
 """
@@ -25,7 +25,6 @@ example.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -35,57 +34,136 @@ from .layer_plan import LayerPlan
 from .network import NetworkCore
 
 
-@dataclass
 class ChunkFeatures:
     """The features of one chunk: single-location layers' inputs ``(n, d_in)`` and gradients ``(n·C, d_out)``,
-    and the contracted columns ``{group: (n·C, P_g)}``."""
+    and the contracted columns ``{group: (n·C, P_g)}``.
 
-    inputs: dict[str, Tensor]
-    grads: dict[str, Tensor]
-    columns: dict[int, Tensor]
+    The columns may be given as ``pieces`` ``{group: [(C, n, P_i), ...]}`` (the multi-location layers' blocks as the
+    feature pass writes them, then the generic parameters' Jacobians, in the columns' order): ``columns`` is then
+    formed from them on first use (one copy); the contractions that can use the pieces directly
+    (:func:`~ntkgp.ntk.contraction.add_output_gram_pieces`) never form it."""
+
+    def __init__(self, inputs: dict[str, Tensor], grads: dict[str, Tensor], columns: dict[int, Tensor] | None = None,
+                 pieces: dict[int, list[Tensor]] | None = None, outputs: Tensor | None = None,
+                 linearized: Tensor | None = None) -> None:
+        self.inputs, self.grads, self.pieces, self._columns = inputs, grads, pieces, columns
+        self.outputs, self.linearized = outputs, linearized  # f(x) and J(x)θ* (n, C), when the pass formed them
+
+    @property
+    def columns(self) -> dict[int, Tensor]:
+        if self._columns is None:
+            self._columns = {g: _joined(p) for g, p in (self.pieces or {}).items()}
+        return self._columns
+
+    @columns.setter
+    def columns(self, value: dict[int, Tensor]) -> None:
+        self._columns, self.pieces = value, None
 
 
-def _reduce(plan: LayerPlan):
-    multi = {layer.name for layer in plan.multi}
+def _joined(pieces: list[Tensor]) -> Tensor:
+    """``(n·C, P)`` from the pieces ``(C, n, P_i)`` (rows ``n·C + c``)."""
+    c, n = pieces[0].shape[:2]
+    parts = [p.transpose(0, 1) for p in pieces]
+    return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)).reshape(n * c, -1)
 
-    def reduce(layer: Layer, a: Tensor, g: Tensor) -> Tensor:
-        if layer.name in multi:
-            return layer.blocks(a, g)  # (n, d_out, d_a)
+
+class _Reducer:
+    r"""The ``reduce`` of the feature pass (:func:`~ntkgp.ntk.features.layer_features`): the multi-location layers'
+    blocks :math:`\sum_t \Gamma_{nct} \bar a_{nt}^\top`, each cotangent column's written by one batched product into
+    its place in a ``(C, n, d_out, d_a)`` buffer per layer (no stack, no copy; with ``graph`` they are returned and
+    stacked, differentiable); the single-location layers' gradients ``(n, d_out)``."""
+
+    def __init__(self, plan: LayerPlan, graph: bool) -> None:
+        self.multi, self.graph = {layer.name for layer in plan.multi}, graph
+        self.blocks: dict[str, Tensor] = {}
+        self.folded: dict[str, Tensor] = {}
+
+    def __call__(self, layer: Layer, a: Tensor, g: Tensor, m: int, count: int) -> Tensor | None:
+        if layer.name in self.multi:
+            if self.graph:
+                return layer.blocks(a, g)  # (n, d_out, d_a)
+            if m == 0:
+                self.folded[layer.name] = layer.fold(a)
+                n, d_a = a.shape[0], self.folded[layer.name].shape[1]
+                self.blocks[layer.name] = torch.empty(count, n, g.shape[1], d_a, dtype=g.dtype, device=g.device)
+            layer.blocks(self.folded[layer.name], g, out=self.blocks[layer.name][m])
+            if m + 1 == count:
+                del self.folded[layer.name]
+            return None
         if g.shape[-1] != 1:
             raise RuntimeError(f"layer '{layer.name}' changed its number of locations since the plan was made")
         return g[..., 0]  # (n, d_out)
 
-    return reduce
+
+def _layer_parameters(layer: Layer, theta: dict[str, Tensor]) -> Tensor:
+    r""":math:`\Theta = [W \mid b]` ``(d_out, d_a)`` of the layer's parameters in :math:`\theta` (the columns of
+    :meth:`Layer.fold`'s :math:`\bar a`)."""
+    parts = [theta[layer.weight].reshape(layer.d_out, -1)] if layer.weight is not None else []
+    if layer.bias is not None:
+        parts.append(theta[layer.bias][:, None])
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
+def _layer_output(layer: Layer, theta: dict[str, Tensor], a: Tensor) -> Tensor:
+    r"""The part of the layer's output ``W a + b`` ``(n, d_out)`` that its parameters in :math:`\theta` make."""
+    z = a @ theta[layer.weight].T if layer.weight is not None else None
+    if layer.bias is not None:
+        b = theta[layer.bias]
+        z = b.expand(a.shape[0], -1) if z is None else z + b
+    return z
 
 
 def chunk_features(core: NetworkCore, plan: LayerPlan, x: Tensor, graph: bool, single: bool = True,
-                   columns: bool = True) -> ChunkFeatures:
-    """The features of the chunk ``x`` (prepared): those of the single-location layers (``single``) and the
-    contracted columns (``columns``); with ``graph`` differentiable in ``x``."""
+                   columns: bool = True, linearized: bool = False) -> ChunkFeatures:
+    r"""The features of the chunk ``x`` (prepared): those of the single-location layers (``single``) and the
+    contracted columns (``columns``, as pieces: :class:`ChunkFeatures`); with ``graph`` differentiable in ``x``.
+
+    ``linearized`` (no ``graph``, every feature): also the outputs :math:`f(x)` of the pass and :math:`J(x)\theta^*`
+    from the features, layer by layer :math:`\sum_t \Gamma_{nct} \cdot (W a_{nt} + b)` (the blocks against
+    :math:`\Theta`, the linear layers' gradients against their outputs, the generic Jacobians against their
+    parameters): the Jacobian-vector product without another pass (``ChunkFeatures.outputs``, ``.linearized``)."""
+    if linearized and (graph or not single or not (columns or not (plan.multi or plan.generic))):
+        raise ValueError("linearized=True needs every feature (single=True, columns=True) and no graph")
     layers = [la for la in plan.layers if (la in plan.single and single) or (la in plan.multi and columns)]
     inputs, grads, pieces = {}, {}, {}
     group = dict(zip(core.groups.names, core.groups.group_of))
+    theta = core.params() if linearized else {}
+    outputs = jt = None
     if layers:
-        feats = core.features(x, layers, graph=graph, reduce=_reduce(plan))
+        reducer = _Reducer(plan, graph)
+        feats = core.features(x, layers, graph=graph, reduce=reducer)
+        outputs = feats.outputs
+        jt = torch.zeros_like(outputs) if linearized else None
         for layer in layers:
-            g = feats.grads[layer.name]
             if layer in plan.single:  # (n, C, d_out)
-                inputs[layer.name], grads[layer.name] = feats.inputs[layer.name][..., 0], g.reshape(-1, g.shape[-1])
+                g = feats.grads[layer.name]
+                a = inputs[layer.name] = feats.inputs[layer.name][..., 0]
+                grads[layer.name] = g.reshape(-1, g.shape[-1])
+                if linearized:  # γ_c · (W a + b)
+                    jt += (g @ _layer_output(layer, theta, a)[..., None]).squeeze(-1)
                 continue
-            block = g.flatten(0, 1)  # (n·C, d_out, d_a)
+            # (C, n, d_out, d_a)
+            block = feats.grads[layer.name].transpose(0, 1) if graph else reducer.blocks.pop(layer.name)
+            if linearized:
+                jt += (block.flatten(2) @ _layer_parameters(layer, theta).flatten()).T
             kinds = layer.parameter_names
             if len({group[k] for k in kinds}) == 1:
-                pieces.setdefault(group[kinds[0]], []).append(block.flatten(1))
+                pieces.setdefault(group[kinds[0]], []).append(block.flatten(2))
             else:  # weight and bias in two groups
-                pieces.setdefault(group[layer.weight], []).append(block[..., : layer.fan_in].flatten(1))
+                pieces.setdefault(group[layer.weight], []).append(block[..., : layer.fan_in].flatten(2))
                 pieces.setdefault(group[layer.bias], []).append(block[..., layer.fan_in])
     if columns and plan.generic:
         with torch.set_grad_enabled(graph):
             jac = core.jacobian_chunk(x, plan.generic)
-        for name in plan.generic:
-            pieces.setdefault(group[name], []).append(jac[name].flatten(0, 1))
-    cols = {g: p[0] if len(p) == 1 else torch.cat(p, dim=1) for g, p in sorted(pieces.items())}
-    return ChunkFeatures(inputs, grads, cols)
+        for name in plan.generic:  # (n, C, numel)
+            pieces.setdefault(group[name], []).append(jac[name].transpose(0, 1))
+            if linearized:
+                if jt is None:
+                    with torch.no_grad():
+                        outputs = core.forward(x)
+                    jt = torch.zeros_like(outputs)
+                jt += jac[name] @ theta[name].reshape(-1).to(jac[name])
+    return ChunkFeatures(inputs, grads, pieces=dict(sorted(pieces.items())), outputs=outputs, linearized=jt)
 
 
 def contracted_width(core: NetworkCore, plan: LayerPlan) -> int:

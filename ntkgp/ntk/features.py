@@ -74,10 +74,16 @@ class Layer:
             parts.append(offset(self.bias) + rows)
         return torch.cat(parts, dim=1)
 
-    def blocks(self, inputs: Tensor, grads: Tensor) -> Tensor:
+    def blocks(self, inputs: Tensor, grads: Tensor, out: Tensor | None = None) -> Tensor:
         r"""Per-example Jacobian blocks of :math:`\Theta = [W \mid b]` from the features,
         :math:`\sum_t \Gamma_{n\cdot t} \bar a_{nt}^\top`: ``(n, *lead, d_out, d_a)`` from the inputs ``a``
-        ``(n, d_in, T)`` and gradients ``(n, *lead, d_out, T)`` (one batched matrix product)."""
+        ``(n, d_in, T)`` and gradients ``(n, *lead, d_out, T)`` (one batched matrix product).
+
+        With ``out`` (contiguous ``(n, d_out, d_a)``, no ``lead``) ``inputs`` must be the folded :math:`\bar a`
+        (:meth:`fold`, ``(n, d_a, T)``) and the blocks are written into ``out`` by one product (weight and bias
+        together, no copy; not differentiable)."""
+        if out is not None:
+            return torch.bmm(grads, inputs.transpose(1, 2), out=out)
         parts = []
         if self.weight is not None:
             n, t = inputs.shape[0], inputs.shape[-1]
@@ -240,11 +246,14 @@ def record(net, params, layers, x, cotangents, graph, reduce=None) -> tuple[Laye
                     inputs[layer.name] = layer_inputs(layer.module, a if graph else a.detach())
             grads: dict[str, list[Tensor]] = {layer.name: [] for layer in good}
             if good:
-                for gs in _output_gradients(f, outs, cotangents, graph):
+                count = f.shape[1] if cotangents is None else cotangents.shape[-1]
+                for m, gs in enumerate(_output_gradients(f, outs, cotangents, graph)):
                     for layer, g, z in zip(good, gs, outs):
                         g = torch.zeros_like(z) if g is None else g
                         g = layer_output_gradients(layer.module, g if graph else g.detach())
-                        grads[layer.name].append(g if reduce is None else reduce(layer, inputs[layer.name], g))
+                        kept = g if reduce is None else reduce(layer, inputs[layer.name], g, m, count)
+                        if kept is not None:
+                            grads[layer.name].append(kept)
     finally:
         for handle in handles:
             handle.remove()
@@ -254,7 +263,7 @@ def record(net, params, layers, x, cotangents, graph, reduce=None) -> tuple[Laye
 
 def layer_features(
     net: nn.Module, params: dict[str, Tensor], layers: Sequence[Layer], x: Tensor, cotangents: Tensor | None = None,
-    graph: bool = False, reduce: Callable[[Layer, Tensor, Tensor], Tensor] | None = None,
+    graph: bool = False, reduce: Callable[..., Tensor | None] | None = None,
 ) -> LayerFeatures:
     r"""Layer inputs :math:`a` and output gradients :math:`\Gamma` of one batch.
 
@@ -267,9 +276,10 @@ def layer_features(
             ``None`` for the unit vectors (``M = C``, :math:`\Gamma_{nc} = \partial f_c / \partial z`).
         graph: keep the autograd graph to ``x`` and to the entries of ``params`` that require grad
             (second-order autograd through :math:`\Gamma`); otherwise every result is detached.
-        reduce: ``reduce(layer, a, g)`` is kept instead of :math:`\Gamma` for each cotangent column, ``g``
-            ``(n, d_out, T)`` (e.g. :meth:`Layer.blocks`: the ``T`` locations summed right away, so that the
-            ``M`` gradients of a convolution's every location are never held together).
+        reduce: ``reduce(layer, a, g, m, M)`` is kept instead of :math:`\Gamma` for each cotangent column ``m``
+            of ``M``, ``g`` ``(n, d_out, T)`` (e.g. :meth:`Layer.blocks`: the ``T`` locations summed right away, so
+            that the ``M`` gradients of a convolution's every location are never held together); a ``reduce``
+            that returns ``None`` keeps its results itself (the layer is then absent from ``grads``).
 
     Returns:
         :class:`LayerFeatures` (``grads`` stacked along dimension 1). Cost: one forward and ``M`` backward

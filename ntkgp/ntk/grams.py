@@ -95,34 +95,40 @@ def group_grams(core: NetworkCore, plan: LayerPlan, x1: Tensor, x2: Tensor, sym:
 
 
 def _output_grams_given(core: NetworkCore, plan: LayerPlan, f1: FeatureSet, x2: Tensor, c: int, out: Tensor,
-                        diag: Tensor | None) -> None:
-    """:func:`output_grams` from the given features of ``x1`` against ``x2``, one chunk of ``x2`` at a time."""
+                        diag: Tensor | None, outputs: tuple[Tensor, Tensor] | None = None) -> None:
+    """:func:`output_grams` from the given features of ``x1`` against ``x2``, one chunk of ``x2`` at a time (and,
+    into ``outputs``, :math:`f(x_2)` and :math:`J(x_2)\\theta^*` from the same pass)."""
     whole, chunks = _given_rows(core, f1, c)
     for s2, e2 in core.chunks(x2.shape[0], "Gram"):
-        f2 = chunk_features(core, plan, x2[s2:e2], False, columns=f1.contracted)
+        f2 = chunk_features(core, plan, x2[s2:e2], False, columns=f1.contracted, linearized=outputs is not None)
+        if outputs is not None:
+            outputs[0][s2:e2], outputs[1][s2:e2] = f2.outputs, f2.linearized
         if plan.single:
             structured.output_gram_rows(core, plan, out[..., s2:e2], whole, f2, c, False)
             if diag is not None:
                 structured.output_diagonal(core, plan, diag[:, s2:e2], f2, c)
-        for s1, e1, cols in chunks:
-            contraction.add_output_gram(out, s1, e1, cols, s2, e2, f2.columns, c, False)
-        if diag is not None and f2.columns:
-            contraction.add_output_diagonal(diag, s2, e2, f2.columns, c)
+        for s1, e1, cols in chunks:  # the chunk's columns as the pass wrote them (never joined)
+            contraction.add_output_gram_pieces(out, s1, e1, cols, s2, e2, f2.pieces, c)
+        if diag is not None and f2.pieces:
+            contraction.add_output_diagonal_pieces(diag, s2, e2, f2.pieces)
 
 
 def output_grams(
     core: NetworkCore, plan: LayerPlan, x1: Tensor, x2: Tensor, sym: bool, c: int, graph: bool, with_diagonal: bool,
-    f1: FeatureSet | None = None,
+    f1: FeatureSet | None = None, outputs: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Per-output Grams ``(G, C, N1, N2)`` and, ``with_diagonal``, the output diagonals of ``x2`` ``(G, N2, C)``
-    (``f1``: the given features of ``x1``, see the module doc)."""
+    (``f1``: the given features of ``x1``, see the module doc; with them and ``outputs``, two ``(N2, C)`` tensors,
+    :math:`f(x_2)` and :math:`J(x_2)\\theta^*` are written into ``outputs`` from the same pass)."""
     kw = {"dtype": core.dtype, "device": core.device}
     groups, n2 = core.groups.num_groups, x2.shape[0]
     out = torch.zeros(groups, c, x1.shape[0], n2, **kw)
     diag = torch.zeros(groups, n2, c, **kw) if with_diagonal else None
     if f1 is not None and not sym:
-        _output_grams_given(core, plan, f1, x2, c, out, diag)
+        _output_grams_given(core, plan, f1, x2, c, out, diag, outputs)
         return out, diag
+    if outputs is not None:
+        raise ValueError("outputs need the given features of x1 and another x2")
     f2 = FeatureSet(core, plan, x2, graph) if f1 is None else f1
     whole = f2.rows(0, n2, c)
     for k1, s1, e1, rows in _row_chunks(core, plan, x1, f2, sym, c, graph):

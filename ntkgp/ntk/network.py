@@ -252,7 +252,7 @@ class NetworkCore:
 
     def features(
         self, x: Tensor, layers: Sequence[Layer], cotangents: Tensor | None = None, graph: bool = False,
-        params: dict[str, Tensor] | None = None, reduce: Callable[[Layer, Tensor, Tensor], Tensor] | None = None,
+        params: dict[str, Tensor] | None = None, reduce: Callable[..., Tensor | None] | None = None,
     ) -> LayerFeatures:
         """Layer inputs and output gradients of ``layers`` on a prepared batch ``x``
         (:func:`~ntkgp.ntk.features.layer_features`), at :math:`\\theta^*` or at ``params``."""

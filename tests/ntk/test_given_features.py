@@ -42,6 +42,27 @@ def test_grams_from_given_features_equal_brute_force(prior_structure, batchnorm)
     assert rel_err(engine.output_grams(z, x1_features=fz), dense_output_grams(ref_zz, 3)) < 1e-12
 
 
+@pytest.mark.parametrize("prior_structure", ["parameter", "network"])
+@pytest.mark.parametrize("batchnorm", [False, True])
+def test_outputs_and_linearized_offsets_from_the_same_pass_equal_autograd(prior_structure, batchnorm):
+    """``with_outputs``: f(x) and J(x)θ* from the feature pass (convolution blocks against Θ, linear layers, generic
+    BatchNorm parameters; weight and bias in one group or two) against the network and a dense autograd Jacobian."""
+    net = small_fmnist_cnn(batchnorm)
+    torch.manual_seed(2)
+    z, x = torch.randn(5, 1, 8, 8, dtype=torch.float64), torch.randn(9, 1, 8, 8, dtype=torch.float64)
+    engine = NTKEngine(net, prior_structure, chunk_size=4)
+    fz = engine.feature_set(z)
+    grams, diag, f, linearized = engine.output_grams(z, x, with_diagonal=True, x1_features=fz, with_outputs=True)
+    names = [n for n, _ in net.named_parameters()]
+    theta = {n: p.detach() for n, p in net.named_parameters()}
+    jac = torch.func.jacrev(lambda t: torch.func.functional_call(net, t, (x,)))(theta)
+    dense = sum(torch.einsum("nc...,...->nc", jac[n], theta[n]) for n in names)
+    assert rel_err(f, net(x).detach()) < 1e-13
+    assert rel_err(linearized, dense) < 1e-12
+    ref = reference(net, z, x, prior_structure)
+    assert rel_err(grams, dense_output_grams(ref, 3)) < 1e-12 and diag.shape == (engine.num_groups, 9, 3)
+
+
 def test_given_features_pass_each_chunk_of_x2_once_and_never_recompute_x1():
     net = small_fmnist_cnn()
     z, x = torch.randn(6, 1, 8, 8, dtype=torch.float64), torch.randn(10, 1, 8, 8, dtype=torch.float64)
@@ -82,6 +103,10 @@ def test_given_features_are_checked():
         engine.output_grams(z, z, x1_features=z)
     with pytest.raises(ValueError, match="with_blocks=True needs x1_features and x2"):
         engine.group_grams(z, z, with_blocks=True)
+    with pytest.raises(ValueError, match="with_outputs=True needs x1_features and x2"):
+        engine.output_grams(z, z, with_outputs=True)
+    with pytest.raises(ValueError, match="with_outputs=True needs x1_features and x2"):
+        engine.output_grams(z, x1_features=fz, with_outputs=True)
     with pytest.raises(ValueError, match="require grad"):
         engine.output_grams(z, z.clone().requires_grad_(True), x1_features=fz)
 
@@ -97,7 +122,7 @@ def test_chunk_bytes_bounds_what_a_chunk_holds():
     held = chunk_features(engine.core, plan, x, False)
     columns = sum(t.numel() for t in held.columns.values()) * 8
     assert columns == 8 * 3 * (4 * 10) * 8  # n·C·P_c numbers: the conv's weight and bias columns
-    assert 2 * columns + 8 * 10 * 36 * 8 <= 8 * per_example  # twice the columns (stacking) and the patches
+    assert 2 * columns + 8 * 10 * 36 * 8 <= 8 * per_example  # twice the columns (joined from the pieces) and the patches
     budget = 5 * per_example + 1
     assert chunk_for_budget(engine.core, plan, 3, 8, budget=budget) == 5
     assert chunk_for_budget(engine.core, plan, 3, 8, budget=1) == 1

@@ -39,6 +39,23 @@ def mean_offset(engine: NTKEngine, x: Tensor, f: Tensor, kind: PriorMean) -> Ten
     return engine.jvp(x, engine.params()).reshape(f.shape)
 
 
+def _step(engine: NTKEngine, z: Tensor, xb: Tensor, coupling: OutputCoupling, mean: PriorMean,
+          z_features: FeatureSet | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    r"""The outputs, offsets, cross-Grams and point blocks of one step. Independent outputs with the inducing inputs'
+    features: all from one feature pass over ``xb`` (:meth:`NTKEngine.output_grams <ntkgp.ntk.NTKEngine.output_grams>`
+    with ``with_outputs``: :math:`J(x)\theta^*` from the layer features, no forward or Jacobian-vector product of
+    its own); otherwise :meth:`~ntkgp.ntk.NTKEngine.outputs`, :func:`mean_offset` and
+    :func:`~ntkgp.models.sfr.system_grams.system_grams_and_diagonal`."""
+    if coupling is OutputCoupling.INDEPENDENT and z_features is not None:
+        cross, diag, f, linearized = engine.output_grams(z, xb, with_diagonal=True, x1_features=z_features,
+                                                         with_outputs=True)
+        return f, (f if mean is PriorMean.ZERO else linearized), cross, torch.diag_embed(diag)
+    f = engine.outputs(xb)
+    offset = mean_offset(engine, xb, f, mean)
+    cross, diag = system_grams_and_diagonal(engine, z, xb, coupling, x1_features=z_features)
+    return f, offset, cross, diag
+
+
 def stream_statistics(
     engine: NTKEngine,
     likelihood: Likelihood,
@@ -92,9 +109,7 @@ def stream_statistics(
             validate_targets(likelihood, y, c, num_data=x.shape[0], name=name_y)
             for s in range(0, x.shape[0], rows):
                 xb, yb = x[s : s + rows], y[s : s + rows]
-                f = engine.outputs(xb)
-                offset = mean_offset(engine, xb, f, mean)
-                cross, diag = system_grams_and_diagonal(engine, z, xb, coupling, x1_features=z_features)
+                f, offset, cross, diag = _step(engine, z, xb, coupling, mean, z_features)
                 stats.accumulate(likelihood, cross.to(dtype), diag.to(dtype), f.to(dtype), offset.to(dtype), yb)
                 bar.update(xb.shape[0])
     bar.close()
