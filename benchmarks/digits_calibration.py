@@ -39,6 +39,7 @@ from map_fit import fit_map  # noqa: E402
 import ntkgp  # noqa: E402
 from ntkgp import metrics  # noqa: E402
 from ntkgp._doctable import command_line, markdown_table, write_block  # noqa: E402
+from ntkgp.demo import refit_prior_precision  # noqa: E402
 from ntkgp.likelihoods import SoftmaxLikelihood  # noqa: E402
 from ntkgp.laplace.weight_space import laplace_posterior  # noqa: E402
 from ntkgp.laplace.weight_space.predictive_estimators import predict  # noqa: E402
@@ -89,18 +90,6 @@ def evidence_per_datum(model: ntkgp.NTKGP) -> float:
         return model.log_marginal_likelihood().item() / model.num_data
 
 
-def maximize_evidence(model: ntkgp.NTKGP, steps: int = 100, lr: float = 0.1) -> ntkgp.NTKGP:
-    """Adam on ``-model.log_marginal_likelihood()`` over the (log-parameterized) prior precision, θ* fixed."""
-    raw = model.covar_module.raw_prior_precision
-    optimizer = torch.optim.Adam([raw], lr=lr)
-    for _ in range(steps):
-        optimizer.zero_grad()
-        (-model.log_marginal_likelihood()).backward()
-        optimizer.step()
-    raw.grad = None
-    return model
-
-
 def ntkgp_row(name: str, model: ntkgp.NTKGP, delta: str, val: tuple, test: tuple) -> list[str]:
     return [name, delta, f"{evidence_per_datum(model):.4f}",
             f"{metrics.categorical_nlpd(ntkgp_probs(model, val[0]), val[1]):.4f}",
@@ -137,7 +126,7 @@ def run(per_layer: bool = False) -> str:
     rows = [network_row("network (softmax of f(x; θ*))", net, val, test)]
     model = ntkgp.NTKGP(net, *train, likelihood, prior_precision=TRAINING_DELTA, prior_structure="network")
     rows.append(ntkgp_row("NTKGP, training δ", model, f"{TRAINING_DELTA:g}", val, test))
-    maximize_evidence(model.train())
+    refit_prior_precision(model.train())
     rows.append(ntkgp_row("NTKGP, δ by the evidence (θ* fixed)", model,
                           f"{model.covar_module.prior_precision.item():.3g}", val, test))
     for row in rows:
