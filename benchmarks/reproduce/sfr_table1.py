@@ -104,39 +104,14 @@ def nlpd(model, x, y) -> float:
     return metrics.categorical_nlpd(probs, y)
 
 
-def set_delta(model, delta: float) -> None:
-    model.covar_module.prior_precision = torch.full_like(model.covar_module.prior_precision, delta)
-
-
-def evidence_delta(sfr: SFR, steps: int) -> float:
-    """The delta maximising SFR's sparse evidence on the training data: the best of the grid, then ``steps``
-    Adam steps (0.05) on the kernel's raw parameter, log delta."""
-    scores = []
-    with torch.no_grad():
-        for delta in GRID:
-            set_delta(sfr, delta)
-            scores.append((float(sfr.log_marginal_likelihood()), delta))
-    set_delta(sfr, max(scores)[1])
-    raw = sfr.covar_module.raw_prior_precision
-    opt = torch.optim.Adam([raw], lr=0.05)
-    sfr.train()
-    for _ in range(steps):
-        loss = -sfr.log_marginal_likelihood() / sfr.num_data
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    sfr.eval()
-    return float(sfr.covar_module.prior_precision.detach().reshape(-1)[0])
-
-
 def tuned(model, data) -> tuple[float, float]:
     """(delta, test NLPD) at the grid delta with the best validation NLPD."""
     scores = []
     for delta in GRID:
-        set_delta(model, delta)
+        _common.set_delta(model, delta)
         scores.append((nlpd(model, data.x_val, data.y_val), delta))
     delta = min(scores)[1]
-    set_delta(model, delta)
+    _common.set_delta(model, delta)
     return delta, nlpd(model, data.x_test, data.y_test)
 
 
@@ -171,7 +146,7 @@ def run_one(data_dir, dataset: str, seed: int, args) -> dict:
         out["nlpd"][f"sfr_{name}_train"] = nlpd(sfr, data.x_test, data.y_test)
         out["delta"][f"sfr_{name}_tuned"], out["nlpd"][f"sfr_{name}_tuned"] = tuned(sfr, data)
         try:
-            out["delta"][f"sfr_{name}_evidence"] = evidence_delta(sfr, args.evidence_steps)
+            out["delta"][f"sfr_{name}_evidence"] = _common.evidence_delta(sfr, GRID, args.evidence_steps)
             out["nlpd"][f"sfr_{name}_evidence"] = nlpd(sfr, data.x_test, data.y_test)
         except Exception as error:  # recorded; the table shows the cell as missing
             out.setdefault("errors", {})[f"sfr_{name}_evidence"] = f"{type(error).__name__}: {error}"
