@@ -24,7 +24,9 @@ from linear_operator.utils.cholesky import psd_safe_cholesky
 from linear_operator.utils.errors import NotPSDError
 from linear_operator.utils.warnings import NumericalWarning
 
-__all__ = ["JitterWarning", "NotPSDError", "NumericalWarning", "cholesky", "gram", "relative_jitter"]
+__all__ = [
+    "JitterWarning", "NotPSDError", "NumericalWarning", "cholesky", "gram", "relative_jitter", "triangular_inverse",
+]
 
 #: Deprecated name: ntkgp warns with GPyTorch's :class:`~linear_operator.utils.warnings.NumericalWarning`
 #: (this is the same class, so ``warnings.simplefilter("error", JitterWarning)`` keeps working).
@@ -108,3 +110,34 @@ def gram(a: torch.Tensor) -> torch.Tensor:
             out[..., start:stop, :stop] = a[..., start:stop].mT @ a[..., :stop]
     lower = out.tril()
     return lower + lower.tril(-1).mT
+
+
+TRIANGULAR_BLOCK = 128
+
+
+def triangular_inverse(factor: torch.Tensor) -> torch.Tensor:
+    r""":math:`L^{-1}` of a lower-triangular ``factor`` ``(..., n, n)`` (its upper triangle is not read),
+    lower triangular, in :math:`n^3/6` multiply-adds: the triangular inverse of LAPACK's ``trtri``, which
+    PyTorch does not expose (a triangular solve against :math:`I` does three times the arithmetic).
+
+    By halves: :math:`\begin{pmatrix} A & 0 \\ C & D \end{pmatrix}^{-1} = \begin{pmatrix} A^{-1} & 0 \\
+    -D^{-1} C A^{-1} & D^{-1} \end{pmatrix}`, the lower-left block by one product and one triangular solve
+    (each :math:`n^3/16`), recursively down to blocks of :data:`TRIANGULAR_BLOCK` (solved against
+    :math:`I`). Extra memory: the result and one lower-left block.
+    """
+    out = torch.zeros_like(factor)
+    _fill_triangular_inverse(factor, out)
+    return out
+
+
+def _fill_triangular_inverse(factor: torch.Tensor, out: torch.Tensor) -> None:
+    n = factor.shape[-1]
+    if n <= TRIANGULAR_BLOCK:
+        eye = torch.eye(n, dtype=factor.dtype, device=factor.device)
+        out.copy_(torch.linalg.solve_triangular(factor, eye, upper=False))
+        return
+    k = n // 2
+    _fill_triangular_inverse(factor[..., :k, :k], out[..., :k, :k])
+    lower = torch.linalg.solve_triangular(factor[..., k:, k:], factor[..., k:, :k] @ out[..., :k, :k], upper=False)
+    out[..., k:, :k] = lower.neg_()
+    _fill_triangular_inverse(factor[..., k:, k:], out[..., k:, k:])

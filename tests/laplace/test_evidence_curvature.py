@@ -19,7 +19,7 @@ from tests.problems import make_problem
 DELTA = torch.tensor([0.5, 2.0, 4.0], dtype=torch.float64)
 
 
-def brute_evidence(net, x, y, kind, delta, scale, curvature):
+def brute_evidence(net, x, y, kind, delta, scale, curvature, prior_structure="layer"):
     r"""log q(D) by the dense P×P formula, a differentiable function of δ (per group) and the output scale s
     (1/σ_c² per output, or 1/T), written here with torch.distributions and explicit Jacobians."""
     j, _ = brute_jacobian(net, x)
@@ -27,7 +27,7 @@ def brute_evidence(net, x, y, kind, delta, scale, curvature):
         f = net(x)
     n, c = f.shape
     jn = j.reshape(n, c, -1)
-    groups = resolve_groups(net)
+    groups = resolve_groups(net, prior_structure)
     cols = delta[column_groups(net, dict(zip(groups.names, groups.group_of)))]
     if kind == "gaussian":
         fit = torch.distributions.Normal(f, scale.rsqrt()).log_prob(y.reshape(f.shape)).sum()

@@ -19,7 +19,8 @@ the coefficients :math:`c` and the row scales :math:`r > 0`:
 
 The eigenvalues of :math:`B` are at least 1: the factorization cannot fail for finite hyperparameters, and no
 result is formed by cancellation. Forward: one Cholesky factorization, :math:`O(R^3/3)`. Backward, from the
-same factor: :math:`L^{-1}` (one triangular solve), then
+same factor: :math:`L^{-1}` (:func:`~ntkgp.linalg.triangular_inverse`, :math:`R^3/6` multiply-adds, as many as
+the factorization), then
 
 .. math::
     \frac{\partial \log|B|}{\partial c_k} = \langle B^{-1} \circ r r^\top, M_k\rangle, \qquad
@@ -39,6 +40,8 @@ import torch
 from linear_operator.utils.errors import NotPSDError
 from torch import Tensor
 
+from ...linalg import triangular_inverse
+
 __all__ = ["diagonal_log_det", "scaled_log_det", "spectral_log_det_ratio"]
 
 
@@ -48,8 +51,11 @@ class _ScaledLogDet(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, coefficients: Tensor, root: Tensor, matrices: Tensor) -> Tensor:
-        matrix = torch.tensordot(coefficients, matrices, dims=1)
-        matrix.mul_(root[:, None]).mul_(root[None, :]).diagonal().add_(1)
+        if matrices.shape[0] == 1:  # c D_r M D_r in two passes over M
+            matrix = torch.mul(matrices[0], (coefficients[0] * root)[:, None]).mul_(root)
+        else:
+            matrix = torch.tensordot(coefficients, matrices, dims=1).mul_(root[:, None]).mul_(root)
+        matrix.diagonal().add_(1)
         factor, info = torch.linalg.cholesky_ex(matrix)
         if int(info) != 0:
             raise NotPSDError(
@@ -64,9 +70,8 @@ class _ScaledLogDet(torch.autograd.Function):
     def backward(ctx, grad: Tensor):
         factor, root, matrices = ctx.saved_tensors
         size = factor.shape[-1]
-        eye = torch.eye(size, dtype=factor.dtype, device=factor.device)
-        inverse_factor = torch.linalg.solve_triangular(factor, eye, upper=False)  # L⁻¹: B⁻¹ = L⁻ᵀ L⁻¹
-        inverse_diagonal = inverse_factor.square().sum(0)
+        inverse_factor = triangular_inverse(factor)  # L⁻¹ (R³/6 multiply-adds): B⁻¹ = L⁻ᵀ L⁻¹
+        inverse_diagonal = torch.linalg.vector_norm(inverse_factor, dim=0).square()
         grad_root = grad * 2 * (1 - inverse_diagonal) / root if ctx.needs_input_grad[1] else None
         grad_coefficients = None
         if ctx.needs_input_grad[0]:
