@@ -8,12 +8,13 @@ the space chosen by ``choose_space``; laplace-torch ``FullLaplace``), KFAC (``co
 ``KronLaplace``) and the diagonal GGN (``"diag_ggn"``; ``DiagLaplace``), with one δ and with one δ per parameter
 tensor (ntkgp's KFAC: one per layer, its weight and bias share a Kronecker block; laplace-torch's KFAC keeps weight
 and bias in separate blocks, each with its own δ). Measured: the build (one pass over the data and the first
-evidence), the time of one hyperparameter step (Adam on log δ, and on the noise for regression; the mean of
-``--steps`` steps after one warm-up step) and the GLM predictive covariance at 1,000 points. Times are the CPU
-time of the process (``time.process_time``) with ``--threads`` threads (default 1), which the load of other
-processes on a shared machine changes little; with one thread it is the time the work took. Beside the rows: the
-floor of any hyperparameter step, an Adam step on log δ after the backward pass of a one-operation graph (what
-neither library can avoid; the structured steps of both are a small multiple of it).
+evidence), the time of one hyperparameter step (Adam on log δ, and on the noise for regression; the mean of at
+least ``--steps`` steps and 0.3 s after one warm-up step) and the GLM predictive covariance at 1,000 points. Times
+are the CPU time of the process (``time.process_time``) with ``--threads`` threads (default 1), which the load of
+other processes on a shared machine changes little; with one thread it is the time the work took. Beside each row,
+measured lower bounds (``benchmarks/route_bounds.py``): the floor of its hyperparameter step (an Adam step on the
+same hyperparameters after the backward pass of a one-operation graph), the bare step (its evidence in plain torch
+on the same numbers) and the bare build; a row whose target (0.5× laplace-torch) is below its bound cannot meet it.
 
     python benchmarks/evidence_routes.py --data-dir DATA [--steps 5] [--threads 1] [--crossover] [--write-docs]
 
@@ -38,6 +39,8 @@ import ntkgp
 from ntkgp._doctable import command_line, markdown_table, write_block
 from ntkgp.laplace.weight_space import DiagLaplace, KFACLaplace, compute_curvature
 from ntkgp.likelihoods import SoftmaxLikelihood
+from route_bounds import (MIN_SECONDS, bare_full_build, bare_full_step, bare_kfac_build, bare_structured_step,
+                          floor_step, per_step)
 
 TEST_POINTS = 1000
 
@@ -112,21 +115,6 @@ def timed(fn):
     return value, time.process_time() - start
 
 
-def step_floor(steps: int, num_groups: int = 6) -> float:
-    """Seconds of the least hyperparameter step: Adam on ``num_groups`` log δ after one backward pass of
-    ``exp(log δ).sum()`` (the mean of ``steps`` steps after a warm-up step)."""
-    log_delta = torch.zeros(num_groups, dtype=torch.float64, requires_grad=True)
-    opt = torch.optim.Adam([log_delta], lr=0.1)
-
-    def step():
-        opt.zero_grad()
-        log_delta.exp().sum().backward()
-        opt.step()
-
-    step()
-    return timed(lambda: [step() for _ in range(steps)])[1] / steps
-
-
 # ---------------------------------------------------------------------------------------------- ntkgp
 def ntkgp_likelihood(task: str, c: int):
     if task == "regression":
@@ -154,8 +142,7 @@ def ntkgp_full(task, x, y, net, prior_structure, steps, x_test):
         (-mll(model(x), y)).backward()
         opt.step()
 
-    step()  # warm-up
-    t_step = timed(lambda: [step() for _ in range(steps)])[1] / steps
+    t_step = per_step(step, steps)
     model.eval()
 
     def predict():
@@ -166,8 +153,16 @@ def ntkgp_full(task, x, y, net, prior_structure, steps, x_test):
     k = net[-1].out_features if task == "classification" else 1
     from ntkgp.options import choose_space
 
-    space = choose_space("auto", sum(p.numel() for p in net.parameters()), x.shape[0] * k).value
-    return {"build": t_build, "step": t_step, "pred": t_pred, "first": first, "route": f"full GGN, {space} space"}
+    p = sum(q.numel() for q in net.parameters())
+    space = choose_space("auto", p, x.shape[0] * k).value
+    one, weight, regression = prior_structure == "network", space == "weight", task == "regression"
+    groups = model.covar_module.engine.num_groups
+    bounds = {"floor": floor_step(groups, regression, steps),
+              "bare_step": bare_full_step(min(p, x.shape[0] * k) if one else p if weight else x.shape[0] * k,
+                                          groups, one, not weight, regression, steps),
+              "bare_build": bare_full_build(x.shape[0] * k, p, weight, one)}
+    return {"build": t_build, "step": t_step, "pred": t_pred, "first": first, "route": f"full GGN, {space} space",
+            **bounds}
 
 
 def ntkgp_structured(task, x, y, net, structure, prior_structure, steps, x_test):
@@ -186,8 +181,7 @@ def ntkgp_structured(task, x, y, net, structure, prior_structure, steps, x_test)
         (-curvature.log_marginal_likelihood(log_delta.exp(), lik)).backward()
         opt.step()
 
-    step()
-    t_step = timed(lambda: [step() for _ in range(steps)])[1] / steps
+    t_step = per_step(step, steps)
     delta = log_delta.detach().exp()
 
     def predict():
@@ -198,7 +192,11 @@ def ntkgp_structured(task, x, y, net, structure, prior_structure, steps, x_test)
         return posterior.glm_covariance(x_test)
 
     t_pred = timed(predict)[1]
-    return {"build": t_build, "step": t_step, "pred": t_pred, "first": first, "route": structure}
+    regression = task == "regression"
+    bounds = {"floor": floor_step(curvature.groups.num_groups, regression, steps),
+              "bare_step": bare_structured_step(curvature, lik, regression, steps),
+              "bare_build": bare_kfac_build(net, x) if structure == "kfac" and net[-1].out_features == 1 else None}
+    return {"build": t_build, "step": t_step, "pred": t_pred, "first": first, "route": structure, **bounds}
 
 
 # ---------------------------------------------------------------------------------------------- laplace-torch
@@ -232,8 +230,7 @@ def laplace_torch(task, x, y, net, structure, per_tensor, steps, x_test):
         (-value).backward()
         opt.step()
 
-    step()
-    t_step = timed(lambda: [step() for _ in range(steps)])[1] / steps
+    t_step = per_step(step, steps)
     with torch.no_grad():
         la.prior_precision = log_prior.detach().exp()
         if task == "regression":
@@ -290,8 +287,6 @@ def main() -> None:
     torch.set_default_dtype(torch.float64)
     torch.set_num_threads(args.threads)
     other = have_laplace()
-    floor = step_floor(max(args.steps, 100))
-    print(f"floor of a hyperparameter step: {floor * 1e3:.3g} ms")
     points = crossover(args.steps) if args.crossover else None
     rows = []
     order = ["digits", "digits 0-2", "UCI energy"]  # the problems of the issue first; Snelson (P = 5251) last
@@ -316,7 +311,7 @@ def main() -> None:
                 rows.append((label, "per tensor" if per_tensor else "one", ours, theirs))
                 print(format_row(rows[-1]), flush=True)
         if args.write_docs:  # after each problem: a long run leaves what it measured
-            write_docs(rows, points, other, floor, args.threads)
+            write_docs(rows, points, other, args.threads)
 
 
 def ratio(a: float, b: float) -> str:
@@ -326,7 +321,8 @@ def ratio(a: float, b: float) -> str:
 def format_row(row) -> str:
     label, prior, ours, theirs = row
     cells = [label, ours["route"], f"δ: {prior}", f"build {ours['build']:.3g} s", f"step {ours['step'] * 1e3:.3g} ms",
-             f"predict {ours['pred']:.3g} s", f"evidence {ours['first']:.6g}"]
+             f"predict {ours['pred']:.3g} s", f"evidence {ours['first']:.6g}",
+             "floor / bare step ms, bare build s " + " ".join(bounds_cells(ours))]
     if theirs is not None:
         cells += [f"| laplace-torch build {theirs['build']:.3g} s", f"step {theirs['step'] * 1e3:.3g} ms",
                   f"predict {theirs['pred']:.3g} s", f"evidence {theirs['first']:.6g}",
@@ -335,22 +331,36 @@ def format_row(row) -> str:
     return ", ".join(cells)
 
 
-def write_docs(rows, points, other: bool, floor: float, threads: int) -> None:
+def bounds_cells(ours) -> list[str]:
+    build = "—" if ours["bare_build"] is None else f"{ours['bare_build']:.3g}"
+    return [f"{ours['floor'] * 1e3:.3g} / {ours['bare_step'] * 1e3:.3g}", build]
+
+
+def write_docs(rows, points, other: bool, threads: int) -> None:
     header = ["problem", "ntkgp route", "δ", "build s", "step ms", "predictive s (1,000 points)"]
     if other:
-        header += ["laplace-torch build s", "step ms", "predictive s", "ratio build / step / predictive",
-                   "evidence ntkgp / laplace-torch"]
+        header += ["laplace-torch build s", "step ms", "predictive s", "ratio build / step / predictive"]
+    header += ["bound: floor / bare step ms", "bare build s"]
+    if other:
+        header += ["evidence ntkgp / laplace-torch"]
     table = []
     for label, prior, ours, theirs in rows:
         row = [label, ours["route"], prior, f"{ours['build']:.3g}", f"{ours['step'] * 1e3:.3g}", f"{ours['pred']:.3g}"]
         if theirs is not None:
             row += [f"{theirs['build']:.3g}", f"{theirs['step'] * 1e3:.3g}", f"{theirs['pred']:.3g}",
-                    " / ".join(ratio(ours[k], theirs[k]) for k in ("build", "step", "pred")),
-                    f"{ours['first']:.6g} / {theirs['first']:.6g}"]
+                    " / ".join(ratio(ours[k], theirs[k]) for k in ("build", "step", "pred"))]
+        row += bounds_cells(ours)
+        if theirs is not None:
+            row += [f"{ours['first']:.6g} / {theirs['first']:.6g}"]
         table.append(row)
     text = markdown_table(header, table)
-    text += (f"\n\nCPU time of the process, {threads} thread(s). The floor of any hyperparameter step (an Adam step "
-             f"on log δ after the backward pass of a one-operation graph): {floor * 1e3:.3g} ms.")
+    text += (f"\n\nCPU time of the process, {threads} thread(s); a step is the mean over at least --steps steps and "
+             f"{MIN_SECONDS} s. Bounds (benchmarks/route_bounds.py): the floor, an Adam step on the row's "
+             "hyperparameters after the backward pass of a one-operation graph; the bare step, the row's evidence "
+             "step in plain torch on the same numbers (KFAC, diagonal, one δ: its formula with autograd; several δ: "
+             "one Cholesky factorization and one triangular inverse of the row's matrix, plus the floor); the bare "
+             "build, the Gram that forms the curvature and its first factorization or eigenvalues (full GGN), or one "
+             "forward and one backward pass, the Kronecker factors and their eigenvalues (KFAC, one output).")
     if points:
         text += "\n\nOne exact evidence step (value and gradient) in each space, softmax with 3 classes, P = 1179:\n\n"
         text += markdown_table(["N·C / P", "function space ms", "weight space ms"],

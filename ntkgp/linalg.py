@@ -25,7 +25,8 @@ from linear_operator.utils.errors import NotPSDError
 from linear_operator.utils.warnings import NumericalWarning
 
 __all__ = [
-    "JitterWarning", "NotPSDError", "NumericalWarning", "cholesky", "gram", "relative_jitter", "triangular_inverse",
+    "JitterWarning", "NotPSDError", "NumericalWarning", "add_lower_gram_", "cholesky", "gram", "mirror_lower",
+    "relative_jitter", "triangular_inverse",
 ]
 
 #: Deprecated name: ntkgp warns with GPyTorch's :class:`~linear_operator.utils.warnings.NumericalWarning`
@@ -102,42 +103,50 @@ def gram(a: torch.Tensor) -> torch.Tensor:
     """
     p = a.shape[-1]
     if p <= 2 * GRAM_BLOCK:
-        out = a.mT @ a
-    else:
-        out = a.new_empty(*a.shape[:-2], p, p)
-        for start in range(0, p, GRAM_BLOCK):
-            stop = min(start + GRAM_BLOCK, p)
-            out[..., start:stop, :stop] = a[..., start:stop].mT @ a[..., :stop]
+        return a.mT @ a
+    out = a.new_zeros(*a.shape[:-2], p, p)
+    add_lower_gram_(out, a)
+    return mirror_lower(out)
+
+
+def add_lower_gram_(out: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    r"""Add the lower triangle of :math:`A^\top A` (``a`` ``(..., n, p)``) to ``out`` ``(..., p, p)`` in place,
+    by the row panels of :func:`gram` (entries above the diagonal are left in an unspecified state): sums over
+    chunks of rows with one :func:`mirror_lower` at the end, and no ``(p, p)`` temporary per chunk."""
+    p = a.shape[-1]
+    flat_out, flat_a = out.view(-1, p, p), a.reshape(-1, *a.shape[-2:])  # out: contiguous, written through
+    for start in range(0, p, GRAM_BLOCK):
+        stop = min(start + GRAM_BLOCK, p)
+        panel = flat_out[:, start:stop, :stop]
+        panel.baddbmm_(flat_a[:, :, start:stop].mT, flat_a[:, :, :stop])
+    return out
+
+
+def mirror_lower(out: torch.Tensor) -> torch.Tensor:
+    """The symmetric matrix whose lower triangle is that of ``out`` ``(..., p, p)``."""
     lower = out.tril()
     return lower + lower.tril(-1).mT
 
 
-TRIANGULAR_BLOCK = 128
+TRIANGULAR_BLOCK = 64
 
 
 def triangular_inverse(factor: torch.Tensor) -> torch.Tensor:
     r""":math:`L^{-1}` of a lower-triangular ``factor`` ``(..., n, n)`` (its upper triangle is not read),
-    lower triangular, in :math:`n^3/6` multiply-adds: the triangular inverse of LAPACK's ``trtri``, which
-    PyTorch does not expose (a triangular solve against :math:`I` does three times the arithmetic).
+    lower triangular, in about :math:`n^3/6` multiply-adds: the triangular inverse of LAPACK's ``trtri``, which
+    PyTorch does not expose (a triangular solve against the whole of :math:`I` does three times the arithmetic).
 
-    By halves: :math:`\begin{pmatrix} A & 0 \\ C & D \end{pmatrix}^{-1} = \begin{pmatrix} A^{-1} & 0 \\
-    -D^{-1} C A^{-1} & D^{-1} \end{pmatrix}`, the lower-left block by one product and one triangular solve
-    (each :math:`n^3/16`), recursively down to blocks of :data:`TRIANGULAR_BLOCK` (solved against
-    :math:`I`). Extra memory: the result and one lower-left block.
+    By column panels of width :math:`b` (``n // 8``, at least :data:`TRIANGULAR_BLOCK`): the columns
+    :math:`j \dots j + b` of :math:`L^{-1}` are zero above row :math:`j`, and below it they solve
+    :math:`L_{j:, j:} X = [I_b; 0]`, one triangular solve of :math:`(n - j)^2 b / 2` multiply-adds. Extra memory:
+    the result and one panel.
     """
-    out = torch.zeros_like(factor)
-    _fill_triangular_inverse(factor, out)
-    return out
-
-
-def _fill_triangular_inverse(factor: torch.Tensor, out: torch.Tensor) -> None:
     n = factor.shape[-1]
-    if n <= TRIANGULAR_BLOCK:
-        eye = torch.eye(n, dtype=factor.dtype, device=factor.device)
-        out.copy_(torch.linalg.solve_triangular(factor, eye, upper=False))
-        return
-    k = n // 2
-    _fill_triangular_inverse(factor[..., :k, :k], out[..., :k, :k])
-    lower = torch.linalg.solve_triangular(factor[..., k:, k:], factor[..., k:, :k] @ out[..., :k, :k], upper=False)
-    out[..., k:, :k] = lower.neg_()
-    _fill_triangular_inverse(factor[..., k:, k:], out[..., k:, k:])
+    width = max(TRIANGULAR_BLOCK, n // 8)
+    out = torch.zeros_like(factor)
+    for start in range(0, n, width):
+        stop = min(start + width, n)
+        panel = factor.new_zeros(*factor.shape[:-2], n - start, stop - start)
+        panel.diagonal(dim1=-2, dim2=-1).fill_(1)
+        out[..., start:, start:stop] = torch.linalg.solve_triangular(factor[..., start:, start:], panel, upper=False)
+    return out

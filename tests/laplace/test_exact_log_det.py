@@ -104,3 +104,47 @@ def test_weight_space_evidence_with_one_delta_per_tensor_past_the_blocks_equals_
     assert rel_err(value.detach(), reference.detach()) < 1e-10
     for g, e in zip(torch.autograd.grad(value, raw), torch.autograd.grad(reference, raw)):
         assert rel_err(g, e) < 1e-9
+
+
+@pytest.mark.parametrize("kind", ["gaussian2", "logistic"])
+@pytest.mark.parametrize("fisher", [False, True])
+def test_components_summed_over_many_chunks_equal_the_dense_sum(monkeypatch, kind, fisher):
+    """FullCurvature.from_jacobian in chunks of 5 examples, with Gram blocks of 4 columns (several panels, a
+    ragged last one): the components against the per-example sum of outer products written here."""
+    import ntkgp.linalg as linalg
+    from ntkgp.laplace.weight_space import FullCurvature
+    from ntkgp.laplace.weight_space.scaling import output_scale, unit_gradient, unit_hessian_sqrt
+    from ntkgp.ntk import resolve_groups
+
+    from .test_evidence_curvature import problem
+
+    monkeypatch.setattr(linalg, "GRAM_BLOCK", 4)
+    net, x, y, lik = problem(kind)
+    from tests.helpers import brute_jacobian
+
+    j, _ = brute_jacobian(net, x)
+    with torch.no_grad():
+        f = net(x)
+    n, c = f.shape
+    yy = y.reshape(n, -1) if kind != "logistic" else y
+    s0 = output_scale(lik).detach()
+    groups = resolve_groups(net)
+    got = FullCurvature.from_jacobian(groups, torch.ones(groups.num_groups, dtype=torch.float64), j, lik, f, yy,
+                                      s0, fisher, chunk_size=5).components
+    jn = j.reshape(n, c, -1)
+    if fisher:
+        g = unit_gradient(lik, f, yy, s0)
+        if c > 1:
+            expected = torch.einsum("na,nap,nb,nbq->abpq", g, jn, g, jn).flatten(0, 1)
+        else:
+            rows = torch.einsum("nc,ncp->np", g, jn)
+            expected = (rows.T @ rows)[None]
+    elif c > 1:
+        expected = torch.einsum("ncp,ncq->cpq", jn, jn)
+    else:
+        root = unit_hessian_sqrt(lik, f, yy, s0)
+        rows = torch.einsum("ncp,ncm->nmp", jn, root).reshape(-1, jn.shape[-1])
+        expected = (rows.T @ rows)[None]
+    if not (fisher and c > 1):  # the per-output EF's components D_ab are transposes of D_ba
+        assert torch.equal(got, got.mT)
+    assert rel_err(got, expected) < 1e-13

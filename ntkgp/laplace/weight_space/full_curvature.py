@@ -35,7 +35,7 @@ from gpytorch.likelihoods import Likelihood
 from torch import Tensor, nn
 
 from ...likelihoods import is_gaussian, num_outputs
-from ...linalg import gram
+from ...linalg import add_lower_gram_, gram, mirror_lower
 from ...ntk import ParameterGroups
 from ...ntk.groups import GroupSpec
 from ...options import Curvature as CurvatureKind
@@ -74,6 +74,33 @@ def curvature_components(rows: Tensor, fisher: bool, per_output: bool) -> Tensor
     if per_output:
         return gram(rows.transpose(0, 1))
     return gram(rows.reshape(-1, rows.shape[-1]))[None]
+
+
+class ComponentSum:
+    r"""The sum of :func:`curvature_components` over chunks of rows, without a ``(K, P, P)`` temporary per chunk:
+    the lower triangles of the Grams accumulate in place (:func:`~ntkgp.linalg.add_lower_gram_`) and are mirrored
+    once by :meth:`total` (the per-output EF, an ``einsum``, is added as a whole)."""
+
+    def __init__(self, fisher: bool, per_output: bool) -> None:
+        self.fisher, self.per_output = bool(fisher), bool(per_output)
+        self._sum: Tensor | None = None
+
+    def add(self, rows: Tensor) -> None:
+        """Add the components of the rows ``(n, M, P)`` (as :func:`curvature_components`)."""
+        if self.fisher and self.per_output:
+            part = curvature_components(rows, True, True)
+            self._sum = part if self._sum is None else self._sum.add_(part)
+            return
+        a = rows.transpose(0, 1) if self.per_output else rows.reshape(1, -1, rows.shape[-1])
+        if self._sum is None:
+            self._sum = a.new_zeros(a.shape[0], a.shape[-1], a.shape[-1])
+        add_lower_gram_(self._sum, a)
+
+    def total(self) -> Tensor:
+        """The components ``(K, P, P)``, exactly symmetric."""
+        if self._sum is None:
+            raise ValueError("no rows were added (empty data)")
+        return self._sum if self.fisher and self.per_output else mirror_lower(self._sum)
 
 
 def jacobian_rows(
@@ -154,12 +181,11 @@ class FullCurvature(Curvature):
         """
         n, c = f.shape
         jac = jacobian.reshape(n, c, -1)
-        total = 0
+        total = ComponentSum(fisher, scale0.shape[0] > 1)
         for start in range(0, n, chunk_size):
             part = slice(start, start + chunk_size)
-            rows = jacobian_rows(jac[part], likelihood, f[part], y[part], scale0, fisher)
-            total = total + curvature_components(rows, fisher, scale0.shape[0] > 1)
-        return cls(groups, theta_sq_norms, f, y, scale0.shape[0], total, fisher)
+            total.add(jacobian_rows(jac[part], likelihood, f[part], y[part], scale0, fisher))
+        return cls(groups, theta_sq_norms, f, y, scale0.shape[0], total.total(), fisher)
 
     def dense(self, likelihood: Likelihood) -> Tensor:
         weights = component_weights(self.scale(likelihood), self.fisher)
@@ -217,15 +243,15 @@ def full_curvature(
     data = DataPass.start(net, likelihood, prior_structure, input_shape, distributed)
     names = list(data.core.groups.names)
     per_output = data.scale0.shape[0] > 1
-    total = 0
+    components = ComponentSum(fisher, per_output)
     for xb, fb, yb in data.batches(x, y, batch_size, progress, "full " + ("EF" if fisher else "GGN")):
         if fisher:
             g = data.unit_gradient(fb, yb)
             cot = torch.diag_embed(g) if per_output else g.unsqueeze(-1)
         else:
             cot = data.unit_hessian_sqrt(fb, yb)
-        rows = data.per_example_vjps(xb, cot, names)  # (n, M, P)
-        total = total + curvature_components(rows, fisher, per_output)
+        components.add(data.per_example_vjps(xb, cot, names))  # rows (n, M, P)
+    total = components.total()
     data.reduce([total])
     f_all, y_all = data.collected()
     return FullCurvature(data.core.groups, data.theta_sq_norms(), f_all, y_all, data.scale0.shape[0], total,

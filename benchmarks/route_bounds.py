@@ -1,0 +1,158 @@
+"""Measured lower bounds beside the rows of ``benchmarks/evidence_routes.py``: what a step or a build cannot go below.
+
+- :func:`per_step`: the CPU time of one step, the mean over at least ``steps`` steps and at least
+  ``MIN_SECONDS`` of CPU time after one warm-up step (a step of half a millisecond timed three times is noise).
+- :func:`floor_step`: an Adam step on the row's hyperparameters (``G`` log δ and, for regression, a log noise)
+  after the backward pass of a one-operation graph: what no hyperparameter step can avoid.
+- :func:`bare_structured_step`: the KFAC / diagonal evidence written as plain torch operations with autograd
+  on the curvature's own stored numbers (eigenvalues ``u``, groups, ``‖θ_g‖²``, the data statistics), plus the
+  same Adam step: ``α + β log s + γ s − ½ δ·‖θ‖² + ½ Σ P_g log δ_g − ½ Σ log(s u_p + δ_g(p))``.
+- :func:`bare_full_step`: the dense kernels of an exact step on a matrix of the row's side ``R``: one Cholesky
+  factorization and one triangular inverse (the diagonal of the inverse, ``R³/3`` multiply-adds in all; with
+  several Grams also ``L⁻ᵀ L⁻¹`` and their inner products), plus the floor; with one δ the spectral form
+  ``Σ log1p(ρ λ_i)`` with autograd plus the Adam step.
+- :func:`bare_full_build`: the Gram of an ``(N·C) × P`` matrix (the least arithmetic that forms the GGN or the
+  NTK Gram) and, in weight space, the eigenvalues (one δ) or one Cholesky factorization (the first evidence).
+- :func:`bare_kfac_build` (one output, MLPs of ``Linear`` and ``Tanh``): one forward pass, one backward pass, the
+  Kronecker factors ``[a, 1]ᵀ[a, 1]`` and ``gᵀg`` of every layer, their eigenvalues and the first evidence.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ntkgp.linalg import gram, triangular_inverse
+
+MIN_SECONDS = 0.3
+MAX_STEPS = 5000
+
+
+def per_step(step, steps: int) -> float:
+    """Mean CPU seconds of ``step()`` over at least ``steps`` calls and ``MIN_SECONDS`` (one warm-up call first)."""
+    step()
+    count, total = 0, 0.0
+    while (count < steps or total < MIN_SECONDS) and count < MAX_STEPS:
+        start = time.process_time()
+        step()
+        total += time.process_time() - start
+        count += 1
+    return total / count
+
+
+def _adam(num_groups: int, regression: bool):
+    log_delta = torch.zeros(num_groups, dtype=torch.float64, requires_grad=True)
+    log_s = torch.zeros(1, dtype=torch.float64, requires_grad=True)
+    params = [log_delta, log_s] if regression else [log_delta]
+    return log_delta, log_s, torch.optim.Adam(params, lr=1e-3)
+
+
+def floor_step(num_groups: int, regression: bool, steps: int) -> float:
+    log_delta, log_s, opt = _adam(num_groups, regression)
+
+    def step():
+        opt.zero_grad()
+        (log_delta.exp().sum() + log_s.sum() if regression else log_delta.exp().sum()).backward()
+        opt.step()
+
+    return per_step(step, steps)
+
+
+def bare_structured_step(curvature, likelihood, regression: bool, steps: int) -> float:
+    u, groups, _ = curvature.diagonal_spectrum()
+    stats = curvature.fit_statistics(likelihood)
+    alpha, beta, gamma = (float(v) for v in stats[:, 0])
+    norms, sizes = curvature.theta_sq_norms, curvature.group_sizes
+    log_delta, log_s, opt = _adam(norms.shape[0], regression)
+
+    def step():
+        opt.zero_grad()
+        delta = log_delta.exp()
+        prior = 0.5 * ((sizes * log_delta).sum() - delta @ norms)
+        if regression:
+            s = log_s.exp()
+            value = alpha + beta * log_s + gamma * s + prior - 0.5 * (s * u + delta[groups]).log().sum()
+        else:
+            value = gamma + prior - 0.5 * (u + delta[groups]).log().sum()
+        (-value.sum()).backward()
+        opt.step()
+
+    return per_step(step, steps)
+
+
+def _spd(size: int, seed: int = 0) -> torch.Tensor:
+    a = torch.randn(size, size // 2 + 1, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+    return a @ a.T / size
+
+
+def bare_full_step(size: int, num_groups: int, one_delta: bool, function_space: bool, regression: bool,
+                   steps: int) -> float:
+    if one_delta:
+        lam = _spd(size).diagonal().clone()
+        log_delta, log_s, opt = _adam(1, regression)
+
+        def step():
+            opt.zero_grad()
+            rho = (log_s.exp() if regression else 1.0) / log_delta.exp()
+            (-(torch.log1p(lam * rho).sum() + log_delta.sum() + log_s.sum())).backward()
+            opt.step()
+
+        return per_step(step, steps)
+    grams = torch.stack([_spd(size, g) for g in range(num_groups if function_space else 1)])
+    root = torch.rand(size, dtype=torch.float64) + 0.5
+
+    def kernels():
+        matrix = torch.tensordot(torch.ones(grams.shape[0], dtype=grams.dtype), grams, dims=1)
+        matrix.mul_(root[:, None]).mul_(root).diagonal().add_(1)
+        factor = torch.linalg.cholesky_ex(matrix)[0]
+        inverse = triangular_inverse(factor)
+        diagonal = torch.linalg.vector_norm(inverse, dim=0).square()
+        if grams.shape[0] > 1:
+            torch.tensordot(grams, inverse.mT @ inverse, dims=([1, 2], [0, 1]))
+        return diagonal
+
+    return per_step(kernels, max(1, steps)) + floor_step(num_groups, regression, steps)
+
+
+def bare_full_build(rows: int, num_params: int, weight_space: bool, one_delta: bool) -> float:
+    jac = torch.randn(rows, num_params, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    start = time.process_time()
+    if weight_space:
+        h = gram(jac)
+        h.diagonal().add_(1.0)
+        torch.linalg.eigvalsh(h) if one_delta else torch.linalg.cholesky_ex(h)
+    else:
+        k = gram(jac.T)
+        k.diagonal().add_(1.0)
+        torch.linalg.cholesky_ex(k)
+    return time.process_time() - start
+
+
+def bare_kfac_build(net: torch.nn.Module, x: torch.Tensor) -> float:
+    """One output: the Kronecker factors of every ``Linear`` layer from one forward and one backward pass."""
+    def build():
+        inputs, pre = [], []
+        h = x
+        for module in net:
+            if isinstance(module, torch.nn.Linear):
+                inputs.append(h)
+                h = torch.nn.functional.linear(h, module.weight.detach(), module.bias.detach())
+                if not pre:
+                    h.requires_grad_()
+                pre.append(h)
+            else:
+                h = module(h)
+        grads = torch.autograd.grad(h.sum(), pre)
+        value = 0.0
+        for a, g in zip(inputs, grads):
+            a1 = torch.cat([a.detach(), a.new_ones(a.shape[0], 1)], 1)
+            ea = torch.linalg.eigvalsh(a1.T @ a1).clamp_min(0)
+            eg = torch.linalg.eigvalsh(g.T @ g).clamp_min(0)
+            value = value + torch.log(torch.outer(eg, ea) + 1.0).sum()
+        return value
+
+    build()
+    start = time.process_time()
+    build()
+    return time.process_time() - start
