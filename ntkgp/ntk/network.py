@@ -126,8 +126,9 @@ class NetworkCore:
 
     def group_sq_norms(self) -> Tensor:
         """``‖θ*_g‖²`` per prior group, shape ``(G,)``."""
-        norms = torch.zeros(self.groups.num_groups, dtype=self.dtype, device=self.device)
-        for p, g in zip(self.parameters(), self.groups.group_of):
+        params = self.parameters()  # one walk over the modules
+        norms = torch.zeros(self.groups.num_groups, dtype=params[0].dtype, device=params[0].device)
+        for p, g in zip(params, self.groups.group_of):
             norms[g] += p.detach().square().sum()
         return norms
 
