@@ -160,11 +160,12 @@ def choose(enum: type[E], value: object, argument: str) -> E:
 
 #: ``"auto"`` takes weight space once ``N·C`` exceeds this fraction of ``P``. Measured by
 #: ``benchmarks/evidence_routes.py --crossover`` (docs/ntkgp.md): an exact evidence step (per-tensor δ, the
-#: curvature built once) costs the same in both spaces at ``N·C ≈ 0.7 P`` with one thread (the function-space step
-#: grows as ``(N·C)³``, about 0.3 s at ``N·C = P = 1179``; the weight-space one stays near 0.1 s) and at ``≈ 0.56 P``
-#: with two, and is about 3× cheaper in weight space at ``N·C = P`` (the ``P × P`` backward needs only the diagonal
-#: of the inverse, the function-space one all of it). Between the two crossovers either space costs at most 1.5×
-#: the other. The rule counts steps with the curvature built once: where it is rebuilt for every step
+#: curvature built once) costs the same in both spaces at ``N·C ≈ 0.6 P`` with one thread (geometric interpolation
+#: between 0.5 and 0.75; the function-space step grows as ``(N·C)³``, about 0.26 s at ``N·C = P = 1179``; the
+#: weight-space one, a Cholesky factorization and a triangular inverse, stays near 0.075 s), and is about 3.5×
+#: cheaper in weight space at ``N·C = P`` (the ``P × P`` backward needs only the diagonal of the inverse, the
+#: function-space one all of it). Before the triangular inverse the one-thread crossover was ``≈ 0.7 P`` and the
+#: two-thread one ``≈ 0.56 P``. The rule counts steps with the curvature built once: where it is rebuilt for every step
 #: (``train_marglik`` with ``hyper_steps=1``) the builds dominate, ``(N C)² P`` against ``N C P²`` operations, and
 #: by these counts function space is the cheaper one up to ``N·C ≈ P``.
 WEIGHT_SPACE_FROM = 0.6
