@@ -30,6 +30,9 @@ from torch import Tensor
 
 from ...ntk.features import Layer
 
+#: Examples of a single-location layer's inputs gathered before one product :math:`X^\top X`.
+ROWS = 1024
+
 
 def symmetric_gram(x: Tensor) -> Tensor:
     r""":math:`X^\top X` of ``x`` ``(K, d)``: the blocks on and above the diagonal by matrix products (up to 4
@@ -68,13 +71,13 @@ class FactorSums:
         layers: the structured layers (each with a weight).
         num_components: ``K``, the likelihood's number of output-scale components: 1 (one sum over the columns)
             or the number of cotangent columns (one sum per column).
-        rows: examples gathered before the product of a single-location layer's inputs.
+        rows: examples gathered before the product of a single-location layer's inputs (:data:`ROWS`).
     """
 
-    def __init__(self, layers: list[Layer], num_components: int, rows: int = 1024) -> None:
+    def __init__(self, layers: list[Layer], num_components: int, rows: int | None = None) -> None:
         self.layers = layers
         self.num_components = num_components
-        self.rows = rows
+        self.rows = ROWS if rows is None else rows
         self.inputs: dict[str, Tensor] = {}  # Σ a aᵀ
         self.input_sums: dict[str, Tensor] = {}  # Σ a
         self.outputs: dict[str, Tensor] = {}  # (K, d_out, d_out)
