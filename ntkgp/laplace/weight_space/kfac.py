@@ -246,7 +246,10 @@ def kfac_ggn(
     diagonal GGN of the other parameters, batch by batch.
 
     Cost: one forward and :math:`C` backward passes per batch (plus per-example passes for parameters
-    outside the layers); memory :math:`O(\text{batch} \cdot C \cdot \text{activations} + \sum_l d_a^2 + K d_{out}^2)`.
+    outside the layers) and the factors' products, :math:`T_l d_{in}^2 + C T_l d_{out}^2` per example and layer
+    (:mod:`~ntkgp.laplace.weight_space.kfac_factors`); memory
+    :math:`O(\text{batch} \cdot \text{activations} + \sum_l d_a^2 + K d_{out}^2)`: one output's gradients at a time,
+    the factors' float64 sums.
     Arguments as :func:`~ntkgp.laplace.compute_curvature`.
     """
     data = DataPass.start(net, likelihood, prior_structure, input_shape, distributed)
