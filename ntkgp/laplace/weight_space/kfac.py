@@ -50,7 +50,8 @@ from .curvature import Curvature
 from .data_pass import Data, DataPass
 from .diagonal import diagonal_ggn_components
 from .exact_log_det import diagonal_log_det
-from .layers import layer_features, structured_layers, usable_layers
+from .kfac_factors import FactorSums
+from .layers import structured_layers, usable_layers
 
 
 class KroneckerFactor(DenseLinearOperator):
@@ -245,7 +246,10 @@ def kfac_ggn(
     diagonal GGN of the other parameters, batch by batch.
 
     Cost: one forward and :math:`C` backward passes per batch (plus per-example passes for parameters
-    outside the layers); memory :math:`O(\text{batch} \cdot C \cdot \text{activations} + \sum_l d_a^2 + K d_{out}^2)`.
+    outside the layers) and the factors' products, :math:`T_l d_{in}^2 + C T_l d_{out}^2` per example and layer
+    (:mod:`~ntkgp.laplace.weight_space.kfac_factors`); memory
+    :math:`O(\text{batch} \cdot \text{activations} + \sum_l d_a^2 + K d_{out}^2)`: one output's gradients at a time,
+    the factors' float64 sums.
     Arguments as :func:`~ntkgp.laplace.compute_curvature`.
     """
     data = DataPass.start(net, likelihood, prior_structure, input_shape, distributed)
@@ -254,9 +258,7 @@ def kfac_ggn(
     in_blocks = {n for layer in layers for n in (layer.weight, layer.bias) if n is not None}
     diagonal_names = [n for n in pg.names if n not in in_blocks]
     num_components = data.scale0.shape[0]
-    a_sum: dict[str, Tensor] = {}
-    g_sum: dict[str, Tensor] = {}
-    locations: dict[str, int] = {}
+    sums = FactorSums(layers, num_components)
     diag_total = torch.zeros(num_components, 0, dtype=data.core.dtype, device=data.core.device)
     if diagonal_names:
         diag_total = 0
@@ -264,26 +266,20 @@ def kfac_ggn(
         if step == 0:
             usable_layers(data, layers, xb[:1], strict=True)
         cot = data.unit_hessian_sqrt(fb, yb)
-        inputs, grads = layer_features(data, layers, xb, cot)
-        for layer in layers:
-            a, g = inputs[layer.name], grads[layer.name]  # (n, d_a, T), (n, C, d_out, T)
-            a_sum[layer.name] = a_sum.get(layer.name, 0) + torch.einsum("nit,njt->ij", a, a)
-            locations[layer.name] = locations.get(layer.name, 0) + a.shape[0] * a.shape[2]
-            gg = torch.einsum("nmit,nmjt->mij", g, g)
-            gg = gg if num_components == gg.shape[0] else gg.sum(dim=0, keepdim=True)
-            g_sum[layer.name] = g_sum.get(layer.name, 0) + gg
+        sums.add_inputs(data.core.features(xb, layers, cot, reduce=sums.reduce).inputs)  # G: in sums.reduce
         if diagonal_names:
             diag_total = diag_total + diagonal_ggn_components(data, xb, fb, yb, diagonal_names, [])
+    a_sum, g_sum, locations = sums.factors()
     counts = torch.tensor([locations[layer.name] for layer in layers], device=data.core.device)
     data.reduce([a_sum[layer.name] for layer in layers] + [g_sum[layer.name] for layer in layers] + [counts]
-                + ([diag_total] if diagonal_names else []))  # sums over every rank's shard
+                + ([diag_total] if diagonal_names else []))  # sums over every rank's shard (float64)
     locations = dict(zip([layer.name for layer in layers], counts.tolist()))
     f_all, y_all = data.collected()
     index = dict(zip(pg.names, pg.group_of))
     blocks = [
         KroneckerFactors(
-            layer.name, layer.weight, layer.bias, index[layer.weight], a_sum[layer.name],
-            g_sum[layer.name] / locations[layer.name],
+            layer.name, layer.weight, layer.bias, index[layer.weight], a_sum[layer.name].to(data.core.dtype),
+            (g_sum[layer.name] / locations[layer.name]).to(data.core.dtype),
         )
         for layer in layers
     ]

@@ -19,7 +19,9 @@ so that, for :math:`\Theta = [W \mid b]` as a ``(d_out, d_a)`` matrix (row-major
   no longer separate, hence the eigenbases.)
 - :math:`\log|\Sigma_l^{-1}| = \sum_{oi} \log(w_o q_i + \delta_l)`;
 - the GLM closed form (the review's eq. 16) from the layer inputs and output gradients at the test points,
-  :func:`~ntkgp.laplace.weight_space.kronecker_form.kronecker_sandwich`.
+  :func:`~ntkgp.laplace.weight_space.kronecker_form.kronecker_sandwich`, computed by
+  :func:`~ntkgp.laplace.weight_space.kronecker_form.kronecker_covariances` (one pass, each column's gradients
+  reduced as they come).
 
 Nothing of size :math:`P \times P` (nor a layer's :math:`d_{out} d_a \times d_{out} d_a` block) is formed:
 memory :math:`O(\sum_l d_a^2 + d_{out}^2)`. Parameters outside ``Linear``/``Conv2d`` layers (normalization
@@ -44,9 +46,9 @@ from .data_pass import Data
 from .kfac import KroneckerFactors, KroneckerGGN, kfac_ggn
 from .posterior import WeightPosterior, check_before_pass, check_likelihood, group_spec
 from .kronecker_form import (
+    kronecker_covariances,
     kronecker_features,
     kronecker_root,
-    kronecker_sandwich,
     layer_index,
     structured_layers,
 )
@@ -314,11 +316,12 @@ class KFACLaplace(WeightPosterior):
         return kronecker_features(self.function, x, layers)
 
     def _glm_covariance(self, x: Tensor) -> Tensor:
-        features = self._features(x)
-        out = 0
-        for block, (u_g, u_a, weights) in zip(self.blocks, self._block_weights()):
-            a, gamma = features[block.layer.name]
-            out = out + kronecker_sandwich(a, gamma, weights, u_g, u_a)
+        layers = [block.layer for block in self.blocks]
+        if not self._verified:
+            structured_layers(self.function, x, strict=True, modules=[layer.name for layer in layers])
+            self._verified = True
+        covariances = [(weights, u_g, u_a) for u_g, u_a, weights in self._block_weights()]
+        out = kronecker_covariances(self.function, x, layers, covariances) if layers else 0
         if self.diagonal_names:
             jac = self.function.jacobian(x, self.diagonal_names)
             out = out + (jac / self.diagonal_precision()) @ jac.mT

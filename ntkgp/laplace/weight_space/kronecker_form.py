@@ -118,3 +118,56 @@ def kronecker_root(
     (arguments as :func:`kronecker_sandwich`)."""
     a, gamma = project(a, gamma, out_basis, in_basis)
     return (layer_jacobian(a, gamma) * weights.sqrt()).flatten(-2)
+
+
+class _SandwichRoots:
+    r"""The ``reduce`` hook of one feature pass (:func:`ntkgp.ntk.features.layer_features`) that turns each
+    cotangent column's output gradients into the rows of a root of :func:`kronecker_sandwich` right away: a
+    layer's projected inputs are formed once (at the first column), and no column's gradients are kept."""
+
+    def __init__(self, covariances: dict[str, tuple[Tensor, Tensor | None, Tensor | None]]) -> None:
+        self.covariances = covariances
+        self.inputs: dict[str, Tensor] = {}
+        self.roots: dict[str, list[Tensor]] = {name: [] for name in covariances}
+
+    def __call__(self, layer: Layer, a: Tensor, g: Tensor, m: int, count: int) -> None:
+        weights, out_basis, in_basis = self.covariances[layer.name]
+        if m == 0:  # U_Aᵀ ā, once per chunk; one location: the per-output variances s_o = Σ_i ã_i² W_oi
+            a_bar = layer.fold(a)
+            if a_bar.shape[-1] == 1:
+                a_t = a_bar[..., 0] if in_basis is None else a_bar[..., 0] @ in_basis
+                self.inputs[layer.name] = (a_t.square() @ weights.T).sqrt()
+            else:
+                self.inputs[layer.name] = a_bar if in_basis is None else in_basis.T @ a_bar
+        projected = self.inputs[layer.name]
+        if g.shape[-1] == 1:  # (n, d_out): γ̃ ⊙ √s
+            g_t = g[..., 0] if out_basis is None else g[..., 0] @ out_basis
+            self.roots[layer.name].append(g_t * projected)
+            return None
+        if out_basis is not None and g.shape[-1] <= projected.shape[1]:  # U_Gᵀ on the cheaper side
+            block = torch.bmm(out_basis.T @ g, projected.mT)
+        else:
+            block = torch.bmm(g, projected.mT)
+            block = block if out_basis is None else out_basis.T @ block
+        self.roots[layer.name].append((block * weights.sqrt()).flatten(1))  # (U_Gᵀ J_m U_A) ⊙ W^{1/2}
+        return None
+
+
+def kronecker_covariances(
+    fn: NetworkCore, x: Tensor, layers: Sequence[Layer],
+    covariances: Sequence[tuple[Tensor, Tensor | None, Tensor | None]],
+) -> Tensor:
+    r""":math:`\sum_l J_l \Sigma_l J_l^\top` per point of a prepared chunk ``x``, ``(n, C, C)``, for layer covariances
+    given as ``(W, U_G, U_A)`` (:func:`kronecker_sandwich`): one forward and :math:`C` backward passes, each
+    column's gradients reduced as they come to the rows of a root (one location:
+    :math:`\tilde\gamma_c \odot \sqrt{s}`, :math:`s_o = \sum_i \tilde a_i^2 W_{oi}`; several: the projected layer
+    Jacobian :math:`(U_G^\top \Gamma_c)(U_A^\top \bar a)^\top \odot W^{1/2}`, one batched product), then one batched
+    product of the roots. Memory: the roots, :math:`n C \sum_l d_{out} d_a` for the layers with several locations
+    (:math:`n C d_{out}` for the others), and one column's gradients."""
+    hook = _SandwichRoots({layer.name: cov for layer, cov in zip(layers, covariances)})
+    fn.features(x, list(layers), reduce=hook)
+    out = 0
+    for layer in layers:
+        root = torch.stack(hook.roots[layer.name], dim=1)  # (n, C, R_l)
+        out = out + root @ root.mT
+    return out
