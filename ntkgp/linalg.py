@@ -16,6 +16,7 @@ approximation lives in :mod:`ntkgp.laplace.function_space.algebra`.
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import torch
@@ -25,9 +26,19 @@ from linear_operator.utils.errors import NotPSDError
 from linear_operator.utils.warnings import NumericalWarning
 
 __all__ = [
-    "JitterWarning", "NotPSDError", "NumericalWarning", "add_lower_gram_", "cholesky", "gram", "mirror_lower",
-    "relative_jitter", "triangular_inverse",
+    "JitterWarning", "NotPSDError", "NumericalWarning", "add_lower_gram_", "all_finite", "cholesky", "gram",
+    "mirror_lower", "relative_jitter", "triangular_inverse",
 ]
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether every entry of ``t`` is finite. A sum with a NaN or infinite term is NaN or infinite whatever the
+    order of the additions, so a finite sum proves every entry finite (one reduction, no boolean temporary);
+    only a sum that overflows or holds a non-finite entry is followed by the entry-wise check."""
+    if t.is_floating_point() and t.numel() > 0 and math.isfinite(t.sum().item()):
+        return True
+    return bool(torch.isfinite(t).all())
+
 
 #: Deprecated name: ntkgp warns with GPyTorch's :class:`~linear_operator.utils.warnings.NumericalWarning`
 #: (this is the same class, so ``warnings.simplefilter("error", JitterWarning)`` keeps working).

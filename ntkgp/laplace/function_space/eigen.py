@@ -43,7 +43,7 @@ from ...linalg import gram
 from ...options import Curvature, Space, choose, choose_space
 from .algebra import block_apply, block_sandwich
 
-__all__ = ["eigen_problem", "site_scale", "spectral_log_det", "spectrum"]
+__all__ = ["checked_spectral_log_det", "eigen_problem", "site_scale", "spectral_log_det", "spectrum"]
 
 _SPECTRA: weakref.WeakKeyDictionary[NTKKernel, ValueCache] = weakref.WeakKeyDictionary()
 
@@ -159,6 +159,20 @@ def spectral_log_det(
     problem = eigen_problem(kernel, likelihood, x, curvature)
     if problem is not None:
         raise ValueError(f"method='eigen' does not apply: {problem}")
+    return checked_spectral_log_det(kernel, likelihood, x, f, y, curvature, space)
+
+
+def checked_spectral_log_det(
+    kernel: NTKKernel,
+    likelihood: Likelihood,
+    x: torch.Tensor,
+    f: torch.Tensor,
+    y: torch.Tensor,
+    curvature: Curvature,
+    space: Space | str,
+) -> torch.Tensor:
+    """:func:`spectral_log_det` for a caller that has just found :func:`eigen_problem` to be ``None`` for these
+    arguments (the evidence's route choice), without checking it again."""
     lam = spectrum(kernel, likelihood, x, f, y, curvature, space)
     rho = site_scale(likelihood, curvature).to(lam).square() / kernel.prior_precision[0].to(lam)
     return torch.log1p(lam * rho).sum()
