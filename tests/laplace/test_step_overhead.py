@@ -89,3 +89,22 @@ def test_block_sandwich_against_the_dense_block_diagonal(k):
     sym = a @ a.transpose(-1, -2)
     assert torch.allclose(block_sandwich(blocks, sym, symmetric=True), dense.T @ sym @ dense, rtol=1e-12, atol=1e-12)
     assert block_sandwich(blocks, sym, symmetric=True).is_contiguous()
+
+
+@pytest.mark.parametrize("structure", ["kfac", "diag_ggn", "full_ggn"])
+def test_the_quick_delta_check_refuses_what_the_full_one_refuses(structure):
+    from ntkgp.laplace.weight_space import compute_curvature
+
+    torch.manual_seed(3)
+    net = nn.Sequential(nn.Linear(2, 4), nn.Tanh(), nn.Linear(4, 1)).double().eval()
+    x, y = torch.randn(12, 2, dtype=torch.float64), torch.randn(12, dtype=torch.float64)
+    lik = GaussianLikelihood().double()
+    curvature = compute_curvature(net, x, y, lik, structure, prior_structure="layer")
+    good = torch.tensor([0.5, 2.0], dtype=torch.float64)
+    value = curvature.log_marginal_likelihood(good, lik)
+    assert torch.equal(value, curvature.log_marginal_likelihood(good.tolist(), lik))  # the full conversion
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        delta = good.clone()
+        delta[1] = bad
+        with pytest.raises(ValueError, match="prior_precision"):
+            curvature.log_marginal_likelihood(delta, lik)
