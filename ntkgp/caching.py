@@ -53,12 +53,16 @@ def fingerprint(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
     return torch.cat(rows).cpu() if rows else torch.zeros(0, dtype=torch.int64)
 
 
-def network_key(net: torch.nn.Module, covered: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+def network_key(
+    net: torch.nn.Module, covered: Sequence[torch.Tensor], parameters: Iterable[torch.Tensor] | None = None
+) -> list[torch.Tensor]:
     """What results computed from ``net`` depend on, as a cache or guard key: the parameters ``covered`` (those
     differentiated, e.g. θ*) and the buffers themselves, and a :func:`fingerprint` of every other parameter
-    (frozen ones: they change the outputs and Jacobians, but a frozen backbone is not copied into every key)."""
+    (frozen ones: they change the outputs and Jacobians, but a frozen backbone is not copied into every key).
+    ``parameters``: ``net.parameters()`` when the caller has just walked them (one walk of the modules less)."""
     ids = {id(p) for p in covered}
-    return [*covered, *net.buffers(), fingerprint([p for p in net.parameters() if id(p) not in ids])]
+    every = net.parameters() if parameters is None else parameters
+    return [*covered, *net.buffers(), fingerprint([p for p in every if id(p) not in ids])]
 
 
 class ValueCache:

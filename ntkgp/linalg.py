@@ -16,6 +16,7 @@ approximation lives in :mod:`ntkgp.laplace.function_space.algebra`.
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import torch
@@ -25,9 +26,37 @@ from linear_operator.utils.errors import NotPSDError
 from linear_operator.utils.warnings import NumericalWarning
 
 __all__ = [
-    "JitterWarning", "NotPSDError", "NumericalWarning", "add_lower_gram_", "cholesky", "gram", "mirror_lower",
-    "relative_jitter", "triangular_inverse",
+    "JitterWarning", "NotPSDError", "NumericalWarning", "add_lower_gram_", "all_finite", "block_sandwich", "cholesky",
+    "gram", "mirror_lower", "relative_jitter", "triangular_inverse",
 ]
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether every entry of ``t`` is finite. A sum with a NaN or infinite term is NaN or infinite whatever the
+    order of the additions, so a finite sum proves every entry finite (one reduction, no boolean temporary);
+    only a sum that overflows or holds a non-finite entry is followed by the entry-wise check."""
+    if t.is_floating_point() and t.numel() > 0 and math.isfinite(t.sum().item()):
+        return True
+    return bool(torch.isfinite(t).all())
+
+
+def block_sandwich(blocks: torch.Tensor, matrix: torch.Tensor, symmetric: bool = False) -> torch.Tensor:
+    """``Lᵀ A L`` for the block-diagonal ``L`` of the blocks ``(N, C, k)`` and ``A`` ``(..., N·C, N·C)``:
+    ``(..., N·k, N·k)``, rows in interleaved order (``n·k + a``); ``L`` (``N·C × N·k``) is never formed.
+
+    Both products are left products by ``Lᵀ``, one batch of ``k × C`` blocks against whole rows (a matrix
+    product), ``Lᵀ A L = (Lᵀ (Lᵀ A)ᵀ)ᵀ``; an einsum over the block indices is two to three times slower.
+    ``O((NC)² k)``, for any ``A``. ``symmetric=True`` (``A`` a Gram or another symmetric matrix) returns
+    ``Lᵀ (Lᵀ A)ᵀ = Lᵀ Aᵀ L`` itself, contiguous: the same matrix up to the rounding in which ``A`` and ``Aᵀ``
+    differ, without the final transpose."""
+    n, c, k = blocks.shape
+    lead = matrix.shape[:-2]
+    left = blocks.transpose(1, 2)  # (N, k, C)
+    once = torch.matmul(left, matrix.reshape(*lead, n, c, n * c)).reshape(*lead, n * k, n * c)  # Lᵀ A
+    twice = torch.matmul(left, once.transpose(-1, -2).reshape(*lead, n, c, n * k))  # Lᵀ (Lᵀ A)ᵀ
+    twice = twice.reshape(*lead, n * k, n * k)
+    return twice if symmetric else twice.transpose(-1, -2)
+
 
 #: Deprecated name: ntkgp warns with GPyTorch's :class:`~linear_operator.utils.warnings.NumericalWarning`
 #: (this is the same class, so ``warnings.simplefilter("error", JitterWarning)`` keeps working).

@@ -18,6 +18,7 @@ from torch import nn
 
 from ..ntk import GroupSpec
 from ..ntk.checks import check_has_values, check_network_values
+from ..linalg import all_finite
 from ..options import PriorStructure, Space, Strategy, choose
 
 #: GPyTorch ``Kernel`` keywords the NTK kernel passes on (no lengthscale, ARD or ``eps``: it has none).
@@ -178,7 +179,7 @@ def kernel_input(x: object, argument: str, input_shape: tuple[int, ...] | None) 
             f"{argument} must have shape (*batch, N, {math.prod(shape)}) or (*batch, N, "
             f"{', '.join(map(str, shape))}) for input_shape={shape}, got {tuple(x.shape)}"
         )
-    if not torch.isfinite(x).all():
+    if not all_finite(x):
         raise ValueError(f"{argument} contains NaN or Inf values")
     return x
 

@@ -38,7 +38,8 @@ def network_state(engine: NTKEngine, owner: str) -> list[torch.Tensor]:
     Raises:
         TrainableParametersChanged: naming the parameters frozen or unfrozen since ``owner`` was built.
     """
-    now = [name for name, p in engine.net.named_parameters() if p.requires_grad]
+    named = dict(engine.net.named_parameters())  # one walk of the modules, for the check and the state
+    now = [name for name, p in named.items() if p.requires_grad]
     built = list(engine.groups.names)
     if now != built:
         frozen = [n for n in built if n not in now]
@@ -48,4 +49,4 @@ def network_state(engine: NTKEngine, owner: str) -> list[torch.Tensor]:
             f"{unfrozen}); its parameter groups, Jacobian columns and prior precisions belong to the old set: "
             f"build a new {owner}"
         )
-    return engine.network_state()
+    return engine.core.network_state(named)

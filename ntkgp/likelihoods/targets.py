@@ -13,6 +13,7 @@ from gpytorch.likelihoods import (
 )
 from torch import Tensor
 
+from ..linalg import all_finite
 from .logistic_likelihood import LogisticLikelihood
 from .properties import num_outputs as likelihood_num_outputs
 from .properties import unsupported_likelihood
@@ -71,7 +72,7 @@ def validate_targets(
         raise ValueError(f"{name} must have shape (N,) or (N, C), got shape {tuple(y.shape)}")
     if num_data is not None and y.shape[0] != num_data:
         raise ValueError(f"{name} has {y.shape[0]} rows but there are {num_data} data points")
-    if y.is_floating_point() and not bool(torch.isfinite(y).all()):
+    if y.is_floating_point() and not all_finite(y):
         count = int((~torch.isfinite(y)).sum())
         raise ValueError(f"{name} contains {count} NaN or infinite value(s)")
     return _normalise_targets(likelihood, y, expected, name)

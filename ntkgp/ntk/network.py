@@ -116,21 +116,24 @@ class NetworkCore:
     def device(self) -> torch.device:
         return self.parameters()[0].device
 
-    def network_state(self) -> list[Tensor]:
+    def network_state(self, named: dict[str, Tensor] | None = None) -> list[Tensor]:
         """What the network's outputs depend on, the key of every value cache computed from it
         (:func:`~ntkgp.caching.network_key`): :math:`\\theta^*` and the buffers themselves, and a fingerprint
         (exact integer sums of their bit patterns) of the other parameters. It also checks the network's mode:
-        a cached result is never served for a network since switched to training mode."""
+        a cached result is never served for a network since switched to training mode. ``named``:
+        ``dict(net.named_parameters())`` when the caller has just walked them (one walk of the modules)."""
         check_eval_mode(self.net)
-        return network_key(self.net, self.parameters())
+        named = dict(self.net.named_parameters()) if named is None else named
+        return network_key(self.net, [named[n] for n in self.names], named.values())
 
     def group_sq_norms(self) -> Tensor:
         """``‖θ*_g‖²`` per prior group, shape ``(G,)``."""
         params = self.parameters()  # one walk over the modules
-        norms = torch.zeros(self.groups.num_groups, dtype=params[0].dtype, device=params[0].device)
-        for p, g in zip(params, self.groups.group_of):
-            norms[g] += p.detach().square().sum()
-        return norms
+        squares = torch.stack([p.detach().square().sum() for p in params])
+        if self.groups.num_groups == 1:
+            return squares.sum().reshape(1)
+        index = torch.tensor(self.groups.group_of, device=squares.device)
+        return squares.new_zeros(self.groups.num_groups).index_add_(0, index, squares)
 
     def theta(self) -> Tensor:
         r""":math:`\theta^*` as a flat vector ``(P,)`` (a copy)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from linear_operator.operators import LinearOperator
 
+from ...linalg import block_sandwich as sandwich
 from ...linalg import cholesky, gram
 
 __all__ = ["as_columns", "block_apply", "block_sandwich", "low_rank_log_det", "site_cholesky"]
@@ -27,9 +28,7 @@ def block_sandwich(factor: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
 
     Returns ``(N·k, N·k)`` in interleaved order. Costs ``O((NC)² k)``; the ``(NC, Nk)`` matrix ``L`` is never formed.
     """
-    n, c, k = factor.shape
-    kl = torch.einsum("nbmc,mcd->nbmd", gram.reshape(n, c, n, c), factor)
-    return torch.einsum("nba,nbmd->namd", factor, kl).reshape(n * k, n * k)
+    return sandwich(factor, gram)
 
 
 def block_apply(factor: torch.Tensor, v: torch.Tensor, transpose: bool = False) -> torch.Tensor:

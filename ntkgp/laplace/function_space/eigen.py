@@ -39,11 +39,12 @@ from gpytorch.likelihoods import Likelihood, MultitaskGaussianLikelihood
 from ...caching import ValueCache
 from ...kernels import NTKKernel
 from ...likelihoods import gradient, hessian_sqrt, is_gaussian, likelihood_temperature, noise_variance
+from ...linalg import block_sandwich as sandwich
 from ...linalg import gram
 from ...options import Curvature, Space, choose, choose_space
-from .algebra import block_apply, block_sandwich
+from .algebra import block_apply
 
-__all__ = ["eigen_problem", "site_scale", "spectral_log_det", "spectrum"]
+__all__ = ["checked_spectral_log_det", "eigen_problem", "site_scale", "spectral_log_det", "spectrum"]
 
 _SPECTRA: weakref.WeakKeyDictionary[NTKKernel, ValueCache] = weakref.WeakKeyDictionary()
 
@@ -121,7 +122,7 @@ def spectrum(
             scale = site_scale(likelihood, curvature).to(f)
             base = _factor(likelihood, f.detach(), y, curvature) / scale  # L_0, free of hyperparameters
             if space is Space.FUNCTION:
-                matrix = block_sandwich(base, kernel.group_grams(x).sum(0).to(base))
+                matrix = sandwich(base, kernel.group_grams(x).sum(0).to(base), symmetric=True)
             else:
                 w = block_apply(base, kernel.jacobian(x).to(base), transpose=True)
                 matrix = gram(w)
@@ -159,6 +160,20 @@ def spectral_log_det(
     problem = eigen_problem(kernel, likelihood, x, curvature)
     if problem is not None:
         raise ValueError(f"method='eigen' does not apply: {problem}")
+    return checked_spectral_log_det(kernel, likelihood, x, f, y, curvature, space)
+
+
+def checked_spectral_log_det(
+    kernel: NTKKernel,
+    likelihood: Likelihood,
+    x: torch.Tensor,
+    f: torch.Tensor,
+    y: torch.Tensor,
+    curvature: Curvature,
+    space: Space | str,
+) -> torch.Tensor:
+    """:func:`spectral_log_det` for a caller that has just found :func:`eigen_problem` to be ``None`` for these
+    arguments (the evidence's route choice), without checking it again."""
     lam = spectrum(kernel, likelihood, x, f, y, curvature, space)
     rho = site_scale(likelihood, curvature).to(lam).square() / kernel.prior_precision[0].to(lam)
     return torch.log1p(lam * rho).sum()

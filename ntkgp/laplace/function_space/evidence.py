@@ -23,11 +23,10 @@ from gpytorch.likelihoods import Likelihood
 from linear_operator.operators import LinearOperator, RootLinearOperator
 
 from ...kernels import NTKKernel
-from ...likelihoods import gradient, hessian_sqrt, log_likelihood
+from ...likelihoods import gradient, hessian_sqrt, is_gaussian, log_likelihood, num_outputs
 from ...options import Curvature, Space, choose, choose_space
 from .algebra import low_rank_log_det, site_cholesky
-from ..weight_space.scaling import output_scale
-from .eigen import eigen_problem, spectral_log_det
+from .eigen import checked_spectral_log_det, eigen_problem
 from .evidence_curvature import curvature_problem, evidence_curvature
 from .matrix_free import matrix_free_log_det
 from .routes import EvidenceMethod, EvidenceOptions, check_options, choose_method, dense_memory_bytes
@@ -175,7 +174,8 @@ def evidence_method(
     n, c = f.shape[-2], f.shape[-1]
     k = c if curvature is Curvature.GGN else 1
     engine = kernel.engine
-    components = output_scale(likelihood).shape[0] ** (2 if curvature is Curvature.EF else 1)
+    scales = num_outputs(likelihood) if is_gaussian(likelihood) else 1  # the length of output_scale(likelihood)
+    components = scales ** (2 if curvature is Curvature.EF else 1)
     dense = dense_memory_bytes(engine.num_params, engine.num_groups, n, c, k, f.dtype, space, components)
     chosen = choose_method(method, dense, options, eigen)
     if chosen is EvidenceMethod.MATRIX_FREE and free is not None:
@@ -253,7 +253,7 @@ def laplace_log_marginal_likelihood(
     fit = log_likelihood(likelihood, f, y).sum()
     prior = 0.5 * prior_term(kernel).to(fit)
     if route is EvidenceMethod.EIGEN:
-        return fit - prior - 0.5 * spectral_log_det(kernel, likelihood, x, f, y, curvature, space).to(fit)
+        return fit - prior - 0.5 * checked_spectral_log_det(kernel, likelihood, x, f, y, curvature, space).to(fit)
     if route is EvidenceMethod.CHOLESKY and (covariance is None or _is_kernel_covariance(covariance, kernel, x)):
         k = f.shape[-1] if curvature is Curvature.GGN else 1
         resolved = choose_space(space, kernel.engine.num_params, f.shape[-2] * k)

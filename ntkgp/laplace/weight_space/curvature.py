@@ -75,7 +75,7 @@ class Curvature(ABC):
         graph (:func:`~ntkgp.ntk.prior_precision.prior_precision_vector`)."""
         delta = prior_precision
         if not (torch.is_tensor(delta) and delta.dtype == self.dtype and delta.device == self.f.device
-                and delta.shape == self.group_sizes.shape and bool(((delta > 0) & (delta < math.inf)).all())):
+                and delta.shape == self.group_sizes.shape and _positive_finite(delta)):
             # anything but a positive finite (G,) tensor of the curvature's dtype: the full conversion and check
             delta = prior_precision_vector(prior_precision, self.groups, self.dtype, self.f.device,
                                            keep_graph=True)
@@ -153,3 +153,10 @@ class Curvature(ABC):
                                        self.group_sizes, self.fit_statistics(likelihood))
         prior = 0.5 * (delta * self.theta_sq_norms).sum()
         return self.data_fit(likelihood) - prior - 0.5 * self.log_det_ratio(delta, likelihood)
+
+
+def _positive_finite(delta: Tensor) -> bool:
+    """Whether every entry is positive and finite, from one reduction (the smallest entry positive, the largest
+    finite; ``aminmax`` propagates NaN, which fails both)."""
+    low, high = torch.aminmax(delta.detach())
+    return float(low) > 0 and float(high) < math.inf

@@ -25,6 +25,7 @@ import torch
 from gpytorch.likelihoods import Likelihood
 from torch import Tensor, nn
 
+from ...linalg import block_sandwich
 from ...ntk import NTKEngine, ParameterGroups
 from ...ntk.groups import GroupSpec
 from ...options import Curvature as CurvatureKind
@@ -74,8 +75,8 @@ def unit_grams(
                 grams = grams * (root[None, :, None] * root[None, None, :])
         return grams, row_scale
     root = unit_hessian_sqrt(likelihood, f, y, scale0)  # (N, C, M)
-    grams = torch.einsum("ncm,gncod,odk->gnmok", root, grams.reshape(-1, n, c, n, c), root)
-    return grams.reshape(-1, n * c, n * c), torch.zeros(n * c, dtype=torch.long, device=f.device)
+    grams = block_sandwich(root, grams, symmetric=True)  # the NTK's Grams
+    return grams, torch.zeros(n * c, dtype=torch.long, device=f.device)
 
 
 class FunctionSpaceCurvature(Curvature):

@@ -12,6 +12,7 @@ from linear_operator.operators import DiagLinearOperator
 from ...botorch import gradient_settings, to_posterior
 from ...laplace.function_space import GLMPredictiveCovariance, PredictiveContext
 from ...likelihoods import is_gaussian, noise_variance
+from ...linalg import all_finite
 from ...options import PredictiveMean
 from .arguments import check_floating, positive_int
 from .newton_step import parameter_dict, shifted_outputs
@@ -38,7 +39,7 @@ class PredictionMixin:
             if shape is not None and len(shape) > 1:
                 expected += f" or (*batch, n, {', '.join(map(str, shape))})"
             raise ValueError(f"{argument} must have shape {expected}, got {tuple(x.shape)}")
-        if not torch.isfinite(x).all():
+        if not all_finite(x):
             raise ValueError(f"{argument} contains NaN or Inf values")
         return x.to(dtype=self.dtype, device=self.train_x.device)
 
