@@ -173,15 +173,17 @@ class NTKEngine:
         self.num_outputs(x)
         return contraction.jacobian(self.core, x)
 
-    def feature_set(self, x: torch.Tensor) -> FeatureSet:
-        """The layer features of ``x`` (checked and prepared, no graph), all kept: given as ``x1_features`` to
+    def feature_set(self, x: torch.Tensor, keep: bool | int = True) -> FeatureSet:
+        """The layer features of ``x`` (checked and prepared, no graph), kept: given as ``x1_features`` to
         :meth:`group_grams` and :meth:`output_grams` they spare recomputing ``x1`` at every call (a set of inputs
         used many times, as SFR's inducing inputs). Memory: ``N·C·P_c`` numbers for the contracted columns
         (convolutions and generic parameters, :func:`~ntkgp.ntk.feature_pass.contracted_width`) and
-        ``N·(Σ d_in + C Σ d_out)`` for the linear layers. :meth:`FeatureSet.converted
-        <ntkgp.ntk.feature_pass.FeatureSet.converted>` gives them in another dtype."""
+        ``N·(Σ d_in + C Σ d_out)`` for the linear layers. ``keep``: ``True`` keeps every chunk's contracted columns;
+        a number of points keeps those of the leading chunks within it and recomputes the others at each use (a
+        memory budget). :meth:`FeatureSet.converted <ntkgp.ntk.feature_pass.FeatureSet.converted>` gives them in
+        another dtype."""
         x = self.prepare(x).detach()
-        return FeatureSet(self.core, self.plan(x), x, graph=False, keep=True)
+        return FeatureSet(self.core, self.plan(x), x, graph=False, keep=keep)
 
     def _given(self, x1: torch.Tensor, features: FeatureSet | None, plan, graph: bool) -> FeatureSet | None:
         """``features`` checked against ``x1`` (same number of points and routes) and usable (no graph)."""
