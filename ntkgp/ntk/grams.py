@@ -53,12 +53,15 @@ def _given_rows(core: NetworkCore, f1: FeatureSet, c: int) -> tuple[ChunkFeature
 
 
 def _group_grams_given(core: NetworkCore, plan: LayerPlan, f1: FeatureSet, x2: Tensor, c: int, out: Tensor,
-                       blocks: Tensor | None) -> None:
+                       blocks: Tensor | None, outputs: tuple[Tensor, Tensor] | None = None) -> None:
     """:func:`group_grams` from the given features of ``x1`` against ``x2``, one chunk of ``x2`` at a time (and, into
-    ``blocks``, the per-point blocks of ``x2`` from the same pass)."""
+    ``blocks``, the per-point blocks of ``x2``, into ``outputs`` :math:`f(x_2)` and :math:`J(x_2)\\theta^*`, from the
+    same pass)."""
     whole, chunks = _given_rows(core, f1, c)
     for s2, e2 in core.chunks(x2.shape[0], "Gram"):
-        f2 = chunk_features(core, plan, x2[s2:e2], False, columns=f1.contracted)
+        f2 = chunk_features(core, plan, x2[s2:e2], False, columns=f1.contracted, linearized=outputs is not None)
+        if outputs is not None:
+            outputs[0][s2:e2], outputs[1][s2:e2] = f2.outputs, f2.linearized
         block = out[:, :, s2 * c : e2 * c]
         if plan.single:  # written into a contiguous block, then copied into the columns of out
             part = torch.zeros(block.shape, dtype=out.dtype, device=out.device)
@@ -73,9 +76,11 @@ def _group_grams_given(core: NetworkCore, plan: LayerPlan, f1: FeatureSet, x2: T
 
 
 def group_grams(core: NetworkCore, plan: LayerPlan, x1: Tensor, x2: Tensor, sym: bool, c: int, graph: bool,
-                f1: FeatureSet | None = None, blocks: Tensor | None = None) -> Tensor:
+                f1: FeatureSet | None = None, blocks: Tensor | None = None,
+                outputs: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """Per-group Grams ``(G, N1·C, N2·C)`` (``f1``: the given features of ``x1``, see the module doc; then
-    ``blocks``, if given, receives the per-point blocks of ``x2`` ``(G, N2, C, C)`` from the same pass)."""
+    ``blocks``, if given, receives the per-point blocks of ``x2`` ``(G, N2, C, C)`` and ``outputs``, two ``(N2, C)``
+    tensors, :math:`f(x_2)` and :math:`J(x_2)\\theta^*`, from the same pass)."""
     groups = core.groups.num_groups
     out = torch.empty(groups, x1.shape[0] * c, x2.shape[0] * c, dtype=core.dtype, device=core.device)
     written = structured.term_groups(core, plan)
@@ -83,7 +88,7 @@ def group_grams(core: NetworkCore, plan: LayerPlan, x1: Tensor, x2: Tensor, sym:
         if g not in written or (f1 is not None and not sym):
             out[g].zero_()
     if f1 is not None and not sym:
-        _group_grams_given(core, plan, f1, x2, c, out, blocks)
+        _group_grams_given(core, plan, f1, x2, c, out, blocks, outputs)
         return out
     f2 = FeatureSet(core, plan, x2, graph) if f1 is None else f1
     whole = f2.rows(0, x2.shape[0], c)

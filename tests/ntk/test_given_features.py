@@ -61,6 +61,9 @@ def test_outputs_and_linearized_offsets_from_the_same_pass_equal_autograd(prior_
     assert rel_err(linearized, dense) < 1e-12
     ref = reference(net, z, x, prior_structure)
     assert rel_err(grams, dense_output_grams(ref, 3)) < 1e-12 and diag.shape == (engine.num_groups, 9, 3)
+    full, blocks, f2, linearized2 = engine.group_grams(z, x, x1_features=fz, with_blocks=True, with_outputs=True)
+    assert rel_err(full, ref) < 1e-12 and blocks.shape == (engine.num_groups, 9, 3, 3)
+    assert rel_err(f2, net(x).detach()) < 1e-13 and rel_err(linearized2, dense) < 1e-12
 
 
 def test_given_features_pass_each_chunk_of_x2_once_and_never_recompute_x1():
@@ -107,6 +110,8 @@ def test_given_features_are_checked():
         engine.output_grams(z, z, with_outputs=True)
     with pytest.raises(ValueError, match="with_outputs=True needs x1_features and x2"):
         engine.output_grams(z, x1_features=fz, with_outputs=True)
+    with pytest.raises(ValueError, match="with_outputs=True needs x1_features and x2"):
+        engine.group_grams(z, z, with_outputs=True)
     with pytest.raises(ValueError, match="require grad"):
         engine.output_grams(z, z.clone().requires_grad_(True), x1_features=fz)
 
