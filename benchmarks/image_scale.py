@@ -13,8 +13,9 @@ Rows (``--rows`` selects some; default all):
 * ``sfr_predict:M`` — its predictive mean and marginal variances of the ``--n-test`` test images (the build is
   not counted);
 * ``sfr_joint:M`` — the same build and predict with the full C × C coupling (ntkgp's default): one ``(M·C)²``
-  system instead of C systems of ``M²``: cost ``O(N (M C)² )`` for the statistics, ``O((M C)³)`` for the
-  factorization, memory ``O((M C)²)``;
+  system instead of C systems of ``M²``: per image ``C²·M·P_c`` multiply-adds for the cross-Grams (C times the
+  independent outputs' ``C·M·P_c``) and ``(M C)²·C/2`` for the statistics, ``O((M C)³)`` for the factorization,
+  memory ``O((M C)²)`` (8 bytes each: 210 MB per copy at M = 512);
 * ``kfac_fit`` / ``kfac_predict`` — ``laplace_posterior(..., structure="kfac")`` and its closed-form GLM
   predictive of the test images;
 * ``vs_public:N:M`` — side by side at ``N`` images: ntkgp's SFR build and predict of 1,000 test images against
@@ -28,6 +29,13 @@ Rows (``--rows`` selects some; default all):
   product per layer), their contraction with the M inducing inputs' blocks (``C·M·P_conv`` multiply-adds per
   image) and the fully connected layers' factored products ``M·(d_in + C·d_out)``; copies, the statistics'
   updates, K_ZZ and the factorization are not counted.
+
+Peak memory of an SFR build and its first prediction (float32 network, independent outputs, one δ), with
+``w = C·P_c + Σ d_in + C·Σ d_out`` numbers of layer features per inducing input (192,804 on this CNN:
+P_c = 18,816): ``max(8·M·w + 8·C·M² + chunk_64, 4·M·w + 5·8·C·M²)`` bytes plus one chunk of the data's features
+(1 GiB): the float64 features of Z and K_ZZ while K_ZZ is formed (``chunk_64``: the float64 pass of one chunk of
+Z), then the float32 features, K_ZZ, the statistics and the factorization's ``L_Z``, ``R`` and two temporaries;
+at M = 3,200 about 7 GB (4.9 GB of float64 features, 0.82 GB per ``C·M²`` matrix).
 
 Targets at 60,000 images are extrapolated linearly from the measured rows (``--write-docs``): with builds at two
 sizes ``N1 < N2``, :math:`t(60000) = t(N_2) + (t(N_2) - t(N_1))\,(60000 - N_2)/(N_2 - N_1)` (the pass is linear in
