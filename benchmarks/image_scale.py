@@ -13,8 +13,9 @@ Rows (``--rows`` selects some; default all):
 * ``sfr_predict:M`` — its predictive mean and marginal variances of the ``--n-test`` test images (the build is
   not counted);
 * ``sfr_joint:M`` — the same build and predict with the full C × C coupling (ntkgp's default): one ``(M·C)²``
-  system instead of C systems of ``M²``: cost ``O(N (M C)² )`` for the statistics, ``O((M C)³)`` for the
-  factorization, memory ``O((M C)²)``;
+  system instead of C systems of ``M²``: per image ``C²·M·P_c`` multiply-adds for the cross-Grams (C times the
+  independent outputs' ``C·M·P_c``) and ``(M C)²·C/2`` for the statistics, ``O((M C)³)`` for the factorization,
+  memory ``O((M C)²)`` (8 bytes each: 210 MB per copy at M = 512);
 * ``kfac_fit`` / ``kfac_predict`` — ``laplace_posterior(..., structure="kfac")`` and its closed-form GLM
   predictive of the test images;
 * ``vs_public:N:M`` — side by side at ``N`` images: ntkgp's SFR build and predict of 1,000 test images against
@@ -37,9 +38,18 @@ Rows (``--rows`` selects some; default all):
   image) and the fully connected layers' factored products ``M·(d_in + C·d_out)``; copies, the statistics'
   updates, K_ZZ and the factorization are not counted.
 
-Targets at 60,000 images are extrapolated linearly from the measured rows (``--write-docs``): with builds at two
-sizes ``N1 < N2``, :math:`t(60000) = t(N_2) + (t(N_2) - t(N_1))\,(60000 - N_2)/(N_2 - N_1)` (the pass is linear in
-``N``; K_ZZ and the factorization are the intercept); predictions scale with the number of test images,
+Peak memory of an SFR build and its first prediction (float32 network, independent outputs, one δ), with
+``w = C·P_c + Σ d_in + C·Σ d_out`` numbers of layer features per inducing input (192,804 on this CNN:
+P_c = 18,816): ``max(8·M·w + 8·C·M² + chunk_64, 4·M·w + 5·8·C·M²)`` bytes plus one chunk of the data's features
+(1 GiB): the float64 features of Z and K_ZZ while K_ZZ is formed (``chunk_64``: the float64 pass of one chunk of
+Z), then the float32 features, K_ZZ, the statistics and the factorization's ``L_Z``, ``R`` and two temporaries;
+at M = 3,200 about 7 GB (4.9 GB of float64 features, 0.82 GB per ``C·M²`` matrix).
+
+Targets at 60,000 images are extrapolated linearly from the measured rows (``--write-docs``): the SFR rows time their
+pass over the data (``pass_s``) within the build, so that one run gives both the intercept (the inducing inputs'
+pass and K_ZZ) and the rate, ``t(60000) = (t - pass_s) + pass_s · 60000 / N`` (the pass is linear in ``N``; the
+machine's load changes between runs more than between the parts of one); without it, from builds at two
+sizes ``N1 < N2``, :math:`t(60000) = t(N_2) + (t(N_2) - t(N_1))\,(60000 - N_2)/(N_2 - N_1)`; predictions scale with the number of test images,
 :math:`t(10000) = t(n)\cdot 10000/n`; the bounds as ``60000 ×`` their time per image (``10000 ×`` for the KFAC
 predictive's); a KFAC fit measured at ``n < 60000`` images as :math:`t(60000) = t(n) \cdot 60000/n`.
 
@@ -55,6 +65,7 @@ laplace-torch at N = 5,000, M = 512.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -137,8 +148,9 @@ def row(args, name: str, weights: Path) -> dict:
         m = int(params[0])
         coupling = "joint" if kind == "sfr_joint" else "independent"
         start = time.perf_counter()
-        sfr = ntkgp.SFR(net, x, y, lik, num_inducing=m, prior_precision=args.delta, prior_structure="network",
-                        output_coupling=coupling, progress=args.progress)
+        with timed_pass(out):
+            sfr = ntkgp.SFR(net, x, y, lik, num_inducing=m, prior_precision=args.delta, prior_structure="network",
+                            output_coupling=coupling, progress=args.progress)
         sfr.eval()
         out["build_s"] = time.perf_counter() - start
         if kind != "sfr_build":
@@ -170,6 +182,29 @@ def row(args, name: str, weights: Path) -> dict:
         raise SystemExit(f"unknown row {name!r}")
     out["peak_mib"] = high_water_mib() - base
     return out
+
+
+@contextlib.contextmanager
+def timed_pass(out: dict):
+    """Time SFR's pass over the data (``stream_statistics``) within a build into ``out["pass_s"]``: the rest of the
+    build (the inducing inputs' float64 pass, K_ZZ) is the intercept, measured in the same run."""
+    import importlib
+
+    model = importlib.import_module("ntkgp.models.sfr.model")
+    real = model.stream_statistics
+
+    def stream(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return real(*args, **kwargs)
+        finally:
+            out["pass_s"] = time.perf_counter() - start
+
+    model.stream_statistics = stream
+    try:
+        yield
+    finally:
+        model.stream_statistics = real
 
 
 def best_of(call, repeats: int = 3) -> float:
@@ -386,6 +421,43 @@ def _fmt(seconds: float | None) -> str:
     return "—" if seconds is None else f"{seconds:.0f} s" if seconds >= 10 else f"{seconds:.2f} s"
 
 
+#: The build targets of the independent-output rows at 60,000 images, by M.
+BUILD_TARGETS = {512: "≤ 5 min", 3200: "≤ 30 min"}
+
+
+def sfr_lines(results: list[dict], load) -> list[list[str]]:
+    """The table's SFR lines: per row kind and M, each run's build (and predict, where measured) by N; the build at
+    60,000 images measured where a run had all of them, else extrapolated from the smallest and largest N (module
+    doc); the joint rows carry no target (issue: state and measure)."""
+    lines, kinds = [], ("sfr_build", "sfr_predict", "sfr_joint")
+    groups: dict[tuple[bool, int], list[dict]] = {}
+    for r in results:
+        kind, *params = r["row"].split(":")
+        if kind in kinds:
+            groups.setdefault((kind == "sfr_joint", int(params[0])), []).append(r)
+    for (joint, m), rows in sorted(groups.items()):
+        rows.sort(key=lambda r: r["n"])
+        name = f"SFR build, M = {m:,}" + (", joint C × C" if joint else "")
+        for r in rows:
+            lines.append([name, f"{r['n']:,}", _fmt(r["build_s"]), "", "", f"{r['peak_mib']:.0f}", load(r)])
+            last = lines[-1]
+            if "predict_s" in r:
+                target = "≤ 2 min" if (m, joint) == (512, False) else ""
+                lines.append([f"SFR predict {r['n_test']:,} test images" + (" (joint)" if joint else ""), f"{r['n']:,}",
+                              _fmt(r["predict_s"]), _fmt(r["predict_s"] * 10_000 / r["n_test"]) + " (10,000)", target,
+                              "", load(r)])
+        target = "" if joint else BUILD_TARGETS.get(m, "")
+        (n1, t1), (n2, t2) = [(r["n"], r["build_s"]) for r in (rows[0], rows[-1])]
+        if n2 >= 60_000:
+            last[3:5] = ["measured (60,000)", target]
+        elif "pass_s" in rows[-1]:  # the intercept and the pass's rate from the same run
+            t = t2 - rows[-1]["pass_s"] + rows[-1]["pass_s"] * 60_000 / n2
+            last[3:5] = [_fmt(t) + " (60,000)", target]
+        elif n2 > n1:
+            last[3:5] = [_fmt(t2 + (t2 - t1) * (60_000 - n2) / (n2 - n1)) + " (60,000)", target]
+    return lines
+
+
 def write_docs(paths: list[Path]) -> None:
     """The generated region ``image-scale`` of docs/scaling.md from the JSON results of runs (module doc: the
     extrapolation formulas)."""
@@ -394,19 +466,12 @@ def write_docs(paths: list[Path]) -> None:
     results = [r | {"command": r.get("command", "").replace("RUN.json", p.name)}
                for p in paths for r in json.loads(p.read_text()) if "error" not in r and r["row"] != "train"]
     table, load = [], lambda r: f"{r['load_average']:.1f}"
-    builds = sorted((r for r in results if r["row"].startswith("sfr_predict")), key=lambda r: r["n"])
-    for r in builds:
-        table.append([f"SFR build, M = {r['row'].split(':')[1]}", f"{r['n']:,}", _fmt(r["build_s"]), "", "",
-                      f"{r['peak_mib']:.0f}", load(r)])
-        table.append([f"SFR predict {r['n_test']:,} test images", f"{r['n']:,}", _fmt(r["predict_s"]),
-                      _fmt(r["predict_s"] * 10_000 / r["n_test"]) + " (10,000)", "≤ 2 min", "", load(r)])
-    if len(builds) >= 2:
-        (n1, t1), (n2, t2) = [(r["n"], r["build_s"]) for r in (builds[0], builds[-1])]
-        table[-2][3:5] = [_fmt(t2 + (t2 - t1) * (60_000 - n2) / (n2 - n1)) + " (60,000)", "≤ 5 min"]
+    table.extend(sfr_lines(results, load))
     for r in (r for r in results if r["row"].startswith("bound")):
-        table.append([f"lower bound of the pass, M = {r['row'].split(':')[1]} (bare products, per image "
+        m = int(r["row"].split(":")[1])
+        table.append([f"lower bound of the pass, M = {m:,} (bare products, per image "
                       f"{1e3 * r['bound_per_image_s']:.1f} ms)", "—", "", _fmt(60_000 * r["bound_per_image_s"])
-                      + " (60,000)", "≤ 5 min", "", load(r)])
+                      + " (60,000)", BUILD_TARGETS.get(m, ""), "", load(r)])
     for r in (r for r in results if r["row"] == "kfac_bound"):
         table.append([f"lower bound of the KFAC fit (bare passes and products, per image "
                       f"{1e3 * r['kfac_bound_fit_per_image_s']:.1f} ms)", "—", "",

@@ -173,15 +173,17 @@ class NTKEngine:
         self.num_outputs(x)
         return contraction.jacobian(self.core, x)
 
-    def feature_set(self, x: torch.Tensor) -> FeatureSet:
-        """The layer features of ``x`` (checked and prepared, no graph), all kept: given as ``x1_features`` to
+    def feature_set(self, x: torch.Tensor, keep: bool | int = True) -> FeatureSet:
+        """The layer features of ``x`` (checked and prepared, no graph), kept: given as ``x1_features`` to
         :meth:`group_grams` and :meth:`output_grams` they spare recomputing ``x1`` at every call (a set of inputs
         used many times, as SFR's inducing inputs). Memory: ``N·C·P_c`` numbers for the contracted columns
         (convolutions and generic parameters, :func:`~ntkgp.ntk.feature_pass.contracted_width`) and
-        ``N·(Σ d_in + C Σ d_out)`` for the linear layers. :meth:`FeatureSet.converted
-        <ntkgp.ntk.feature_pass.FeatureSet.converted>` gives them in another dtype."""
+        ``N·(Σ d_in + C Σ d_out)`` for the linear layers. ``keep``: ``True`` keeps every chunk's contracted columns;
+        a number of points keeps those of the leading chunks within it and recomputes the others at each use (a
+        memory budget). :meth:`FeatureSet.converted <ntkgp.ntk.feature_pass.FeatureSet.converted>` gives them in
+        another dtype."""
         x = self.prepare(x).detach()
-        return FeatureSet(self.core, self.plan(x), x, graph=False, keep=True)
+        return FeatureSet(self.core, self.plan(x), x, graph=False, keep=keep)
 
     def _given(self, x1: torch.Tensor, features: FeatureSet | None, plan, graph: bool) -> FeatureSet | None:
         """``features`` checked against ``x1`` (same number of points and routes) and usable (no graph)."""
@@ -197,23 +199,29 @@ class NTKEngine:
 
     def group_grams(
         self, x1: torch.Tensor, x2: torch.Tensor | None = None, x1_features: FeatureSet | None = None,
-        with_blocks: bool = False,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        with_blocks: bool = False, with_outputs: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """Per-group Grams ``K_g = J_g(X1) J_g(X2)ᵀ``, shape ``(G, N1·C, N2·C)``, interleaved order.
 
         With ``x2=None`` the symmetric Gram of ``x1`` is computed (only its lower blocks are contracted).
         ``x1_features`` (:meth:`feature_set` of ``x1``) spares recomputing ``x1``'s features; with it and ``x2``,
-        ``with_blocks=True`` also returns :meth:`diag_blocks` of ``x2`` from the same pass over ``x2``.
+        ``with_blocks=True`` also returns :meth:`diag_blocks` of ``x2``, and ``with_outputs=True`` (after them) the
+        network outputs :math:`f(x_2)` and :math:`J(x_2)\\theta^*` ``(N2, C)``, from the same pass over ``x2``
+        (as :meth:`output_grams`).
         """
         x1, x2, sym, plan, c, graph = self._pair(x1, x2)
         f1 = self._given(x1, x1_features, plan, graph)
-        if with_blocks and (f1 is None or sym):
-            raise ValueError("with_blocks=True needs x1_features and x2")
-        blocks = None
+        for flag, name in ((with_blocks, "with_blocks"), (with_outputs, "with_outputs")):
+            if flag and (f1 is None or sym):
+                raise ValueError(f"{name}=True needs x1_features and x2")
+        blocks = outputs = None
         if with_blocks:
             blocks = torch.zeros(self.num_groups, x2.shape[0], c, c, dtype=self.dtype, device=self.device)
-        out = grams.group_grams(self.core, plan, x1, x2, sym, c, graph, f1, blocks)
-        return (out, blocks) if with_blocks else out
+        if with_outputs:
+            outputs = tuple(torch.empty(x2.shape[0], c, dtype=self.dtype, device=self.device) for _ in range(2))
+        out = grams.group_grams(self.core, plan, x1, x2, sym, c, graph, f1, blocks, outputs)
+        extra = ((blocks,) if with_blocks else ()) + (outputs or ())
+        return (out, *extra) if extra else out
 
     def output_grams(
         self, x1: torch.Tensor, x2: torch.Tensor | None = None, with_diagonal: bool = False,

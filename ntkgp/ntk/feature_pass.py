@@ -13,7 +13,8 @@ per-example Jacobians of the generic parameters (``vmap(jacrev)``, :meth:`Networ
 A :class:`FeatureSet` holds the features of a whole set of inputs, chunk by chunk: the single-location ones
 always (:math:`O(N(C\sum d_{out} + \sum d_{in}))` numbers), the contracted columns when they fit in
 ``max_jacobian_bytes`` or when asked to (``keep=True``: the features of a set used many times, as SFR's inducing
-inputs; recomputed for each use otherwise).
+inputs; recomputed for each use otherwise), or those of as many leading chunks as a budget allows (``keep=`` a number
+of points: the rest recomputed at each use, so that a set beyond the budget costs in proportion to the excess).
 
 **Memory of one chunk** of ``n`` examples (``s`` bytes per number): the contracted columns
 ``n·C·P_c`` (``P_c`` = :func:`contracted_width`; written in place, one product per output and layer, and twice
@@ -204,29 +205,35 @@ class FeatureSet:
         x: the inputs (prepared).
         graph: keep the autograd graph to ``x``.
         columns: compute the contracted columns at all.
-        keep: keep the contracted columns whatever their size (``None``: when they fit in ``max_jacobian_bytes``).
+        keep: keep the contracted columns whatever their size (``True``), never (``False``), when they fit in
+            ``max_jacobian_bytes`` (``None``), or for the leading chunks that lie within the first ``keep`` points
+            (an ``int``: a memory budget in points; the other chunks' columns are recomputed at each use, so that
+            the cost of a set larger than the budget grows with the part that does not fit).
 
     Attributes:
         bounds: ``(start, stop)`` of each chunk.
         inputs, grads: the single-location layers' features over all of ``x`` (``(N, d_in)``, ``(N·C, d_out)``).
+        kept: per chunk, its contracted columns, or ``None`` where they are recomputed at each use.
     """
 
     def __init__(self, core: NetworkCore, plan: LayerPlan, x: Tensor, graph: bool, columns: bool = True,
-                 keep: bool | None = None) -> None:
+                 keep: bool | int | None = None) -> None:
         self.core, self.plan, self.x, self.graph = core, plan, x, graph
         n, c = x.shape[0], core.num_outputs(x)
         self.contracted = columns and bool(plan.generic or plan.multi)
-        fits = n * c * contracted_width(core, plan) * x.element_size() <= core.max_jacobian_bytes
-        self.keep = self.contracted and (fits if keep is None else keep)
+        if keep is None:
+            keep = n * c * contracted_width(core, plan) * x.element_size() <= core.max_jacobian_bytes
+        limit = (n if keep else 0) if isinstance(keep, bool) else int(keep)
         self.bounds = [(s, min(s + core.chunk_size, n)) for s in range(0, n, core.chunk_size)]
+        self.dtype = x.dtype  # of the columns given out (recomputed ones are rounded to it: :meth:`converted`)
         inputs, grads, self.kept = {}, {}, []
         for s, e in core.chunks(n, "layer features"):
-            f = chunk_features(core, plan, x[s:e], graph, columns=self.keep)
+            held = self.contracted and e <= limit
+            f = chunk_features(core, plan, x[s:e], graph, columns=held)
             for m in f.inputs:
                 inputs.setdefault(m, []).append(f.inputs[m])
                 grads.setdefault(m, []).append(f.grads[m])
-            if self.keep:
-                self.kept.append(f.columns)
+            self.kept.append(f.columns if held else None)
         self.inputs = {m: v[0] if len(v) == 1 else torch.cat(v) for m, v in inputs.items()}
         self.grads = {m: v[0] if len(v) == 1 else torch.cat(v) for m, v in grads.items()}
 
@@ -234,21 +241,36 @@ class FeatureSet:
     def num_points(self) -> int:
         return self.x.shape[0]
 
-    def converted(self, dtype: torch.dtype) -> FeatureSet:
-        """The same features in ``dtype`` (rounded once), for a set whose columns are kept (e.g. features computed
-        on a float64 copy of a network, used against a float32 network's)."""
-        if self.contracted and not self.keep:
-            raise ValueError("only a feature set whose contracted columns are kept can be converted")
+    @property
+    def keep(self) -> bool:
+        """Whether every chunk's contracted columns are kept (none recomputed)."""
+        return self.contracted and all(cols is not None for cols in self.kept)
+
+    @property
+    def kept_points(self) -> int:
+        """The number of points whose contracted columns are kept."""
+        return sum(e - s for (s, e), cols in zip(self.bounds, self.kept) if cols is not None) if self.contracted else 0
+
+    def converted(self, dtype: torch.dtype, release: bool = False) -> FeatureSet:
+        """The same features in ``dtype`` (rounded once), e.g. features computed on a float64 copy of a network, used
+        against a float32 network's. Chunks not kept are recomputed at each use on this set's network and rounded
+        the same way (the same numbers as kept ones). ``release``: drop each of this set's kept chunks once it is
+        converted (the two copies of the columns are never held together; this set then recomputes them)."""
         new = copy.copy(self)
-        new.x = self.x.to(dtype)
+        new.dtype = dtype
         new.inputs = {m: a.to(dtype) for m, a in self.inputs.items()}
         new.grads = {m: g.to(dtype) for m, g in self.grads.items()}
-        new.kept = [{g: t.to(dtype) for g, t in cols.items()} for cols in self.kept]
+        new.kept = []
+        for k, cols in enumerate(self.kept):
+            new.kept.append(None if cols is None else {g: t.to(dtype) for g, t in cols.items()})
+            if release:
+                self.kept[k] = None
         return new
 
     def nbytes(self) -> int:
         """The bytes held."""
-        tensors = [*self.inputs.values(), *self.grads.values(), *(t for cols in self.kept for t in cols.values())]
+        tensors = [*self.inputs.values(), *self.grads.values(),
+                   *(t for cols in self.kept if cols is not None for t in cols.values())]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def rows(self, start: int, stop: int, c: int) -> ChunkFeatures:
@@ -257,8 +279,9 @@ class FeatureSet:
                              {m: g[start * c : stop * c] for m, g in self.grads.items()}, {})
 
     def columns(self, k: int) -> dict[int, Tensor]:
-        """The contracted columns of chunk ``k`` (kept, or recomputed)."""
-        if self.keep:
+        """The contracted columns of chunk ``k`` (kept, or recomputed and rounded to :attr:`dtype`)."""
+        if self.kept[k] is not None:
             return self.kept[k]
         s, e = self.bounds[k]
-        return chunk_features(self.core, self.plan, self.x[s:e], self.graph, single=False).columns
+        cols = chunk_features(self.core, self.plan, self.x[s:e], self.graph, single=False).columns
+        return {g: t.to(self.dtype) for g, t in cols.items()}

@@ -10,7 +10,8 @@ The features of the second argument ``x2`` are computed once (its contracted col
 **Given features of** ``x1`` (``f1``, a :class:`~ntkgp.ntk.feature_pass.FeatureSet` with its columns kept: SFR's
 inducing inputs, computed once per model) nothing of ``x1`` is recomputed: ``x2`` is passed through the network
 one chunk at a time (one forward and ``C`` backward passes per chunk, its columns never kept) and each chunk is
-contracted against all of ``f1``; with ``sym`` the Gram of ``f1`` with itself.
+contracted against all of ``f1``; with ``sym`` the Gram of ``f1`` with itself. Chunks of ``f1`` beyond its memory
+budget (not kept) are recomputed once per chunk of ``x2``, one at a time.
 """
 
 from __future__ import annotations
@@ -44,26 +45,30 @@ def _pairs(f2: FeatureSet, k1: int, s1: int, rows: ChunkFeatures, sym: bool):
         yield s2, e2, rows.columns if sym and k2 == k1 else f2.columns(k2), sym and k2 != k1
 
 
-def _given_rows(core: NetworkCore, f1: FeatureSet, c: int) -> tuple[ChunkFeatures, list[tuple[int, int, dict]]]:
-    """All single-location features of ``f1`` and its chunks' columns ``(s, e, columns)``."""
-    chunks = [(s, e, f1.columns(k)) for k, (s, e) in enumerate(f1.bounds)] if f1.contracted else []
+def _given_rows(core: NetworkCore, f1: FeatureSet, c: int) -> tuple[ChunkFeatures, list[tuple[int, int, int]]]:
+    """All single-location features of ``f1`` and its chunks ``(s, e, k)``: their columns are taken (kept) or
+    recomputed (beyond ``f1``'s budget) by ``f1.columns(k)`` one at a time, for each chunk of ``x2``."""
+    chunks = [(s, e, k) for k, (s, e) in enumerate(f1.bounds)] if f1.contracted else []
     return f1.rows(0, f1.num_points, c), chunks
 
 
 def _group_grams_given(core: NetworkCore, plan: LayerPlan, f1: FeatureSet, x2: Tensor, c: int, out: Tensor,
-                       blocks: Tensor | None) -> None:
+                       blocks: Tensor | None, outputs: tuple[Tensor, Tensor] | None = None) -> None:
     """:func:`group_grams` from the given features of ``x1`` against ``x2``, one chunk of ``x2`` at a time (and, into
-    ``blocks``, the per-point blocks of ``x2`` from the same pass)."""
+    ``blocks``, the per-point blocks of ``x2``, into ``outputs`` :math:`f(x_2)` and :math:`J(x_2)\\theta^*`, from the
+    same pass)."""
     whole, chunks = _given_rows(core, f1, c)
     for s2, e2 in core.chunks(x2.shape[0], "Gram"):
-        f2 = chunk_features(core, plan, x2[s2:e2], False, columns=f1.contracted)
+        f2 = chunk_features(core, plan, x2[s2:e2], False, columns=f1.contracted, linearized=outputs is not None)
+        if outputs is not None:
+            outputs[0][s2:e2], outputs[1][s2:e2] = f2.outputs, f2.linearized
         block = out[:, :, s2 * c : e2 * c]
         if plan.single:  # written into a contiguous block, then copied into the columns of out
             part = torch.zeros(block.shape, dtype=out.dtype, device=out.device)
             structured.gram_rows(core, plan, part, 0, whole, f2, c, False)
             block.copy_(part)
-        for s1, e1, cols in chunks:
-            contraction.add_gram(out, s1, e1, cols, s2, e2, f2.columns, c, False)
+        for s1, e1, k in chunks:
+            contraction.add_gram(out, s1, e1, f1.columns(k), s2, e2, f2.columns, c, False)
         if blocks is not None:
             if plan.single:
                 structured.diag_block_rows(core, plan, blocks[:, s2:e2], f2, c)
@@ -71,9 +76,11 @@ def _group_grams_given(core: NetworkCore, plan: LayerPlan, f1: FeatureSet, x2: T
 
 
 def group_grams(core: NetworkCore, plan: LayerPlan, x1: Tensor, x2: Tensor, sym: bool, c: int, graph: bool,
-                f1: FeatureSet | None = None, blocks: Tensor | None = None) -> Tensor:
+                f1: FeatureSet | None = None, blocks: Tensor | None = None,
+                outputs: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """Per-group Grams ``(G, N1·C, N2·C)`` (``f1``: the given features of ``x1``, see the module doc; then
-    ``blocks``, if given, receives the per-point blocks of ``x2`` ``(G, N2, C, C)`` from the same pass)."""
+    ``blocks``, if given, receives the per-point blocks of ``x2`` ``(G, N2, C, C)`` and ``outputs``, two ``(N2, C)``
+    tensors, :math:`f(x_2)` and :math:`J(x_2)\\theta^*`, from the same pass)."""
     groups = core.groups.num_groups
     out = torch.empty(groups, x1.shape[0] * c, x2.shape[0] * c, dtype=core.dtype, device=core.device)
     written = structured.term_groups(core, plan)
@@ -81,7 +88,7 @@ def group_grams(core: NetworkCore, plan: LayerPlan, x1: Tensor, x2: Tensor, sym:
         if g not in written or (f1 is not None and not sym):
             out[g].zero_()
     if f1 is not None and not sym:
-        _group_grams_given(core, plan, f1, x2, c, out, blocks)
+        _group_grams_given(core, plan, f1, x2, c, out, blocks, outputs)
         return out
     f2 = FeatureSet(core, plan, x2, graph) if f1 is None else f1
     whole = f2.rows(0, x2.shape[0], c)
@@ -107,8 +114,8 @@ def _output_grams_given(core: NetworkCore, plan: LayerPlan, f1: FeatureSet, x2: 
             structured.output_gram_rows(core, plan, out[..., s2:e2], whole, f2, c, False)
             if diag is not None:
                 structured.output_diagonal(core, plan, diag[:, s2:e2], f2, c)
-        for s1, e1, cols in chunks:  # the chunk's columns as the pass wrote them (never joined)
-            contraction.add_output_gram_pieces(out, s1, e1, cols, s2, e2, f2.pieces, c)
+        for s1, e1, k in chunks:  # the chunk's columns as the pass wrote them (never joined)
+            contraction.add_output_gram_pieces(out, s1, e1, f1.columns(k), s2, e2, f2.pieces, c)
         if diag is not None and f2.pieces:
             contraction.add_output_diagonal_pieces(diag, s2, e2, f2.pieces)
 

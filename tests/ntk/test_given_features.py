@@ -61,6 +61,9 @@ def test_outputs_and_linearized_offsets_from_the_same_pass_equal_autograd(prior_
     assert rel_err(linearized, dense) < 1e-12
     ref = reference(net, z, x, prior_structure)
     assert rel_err(grams, dense_output_grams(ref, 3)) < 1e-12 and diag.shape == (engine.num_groups, 9, 3)
+    full, blocks, f2, linearized2 = engine.group_grams(z, x, x1_features=fz, with_blocks=True, with_outputs=True)
+    assert rel_err(full, ref) < 1e-12 and blocks.shape == (engine.num_groups, 9, 3, 3)
+    assert rel_err(f2, net(x).detach()) < 1e-13 and rel_err(linearized2, dense) < 1e-12
 
 
 def test_given_features_pass_each_chunk_of_x2_once_and_never_recompute_x1():
@@ -107,6 +110,8 @@ def test_given_features_are_checked():
         engine.output_grams(z, z, with_outputs=True)
     with pytest.raises(ValueError, match="with_outputs=True needs x1_features and x2"):
         engine.output_grams(z, x1_features=fz, with_outputs=True)
+    with pytest.raises(ValueError, match="with_outputs=True needs x1_features and x2"):
+        engine.group_grams(z, z, with_outputs=True)
     with pytest.raises(ValueError, match="require grad"):
         engine.output_grams(z, z.clone().requires_grad_(True), x1_features=fz)
 
@@ -127,3 +132,27 @@ def test_chunk_bytes_bounds_what_a_chunk_holds():
     assert chunk_for_budget(engine.core, plan, 3, 8, budget=budget) == 5
     assert chunk_for_budget(engine.core, plan, 3, 8, budget=1) == 1
     assert chunk_for_budget(engine.core, plan, 3, 8, budget=2**40, largest=64) == 64
+
+
+def test_grams_from_features_kept_in_part_equal_brute_force():
+    """``feature_set(z, keep=k)``: the columns of the chunks within the first ``k`` points kept, the others recomputed
+    at each use; every Gram equals the dense reference; a float64 set converted to float32 with ``release`` rounds
+    the recomputed chunks as the kept ones (the same numbers) and leaves the source recomputing what it gave away."""
+    net = small_fmnist_cnn()
+    torch.manual_seed(3)
+    z, x = torch.randn(7, 1, 8, 8, dtype=torch.float64), torch.randn(9, 1, 8, 8, dtype=torch.float64)
+    engine = NTKEngine(net, "layer", chunk_size=3)
+    fz = engine.feature_set(z, keep=5)  # chunks 0:3 kept, 3:6 and 6:7 recomputed
+    assert [cols is not None for cols in fz.kept] == [True, False, False] and fz.kept_points == 3 and not fz.keep
+    ref, ref_zz = reference(net, z, x, "layer"), reference(net, z, z, "layer")
+    assert rel_err(engine.group_grams(z, x, x1_features=fz), ref) < 1e-12
+    assert rel_err(engine.output_grams(z, x, x1_features=fz), dense_output_grams(ref, 3)) < 1e-12
+    assert rel_err(engine.group_grams(z, x1_features=fz), ref_zz) < 1e-12
+    full = engine.feature_set(z)
+    rounded = full.converted(torch.float32)
+    partial = fz.converted(torch.float32, release=True)
+    assert fz.kept_points == 0 and partial.kept_points == 3
+    for k in range(3):
+        for g, cols in rounded.columns(k).items():
+            assert cols.dtype == torch.float32 and torch.equal(partial.columns(k)[g], cols)
+            assert torch.equal(fz.columns(k)[g], full.columns(k)[g])

@@ -24,7 +24,7 @@ from torch import Tensor
 from ...caching import ValueCache
 from .prediction_terms import PosteriorState
 from .statistics import DualStatistics
-from .system_grams import inducing_features
+from .system_grams import inducing_features, network_features
 from .whitening import InducingFactors, inducing_factors, roundoff, whitened_factors
 
 __all__ = [
@@ -195,9 +195,11 @@ def reset_after_load(module, incompatible_keys) -> None:
 
 
 def inducing_feature_set(sfr):
-    """The layer features of ``sfr``'s inducing inputs in the network's dtype (cached; ``None`` where they are too
-    large to keep: :func:`~ntkgp.models.sfr.system_grams.inducing_features`)."""
-    return sfr._cache.z_features(lambda: inducing_features(sfr.engine, sfr.inducing_points)[0], generation_key(sfr))
+    """The layer features of ``sfr``'s inducing inputs in the network's dtype (cached; those beyond the memory budget
+    recomputed at each use: :func:`~ntkgp.models.sfr.system_grams.inducing_features`)."""
+    return sfr._cache.z_features(
+        lambda: network_features(sfr.engine, inducing_features(sfr.engine, sfr.inducing_points)[0]), generation_key(sfr)
+    )
 
 
 def z_jacobian(sfr) -> Tensor:

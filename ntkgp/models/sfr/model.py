@@ -28,7 +28,7 @@ from .prediction import predictive_distribution
 from .prediction_terms import PosteriorState, PredictiveTerms
 from .statistics import statistics_dtype
 from .streaming import stream_statistics
-from .system_grams import auto_chunk_size, inducing_features, inducing_grams
+from .system_grams import auto_chunk_size, inducing_features, inducing_grams, network_features
 from .updates import new_statistics
 from .validation import check_training_data, first_batch, flag, integer, optional_positive_int, positive_int
 from .validation import training_batches
@@ -212,12 +212,13 @@ class SFR(CheckedLoad, BoTorchInterface, GP):
         self.register_buffer("inducing_points", z)
         combined = self.statistics is StatisticsMode.COMBINED
         delta = self.covar_module.prior_precision.detach()
-        z_features, *exact = inducing_features(self.engine, z)  # once per model (float64 ones for K_ZZ)
+        exact = inducing_features(self.engine, z)  # once per model, in float64 (on a copy of a float32 network)
         # per group: (G, nb, K, K); combined: (1, nb, K, K), K_ZZ(δ) at the δ of the statistics
-        zz, self._zz_precision = inducing_grams(  # in float64 (on a float64 copy of a float32 network)
+        zz, self._zz_precision = inducing_grams(
             self.engine, z, self.output_coupling, statistics_dtype(self.engine.dtype),
             delta.reciprocal() if combined else None, self._rows_per_step(), exact,
         )
+        z_features = network_features(self.engine, exact[0])  # rounded to the network's dtype chunk by chunk
         del exact  # the float64 features: not held during the pass
         with together("the pass over train_x", self.distributed):
             self.dual_statistics = stream_statistics(

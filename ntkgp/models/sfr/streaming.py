@@ -41,15 +41,20 @@ def mean_offset(engine: NTKEngine, x: Tensor, f: Tensor, kind: PriorMean) -> Ten
 
 def _step(engine: NTKEngine, z: Tensor, xb: Tensor, coupling: OutputCoupling, mean: PriorMean,
           z_features: FeatureSet | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    r"""The outputs, offsets, cross-Grams and point blocks of one step. Independent outputs with the inducing inputs'
-    features: all from one feature pass over ``xb`` (:meth:`NTKEngine.output_grams <ntkgp.ntk.NTKEngine.output_grams>`
-    with ``with_outputs``: :math:`J(x)\theta^*` from the layer features, no forward or Jacobian-vector product of
+    r"""The outputs, offsets, cross-Grams and point blocks of one step. With the inducing inputs' features: all from
+    one feature pass over ``xb`` (:meth:`NTKEngine.output_grams <ntkgp.ntk.NTKEngine.output_grams>` for independent
+    outputs, :meth:`NTKEngine.group_grams <ntkgp.ntk.NTKEngine.group_grams>` for joint coupling, with
+    ``with_outputs``: :math:`J(x)\theta^*` from the layer features, no forward or Jacobian-vector product of
     its own); otherwise :meth:`~ntkgp.ntk.NTKEngine.outputs`, :func:`mean_offset` and
     :func:`~ntkgp.models.sfr.system_grams.system_grams_and_diagonal`."""
-    if coupling is OutputCoupling.INDEPENDENT and z_features is not None:
+    if z_features is not None and coupling is OutputCoupling.INDEPENDENT:
         cross, diag, f, linearized = engine.output_grams(z, xb, with_diagonal=True, x1_features=z_features,
                                                          with_outputs=True)
         return f, (f if mean is PriorMean.ZERO else linearized), cross, torch.diag_embed(diag)
+    if z_features is not None:  # joint: the full Grams, the point blocks and the outputs from the same pass
+        cross, diag, f, linearized = engine.group_grams(z, xb, x1_features=z_features, with_blocks=True,
+                                                        with_outputs=True)
+        return f, (f if mean is PriorMean.ZERO else linearized), cross.unsqueeze(1), diag
     f = engine.outputs(xb)
     offset = mean_offset(engine, xb, f, mean)
     cross, diag = system_grams_and_diagonal(engine, z, xb, coupling, x1_features=z_features)

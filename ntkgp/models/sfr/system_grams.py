@@ -27,8 +27,8 @@ from ...options import OutputCoupling, choose
 from .whitening import _symmetrize_
 
 __all__ = [
-    "auto_chunk_size", "combined_system_gram", "inducing_features", "inducing_grams", "precise_engine", "system_grams",
-    "system_grams_and_diagonal",
+    "auto_chunk_size", "combined_system_gram", "inducing_feature_bytes", "inducing_features", "inducing_grams",
+    "network_features", "precise_engine", "system_grams", "system_grams_and_diagonal",
 ]
 
 
@@ -123,10 +123,20 @@ def precise_engine(engine: NTKEngine) -> NTKEngine:
     )
 
 
-#: SFR keeps its inducing inputs' layer features (:func:`inducing_features`) when they take at most this many bytes
-#: in the network's dtype: ``M·C·P_c`` numbers for the contracted columns (convolutions and generic parameters)
-#: plus the linear layers' ``M·(Σ d_in + C Σ d_out)``; beyond it they are recomputed for every batch and chunk.
+#: SFR keeps its inducing inputs' layer features (:func:`inducing_features`) up to this many bytes in the network's
+#: dtype: per inducing input ``C·P_c`` numbers for the contracted columns (convolutions and generic parameters) plus
+#: the linear layers' ``Σ d_in + C Σ d_out`` (:func:`inducing_feature_bytes`); the chunks of inducing inputs beyond it
+#: are recomputed once per chunk of data or test points (their cost grows with the excess, no cliff).
 INDUCING_FEATURE_BYTES = 4 * 2**30
+
+
+def inducing_feature_bytes(engine: NTKEngine, z: Tensor) -> int:
+    """The bytes of one inducing input's layer features in the network's dtype, for the prepared ``z``: ``C·P_c``
+    contracted columns and ``Σ d_in + C·Σ d_out`` for the single-location (linear) layers."""
+    plan, c = engine.plan(z), engine.num_outputs(z)
+    width = contracted_width(engine.core, plan) if (plan.multi or plan.generic) else 0
+    single = sum(la.module.weight[0].numel() + c * la.d_out for la in plan.single)
+    return (c * width + single) * z.element_size()
 
 
 def auto_chunk_size(engine: NTKEngine, probe: Tensor) -> int:
@@ -136,28 +146,28 @@ def auto_chunk_size(engine: NTKEngine, probe: Tensor) -> int:
     return chunk_for_budget(engine.core, engine.plan(probe), engine.num_outputs(probe), probe.element_size())
 
 
-def inducing_features(engine: NTKEngine, z: Tensor) -> tuple[FeatureSet | None, FeatureSet | None, NTKEngine]:
-    r"""The layer features of the inducing inputs, computed once per model: those for the network's own passes (in its
-    dtype) and those of :func:`precise_engine` (float64, for :math:`K_{ZZ}`), and that engine.
-
-    For a float32 network the features are computed once on the float64 copy and rounded once to float32 for the
-    cross-Grams :math:`K_{Zx}` (as accurate as float32 features can be). Both are ``None`` when they would exceed
-    :data:`INDUCING_FEATURE_BYTES` (then every use recomputes them)."""
+def inducing_features(engine: NTKEngine, z: Tensor) -> tuple[FeatureSet, NTKEngine]:
+    r"""The layer features of the inducing inputs on :func:`precise_engine` (float64, for :math:`K_{ZZ}`), computed
+    once per model, and that engine: the contracted columns of the leading inducing inputs within
+    :data:`INDUCING_FEATURE_BYTES` (counted in the network's dtype) kept, the others recomputed at each use.
+    :func:`network_features` gives them in the network's dtype."""
     precise = precise_engine(engine)
     z = engine.prepare(z, "inducing_points").detach()
-    plan, c = engine.plan(z), engine.num_outputs(z)
-    width = contracted_width(engine.core, plan) if (plan.multi or plan.generic) else 0
-    numel = dict(zip(engine.core.names, engine.core.numels))
-    single = sum(numel[n] for la in plan.single for n in la.parameter_names)  # ≥ Σ d_in + C Σ d_out / C
-    if z.shape[0] * (c * width + single) * z.element_size() > INDUCING_FEATURE_BYTES:
-        return None, None, precise
-    exact = precise.feature_set(z.to(precise.dtype))
-    return (exact if precise is engine else exact.converted(engine.dtype)), exact, precise
+    keep = INDUCING_FEATURE_BYTES // max(1, inducing_feature_bytes(engine, z))
+    return precise.feature_set(z.to(precise.dtype), keep=keep), precise
+
+
+def network_features(engine: NTKEngine, exact: FeatureSet) -> FeatureSet:
+    """The inducing inputs' features for the network's own passes: ``exact`` (:func:`inducing_features`) itself for a
+    float64 network; for a float32 one rounded once to float32 (as accurate as float32 features can be), each float64
+    chunk dropped from ``exact`` as it is converted (the two copies are never held together; ``exact`` then
+    recomputes what it dropped), the chunks not kept recomputed in float64 and rounded at each use."""
+    return exact if exact.dtype == engine.dtype else exact.converted(engine.dtype, release=True)
 
 
 def inducing_grams(
     engine: NTKEngine, z: Tensor, coupling: OutputCoupling | str, dtype: torch.dtype,
-    weights: Tensor | None = None, rows: int = 1, features: tuple[FeatureSet | None, NTKEngine] | None = None,
+    weights: Tensor | None = None, rows: int = 1, features: tuple[FeatureSet, NTKEngine] | None = None,
 ) -> tuple[Tensor, torch.dtype]:
     r""":math:`K_{ZZ}` per group, :func:`system_grams` ``(G, nb, K, K)``, or (``weights`` given, combined statistics)
     :math:`\sum_g w_g K_{g,ZZ}` ``(1, nb, K, K)`` (:func:`combined_system_gram`), in ``dtype``, computed in float64

@@ -11,7 +11,8 @@ import torch
 
 from ntkgp.likelihoods import SoftmaxLikelihood
 from ntkgp.models.sfr import SFR
-from ntkgp.ntk import NTKEngine
+from ntkgp.ntk import NTKEngine, feature_pass
+from ntkgp.ntk.feature_pass import FeatureSet
 from tests.helpers import rel_err
 from tests.ntk.test_cnn_passes import small_fmnist_cnn
 
@@ -31,9 +32,9 @@ def test_inducing_features_are_computed_once_per_model(coupling, dtype):
     calls = []
     real = NTKEngine.feature_set
 
-    def spy(engine, z):
+    def spy(engine, z, **kwargs):
         calls.append((z.shape[0], engine.dtype))
-        return real(engine, z)
+        return real(engine, z, **kwargs)
 
     with mock.patch.object(NTKEngine, "feature_set", spy):
         sfr = SFR(net, x, y, SoftmaxLikelihood(3).to(dtype), num_inducing=8, output_coupling=coupling, batch_size=7)
@@ -53,7 +54,7 @@ def test_a_model_without_kept_features_predicts_the_same(coupling, monkeypatch):
     kept = SFR(net, x, y, SoftmaxLikelihood(3).double(), **kw)
     monkeypatch.setattr(system_grams, "INDUCING_FEATURE_BYTES", 0)  # too large to keep: recomputed per use
     recomputed = SFR(net, x, y, SoftmaxLikelihood(3).double(), **kw)
-    assert recomputed._cache.entries() == [] or all(e is None for e in recomputed._cache.entries())
+    assert [e.kept_points for e in recomputed._cache.entries() if isinstance(e, FeatureSet)] == [0]
     d1, d2 = kept(xs, chunk_size=4), recomputed(xs, chunk_size=4)
     assert rel_err(d1.mean, d2.mean) < 1e-12 and rel_err(d1.covariance_matrix, d2.covariance_matrix) < 1e-12
     assert abs(kept.log_marginal_likelihood().item() - recomputed.log_marginal_likelihood().item()) < 1e-9
@@ -80,3 +81,38 @@ def test_default_chunk_size_follows_the_memory_budget():
     with mock.patch("ntkgp.ntk.feature_pass.CHUNK_BYTES", 1):
         assert system_grams.auto_chunk_size(sfr.engine, x[:1]) == 1
     assert SFR(net, x, y, SoftmaxLikelihood(3).double(), num_inducing=8, chunk_size=5).engine.chunk_size == 5
+
+
+@pytest.mark.parametrize("coupling", ["joint", "independent"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_features_beyond_the_budget_are_recomputed_chunk_by_chunk_and_give_the_same_model(coupling, dtype, monkeypatch):
+    """A budget of 4 of the 8 inducing inputs (chunks of 3): the first chunk's columns kept, the two others recomputed
+    (in float64, rounded: the same numbers) once per chunk of data or test points; the model equals the one that
+    keeps them all. The budget counts what a kept feature set holds (``FeatureSet.nbytes``)."""
+    net = small_fmnist_cnn().to(dtype)
+    x, y, xs = data(dtype)
+    kw = {"num_inducing": 8, "output_coupling": coupling, "batch_size": 7, "chunk_size": 3}
+    kept = SFR(net, x, y, SoftmaxLikelihood(3).to(dtype), **kw)
+    z = kept.inducing_points
+    per_point = system_grams.inducing_feature_bytes(kept.engine, z)
+    assert NTKEngine(net, "network").feature_set(z).nbytes() == 8 * per_point
+    monkeypatch.setattr(system_grams, "INDUCING_FEATURE_BYTES", 4 * per_point + per_point // 2)
+    sizes = []
+    real = feature_pass.chunk_features
+
+    def spy(core, plan, xc, *args, **kwargs):
+        sizes.append((xc.shape[0], kwargs.get("single", True)))
+        return real(core, plan, xc, *args, **kwargs)
+
+    with mock.patch("ntkgp.ntk.feature_pass.chunk_features", spy):
+        partial = SFR(net, x, y, SoftmaxLikelihood(3).to(dtype), **kw)
+        build = list(sizes)
+        d1, d2 = kept(xs, chunk_size=4), partial(xs, chunk_size=4)
+    [features] = [e for e in partial._cache.entries() if isinstance(e, FeatureSet)]
+    assert features.kept_points == 3 and features.dtype == dtype
+    recomputed = [n for n, single in build if not single]  # the columns of Z's chunks 3:6 and 6:8
+    data_chunks = sum(len(range(0, len(b), 3)) for b in x.split(7))  # steps of 7 points, chunks of 3
+    zz = [3, 2, 3]  # K_ZZ (lower blocks): the row chunks 3:6 and 6:8, and 3:6 again as the pair left of 6:8
+    assert sorted(recomputed) == sorted([3, 2] * data_chunks + zz)
+    tol = 1e-12 if dtype == torch.float64 else 1e-6
+    assert rel_err(d1.mean, d2.mean) < tol and rel_err(d1.covariance_matrix, d2.covariance_matrix) < tol
