@@ -1,4 +1,4 @@
-"""Image scale: SFR, the KFAC Laplace GLM and their predictives on the Fashion-MNIST CNN, with time and peak memory.
+r"""Image scale: SFR, the KFAC Laplace GLM and their predictives on the Fashion-MNIST CNN, with time and peak memory.
 
 The network is the FSVI paper's CNN (conv 32 and conv 64, 3×3 'same', ReLU and 2×2 max-pool after each, FC 128,
 FC 10; P = 421,642), float32, trained for ``--epochs`` epochs of Adam on the ``--n`` training images (not timed;
