@@ -29,7 +29,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 #: Options whose values are machine-specific, and what a footer writes in their place.
-PLACEHOLDERS = {"--data-dir": "DATA", "--laplace-python": "LAPLACE_PYTHON"}
+PLACEHOLDERS = {"--data-dir": "DATA", "--laplace-python": "LAPLACE_PYTHON", "--weights": "WEIGHTS.pt"}
 
 
 def _program() -> list[str]:
@@ -44,7 +44,7 @@ def _program() -> list[str]:
 
 def command_line() -> str:
     """The running script's command as typed from the repository root, for a footer: the data folder written
-    as ``DATA`` and the laplace-torch interpreter as ``LAPLACE_PYTHON`` (:data:`PLACEHOLDERS`). A script run
+    as ``DATA``, the laplace-torch interpreter as ``LAPLACE_PYTHON`` and a weights file as ``WEIGHTS.pt`` (:data:`PLACEHOLDERS`). A script run
     with ``python -m package.module`` is written so. A note (such as ``  # with laplace-torch 0.3 importable``)
     is appended by the caller, after the command."""
     out = []
