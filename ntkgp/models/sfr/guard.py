@@ -40,9 +40,11 @@ _INDUCING_CHANGED = (
 )
 
 
-def state_key(engine: NTKEngine, inducing_points: Tensor) -> Tensor:
-    """The fingerprints of the network's state and of :math:`Z` (the last two entries), ``int64`` on the CPU."""
-    return torch.cat([fingerprint(engine.network_state()), fingerprint([inducing_points.detach().double()])])
+def state_key(engine: NTKEngine, inducing_points: Tensor, state: list[Tensor] | None = None) -> Tensor:
+    """The fingerprints of the network's state (``state``, else :meth:`NTKEngine.network_state`) and of :math:`Z`
+    (the last two entries), ``int64`` on the CPU."""
+    state = engine.network_state() if state is None else state
+    return torch.cat([fingerprint(state), fingerprint([inducing_points.detach().double()])])
 
 
 class StateGuard:
@@ -75,17 +77,17 @@ class StateGuard:
         """Raise ``RuntimeError`` if the weights or :math:`Z` differ from those of the statistics, or a parameter
         was frozen or unfrozen since (``TrainableParametersChanged``: the statistics' Jacobian columns and
         prior groups belong to the old set of trainable parameters)."""
-        network_state(engine, "SFR")
+        state = network_state(engine, "SFR")
         if self.weights is None:  # after loading other statistics: the key decides, then copies are taken
-            current = state_key(engine, inducing_points)
+            current = state_key(engine, inducing_points, state)
             if current.shape != self.key.shape or not torch.equal(current[:-2], self.key[:-2]):
                 raise RuntimeError(_WEIGHTS_CHANGED)
             if not torch.equal(current[-2:], self.key[-2:]):
                 raise RuntimeError(_INDUCING_CHANGED)
-            self.weights = tuple(p.detach().clone() for p in engine.network_state())
+            self.weights = tuple(p.detach().clone() for p in state)
             self.inducing_points = inducing_points.detach().clone()
             return
-        if not same_values(self.weights, engine.network_state()):
+        if not same_values(self.weights, state):
             raise RuntimeError(_WEIGHTS_CHANGED)
         stored = self.inducing_points
         current_z = inducing_points.detach().to(dtype=stored.dtype, device=stored.device)
