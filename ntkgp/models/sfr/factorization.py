@@ -87,7 +87,7 @@ class PosteriorCache:
     def __init__(self, z_features=None, generation: Tensor | None = None) -> None:
         self._caches = {name: ValueCache(size=1) for name in ("inducing", "posterior", "z_jacobian", "z_features")}
         if z_features is not None:
-            self._caches["z_features"].get_or_compute("Z features", [], lambda: z_features, state=[generation[:1]])
+            self.z_features(lambda: z_features, generation)
 
     def __getstate__(self) -> dict:  # a pickled or copied model recomputes its factors
         return {"empty": True}
