@@ -14,6 +14,7 @@ from gpytorch.likelihoods import (
 from torch import Tensor
 
 from ..linalg import all_finite
+from ..ntk.checks import check_has_values
 from .logistic_likelihood import LogisticLikelihood
 from .properties import num_outputs as likelihood_num_outputs
 from .properties import unsupported_likelihood
@@ -60,8 +61,7 @@ def validate_targets(
     """
     if not torch.is_tensor(y):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(y).__name__}")
-    if y.is_meta:
-        raise ValueError(f"{name} is on the meta device, which holds shapes but no values to compute with")
+    check_has_values(y, name)
     expected = likelihood_num_outputs(likelihood)
     if num_outputs is not None and num_outputs != expected:
         raise ValueError(
