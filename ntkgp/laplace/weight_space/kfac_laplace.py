@@ -308,18 +308,19 @@ class KFACLaplace(WeightPosterior):
         out[self.diagonal_index, self.diagonal_index] = self.diagonal_precision()
         return out
 
-    def _features(self, x: Tensor) -> dict[str, tuple[Tensor, Tensor]]:
+    def _layers(self, x: Tensor) -> list:
+        """The blocks' layers, checked against autograd on ``x`` at the first call."""
         layers = [block.layer for block in self.blocks]
         if not self._verified:
             structured_layers(self.function, x, strict=True, modules=[layer.name for layer in layers])
             self._verified = True
-        return kronecker_features(self.function, x, layers)
+        return layers
+
+    def _features(self, x: Tensor) -> dict[str, tuple[Tensor, Tensor]]:
+        return kronecker_features(self.function, x, self._layers(x))
 
     def _glm_covariance(self, x: Tensor) -> Tensor:
-        layers = [block.layer for block in self.blocks]
-        if not self._verified:
-            structured_layers(self.function, x, strict=True, modules=[layer.name for layer in layers])
-            self._verified = True
+        layers = self._layers(x)
         covariances = [(weights, u_g, u_a) for u_g, u_a, weights in self._block_weights()]
         out = kronecker_covariances(self.function, x, layers, covariances) if layers else 0
         if self.diagonal_names:
