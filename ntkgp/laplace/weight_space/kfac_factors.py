@@ -86,11 +86,10 @@ class FactorSums:
 
     @staticmethod
     def _add(store: dict[str, Tensor], name: str, value: Tensor) -> None:
-        value = value.to(torch.float64)
         if name in store:
-            store[name] += value
-        else:
-            store[name] = value.clone() if value.dtype == torch.float64 else value
+            store[name] += value.to(torch.float64)
+        else:  # a float64 value is the caller's: copied; any other is copied by the conversion
+            store[name] = value.clone() if value.dtype == torch.float64 else value.to(torch.float64)
 
     def reduce(self, layer: Layer, a: Tensor, g: Tensor, m: int, count: int) -> None:
         r"""The ``reduce`` hook of the feature pass: column ``m`` of ``count``'s gradients ``g``
