@@ -12,8 +12,7 @@ from __future__ import annotations
 import torch
 from linear_operator.operators import LinearOperator
 
-from ...linalg import block_sandwich as sandwich
-from ...linalg import cholesky, gram
+from ...linalg import block_sandwich, cholesky, gram
 
 __all__ = ["as_columns", "block_apply", "block_sandwich", "low_rank_log_det", "site_cholesky"]
 
@@ -21,14 +20,6 @@ __all__ = ["as_columns", "block_apply", "block_sandwich", "low_rank_log_det", "s
 def as_columns(rhs: torch.Tensor) -> tuple[torch.Tensor, bool]:
     """``rhs`` as a matrix of columns, and whether it was a vector (``(n,)`` → ``(n, 1)``)."""
     return (rhs.unsqueeze(-1), True) if rhs.dim() == 1 else (rhs, False)
-
-
-def block_sandwich(factor: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
-    """``Lᵀ K L`` for a block-diagonal ``L`` given as blocks ``(N, C, k)`` and ``K`` of shape ``(N·C, N·C)``.
-
-    Returns ``(N·k, N·k)`` in interleaved order. Costs ``O((NC)² k)``; the ``(NC, Nk)`` matrix ``L`` is never formed.
-    """
-    return sandwich(factor, gram)
 
 
 def block_apply(factor: torch.Tensor, v: torch.Tensor, transpose: bool = False) -> torch.Tensor:

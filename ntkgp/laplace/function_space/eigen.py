@@ -39,7 +39,7 @@ from gpytorch.likelihoods import Likelihood, MultitaskGaussianLikelihood
 from ...caching import ValueCache
 from ...kernels import NTKKernel
 from ...likelihoods import gradient, hessian_sqrt, is_gaussian, likelihood_temperature, noise_variance
-from ...linalg import block_sandwich as sandwich
+from ...linalg import block_sandwich
 from ...linalg import gram
 from ...options import Curvature, Space, choose, choose_space
 from .algebra import block_apply
@@ -122,7 +122,7 @@ def spectrum(
             scale = site_scale(likelihood, curvature).to(f)
             base = _factor(likelihood, f.detach(), y, curvature) / scale  # L_0, free of hyperparameters
             if space is Space.FUNCTION:
-                matrix = sandwich(base, kernel.group_grams(x).sum(0).to(base), symmetric=True)
+                matrix = block_sandwich(base, kernel.group_grams(x).sum(0).to(base), symmetric=True)
             else:
                 w = block_apply(base, kernel.jacobian(x).to(base), transpose=True)
                 matrix = gram(w)
