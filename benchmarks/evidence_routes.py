@@ -157,9 +157,10 @@ def ntkgp_full(task, x, y, net, prior_structure, steps, x_test):
     space = choose_space("auto", p, x.shape[0] * k).value
     one, weight, regression = prior_structure == "network", space == "weight", task == "regression"
     groups = model.covar_module.engine.num_groups
-    bounds = {"floor": floor_step(groups, regression, steps),
+    floor = floor_step(groups, regression, steps)
+    bounds = {"floor": floor,
               "bare_step": bare_full_step(min(p, x.shape[0] * k) if one else p if weight else x.shape[0] * k,
-                                          groups, one, not weight, regression, steps),
+                                          groups, one, not weight, regression, steps, floor),
               "bare_build": bare_full_build(x.shape[0] * k, p, weight, one)}
     return {"build": t_build, "step": t_step, "pred": t_pred, "first": first, "route": f"full GGN, {space} space",
             **bounds}
