@@ -23,8 +23,9 @@ from gpytorch.likelihoods import Likelihood
 from linear_operator.operators import LinearOperator, RootLinearOperator
 
 from ...kernels import NTKKernel
-from ...likelihoods import gradient, hessian_sqrt, is_gaussian, log_likelihood, num_outputs
+from ...likelihoods import gradient, hessian_sqrt, log_likelihood
 from ...options import Curvature, Space, choose, choose_space
+from ..weight_space.scaling import scale_size
 from .algebra import low_rank_log_det, site_cholesky
 from .eigen import checked_spectral_log_det, eigen_problem
 from .evidence_curvature import curvature_problem, evidence_curvature
@@ -174,8 +175,7 @@ def evidence_method(
     n, c = f.shape[-2], f.shape[-1]
     k = c if curvature is Curvature.GGN else 1
     engine = kernel.engine
-    scales = num_outputs(likelihood) if is_gaussian(likelihood) else 1  # the length of output_scale(likelihood)
-    components = scales ** (2 if curvature is Curvature.EF else 1)
+    components = scale_size(likelihood) ** (2 if curvature is Curvature.EF else 1)
     dense = dense_memory_bytes(engine.num_params, engine.num_groups, n, c, k, f.dtype, space, components)
     chosen = choose_method(method, dense, options, eigen)
     if chosen is EvidenceMethod.MATRIX_FREE and free is not None:

@@ -27,10 +27,10 @@ from gpytorch.likelihoods import Likelihood
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from .scaling import output_scale
+from .scaling import output_scale, scale_size
 from .full_curvature import component_weights as _component_weights
 from .full_curvature import curvature_components, jacobian_rows
-from ...likelihoods import is_gaussian, num_outputs, validate_targets
+from ...likelihoods import num_outputs, validate_targets
 from ...ntk.checks import check_outputs
 from ...options import Curvature
 from ...ntk.network import NetworkCore
@@ -93,11 +93,6 @@ def data_batches(
         yield xb, fb, yb
     if seen == 0:
         raise ValueError("the data is empty: no batch was seen")
-
-
-def scale_size(likelihood: Likelihood) -> int:
-    """The number of curvature components :math:`K`: ``C`` for Gaussian likelihoods, else 1."""
-    return num_outputs(likelihood) if is_gaussian(likelihood) else 1
 
 
 def dense_curvature(

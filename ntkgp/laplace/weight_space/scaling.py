@@ -34,6 +34,12 @@ from ...likelihoods import (
 )
 
 
+def scale_size(likelihood: Likelihood) -> int:
+    """The number of curvature components :math:`K` (the length of :func:`output_scale`): ``C`` for Gaussian
+    likelihoods, else 1."""
+    return num_outputs(likelihood) if is_gaussian(likelihood) else 1
+
+
 def output_scale(likelihood: Likelihood) -> Tensor:
     r"""The output scale :math:`s` of ``likelihood``: ``(C,)`` :math:`1/\sigma_c^2` for Gaussian likelihoods,
     ``(1,)`` :math:`1/T` otherwise. Differentiable w.r.t. the noise and the temperature."""
