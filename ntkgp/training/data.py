@@ -81,10 +81,7 @@ class TensorData:
         # Builds the kernel and checks every row of train_x, the outputs and the targets: no side effect on net.
         model = NTKGP(net, train_x, train_y, likelihood, prior_precision=prior_precision,
                       prior_structure=options.prior_structure, chunk_size=options.curvature_batch_size)
-        modes = [m.training for m in likelihood.modules()]
-        model.train()  # the kernel's mode; the user's likelihood keeps its own (NTKGP holds it as a submodule)
-        for module, mode in zip(likelihood.modules(), modes):
-            module.training = mode
+        # only the kernel is kept (in training mode, as built); the user's likelihood keeps its own mode
         self.kernel = model.covar_module
         self.distributed = options.distributed
         engine = self.kernel.engine
