@@ -429,16 +429,6 @@ def vs_laplace_torch(args, net, x, y, x_test, y_test, n: int, n_test: int = 1000
     return out
 
 
-def run_command() -> str:
-    """This run's command for the docs, with the machine's paths as placeholders."""
-    out, placeholder = [], None
-    for token in sys.argv[1:]:
-        out.append(placeholder or token)
-        placeholder = None if placeholder else {"--weights": "WEIGHTS.pt", "--sfr-code": "SFR_CODE",
-                                                "--data-dir": "DATA", "--json": "RUN.json"}.get(token)
-    return "python benchmarks/image_scale.py " + " ".join(out)
-
-
 def _fmt(seconds: float | None) -> str:
     return "—" if seconds is None else f"{seconds:.0f} s" if seconds >= 10 else f"{seconds:.2f} s"
 
@@ -485,8 +475,9 @@ def write_docs(paths: list[Path]) -> None:
     extrapolation formulas)."""
     from ntkgp._doctable import markdown_table, write_block
 
-    results = [r | {"command": r.get("command", "").replace("RUN.json", p.name)}
-               for p in paths for r in json.loads(p.read_text()) if "error" not in r and r["row"] != "train"]
+    loaded = [(p.name, r) for p in paths for r in json.loads(p.read_text())]  # each file read once
+    results = [r | {"command": r.get("command", "").replace("RUN.json", name)}
+               for name, r in loaded if "error" not in r and r["row"] != "train"]
     table, load = [], lambda r: f"{r['load_average']:.1f}"
     table.extend(sfr_lines(results, load))
     for r in (r for r in results if r["row"].startswith("bound")):
@@ -529,7 +520,7 @@ def write_docs(paths: list[Path]) -> None:
                           f"{r['peak_mib']:.0f}", load(r)])
     header = ["row", "N", "measured", "extrapolated", "target", "peak MiB", "load"]
     runs = sorted({r["command"] for r in results})
-    trainers = [(p.name, r) for p in paths for r in json.loads(p.read_text()) if r["row"] == "train"]
+    trainers = [(name, r) for name, r in loaded if r["row"] == "train"]
     trained = "; ".join(f"{name}: {r.get('epochs', '`--epochs`')} epochs of Adam on {r.get('train_images', '`--n`')} "
                         f"images, test accuracy {r['map_accuracy']:.3f}" for name, r in trainers)
     note = ("\n\nFloat32 network (the rows against the public SFR code: float64, zero prior mean), one δ, independent "
@@ -576,13 +567,16 @@ def main() -> None:
             results.append({"row": "train"} | train(args, weights))
             print(json.dumps(results[-1]), flush=True)
         base = [a for a in sys.argv[1:]]
+        from ntkgp._doctable import command_line
+
+        command = command_line({"--sfr-code": "SFR_CODE", "--json": "RUN.json"})  # the machine's paths as placeholders
         for name in args.rows:
             cmd = [sys.executable, __file__, *base, "--weights", str(weights), "--row", name]
             done = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
             lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
             result = json.loads(lines[-1][7:]) if lines else {"row": name, "error": done.stderr[-2000:]}
             result |= {"n": args.n, "n_test": args.n_test, "threads": torch.get_num_threads(),
-                       "load_average": os.getloadavg()[0], "command": run_command()}
+                       "load_average": os.getloadavg()[0], "command": command}
             results.append(result)
             print(json.dumps(result), flush=True)
             if args.json is not None:  # after every row: a run stopped for time keeps what it measured

@@ -42,11 +42,13 @@ def _program() -> list[str]:
     return [os.path.relpath(sys.argv[0], REPO_ROOT)]
 
 
-def command_line() -> str:
+def command_line(extra: dict[str, str] | None = None) -> str:
     """The running script's command as typed from the repository root, for a footer: the data folder written
-    as ``DATA``, the laplace-torch interpreter as ``LAPLACE_PYTHON`` and a weights file as ``WEIGHTS.pt`` (:data:`PLACEHOLDERS`). A script run
+    as ``DATA``, the laplace-torch interpreter as ``LAPLACE_PYTHON`` and a weights file as ``WEIGHTS.pt``
+    (:data:`PLACEHOLDERS`). A script run
     with ``python -m package.module`` is written so. A note (such as ``  # with laplace-torch 0.3 importable``)
-    is appended by the caller, after the command."""
+    is appended by the caller, after the command. ``extra`` adds placeholders of the script's own options."""
+    placeholders = PLACEHOLDERS if extra is None else {**PLACEHOLDERS, **extra}
     out = []
     placeholder = None
     for token in sys.argv[1:]:
@@ -55,11 +57,11 @@ def command_line() -> str:
             placeholder = None
             continue
         option = token.split("=", 1)[0]
-        if option in PLACEHOLDERS:
+        if option in placeholders:
             if "=" in token:
-                token = f"{option}={PLACEHOLDERS[option]}"
+                token = f"{option}={placeholders[option]}"
             else:
-                placeholder = PLACEHOLDERS[option]
+                placeholder = placeholders[option]
         out.append(token)
     argv = [*_program(), *out]
     return "python " + " ".join(shlex.quote(t) for t in argv)
