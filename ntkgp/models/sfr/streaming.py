@@ -24,7 +24,6 @@ from ...ntk import NTKEngine
 from ...ntk.feature_pass import FeatureSet
 from ...options import OutputCoupling, PriorMean
 from .statistics import DualStatistics, statistics_dtype
-from .system_grams import system_grams_and_diagonal
 from .validation import InputLayout, data_names, refuse_graph
 
 __all__ = ["mean_offset", "stream_statistics"]
@@ -40,25 +39,21 @@ def mean_offset(engine: NTKEngine, x: Tensor, f: Tensor, kind: PriorMean) -> Ten
 
 
 def _step(engine: NTKEngine, z: Tensor, xb: Tensor, coupling: OutputCoupling, mean: PriorMean,
-          z_features: FeatureSet | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    r"""The outputs, offsets, cross-Grams and point blocks of one step. With the inducing inputs' features: all from
-    one feature pass over ``xb`` (:meth:`NTKEngine.output_grams <ntkgp.ntk.NTKEngine.output_grams>` for independent
-    outputs, :meth:`NTKEngine.group_grams <ntkgp.ntk.NTKEngine.group_grams>` for joint coupling, with
+          z_features: FeatureSet) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    r"""The outputs, offsets, cross-Grams and point blocks of one step, all from one feature pass over ``xb``
+    against the inducing inputs' features (:meth:`NTKEngine.output_grams <ntkgp.ntk.NTKEngine.output_grams>` for
+    independent outputs, :meth:`NTKEngine.group_grams <ntkgp.ntk.NTKEngine.group_grams>` for joint coupling, with
     ``with_outputs``: :math:`J(x)\theta^*` from the layer features, no forward or Jacobian-vector product of
-    its own); otherwise :meth:`~ntkgp.ntk.NTKEngine.outputs`, :func:`mean_offset` and
-    :func:`~ntkgp.models.sfr.system_grams.system_grams_and_diagonal`."""
-    if z_features is not None and coupling is OutputCoupling.INDEPENDENT:
+    its own)."""
+    if coupling is OutputCoupling.INDEPENDENT:
         cross, diag, f, linearized = engine.output_grams(z, xb, with_diagonal=True, x1_features=z_features,
                                                          with_outputs=True)
-        return f, (f if mean is PriorMean.ZERO else linearized), cross, torch.diag_embed(diag)
-    if z_features is not None:  # joint: the full Grams, the point blocks and the outputs from the same pass
+        diag = torch.diag_embed(diag)
+    else:  # joint: the full Grams, the point blocks and the outputs from the same pass
         cross, diag, f, linearized = engine.group_grams(z, xb, x1_features=z_features, with_blocks=True,
                                                         with_outputs=True)
-        return f, (f if mean is PriorMean.ZERO else linearized), cross.unsqueeze(1), diag
-    f = engine.outputs(xb)
-    offset = mean_offset(engine, xb, f, mean)
-    cross, diag = system_grams_and_diagonal(engine, z, xb, coupling, x1_features=z_features)
-    return f, offset, cross, diag
+        cross = cross.unsqueeze(1)
+    return f, (f if mean is PriorMean.ZERO else linearized), cross, diag
 
 
 def stream_statistics(
@@ -72,8 +67,9 @@ def stream_statistics(
     rows: int,
     argument: str,
     progress: bool = False,
+    *,
+    z_features: FeatureSet,
     prior_precision: Tensor | None = None,
-    z_features: FeatureSet | None = None,
 ) -> DualStatistics:
     r"""Fresh :class:`DualStatistics` of ``batches`` at inducing inputs ``z`` (nothing else is changed).
 
@@ -90,7 +86,7 @@ def stream_statistics(
         progress: show a progress bar.
         prior_precision: ``None`` (statistics per group), or the :math:`\delta` at which the groups are combined
             (``statistics="combined"``, :class:`DualStatistics`).
-        z_features: the engine's :meth:`~ntkgp.ntk.NTKEngine.feature_set` of ``z`` (``None``: recomputed per step).
+        z_features: the engine's :meth:`~ntkgp.ntk.NTKEngine.feature_set` of ``z``, computed once per model.
 
     Returns:
         The statistics (raises before returning anything if any batch is bad).
