@@ -215,8 +215,8 @@ class SFR(CheckedLoad, BoTorchInterface, GP):
         exact = inducing_features(self.engine, z)  # once per model, in float64 (on a copy of a float32 network)
         # per group: (G, nb, K, K); combined: (1, nb, K, K), K_ZZ(δ) at the δ of the statistics
         zz, self._zz_precision = inducing_grams(
-            self.engine, z, self.output_coupling, statistics_dtype(self.engine.dtype),
-            delta.reciprocal() if combined else None, self._rows_per_step(), exact,
+            z, self.output_coupling, statistics_dtype(self.engine.dtype), exact,
+            delta.reciprocal() if combined else None, self._rows_per_step(),
         )
         z_features = network_features(self.engine, exact[0])  # rounded to the network's dtype chunk by chunk
         del exact  # the float64 features: not held during the pass

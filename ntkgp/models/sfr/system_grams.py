@@ -166,15 +166,15 @@ def network_features(engine: NTKEngine, exact: FeatureSet) -> FeatureSet:
 
 
 def inducing_grams(
-    engine: NTKEngine, z: Tensor, coupling: OutputCoupling | str, dtype: torch.dtype,
-    weights: Tensor | None = None, rows: int = 1, features: tuple[FeatureSet, NTKEngine] | None = None,
+    z: Tensor, coupling: OutputCoupling | str, dtype: torch.dtype, features: tuple[FeatureSet, NTKEngine],
+    weights: Tensor | None = None, rows: int = 1,
 ) -> tuple[Tensor, torch.dtype]:
     r""":math:`K_{ZZ}` per group, :func:`system_grams` ``(G, nb, K, K)``, or (``weights`` given, combined statistics)
     :math:`\sum_g w_g K_{g,ZZ}` ``(1, nb, K, K)`` (:func:`combined_system_gram`), in ``dtype``, computed in float64
     (:func:`precise_engine`); and the dtype it was computed in. ``features``: the float64 features of ``z`` and their
     engine (:func:`inducing_features`), reused."""
-    exact, precise = (None, precise_engine(engine)) if features is None else features
+    exact, precise = features
     z = z.to(precise.dtype)
     if weights is not None:
         return combined_system_gram(precise, z, coupling, weights.to(precise.dtype), rows, dtype, exact), precise.dtype
-    return system_grams(precise, z, None if exact is not None else z, coupling, exact).to(dtype), precise.dtype
+    return system_grams(precise, z, None, coupling, exact).to(dtype), precise.dtype
