@@ -15,17 +15,11 @@ from dataclasses import dataclass
 import torch
 
 from ..distributed import check_distributed
+from ..kernels.arguments import check_int
 from ..ntk import GroupSpec
 from ..options import Structure, choose
 
 __all__ = ["MarglikOptions", "Schedule", "check_options", "make_optimizer", "make_scheduler", "needs_closure"]
-
-
-def _count(value: object, argument: str, minimum: int = 1) -> int:
-    """``value`` as an ``int >= minimum``: any ``numbers.Integral`` (numpy's included) but ``bool``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        raise ValueError(f"{argument} must be an integer >= {minimum}, got {value!r}")
-    return int(value)
 
 
 def _positive_float(value: object, argument: str) -> float:
@@ -95,12 +89,12 @@ def check_options(
         TypeError, ValueError: naming the argument.
     """
     structure = choose(Structure, structure, "structure")
-    schedule = Schedule(epochs=_count(epochs, "epochs"), burn_in=_count(burn_in, "burn_in", 0),
-                        frequency=_count(frequency, "frequency"), hyper_steps=_count(hyper_steps, "hyper_steps", 0))
-    curvature_batch_size = _count(curvature_batch_size, "curvature_batch_size")
-    seed = _count(seed, "seed", 0)
+    schedule = Schedule(epochs=check_int(epochs, "epochs", 1), burn_in=check_int(burn_in, "burn_in", 0),
+                        frequency=check_int(frequency, "frequency", 1), hyper_steps=check_int(hyper_steps, "hyper_steps", 0))
+    curvature_batch_size = check_int(curvature_batch_size, "curvature_batch_size", 1)
+    seed = check_int(seed, "seed", 0)
     if batch_size is not None:
-        batch_size = _count(batch_size, "batch_size")
+        batch_size = check_int(batch_size, "batch_size", 1)
     lr = _positive_float(lr, "lr")
     hyper_lr = _positive_float(hyper_lr, "hyper_lr")
     if not callable(optimizer):
