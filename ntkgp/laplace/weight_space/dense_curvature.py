@@ -13,7 +13,7 @@ tempered classification likelihood) a single component with :math:`\tilde\Lambda
 :math:`\tilde g_n = g_n / s_0`. A new noise or temperature re-weights the components without a pass over
 the data. Memory :math:`O(K P^2)` (:math:`K = C^2` for the EF of a multi-output Gaussian likelihood).
 
-The components are summed by :func:`ntkgp.laplace.weight_space.full_curvature.curvature_components`, the one implementation shared
+The components are summed by :class:`ntkgp.laplace.weight_space.full_curvature.ComponentSum`, the one implementation shared
 with the weight-space curvature of the evidence (:func:`ntkgp.laplace.weight_space.full_curvature.full_ggn` / ``full_ef``); this
 module only produces the per-example rows from a :class:`NetworkCore`'s Jacobians.
 """
@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 
 from .scaling import output_scale, scale_size
 from .full_curvature import component_weights as _component_weights
-from .full_curvature import curvature_components, jacobian_rows
+from .full_curvature import ComponentSum, jacobian_rows
 from ...likelihoods import num_outputs, validate_targets
 from ...ntk.checks import check_outputs
 from ...options import Curvature
@@ -112,15 +112,14 @@ def dense_curvature(
     k = scale_size(likelihood)
     s0 = output_scale(likelihood).detach().to(dtype=fn.dtype, device=fn.device)
     fisher = curvature is Curvature.EF
-    size = k * k if fisher else k
-    total = torch.zeros(size, fn.num_params, fn.num_params, dtype=fn.dtype, device=fn.device)
+    components = ComponentSum(fisher, k > 1)  # summed in place over the batches, mirrored once
     for xb, fb, yb in data_batches(
         fn, x, y, likelihood, batch_size, progress, f"dense {curvature.value.upper()}"
     ):
         jac = fn.jacobian(xb)  # (n, C, P)
         with torch.no_grad():
-            total += curvature_components(jacobian_rows(jac, likelihood, fb, yb, s0, fisher), fisher, k > 1)
-    return total
+            components.add(jacobian_rows(jac, likelihood, fb, yb, s0, fisher))
+    return components.total()
 
 
 def component_weights(scale: Tensor, curvature: Curvature) -> Tensor:
