@@ -186,7 +186,7 @@ class KFACLaplace(WeightPosterior):
         factors: list[KroneckerFactors] = curvature.blocks
         for f in factors:
             layer = Layer(f.module, modules[f.module], f.weight, f.bias)
-            q, u_a, w, u_g = _eigenbases(f)
+            q, u_a, w, u_g = f.eigenbases()
             self.blocks.append(
                 KroneckerBlock(
                     layer,
@@ -337,17 +337,3 @@ class KFACLaplace(WeightPosterior):
         if self.diagonal_names:
             roots.append(self.function.jacobian(x, self.diagonal_names) * self.diagonal_precision().rsqrt())
         return torch.cat(roots, dim=-1)
-
-
-def _eigenbases(factors: KroneckerFactors) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
-    r"""The eigenvalues (clamped at 0) and eigenvectors of :math:`A` and, with one output-scale component, of
-    :math:`G`: the curvature's own decompositions (computed once, in double precision, by
-    :meth:`KroneckerFactors.decompose`), not a second ``eigh`` of each factor (for a 3,137-wide input factor that
-    second decomposition was most of a CNN posterior's construction)."""
-    if factors.input_operator is None:
-        factors.decompose()
-    q, u_a = factors.input_operator._symeig(eigenvectors=True)
-    if factors.output_factors.shape[0] != 1:
-        return q, u_a.to_dense(), None, None
-    w, u_g = factors.output_operator._symeig(eigenvectors=True)
-    return q, u_a.to_dense(), w, u_g.to_dense()
