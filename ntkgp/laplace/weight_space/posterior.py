@@ -173,7 +173,7 @@ class WeightPosterior(ABC):
         """:func:`~ntkgp.caching.network_key`: the parameters the posterior is over and the buffers themselves,
         and a fingerprint of every other parameter (a frozen body under a last-layer posterior is not copied)."""
         named = dict(self.function.net.named_parameters())
-        return network_key(self.function.net, [named[n] for n in self.function.names])
+        return network_key(self.function.net, [named[n] for n in self.function.names], named.values())
 
     def check_network(self) -> None:
         """Raise ``RuntimeError`` if the network's parameters (trainable or frozen) or buffers changed since the
