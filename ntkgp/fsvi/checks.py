@@ -5,18 +5,7 @@ from __future__ import annotations
 import math
 import numbers
 
-
-def positive_int(value: object, argument: str, allow_none: bool = False) -> int | None:
-    """``value`` as an ``int >= 1`` (any ``numbers.Integral`` but ``bool``; ``None`` too with ``allow_none``).
-
-    Raises:
-        ValueError: naming ``argument``.
-    """
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f"{argument} must be a positive integer{' or None' if allow_none else ''}, got {value!r}")
-    return int(value)
+from ..kernels.arguments import positive_int
 
 
 def real_number(

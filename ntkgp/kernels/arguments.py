@@ -51,6 +51,25 @@ def check_int(value: object, argument: str, minimum: int) -> int:
     return int(value)
 
 
+def positive_int(value: object, argument: str, allow_none: bool = False) -> int | None:
+    """``value`` as an ``int >= 1`` (any ``numbers.Integral`` such as ``numpy.int64``, not a bool; ``None`` too with
+    ``allow_none``): the one check of a positive count that the models, FSVI and the kernels share.
+
+    Raises:
+        ValueError: naming ``argument``.
+    """
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{argument} must be a positive integer{' or None' if allow_none else ''}, got {value!r}")
+    return int(value)
+
+
+def optional_positive_int(value: object, argument: str) -> int | None:
+    """``None`` or a positive integer (:func:`positive_int`)."""
+    return positive_int(value, argument, allow_none=True)
+
+
 def positive_count(value: object, argument: str) -> int:
     """An integer ``>= 1`` (``chunk_size``)."""
     return check_int(value, argument, 1)

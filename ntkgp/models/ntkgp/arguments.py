@@ -9,14 +9,13 @@ training data").
 
 from __future__ import annotations
 
-import numbers
 
 import torch
 from gpytorch.likelihoods import Likelihood
 from torch import nn
 
 from ...kernels import NTKKernel
-from ...kernels.arguments import check_network_dtype
+from ...kernels.arguments import check_network_dtype, optional_positive_int, positive_int
 from ...kernels.network_state import RANDOM_NETWORK, RandomNetworkError
 from ...likelihoods import num_outputs, validate_targets
 from ...ntk import GroupSpec, NTKEngine
@@ -33,19 +32,6 @@ BATCH_MODE = (
     "Build one NTKGP per training set (e.g. in a gpytorch.models.IndependentModelList or a BoTorch ModelListGP); for "
     "a batch of models conditioned on extra data use model.condition_on_observations or model.fantasize"
 )
-
-
-def positive_int(value: object, argument: str) -> int:
-    """An integer ``>= 1`` (any ``numbers.Integral`` such as ``numpy.int64``, not a bool), returned as ``int``;
-    ``ValueError`` naming ``argument`` otherwise."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f"{argument} must be a positive integer, got {value!r}")
-    return int(value)
-
-
-def optional_positive_int(value: object, argument: str) -> int | None:
-    """``None`` or a positive integer (``prediction_chunk_size``)."""
-    return None if value is None else positive_int(value, argument)
 
 
 def check_floating(x: object, argument: str) -> torch.Tensor:

@@ -10,13 +10,13 @@ Errors name the argument. The same validators check an option assigned after con
 from __future__ import annotations
 
 import math
-import operator
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from ...kernels.arguments import optional_positive_int, positive_int
 from ...ntk.checks import check_has_values
 
 __all__ = [
@@ -32,26 +32,6 @@ __all__ = [
     "refuse_graph",
     "training_batches",
 ]
-
-
-def positive_int(value: object, argument: str) -> int:
-    """``value`` as an ``int`` if it is a positive integer (``bool`` and non-integral numbers are rejected).
-
-    Raises:
-        ValueError: naming ``argument``.
-    """
-    try:
-        number = operator.index(value) if not isinstance(value, bool) else None
-    except TypeError:
-        number = None
-    if number is None or number < 1:
-        raise ValueError(f"{argument} must be a positive integer, got {value!r}")
-    return number
-
-
-def optional_positive_int(value: object, argument: str) -> int | None:
-    """``None``, or ``value`` as a positive ``int`` (:func:`positive_int`)."""
-    return None if value is None else positive_int(value, argument)
 
 
 def integer(value: object, argument: str) -> int:
