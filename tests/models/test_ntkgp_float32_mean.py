@@ -69,7 +69,8 @@ def test_float32_mean_of_the_trained_mlp_equals_float64(noise):
 @pytest.mark.parametrize("space", ["weight", "function"])
 def test_float32_mean_is_accurate_in_both_spaces_or_warns(space):
     """Forced spaces: weight space is as accurate as "auto"; function space (P = 49 < N: the Woodbury form
-    subtracts almost all of P0⁻¹u) is far better than before (1.4 off) and warns where digits are lost."""
+    subtracts almost all of P0⁻¹u; 1.4 off before the Newton-step form, 0.013 to 0.064 unrefined depending on the
+    machine) is refined with H's residual to float32 accuracy; where it warns, the message names the remedies."""
     net, x, y = trained_mlp()
     model = ntkgp.NTKGP(net, x, y, gaussian(1e-4, F32), space=space).eval()
     net64 = copy.deepcopy(net).double()
@@ -79,11 +80,11 @@ def test_float32_mean_is_accurate_in_both_spaces_or_warns(space):
         warnings.simplefilter("always")
         error = (model(x_test).mean.double() - reference(x_test.double()).mean).abs().max()
     warned = [w for w in caught if issubclass(w.category, NumericalWarning) and "Newton step" in str(w.message)]
+    assert error < 1e-3
     if space == "weight":
-        assert error < 1e-3 and not warned
+        assert not warned
     else:
-        assert error < 0.05
-        assert warned and "float64" in str(warned[0].message) and "space='weight'" in str(warned[0].message)
+        assert all("float64" in str(w.message) and "space='weight'" in str(w.message) for w in warned)
 
 
 def test_float32_mean_of_a_tiny_cnn_equals_float64_or_warns():
