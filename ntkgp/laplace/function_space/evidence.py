@@ -261,16 +261,17 @@ def laplace_log_marginal_likelihood(
     traced = f.requires_grad and torch.is_grad_enabled()  # the data fit then differentiable in f
     if route is EvidenceMethod.EIGEN and not traced:  # fit, prior and log-determinant from one cache lookup
         return checked_spectral_evidence(kernel, likelihood, x, f, y, curvature, space)
-    fit = log_likelihood(likelihood, f, y).sum()
-    prior = 0.5 * prior_term(kernel).to(fit)
-    if route is EvidenceMethod.EIGEN:
-        return fit - prior - 0.5 * spectral_log_det(kernel, likelihood, x, f, y, curvature, space).to(fit)
     if route is EvidenceMethod.CHOLESKY and (covariance is None or _is_kernel_covariance(covariance, kernel, x)):
         k = f.shape[-1] if curvature is Curvature.GGN else 1
         resolved = choose_space(space, kernel.engine.num_params, f.shape[-2] * k)
         if curvature_problem(kernel, likelihood, x, f, y, curvature, resolved) is None:
+            # the curvature's own evidence: its fit statistics and ‖θ*_g‖², kept with it (one cache lookup)
             exact = evidence_curvature(kernel, likelihood, x, f, y, curvature, resolved)
-            return fit - prior - 0.5 * exact.log_det_ratio(kernel.prior_precision, likelihood).to(fit)
+            return exact.log_marginal_likelihood(kernel.prior_precision, likelihood)
+    fit = log_likelihood(likelihood, f, y).sum()
+    prior = 0.5 * prior_term(kernel).to(fit)
+    if route is EvidenceMethod.EIGEN:
+        return fit - prior - 0.5 * spectral_log_det(kernel, likelihood, x, f, y, curvature, space).to(fit)
     factor = curvature_factor(likelihood, f, y, curvature)
     if route is EvidenceMethod.MATRIX_FREE:
         return fit - prior - 0.5 * matrix_free_log_det(kernel, x, factor, options).to(fit)
