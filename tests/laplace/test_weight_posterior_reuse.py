@@ -55,3 +55,19 @@ def test_float32_forms_the_rows_in_float64(monkeypatch):
     with torch.no_grad():
         assert (model(x[:3]).variance > 0).all()
     assert not calls
+
+
+def test_one_delta_keeps_the_rows():
+    """One δ: the evidence's eigen route holds no P × P curvature, so the posterior forms I + WᵀW from the rows
+    (no curvature is built for it)."""
+    net, x, y, lik = make_problem("softmax3", n=10)
+    model = ntkgp.NTKGP(net, x, y, lik, prior_precision=1.0, prior_structure="network", space="weight")
+    reference = ntkgp.NTKGP(net, x, y, lik, prior_precision=1.0, prior_structure="network", space="function")
+    x_test = torch.randn(4, x.shape[1], dtype=x.dtype, generator=torch.Generator().manual_seed(6))
+    calls = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(site_module, "evidence_curvature", lambda *a, **k: calls.append(1))
+        mean, var = _predict(model, x_test)
+    assert not calls
+    mean_f, var_f = _predict(reference, x_test)
+    assert rel_err(mean, mean_f) < 1e-8 and rel_err(var, var_f) < 1e-8

@@ -31,6 +31,7 @@ from ...likelihoods import gradient, hessian, is_gaussian, log_likelihood
 from ...linalg import cholesky, gram
 from ...options import Curvature, Space, choose_space
 from .algebra import block_apply, site_cholesky
+from .eigen import eigen_problem
 from .evidence import curvature_factor
 from .evidence_curvature import curvature_problem, evidence_curvature
 
@@ -303,8 +304,11 @@ def _cached_precision(kernel: NTKKernel, likelihood: Likelihood, x: torch.Tensor
     r""":math:`I + W^\top W` for sites at ``f`` from the evidence's weight-space GGN, built once per network state
     and data (:func:`~ntkgp.laplace.function_space.evidence_curvature.evidence_curvature`), instead of the Gram
     of the ``N·k × P`` rows :math:`W`; ``None`` where it does not apply (a lower precision than float64, whose
-    :math:`I + W^\top W` is formed in float64 from the rows; a problem the cached curvature does not treat)."""
+    :math:`I + W^\top W` is formed in float64 from the rows; a problem the cached curvature does not treat) or
+    where the evidence does not build that curvature (one δ: its eigen route keeps eigenvalues only)."""
     if f.dtype != torch.float64 or curvature_problem(kernel, likelihood, x, f, y, Curvature.GGN, Space.WEIGHT):
+        return None
+    if eigen_problem(kernel, likelihood, x, Curvature.GGN) is None:
         return None
     return lambda: evidence_curvature(kernel, likelihood, x, f, y, Curvature.GGN, Space.WEIGHT).whitened_precision(
         kernel.prior_precision.to(f), likelihood)
