@@ -164,31 +164,37 @@ class _SpectralEvidence(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, scale, delta, eigenvalues, statistics, norms, power):
-        alpha, beta, gamma = statistics
-        rho = scale[0].pow(power) / delta[0]
-        fit = (alpha + beta * scale.log() + gamma * scale).sum()
         ctx.save_for_backward(scale, delta, eigenvalues, statistics, norms)
         ctx.power = power
-        ctx.gradients = _spectral_gradients(scale, delta, eigenvalues, statistics, norms, power)  # first order
-        return fit - 0.5 * (delta[0] * norms.sum() + torch.log1p(rho * eigenvalues).sum())
+        value, *ctx.gradients = _spectral_terms(scale, delta, eigenvalues, statistics, norms, power)
+        return value
 
     @staticmethod
     def backward(ctx, grad):
         if torch.is_grad_enabled():  # create_graph: the derivatives again, as a graph of the saved inputs
-            grad_scale, grad_delta = _spectral_gradients(*ctx.saved_tensors, ctx.power)
-        else:
+            _, grad_scale, grad_delta = _spectral_terms(*ctx.saved_tensors, ctx.power)
+        else:  # as the forward pass computed them
             grad_scale, grad_delta = ctx.gradients
         return (grad * grad_scale if ctx.needs_input_grad[0] else None,
                 grad * grad_delta if ctx.needs_input_grad[1] else None, None, None, None, None)
 
 
-def _spectral_gradients(scale, delta, eigenvalues, statistics, norms, power):
-    """The derivatives of :class:`_SpectralEvidence` in ``scale`` ``(K,)`` and ``delta`` ``(1,)``."""
-    rho = scale[0].pow(power) / delta[0]
-    t = (eigenvalues / (1 + rho * eigenvalues)).sum()
-    grad_scale = statistics[1] / scale + statistics[2]
-    grad_scale = torch.cat([grad_scale[:1] - 0.5 * power * rho / scale[0] * t, grad_scale[1:]])
-    return grad_scale, (0.5 * rho / delta[0] * t - 0.5 * norms.sum()).reshape(1)
+def _spectral_terms(scale, delta, eigenvalues, statistics, norms, power):
+    """The value of :class:`_SpectralEvidence` and its derivatives in ``scale`` ``(K,)`` and ``delta`` ``(1,)``,
+    in few operations (a step costs little else)."""
+    alpha, beta, gamma = statistics.unbind(0)
+    rho = scale[:1].pow(power).div(delta)  # (1,)
+    z = eigenvalues * rho
+    log_det = torch.log1p(z).sum()
+    t = (eigenvalues / (z + 1)).sum()  # Σ λ / (1 + ρλ)
+    norm = norms.sum()
+    fit = torch.addcmul(alpha, beta, scale.log()).addcmul(gamma, scale).sum()
+    value = fit - 0.5 * (delta[0] * norm + log_det)
+    rho_t = rho * t
+    grad_scale = torch.addcdiv(gamma, beta, scale)  # ∂fit/∂s_k; the log-determinant's part on s_0 only
+    grad_scale = torch.cat([grad_scale[:1] - (0.5 * power) * rho_t / scale[:1], grad_scale[1:]])
+    grad_delta = 0.5 * (rho_t / delta - norm)
+    return value, grad_scale, grad_delta
 
 
 def spectral_log_det(
