@@ -130,8 +130,8 @@ class LaplaceGGNMarginalLogLikelihood(MarginalLogLikelihood):
                 f"function_dist must be model(train_x) over the {model.num_data}×{model.num_outputs} training outputs, "
                 f"got a covariance of shape {tuple(covariance.shape)}"
             )
-        if (isinstance(covariance, LazyEvaluatedKernelTensor) and covariance.kernel is model.covar_module
-                and not _is_kernel_covariance(covariance, model.covar_module, model.train_x)):
+        own = _is_kernel_covariance(covariance, model.covar_module, model.train_x)
+        if isinstance(covariance, LazyEvaluatedKernelTensor) and covariance.kernel is model.covar_module and not own:
             raise ValueError(
                 "function_dist must be model(train_x): its covariance is the model's kernel at other inputs (the "
                 "evidence's site factors are at the training inputs)"
@@ -147,7 +147,7 @@ class LaplaceGGNMarginalLogLikelihood(MarginalLogLikelihood):
             y.to(device=model.train_x.device),
             self.curvature,
             self.space,
-            covariance=covariance,
+            covariance=None if own else covariance,  # the kernel's own K_XX: the evidence need not compare it again
             method=self.method,
             options=self.options,
         )

@@ -135,7 +135,7 @@ def test_mll_method_override_matches_dense_formula(method, monkeypatch):
     matrix-free one), value and gradient."""
     import ntkgp.laplace.function_space.evidence as evidence_module
 
-    route_function = {"cholesky": "evidence_curvature", "eigen": "checked_spectral_log_det", "matrix_free": "matrix_free_log_det"}
+    route_function = {"cholesky": "evidence_curvature", "eigen": "checked_spectral_evidence", "matrix_free": "matrix_free_log_det"}
     calls = []
     original = getattr(evidence_module, route_function[method])
     monkeypatch.setattr(evidence_module, route_function[method], lambda *a, **k: calls.append(1) or original(*a, **k))

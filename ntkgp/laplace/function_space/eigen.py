@@ -42,11 +42,18 @@ from ...likelihoods import gradient, hessian_sqrt, is_gaussian, likelihood_tempe
 from ...linalg import block_sandwich
 from ...linalg import gram
 from ...options import Curvature, Space, choose, choose_space
+from ..weight_space.scaling import data_fit_statistics, output_scale
 from .algebra import block_apply
 
-__all__ = ["checked_spectral_log_det", "eigen_problem", "site_scale", "spectral_log_det", "spectrum"]
+__all__ = ["checked_spectral_evidence", "eigen_problem", "site_scale", "spectral_log_det", "spectrum"]
 
 _SPECTRA: weakref.WeakKeyDictionary[NTKKernel, ValueCache] = weakref.WeakKeyDictionary()
+
+
+def _has_site_scale(likelihood: Likelihood) -> bool:
+    """Whether the site factor is one scalar times a fixed matrix (not per-output noises); reads no hyperparameter."""
+    return not (is_gaussian(likelihood) and isinstance(likelihood, MultitaskGaussianLikelihood)
+                and likelihood.has_task_noise and likelihood.num_tasks > 1)
 
 
 def site_scale(likelihood: Likelihood, curvature: Curvature | str = "ggn") -> torch.Tensor | None:
@@ -58,13 +65,9 @@ def site_scale(likelihood: Likelihood, curvature: Curvature | str = "ggn") -> to
         to the hyperparameter; ``None`` where the site factor has no such scale (per-output noises).
     """
     power = 1.0 if choose(Curvature, curvature, "curvature") is Curvature.GGN else 2.0
+    if not _has_site_scale(likelihood):
+        return None
     if is_gaussian(likelihood):
-        if (
-            isinstance(likelihood, MultitaskGaussianLikelihood)
-            and likelihood.has_task_noise
-            and likelihood.num_tasks > 1
-        ):
-            return None
         return noise_variance(likelihood)[0].pow(-power / 2)
     temperature = likelihood_temperature(likelihood)
     if temperature is None:
@@ -78,11 +81,11 @@ def eigen_problem(
     """Why the eigen route does not apply to this problem, or ``None`` when it does."""
     if kernel.engine.num_groups != 1:
         return f"it needs one prior precision (prior_structure='network'); the kernel has {kernel.engine.num_groups} groups"
-    if kernel.prior_precision.dim() != 1:
+    if kernel.raw_prior_precision.dim() != 1:  # the shape of δ, without reading it through its constraint
         return "it needs an unbatched kernel"
     if x.requires_grad and torch.is_grad_enabled():
         return "x requires grad (the route gives gradients in the hyperparameters only)"
-    if site_scale(likelihood, curvature) is None:
+    if not _has_site_scale(likelihood):
         return "the likelihood's curvature is not one scalar times a fixed matrix (per-output noises)"
     return None
 
@@ -91,6 +94,38 @@ def _factor(likelihood: Likelihood, f: torch.Tensor, y: torch.Tensor, curvature:
     if curvature is Curvature.GGN:
         return hessian_sqrt(likelihood, f, y)
     return gradient(likelihood, f, y).unsqueeze(-1)
+
+
+def _spectral_data(
+    kernel: NTKKernel, likelihood: Likelihood, x: torch.Tensor, f: torch.Tensor, y: torch.Tensor,
+    curvature: Curvature, space: Space | str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    r"""The eigenvalues :math:`\lambda` (:func:`spectrum`), the data-fit statistics ``(3, K)``
+    (:func:`~ntkgp.laplace.weight_space.scaling.data_fit_statistics`) and :math:`\lVert\theta^*_g\rVert^2`
+    ``(G,)``: everything of the evidence that the hyperparameters leave fixed, computed together and cached by the
+    values of ``x``, ``f``, ``y`` and the network's weights and buffers (one lookup per evidence)."""
+    n, c = f.shape
+    k = c if curvature is Curvature.GGN else 1
+    space = choose_space(space, kernel.engine.num_params, n * k)
+    engine = kernel.engine
+    state = engine.network_state()
+    cache = _SPECTRA.setdefault(kernel, ValueCache(size=2))
+
+    def compute() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        with torch.no_grad():
+            fixed = f.detach()
+            scale = site_scale(likelihood, curvature).to(f)
+            base = _factor(likelihood, fixed, y, curvature) / scale  # L_0, free of hyperparameters
+            if space is Space.FUNCTION:
+                matrix = block_sandwich(base, kernel.group_grams(x).sum(0).to(base), symmetric=True)
+            else:
+                w = block_apply(base, kernel.jacobian(x).to(base), transpose=True)
+                matrix = gram(w)
+            eigenvalues = torch.linalg.eigvalsh(matrix).clamp_min(0)
+            return eigenvalues, data_fit_statistics(likelihood, fixed, y), engine.group_sq_norms().to(f)
+
+    tag = ("spectrum", curvature.value, space.value, type(likelihood).__name__)
+    return cache.get_or_compute(tag, [x, f.detach(), y], compute, state=state)
 
 
 def spectrum(
@@ -110,26 +145,56 @@ def spectrum(
     eigendecomposition costs :math:`O(\min(Nk, P)^3)` once.
     """
     curvature = choose(Curvature, curvature, "curvature")
-    n, c = f.shape
-    k = c if curvature is Curvature.GGN else 1
-    space = choose_space(space, kernel.engine.num_params, n * k)
-    engine = kernel.engine
-    state = engine.network_state()
-    cache = _SPECTRA.setdefault(kernel, ValueCache(size=2))
+    return _spectral_data(kernel, likelihood, x, f, y, curvature, space)[0]
 
-    def compute() -> torch.Tensor:
-        with torch.no_grad():
-            scale = site_scale(likelihood, curvature).to(f)
-            base = _factor(likelihood, f.detach(), y, curvature) / scale  # L_0, free of hyperparameters
-            if space is Space.FUNCTION:
-                matrix = block_sandwich(base, kernel.group_grams(x).sum(0).to(base), symmetric=True)
-            else:
-                w = block_apply(base, kernel.jacobian(x).to(base), transpose=True)
-                matrix = gram(w)
-            return torch.linalg.eigvalsh(matrix).clamp_min(0)
 
-    tag = ("spectrum", curvature.value, space.value, type(likelihood).__name__)
-    return cache.get_or_compute(tag, [x, f.detach(), y], compute, state=state)
+class _SpectralEvidence(torch.autograd.Function):
+    r"""The evidence of the eigen route as one node of the graph, in the output scale :math:`s` ``(K,)`` and
+    :math:`\delta` ``(1,)``, with :math:`\rho = s_0^{q}/\delta` (:math:`q = 1` GGN, 2 EF):
+
+    .. math::
+        \textstyle\sum_k (\alpha_k + \beta_k \log s_k + \gamma_k s_k) - \tfrac12 \delta \lVert\theta^*\rVert^2
+        - \tfrac12 \sum_i \log(1 + \rho\lambda_i),
+
+    gradients :math:`\beta_k/s_k + \gamma_k - [k = 0]\,\tfrac q2 \tfrac{\rho}{s_0} t` and
+    :math:`-\tfrac12 \lVert\theta^*\rVert^2 + \tfrac12 \tfrac{\rho}{\delta} t`,
+    :math:`t = \sum_i \lambda_i / (1 + \rho\lambda_i)`, written with differentiable operations on the saved
+    inputs when a second derivative is asked for (``create_graph=True``), else taken as computed by the forward
+    pass."""
+
+    @staticmethod
+    def forward(ctx, scale, delta, eigenvalues, statistics, norms, power):
+        ctx.save_for_backward(scale, delta, eigenvalues, statistics, norms)
+        ctx.power = power
+        value, *ctx.gradients = _spectral_terms(scale, delta, eigenvalues, statistics, norms, power)
+        return value
+
+    @staticmethod
+    def backward(ctx, grad):
+        if torch.is_grad_enabled():  # create_graph: the derivatives again, as a graph of the saved inputs
+            _, grad_scale, grad_delta = _spectral_terms(*ctx.saved_tensors, ctx.power)
+        else:  # as the forward pass computed them
+            grad_scale, grad_delta = ctx.gradients
+        return (grad * grad_scale if ctx.needs_input_grad[0] else None,
+                grad * grad_delta if ctx.needs_input_grad[1] else None, None, None, None, None)
+
+
+def _spectral_terms(scale, delta, eigenvalues, statistics, norms, power):
+    """The value of :class:`_SpectralEvidence` and its derivatives in ``scale`` ``(K,)`` and ``delta`` ``(1,)``,
+    in few operations (a step costs little else)."""
+    alpha, beta, gamma = statistics.unbind(0)
+    rho = scale[:1].pow(power).div(delta)  # (1,)
+    z = eigenvalues * rho
+    log_det = torch.log1p(z).sum()
+    t = (eigenvalues / (z + 1)).sum()  # Σ λ / (1 + ρλ)
+    norm = norms.sum()
+    fit = torch.addcmul(alpha, beta, scale.log()).addcmul(gamma, scale).sum()
+    value = fit - 0.5 * (delta[0] * norm + log_det)
+    rho_t = rho * t
+    grad_scale = torch.addcdiv(gamma, beta, scale)  # ∂fit/∂s_k; the log-determinant's part on s_0 only
+    grad_scale = torch.cat([grad_scale[:1] - (0.5 * power) * rho_t / scale[:1], grad_scale[1:]])
+    grad_delta = 0.5 * (rho_t / delta - norm)
+    return value, grad_scale, grad_delta
 
 
 def spectral_log_det(
@@ -160,10 +225,12 @@ def spectral_log_det(
     problem = eigen_problem(kernel, likelihood, x, curvature)
     if problem is not None:
         raise ValueError(f"method='eigen' does not apply: {problem}")
-    return checked_spectral_log_det(kernel, likelihood, x, f, y, curvature, space)
+    lam = spectrum(kernel, likelihood, x, f, y, curvature, space)
+    rho = site_scale(likelihood, curvature).to(lam).square() / kernel.prior_precision[0].to(lam)
+    return torch.log1p(lam * rho).sum()
 
 
-def checked_spectral_log_det(
+def checked_spectral_evidence(
     kernel: NTKKernel,
     likelihood: Likelihood,
     x: torch.Tensor,
@@ -172,8 +239,11 @@ def checked_spectral_log_det(
     curvature: Curvature,
     space: Space | str,
 ) -> torch.Tensor:
-    """:func:`spectral_log_det` for a caller that has just found :func:`eigen_problem` to be ``None`` for these
-    arguments (the evidence's route choice), without checking it again."""
-    lam = spectrum(kernel, likelihood, x, f, y, curvature, space)
-    rho = site_scale(likelihood, curvature).to(lam).square() / kernel.prior_precision[0].to(lam)
-    return torch.log1p(lam * rho).sum()
+    r"""The whole Laplace evidence :math:`\log q(\mathcal D)` of the eigen route (data fit, prior term and
+    :func:`spectral_log_det`), for a caller that has just found :func:`eigen_problem` to be ``None`` for these
+    arguments (the evidence's route choice), without checking it again: one cache lookup, the output scale and
+    :math:`\delta` read once each through their constraints, one node of the graph (:class:`_SpectralEvidence`)."""
+    lam, statistics, norms = _spectral_data(kernel, likelihood, x, f, y, curvature, space)
+    scale = output_scale(likelihood).to(lam)
+    power = 1.0 if curvature is Curvature.GGN else 2.0
+    return _SpectralEvidence.apply(scale, kernel.prior_precision.to(lam), lam, statistics, norms, power)

@@ -27,7 +27,7 @@ from ...likelihoods import gradient, hessian_sqrt, log_likelihood
 from ...options import Curvature, Space, choose, choose_space
 from ..weight_space.scaling import scale_size
 from .algebra import low_rank_log_det, site_cholesky
-from .eigen import checked_spectral_log_det, eigen_problem
+from .eigen import checked_spectral_evidence, eigen_problem, spectral_log_det
 from .evidence_curvature import curvature_problem, evidence_curvature
 from .matrix_free import matrix_free_log_det
 from .routes import EvidenceMethod, EvidenceOptions, check_options, choose_method, dense_memory_bytes
@@ -114,7 +114,7 @@ def _is_kernel_covariance(covariance: object, kernel: NTKKernel, x: torch.Tensor
 
 
 def _matrix_free_problem(kernel: NTKKernel, x: torch.Tensor) -> str | None:
-    if kernel.prior_precision.dim() != 1:
+    if kernel.raw_prior_precision.dim() != 1:
         return "it needs an unbatched kernel"
     if x.requires_grad and torch.is_grad_enabled():
         return "x requires grad (the route gives gradients in the hyperparameters only)"
@@ -155,7 +155,14 @@ def evidence_method(
     curvature = choose(Curvature, curvature, "curvature")
     space = choose(Space, space, "space")
     method = choose(EvidenceMethod, method, "method")
-    options = check_options(options)
+    return _route(kernel, likelihood, x, f, curvature, space, covariance, method, check_options(options))
+
+
+def _route(
+    kernel: NTKKernel, likelihood: Likelihood, x: torch.Tensor, f: torch.Tensor, curvature: Curvature, space: Space,
+    covariance: LinearOperator | torch.Tensor | None, method: EvidenceMethod, options: EvidenceOptions,
+) -> EvidenceMethod:
+    """:func:`evidence_method` for arguments already converted to their types (the evidence's own call)."""
     own = covariance is None or _is_kernel_covariance(covariance, kernel, x)
     if method is EvidenceMethod.CHOLESKY:
         return method
@@ -249,17 +256,22 @@ def laplace_log_marginal_likelihood(
     curvature = choose(Curvature, curvature, "curvature")
     space = choose(Space, space, "space")
     options = check_options(options)
-    route = evidence_method(kernel, likelihood, x, f, curvature, space, covariance, method, options)
-    fit = log_likelihood(likelihood, f, y).sum()
-    prior = 0.5 * prior_term(kernel).to(fit)
-    if route is EvidenceMethod.EIGEN:
-        return fit - prior - 0.5 * checked_spectral_log_det(kernel, likelihood, x, f, y, curvature, space).to(fit)
+    route = _route(kernel, likelihood, x, f, curvature, space, covariance, choose(EvidenceMethod, method, "method"),
+                   options)
+    traced = f.requires_grad and torch.is_grad_enabled()  # the data fit then differentiable in f
+    if route is EvidenceMethod.EIGEN and not traced:  # fit, prior and log-determinant from one cache lookup
+        return checked_spectral_evidence(kernel, likelihood, x, f, y, curvature, space)
     if route is EvidenceMethod.CHOLESKY and (covariance is None or _is_kernel_covariance(covariance, kernel, x)):
         k = f.shape[-1] if curvature is Curvature.GGN else 1
         resolved = choose_space(space, kernel.engine.num_params, f.shape[-2] * k)
         if curvature_problem(kernel, likelihood, x, f, y, curvature, resolved) is None:
+            # the curvature's own evidence: its fit statistics and ‖θ*_g‖², kept with it (one cache lookup)
             exact = evidence_curvature(kernel, likelihood, x, f, y, curvature, resolved)
-            return fit - prior - 0.5 * exact.log_det_ratio(kernel.prior_precision, likelihood).to(fit)
+            return exact.log_marginal_likelihood(kernel.prior_precision, likelihood)
+    fit = log_likelihood(likelihood, f, y).sum()
+    prior = 0.5 * prior_term(kernel).to(fit)
+    if route is EvidenceMethod.EIGEN:
+        return fit - prior - 0.5 * spectral_log_det(kernel, likelihood, x, f, y, curvature, space).to(fit)
     factor = curvature_factor(likelihood, f, y, curvature)
     if route is EvidenceMethod.MATRIX_FREE:
         return fit - prior - 0.5 * matrix_free_log_det(kernel, x, factor, options).to(fit)

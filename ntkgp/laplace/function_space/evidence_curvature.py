@@ -47,7 +47,7 @@ def curvature_problem(
     curvature: Curvature, space: Space,
 ) -> str | None:
     """Why :func:`evidence_curvature` does not apply to this problem, or ``None`` when it does."""
-    if kernel.prior_precision.dim() != 1:
+    if kernel.raw_prior_precision.dim() != 1:  # the shape of δ, without reading it through its constraint
         return "it needs an unbatched kernel"
     if torch.is_grad_enabled() and any(t.requires_grad for t in (x, f, y)):
         return "x, f or y requires grad (the curvature is fixed data)"

@@ -130,7 +130,7 @@ def dense_memory_bytes(
     Gaussian noises, ``C²`` for their empirical Fisher) and the ``P × P`` matrix, its factor and inverse),
     :math:`b` bytes per number.
     """
-    b = torch.empty((), dtype=dtype).element_size()
+    b = dtype.itemsize
     nc, nk, p = num_data * num_outputs, num_data * rank, num_params
     if choose_space(space, p, nk) is Space.FUNCTION:
         return (num_groups * (nc * nc + nk * nk) + 3 * nk * nk) * b

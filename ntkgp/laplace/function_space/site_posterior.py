@@ -29,9 +29,11 @@ from linear_operator.operators import LinearOperator
 from ...kernels import NTKKernel
 from ...likelihoods import gradient, hessian, is_gaussian, log_likelihood
 from ...linalg import cholesky, gram
-from ...options import Space, choose_space
+from ...options import Curvature, Space, choose_space
 from .algebra import block_apply, site_cholesky
+from .eigen import eigen_problem
 from .evidence import curvature_factor
+from .evidence_curvature import curvature_problem, evidence_curvature
 
 __all__ = [
     "LOW_PRECISION_WEIGHT_FACTOR",
@@ -115,18 +117,23 @@ class SitePosterior:
 
     @classmethod
     def fit_weight(
-        cls, root: torch.Tensor, root_scale: torch.Tensor, factor: torch.Tensor, natural_mean: torch.Tensor
+        cls, root: torch.Tensor, root_scale: torch.Tensor, factor: torch.Tensor, natural_mean: torch.Tensor,
+        precision: torch.Tensor | None = None,
     ) -> SitePosterior:
         r"""Weight space: from the root :math:`\Phi_X = J_X P_0^{-1/2}` ``(N·C, P)`` (so ``K_XX = Φ Φᵀ``).
 
-        ``weights = r − L W (I + WᵀW)⁻¹ Φᵀ r`` (Woodbury); cost ``O(N·k·P² + P³)``.
+        ``weights = r − L Lᵀ Φ (I + WᵀW)⁻¹ Φᵀ r`` (Woodbury, :math:`W = L^\top \Phi`); cost ``O(N·k·P² + P³)``,
+        or ``O(P³)`` when ``precision``, :math:`I + W^\top W` itself, is at hand (the evidence's cached
+        curvature, :meth:`~ntkgp.laplace.weight_space.FullCurvature.whitened_precision`).
         """
-        w = block_apply(factor, root, transpose=True)  # (N·k, P)
-        chol = _weight_factor(w)
+        if precision is None:
+            chol = _weight_factor(block_apply(factor, root, transpose=True))  # W: (N·k, P)
+        else:
+            chol = cholesky(precision, "I + Wᵀ W (the whitened posterior precision)").mT
         u = (root.mT @ natural_mean).unsqueeze(-1)
         half = torch.linalg.solve_triangular(chol.mT, u, upper=False)
         solved = torch.linalg.solve_triangular(chol, half, upper=True).squeeze(-1)
-        weights = natural_mean - block_apply(factor, w @ solved)
+        weights = natural_mean - block_apply(factor, block_apply(factor, root @ solved, transpose=True))
         return cls(factor=factor, chol=chol, weights=weights, space=Space.WEIGHT, root_scale=root_scale)
 
     @property
@@ -292,6 +299,21 @@ def site_mode(
     return post
 
 
+def _cached_precision(kernel: NTKKernel, likelihood: Likelihood, x: torch.Tensor, f: torch.Tensor,
+                      y: torch.Tensor) -> Callable[[], torch.Tensor] | None:
+    r""":math:`I + W^\top W` for sites at ``f`` from the evidence's weight-space GGN, built once per network state
+    and data (:func:`~ntkgp.laplace.function_space.evidence_curvature.evidence_curvature`), instead of the Gram
+    of the ``N·k × P`` rows :math:`W`; ``None`` where it does not apply (a lower precision than float64, whose
+    :math:`I + W^\top W` is formed in float64 from the rows; a problem the cached curvature does not treat) or
+    where the evidence does not build that curvature (one δ: its eigen route keeps eigenvalues only)."""
+    if f.dtype != torch.float64 or curvature_problem(kernel, likelihood, x, f, y, Curvature.GGN, Space.WEIGHT):
+        return None
+    if eigen_problem(kernel, likelihood, x, Curvature.GGN) is None:
+        return None
+    return lambda: evidence_curvature(kernel, likelihood, x, f, y, Curvature.GGN, Space.WEIGHT).whitened_precision(
+        kernel.prior_precision.to(f), likelihood)
+
+
 def fit_site_posterior(
     kernel: NTKKernel,
     likelihood: Likelihood,
@@ -332,9 +354,11 @@ def fit_site_posterior(
     if space is Space.WEIGHT:
         scale = kernel.column_weights(-0.5).to(f)
         root = kernel.jacobian(x).to(f) * scale
+        cached = _cached_precision(kernel, likelihood, x, f, y)
 
         def solve(factor: torch.Tensor, natural: torch.Tensor) -> SitePosterior:
-            return SitePosterior.fit_weight(root, scale, factor, natural)
+            precision = cached() if cached is not None and factor is factor_at else None  # sites at f only
+            return SitePosterior.fit_weight(root, scale, factor, natural, precision)
 
         def apply_gram(a: torch.Tensor) -> torch.Tensor:
             return root @ (root.mT @ a)

@@ -206,6 +206,16 @@ class FullCurvature(Curvature):
             return spectral_log_det_ratio(self.eigenvalues(), weights[0] / delta[0])
         return scaled_log_det(weights, delta[self.column_groups].rsqrt(), self.components)
 
+    def whitened_precision(self, prior_precision: float | Tensor, likelihood: Likelihood) -> Tensor:
+        r""":math:`P_0^{-1/2}(H + P_0)P_0^{-1/2} = I + D_r (\sum_k w_k D_k) D_r`, :math:`r = \delta^{-1/2}` per
+        column, ``(P, P)``: the matrix :meth:`log_det_ratio` factorizes (the weight-space site posterior's
+        :math:`I + W^\top W`), differentiable in :math:`\delta` and the output scale. :math:`O(K P^2)`."""
+        delta = self.prior_precision_vector(prior_precision)
+        weights = component_weights(self.scale(likelihood), self.fisher)
+        root = delta[self.column_groups].rsqrt()
+        matrix = torch.tensordot(weights, self.components, dims=1) * root[:, None] * root
+        return matrix + torch.eye(matrix.shape[-1], dtype=matrix.dtype, device=matrix.device)
+
     def log_det(self, prior_precision: float | Tensor, likelihood: Likelihood) -> Tensor:
         r""":math:`\log|H + P_0|`: :math:`O(P)` spectrally, else an :math:`O(P^3)` Cholesky factorization."""
         delta = self.prior_precision_vector(prior_precision)
