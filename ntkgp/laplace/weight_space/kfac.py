@@ -287,11 +287,17 @@ def kfac_ggn(
     diag_total = torch.zeros(num_components, 0, dtype=data.core.dtype, device=data.core.device)
     if diagonal_names:
         diag_total = 0
-    for step, (xb, fb, yb) in enumerate(data.batches(x, y, batch_size, progress, "KFAC")):
-        if step == 0:
+    first = [True]
+
+    def forward(xb: Tensor, root) -> Tensor:  # the batch's one forward pass, and its backward passes
+        if first:  # the layers checked on the first batch's first example
+            first.clear()
             usable_layers(data, layers, xb[:1], strict=True)
-        cot = data.unit_hessian_sqrt(fb, yb)
-        sums.add_inputs(data.core.features(xb, layers, cot, reduce=sums.reduce).inputs)  # G: in sums.reduce
+        features = data.core.features(xb, layers, root, reduce=sums.reduce)  # G: in sums.reduce
+        sums.add_inputs(features.inputs)
+        return features.outputs
+
+    for xb, fb, yb in data.batches(x, y, batch_size, progress, "KFAC", forward):
         if diagonal_names:
             diag_total = diag_total + diagonal_ggn_components(data, xb, fb, yb, diagonal_names, [])
     a_sum, g_sum, locations = sums.factors()
