@@ -34,34 +34,45 @@ from ...ntk.features import Layer
 ROWS = 1024
 
 
-def symmetric_gram(x: Tensor) -> Tensor:
-    r""":math:`X^\top X` of ``x`` ``(K, d)``: the blocks on and above the diagonal by matrix products (up to 4
-    blocks a side, ``d ≥ 1024``), the others mirrored."""
-    d = x.shape[1]
-    k = max(1, min(4, d // 512))
+def _from_upper_blocks(d: int, k: int, block, like: Tensor) -> Tensor:
+    """A symmetric ``(d, d)`` matrix from its ``k × k`` blocks on and above the diagonal, ``block(rows, cols)``
+    (slices), the others mirrored."""
     if k == 1:
-        return x.T @ x
+        return block(slice(None), slice(None))
     edges = [round(i * d / k) for i in range(k + 1)]
-    out = torch.empty(d, d, dtype=x.dtype, device=x.device)
+    out = torch.empty(d, d, dtype=like.dtype, device=like.device)
     for i in range(k):
         rows = slice(edges[i], edges[i + 1])
         for j in range(i, k):
             cols = slice(edges[j], edges[j + 1])
-            block = x[:, rows].T @ x[:, cols]
-            out[rows, cols] = block
+            part = block(rows, cols)
+            out[rows, cols] = part
             if j > i:
-                out[cols, rows] = block.T
+                out[cols, rows] = part.T
     return out
+
+
+def symmetric_gram(x: Tensor) -> Tensor:
+    r""":math:`X^\top X` of ``x`` ``(K, d)``: the blocks on and above the diagonal by matrix products (up to 4
+    blocks a side, ``d ≥ 1024``), the others mirrored."""
+    d = x.shape[1]
+    return _from_upper_blocks(d, max(1, min(4, d // 512)), lambda rows, cols: x[:, rows].T @ x[:, cols], x)
 
 
 def location_gram(x: Tensor, chunk: int = 64) -> Tensor:
     r""":math:`\sum_n \sum_t x_{nt} x_{nt}^\top` of ``x`` ``(n, d, T)``, ``(d, d)``: batched products of ``chunk``
-    examples at a time (no transposed copy of ``x``)."""
-    out = None
-    for part in x.split(chunk):
-        gram = torch.bmm(part, part.mT).sum(dim=0)
-        out = gram if out is None else out.add_(gram)
-    return out
+    examples at a time (no transposed copy of ``x``); for ``d ≥ 256`` only the blocks on and above the diagonal
+    (up to 4 a side, at least 128 rows each), the others mirrored."""
+
+    def block(rows: slice, cols: slice) -> Tensor:
+        out = None
+        for part in x.split(chunk):
+            gram = torch.bmm(part[:, rows], part[:, cols].mT).sum(dim=0)
+            out = gram if out is None else out.add_(gram)
+        return out
+
+    d = x.shape[1]
+    return _from_upper_blocks(d, max(1, min(4, d // 128)), block, x)
 
 
 class FactorSums:
