@@ -270,8 +270,9 @@ def kfac_ggn(
     r"""KFAC factors :math:`A_l, G_l` of every ``Linear``/``Conv2d`` layer (module docstring) and the exact
     diagonal GGN of the other parameters, batch by batch.
 
-    Cost: one forward and :math:`C` backward passes per batch (plus per-example passes for parameters
-    outside the layers) and the factors' products, :math:`T_l d_{in}^2 + C T_l d_{out}^2` per example and layer
+    Cost: one forward and :math:`M` backward passes per batch (:math:`M = C - 1` for a softmax, the columns of
+    :meth:`~ntkgp.laplace.weight_space.data_pass.DataPass.unit_hessian_root`; plus per-example passes for parameters
+    outside the layers) and the factors' products, :math:`T_l d_{in}^2 + M T_l d_{out}^2` per example and layer
     (:mod:`~ntkgp.laplace.weight_space.kfac_factors`); memory
     :math:`O(\text{batch} \cdot \text{activations} + \sum_l d_a^2 + K d_{out}^2)`: one output's gradients at a time,
     the factors' float64 sums.
