@@ -264,3 +264,25 @@ def test_empty_loaders_and_batches_without_targets_raise_a_clear_error(structure
     inputs_only = DataLoader(TensorDataset(torch.randn(8, 2)), batch_size=4)
     with pytest.raises(ValueError, match=r"iterable of \(x, y\) batches"):
         compute_curvature(net, inputs_only, None, SoftmaxLikelihood(3), structure=structure)
+
+
+def test_the_pass_makes_one_forward_pass_per_batch_and_c_minus_one_backward_for_a_softmax(monkeypatch):
+    """Counted by a forward hook and around torch.autograd.grad: each extra batch costs one forward pass (the
+    cotangents come from the feature pass's own outputs) and C - 1 backward passes (the softmax's rank)."""
+    lik = SoftmaxLikelihood(num_classes=3).double()
+    net = mlp(d_out=3)
+    torch.manual_seed(3)
+    x, y = torch.randn(9, 3, dtype=torch.float64), targets("softmax", 9)
+    calls = {"forward": 0, "backward": 0}
+    handle = net.register_forward_hook(lambda *_: calls.__setitem__("forward", calls["forward"] + 1))
+    grad = torch.autograd.grad
+    monkeypatch.setattr(torch.autograd, "grad", lambda *a, **k: calls.__setitem__("backward", calls["backward"] + 1)
+                        or grad(*a, **k))
+    counts = []
+    for batch_size in (9, 3):  # one batch, then three
+        calls.update(forward=0, backward=0)
+        compute_curvature(net, x, y, lik, "kfac", batch_size=batch_size)
+        counts.append(dict(calls))
+    handle.remove()
+    assert counts[1]["forward"] - counts[0]["forward"] == 2
+    assert counts[1]["backward"] - counts[0]["backward"] == 2 * 2
