@@ -226,6 +226,8 @@ def record(net, params, layers, x, cotangents, graph, reduce=None) -> tuple[Laye
                 local[name] = p if graph and p.requires_grad else p.detach().requires_grad_(True)
             f = forward(net, local, x)
             check_outputs(f, n)
+            if callable(cotangents):  # computed from the outputs of this pass (no forward pass of their own)
+                cotangents = cotangents(f.detach())
             problems: dict[str, Exception] = {}
             for layer in layers:
                 calls = seen[layer.name]
@@ -262,8 +264,9 @@ def record(net, params, layers, x, cotangents, graph, reduce=None) -> tuple[Laye
 
 
 def layer_features(
-    net: nn.Module, params: dict[str, Tensor], layers: Sequence[Layer], x: Tensor, cotangents: Tensor | None = None,
-    graph: bool = False, reduce: Callable[..., Tensor | None] | None = None,
+    net: nn.Module, params: dict[str, Tensor], layers: Sequence[Layer], x: Tensor,
+    cotangents: Tensor | Callable[[Tensor], Tensor] | None = None, graph: bool = False,
+    reduce: Callable[..., Tensor | None] | None = None,
 ) -> LayerFeatures:
     r"""Layer inputs :math:`a` and output gradients :math:`\Gamma` of one batch.
 
@@ -273,7 +276,8 @@ def layer_features(
         layers: verified layers (:class:`~ntkgp.ntk.layer_plan.LayerPlan`).
         x: prepared inputs ``(n, ...)``.
         cotangents: :math:`u_{nm}` as ``(n, C, M)``: :math:`\Gamma_{nm} = \partial(u_{nm}^\top f_n)/\partial z`;
-            ``None`` for the unit vectors (``M = C``, :math:`\Gamma_{nc} = \partial f_c / \partial z`).
+            ``None`` for the unit vectors (``M = C``, :math:`\Gamma_{nc} = \partial f_c / \partial z`); or a function
+            of the detached outputs ``f`` that returns them (called after this pass's forward pass).
         graph: keep the autograd graph to ``x`` and to the entries of ``params`` that require grad
             (second-order autograd through :math:`\Gamma`); otherwise every result is detached.
         reduce: ``reduce(layer, a, g, m, M)`` is kept instead of :math:`\Gamma` for each cotangent column ``m``

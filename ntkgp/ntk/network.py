@@ -255,7 +255,7 @@ class NetworkCore:
         return self._plans[key]
 
     def features(
-        self, x: Tensor, layers: Sequence[Layer], cotangents: Tensor | None = None, graph: bool = False,
+        self, x: Tensor, layers: Sequence[Layer], cotangents: Tensor | Callable | None = None, graph: bool = False,
         params: dict[str, Tensor] | None = None, reduce: Callable[..., Tensor | None] | None = None,
     ) -> LayerFeatures:
         """Layer inputs and output gradients of ``layers`` on a prepared batch ``x``

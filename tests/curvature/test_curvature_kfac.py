@@ -11,7 +11,8 @@ from torch import nn
 from ntkgp.laplace.weight_space import KroneckerGGN, compute_curvature
 from ntkgp.likelihoods import LogisticLikelihood, SoftmaxLikelihood, hessian
 from ntkgp.ntk import resolve_groups
-from tests.helpers import assert_unchanged, brute_jacobian, mlp, rel_err, small_cnn, snapshot
+from ntkgp.laplace.weight_space.data_pass import DataPass
+from tests.helpers import assert_unchanged, brute_jacobian, mlp, reference_log_prob, reference_terms, rel_err, small_cnn, snapshot
 
 
 def likelihood(name: str):
@@ -103,6 +104,22 @@ def test_mlp_factors_and_log_det_match_explicit_kronecker_products(name):
     assert torch.allclose(curv.log_det(delta, lik), expected, rtol=1e-11)
     dense = curv.dense(lik) + torch.diag(delta[resolve_groups(net).column_groups()])
     assert torch.allclose(torch.linalg.slogdet(dense)[1], expected, rtol=1e-11)
+
+
+@pytest.mark.parametrize("classes", [2, 3, 6])
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_the_softmax_root_of_the_pass_has_c_minus_one_columns_and_squares_to_the_hessian(classes, temperature):
+    """The KFAC pass's root of Λ/T₀ (C - 1 backward passes): R Rᵀ against the autograd Hessian of the
+    torch.distributions log-likelihood, with one confident row (p ≈ 1 for the class whose column is dropped)."""
+    lik = SoftmaxLikelihood(num_classes=classes, temperature=temperature).double()
+    g = torch.Generator().manual_seed(4)
+    f = 3 * torch.randn(7, classes, dtype=torch.float64, generator=g)
+    f[0, -1], f[1, 0] = 12.0, 9.0
+    y = torch.randint(0, classes, (7,), generator=g)
+    root = DataPass.start(mlp(d_out=classes), lik).unit_hessian_root(f, y)
+    assert root.shape == (7, classes, classes - 1)
+    _, lam = reference_terms(lambda f, y: reference_log_prob("softmax", f, y, temperature=temperature), f, y)
+    assert rel_err(root @ root.mT, lam * temperature) < 1e-13  # the unit root: Λ at T = 1
 
 
 @pytest.mark.parametrize("name", ["gaussian", "multitask", "logistic", "softmax"])
@@ -247,3 +264,25 @@ def test_empty_loaders_and_batches_without_targets_raise_a_clear_error(structure
     inputs_only = DataLoader(TensorDataset(torch.randn(8, 2)), batch_size=4)
     with pytest.raises(ValueError, match=r"iterable of \(x, y\) batches"):
         compute_curvature(net, inputs_only, None, SoftmaxLikelihood(3), structure=structure)
+
+
+def test_the_pass_makes_one_forward_pass_per_batch_and_c_minus_one_backward_for_a_softmax(monkeypatch):
+    """Counted by a forward hook and around torch.autograd.grad: each extra batch costs one forward pass (the
+    cotangents come from the feature pass's own outputs) and C - 1 backward passes (the softmax's rank)."""
+    lik = SoftmaxLikelihood(num_classes=3).double()
+    net = mlp(d_out=3)
+    torch.manual_seed(3)
+    x, y = torch.randn(9, 3, dtype=torch.float64), targets("softmax", 9)
+    calls = {"forward": 0, "backward": 0}
+    handle = net.register_forward_hook(lambda *_: calls.__setitem__("forward", calls["forward"] + 1))
+    grad = torch.autograd.grad
+    monkeypatch.setattr(torch.autograd, "grad", lambda *a, **k: calls.__setitem__("backward", calls["backward"] + 1)
+                        or grad(*a, **k))
+    counts = []
+    for batch_size in (9, 3):  # one batch, then three
+        calls.update(forward=0, backward=0)
+        compute_curvature(net, x, y, lik, "kfac", batch_size=batch_size)
+        counts.append(dict(calls))
+    handle.remove()
+    assert counts[1]["forward"] - counts[0]["forward"] == 2
+    assert counts[1]["backward"] - counts[0]["backward"] == 2 * 2

@@ -113,5 +113,6 @@ def test_symmetric_and_location_grams_equal_plain_products():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(50, 1100, dtype=torch.float64, generator=g)  # 2 blocks a side
     assert rel_err(symmetric_gram(x), x.T @ x) < 1e-14
-    a = torch.randn(70, 6, 9, dtype=torch.float64, generator=g)  # two chunks of 64 examples
-    assert rel_err(location_gram(a), torch.einsum("nit,njt->ij", a, a)) < 1e-14
+    for d in (6, 300, 530):  # one block; 2 and 4 blocks a side (the upper ones multiplied, the others mirrored)
+        a = torch.randn(70, d, 9, dtype=torch.float64, generator=g)  # two chunks of 64 examples
+        assert rel_err(location_gram(a), torch.einsum("nit,njt->ij", a, a)) < 1e-14

@@ -10,11 +10,11 @@ sums over the ranks of a distributed pass.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
-from gpytorch.likelihoods import Likelihood
+from gpytorch.likelihoods import Likelihood, SoftmaxLikelihood
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
@@ -27,6 +27,8 @@ from . import scaling
 from .scaling import output_scale
 
 Data = Tensor | Iterable[tuple[Tensor, Tensor]]
+#: ``forward(x_b, root) -> f_b``: a batch's one forward pass, given ``root(f_b)``, the cotangents at its outputs.
+BatchForward = Callable[[Tensor, Callable[[Tensor], Tensor]], Tensor]
 
 
 @dataclass
@@ -115,25 +117,28 @@ class DataPass:
             raise TypeError(f"x must be a tensor or an iterable of (x, y) batches, got {type(x).__name__}")
         return batch_size
 
-    def batches(self, x: Data, y: Tensor | None, batch_size: int, progress: bool, desc: str) -> Iterator[
-        tuple[Tensor, Tensor, Tensor]
-    ]:
+    def batches(self, x: Data, y: Tensor | None, batch_size: int, progress: bool, desc: str,
+                forward: BatchForward | None = None) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
         """Yield ``(x_b, f_b, y_b)``: prepared inputs, outputs ``(n, C)`` (no graph) and normalised targets.
 
         ``x`` is a tensor ``(N, ...)`` with targets ``y``, split into batches of ``batch_size``; or an
         iterable of ``(x_b, y_b)`` batches (e.g. a ``DataLoader``) with ``y=None``. With :attr:`distributed`,
         invalid data (or an empty shard) on any rank raises on every rank at the end of the pass.
+
+        ``forward(x_b, root)``, when given, is the batch's only forward pass (e.g. a feature pass with its backward
+        passes from the unit likelihood factors): it returns the outputs ``f_b`` without a graph, and calls
+        ``root(f_b)`` for :meth:`unit_hessian_root` at them (the outputs and targets checked first) when it needs
+        the cotangents. Without it ``f_b`` is one forward pass without a graph.
         """
         with together("the pass over the data", self.distributed):
-            yield from self._batches(x, y, batch_size, progress, desc)
+            yield from self._batches(x, y, batch_size, progress, desc, forward)
             if self.distributed and not self.outputs:
                 raise ValueError("this rank's shard of x holds no data (with distributed=True every rank needs some)")
             if not self.outputs:
                 raise ValueError("the data is empty: no batch was seen")
 
-    def _batches(self, x: Data, y: Tensor | None, batch_size: int, progress: bool, desc: str) -> Iterator[
-        tuple[Tensor, Tensor, Tensor]
-    ]:
+    def _batches(self, x: Data, y: Tensor | None, batch_size: int, progress: bool, desc: str,
+                 forward: BatchForward | None) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
         batch_size = self.check(x, y, batch_size)
         if torch.is_tensor(x):
             pairs: Iterable = zip(x.split(batch_size), y.split(batch_size))
@@ -148,14 +153,24 @@ class DataPass:
                     "(a DataLoader over a dataset of inputs only has no targets)"
                 )
             xb, yb = pair
-            xb = self.core.prepare(xb, "x")
-            with torch.no_grad():
-                fb = self.forward(xb.detach())
-            check_outputs(fb, xb.shape[0])
-            yb = validate_targets(self.likelihood, yb, fb.shape[1], num_data=fb.shape[0])
+            xb = self.core.prepare(xb, "x").detach()
+            checked: list[Tensor] = []
+
+            def targets(fb: Tensor, xb=xb, yb=yb) -> Tensor:
+                if not checked:
+                    check_outputs(fb, xb.shape[0])
+                    checked.append(validate_targets(self.likelihood, yb, fb.shape[1], num_data=fb.shape[0]))
+                return checked[0]
+
+            if forward is None:
+                with torch.no_grad():
+                    fb = self.forward(xb)
+            else:
+                fb = forward(xb, lambda f: self.unit_hessian_root(f, targets(f)))
+            yb = targets(fb)
             self.outputs.append(fb)
             self.targets.append(yb)
-            yield xb.detach(), fb, yb
+            yield xb, fb, yb
 
     def unit_hessian_sqrt(self, f: Tensor, y: Tensor) -> Tensor:
         r""":math:`\tilde L_n = S_0^{-1/2} L_n` with :math:`L_n L_n^\top = \Lambda_n`, shape ``(n, C, C)``.
@@ -163,6 +178,27 @@ class DataPass:
         Gaussian: :math:`\tilde L_n = I`; tempered classification: :math:`L_n \sqrt{T_0}`.
         """
         return scaling.unit_hessian_sqrt(self.likelihood, f, y, self.scale0)
+
+    def unit_hessian_root(self, f: Tensor, y: Tensor) -> Tensor:
+        r"""A root :math:`R_n` of :math:`\tilde\Lambda_n` with the fewest columns the likelihood allows, shape
+        ``(n, C, M)``: for a softmax likelihood :math:`M = C - 1`, else :meth:`unit_hessian_sqrt` (``M = C``).
+
+        :math:`\Lambda = (\operatorname{diag}(p) - p p^\top)/T` has rank :math:`C - 1`, and its root
+        :math:`L` (:meth:`unit_hessian_sqrt`) annihilates the unit vector :math:`\sqrt p`. With the Householder
+        reflection :math:`H = I - \beta v v^\top`, :math:`v = \sqrt p + e_k`, :math:`\beta = 2/\|v\|^2 = 1/(1 +
+        \sqrt{p_k})` (:math:`\|v\|^2 = 2 + 2\sqrt{p_k} \ge 2`: no cancellation), :math:`H e_k = -\sqrt p`, so
+        column :math:`k` of :math:`L H` is zero and the others are the root,
+        :math:`R = L H \setminus k = L_{:, \ne k} - \beta\, L_{:, k} \sqrt{p}_{\ne k}^\top` (using
+        :math:`L v = L e_k`), :math:`R R^\top = L H H^\top L^\top = \Lambda`; here :math:`k = C - 1`. A backward
+        pass and a product per example fewer in a pass over cotangent columns (:math:`\sum_m (J^\top r_m)
+        (J^\top r_m)^\top` is the same for every root)."""
+        root = self.unit_hessian_sqrt(f, y)
+        if not isinstance(self.likelihood, SoftmaxLikelihood) or root.shape[-1] < 2:
+            return root
+        with torch.no_grad():
+            sqrt_p = torch.exp(0.5 * torch.log_softmax(f.to(root.dtype), dim=-1))  # (n, C)
+            beta = 1 / (1 + sqrt_p[:, -1])
+            return root[..., :-1] - (beta[:, None, None] * root[..., -1:]) * sqrt_p[:, None, :-1]
 
     def unit_gradient(self, f: Tensor, y: Tensor) -> Tensor:
         r""":math:`\tilde g_n = S_0^{-1} g_n`, shape ``(n, C)`` (Gaussian: :math:`y_n - f_n`)."""

@@ -20,7 +20,9 @@ No damping: each block :math:`H_l + \delta_l I` is exact through the factors' ei
 eigenvalues :math:`q_i` of :math:`A_l` and :math:`w_j` of :math:`G_l`,
 :math:`\log|H_l + \delta_l I| = \sum_{ij} \log(q_i w_j + \delta_l)` (the log-determinant of linear_operator's
 ``KroneckerProductAddedDiagLinearOperator``, evaluated directly: a step costs :math:`O(d_{out} d_a)` per
-layer). The eigendecompositions are computed once per factor (linear_operator's: in double precision, rounding-negative eigenvalues chopped at 0). Weight and
+layer). The eigendecompositions are computed once per factor, at the first use that needs them (a log-determinant,
+the evidence, a posterior's covariance, sampling or predictive; not in the pass over the data: linear_operator's, in
+double precision, rounding-negative eigenvalues chopped at 0). Weight and
 bias form one block and must share a prior group. Parameters outside ``nn.Linear`` / ``nn.Conv2d`` (normalisation layers, embeddings,
 ...) get the exact diagonal GGN block (:mod:`~ntkgp.laplace.weight_space.diagonal`).
 
@@ -82,8 +84,9 @@ class KroneckerFactors:
         input_factor: :math:`A = \sum_n \sum_t \bar a_{nt} \bar a_{nt}^\top`, shape ``(d_a, d_a)`` with
             :math:`d_a` = fan-in (+1 with a bias).
         output_factors: the components :math:`G_k`, shape ``(K, d_out, d_out)``.
-        input_eigenvalues: eigenvalues of :math:`A`, ``(d_a,)`` (after :meth:`decompose`).
-        output_eigenvalues: eigenvalues of :math:`\sum_k G_k`, ``(d_out,)`` (after :meth:`decompose`).
+        input_eigenvalues: eigenvalues of :math:`A`, ``(d_a,)``; ``None`` until :meth:`decompose` (at the first
+            use, :meth:`eigenvalues`).
+        output_eigenvalues: eigenvalues of :math:`\sum_k G_k`, ``(d_out,)``; likewise.
     """
 
     module: str
@@ -98,19 +101,27 @@ class KroneckerFactors:
     output_operator: KroneckerFactor | None = field(default=None, repr=False)
 
     def decompose(self) -> None:
-        r"""Eigendecompositions of :math:`A` and :math:`\sum_k G_k` (linear_operator's, clamped at 0), once."""
-        self.input_operator = KroneckerFactor(self.input_factor)
-        self.output_operator = KroneckerFactor(self.output_factors.sum(dim=0))
-        self.input_eigenvalues = self.input_operator.eigvalsh()
-        self.output_eigenvalues = self.output_operator.eigvalsh()
+        r"""Eigendecompositions of :math:`A` and :math:`\sum_k G_k` (linear_operator's, clamped at 0), once: the
+        first call computes them, later ones return at once (the factors are fixed)."""
+        if self.input_operator is not None:
+            return
+        input_operator = KroneckerFactor(self.input_factor)
+        output_operator = KroneckerFactor(self.output_factors.sum(dim=0))
+        self.input_eigenvalues = input_operator.eigvalsh()
+        self.output_eigenvalues = output_operator.eigvalsh()
+        self.input_operator, self.output_operator = input_operator, output_operator
+
+    def eigenvalues(self) -> tuple[Tensor, Tensor]:
+        r"""The eigenvalues of :math:`A` and of :math:`\sum_k G_k` (:meth:`decompose`, at the first call)."""
+        self.decompose()
+        return self.input_eigenvalues, self.output_eigenvalues
 
     def eigenbases(self) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
         r"""The eigenvalues (clamped at 0) and eigenvectors of :math:`A` and, with one output-scale component, of
         :math:`G`: the decompositions of :meth:`decompose` (computed once, in double precision), not a second
         ``eigh`` of each factor (for a 3,137-wide input factor that second decomposition was most of a CNN
         posterior's construction)."""
-        if self.input_operator is None:
-            self.decompose()
+        self.decompose()
         q, u_a = self.input_operator._symeig(eigenvectors=True)
         if self.output_factors.shape[0] != 1:
             return q, u_a.to_dense(), None, None
@@ -124,8 +135,7 @@ class KroneckerFactors:
     def operator(self, scale: Tensor) -> KroneckerProductLinearOperator:
         r"""The block :math:`H_l = G \otimes A` as a ``KroneckerProductLinearOperator`` (row-major order of
         :math:`\operatorname{vec}([W \mid b])`)."""
-        if self.input_operator is None:
-            self.decompose()
+        self.decompose()
         if scale.shape[0] == 1:
             return KroneckerProductLinearOperator(self.output_operator * scale.reshape(()), self.input_operator)
         return KroneckerProductLinearOperator(KroneckerFactor(self.output_factor(scale)), self.input_operator)
@@ -135,13 +145,12 @@ class KroneckerFactors:
         factors (exact, no damping), :math:`O(d_{out} d_a)`; differentiable in :math:`s` and :math:`\delta`. With
         one component :math:`w = s\,\tilde w` from the eigenvalues computed once; with several (per-output
         Gaussian noise) the eigenvalues of :math:`\sum_k s_k G_k`, :math:`O(d_{out}^3)`."""
-        if self.input_operator is None:
-            self.decompose()
+        q, w = self.eigenvalues()
         if scale.shape[0] == 1:
-            w = scale.reshape(()) * self.output_eigenvalues
+            w = scale.reshape(()) * w
         else:
             w = torch.linalg.eigvalsh(self.output_factor(scale)).clamp_min(0)
-        return torch.log(w[:, None] * self.input_eigenvalues[None, :] + delta).sum()
+        return torch.log(w[:, None] * q[None, :] + delta).sum()
 
 
 class KroneckerGGN(Curvature):
@@ -173,9 +182,7 @@ class KroneckerGGN(Curvature):
         diagonal_components: Tensor,
     ) -> None:
         super().__init__(groups, theta_sq_norms, f, y, scale_size)
-        self.blocks = blocks
-        for block in blocks:
-            block.decompose()
+        self.blocks = blocks  # decomposed at their first use (KroneckerFactors.decompose), not here
         self.diagonal_names = diagonal_names
         self.diagonal_components = diagonal_components
         index = dict(zip(groups.names, groups.group_of))
@@ -183,27 +190,42 @@ class KroneckerGGN(Curvature):
             [torch.full((n,), index[name]) for name, n in zip(groups.names, groups.numels) if name in diagonal_names]
             or [torch.zeros(0, dtype=torch.long)]
         ).to(f.device)
-        # one output-scale component (K = 1): every eigenvalue of H is s times one of these, formed once
-        self.unit_eigenvalues = self.eigenvalue_groups = None
-        if scale_size == 1:
-            self.unit_eigenvalues = torch.cat(
-                [(b.output_eigenvalues[:, None] * b.input_eigenvalues[None, :]).reshape(-1) for b in blocks]
-                + [diagonal_components.reshape(-1)]
-            ).unsqueeze(0)
-            self.eigenvalue_groups = torch.cat(
-                [torch.full((b.output_eigenvalues.numel() * b.input_eigenvalues.numel(),), b.group, device=f.device)
-                 for b in blocks] + [self.diagonal_groups]
+        self._unit_spectrum: tuple[Tensor, Tensor] | None = None
+
+    def unit_spectrum(self) -> tuple[Tensor, Tensor]:
+        r"""With one output-scale component (``K = 1``) every eigenvalue of :math:`H` is :math:`s` times one of
+        these: the products :math:`w_j q_i` of every block and the diagonal, ``(1, P)``, and their groups
+        ``(P,)``; formed once, at the first call (the blocks' decompositions with it)."""
+        if self._unit_spectrum is None:
+            eigen = [block.eigenvalues() for block in self.blocks]
+            self._unit_spectrum = (
+                torch.cat([(w[:, None] * q[None, :]).reshape(-1) for q, w in eigen]
+                          + [self.diagonal_components.reshape(-1)]).unsqueeze(0),
+                torch.cat([torch.full((q.numel() * w.numel(),), b.group, device=self.f.device)
+                           for (q, w), b in zip(eigen, self.blocks)] + [self.diagonal_groups]),
             )
+        return self._unit_spectrum
+
+    @property
+    def unit_eigenvalues(self) -> Tensor | None:
+        """The products of :meth:`unit_spectrum`, ``(1, P)``; ``None`` with several components."""
+        return self.unit_spectrum()[0] if self.scale_size == 1 else None
+
+    @property
+    def eigenvalue_groups(self) -> Tensor | None:
+        """The groups of :meth:`unit_spectrum`, ``(P,)``; ``None`` with several components."""
+        return self.unit_spectrum()[1] if self.scale_size == 1 else None
 
     def diagonal_spectrum(self) -> tuple[Tensor, Tensor, int] | None:
-        if self.unit_eigenvalues is None:
+        if self.scale_size != 1:
             return None
-        return self.unit_eigenvalues[0], self.eigenvalue_groups, 1
+        unit, groups = self.unit_spectrum()
+        return unit[0], groups, 1
 
     def output_eigenvalues(self, block: KroneckerFactors, scale: Tensor) -> Tensor:
         r"""Eigenvalues of :math:`\sum_k s_k G_k`, ``(d_out,)``, differentiable in :math:`s`."""
         if scale.shape[0] == 1:
-            return scale * block.output_eigenvalues
+            return scale * block.eigenvalues()[1]
         return KroneckerFactor(block.output_factor(scale)).eigvalsh()
 
     def log_det(self, prior_precision: float | Tensor, likelihood: Likelihood) -> Tensor:
@@ -211,7 +233,7 @@ class KroneckerGGN(Curvature):
         delta = self.prior_precision_vector(prior_precision)
         scale = self.scale(likelihood)
         if scale.shape[0] == 1:  # one pass over all eigenvalues, O(P)
-            return diagonal_log_det(scale, delta, self.unit_eigenvalues, self.eigenvalue_groups)
+            return diagonal_log_det(scale, delta, *self.unit_spectrum())
         total = torch.log(scale @ self.diagonal_components + delta[self.diagonal_groups]).sum()
         for block in self.blocks:
             total = total + block.log_det(scale, delta[block.group])
@@ -258,8 +280,9 @@ def kfac_ggn(
     r"""KFAC factors :math:`A_l, G_l` of every ``Linear``/``Conv2d`` layer (module docstring) and the exact
     diagonal GGN of the other parameters, batch by batch.
 
-    Cost: one forward and :math:`C` backward passes per batch (plus per-example passes for parameters
-    outside the layers) and the factors' products, :math:`T_l d_{in}^2 + C T_l d_{out}^2` per example and layer
+    Cost: one forward and :math:`M` backward passes per batch (:math:`M = C - 1` for a softmax, the columns of
+    :meth:`~ntkgp.laplace.weight_space.data_pass.DataPass.unit_hessian_root`; plus per-example passes for parameters
+    outside the layers) and the factors' products, :math:`T_l d_{in}^2 + M T_l d_{out}^2` per example and layer
     (:mod:`~ntkgp.laplace.weight_space.kfac_factors`); memory
     :math:`O(\text{batch} \cdot \text{activations} + \sum_l d_a^2 + K d_{out}^2)`: one output's gradients at a time,
     the factors' float64 sums.
@@ -275,11 +298,17 @@ def kfac_ggn(
     diag_total = torch.zeros(num_components, 0, dtype=data.core.dtype, device=data.core.device)
     if diagonal_names:
         diag_total = 0
-    for step, (xb, fb, yb) in enumerate(data.batches(x, y, batch_size, progress, "KFAC")):
-        if step == 0:
+    first = [True]
+
+    def forward(xb: Tensor, root) -> Tensor:  # the batch's one forward pass, and its backward passes
+        if first:  # the layers checked on the first batch's first example
+            first.clear()
             usable_layers(data, layers, xb[:1], strict=True)
-        cot = data.unit_hessian_sqrt(fb, yb)
-        sums.add_inputs(data.core.features(xb, layers, cot, reduce=sums.reduce).inputs)  # G: in sums.reduce
+        features = data.core.features(xb, layers, root, reduce=sums.reduce)  # G: in sums.reduce
+        sums.add_inputs(features.inputs)
+        return features.outputs
+
+    for xb, fb, yb in data.batches(x, y, batch_size, progress, "KFAC", forward):
         if diagonal_names:
             diag_total = diag_total + diagonal_ggn_components(data, xb, fb, yb, diagonal_names, [])
     a_sum, g_sum, locations = sums.factors()

@@ -34,34 +34,45 @@ from ...ntk.features import Layer
 ROWS = 1024
 
 
-def symmetric_gram(x: Tensor) -> Tensor:
-    r""":math:`X^\top X` of ``x`` ``(K, d)``: the blocks on and above the diagonal by matrix products (up to 4
-    blocks a side, ``d ≥ 1024``), the others mirrored."""
-    d = x.shape[1]
-    k = max(1, min(4, d // 512))
+def _from_upper_blocks(d: int, k: int, block, like: Tensor) -> Tensor:
+    """A symmetric ``(d, d)`` matrix from its ``k × k`` blocks on and above the diagonal, ``block(rows, cols)``
+    (slices), the others mirrored."""
     if k == 1:
-        return x.T @ x
+        return block(slice(None), slice(None))
     edges = [round(i * d / k) for i in range(k + 1)]
-    out = torch.empty(d, d, dtype=x.dtype, device=x.device)
+    out = torch.empty(d, d, dtype=like.dtype, device=like.device)
     for i in range(k):
         rows = slice(edges[i], edges[i + 1])
         for j in range(i, k):
             cols = slice(edges[j], edges[j + 1])
-            block = x[:, rows].T @ x[:, cols]
-            out[rows, cols] = block
+            part = block(rows, cols)
+            out[rows, cols] = part
             if j > i:
-                out[cols, rows] = block.T
+                out[cols, rows] = part.T
     return out
+
+
+def symmetric_gram(x: Tensor) -> Tensor:
+    r""":math:`X^\top X` of ``x`` ``(K, d)``: the blocks on and above the diagonal by matrix products (up to 4
+    blocks a side, ``d ≥ 1024``), the others mirrored."""
+    d = x.shape[1]
+    return _from_upper_blocks(d, max(1, min(4, d // 512)), lambda rows, cols: x[:, rows].T @ x[:, cols], x)
 
 
 def location_gram(x: Tensor, chunk: int = 64) -> Tensor:
     r""":math:`\sum_n \sum_t x_{nt} x_{nt}^\top` of ``x`` ``(n, d, T)``, ``(d, d)``: batched products of ``chunk``
-    examples at a time (no transposed copy of ``x``)."""
-    out = None
-    for part in x.split(chunk):
-        gram = torch.bmm(part, part.mT).sum(dim=0)
-        out = gram if out is None else out.add_(gram)
-    return out
+    examples at a time (no transposed copy of ``x``); for ``d ≥ 256`` only the blocks on and above the diagonal
+    (up to 4 a side, at least 128 rows each), the others mirrored."""
+
+    def block(rows: slice, cols: slice) -> Tensor:
+        out = None
+        for part in x.split(chunk):
+            gram = torch.bmm(part[:, rows], part[:, cols].mT).sum(dim=0)
+            out = gram if out is None else out.add_(gram)
+        return out
+
+    d = x.shape[1]
+    return _from_upper_blocks(d, max(1, min(4, d // 128)), block, x)
 
 
 class FactorSums:
@@ -78,18 +89,23 @@ class FactorSums:
         self.layers = layers
         self.num_components = num_components
         self.rows = ROWS if rows is None else rows
-        self.inputs: dict[str, Tensor] = {}  # Σ a aᵀ
-        self.input_sums: dict[str, Tensor] = {}  # Σ a
+        self.inputs: dict[str, Tensor] = {}  # A, (d_a, d_a): Σ a aᵀ, bordered by Σ a (and the count) with a bias
         self.outputs: dict[str, Tensor] = {}  # (K, d_out, d_out)
         self.locations: dict[str, int] = {layer.name: 0 for layer in layers}
         self.pending: dict[str, list[Tensor]] = {layer.name: [] for layer in layers}
 
-    @staticmethod
-    def _add(store: dict[str, Tensor], name: str, value: Tensor) -> None:
-        if name in store:
-            store[name] += value.to(torch.float64)
-        else:  # a float64 value is the caller's: copied; any other is copied by the conversion
-            store[name] = value.clone() if value.dtype == torch.float64 else value.to(torch.float64)
+    def _add_inputs(self, layer: Layer, gram: Tensor, total: Tensor) -> None:
+        r""":math:`\sum a a^\top` ``gram`` and :math:`\sum a` ``total`` of some inputs added to the float64
+        :math:`A` in place (a float32 product promoted as it is added: no float64 copy of it, nor of :math:`A`)."""
+        d = gram.shape[0]
+        if layer.name not in self.inputs:
+            d_a = d + (layer.bias is not None)
+            self.inputs[layer.name] = torch.zeros(d_a, d_a, dtype=torch.float64, device=gram.device)
+        a = self.inputs[layer.name]
+        a[:d, :d].add_(gram)
+        if layer.bias is not None:
+            a[:d, d].add_(total)
+            a[d, :d].add_(total)
 
     def reduce(self, layer: Layer, a: Tensor, g: Tensor, m: int, count: int) -> None:
         r"""The ``reduce`` hook of the feature pass: column ``m`` of ``count``'s gradients ``g``
@@ -99,7 +115,7 @@ class FactorSums:
         if layer.name not in self.outputs:
             d = gram.shape[0]
             self.outputs[layer.name] = torch.zeros(self.num_components, d, d, dtype=torch.float64, device=g.device)
-        self.outputs[layer.name][k] += gram.to(torch.float64)
+        self.outputs[layer.name][k].add_(gram)
         return None
 
     def add_inputs(self, inputs: dict[str, Tensor]) -> None:
@@ -112,8 +128,7 @@ class FactorSums:
                 if sum(p.shape[0] for p in self.pending[layer.name]) >= self.rows:
                     self._flush(layer)
             else:
-                self._add(self.inputs, layer.name, location_gram(a))
-                self._add(self.input_sums, layer.name, a.sum(dim=(0, 2)))
+                self._add_inputs(layer, location_gram(a), a.sum(dim=(0, 2)))
 
     def _flush(self, layer: Layer) -> None:
         pending = self.pending[layer.name]
@@ -121,8 +136,7 @@ class FactorSums:
             return
         x = torch.cat(pending) if len(pending) > 1 else pending[0]
         pending.clear()
-        self._add(self.inputs, layer.name, symmetric_gram(x))
-        self._add(self.input_sums, layer.name, x.sum(dim=0))
+        self._add_inputs(layer, symmetric_gram(x), x.sum(dim=0))
 
     def factors(self) -> tuple[dict[str, Tensor], dict[str, Tensor], dict[str, int]]:
         r"""Per layer :math:`A` ``(d_a, d_a)`` (with the bias row and column when the bias is trainable),
@@ -134,8 +148,6 @@ class FactorSums:
             name = layer.name
             a = self.inputs[name]
             if layer.bias is not None:
-                s = self.input_sums[name]
-                count = torch.tensor([[float(self.locations[name])]], dtype=a.dtype, device=a.device)
-                a = torch.cat([torch.cat([a, s[:, None]], dim=1), torch.cat([s[None, :], count], dim=1)])
+                a[-1, -1] = float(self.locations[name])
             a_out[name], g_out[name] = a, self.outputs[name]
         return a_out, g_out, dict(self.locations)

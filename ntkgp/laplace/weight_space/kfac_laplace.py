@@ -63,37 +63,43 @@ def _check_damping(value: object, argument: str) -> bool:
 
 @dataclass
 class KroneckerBlock:
-    r"""A layer's factors with their eigendecompositions.
+    r"""A layer's factors, decomposed at their first use.
 
     Attributes:
         layer: the layer.
         group: its prior group.
         index: flat positions of :math:`\Theta`, ``(d_out, d_a)``.
-        input_factor: :math:`A`; ``input_eigenvalues`` :math:`q` and ``input_basis`` :math:`U_A` (computed
-            once).
-        output_factors: :math:`G_k`, ``(K, d_out, d_out)``; with ``K = 1`` also its eigenvalues and basis.
+        factors: the curvature's block: :math:`A` (``input_factor``) and :math:`G_k` (``output_factors``,
+            ``(K, d_out, d_out)``), with their eigendecompositions (:meth:`KroneckerFactors.decompose`: at the
+            first covariance, sample, log-determinant or predictive, not in the fit).
     """
 
     layer: Layer
     group: int
     index: Tensor
-    input_factor: Tensor
-    output_factors: Tensor
-    input_eigenvalues: Tensor
-    input_basis: Tensor
-    output_eigenvalues: Tensor | None
-    output_basis: Tensor | None
+    factors: KroneckerFactors
+
+    @property
+    def input_factor(self) -> Tensor:
+        return self.factors.input_factor
+
+    @property
+    def output_factors(self) -> Tensor:
+        return self.factors.output_factors
 
     def output_factor(self, scale: Tensor) -> Tensor:
         r""":math:`G(s) = \sum_k s_k G_k`."""
-        return torch.einsum("k,kij->ij", scale, self.output_factors)
+        return self.factors.output_factor(scale)
 
-    def output_eigen(self, scale: Tensor) -> tuple[Tensor, Tensor]:
-        r"""Eigenvalues (clamped at 0) and eigenvectors of :math:`G(s)`."""
-        if self.output_basis is not None:
-            return scale * self.output_eigenvalues, self.output_basis
-        w, u = torch.linalg.eigh(self.output_factor(scale))
-        return w.clamp_min(0), u
+    def eigen(self, scale: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        r"""The eigenvalues :math:`q` and eigenvectors :math:`U_A` of :math:`A`, and those of :math:`G(s)`
+        (clamped at 0): with one component from the decomposition computed once, else from an ``eigh`` of
+        :math:`G(s)`."""
+        q, u_a, w, u_g = self.factors.eigenbases()
+        if u_g is not None:
+            return q, u_a, scale * w, u_g
+        w, u_g = torch.linalg.eigh(self.output_factor(scale))
+        return q, u_a, w.clamp_min(0), u_g
 
 
 class KFACLaplace(WeightPosterior):
@@ -184,22 +190,9 @@ class KFACLaplace(WeightPosterior):
         modules = dict(net.named_modules())
         self.blocks: list[KroneckerBlock] = []
         factors: list[KroneckerFactors] = curvature.blocks
-        for f in factors:
+        for f in factors:  # not decomposed here: at the first use (KroneckerBlock.eigen)
             layer = Layer(f.module, modules[f.module], f.weight, f.bias)
-            q, u_a, w, u_g = f.eigenbases()
-            self.blocks.append(
-                KroneckerBlock(
-                    layer,
-                    f.group,
-                    layer_index(fn, layer),
-                    f.input_factor,
-                    f.output_factors,
-                    q,
-                    u_a,
-                    w,
-                    u_g,
-                )
-            )
+            self.blocks.append(KroneckerBlock(layer, f.group, layer_index(fn, layer), f))
         self.diagonal_names = list(curvature.diagonal_names)
         self.diagonal_components = curvature.diagonal_components
         self.diagonal_index = torch.cat(
@@ -222,13 +215,13 @@ class KFACLaplace(WeightPosterior):
         def compute():
             scale, out = self.scale(), []
             for block in self.blocks:
-                w, u_g = block.output_eigen(scale)
-                q, delta = block.input_eigenvalues, self.prior_precision[block.group]
+                q, u_a, w, u_g = block.eigen(scale)
+                delta = self.prior_precision[block.group]
                 if self.damping:
                     weights = 1 / ((w + delta.sqrt())[:, None] * (q + delta.sqrt())[None, :])
                 else:
                     weights = 1 / (w[:, None] * q[None, :] + delta)
-                out.append((u_g, block.input_basis, weights))
+                out.append((u_g, u_a, weights))
             return out
 
         return self.cached("blocks", compute)
