@@ -11,6 +11,9 @@ inputs, in the space :func:`~ntkgp.options.choose_space` picks:
   :math:`D_k = \sum_n (\tilde L_n^\top J_n)^\top (\tilde L_n^\top J_n)` (``(K, P, P)``, from the kernel's cached
   Jacobian), each step one :math:`P \times P` Cholesky factorization of :math:`P_0^{-1/2}(H + P_0)P_0^{-1/2}`:
   :math:`O(P^3)`, not the :math:`O(N k P^2)` of forming :math:`W^\top W`, :math:`W = L^\top J P_0^{-1/2}`, again.
+  For a network of linear layers (one output scale, the GGN) the components are built block by block from the
+  engine's layer features (:mod:`~ntkgp.laplace.weight_space.layer_ggn`, :math:`k` times fewer multiply-adds)
+  instead of from the Jacobian's rows, whichever costs fewer.
 
 Both are exact and differentiable in every :math:`\delta_g` and in the likelihood's noise or temperature (through
 its output scale :math:`s`, :mod:`~ntkgp.laplace.weight_space.scaling`), and are the same objects
@@ -35,6 +38,7 @@ from ...kernels import NTKKernel
 from ...options import Curvature, Space
 from ..weight_space import FullCurvature, FunctionSpaceCurvature
 from ..weight_space.gram_curvature import unit_grams
+from ..weight_space.layer_ggn import layer_ggn_components
 from ..weight_space.scaling import output_scale
 
 __all__ = ["curvature_problem", "evidence_curvature"]
@@ -54,6 +58,14 @@ def curvature_problem(
     if curvature is Curvature.EF and space is Space.FUNCTION and output_scale(likelihood).shape[0] > 1:
         return "the function-space empirical Fisher needs a single output scale"
     return None
+
+
+def weight_space_blocks(engine, likelihood: Likelihood, x: torch.Tensor, f: torch.Tensor, y: torch.Tensor,
+                        scale0: torch.Tensor, fisher: bool) -> torch.Tensor | None:
+    """The weight-space GGN components from the engine's layer features
+    (:mod:`~ntkgp.laplace.weight_space.layer_ggn`), or ``None`` where the Jacobian's rows are the cheaper route."""
+    x = engine.prepare(x)
+    return layer_ggn_components(engine.core, engine.plan(x), x, likelihood, f, y, scale0, fisher)
 
 
 def evidence_curvature(
@@ -83,6 +95,9 @@ def evidence_curvature(
             if space is Space.FUNCTION:
                 grams, row_scale = unit_grams(kernel.group_grams(x).to(f), likelihood, f, y, scale0, fisher)
                 return FunctionSpaceCurvature(groups, norms, f, y, scale0.shape[0], grams, row_scale, fisher)
+            blocks = weight_space_blocks(engine, likelihood, x, f, y, scale0, fisher)
+            if blocks is not None:
+                return FullCurvature(groups, norms, f, y, scale0.shape[0], blocks, fisher)
             return FullCurvature.from_jacobian(groups, norms, kernel.jacobian(x).to(f), likelihood, f, y, scale0,
                                                fisher)
 

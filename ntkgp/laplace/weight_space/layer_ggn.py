@@ -1,0 +1,122 @@
+r"""The dense weight-space GGN of a network of linear layers from its layer features, block by block.
+
+For a linear layer :math:`l` with bias-augmented input :math:`\bar a^l_n` (``(d_a^l,)``,
+:meth:`~ntkgp.ntk.features.Layer.fold`) and :math:`\Gamma^l_n = \tilde L_n^\top G^l_n` (``(M, d_out^l)``: the
+Jacobian :math:`G^l_n` of the ``C`` outputs w.r.t. the layer's pre-activations, times the unit root
+:math:`\tilde L_n`), the rows of :math:`\tilde L_n^\top J_n` on :math:`\Theta^l = [W^l \mid b^l]` are
+:math:`\Gamma^l_{nma} \bar a^l_{ni}`, so the block of layers :math:`l, m` of
+:math:`D = \sum_n J_n^\top \tilde\Lambda_n J_n` is
+
+.. math::
+    D_{lm}[(a, i), (b, j)] = \sum_n \bar a^l_{ni} \bar a^m_{nj}\, M^{lm}_{nab}, \qquad
+    M^{lm}_n = \Gamma^{l\top}_n \Gamma^m_n = G^{l\top}_n \tilde\Lambda_n G^m_n,
+
+one matrix product per block over a chunk of examples, ``(n, d_a^l d_a^m)ᵀ @ (n, d_out^l d_out^m)``:
+:math:`N P_l P_m` multiply-adds instead of the :math:`N M P_l P_m` of the Gram of the rows (``docs/math.md``,
+"GGN from layer features"). Only the blocks :math:`l \le m` are formed; the others are their transposes.
+Memory: the :math:`P^2` of :math:`D`, plus per block pair and chunk of ``n`` examples
+:math:`n (d_a^l d_a^m + d_out^l d_out^m)` numbers, plus the chunk's features :math:`n (\sum_l d_a^l +
+M \sum_l d_out^l)`.
+
+It applies (:func:`layer_ggn_layers`) to the GGN with a single output scale (one component: classification, or
+a Gaussian likelihood with one noise) when every trainable parameter belongs to a verified ``nn.Linear`` /
+``nn.Conv2d`` layer of the NTK engine's layer plan with one location per example, and when its multiply-add
+count is below the rows route's; otherwise the caller takes the rows route.
+"""
+
+from __future__ import annotations
+
+import torch
+from gpytorch.likelihoods import Likelihood
+from torch import Tensor
+
+from ...ntk.features import Layer
+from ...ntk.network import NetworkCore
+from .scaling import unit_hessian_sqrt
+
+__all__ = ["layer_ggn", "layer_ggn_components", "layer_ggn_layers"]
+
+
+def layer_ggn_layers(core: NetworkCore, plan, num_rows: int, fisher: bool, per_output: bool) -> tuple[Layer, ...] | None:
+    r"""The layers of the block route, or ``None`` when it does not apply or costs more than the rows route.
+
+    Args:
+        core: the network.
+        plan: its :class:`~ntkgp.ntk.layer_plan.LayerPlan` for the inputs.
+        num_rows: ``M``, the columns of the unit root per example (the rows route's :math:`N M P^2 / 2`).
+        fisher: the empirical Fisher (not handled).
+        per_output: one component per output (not handled).
+    """
+    if fisher or per_output or plan.generic or plan.multi or not plan.layers:
+        return None
+    covered = [name for layer in plan.layers for name in layer.parameter_names]
+    if sorted(covered) != sorted(core.names):
+        return None
+    sizes = [layer.d_out * (layer.fan_in + (layer.bias is not None)) for layer in plan.layers]
+    outs = [layer.d_out for layer in plan.layers]
+    num_params = sum(sizes)
+    # per example: the blocks l <= m (≈ P²/2), their M^{lm} (M Σ d_out^l d_out^m), against the rows' M P²/2
+    blocks = sum(sizes[i] * sizes[j] for i in range(len(sizes)) for j in range(i, len(sizes)))
+    products = num_rows * sum(outs[i] * outs[j] for i in range(len(outs)) for j in range(i, len(outs)))
+    if blocks + products >= num_rows * num_params * (num_params + 1) / 2:
+        return None
+    return tuple(plan.layers)
+
+
+def layer_ggn(
+    core: NetworkCore, layers: tuple[Layer, ...], x: Tensor, likelihood: Likelihood, f: Tensor, y: Tensor,
+    scale0: Tensor, chunk_size: int = 256,
+) -> Tensor:
+    r""":math:`D = \sum_n J_n^\top \tilde\Lambda_n J_n` ``(P, P)`` (columns in the order of ``core.names``) from
+    the layer features of ``layers`` (module docstring), in the dtype of ``f``, exactly symmetric.
+
+    Args:
+        core: the network; ``layers`` its verified layers covering every trainable parameter, one location each.
+        x: prepared inputs ``(N, ...)``.
+        likelihood: the likelihood; ``scale0`` its output scale :math:`s_0` (one entry) for the unit root.
+        f, y: outputs ``(N, C)`` at ``x`` and normalized targets.
+        chunk_size: examples per chunk.
+    """
+    dtype, device = f.dtype, f.device
+    count = len(layers)
+    index = [layer.index(core.offset, device).reshape(-1) for layer in layers]
+    shapes = [(layer.fan_in + (layer.bias is not None), layer.d_out) for layer in layers]
+    sums = {(i, j): torch.zeros(shapes[i][0] * shapes[j][0], shapes[i][1] * shapes[j][1], dtype=dtype,
+                                device=device)
+            for i in range(count) for j in range(i, count)}
+    for start in range(0, x.shape[0], chunk_size):
+        part = slice(start, start + chunk_size)
+        cot = unit_hessian_sqrt(likelihood, f[part], y[part], scale0)  # (n, C, M)
+        features = core.features(x[part], layers, cot)
+        inputs = [layer.fold(features.inputs[layer.name])[..., 0].to(dtype) for layer in layers]  # (n, d_a)
+        grads = [features.grads[layer.name][..., 0].to(dtype) for layer in layers]  # (n, M, d_out)
+        n = inputs[0].shape[0]
+        for (i, j), total in sums.items():
+            outer = (inputs[i][:, :, None] * inputs[j][:, None, :]).reshape(n, -1)
+            weights = torch.bmm(grads[i].transpose(1, 2), grads[j]).reshape(n, -1)
+            total.addmm_(outer.T, weights)
+    out = torch.empty(core.num_params, core.num_params, dtype=dtype, device=device)
+    for (i, j), total in sums.items():
+        (ai, oi), (aj, oj) = shapes[i], shapes[j]
+        block = total.view(ai, aj, oi, oj).permute(2, 0, 3, 1).reshape(ai * oi, aj * oj)  # rows (a, i), cols (b, j)
+        if i == j:
+            block = (block + block.T) / 2  # exactly symmetric (the sums are, up to rounding)
+        out[index[i][:, None], index[j][None, :]] = block
+        if i != j:
+            out[index[j][:, None], index[i][None, :]] = block.T
+    return out
+
+
+def layer_ggn_components(
+    core: NetworkCore, plan, x: Tensor, likelihood: Likelihood, f: Tensor, y: Tensor, scale0: Tensor,
+    fisher: bool,
+) -> Tensor | None:
+    r"""The components ``(1, P, P)`` of the dense GGN by the block route, or ``None`` where the rows route applies
+    or is cheaper (:func:`layer_ggn_layers`). Arguments as :func:`layer_ggn`; ``plan`` the layer plan of ``x``."""
+    if scale0.shape[0] != 1:
+        return None
+    num_rows = unit_hessian_sqrt(likelihood, f[:1], y[:1], scale0).shape[-1]
+    layers = layer_ggn_layers(core, plan, num_rows, fisher, False)
+    if layers is None:
+        return None
+    return layer_ggn(core, layers, x, likelihood, f, y, scale0)[None]
