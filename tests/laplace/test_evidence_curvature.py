@@ -95,9 +95,8 @@ def test_weight_space_takes_the_cached_components_and_builds_them_once(monkeypat
     net, x, y, lik, log_prob = make_problem("softmax4", n=40)  # N·C = 160 > P = 116: weight space
     model = ntkgp.NTKGP(net, x, y, lik, prior_precision=DELTA)
     builds = []
-    original = FullCurvature.from_jacobian.__func__
-    monkeypatch.setattr(FullCurvature, "from_jacobian",
-                        classmethod(lambda cls, *a, **k: builds.append(1) or original(cls, *a, **k)))
+    original = FullCurvature.__init__  # either build (Jacobian rows or layer blocks) constructs one
+    monkeypatch.setattr(FullCurvature, "__init__", lambda self, *a, **k: builds.append(1) or original(self, *a, **k))
     optimizer = torch.optim.Adam(model.hyperparameters(), lr=0.05)
     for _ in range(4):
         optimizer.zero_grad()

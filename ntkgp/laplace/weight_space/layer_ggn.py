@@ -13,7 +13,9 @@ Jacobian :math:`G^l_n` of the ``C`` outputs w.r.t. the layer's pre-activations, 
 
 one matrix product per block over a chunk of examples, ``(n, d_a^l d_a^m)ᵀ @ (n, d_out^l d_out^m)``:
 :math:`N P_l P_m` multiply-adds instead of the :math:`N M P_l P_m` of the Gram of the rows (``docs/math.md``,
-"GGN from layer features"). Only the blocks :math:`l \le m` are formed; the others are their transposes.
+"GGN from layer features"). Only the blocks :math:`l \le m` are formed, the others are their transposes; a
+diagonal block is symmetric in :math:`(i, j)` and in :math:`(a, b)` separately, so only the pairs
+:math:`i \le j`, :math:`a \le b` are summed (about a quarter of the block).
 Memory: the :math:`P^2` of :math:`D`, plus per block pair and chunk of ``n`` examples
 :math:`n (d_a^l d_a^m + d_out^l d_out^m)` numbers, plus the chunk's features :math:`n (\sum_l d_a^l +
 M \sum_l d_out^l)`.
@@ -52,12 +54,15 @@ def layer_ggn_layers(core: NetworkCore, plan, num_rows: int, fisher: bool, per_o
     covered = [name for layer in plan.layers for name in layer.parameter_names]
     if sorted(covered) != sorted(core.names):
         return None
-    sizes = [layer.d_out * (layer.fan_in + (layer.bias is not None)) for layer in plan.layers]
+    ins = [layer.fan_in + (layer.bias is not None) for layer in plan.layers]
     outs = [layer.d_out for layer in plan.layers]
-    num_params = sum(sizes)
-    # per example: the blocks l <= m (≈ P²/2), their M^{lm} (M Σ d_out^l d_out^m), against the rows' M P²/2
-    blocks = sum(sizes[i] * sizes[j] for i in range(len(sizes)) for j in range(i, len(sizes)))
-    products = num_rows * sum(outs[i] * outs[j] for i in range(len(outs)) for j in range(i, len(outs)))
+    num_params = sum(a * o for a, o in zip(ins, outs))
+    # per example: the blocks l < m (P_l P_m), the triangles of the diagonal ones, their M^{lm}
+    # (M d_out^l d_out^m), against the rows' M P (P + 1) / 2
+    half = [a * (a + 1) * o * (o + 1) // 4 for a, o in zip(ins, outs)]
+    pairs = [(i, j) for i in range(len(ins)) for j in range(i + 1, len(ins))]
+    blocks = sum(half) + sum(ins[i] * outs[i] * ins[j] * outs[j] for i, j in pairs)
+    products = num_rows * (sum(o * o for o in outs) + sum(outs[i] * outs[j] for i, j in pairs))
     if blocks + products >= num_rows * num_params * (num_params + 1) / 2:
         return None
     return tuple(plan.layers)
@@ -81,9 +86,12 @@ def layer_ggn(
     count = len(layers)
     index = [layer.index(core.offset, device).reshape(-1) for layer in layers]
     shapes = [(layer.fan_in + (layer.bias is not None), layer.d_out) for layer in layers]
-    sums = {(i, j): torch.zeros(shapes[i][0] * shapes[j][0], shapes[i][1] * shapes[j][1], dtype=dtype,
-                                device=device)
-            for i in range(count) for j in range(i, count)}
+    pairs = [(i, j) for i in range(count) for j in range(i, count)]
+    # a diagonal block is symmetric in (i, j) and in (a, b) separately: only the pairs i <= j, a <= b are summed
+    tri = {d: torch.triu_indices(d, d, device=device) for i in range(count) for d in shapes[i]}
+    sizes = {(i, j): (tri[shapes[i][0]].shape[1], tri[shapes[i][1]].shape[1]) if i == j else
+             (shapes[i][0] * shapes[j][0], shapes[i][1] * shapes[j][1]) for i, j in pairs}
+    sums = {pair: torch.zeros(*sizes[pair], dtype=dtype, device=device) for pair in pairs}
     for start in range(0, x.shape[0], chunk_size):
         part = slice(start, start + chunk_size)
         cot = unit_hessian_sqrt(likelihood, f[part], y[part], scale0)  # (n, C, M)
@@ -92,19 +100,32 @@ def layer_ggn(
         grads = [features.grads[layer.name][..., 0].to(dtype) for layer in layers]  # (n, M, d_out)
         n = inputs[0].shape[0]
         for (i, j), total in sums.items():
-            outer = (inputs[i][:, :, None] * inputs[j][:, None, :]).reshape(n, -1)
-            weights = torch.bmm(grads[i].transpose(1, 2), grads[j]).reshape(n, -1)
+            weights = torch.bmm(grads[i].transpose(1, 2), grads[j])  # M^{ij}_n, (n, d_out^i, d_out^j)
+            if i == j:
+                (p, q), (r, t) = tri[shapes[i][0]], tri[shapes[i][1]]
+                outer, weights = inputs[i][:, p] * inputs[i][:, q], weights[:, r, t]
+            else:
+                outer, weights = (inputs[i][:, :, None] * inputs[j][:, None, :]).reshape(n, -1), weights.reshape(n, -1)
             total.addmm_(outer.T, weights)
     out = torch.empty(core.num_params, core.num_params, dtype=dtype, device=device)
     for (i, j), total in sums.items():
         (ai, oi), (aj, oj) = shapes[i], shapes[j]
+        if i == j:  # the full (i, j, a, b) from the triangles: exactly symmetric
+            total = total[_positions(ai, device)][:, _positions(oi, device)]
         block = total.view(ai, aj, oi, oj).permute(2, 0, 3, 1).reshape(ai * oi, aj * oj)  # rows (a, i), cols (b, j)
-        if i == j:
-            block = (block + block.T) / 2  # exactly symmetric (the sums are, up to rounding)
         out[index[i][:, None], index[j][None, :]] = block
         if i != j:
             out[index[j][:, None], index[i][None, :]] = block.T
     return out
+
+
+def _positions(d: int, device) -> Tensor:
+    """For each ``(i, j)`` of a ``d × d`` symmetric array, row-major, its position among the pairs ``i <= j`` of
+    ``torch.triu_indices``, ``(d²,)``."""
+    upper = torch.zeros(d, d, dtype=torch.long, device=device)
+    rows, cols = torch.triu_indices(d, d, device=device)
+    upper[rows, cols] = torch.arange(rows.shape[0], device=device)
+    return torch.maximum(upper, upper.T).reshape(-1)  # the lower entries are 0 before the maximum
 
 
 def layer_ggn_components(
