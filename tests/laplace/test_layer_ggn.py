@@ -9,11 +9,12 @@ from torch import nn
 from torch.func import functional_call, jacrev
 
 import ntkgp
+import ntkgp.laplace.function_space.eigen as eigen
 import ntkgp.laplace.function_space.evidence_curvature as evidence_curvature
 from ntkgp.likelihoods import SoftmaxLikelihood, validate_targets
 from ntkgp.ntk.network import NetworkCore
 from ntkgp.laplace.weight_space.layer_ggn import layer_ggn, layer_ggn_components, layer_ggn_layers
-from ntkgp.laplace.weight_space.scaling import output_scale
+from ntkgp.laplace.weight_space.scaling import output_scale, unit_hessian_sqrt
 from tests.helpers import rel_err
 
 
@@ -70,9 +71,9 @@ def build(net, x, y, lik, chunk_size=5):
     with torch.no_grad():
         f = net(x)
     yv = validate_targets(lik, y, f.shape[1])
-    scale0 = output_scale(lik).detach().to(f)
+    root = unit_hessian_sqrt(lik, f, yv, output_scale(lik).detach().to(f))
     layers = tuple(plan.layers)  # every layer, whatever the cost rule would choose
-    return core, layers, layer_ggn(core, layers, xp, lik, f, yv, scale0, chunk_size=chunk_size)
+    return core, layers, layer_ggn(core, layers, xp, root, chunk_size=chunk_size)
 
 
 CASES = [
@@ -167,6 +168,32 @@ def test_evidence_and_predictive_match_the_rows_route(kind, c, monkeypatch):
     new = run()
     assert calls and all(blocks is not None for blocks in calls)  # the block route was taken
     monkeypatch.setattr(evidence_curvature, "weight_space_blocks", lambda *a: None)
+    old = run()
+    for a, b in zip(new, old):
+        assert rel_err(a, b) < 1e-9
+
+
+@pytest.mark.parametrize("kind,c", [("gaussian", 1), ("softmax", 3)])
+def test_one_delta_spectral_evidence_matches_the_rows_route(kind, c, monkeypatch):
+    """One prior precision: the eigenvalues of the weight-space GGN (function_space/eigen.py) from the blocks."""
+    net = net_of([3, 5, 4, c], nn.Tanh, True)
+    torch.manual_seed(4)
+    x = torch.randn(120, 3, dtype=torch.float64)
+    y = targets(kind, 120, c)
+
+    def run():
+        lik = likelihood_of(kind, c)
+        model = ntkgp.NTKGP(net, x, y, lik, prior_precision=0.7, prior_structure="network")
+        value = model.log_marginal_likelihood()
+        grad = torch.autograd.grad(value, [model.covar_module.raw_prior_precision])[0]
+        return value.detach(), grad
+
+    calls = []
+    original = eigen.blocks_of_root
+    monkeypatch.setattr(eigen, "blocks_of_root", lambda *a: calls.append(original(*a)) or calls[-1])
+    new = run()
+    assert calls and all(blocks is not None for blocks in calls)
+    monkeypatch.setattr(eigen, "blocks_of_root", lambda *a: None)
     old = run()
     for a, b in zip(new, old):
         assert rel_err(a, b) < 1e-9

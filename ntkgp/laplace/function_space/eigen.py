@@ -42,6 +42,7 @@ from ...likelihoods import gradient, hessian_sqrt, is_gaussian, likelihood_tempe
 from ...linalg import block_sandwich
 from ...linalg import gram
 from ...options import Curvature, Space, choose, choose_space
+from ..weight_space.layer_ggn import blocks_of_root
 from ..weight_space.scaling import data_fit_statistics, output_scale
 from .algebra import block_apply
 
@@ -118,9 +119,12 @@ def _spectral_data(
             base = _factor(likelihood, fixed, y, curvature) / scale  # L_0, free of hyperparameters
             if space is Space.FUNCTION:
                 matrix = block_sandwich(base, kernel.group_grams(x).sum(0).to(base), symmetric=True)
-            else:
-                w = block_apply(base, kernel.jacobian(x).to(base), transpose=True)
-                matrix = gram(w)
+            else:  # the GGN from the layer blocks where cheaper (weight_space.layer_ggn), else the rows' Gram
+                xp = engine.prepare(x)
+                matrix = (blocks_of_root(engine.core, engine.plan(xp), xp, base)
+                          if curvature is Curvature.GGN else None)
+                if matrix is None:
+                    matrix = gram(block_apply(base, kernel.jacobian(x).to(base), transpose=True))
             eigenvalues = torch.linalg.eigvalsh(matrix).clamp_min(0)
             return eigenvalues, data_fit_statistics(likelihood, fixed, y), engine.group_sq_norms().to(f)
 

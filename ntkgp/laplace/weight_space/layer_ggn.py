@@ -36,10 +36,12 @@ from ...ntk.features import Layer
 from ...ntk.network import NetworkCore
 from .scaling import unit_hessian_sqrt
 
-__all__ = ["layer_ggn", "layer_ggn_components", "layer_ggn_layers"]
+__all__ = ["blocks_of_root", "layer_ggn", "layer_ggn_components", "layer_ggn_layers"]
 
 
-def layer_ggn_layers(core: NetworkCore, plan, num_rows: int, fisher: bool, per_output: bool) -> tuple[Layer, ...] | None:
+def layer_ggn_layers(
+    core: NetworkCore, plan, num_rows: int, fisher: bool, per_output: bool
+) -> tuple[Layer, ...] | None:
     r"""The layers of the block route, or ``None`` when it does not apply or costs more than the rows route.
 
     Args:
@@ -68,21 +70,18 @@ def layer_ggn_layers(core: NetworkCore, plan, num_rows: int, fisher: bool, per_o
     return tuple(plan.layers)
 
 
-def layer_ggn(
-    core: NetworkCore, layers: tuple[Layer, ...], x: Tensor, likelihood: Likelihood, f: Tensor, y: Tensor,
-    scale0: Tensor, chunk_size: int = 256,
-) -> Tensor:
-    r""":math:`D = \sum_n J_n^\top \tilde\Lambda_n J_n` ``(P, P)`` (columns in the order of ``core.names``) from
-    the layer features of ``layers`` (module docstring), in the dtype of ``f``, exactly symmetric.
+def layer_ggn(core: NetworkCore, layers: tuple[Layer, ...], x: Tensor, root: Tensor, chunk_size: int = 256) -> Tensor:
+    r""":math:`D = \sum_n J_n^\top R_n R_n^\top J_n` ``(P, P)`` (columns in the order of ``core.names``) from
+    the layer features of ``layers`` (module docstring), in the dtype of ``root``, exactly symmetric.
 
     Args:
         core: the network; ``layers`` its verified layers covering every trainable parameter, one location each.
         x: prepared inputs ``(N, ...)``.
-        likelihood: the likelihood; ``scale0`` its output scale :math:`s_0` (one entry) for the unit root.
-        f, y: outputs ``(N, C)`` at ``x`` and normalized targets.
+        root: the cotangents :math:`R_n` ``(N, C, M)`` (the GGN's unit root :math:`\tilde L_n`, with
+            :math:`\tilde L_n \tilde L_n^\top = \tilde\Lambda_n`).
         chunk_size: examples per chunk.
     """
-    dtype, device = f.dtype, f.device
+    dtype, device = root.dtype, root.device
     count = len(layers)
     index = [layer.index(core.offset, device).reshape(-1) for layer in layers]
     shapes = [(layer.fan_in + (layer.bias is not None), layer.d_out) for layer in layers]
@@ -94,8 +93,7 @@ def layer_ggn(
     sums = {pair: torch.zeros(*sizes[pair], dtype=dtype, device=device) for pair in pairs}
     for start in range(0, x.shape[0], chunk_size):
         part = slice(start, start + chunk_size)
-        cot = unit_hessian_sqrt(likelihood, f[part], y[part], scale0)  # (n, C, M)
-        features = core.features(x[part], layers, cot)
+        features = core.features(x[part], layers, root[part])
         inputs = [layer.fold(features.inputs[layer.name])[..., 0].to(dtype) for layer in layers]  # (n, d_a)
         grads = [features.grads[layer.name][..., 0].to(dtype) for layer in layers]  # (n, M, d_out)
         n = inputs[0].shape[0]
@@ -128,16 +126,28 @@ def _positions(d: int, device) -> Tensor:
     return torch.maximum(upper, upper.T).reshape(-1)  # the lower entries are 0 before the maximum
 
 
+def blocks_of_root(core: NetworkCore, plan, x: Tensor, root: Tensor) -> Tensor | None:
+    r""":math:`\sum_n J_n^\top R_n R_n^\top J_n` ``(P, P)`` by :func:`layer_ggn` (dtype of ``root``), or ``None``
+    where the rows route applies or is cheaper (:func:`layer_ggn_layers`); ``plan`` the layer plan of the prepared
+    ``x``, ``root`` ``(N, C, M)``."""
+    layers = layer_ggn_layers(core, plan, root.shape[-1], False, False)
+    return None if layers is None else layer_ggn(core, layers, x, root)
+
+
 def layer_ggn_components(
     core: NetworkCore, plan, x: Tensor, likelihood: Likelihood, f: Tensor, y: Tensor, scale0: Tensor,
     fisher: bool,
 ) -> Tensor | None:
-    r"""The components ``(1, P, P)`` of the dense GGN by the block route, or ``None`` where the rows route applies
-    or is cheaper (:func:`layer_ggn_layers`). Arguments as :func:`layer_ggn`; ``plan`` the layer plan of ``x``."""
-    if scale0.shape[0] != 1:
+    r"""The components ``(1, P, P)`` of the dense GGN by the block route, in the dtype of ``f``, or ``None`` where
+    the rows route applies or is cheaper (:func:`blocks_of_root`).
+
+    Args:
+        core: the network; ``plan`` its layer plan for ``x`` (prepared inputs ``(N, ...)``).
+        likelihood: the likelihood; ``scale0`` its output scale :math:`s_0` (detached) for the unit root.
+        f, y: outputs ``(N, C)`` at ``x`` and normalized targets.
+        fisher: the empirical Fisher (always ``None``).
+    """
+    if fisher or scale0.shape[0] != 1:
         return None
-    num_rows = unit_hessian_sqrt(likelihood, f[:1], y[:1], scale0).shape[-1]
-    layers = layer_ggn_layers(core, plan, num_rows, fisher, False)
-    if layers is None:
-        return None
-    return layer_ggn(core, layers, x, likelihood, f, y, scale0)[None]
+    blocks = blocks_of_root(core, plan, x, unit_hessian_sqrt(likelihood, f, y, scale0).to(f))
+    return None if blocks is None else blocks[None]
