@@ -16,8 +16,9 @@ one matrix product per block over a chunk of examples, ``(n, d_a^l d_a^m)ᵀ @ (
 "GGN from layer features"). Only the blocks :math:`l \le m` are formed, the others are their transposes; a
 diagonal block is symmetric in :math:`(i, j)` and in :math:`(a, b)` separately, so only the pairs
 :math:`i \le j`, :math:`a \le b` are summed (about a quarter of the block).
-Memory: the :math:`P^2` of :math:`D`, plus per block pair and chunk of ``n`` examples
-:math:`n (d_a^l d_a^m + d_out^l d_out^m)` numbers, plus the chunk's features :math:`n (\sum_l d_a^l +
+Memory: the :math:`P^2` of :math:`D` and at most :math:`P^2/2` for the blocks' sums, plus per block pair and chunk of
+``n`` examples :math:`n (d_a^l d_a^m + d_out^l d_out^m)` numbers (``n`` lowered to keep this within
+:math:`\max(P^2/4, 2^{20})`), plus the chunk's features :math:`n (\sum_l d_a^l +
 M \sum_l d_out^l)`.
 
 It applies (:func:`layer_ggn_layers`) to the GGN with a single output scale (one component: classification, or
@@ -79,7 +80,8 @@ def layer_ggn(core: NetworkCore, layers: tuple[Layer, ...], x: Tensor, root: Ten
         x: prepared inputs ``(N, ...)``.
         root: the cotangents :math:`R_n` ``(N, C, M)`` (the GGN's unit root :math:`\tilde L_n`, with
             :math:`\tilde L_n \tilde L_n^\top = \tilde\Lambda_n`).
-        chunk_size: examples per chunk.
+        chunk_size: examples per chunk at most (fewer where a block pair's temporaries would exceed
+            :math:`\max(P^2/4, 2^{20})` numbers).
     """
     dtype, device = root.dtype, root.device
     count = len(layers)
@@ -91,6 +93,9 @@ def layer_ggn(core: NetworkCore, layers: tuple[Layer, ...], x: Tensor, root: Ten
     sizes = {(i, j): (tri[shapes[i][0]].shape[1], tri[shapes[i][1]].shape[1]) if i == j else
              (shapes[i][0] * shapes[j][0], shapes[i][1] * shapes[j][1]) for i, j in pairs}
     sums = {pair: torch.zeros(*sizes[pair], dtype=dtype, device=device) for pair in pairs}
+    # the temporaries of a block pair, chunk · (rows + columns) numbers, stay within a quarter of the P² of D
+    width = max(rows + cols for rows, cols in sizes.values())
+    chunk_size = max(1, min(chunk_size, max(core.num_params**2 // 4, 1 << 20) // width))
     for start in range(0, x.shape[0], chunk_size):
         part = slice(start, start + chunk_size)
         features = core.features(x[part], layers, root[part])
