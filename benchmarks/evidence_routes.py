@@ -124,6 +124,11 @@ def ntkgp_likelihood(task: str, c: int):
     return SoftmaxLikelihood(num_classes=c).double()
 
 
+def full_ggn(net, x, y, lik) -> torch.Tensor:
+    """The row's GGN ``P × P`` (untimed: the bare build factorizes it, whose time depends on its spectrum)."""
+    return ntkgp.laplace.compute_curvature(net, x, y, lik, "full_ggn").dense(lik)
+
+
 def ntkgp_full(task, x, y, net, prior_structure, steps, x_test):
     lik = ntkgp_likelihood(task, net[-1].out_features)
 
@@ -161,7 +166,8 @@ def ntkgp_full(task, x, y, net, prior_structure, steps, x_test):
     bounds = {"floor": floor,
               "bare_step": bare_full_step(min(p, x.shape[0] * k) if one else p if weight else x.shape[0] * k,
                                           groups, one, not weight, regression, steps, floor),
-              "bare_build": bare_full_build(x.shape[0] * k, p, weight, one)}
+              "bare_build": bare_full_build(x.shape[0] * k, p, weight, one, net, x.shape[0],
+                                            full_ggn(net, x, y, lik) if weight else None)}
     return {"build": t_build, "step": t_step, "pred": t_pred, "first": first, "route": f"full GGN, {space} space",
             **bounds}
 

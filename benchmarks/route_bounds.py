@@ -11,8 +11,10 @@
   factorization and one triangular inverse (the diagonal of the inverse, ``R³/3`` multiply-adds in all; with
   several Grams also ``L⁻ᵀ L⁻¹`` and their inner products), plus the floor; with one δ the spectral form
   ``Σ log1p(ρ λ_i)`` with autograd plus the Adam step.
-- :func:`bare_full_build`: the Gram of an ``(N·C) × P`` matrix (the least arithmetic that forms the GGN or the
-  NTK Gram) and, in weight space, the eigenvalues (one δ) or one Cholesky factorization (the first evidence).
+- :func:`bare_full_build`: the Gram of an ``(N·C) × P`` matrix (the least arithmetic that forms the NTK Gram, or
+  the GGN of a network with other layers) or, for a network of ``Linear`` layers in weight space, one product per
+  pair of layers from their features (``N·P_l·P_m`` multiply-adds, the diagonal blocks over symmetric pairs only),
+  and, in weight space, the eigenvalues (one δ) or one Cholesky factorization (the first evidence).
 - :func:`bare_kfac_build` (one output, MLPs of ``Linear`` and ``Tanh``): one forward pass, one backward pass, the
   Kronecker factors ``[a, 1]ᵀ[a, 1]`` and ``gᵀg`` of every layer, their eigenvalues and the first evidence.
 """
@@ -115,11 +117,55 @@ def bare_full_step(size: int, num_groups: int, one_delta: bool, function_space: 
     return per_step(kernels, max(1, steps)) + floor  # the row's floor, measured once by the caller
 
 
-def bare_full_build(rows: int, num_params: int, weight_space: bool, one_delta: bool) -> float:
-    jac = torch.randn(rows, num_params, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+def linear_shapes(net: torch.nn.Module) -> list[tuple[int, int]] | None:
+    """``(d_a, d_out)`` of every layer (``d_a``: inputs with the bias column) when every parameter is in a
+    ``Linear`` layer, else ``None``."""
+    layers = [m for m in net.modules() if isinstance(m, torch.nn.Linear)]
+    if sum(p.numel() for m in layers for p in m.parameters()) != sum(p.numel() for p in net.parameters()):
+        return None
+    return [(m.in_features + (m.bias is not None), m.out_features) for m in layers]
+
+
+def bare_block_products(examples: int, shapes: list[tuple[int, int]]) -> None:
+    """The GGN of ``Linear`` layers from layer features: one product per block pair, ``(n × d_a^l d_a^m)ᵀ
+    (n × d_out^l d_out^m)``, the diagonal blocks over the pairs ``i ≤ j``, ``a ≤ b`` only (random numbers)."""
+    g = torch.Generator().manual_seed(0)
+    for l, (a1, o1) in enumerate(shapes):
+        for a2, o2 in shapes[l:]:
+            same = (a1, o1) == (a2, o2)
+            left = a1 * (a1 + 1) // 2 if same else a1 * a2
+            right = o1 * (o1 + 1) // 2 if same else o1 * o2
+            for start in range(0, examples, 256):
+                n = min(256, examples - start)
+                x = torch.randn(n, left, dtype=torch.float64, generator=g)
+                y = torch.randn(n, right, dtype=torch.float64, generator=g)
+                x.T @ y
+
+
+def bare_full_build(rows: int, num_params: int, weight_space: bool, one_delta: bool,
+                    net: torch.nn.Module | None = None, examples: int | None = None,
+                    ggn: torch.Tensor | None = None) -> float:
+    """The least arithmetic that forms the GGN (or the NTK Gram) and its first factorization: the Gram of an
+    ``(N·C) × P`` matrix or, in weight space for a network of ``Linear`` layers (``net``, ``examples`` = N), the
+    block products of :func:`bare_block_products` when they are fewer multiply-adds; then the eigenvalues (one δ)
+    or one Cholesky factorization — of the row's own GGN ``ggn`` where given (the symmetric eigensolver's time
+    depends on the spectrum: a trained network's GGN deflates, a random matrix does not)."""
+    shapes = linear_shapes(net) if weight_space and net is not None else None
+    blocks = shapes is not None and examples * sum(
+        a1 * a2 * o1 * o2 for l, (a1, o1) in enumerate(shapes) for a2, o2 in shapes[l:]) < rows * num_params ** 2 / 2
+    jac = None if blocks else torch.randn(rows, num_params, dtype=torch.float64,
+                                          generator=torch.Generator().manual_seed(0))
+    if blocks:  # the P × P matrix to factorize, formed before the clock starts
+        h = ggn.detach().to(torch.float64).clone() if ggn is not None else None
+        if h is None:
+            h = torch.randn(num_params, num_params, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+            h = h @ h.T / num_params
     start = time.process_time()
     if weight_space:
-        h = gram(jac)
+        if blocks:
+            bare_block_products(examples, shapes)
+        else:
+            h = gram(jac) if ggn is None else gram(jac).copy_(ggn)  # the Gram's work, on the row's own matrix
         h.diagonal().add_(1.0)
         torch.linalg.eigvalsh(h) if one_delta else torch.linalg.cholesky_ex(h)
     else:
