@@ -24,15 +24,32 @@ import torch
 from torch import nn
 from torch.nn.modules import module as _module
 
-_PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device, torch.Size)
+_SCALARS = {bool, int, float, str, type(None), torch.dtype, torch.device, torch.Size}
+_SCALAR_TYPES = tuple(_SCALARS)
+#: The global module hooks (``torch.nn.modules.module``'s dictionaries), looked up again at each signature.
+_GLOBAL_HOOKS = tuple(k for k, v in vars(_module).items() if k.startswith("_global") and isinstance(v, dict))
 
 
 def _plain(value: object) -> bool:
     """Whether ``value`` is compared by value in a signature: numbers, strings, dtypes, devices, and tuples or
     lists of them."""
-    if isinstance(value, _PLAIN):
+    if isinstance(value, _SCALAR_TYPES):
         return True
     return isinstance(value, tuple | list) and all(_plain(v) for v in value)
+
+
+def _attributes(module: nn.Module) -> list[tuple[str, object]]:
+    """The module's plain attributes and the keys of its hook dictionaries (each a handle's unique id)."""
+    out = []
+    for k, v in vars(module).items():
+        if type(v) in _SCALARS:
+            out.append((k, v))
+        elif isinstance(v, dict):
+            if "hook" in k:
+                out.append((k, tuple(v)))
+        elif k != "forward" and _plain(v):
+            out.append((k, v))
+    return out
 
 
 def _reference(obj: object) -> Callable[[], object]:
@@ -48,21 +65,17 @@ class Signature:
 
     def __init__(self, net: nn.Module) -> None:
         objects: list[object] = []
-        values: list[object] = [tuple((k, tuple(v)) for k, v in vars(_module).items()
-                                      if k.startswith("_global") and isinstance(v, dict))]
+        values: list[object] = [tuple((k, tuple(getattr(_module, k))) for k in _GLOBAL_HOOKS)]
         for name, module in net.named_modules(remove_duplicate=False):
             cls = type(module)
-            objects += [module, cls, cls.forward]
-            attributes = vars(module)
-            forward = attributes.get("forward")
-            if forward is not None:
-                objects.append(forward)
-            values.append((name, forward is None))
-            values.append(tuple((k, tuple(v)) if isinstance(v, dict) else (k, v) for k, v in attributes.items()
-                                if (isinstance(v, dict) and "hook" in k) or (k != "forward" and _plain(v))))
+            forward = vars(module).get("forward")
+            objects += [module, cls, cls.forward] if forward is None else [module, cls, cls.forward, forward]
+            values += [name, forward is None, _attributes(module)]
             for key, p in module._parameters.items():
-                values.append((key, None) if p is None else (key, p.shape, p.dtype, p.device, p.requires_grad))
-                if p is not None:
+                if p is None:
+                    values.append((key, None))
+                else:
+                    values.append((key, p.shape, p.dtype, p.device, p.requires_grad))
                     objects.append(p)
         self.objects = objects
         self.values = values

@@ -7,8 +7,10 @@ per-example vector-Jacobian products, layer features, and the layer plan of each
 (:mod:`ntkgp.ntk.layer_plan`). The NTK engine's strategies, the weight posteriors, the curvature passes and
 FSVI's linearized network all use it.
 
-The network is called through ``torch.func.functional_call`` with detached aliases of its parameters: its
-weights, ``requires_grad`` flags, ``.grad``, mode and hooks are left as they are.
+The network is called through ``torch.func.functional_call`` with detached aliases of its parameters (a forward
+pass at :math:`\theta^*` without a graph by its own call, which is the same without the swaps): its weights,
+``requires_grad`` flags, ``.grad``, mode and hooks are left as they are. The layer plan and the check that inputs
+fit are kept per architecture of the network across cores (:mod:`ntkgp.ntk.architecture`).
 """
 
 from __future__ import annotations
