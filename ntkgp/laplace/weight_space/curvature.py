@@ -28,7 +28,7 @@ from torch import Tensor
 from ...ntk import ParameterGroups
 from ...ntk.prior_precision import prior_precision_vector
 from .scaling import data_fit, data_fit_statistics, output_scale
-from .structured_evidence import GroupLayout, structured_evidence
+from .structured_evidence import structured_evidence
 
 
 class Curvature(ABC):
@@ -55,7 +55,6 @@ class Curvature(ABC):
         self.scale_size = int(scale_size)
         self.group_sizes = groups.group_sizes().to(f)
         self._fit_statistics: tuple[type, Tensor] | None = None
-        self._layout: GroupLayout | None = None
 
     @cached_property
     def column_groups(self) -> Tensor:
@@ -118,13 +117,6 @@ class Curvature(ABC):
         one output scale :math:`s` (:mod:`~ntkgp.laplace.weight_space.structured_evidence`), else ``None``."""
         return None
 
-    def group_layout(self, groups: Tensor) -> GroupLayout:
-        """The :class:`~ntkgp.laplace.weight_space.structured_evidence.GroupLayout` of the spectrum's ``groups``,
-        formed once (again only for another groups tensor)."""
-        if self._layout is None or self._layout.groups is not groups:
-            self._layout = GroupLayout.of(groups, self.groups.num_groups)
-        return self._layout
-
     @abstractmethod
     def log_det(self, prior_precision: float | Tensor, likelihood: Likelihood) -> Tensor:
         r""":math:`\log|H + P_0|` for prior precisions ``(G,)`` (or a scalar) and the likelihood's current
@@ -162,9 +154,8 @@ class Curvature(ABC):
         delta = self.prior_precision_vector(prior_precision)
         spectrum = self.diagonal_spectrum()
         if spectrum is not None:  # one node of the graph, O(P)
-            u, groups, power = spectrum
-            return structured_evidence(delta, self.scale(likelihood), u, self.group_layout(groups), power,
-                                       self.theta_sq_norms, self.group_sizes, self.fit_statistics(likelihood))
+            return structured_evidence(delta, self.scale(likelihood), *spectrum, self.theta_sq_norms,
+                                       self.group_sizes, self.fit_statistics(likelihood))
         prior = 0.5 * (delta * self.theta_sq_norms).sum()
         return self.data_fit(likelihood) - prior - 0.5 * self.log_det_ratio(delta, likelihood)
 
