@@ -16,6 +16,7 @@ fit are kept per architecture of the network across cores (:mod:`ntkgp.ntk.archi
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from itertools import accumulate
 
 import torch
 from torch import Tensor, nn
@@ -78,7 +79,7 @@ class NetworkCore:
         self.names: list[str] = list(self.groups.names)
         self.shapes = list(self.groups.shapes)
         self.numels = list(self.groups.numels)
-        self.offsets = [0, *torch.tensor(self.numels).cumsum(0).tolist()]
+        self.offsets = [0, *accumulate(self.numels)]
         self._fits: set[tuple] = set()  # input shapes and dtypes seen to fit the network
         self._num_outputs: int | None = None
         self._plans: dict[tuple, LayerPlan] = {}
