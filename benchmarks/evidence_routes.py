@@ -17,6 +17,7 @@ same hyperparameters after the backward pass of a one-operation graph), the bare
 on the same numbers) and the bare build; a row whose target (0.5× laplace-torch) is below its bound cannot meet it.
 
     python benchmarks/evidence_routes.py --data-dir DATA [--steps 5] [--threads 1] [--crossover] [--write-docs]
+        [--only PROBLEM,...] [--routes full,kfac,diag_ggn]
 
 Run with an interpreter that has laplace-torch (kept out of ntkgp's dependencies); without it only ntkgp's side
 is measured. ``--crossover`` also times one evidence step in each space on a grid of N·C / P and prints where
@@ -290,6 +291,8 @@ def main() -> None:
     parser.add_argument("--crossover", action="store_true")
     parser.add_argument("--write-docs", action="store_true")
     parser.add_argument("--only", default=None, help="run only these problems (names, comma-separated)")
+    parser.add_argument("--routes", default="full,kfac,diag_ggn",
+                        help="run only these routes (full, kfac, diag_ggn; comma-separated)")
     args = parser.parse_args()
     torch.set_default_dtype(torch.float64)
     torch.set_num_threads(args.threads)
@@ -308,7 +311,7 @@ def main() -> None:
         label = f"{name} (N = {x.shape[0]}, C = {c}, P = {p})"
         for per_tensor in (False, True):
             prior = "parameter" if per_tensor else "network"
-            for structure in ("full", "kfac", "diag_ggn"):
+            for structure in [r for r in ("full", "kfac", "diag_ggn") if r in args.routes.split(",")]:
                 if structure == "full":
                     ours = ntkgp_full(task, x, y, net, prior, args.steps, x_test)
                 else:

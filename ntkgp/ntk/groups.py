@@ -52,10 +52,10 @@ class ParameterGroups:
 
     def group_sizes(self) -> torch.Tensor:
         """Number of parameters in each group, shape ``(G,)``."""
-        sizes = torch.zeros(self.num_groups, dtype=torch.long)
+        sizes = [0] * self.num_groups
         for g, n in zip(self.group_of, self.numels):
             sizes[g] += n
-        return sizes
+        return torch.tensor(sizes, dtype=torch.long)
 
 
 def resolve_groups(

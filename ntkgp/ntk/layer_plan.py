@@ -5,7 +5,8 @@ The safety rule: the exact types ``nn.Linear`` / ``nn.Conv2d`` (``groups=1``; an
 and dilation), whose parameters belong to no other module
 (:func:`candidate_layers`), called exactly once per forward pass on batched inputs, and whose structured
 Jacobian equals autograd's on a probe example (this catches weights used outside the layer's forward;
-:func:`verify_layers`: one forward and one backward pass, done once per input shape). Layers that fail take the generic per-example route. Each verified layer has a number
+:func:`verify_layers`: one forward and one backward pass, done once per architecture of the network and input
+shape, :func:`cached_plan`). Layers that fail take the generic per-example route. Each verified layer has a number
 of locations ``T`` per example on the probe: one for a linear layer on ``(N, d)`` inputs (its Grams factor,
 :attr:`LayerPlan.single`), several for a convolution (:attr:`LayerPlan.multi`). The bias is folded into the
 input once, by :meth:`~ntkgp.ntk.features.Layer.fold` (:math:`\bar a = [a; 1]`).
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from .architecture import cached
 from .checks import check_outputs
 from .features import LAYER_TYPES, Layer, record
 from .functional import forward
@@ -166,6 +168,25 @@ def verify_layers(
     return keep, locations, problems
 
 
+def _restrict(candidates: list[Layer], problems: dict[str, Exception], modules: Sequence[str] | None
+              ) -> tuple[list[Layer], dict[str, Exception]]:
+    """The candidates and problems of the modules ``modules`` (``None``: all), which must be candidates or
+    problems."""
+    if modules is None:
+        return candidates, problems
+    known = {layer.name for layer in candidates} | set(problems)
+    missing = [m for m in modules if m not in known]
+    if missing:
+        raise ValueError(f"modules {missing} are not Linear/Conv2d layers with parameters in the posterior")
+    return [layer for layer in candidates if layer.name in modules], {m: p for m, p in problems.items() if m in modules}
+
+
+def _plan(layers: Sequence[Layer], locations: dict[str, int], names: Sequence[str],
+          problems: dict[str, Exception]) -> LayerPlan:
+    covered = {n for layer in layers for n in layer.parameter_names}
+    return LayerPlan(tuple(layers), locations, tuple(n for n in names if n not in covered), problems)
+
+
 def plan_layers(
     net: nn.Module, params: dict[str, Tensor], names: Sequence[str], probe: Tensor | None,
     modules: Sequence[str] | None = None,
@@ -185,14 +206,29 @@ def plan_layers(
     """
     if probe is None:
         return LayerPlan(generic=tuple(names))
-    candidates, problems = candidate_layers(net, names)
-    if modules is not None:
-        known = {layer.name for layer in candidates} | set(problems)
-        missing = [m for m in modules if m not in known]
-        if missing:
-            raise ValueError(f"modules {missing} are not Linear/Conv2d layers with parameters in the posterior")
-        candidates = [layer for layer in candidates if layer.name in modules]
-        problems = {m: p for m, p in problems.items() if m in modules}
+    candidates, problems = _restrict(*candidate_layers(net, names), modules)
     layers, locations, failed = verify_layers(net, params, candidates, probe)
-    covered = {n for layer in layers for n in layer.parameter_names}
-    return LayerPlan(tuple(layers), locations, tuple(n for n in names if n not in covered), {**problems, **failed})
+    return _plan(layers, locations, names, {**problems, **failed})
+
+
+def cached_plan(
+    net: nn.Module, params: dict[str, Tensor], names: Sequence[str], probe: Tensor,
+    modules: Sequence[str] | None = None,
+) -> LayerPlan:
+    """:func:`plan_layers`, every candidate verified once per architecture of ``net``
+    (:func:`ntkgp.ntk.architecture.cached`: its modules, parameters, attributes, forwards and hooks as they are
+    now) and probe shape, dtype and device, whatever the number of cores built on the network and the
+    ``modules`` asked for: a layer's check does not depend on the others checked with it (its own hook, its own
+    parameters' products), so the plan of some modules is that of all restricted to them. The candidates (and
+    their sharing) are walked each time."""
+    key = ("layer plan", tuple(names), tuple(probe.shape[1:]), probe.dtype, probe.device)
+
+    def verdict() -> tuple:  # the plan without its modules: the cache holds the network weakly
+        plan = plan_layers(net, params, names, probe)
+        return plan.names, dict(plan.locations), tuple((m, type(e), str(e)) for m, e in plan.problems.items())
+
+    verified, locations, problems = cached(net, key, verdict)
+    candidates, _ = _restrict(*candidate_layers(net, names), modules)
+    chosen = {layer.name: layer for layer in candidates}
+    return _plan([chosen[m] for m in verified if m in chosen], {m: locations[m] for m in verified if m in chosen},
+                 names, {m: kind(message) for m, kind, message in problems if modules is None or m in modules})

@@ -7,13 +7,16 @@ per-example vector-Jacobian products, layer features, and the layer plan of each
 (:mod:`ntkgp.ntk.layer_plan`). The NTK engine's strategies, the weight posteriors, the curvature passes and
 FSVI's linearized network all use it.
 
-The network is called through ``torch.func.functional_call`` with detached aliases of its parameters: its
-weights, ``requires_grad`` flags, ``.grad``, mode and hooks are left as they are.
+The network is called through ``torch.func.functional_call`` with detached aliases of its parameters (a forward
+pass at :math:`\theta^*` without a graph by its own call, which is the same without the swaps): its weights,
+``requires_grad`` flags, ``.grad``, mode and hooks are left as they are. The layer plan and the check that inputs
+fit are kept per architecture of the network across cores (:mod:`ntkgp.ntk.architecture`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from itertools import accumulate
 
 import torch
 from torch import Tensor, nn
@@ -21,12 +24,13 @@ from torch.func import jvp, vmap
 from tqdm.auto import tqdm
 
 from ..caching import network_key
+from .architecture import cached
 from .checks import (check_count, check_eval_mode, check_fits, check_network_values, check_outputs, check_shape,
                      prepare_inputs)
 from .features import Layer, LayerFeatures, layer_features
 from .functional import forward, per_example_jacobians, per_example_vjps
 from .groups import GroupSpec, resolve_groups
-from .layer_plan import LayerPlan, plan_layers
+from .layer_plan import LayerPlan, cached_plan
 
 
 class NetworkCore:
@@ -75,7 +79,7 @@ class NetworkCore:
         self.names: list[str] = list(self.groups.names)
         self.shapes = list(self.groups.shapes)
         self.numels = list(self.groups.numels)
-        self.offsets = [0, *torch.tensor(self.numels).cumsum(0).tolist()]
+        self.offsets = [0, *accumulate(self.numels)]
         self._fits: set[tuple] = set()  # input shapes and dtypes seen to fit the network
         self._num_outputs: int | None = None
         self._plans: dict[tuple, LayerPlan] = {}
@@ -108,13 +112,17 @@ class NetworkCore:
         :math:`\\theta` are held, and never receive a gradient)."""
         return {n: p.detach() for n, p in self.net.named_parameters()}
 
+    def _first(self) -> Tensor:
+        """The first parameter of :math:`\\theta`, looked up by its path (not a walk of every module)."""
+        return self.net.get_parameter(self.names[0])
+
     @property
     def dtype(self) -> torch.dtype:
-        return self.parameters()[0].dtype
+        return self._first().dtype
 
     @property
     def device(self) -> torch.device:
-        return self.parameters()[0].device
+        return self._first().device
 
     def network_state(self, named: dict[str, Tensor] | None = None) -> list[Tensor]:
         """What the network's outputs depend on, the key of every value cache computed from it
@@ -166,8 +174,12 @@ class NetworkCore:
         check_eval_mode(self.net)
         x = prepare_inputs(x, argument, self.dtype, self.device, self.input_shape)
         key = (tuple(x.shape[1:]), x.dtype)
-        if key not in self._fits:
-            self._num_outputs = check_fits(self.net, self.functional_params(), x, argument, self._num_outputs)
+        if key not in self._fits:  # once per core; the forward pass once per architecture of the network
+            params = self.functional_params()
+            c = cached(self.net, ("fits", *key, x.device), lambda: check_fits(self.net, params, x, argument, None))
+            if self._num_outputs is not None and c != self._num_outputs:
+                check_fits(self.net, params, x, argument, self._num_outputs)  # raises, naming the argument
+            self._num_outputs = c
             self._fits.add(key)
         return x
 
@@ -186,6 +198,8 @@ class NetworkCore:
     def forward(self, x: Tensor, perturbation: Tensor | None = None) -> Tensor:
         r""":math:`f(x; \theta^* + \eta)` for a prepared batch ``x`` and a flat ``perturbation`` :math:`\eta`
         ``(P,)`` (``None``: :math:`\eta = 0`), shape ``(N, C)``."""
+        if perturbation is None and not torch.is_grad_enabled():
+            return self.net(x)  # without a graph the network's own call is the functional one, less its swaps
         params = self.functional_params()
         if perturbation is not None:
             for n, d in self.unflatten(perturbation).items():
@@ -247,11 +261,12 @@ class NetworkCore:
 
     # ------------------------------------------------------------------ layers
     def layer_plan(self, x: Tensor, modules: Sequence[str] | None = None) -> LayerPlan:
-        """The layer plan of :math:`\\theta` for inputs shaped like the prepared ``x``, verified once per input
-        shape (and ``modules``) on the probe ``x[:1]`` (:func:`~ntkgp.ntk.layer_plan.plan_layers`)."""
+        """The layer plan of :math:`\\theta` for inputs shaped like the prepared ``x``, verified on the probe
+        ``x[:1]`` once per input shape (and ``modules``) and architecture of the network, whatever the number of
+        cores built on it (:func:`~ntkgp.ntk.layer_plan.cached_plan`); within a core, once per input shape."""
         key = (tuple(x.shape[1:]), None if modules is None else tuple(modules))
         if key not in self._plans:
-            self._plans[key] = plan_layers(self.net, self.functional_params(), self.names, x[:1].detach(), modules)
+            self._plans[key] = cached_plan(self.net, self.functional_params(), self.names, x[:1].detach(), modules)
         return self._plans[key]
 
     def features(

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from functools import cached_property
 
 import torch
 from gpytorch.likelihoods import Likelihood
@@ -52,9 +53,13 @@ class Curvature(ABC):
         self.f = f
         self.y = y
         self.scale_size = int(scale_size)
-        self.column_groups = groups.column_groups(device=f.device)
         self.group_sizes = groups.group_sizes().to(f)
         self._fit_statistics: tuple[type, Tensor] | None = None
+
+    @cached_property
+    def column_groups(self) -> Tensor:
+        """The group of every parameter, ``(P,)`` long (formed at the first use: KFAC's evidence needs none)."""
+        return self.groups.column_groups(device=self.f.device)
 
     @property
     def num_data(self) -> int:

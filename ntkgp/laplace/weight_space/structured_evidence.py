@@ -31,7 +31,8 @@ class _StructuredEvidence(torch.autograd.Function):
     def forward(ctx, delta, scale, eigenvalues, groups, power, theta_sq_norms, group_sizes, statistics):
         s = scale.reshape(())
         weight = s if power == 1 else s * s
-        terms = torch.addcmul(delta[groups], eigenvalues, weight)
+        # one group: δ broadcasts; several: index_select (a third of the time of delta[groups] for P ~ 5,000)
+        terms = torch.addcmul(delta if delta.shape[0] == 1 else delta.index_select(0, groups), eigenvalues, weight)
         alpha, beta, gamma = statistics[:, 0]
         value = (alpha + beta * s.log() + gamma * s - 0.5 * torch.dot(delta, theta_sq_norms)
                  + 0.5 * torch.dot(group_sizes, delta.log()) - 0.5 * terms.log().sum())
@@ -46,7 +47,8 @@ class _StructuredEvidence(torch.autograd.Function):
             ctx.saved_tensors)
         grad_delta = grad_scale = None
         if ctx.needs_input_grad[0]:
-            per_group = reciprocal.new_zeros(delta.shape[0]).index_add_(0, groups, reciprocal)
+            per_group = (reciprocal.sum().reshape(1) if delta.shape[0] == 1
+                         else reciprocal.new_zeros(delta.shape[0]).index_add_(0, groups, reciprocal))
             grad_delta = grad * 0.5 * (group_sizes / delta - theta_sq_norms - per_group)
         if ctx.needs_input_grad[1]:
             s = scale.reshape(())
