@@ -8,8 +8,8 @@ the space chosen by ``choose_space``; laplace-torch ``FullLaplace``), KFAC (``co
 ``KronLaplace``) and the diagonal GGN (``"diag_ggn"``; ``DiagLaplace``), with one δ and with one δ per parameter
 tensor (ntkgp's KFAC: one per layer, its weight and bias share a Kronecker block; laplace-torch's KFAC keeps weight
 and bias in separate blocks, each with its own δ). Measured: the build (one pass over the data and the first
-evidence), the time of one hyperparameter step (Adam on log δ, and on the noise for regression; the mean of at
-least ``--steps`` steps and 0.3 s after one warm-up step) and the GLM predictive covariance at 1,000 points. Times
+evidence; a build under 0.3 s: the mean of repeated builds after the first, on both sides), the time of one
+hyperparameter step (Adam on log δ, and on the noise for regression; the mean of at least ``--steps`` steps and 0.3 s after one warm-up step) and the GLM predictive covariance at 1,000 points. Times
 are the CPU time of the process (``time.process_time``) with ``--threads`` threads (default 1), which the load of
 other processes on a shared machine changes little; with one thread it is the time the work took. Beside each row,
 measured lower bounds (``benchmarks/route_bounds.py``): the floor of its hyperparameter step (an Adam step on the
@@ -116,6 +116,15 @@ def timed(fn):
     return value, time.process_time() - start
 
 
+def timed_build(build):
+    """``build()`` (the first call's value) and its CPU seconds: the first call's where that took ``MIN_SECONDS``
+    or more, else the mean of repeated builds after it, as the steps are timed (a build of a few milliseconds timed
+    once is noise: the same code measured 0.66× and 0.96× in two runs). Every repeat builds anew from the network
+    and the data; what persists is what persists for a user who builds again in the same process."""
+    first = timed(build)
+    return first if first[1] >= MIN_SECONDS else (first[0], per_step(build, 3))
+
+
 # ---------------------------------------------------------------------------------------------- ntkgp
 def ntkgp_likelihood(task: str, c: int):
     if task == "regression":
@@ -138,7 +147,7 @@ def ntkgp_full(task, x, y, net, prior_structure, steps, x_test):
                             predictive_mean="nn")  # laplace-torch's GLM predictive mean: the network's output
         return model, model.log_marginal_likelihood().item()
 
-    (model, first), t_build = timed(build)
+    (model, first), t_build = timed_build(build)
     mll = ntkgp.LaplaceGGNMarginalLogLikelihood(lik, model)
     model.train()
     opt = torch.optim.Adam(model.hyperparameters(), lr=0.1)
@@ -180,7 +189,7 @@ def ntkgp_structured(task, x, y, net, structure, prior_structure, steps, x_test)
         curvature = compute_curvature(net, x, y, lik, structure, prior_structure=prior_structure, batch_size=256)
         return curvature, curvature.log_marginal_likelihood(1.0, lik).item()
 
-    (curvature, first), t_build = timed(build)
+    (curvature, first), t_build = timed_build(build)
     log_delta = torch.zeros(curvature.groups.num_groups, dtype=torch.float64, requires_grad=True)
     opt = torch.optim.Adam([log_delta, *[p for p in lik.parameters() if p.requires_grad]], lr=0.1)
 
@@ -223,7 +232,7 @@ def laplace_torch(task, x, y, net, structure, per_tensor, steps, x_test):
         la.fit(loader)
         return la, la.log_marginal_likelihood().item()
 
-    (la, first), t_build = timed(build)
+    (la, first), t_build = timed_build(build)
     log_prior = torch.zeros_like(prior, requires_grad=True)
     log_sigma = torch.tensor(float(torch.log(torch.tensor(sigma))), dtype=torch.float64, requires_grad=True)
     params = [log_prior, log_sigma] if task == "regression" else [log_prior]
