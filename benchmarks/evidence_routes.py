@@ -10,8 +10,9 @@ tensor (ntkgp's KFAC: one per layer, its weight and bias share a Kronecker block
 and bias in separate blocks, each with its own δ). Measured: the build (one pass over the data and the first
 evidence; a build under 0.3 s: the mean of repeated builds after the first, on both sides), the time of one
 hyperparameter step (Adam on log δ, and on the noise for regression; the mean of at least ``--steps`` steps
-and 0.3 s after one warm-up step) and the GLM predictive covariance at 1,000 points. Times are the CPU time of the process (``time.process_time``) with ``--threads`` threads (default 1), which the load of
-other processes on a shared machine changes little; with one thread it is the time the work took. Beside each row,
+and 0.3 s after one warm-up step) and the GLM predictive covariance at 1,000 points. Times are
+the CPU time of the process (``time.process_time``) with ``--threads`` threads (default 1), which the load of other
+processes on a shared machine changes little; with one thread it is the time the work took. Beside each row,
 measured lower bounds (``benchmarks/route_bounds.py``): the floor of its hyperparameter step (an Adam step on the
 same hyperparameters after the backward pass of a one-operation graph), the bare step (its evidence in plain torch
 on the same numbers) and the bare build; a row whose target (0.5× laplace-torch) is below its bound cannot meet it.
