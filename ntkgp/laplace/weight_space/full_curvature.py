@@ -44,7 +44,10 @@ from .curvature import Curvature
 from .data_pass import Data, DataPass
 from .exact_log_det import scaled_log_det, spectral_log_det_ratio
 from .gram_curvature import FunctionSpaceCurvature, function_space_curvature
+from .low_rank_groups import GroupSchur, low_rank_cheaper
 from .scaling import unit_gradient, unit_hessian_sqrt
+
+DECOMPOSE_AFTER = 1  # evaluations per network state by the Cholesky route before the low-rank decomposition
 
 __all__ = [
     "FullCurvature",
@@ -153,6 +156,10 @@ class FullCurvature(Curvature):
         self.structure = "full_ef" if fisher else "full_ggn"
         self.spectral = bool(spectral) and groups.num_groups == 1 and components.shape[0] == 1
         self._eigenvalues: Tensor | None = None
+        self._schur: GroupSchur | None = None
+        self._evaluations = 0
+        self.low_rank = (not self.spectral and components.shape[0] == 1 and groups.num_groups > 1
+                         and low_rank_cheaper(self.group_sizes))
 
     @classmethod
     def from_jacobian(
@@ -204,7 +211,23 @@ class FullCurvature(Curvature):
         weights = component_weights(self.scale(likelihood), self.fisher)
         if self.spectral:
             return spectral_log_det_ratio(self.eigenvalues(), weights[0] / delta[0])
-        return scaled_log_det(weights, delta[self.column_groups].rsqrt(), self.components)
+        schur = self.group_schur()
+        value = None if schur is None else schur.log_det_ratio(weights, delta)
+        if value is None:  # the first evaluation, another structure, or C̃ not factorized: the Cholesky route
+            value = scaled_log_det(weights, delta[self.column_groups].rsqrt(), self.components)
+        return value
+
+    def group_schur(self) -> GroupSchur | None:
+        r"""The fixed data of the low-rank route (:mod:`~ntkgp.laplace.weight_space.low_rank_groups`), decomposed
+        at evaluation ``DECOMPOSE_AFTER + 1`` (a single evaluation is one Cholesky factorization, several times
+        cheaper than the decomposition), or ``None`` before, or where the route does not apply or does not pay
+        (:attr:`low_rank`: one component, several groups, :func:`low_rank_cheaper`)."""
+        if not self.low_rank:
+            return None
+        self._evaluations += 1
+        if self._schur is None and self._evaluations > DECOMPOSE_AFTER:
+            self._schur = GroupSchur(self.components[0], self.column_groups, self.group_sizes)
+        return self._schur
 
     def whitened_precision(self, prior_precision: float | Tensor, likelihood: Likelihood) -> Tensor:
         r""":math:`P_0^{-1/2}(H + P_0)P_0^{-1/2} = I + D_r (\sum_k w_k D_k) D_r`, :math:`r = \delta^{-1/2}` per
