@@ -41,8 +41,9 @@ import ntkgp
 from ntkgp._doctable import command_line, markdown_table, write_block
 from ntkgp.laplace.weight_space import DiagLaplace, KFACLaplace, compute_curvature
 from ntkgp.likelihoods import SoftmaxLikelihood
-from route_bounds import (MIN_SECONDS, bare_full_build, bare_full_step, bare_kfac_build, bare_structured_step,
-                          floor_step, per_step)
+from route_bounds import (MIN_SECONDS, bare_full_build, bare_full_step, bare_kfac_build, bare_low_rank_step,
+                          bare_structured_step, floor_step, per_step)
+from ntkgp.laplace.weight_space.low_rank_groups import low_rank_cheaper
 
 TEST_POINTS = 1000
 
@@ -174,9 +175,12 @@ def ntkgp_full(task, x, y, net, prior_structure, steps, x_test):
     one, weight, regression = prior_structure == "network", space == "weight", task == "regression"
     groups = model.covar_module.engine.num_groups
     floor = floor_step(groups, regression, steps)
+    sizes = [q.numel() for q in net.parameters()]  # the per-tensor groups (prior_structure="parameter")
+    schur = weight and not one and low_rank_cheaper(torch.tensor(sizes))  # ntkgp's several-δ Schur route
     bounds = {"floor": floor,
-              "bare_step": bare_full_step(min(p, x.shape[0] * k) if one else p if weight else x.shape[0] * k,
-                                          groups, one, not weight, regression, steps, floor),
+              "bare_step": (bare_low_rank_step(sizes, regression, steps, floor) if schur else
+                            bare_full_step(min(p, x.shape[0] * k) if one else p if weight else x.shape[0] * k,
+                                           groups, one, not weight, regression, steps, floor)),
               "bare_build": bare_full_build(x.shape[0] * k, p, weight, one, net, x.shape[0],
                                             full_ggn(net, x, y, lik) if weight else None)}
     return {"build": t_build, "step": t_step, "pred": t_pred, "first": first, "route": f"full GGN, {space} space",

@@ -11,6 +11,8 @@
   factorization and one triangular inverse (the diagonal of the inverse, ``R³/3`` multiply-adds in all; with
   several Grams also ``L⁻ᵀ L⁻¹`` and their inner products), plus the floor; with one δ the spectral form
   ``Σ log1p(ρ λ_i)`` with autograd plus the Adam step.
+- :func:`bare_low_rank_step`: the several-δ weight-space step when one parameter group holds most of the
+  parameters (ntkgp's Schur route): ``O(P_b k² + k³)`` kernels of the same sizes, plus the floor.
 - :func:`bare_full_build`: the Gram of an ``(N·C) × P`` matrix (the least arithmetic that forms the NTK Gram, or
   the GGN of a network with other layers) or, for a network of ``Linear`` layers in weight space, one product per
   pair of layers from their features (``N·P_l·P_m`` multiply-adds, the diagonal blocks over symmetric pairs only),
@@ -115,6 +117,30 @@ def bare_full_step(size: int, num_groups: int, one_delta: bool, function_space: 
         return diagonal
 
     return per_step(kernels, max(1, steps)) + floor  # the row's floor, measured once by the caller
+
+
+def bare_low_rank_step(sizes: list[int], regression: bool, steps: int, floor: float) -> float:
+    """The several-δ weight-space step when one group holds most parameters (the Schur route of
+    ``ntkgp.laplace.weight_space.low_rank_groups``), bare: for ``k = P − P_b`` the ``P_b × k`` weighted product
+    into a ``k × k`` matrix, its Cholesky factorization and triangular inverse, the ``P_b × k`` product of the
+    gradient (and for regression the inverse's inner product), plus the floor."""
+    large, k = max(sizes), sum(sizes) - max(sizes)
+    g = torch.Generator().manual_seed(2)
+    z = torch.randn(large, k, dtype=torch.float64, generator=g) / large**0.5
+    scale = torch.rand(large, dtype=torch.float64, generator=g)
+    residual = _spd(k)
+
+    def kernels():
+        matrix = torch.mm((z * scale[:, None]).mT, z).add_(residual)
+        matrix.diagonal().add_(1)
+        inverse = triangular_inverse(torch.linalg.cholesky_ex(matrix)[0])
+        torch.linalg.vector_norm(inverse, dim=0).square()
+        q = torch.mm(z, inverse.mT).square_().sum(1)
+        if regression:
+            (inverse.mT @ inverse * residual).sum()
+        return q
+
+    return per_step(kernels, max(1, steps)) + floor
 
 
 def linear_shapes(net: torch.nn.Module) -> list[tuple[int, int]] | None:
