@@ -197,3 +197,28 @@ def test_one_delta_spectral_evidence_matches_the_rows_route(kind, c, monkeypatch
     old = run()
     for a, b in zip(new, old):
         assert rel_err(a, b) < 1e-9
+
+
+@pytest.mark.parametrize("kind,c", [("gaussian", 1), ("softmax", 3)])
+def test_compute_curvature_full_ggn_takes_the_blocks_batch_by_batch(kind, c, monkeypatch):
+    """compute_curvature("full_ggn") (Algorithm 1's curvature) sums the blocks over batches: its dense GGN equals
+    the jacrev Jᵀ Λ J, and the rows route gives the same (the route disabled)."""
+    import ntkgp.laplace.weight_space.full_curvature as full
+
+    net = net_of([3, 6, 5, c], nn.Tanh, True)
+    torch.manual_seed(4)
+    x, y = torch.randn(23, 3, dtype=torch.float64), targets(kind, 23, c)
+    lik = likelihood_of(kind, c)
+    calls = []
+    original = full.blocks_of_root
+    monkeypatch.setattr(full, "blocks_of_root", lambda *a: calls.append(original(*a)) or calls[-1])
+    blocks = ntkgp.laplace.compute_curvature(net, x, y, lik, "full_ggn", batch_size=10)
+    assert len(calls) == 3 and all(part is not None for part in calls)  # three batches, each by blocks
+    monkeypatch.setattr(full, "blocks_of_root", lambda *a: None)
+    rows = ntkgp.laplace.compute_curvature(net, x, y, lik, "full_ggn", batch_size=10)
+    dense = dense_unit_ggn(net, x, kind)
+    scale = output_scale(lik).detach()[0]  # H = s · D for one component
+    assert rel_err(blocks.dense(lik), scale * dense) < 1e-10
+    assert rel_err(blocks.dense(lik), rows.dense(lik)) < 1e-10
+    for delta in (0.3, torch.tensor([0.5, 2.0, 4.0], dtype=torch.float64)):  # one δ, one per layer
+        assert rel_err(blocks.log_marginal_likelihood(delta, lik), rows.log_marginal_likelihood(delta, lik)) < 1e-10

@@ -36,6 +36,7 @@ from torch import Tensor, nn
 
 from ...likelihoods import is_gaussian, num_outputs
 from ...linalg import add_lower_gram_, gram, mirror_lower
+from .layer_ggn import blocks_of_root
 from ...ntk import ParameterGroups
 from ...ntk.groups import GroupSpec
 from ...options import Curvature as CurvatureKind
@@ -98,6 +99,11 @@ class ComponentSum:
         if self._sum is None:
             self._sum = a.new_zeros(a.shape[0], a.shape[-1], a.shape[-1])
         add_lower_gram_(self._sum, a)
+
+    @property
+    def empty(self) -> bool:
+        """Whether no rows were added."""
+        return self._sum is None
 
     def total(self) -> Tensor:
         """The components ``(K, P, P)``, exactly symmetric."""
@@ -276,15 +282,20 @@ def full_curvature(
     data = DataPass.start(net, likelihood, prior_structure, input_shape, distributed)
     names = list(data.core.groups.names)
     per_output = data.scale0.shape[0] > 1
-    components = ComponentSum(fisher, per_output)
+    components, blocks = ComponentSum(fisher, per_output), None
     for xb, fb, yb in data.batches(x, y, batch_size, progress, "full " + ("EF" if fisher else "GGN")):
         if fisher:
             g = data.unit_gradient(fb, yb)
             cot = torch.diag_embed(g) if per_output else g.unsqueeze(-1)
         else:
             cot = data.unit_hessian_sqrt(fb, yb)
-        components.add(data.per_example_vjps(xb, cot, names))  # rows (n, M, P)
-    total = components.total()
+        # Linear layers: the GGN from their features, C times fewer multiply-adds than the rows (layer_ggn)
+        part = None if fisher or per_output else blocks_of_root(data.core, data.core.layer_plan(xb), xb, cot)
+        if part is not None:
+            blocks = part[None] if blocks is None else blocks.add_(part)
+        else:
+            components.add(data.per_example_vjps(xb, cot, names))  # rows (n, M, P)
+    total = components.total() if blocks is None else blocks if components.empty else blocks + components.total()
     data.reduce([total])
     f_all, y_all = data.collected()
     return FullCurvature(data.core.groups, data.theta_sq_norms(), f_all, y_all, data.scale0.shape[0], total,
