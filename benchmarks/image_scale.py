@@ -219,7 +219,8 @@ def warm_torch(net: nn.Module, x: torch.Tensor) -> None:
     side runs first."""
     x = x.detach().requires_grad_()
     with torch.enable_grad():
-        torch.autograd.grad(net(x).sum(), x)
+        out = net(x)
+        torch.autograd.grad(out, x, torch.ones_like(out))  # a given cotangent: the import happens only then
 
 
 def best_of(call, repeats: int = 3) -> float:
