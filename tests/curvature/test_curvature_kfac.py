@@ -278,6 +278,7 @@ def test_the_pass_makes_one_forward_pass_per_batch_and_c_minus_one_backward_for_
     grad = torch.autograd.grad
     monkeypatch.setattr(torch.autograd, "grad", lambda *a, **k: calls.__setitem__("backward", calls["backward"] + 1)
                         or grad(*a, **k))
+    compute_curvature(net, x, y, lik, "kfac", batch_size=9)  # the layer plan: checked once per architecture
     counts = []
     for batch_size in (9, 3):  # one batch, then three
         calls.update(forward=0, backward=0)
