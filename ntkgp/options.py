@@ -38,7 +38,7 @@ class Space(Option):
     """Where an NTK computation is carried out (``space=``): on the ``N·C`` function values or the ``P`` weights.
 
     ``"function"``: dense ``(N·C)²`` Grams; ``"weight"``: the Jacobian ``J`` as a low-rank root (kernel) or a
-    ``P × P`` system (evidence). ``"auto"`` picks weight space when ``N·C > 0.6 P`` (:func:`choose_space`, measured).
+    ``P × P`` system (evidence). ``"auto"`` picks weight space when ``N·C > 0.7 P`` (:func:`choose_space`, measured).
     """
 
     AUTO = "auto"
@@ -160,15 +160,15 @@ def choose(enum: type[E], value: object, argument: str) -> E:
 
 #: ``"auto"`` takes weight space once ``N·C`` exceeds this fraction of ``P``. Measured by
 #: ``benchmarks/evidence_routes.py --crossover`` (docs/ntkgp.md): an exact evidence step (per-tensor δ, the
-#: curvature built once) costs the same in both spaces at ``N·C ≈ 0.6 P`` with one thread (geometric interpolation
-#: between 0.5 and 0.75; the function-space step grows as ``(N·C)³``, about 0.26 s at ``N·C = P = 1179``; the
-#: weight-space one, a Cholesky factorization and a triangular inverse, stays near 0.075 s), and is about 3.5×
-#: cheaper in weight space at ``N·C = P`` (the ``P × P`` backward needs only the diagonal of the inverse, the
-#: function-space one all of it). Before the triangular inverse the one-thread crossover was ``≈ 0.7 P`` and the
-#: two-thread one ``≈ 0.56 P``. The rule counts steps with the curvature built once: where it is rebuilt for every step
+#: curvature built once) costs the same in both spaces at ``N·C ≈ 0.7 P`` with one thread (geometric interpolation
+#: between 0.5 and 0.75, two runs on 2026-12-03: the function-space step grows as ``(N·C)^{2.6}``, 14 ms at
+#: ``N·C = 0.5 P`` and 80-85 ms at ``N·C = P = 1179``; the weight-space one, a Cholesky factorization and a
+#: triangular inverse, stays at 31-37 ms), and is about 2.4× cheaper in weight space at ``N·C = P``. The previous
+#: measurement (before the one-node function-space evidence) gave ``≈ 0.7 P``, before the triangular inverse
+#: ``≈ 0.7 P`` (one thread) and ``≈ 0.56 P`` (two threads). The rule counts steps with the curvature built once: where it is rebuilt for every step
 #: (``train_marglik`` with ``hyper_steps=1``) the builds dominate, ``(N C)² P`` against ``N C P²`` operations, and
 #: by these counts function space is the cheaper one up to ``N·C ≈ P``.
-WEIGHT_SPACE_FROM = 0.6
+WEIGHT_SPACE_FROM = 0.7
 
 
 def choose_space(space: Space | str, num_params: int, num_rows: int) -> Space:
