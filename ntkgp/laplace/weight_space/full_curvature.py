@@ -36,7 +36,6 @@ from torch import Tensor, nn
 
 from ...likelihoods import is_gaussian, num_outputs
 from ...linalg import add_lower_gram_, gram, mirror_lower
-from .layer_ggn import blocks_of_root
 from ...ntk import ParameterGroups
 from ...ntk.groups import GroupSpec
 from ...options import Curvature as CurvatureKind
@@ -45,6 +44,7 @@ from .curvature import Curvature
 from .data_pass import Data, DataPass
 from .exact_log_det import scaled_log_det, spectral_log_det_ratio
 from .gram_curvature import FunctionSpaceCurvature, function_space_curvature
+from .layer_ggn import blocks_of_root
 from .low_rank_groups import GroupSchur, low_rank_cheaper
 from .scaling import unit_gradient, unit_hessian_sqrt
 
@@ -100,10 +100,15 @@ class ComponentSum:
             self._sum = a.new_zeros(a.shape[0], a.shape[-1], a.shape[-1])
         add_lower_gram_(self._sum, a)
 
-    @property
-    def empty(self) -> bool:
-        """Whether no rows were added."""
-        return self._sum is None
+    def add_sum(self, component: Tensor) -> None:
+        """Add one component's sum ``(P, P)``, exactly symmetric, formed otherwise (the layer blocks of
+        :func:`~ntkgp.laplace.weight_space.layer_ggn.blocks_of_root`; one component only): its lower triangle
+        joins the Grams' and :meth:`total` mirrors it with them."""
+        if self.per_output:
+            raise ValueError("a component's sum is one (P, P) matrix: not for per-output components")
+        if self._sum is None:
+            self._sum = component.new_zeros(1, *component.shape)
+        self._sum[0].add_(component)
 
     def total(self) -> Tensor:
         """The components ``(K, P, P)``, exactly symmetric."""
@@ -282,7 +287,7 @@ def full_curvature(
     data = DataPass.start(net, likelihood, prior_structure, input_shape, distributed)
     names = list(data.core.groups.names)
     per_output = data.scale0.shape[0] > 1
-    components, blocks = ComponentSum(fisher, per_output), None
+    components = ComponentSum(fisher, per_output)
     for xb, fb, yb in data.batches(x, y, batch_size, progress, "full " + ("EF" if fisher else "GGN")):
         if fisher:
             g = data.unit_gradient(fb, yb)
@@ -292,10 +297,10 @@ def full_curvature(
         # Linear layers: the GGN from their features, C times fewer multiply-adds than the rows (layer_ggn)
         part = None if fisher or per_output else blocks_of_root(data.core, data.core.layer_plan(xb), xb, cot)
         if part is not None:
-            blocks = part[None] if blocks is None else blocks.add_(part)
+            components.add_sum(part)
         else:
             components.add(data.per_example_vjps(xb, cot, names))  # rows (n, M, P)
-    total = components.total() if blocks is None else blocks if components.empty else blocks + components.total()
+    total = components.total()
     data.reduce([total])
     f_all, y_all = data.collected()
     return FullCurvature(data.core.groups, data.theta_sq_norms(), f_all, y_all, data.scale0.shape[0], total,
