@@ -43,6 +43,7 @@ from ntkgp.laplace.weight_space import DiagLaplace, KFACLaplace, compute_curvatu
 from ntkgp.likelihoods import SoftmaxLikelihood
 from route_bounds import (MIN_SECONDS, bare_full_build, bare_full_step, bare_kfac_build, bare_low_rank_step,
                           bare_structured_step, floor_step, per_step)
+from ntkgp.laplace.weight_space.layer_ggn import layer_ggn_layers
 from ntkgp.laplace.weight_space.low_rank_groups import low_rank_cheaper
 
 TEST_POINTS = 1000
@@ -136,6 +137,15 @@ def ntkgp_likelihood(task: str, c: int):
     return SoftmaxLikelihood(num_classes=c).double()
 
 
+def block_shapes(model, x, k: int) -> list[tuple[int, int]] | None:
+    """``(d_a, d_out)`` of the layers whose blocks form ntkgp's weight-space GGN for this row, or ``None`` where it
+    takes the Jacobian's rows (ntkgp's own rule, :func:`~ntkgp.laplace.weight_space.layer_ggn.layer_ggn_layers`)."""
+    engine = model.covar_module.engine
+    xp = engine.prepare(x)
+    layers = layer_ggn_layers(engine.core, engine.plan(xp), k, False, False)
+    return None if layers is None else [(layer.fan_in + (layer.bias is not None), layer.d_out) for layer in layers]
+
+
 def full_ggn(net, x, y, lik) -> torch.Tensor:
     """The row's GGN ``P × P`` (untimed: the bare build factorizes it, whose time depends on its spectrum)."""
     return ntkgp.laplace.compute_curvature(net, x, y, lik, "full_ggn").dense(lik)
@@ -181,7 +191,8 @@ def ntkgp_full(task, x, y, net, prior_structure, steps, x_test):
               "bare_step": (bare_low_rank_step(sizes, regression, steps, floor) if schur else
                             bare_full_step(min(p, x.shape[0] * k) if one else p if weight else x.shape[0] * k,
                                            groups, one, not weight, regression, steps, floor)),
-              "bare_build": bare_full_build(x.shape[0] * k, p, weight, one, net, x.shape[0],
+              "bare_build": bare_full_build(x.shape[0] * k, p, weight, one,
+                                            block_shapes(model, x, k) if weight else None, x.shape[0],
                                             full_ggn(net, x, y, lik) if weight else None)}
     return {"build": t_build, "step": t_step, "pred": t_pred, "first": first, "route": f"full GGN, {space} space",
             **bounds}

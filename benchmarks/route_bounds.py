@@ -143,15 +143,6 @@ def bare_low_rank_step(sizes: list[int], regression: bool, steps: int, floor: fl
     return per_step(kernels, max(1, steps)) + floor
 
 
-def linear_shapes(net: torch.nn.Module) -> list[tuple[int, int]] | None:
-    """``(d_a, d_out)`` of every layer (``d_a``: inputs with the bias column) when every parameter is in a
-    ``Linear`` layer, else ``None``."""
-    layers = [m for m in net.modules() if isinstance(m, torch.nn.Linear)]
-    if sum(p.numel() for m in layers for p in m.parameters()) != sum(p.numel() for p in net.parameters()):
-        return None
-    return [(m.in_features + (m.bias is not None), m.out_features) for m in layers]
-
-
 def bare_block_products(examples: int, shapes: list[tuple[int, int]]) -> None:
     """The GGN of ``Linear`` layers from layer features: one product per block pair, ``(n × d_a^l d_a^m)ᵀ
     (n × d_out^l d_out^m)``, the diagonal blocks over the pairs ``i ≤ j``, ``a ≤ b`` only (random numbers)."""
@@ -169,16 +160,14 @@ def bare_block_products(examples: int, shapes: list[tuple[int, int]]) -> None:
 
 
 def bare_full_build(rows: int, num_params: int, weight_space: bool, one_delta: bool,
-                    net: torch.nn.Module | None = None, examples: int | None = None,
+                    shapes: list[tuple[int, int]] | None = None, examples: int | None = None,
                     ggn: torch.Tensor | None = None) -> float:
     """The least arithmetic that forms the GGN (or the NTK Gram) and its first factorization: the Gram of an
-    ``(N·C) × P`` matrix or, in weight space for a network of ``Linear`` layers (``net``, ``examples`` = N), the
-    block products of :func:`bare_block_products` when they are fewer multiply-adds; then the eigenvalues (one δ)
-    or one Cholesky factorization — of the row's own GGN ``ggn`` where given (the symmetric eigensolver's time
-    depends on the spectrum: a trained network's GGN deflates, a random matrix does not)."""
-    shapes = linear_shapes(net) if weight_space and net is not None else None
-    blocks = shapes is not None and examples * sum(
-        a1 * a2 * o1 * o2 for l, (a1, o1) in enumerate(shapes) for a2, o2 in shapes[l:]) < rows * num_params ** 2 / 2
+    ``(N·C) × P`` matrix or, where ntkgp forms a weight-space GGN from layer blocks (``shapes``: ``(d_a, d_out)``
+    of its layers, ``examples`` = N), the block products of :func:`bare_block_products`; then the eigenvalues
+    (one δ) or one Cholesky factorization — of the row's own GGN ``ggn`` where given (the symmetric eigensolver's
+    time depends on the spectrum: a trained network's GGN deflates, a random matrix does not)."""
+    blocks = weight_space and shapes is not None
     jac = None if blocks else torch.randn(rows, num_params, dtype=torch.float64,
                                           generator=torch.Generator().manual_seed(0))
     if blocks:  # the P × P matrix to factorize, formed before the clock starts
