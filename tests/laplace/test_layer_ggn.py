@@ -76,6 +76,18 @@ def build(net, x, y, lik, chunk_size=5):
     return core, layers, layer_ggn(core, layers, xp, root, chunk_size=chunk_size)
 
 
+def with_and_without_blocks(monkeypatch, module, name, run):
+    """``run()`` with ``module.name`` (a block-route hook) spied on, every call giving blocks (the route taken),
+    then with it giving ``None`` (the rows route): both results and the number of calls of the first run."""
+    calls = []
+    original = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a: calls.append(original(*a)) or calls[-1])
+    new = run()
+    assert calls and all(blocks is not None for blocks in calls)  # the block route was taken
+    monkeypatch.setattr(module, name, lambda *a: None)
+    return new, run(), len(calls)
+
+
 CASES = [
     ("gaussian", [3, 5, 1], nn.Tanh, True),
     ("gaussian", [3, 6, 4, 1], nn.ReLU, False),
@@ -162,13 +174,7 @@ def test_evidence_and_predictive_match_the_rows_route(kind, c, monkeypatch):
             var = model(x_test).variance
         return value.detach(), grads[0], var
 
-    calls = []
-    original = evidence_curvature.weight_space_blocks
-    monkeypatch.setattr(evidence_curvature, "weight_space_blocks", lambda *a: calls.append(original(*a)) or calls[-1])
-    new = run()
-    assert calls and all(blocks is not None for blocks in calls)  # the block route was taken
-    monkeypatch.setattr(evidence_curvature, "weight_space_blocks", lambda *a: None)
-    old = run()
+    new, old, _ = with_and_without_blocks(monkeypatch, evidence_curvature, "weight_space_blocks", run)
     for a, b in zip(new, old):
         assert rel_err(a, b) < 1e-9
 
@@ -188,13 +194,7 @@ def test_one_delta_spectral_evidence_matches_the_rows_route(kind, c, monkeypatch
         grad = torch.autograd.grad(value, [model.covar_module.raw_prior_precision])[0]
         return value.detach(), grad
 
-    calls = []
-    original = eigen.blocks_of_root
-    monkeypatch.setattr(eigen, "blocks_of_root", lambda *a: calls.append(original(*a)) or calls[-1])
-    new = run()
-    assert calls and all(blocks is not None for blocks in calls)
-    monkeypatch.setattr(eigen, "blocks_of_root", lambda *a: None)
-    old = run()
+    new, old, _ = with_and_without_blocks(monkeypatch, eigen, "blocks_of_root", run)
     for a, b in zip(new, old):
         assert rel_err(a, b) < 1e-9
 
@@ -211,13 +211,10 @@ def test_compute_curvature_full_ggn_takes_the_blocks_batch_by_batch(kind, c, mon
     torch.manual_seed(4)
     x, y = torch.randn(23, 3, dtype=torch.float64), targets(kind, 23, c)
     lik = likelihood_of(kind, c)
-    calls = []
-    original = full.blocks_of_root
-    monkeypatch.setattr(full, "blocks_of_root", lambda *a: calls.append(original(*a)) or calls[-1])
-    blocks = ntkgp.laplace.compute_curvature(net, x, y, lik, "full_ggn", batch_size=10)
-    assert len(calls) == 3 and all(part is not None for part in calls)  # three batches, each by blocks
-    monkeypatch.setattr(full, "blocks_of_root", lambda *a: None)
-    rows = ntkgp.laplace.compute_curvature(net, x, y, lik, "full_ggn", batch_size=10)
+    blocks, rows, calls = with_and_without_blocks(
+        monkeypatch, full, "blocks_of_root", lambda: ntkgp.laplace.compute_curvature(net, x, y, lik, "full_ggn",
+                                                                                     batch_size=10))
+    assert calls == 3  # three batches, each by blocks
     dense = dense_unit_ggn(net, x, kind)
     scale = output_scale(lik).detach()[0]  # H = s · D for one component
     assert rel_err(blocks.dense(lik), scale * dense) < 1e-10
