@@ -9,7 +9,6 @@ training data").
 
 from __future__ import annotations
 
-
 import torch
 from gpytorch.likelihoods import Likelihood
 from torch import nn

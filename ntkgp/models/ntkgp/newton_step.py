@@ -30,8 +30,9 @@ exposed to rounding:
   the training inputs, never a Jacobian. The Woodbury form is not backward stable (it subtracts nearly all of
   :math:`a` from itself where the data dominate the prior), so for a lower-precision model the step is refined
   :data:`REFINEMENTS` times with the residual of :math:`H` itself, :math:`s \leftarrow s + \mathrm{W}(u - H s)`
-  (:math:`\mathrm{W}` the Woodbury solve; :math:`H s = P_0 s + J_X^\top \Lambda J_X s`: one more
-  Jacobian-vector and vector-Jacobian product each), which brings it to about the weight-space solve's accuracy.
+  (:math:`\mathrm{W}` the Woodbury solve; :math:`H s = P_0 s + J_X^\top \Lambda J_X s`: each refinement two
+  more Jacobian-vector and two more vector-Jacobian products), which brings it to about the weight-space
+  solve's accuracy.
 
 At test points the mean costs one forward-mode pass (:math:`f` and :math:`J s` together), no cross-Gram.
 
@@ -89,9 +90,9 @@ __all__ = [
 ERROR_CONSTANTS = {Space.WEIGHT: 0.02, Space.FUNCTION: 0.06}
 #: The estimated relative error of the mean above which :func:`newton_step` warns (three digits).
 ERROR_LIMIT = 1e-3
-#: Refinement steps of the function-space Newton step of a lower-precision model (each one more Jacobian-vector
-#: and two more vector-Jacobian products over the training inputs; none in float64, where the Woodbury form loses
-#: only ``0.3 · ε · κ`` of the mean).
+#: Refinement steps of the function-space Newton step of a lower-precision model (each two more Jacobian-vector
+#: and two more vector-Jacobian products over the training inputs: H s and a Woodbury solve; none in float64,
+#: where the Woodbury form loses only ``0.3 · ε · κ`` of the mean).
 REFINEMENTS = 2
 
 
