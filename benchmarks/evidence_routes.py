@@ -393,8 +393,10 @@ def write_docs(rows, points, other: bool, threads: int) -> None:
              f"{MIN_SECONDS} s. Bounds (benchmarks/route_bounds.py): the floor, an Adam step on the row's "
              "hyperparameters after the backward pass of a one-operation graph; the bare step, the row's evidence "
              "step in plain torch on the same numbers (KFAC, diagonal, one δ: its formula with autograd; several δ: "
-             "one Cholesky factorization and one triangular inverse of the row's matrix, plus the floor); the bare "
-             "build, the Gram that forms the curvature and its first factorization or eigenvalues (full GGN), or one "
+             "one Cholesky factorization and one triangular inverse of the row's matrix, or where ntkgp takes the "
+             "Schur route its k × k kernels, plus the floor); the bare build, the products that form the curvature "
+             "(the Gram of the Jacobian's rows, or where ntkgp forms the GGN from layer features one product per "
+             "pair of layers) and the first factorization or eigenvalues of the row's own matrix (full GGN), or one "
              "forward and one backward pass, the Kronecker factors and their eigenvalues (KFAC, one output).")
     if points:
         text += "\n\nOne exact evidence step (value and gradient) in each space, softmax with 3 classes, P = 1179:\n\n"

@@ -143,20 +143,28 @@ def bare_low_rank_step(sizes: list[int], regression: bool, steps: int, floor: fl
     return per_step(kernels, max(1, steps)) + floor
 
 
-def bare_block_products(examples: int, shapes: list[tuple[int, int]]) -> None:
-    """The GGN of ``Linear`` layers from layer features: one product per block pair, ``(n × d_a^l d_a^m)ᵀ
-    (n × d_out^l d_out^m)``, the diagonal blocks over the pairs ``i ≤ j``, ``a ≤ b`` only (random numbers)."""
+def block_products(examples: int, shapes: list[tuple[int, int]]):
+    """The GGN of ``Linear`` layers from layer features, bare: a function that makes one product per block pair
+    and chunk of 256 examples, ``(n × d_a^l d_a^m)ᵀ (n × d_out^l d_out^m)``, the diagonal blocks over the pairs
+    ``i ≤ j``, ``a ≤ b`` only, on random operands drawn here, before it is timed."""
     g = torch.Generator().manual_seed(0)
+    operands = []
     for l, (a1, o1) in enumerate(shapes):
         for a2, o2 in shapes[l:]:
             same = (a1, o1) == (a2, o2)
             left = a1 * (a1 + 1) // 2 if same else a1 * a2
             right = o1 * (o1 + 1) // 2 if same else o1 * o2
-            for start in range(0, examples, 256):
-                n = min(256, examples - start)
-                x = torch.randn(n, left, dtype=torch.float64, generator=g)
-                y = torch.randn(n, right, dtype=torch.float64, generator=g)
-                x.T @ y
+            n = min(256, examples)
+            operands.append((torch.randn(n, left, dtype=torch.float64, generator=g),
+                             torch.randn(n, right, dtype=torch.float64, generator=g)))
+    sizes = [min(256, examples - start) for start in range(0, examples, 256)]
+
+    def products() -> None:
+        for n in sizes:
+            for x, y in operands:
+                x[:n].T @ y[:n]
+
+    return products
 
 
 def bare_full_build(rows: int, num_params: int, weight_space: bool, one_delta: bool,
@@ -164,12 +172,13 @@ def bare_full_build(rows: int, num_params: int, weight_space: bool, one_delta: b
                     ggn: torch.Tensor | None = None) -> float:
     """The least arithmetic that forms the GGN (or the NTK Gram) and its first factorization: the Gram of an
     ``(N·C) × P`` matrix or, where ntkgp forms a weight-space GGN from layer blocks (``shapes``: ``(d_a, d_out)``
-    of its layers, ``examples`` = N), the block products of :func:`bare_block_products`; then the eigenvalues
+    of its layers, ``examples`` = N), the block products of :func:`block_products`; then the eigenvalues
     (one δ) or one Cholesky factorization — of the row's own GGN ``ggn`` where given (the symmetric eigensolver's
     time depends on the spectrum: a trained network's GGN deflates, a random matrix does not)."""
     blocks = weight_space and shapes is not None
     jac = None if blocks else torch.randn(rows, num_params, dtype=torch.float64,
                                           generator=torch.Generator().manual_seed(0))
+    products = block_products(examples, shapes) if blocks else None
     if blocks:  # the P × P matrix to factorize, formed before the clock starts
         h = ggn.detach().to(torch.float64).clone() if ggn is not None else None
         if h is None:
@@ -178,7 +187,7 @@ def bare_full_build(rows: int, num_params: int, weight_space: bool, one_delta: b
     start = time.process_time()
     if weight_space:
         if blocks:
-            bare_block_products(examples, shapes)
+            products()
         else:
             h = gram(jac) if ggn is None else gram(jac).copy_(ggn)  # the Gram's work, on the row's own matrix
         h.diagonal().add_(1.0)
