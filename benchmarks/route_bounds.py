@@ -9,7 +9,7 @@
   same Adam step: ``α + β log s + γ s − ½ δ·‖θ‖² + ½ Σ P_g log δ_g − ½ Σ log(s u_p + δ_g(p))``.
 - :func:`bare_full_step`: the dense kernels of an exact step on a matrix of the row's side ``R``: one Cholesky
   factorization and one triangular inverse (the diagonal of the inverse, ``R³/3`` multiply-adds in all; with
-  several Grams also ``L⁻ᵀ L⁻¹`` and their inner products), plus the floor; with one δ the spectral form
+  several Grams instead ``B⁻¹`` from the factor, ``torch.cholesky_inverse``, and their inner products), plus the floor; with one δ the spectral form
   ``Σ log1p(ρ λ_i)`` with autograd plus the Adam step.
 - :func:`bare_low_rank_step`: the several-δ weight-space step when one parameter group holds most of the
   parameters (ntkgp's Schur route): ``O(P_b k² + k³)`` kernels of the same sizes, plus the floor.
@@ -110,11 +110,11 @@ def bare_full_step(size: int, num_groups: int, one_delta: bool, function_space: 
         matrix = torch.tensordot(torch.ones(grams.shape[0], dtype=grams.dtype), grams, dims=1)
         matrix.mul_(root[:, None]).mul_(root).diagonal().add_(1)
         factor = torch.linalg.cholesky_ex(matrix)[0]
-        inverse = triangular_inverse(factor)
-        diagonal = torch.linalg.vector_norm(inverse, dim=0).square()
-        if grams.shape[0] > 1:
-            torch.tensordot(grams, inverse.mT @ inverse, dims=([1, 2], [0, 1]))
-        return diagonal
+        if grams.shape[0] > 1:  # B⁻¹ from the factor (potri), its diagonal and the Grams' inner products
+            inverse = torch.cholesky_inverse(factor)
+            torch.tensordot(grams, inverse, dims=([1, 2], [0, 1]))
+            return inverse.diagonal()
+        return torch.linalg.vector_norm(triangular_inverse(factor), dim=0).square()
 
     return per_step(kernels, max(1, steps)) + floor  # the row's floor, measured once by the caller
 

@@ -52,3 +52,29 @@ def test_value_and_gradients_against_autograd(name, power, dtype):
     (value, expected), ((gd, gs), (ed, es)) = values, grads
     assert value.dtype == dtype and torch.allclose(value, expected, rtol=tol, atol=0)
     assert torch.allclose(gd, ed, rtol=tol, atol=tol) and torch.allclose(gs, es, rtol=tol)
+
+
+@pytest.mark.parametrize("wanted", ["delta", "scale", "neither"])
+@pytest.mark.parametrize("num_groups", [1, 3])
+def test_only_the_asked_derivative_scaled_by_the_incoming_gradient_against_autograd(wanted, num_groups):
+    """The derivatives are formed in the forward pass only for the inputs that need them; the backward pass scales
+    them by the incoming gradient (here 2.5 times a downstream function's)."""
+    g = torch.Generator().manual_seed(1)
+    groups = torch.arange(num_groups).repeat_interleave(6)
+    u = torch.rand(groups.shape[0], generator=g, dtype=torch.float64) * 2
+    norms = torch.rand(num_groups, generator=g, dtype=torch.float64)
+    sizes = torch.full((num_groups,), 6.0, dtype=torch.float64)
+    stats = torch.tensor([[-0.4], [12.0], [-3.0]], dtype=torch.float64)
+    results = []
+    for fn in (structured_evidence, reference):
+        delta = (torch.rand(num_groups, generator=torch.Generator().manual_seed(2), dtype=torch.float64) + 0.5
+                 ).requires_grad_(wanted == "delta")
+        scale = torch.tensor([1.7], dtype=torch.float64, requires_grad=wanted == "scale")
+        value = fn(delta, scale, u, groups, 2, norms, sizes, stats)
+        if wanted == "neither":
+            assert not value.requires_grad
+            results.append(value)
+            continue
+        leaf = delta if wanted == "delta" else scale
+        results.append(torch.autograd.grad(torch.sin(value) * 2.5, leaf)[0])
+    assert torch.allclose(results[0], results[1], rtol=1e-12, atol=1e-12)

@@ -162,6 +162,9 @@ class Curvature(ABC):
 
 def _positive_finite(delta: Tensor) -> bool:
     """Whether every entry is positive and finite, from one reduction (the smallest entry positive, the largest
-    finite; ``aminmax`` propagates NaN, which fails both)."""
+    finite; ``aminmax`` propagates NaN, which fails both); one entry is read as a number."""
+    if delta.numel() == 1:
+        value = float(delta.detach())
+        return 0 < value < math.inf
     low, high = torch.aminmax(delta.detach())
     return float(low) > 0 and float(high) < math.inf
