@@ -89,7 +89,7 @@ class _ScaledLogDet(torch.autograd.Function):
             else:  # several matrices (or almost no curvature: no cancellation): the full B⁻¹
                 if inverse is None:
                     inverse = inverse_factor.mT @ inverse_factor
-                inverse = inverse * root[:, None] * root[None, :]
+                inverse.mul_(root[:, None]).mul_(root[None, :])  # B⁻¹ is this pass's own: scaled in place
                 grad_coefficients = grad * torch.tensordot(matrices, inverse, dims=([1, 2], [0, 1]))
         return grad_coefficients, grad_root, None
 
