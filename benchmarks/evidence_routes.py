@@ -14,8 +14,8 @@ and 0.3 s after one warm-up step) and the GLM predictive covariance at 1,000 poi
 the CPU time of the process (``time.process_time``) with ``--threads`` threads (default 1), which the load of other
 processes on a shared machine changes little; with one thread it is the time the work took. Beside each row,
 measured lower bounds (``benchmarks/route_bounds.py``): the floor of its hyperparameter step (an Adam step on the
-same hyperparameters after the backward pass of a one-operation graph), the bare step (its evidence in plain torch
-on the same numbers) and the bare build; a row whose target (0.5× laplace-torch) is below its bound cannot meet it.
+same hyperparameters after the backward pass of a one-operation graph), the bare step (the kernels of its evidence
+step on the same numbers, plus the floor) and the bare build; a row whose target is below its bound cannot meet it.
 
     python benchmarks/evidence_routes.py --data-dir DATA [--steps 5] [--threads 1] [--crossover] [--write-docs]
         [--only PROBLEM,...] [--routes full,kfac,diag_ggn]
@@ -397,7 +397,8 @@ def write_docs(rows, points, other: bool, threads: int) -> None:
              "decomposition of the largest group's block made at its second evaluation (the first step's time above "
              "the mean step). Bounds (benchmarks/route_bounds.py): the floor, an Adam step on the row's "
              "hyperparameters after the backward pass of a one-operation graph; the bare step, the row's evidence "
-             "step in plain torch on the same numbers (KFAC, diagonal, one δ: its formula with autograd; several δ: "
+             "step's kernels on the same numbers plus the floor (KFAC, diagonal: the shifted eigenvalues, their reciprocals, "
+             "logarithms and sums outside autograd; one δ full GGN: its spectral formula with autograd; several δ: "
              "one Cholesky factorization of the row's matrix and one triangular inverse, or with several Grams B⁻¹ "
              "from the factor (cholesky_inverse) and their inner products, or where ntkgp takes the "
              "Schur route its k × k kernels, plus the floor); the bare build, the products that form the curvature "

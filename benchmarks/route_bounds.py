@@ -4,9 +4,10 @@
   ``MIN_SECONDS`` of CPU time after one warm-up step (a step of half a millisecond timed three times is noise).
 - :func:`floor_step`: an Adam step on the row's hyperparameters (``G`` log δ and, for regression, a log noise)
   after the backward pass of a one-operation graph: what no hyperparameter step can avoid.
-- :func:`bare_structured_step`: the KFAC / diagonal evidence written as plain torch operations with autograd
-  on the curvature's own stored numbers (eigenvalues ``u``, groups, ``‖θ_g‖²``, the data statistics), plus the
-  same Adam step: ``α + β log s + γ s − ½ δ·‖θ‖² + ½ Σ P_g log δ_g − ½ Σ log(s u_p + δ_g(p))``.
+- :func:`bare_structured_step`: the floor's step plus the ``O(P)`` kernels of the KFAC / diagonal evidence
+  ``α + β log s + γ s − ½ δ·‖θ‖² + ½ Σ P_g log δ_g − ½ Σ log(s u_p + δ_g(p))`` and its first derivatives, run outside
+  autograd on the curvature's own stored numbers (eigenvalues ``u``, groups): the shifted eigenvalues, their
+  reciprocals and logarithms and the sums.
 - :func:`bare_full_step`: the dense kernels of an exact step on a matrix of the row's side ``R``: one Cholesky
   factorization and one triangular inverse (the diagonal of the inverse, ``R³/3`` multiply-adds in all; with
   several Grams instead ``B⁻¹`` from the factor, ``torch.cholesky_inverse``, and their inner products), plus the floor; with one δ the spectral form
@@ -64,22 +65,25 @@ def floor_step(num_groups: int, regression: bool, steps: int) -> float:
 
 
 def bare_structured_step(curvature, likelihood, regression: bool, steps: int) -> float:
+    """The floor's step plus the kernels that any evaluation of the value and its first derivatives runs on the
+    curvature's own stored numbers, outside autograd: the shifted eigenvalues ``t = s u + δ_g(p)``, their
+    reciprocals and logarithms and the sums (per group with several δ). What is above this in a step is
+    bookkeeping: the graph, the checks, the likelihood's constraint."""
     u, groups, _ = curvature.diagonal_spectrum()
-    stats = curvature.fit_statistics(likelihood)
-    alpha, beta, gamma = (float(v) for v in stats[:, 0])
-    norms, sizes = curvature.theta_sq_norms, curvature.group_sizes
-    log_delta, log_s, opt = _adam(norms.shape[0], regression)
+    num_groups = curvature.theta_sq_norms.shape[0]
+    log_delta, log_s, opt = _adam(num_groups, regression)
 
     def step():
         opt.zero_grad()
-        delta = log_delta.exp()
-        prior = 0.5 * ((sizes * log_delta).sum() - delta @ norms)
-        if regression:
-            s = log_s.exp()
-            value = alpha + beta * log_s + gamma * s + prior - 0.5 * (s * u + delta[groups]).log().sum()
-        else:
-            value = gamma + prior - 0.5 * (u + delta[groups]).log().sum()
-        (-value.sum()).backward()
+        with torch.no_grad():
+            delta = log_delta.exp()
+            terms = torch.add(delta if num_groups == 1 else delta.index_select(0, groups), u,
+                              alpha=float(log_s.exp()) if regression else 1.0)
+            reciprocal = terms.reciprocal()
+            sums = (reciprocal.sum() if num_groups == 1 else
+                    reciprocal.new_zeros(num_groups).index_add_(0, groups, reciprocal))
+            float(sums.sum() + terms.log_().sum() + (torch.dot(u, reciprocal) if regression else 0.0))
+        (log_delta.exp().sum() + log_s.sum() if regression else log_delta.exp().sum()).backward()
         opt.step()
 
     return per_step(step, steps)
