@@ -58,6 +58,18 @@ def test_value_and_gradients_equal_autograd_through_logdet_past_the_blocks(k):
         assert rel_err(g, e) < 1e-10
 
 
+@pytest.mark.parametrize("k", [1, 3])
+def test_without_a_root_value_and_coefficient_gradients_equal_autograd_through_logdet(k):
+    """``root=None`` is D_r = I: the uniform root a caller folds into the coefficients."""
+    c, _, m = dense_problem(TRIANGULAR_BLOCK + 31, k, seed=5)
+    c1, c2 = c.clone().requires_grad_(), c.clone().requires_grad_()
+    value = scaled_log_det(c1, None, m)
+    reference = brute(c2, torch.ones(m.shape[-1], dtype=m.dtype), m)
+    assert rel_err(value.detach(), reference.detach()) < 1e-12
+    (got,), (expected,) = torch.autograd.grad(value, [c1]), torch.autograd.grad(reference, [c2])
+    assert rel_err(got, expected) < 1e-10
+
+
 def test_gradients_equal_central_finite_differences():
     c, r, m = dense_problem(TRIANGULAR_BLOCK + 60, 1, seed=3)
     c1, r1 = c.clone().requires_grad_(), r.clone().requires_grad_()

@@ -52,7 +52,10 @@ class _ScaledLogDet(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, coefficients: Tensor, root: Tensor, matrices: Tensor) -> Tensor:
-        if matrices.shape[0] == 1:  # c D_r M D_r in two passes over M
+        if root is None:  # D_r = I (a uniform root folded into the coefficients by the caller): one pass
+            matrix = (torch.mul(matrices[0], coefficients[0]) if matrices.shape[0] == 1
+                      else torch.tensordot(coefficients, matrices, dims=1))
+        elif matrices.shape[0] == 1:  # c D_r M D_r in two passes over M
             matrix = torch.mul(matrices[0], (coefficients[0] * root)[:, None]).mul_(root)
         else:
             matrix = torch.tensordot(coefficients, matrices, dims=1).mul_(root[:, None]).mul_(root)
@@ -79,7 +82,7 @@ class _ScaledLogDet(torch.autograd.Function):
         else:  # diag B⁻¹ only: the column sums of squares of L⁻¹ (R³/3 flops)
             inverse_factor = triangular_inverse(factor)
             inverse_diagonal = torch.linalg.vector_norm(inverse_factor, dim=0).square()
-        grad_root = grad * 2 * (1 - inverse_diagonal) / root if ctx.needs_input_grad[1] else None
+        grad_root = grad * 2 * (1 - inverse_diagonal) / root if root is not None and ctx.needs_input_grad[1] else None
         grad_coefficients = None
         if ctx.needs_input_grad[0]:
             coefficients = ctx.coefficients
@@ -89,17 +92,19 @@ class _ScaledLogDet(torch.autograd.Function):
             else:  # several matrices (or almost no curvature: no cancellation): the full B⁻¹
                 if inverse is None:
                     inverse = inverse_factor.mT @ inverse_factor
-                inverse.mul_(root[:, None]).mul_(root[None, :])  # B⁻¹ is this pass's own: scaled in place
+                if root is not None:  # B⁻¹ is this pass's own: scaled in place
+                    inverse.mul_(root[:, None]).mul_(root[None, :])
                 grad_coefficients = grad * torch.tensordot(matrices, inverse, dims=([1, 2], [0, 1]))
         return grad_coefficients, grad_root, None
 
 
-def scaled_log_det(coefficients: Tensor, root: Tensor, matrices: Tensor) -> Tensor:
+def scaled_log_det(coefficients: Tensor, root: Tensor | None, matrices: Tensor) -> Tensor:
     r""":math:`\log|I + D_r (\sum_k c_k M_k) D_r|` by one Cholesky factorization (module docstring).
 
     Args:
         coefficients: :math:`c`, ``(K,)``.
-        root: :math:`r > 0`, ``(R,)``.
+        root: :math:`r > 0`, ``(R,)``, or ``None`` for :math:`D_r = I` (a uniform root is the coefficients'
+            business: :math:`c_k r^2`; two passes over the ``R × R`` matrix fewer in each direction).
         matrices: :math:`M_k`, ``(K, R, R)``, symmetric positive semi-definite (fixed: no gradient).
 
     Returns:

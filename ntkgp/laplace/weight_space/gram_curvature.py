@@ -138,7 +138,10 @@ class FunctionSpaceCurvature(Curvature):
         if self.spectral:
             s = self.scale(likelihood)[0]
             return spectral_log_det_ratio(self.eigenvalues(), (s * s if self.fisher else s) / delta[0])
-        root = self.scale(likelihood)[self.row_scale]
+        s = self.scale(likelihood)
+        if s.shape[0] == 1:  # one output scale: the uniform row weight w joins the coefficients, w / δ_g
+            return scaled_log_det((s * s if self.fisher else s) / delta, None, self.grams)
+        root = s[self.row_scale]
         return scaled_log_det(delta.reciprocal(), root if self.fisher else root.sqrt(), self.grams)
 
     def log_det(self, prior_precision: float | Tensor, likelihood: Likelihood) -> Tensor:
