@@ -236,8 +236,9 @@ class KroneckerGGN(Curvature):
             self._unit_spectrum = (
                 torch.cat([(w[:, None] * q[None, :]).reshape(-1) for q, w in eigen]
                           + [self.diagonal_components.reshape(-1)]).unsqueeze(0),
-                torch.cat([torch.full((q.numel() * w.numel(),), b.group, device=self.f.device)
-                           for (q, w), b in zip(eigen, self.blocks)] + [self.diagonal_groups]),
+                torch.cat([torch.tensor([b.group for b in self.blocks], device=self.f.device).repeat_interleave(
+                    torch.tensor([q.numel() * w.numel() for q, w in eigen], device=self.f.device)),
+                    self.diagonal_groups]),
             )
         return self._unit_spectrum
 
@@ -324,13 +325,13 @@ def kfac_ggn(
     Arguments as :func:`~ntkgp.laplace.compute_curvature`.
     """
     data = DataPass.start(net, likelihood, prior_structure, input_shape, distributed)
-    pg = data.core.groups
+    pg, dtype, device = data.core.groups, data.core.dtype, data.core.device
     layers = structured_layers(net, pg, strict=True)
     in_blocks = {n for layer in layers for n in (layer.weight, layer.bias) if n is not None}
     diagonal_names = [n for n in pg.names if n not in in_blocks]
     num_components = data.scale0.shape[0]
     sums = FactorSums(layers, num_components)
-    diag_total = torch.zeros(num_components, 0, dtype=data.core.dtype, device=data.core.device)
+    diag_total = torch.zeros(num_components, 0, dtype=dtype, device=device)
     if diagonal_names:
         diag_total = 0
     first = [True]
@@ -347,16 +348,17 @@ def kfac_ggn(
         if diagonal_names:
             diag_total = diag_total + diagonal_ggn_components(data, xb, fb, yb, diagonal_names, [])
     a_sum, g_sum, locations = sums.factors()
-    counts = torch.tensor([locations[layer.name] for layer in layers], device=data.core.device)
-    data.reduce([a_sum[layer.name] for layer in layers] + [g_sum[layer.name] for layer in layers] + [counts]
-                + ([diag_total] if diagonal_names else []))  # sums over every rank's shard (float64)
-    locations = dict(zip([layer.name for layer in layers], counts.tolist()))
+    if data.distributed:  # sums over every rank's shard (float64)
+        counts = torch.tensor([locations[layer.name] for layer in layers], device=device)
+        data.reduce([a_sum[layer.name] for layer in layers] + [g_sum[layer.name] for layer in layers] + [counts]
+                    + ([diag_total] if diagonal_names else []))
+        locations = dict(zip([layer.name for layer in layers], counts.tolist()))
     f_all, y_all = data.collected()
     index = dict(zip(pg.names, pg.group_of))
     blocks = [
         KroneckerFactors(
-            layer.name, layer.weight, layer.bias, index[layer.weight], a_sum[layer.name].to(data.core.dtype),
-            (g_sum[layer.name] / locations[layer.name]).to(data.core.dtype),
+            layer.name, layer.weight, layer.bias, index[layer.weight], a_sum[layer.name].to(dtype),
+            (g_sum[layer.name] / locations[layer.name]).to(dtype),
         )
         for layer in layers
     ]
