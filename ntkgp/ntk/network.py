@@ -27,7 +27,7 @@ from ..caching import network_key
 from .architecture import cached
 from .checks import (check_count, check_eval_mode, check_fits, check_network_values, check_outputs, check_shape,
                      prepare_inputs)
-from .features import Layer, LayerFeatures, layer_features
+from .features import Layer, LayerFeatures, layer_features, own_graph
 from .functional import forward, per_example_jacobians, per_example_vjps
 from .groups import GroupSpec, resolve_groups
 from .layer_plan import LayerPlan, cached_plan
@@ -275,5 +275,8 @@ class NetworkCore:
     ) -> LayerFeatures:
         """Layer inputs and output gradients of ``layers`` on a prepared batch ``x``
         (:func:`~ntkgp.ntk.features.layer_features`), at :math:`\\theta^*` or at ``params``."""
-        given = self.functional_params() if params is None else {**self.functional_params(), **params}
+        if params is None and not graph and own_graph(layers):  # the network's own call, without the swaps
+            given = None
+        else:
+            given = self.functional_params() if params is None else {**self.functional_params(), **params}
         return layer_features(self.net, given, layers, x, cotangents, graph, reduce)
