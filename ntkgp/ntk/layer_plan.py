@@ -14,7 +14,7 @@ input once, by :meth:`~ntkgp.ntk.features.Layer.fold` (:math:`\bar a = [a; 1]`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -212,10 +212,11 @@ def plan_layers(
 
 
 def cached_plan(
-    net: nn.Module, params: dict[str, Tensor], names: Sequence[str], probe: Tensor,
+    net: nn.Module, params: Callable[[], dict[str, Tensor]], names: Sequence[str], probe: Tensor,
     modules: Sequence[str] | None = None,
 ) -> LayerPlan:
-    """:func:`plan_layers`, every candidate verified once per architecture of ``net``
+    """:func:`plan_layers` (``params()``: its parameters, looked up only when the plan is computed), every
+    candidate verified once per architecture of ``net``
     (:func:`ntkgp.ntk.architecture.cached`: its modules, parameters, attributes, forwards and hooks as they are
     now) and probe shape, dtype and device, whatever the number of cores built on the network and the
     ``modules`` asked for: a layer's check does not depend on the others checked with it (its own hook, its own
@@ -224,7 +225,7 @@ def cached_plan(
     key = ("layer plan", tuple(names), tuple(probe.shape[1:]), probe.dtype, probe.device)
 
     def verdict() -> tuple:  # the plan without its modules: the cache holds the network weakly
-        plan = plan_layers(net, params, names, probe)
+        plan = plan_layers(net, params(), names, probe)
         return plan.names, dict(plan.locations), tuple((m, type(e), str(e)) for m, e in plan.problems.items())
 
     verified, locations, problems = cached(net, key, verdict)

@@ -175,10 +175,10 @@ class NetworkCore:
         x = prepare_inputs(x, argument, self.dtype, self.device, self.input_shape)
         key = (tuple(x.shape[1:]), x.dtype)
         if key not in self._fits:  # once per core; the forward pass once per architecture of the network
-            params = self.functional_params()
-            c = cached(self.net, ("fits", *key, x.device), lambda: check_fits(self.net, params, x, argument, None))
-            if self._num_outputs is not None and c != self._num_outputs:
-                check_fits(self.net, params, x, argument, self._num_outputs)  # raises, naming the argument
+            c = cached(self.net, ("fits", *key, x.device),
+                       lambda: check_fits(self.net, self.functional_params(), x, argument, None))
+            if self._num_outputs is not None and c != self._num_outputs:  # raises, naming the argument
+                check_fits(self.net, self.functional_params(), x, argument, self._num_outputs)
             self._num_outputs = c
             self._fits.add(key)
         return x
@@ -266,7 +266,7 @@ class NetworkCore:
         cores built on it (:func:`~ntkgp.ntk.layer_plan.cached_plan`); within a core, once per input shape."""
         key = (tuple(x.shape[1:]), None if modules is None else tuple(modules))
         if key not in self._plans:
-            self._plans[key] = cached_plan(self.net, self.functional_params(), self.names, x[:1].detach(), modules)
+            self._plans[key] = cached_plan(self.net, self.functional_params, self.names, x[:1].detach(), modules)
         return self._plans[key]
 
     def features(
