@@ -213,7 +213,7 @@ def plan_layers(
 
 def cached_plan(
     net: nn.Module, params: Callable[[], dict[str, Tensor]], names: Sequence[str], probe: Tensor,
-    modules: Sequence[str] | None = None,
+    modules: Sequence[str] | None = None, held: list | None = None,
 ) -> LayerPlan:
     """:func:`plan_layers` (``params()``: its parameters, looked up only when the plan is computed), every
     candidate verified once per architecture of ``net``
@@ -228,7 +228,7 @@ def cached_plan(
         plan = plan_layers(net, params(), names, probe)
         return plan.names, dict(plan.locations), tuple((m, type(e), str(e)) for m, e in plan.problems.items())
 
-    verified, locations, problems = cached(net, key, verdict)
+    verified, locations, problems = cached(net, key, verdict, held)
     candidates, _ = _restrict(*candidate_layers(net, names), modules)
     chosen = {layer.name: layer for layer in candidates}
     return _plan([chosen[m] for m in verified if m in chosen], {m: locations[m] for m in verified if m in chosen},

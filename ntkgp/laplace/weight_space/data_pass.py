@@ -65,7 +65,7 @@ class DataPass:
         and :math:`s_0`. With ``distributed``, also check that every rank holds the same network."""
         distributed = check_distributed(distributed)
         with together("checking the network", distributed):
-            core = NetworkCore(net, input_shape=input_shape, prior_structure=prior_structure)
+            core = NetworkCore(net, input_shape=input_shape, prior_structure=prior_structure, fixed_architecture=True)
             scale0 = output_scale(likelihood).detach().to(device=core.device, dtype=core.dtype)
         if distributed:
             check_replicated([*net.parameters(), *net.buffers()], "the network's weights", distributed)

@@ -234,7 +234,7 @@ class KroneckerGGN(Curvature):
         if self._unit_spectrum is None:
             eigen = [block.eigenvalues() for block in self.blocks]
             self._unit_spectrum = (
-                torch.cat([(w[:, None] * q[None, :]).reshape(-1) for q, w in eigen]
+                torch.cat([torch.outer(w, q).reshape(-1) for q, w in eigen]
                           + [self.diagonal_components.reshape(-1)]).unsqueeze(0),
                 torch.cat([torch.tensor([b.group for b in self.blocks], device=self.f.device).repeat_interleave(
                     torch.tensor([q.numel() * w.numel() for q, w in eigen], device=self.f.device)),
