@@ -86,13 +86,14 @@ def candidate_layers(net: nn.Module, names: Sequence[str]) -> tuple[list[Layer],
         (unsupported).
     """
     chosen = set(names)
+    modules = list(net.named_modules())  # one walk of the modules for both loops
     owners: dict[int, int] = {}
-    for module in net.modules():
+    for _, module in modules:
         for p in module._parameters.values():
             if p is not None:
                 owners[id(p)] = owners.get(id(p), 0) + 1
     layers, problems = [], {}
-    for name, module in net.named_modules():
+    for name, module in modules:
         if type(module) not in LAYER_TYPES:
             continue
         prefix = f"{name}." if name else ""
