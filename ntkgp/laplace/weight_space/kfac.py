@@ -61,8 +61,11 @@ def symmetric_eigh(matrix: Tensor) -> tuple[Tensor, Tensor]:
     """The eigenvalues (negative rounding chopped at 0) and eigenvectors of a symmetric ``matrix``, as
     linear_operator computes them (``_symeig``: in its symeig dtype, double by default, then back to
     ``matrix``'s dtype), without its operators' bookkeeping."""
-    dtype = matrix.dtype
-    evals, evecs = torch.linalg.eigh(matrix.to(dtype=settings._linalg_dtype_symeig.value()))
+    dtype, work = matrix.dtype, settings._linalg_dtype_symeig.value()
+    if dtype == work:
+        evals, evecs = torch.linalg.eigh(matrix)
+        return evals.clamp_min(0.0), evecs
+    evals, evecs = torch.linalg.eigh(matrix.to(dtype=work))
     return evals.clamp_min(0.0).to(dtype=dtype), evecs.to(dtype=dtype)
 
 
