@@ -12,7 +12,9 @@ instance one), a plain attribute (``stride``, ``padding``, ``groups``, ``trainin
 parameter's shape, dtype, device or ``requires_grad``, or a hook registered or removed (on a module or global).
 The weights' values are not part of it: a plan does not depend on them, as within one core.
 
-The cache holds the network weakly: an entry goes with its network.
+The cache holds the network weakly: an entry goes with its network. A core that takes its network as unchanged
+for its life (one pass over the data) passes ``held`` to :func:`cached`: its later look-ups serve what its
+first one found without another walk of the modules.
 """
 
 from __future__ import annotations
@@ -94,17 +96,26 @@ class Signature:
 _CACHE: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, dict]] = weakref.WeakKeyDictionary()
 
 
-def cached(net: nn.Module, key: Hashable, compute: Callable[[], object]) -> object:
+def cached(net: nn.Module, key: Hashable, compute: Callable[[], object], held: list | None = None) -> object:
     """``compute()`` for ``net`` and ``key``, computed once per architecture of ``net`` (module docstring).
 
     ``compute`` must depend on the network through its architecture only and return no reference to the network
     or its modules (the entry would keep the network alive). A ``compute`` that raises stores nothing.
+
+    ``held``: a list kept by one :class:`~ntkgp.ntk.network.NetworkCore`, which takes its network's architecture
+    as fixed for its life (it keeps its own plans and fit checks). It holds the entry of the core's first call:
+    a later call of the same core finds a result already in that entry (still the network's) without another
+    walk of the modules; anything to compute is computed, and stored, under a new signature as without it.
     """
-    signature = Signature(net)
     stored = _CACHE.get(net)
+    if held and stored is not None and held[0] is stored and key in stored[1]:
+        return stored[1][key]
+    signature = Signature(net)
     if stored is None or not signature.matches(stored[0]):
         stored = (signature.frozen(), {})
         _CACHE[net] = stored
+    if held is not None:
+        held[:] = [stored]
     entries = stored[1]
     if key not in entries:
         entries[key] = compute()

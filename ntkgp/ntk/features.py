@@ -218,13 +218,16 @@ def record(net, params, layers, x, cotangents, graph, reduce=None) -> tuple[Laye
     n = x.shape[0]
     try:
         with torch.enable_grad():
-            # the layers' parameters carry the graph to their outputs; those that require grad keep their own
-            # graph when ``graph`` (differentiating w.r.t. θ, e.g. FSVI)
-            local = dict(params)
-            for name in {k for layer in layers for k in layer.parameter_names}:
-                p = params[name]
-                local[name] = p if graph and p.requires_grad else p.detach().requires_grad_(True)
-            f = forward(net, local, x)
+            if params is None:  # the network's own parameters, which require grad, carry the graph to the layers
+                f = net(x)
+            else:
+                # the layers' parameters carry the graph to their outputs; those that require grad keep their own
+                # graph when ``graph`` (differentiating w.r.t. θ, e.g. FSVI)
+                local = dict(params)
+                for name in {k for layer in layers for k in layer.parameter_names}:
+                    p = params[name]
+                    local[name] = p if graph and p.requires_grad else p.detach().requires_grad_(True)
+                f = forward(net, local, x)
             check_outputs(f, n)
             if callable(cotangents):  # computed from the outputs of this pass (no forward pass of their own)
                 cotangents = cotangents(f.detach())
@@ -263,8 +266,15 @@ def record(net, params, layers, x, cotangents, graph, reduce=None) -> tuple[Laye
     return LayerFeatures(outputs=f if graph else f.detach(), inputs=inputs, grads=stacked), problems
 
 
+def own_graph(layers: Sequence[Layer]) -> bool:
+    """Whether the network's own parameters carry a graph to every layer's output: a parameter in
+    :math:`\theta` of each layer requires grad (``params=None`` of :func:`layer_features`)."""
+    return all(any(getattr(layer.module, k).requires_grad for k, n in (("weight", layer.weight), ("bias", layer.bias))
+                   if n is not None) for layer in layers)
+
+
 def layer_features(
-    net: nn.Module, params: dict[str, Tensor], layers: Sequence[Layer], x: Tensor,
+    net: nn.Module, params: dict[str, Tensor] | None, layers: Sequence[Layer], x: Tensor,
     cotangents: Tensor | Callable[[Tensor], Tensor] | None = None, graph: bool = False,
     reduce: Callable[..., Tensor | None] | None = None,
 ) -> LayerFeatures:
@@ -272,7 +282,10 @@ def layer_features(
 
     Args:
         net: the network (not modified; the hooks are removed afterwards).
-        params: the parameters passed to ``functional_call`` (detached, or requiring grad with ``graph``).
+        params: the parameters passed to ``functional_call`` (detached, or requiring grad with ``graph``); ``None``
+            (without ``graph``): the network's own, called as it is, where a parameter of each layer requires grad
+            (:func:`own_graph`: its graph reaches every layer's output; autograd is asked for the gradients of the
+            layers' outputs only, so no ``.grad`` is touched and no weight gradient computed).
         layers: verified layers (:class:`~ntkgp.ntk.layer_plan.LayerPlan`).
         x: prepared inputs ``(n, ...)``.
         cotangents: :math:`u_{nm}` as ``(n, C, M)``: :math:`\Gamma_{nm} = \partial(u_{nm}^\top f_n)/\partial z`;

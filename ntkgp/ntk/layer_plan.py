@@ -14,7 +14,7 @@ input once, by :meth:`~ntkgp.ntk.features.Layer.fold` (:math:`\bar a = [a; 1]`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -86,13 +86,14 @@ def candidate_layers(net: nn.Module, names: Sequence[str]) -> tuple[list[Layer],
         (unsupported).
     """
     chosen = set(names)
+    modules = list(net.named_modules())  # one walk of the modules for both loops
     owners: dict[int, int] = {}
-    for module in net.modules():
+    for _, module in modules:
         for p in module._parameters.values():
             if p is not None:
                 owners[id(p)] = owners.get(id(p), 0) + 1
     layers, problems = [], {}
-    for name, module in net.named_modules():
+    for name, module in modules:
         if type(module) not in LAYER_TYPES:
             continue
         prefix = f"{name}." if name else ""
@@ -212,10 +213,11 @@ def plan_layers(
 
 
 def cached_plan(
-    net: nn.Module, params: dict[str, Tensor], names: Sequence[str], probe: Tensor,
-    modules: Sequence[str] | None = None,
+    net: nn.Module, params: Callable[[], dict[str, Tensor]], names: Sequence[str], probe: Tensor,
+    modules: Sequence[str] | None = None, held: list | None = None,
 ) -> LayerPlan:
-    """:func:`plan_layers`, every candidate verified once per architecture of ``net``
+    """:func:`plan_layers` (``params()``: its parameters, looked up only when the plan is computed), every
+    candidate verified once per architecture of ``net``
     (:func:`ntkgp.ntk.architecture.cached`: its modules, parameters, attributes, forwards and hooks as they are
     now) and probe shape, dtype and device, whatever the number of cores built on the network and the
     ``modules`` asked for: a layer's check does not depend on the others checked with it (its own hook, its own
@@ -224,10 +226,10 @@ def cached_plan(
     key = ("layer plan", tuple(names), tuple(probe.shape[1:]), probe.dtype, probe.device)
 
     def verdict() -> tuple:  # the plan without its modules: the cache holds the network weakly
-        plan = plan_layers(net, params, names, probe)
+        plan = plan_layers(net, params(), names, probe)
         return plan.names, dict(plan.locations), tuple((m, type(e), str(e)) for m, e in plan.problems.items())
 
-    verified, locations, problems = cached(net, key, verdict)
+    verified, locations, problems = cached(net, key, verdict, held)
     candidates, _ = _restrict(*candidate_layers(net, names), modules)
     chosen = {layer.name: layer for layer in candidates}
     return _plan([chosen[m] for m in verified if m in chosen], {m: locations[m] for m in verified if m in chosen},

@@ -8,7 +8,8 @@ per-example vector-Jacobian products, layer features, and the layer plan of each
 FSVI's linearized network all use it.
 
 The network is called through ``torch.func.functional_call`` with detached aliases of its parameters (a forward
-pass at :math:`\theta^*` without a graph by its own call, which is the same without the swaps): its weights,
+pass at :math:`\theta^*` without a graph, and the layer features at :math:`\theta^*` where the layers' parameters
+require grad, by its own call, which is the same without the swaps): its weights,
 ``requires_grad`` flags, ``.grad``, mode and hooks are left as they are. The layer plan and the check that inputs
 fit are kept per architecture of the network across cores (:mod:`ntkgp.ntk.architecture`).
 """
@@ -27,7 +28,7 @@ from ..caching import network_key
 from .architecture import cached
 from .checks import (check_count, check_eval_mode, check_fits, check_network_values, check_outputs, check_shape,
                      prepare_inputs)
-from .features import Layer, LayerFeatures, layer_features
+from .features import Layer, LayerFeatures, layer_features, own_graph
 from .functional import forward, per_example_jacobians, per_example_vjps
 from .groups import GroupSpec, resolve_groups
 from .layer_plan import LayerPlan, cached_plan
@@ -47,6 +48,9 @@ class NetworkCore:
         prior_structure: the prior groups of :math:`\theta` (:func:`~ntkgp.ntk.groups.resolve_groups`).
         max_jacobian_bytes: Jacobians up to this size may be kept between chunks (the NTK's contraction).
         progress: show a tqdm progress bar over chunks.
+        fixed_architecture: the network's modules are not changed while this core is used (a core for one pass
+            over the data): its fit checks and layer plans take the architecture cache's entry of its first look-up
+            without walking the modules again (:func:`~ntkgp.ntk.architecture.cached`, ``held``).
 
     Raises:
         TypeError: ``net`` is not an ``nn.Module``, or ``progress`` not a bool.
@@ -63,6 +67,7 @@ class NetworkCore:
         prior_structure: GroupSpec = "layer",
         max_jacobian_bytes: int = 2**30,
         progress: bool = False,
+        fixed_architecture: bool = False,
     ) -> None:
         if not isinstance(net, nn.Module):
             raise TypeError(f"net must be a torch.nn.Module, got {type(net).__name__}")
@@ -83,6 +88,7 @@ class NetworkCore:
         self._fits: set[tuple] = set()  # input shapes and dtypes seen to fit the network
         self._num_outputs: int | None = None
         self._plans: dict[tuple, LayerPlan] = {}
+        self._architecture: list | None = [] if fixed_architecture else None  # architecture.cached's ``held``
 
     def __deepcopy__(self, memo: dict) -> NetworkCore:
         # A copy of a kernel or model refers to the same user network: never duplicate (or detach) it.
@@ -175,10 +181,10 @@ class NetworkCore:
         x = prepare_inputs(x, argument, self.dtype, self.device, self.input_shape)
         key = (tuple(x.shape[1:]), x.dtype)
         if key not in self._fits:  # once per core; the forward pass once per architecture of the network
-            params = self.functional_params()
-            c = cached(self.net, ("fits", *key, x.device), lambda: check_fits(self.net, params, x, argument, None))
-            if self._num_outputs is not None and c != self._num_outputs:
-                check_fits(self.net, params, x, argument, self._num_outputs)  # raises, naming the argument
+            c = cached(self.net, ("fits", *key, x.device),
+                       lambda: check_fits(self.net, self.functional_params(), x, argument, None), self._architecture)
+            if self._num_outputs is not None and c != self._num_outputs:  # raises, naming the argument
+                check_fits(self.net, self.functional_params(), x, argument, self._num_outputs)
             self._num_outputs = c
             self._fits.add(key)
         return x
@@ -266,7 +272,8 @@ class NetworkCore:
         cores built on it (:func:`~ntkgp.ntk.layer_plan.cached_plan`); within a core, once per input shape."""
         key = (tuple(x.shape[1:]), None if modules is None else tuple(modules))
         if key not in self._plans:
-            self._plans[key] = cached_plan(self.net, self.functional_params(), self.names, x[:1].detach(), modules)
+            self._plans[key] = cached_plan(self.net, self.functional_params, self.names, x[:1].detach(), modules,
+                                           self._architecture)
         return self._plans[key]
 
     def features(
@@ -275,5 +282,8 @@ class NetworkCore:
     ) -> LayerFeatures:
         """Layer inputs and output gradients of ``layers`` on a prepared batch ``x``
         (:func:`~ntkgp.ntk.features.layer_features`), at :math:`\\theta^*` or at ``params``."""
-        given = self.functional_params() if params is None else {**self.functional_params(), **params}
+        if params is None and not graph and own_graph(layers):  # the network's own call, without the swaps
+            given = None
+        else:
+            given = self.functional_params() if params is None else {**self.functional_params(), **params}
         return layer_features(self.net, given, layers, x, cotangents, graph, reduce)

@@ -163,3 +163,51 @@ def test_float32_kfac_agrees_with_float64():
     v32 = c32.log_marginal_likelihood(0.5, lik32)
     assert v32.dtype == torch.float32
     assert abs(v32.item() - c64.log_marginal_likelihood(0.5, lik64).item()) < 1e-4 * abs(v32.item())
+
+
+class WidthByBatch(nn.Module):
+    """Three outputs for one example (the fit check's and the layer plan's probe), two for a larger batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(3, 3)
+
+    def forward(self, x):
+        out = self.head(x)
+        return out if x.shape[0] == 1 else out[:, :2]
+
+
+@pytest.mark.parametrize("structure", ["kfac", "diag_ggn"])
+def test_a_batch_with_other_outputs_than_the_first_example_is_refused_with_tensor_data(structure):
+    torch.manual_seed(0)
+    net = WidthByBatch().double().eval()
+    lik = SoftmaxLikelihood(num_classes=3).double()
+    x, y = torch.randn(5, 3, dtype=torch.float64), torch.randint(0, 3, (5,))
+    with pytest.raises(ValueError, match="network has 2 outputs but SoftmaxLikelihood expects 3"):
+        compute_curvature(net, x, y, lik, structure, batch_size=2)
+
+
+def test_tensor_data_is_validated_once_and_its_batches_equal_a_loaders():
+    """Tensor data: the targets validated once, in full, and the batches sliced from the checked tensors (inputs
+    that preparing copies, float32 into a float64 network, prepared batch by batch); a loader's batches validated
+    one by one. All three give the same factors and evidence, bit for bit (the same products in the same
+    order), and the factors are the explicit sums of their definition."""
+    net = mlp(d_out=3)
+    lik = SoftmaxLikelihood(num_classes=3).double()
+    torch.manual_seed(2)
+    x, y = torch.randn(9, 3, dtype=torch.float64).float().double(), torch.randint(0, 3, (9,))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
+    from ntkgp.laplace.weight_space import data_pass
+
+    results = []
+    for data, targets, calls in ((x, y, 1), (loader, None, 3), (x.float(), y, 1)):
+        with mock.patch.object(data_pass, "validate_targets", wraps=data_pass.validate_targets) as spy:
+            results.append(compute_curvature(net, data, targets, lik, "kfac", batch_size=4))
+        assert spy.call_count == calls
+    first = results[0].blocks[0]
+    x1 = torch.cat([x, torch.ones(9, 1, dtype=x.dtype)], 1)
+    assert rel_err(first.input_factor, x1.T @ x1) < 1e-14  # A of the first layer: Σ x̄ x̄ᵀ
+    for other in results[1:]:
+        for a, b in zip(results[0].blocks, other.blocks):
+            assert torch.equal(a.input_factor, b.input_factor) and torch.equal(a.output_factors, b.output_factors)
+        assert torch.equal(results[0].log_marginal_likelihood(0.7, lik), other.log_marginal_likelihood(0.7, lik))

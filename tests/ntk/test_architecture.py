@@ -214,3 +214,31 @@ def test_dtype_and_device_follow_the_first_parameter():
     assert core.dtype == torch.float64 and core.device == net[0].weight.device
     net.float()
     assert core.dtype == torch.float32
+
+
+def test_a_core_for_one_pass_walks_the_modules_once_and_never_stores_under_a_stale_signature():
+    """``fixed_architecture``: a KFAC build (its core's fit check, then its layer plan) walks the network's modules
+    once when both results are known; a core whose network changed after its first look-up computes what it lacks
+    under the new signature, which later cores find (the plan of the new modules, against the uncached one)."""
+    from ntkgp.ntk import architecture
+
+    net = mlp(d_in=3, width=5, d_out=1)
+    x, y = torch.randn(10, 3, dtype=torch.float64), torch.randn(10, dtype=torch.float64)
+    lik = gpytorch.likelihoods.GaussianLikelihood().double()
+    compute_curvature(net, x, y, lik, "kfac")
+    with mock.patch.object(architecture, "Signature", wraps=architecture.Signature) as walks:
+        compute_curvature(net, x, y, lik, "kfac")
+    assert walks.call_count == 1
+    net = mlp(d_in=3, width=5, d_out=1, seed=1)  # nothing cached yet
+    core = NetworkCore(net, fixed_architecture=True)
+    core.prepare(x)  # its first look-up: the fit check only
+    net[0] = nn.Linear(3, 5).double()
+    with counted() as verify:
+        plan = core.layer_plan(x[:1])
+        again = plan_of(net, x)
+    assert verify.call_count == 1  # computed under the new signature, found there by the next core
+    fresh = layer_plan.plan_layers(net, {n: p.detach() for n, p in net.named_parameters()},
+                                   [n for n, _ in net.named_parameters()], x[:1])
+    for p in (plan, again):
+        assert [layer.module for layer in p.layers] == [layer.module for layer in fresh.layers]
+        assert p.routes() == fresh.routes()

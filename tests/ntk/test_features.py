@@ -96,3 +96,39 @@ def test_hooks_are_removed_when_the_forward_fails():
     with pytest.raises(RuntimeError):
         layer_features(net, params, layers, torch.randn(2, 1, 5, 7, dtype=torch.float64))
     assert_unchanged(net, before)
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_the_networks_own_call_gives_the_features_of_the_functional_one(frozen):
+    """``params=None``: the network called as it is (its parameters, which require grad, carry the graph):
+    Jacobians equal brute force and the functional pass's features bit for bit, ``.grad`` and the flags left
+    alone; with a layer's parameters frozen (``own_graph`` false) the core takes the functional pass."""
+    from ntkgp.ntk.features import own_graph
+    from ntkgp.ntk.network import NetworkCore
+
+    net = conv_mlp()
+    names = [n for n, _ in net.named_parameters()]
+    x = torch.randn(4, 1, 6, 6, dtype=torch.float64)
+    jacobians = columns(net, x, names)
+    if frozen:
+        net[3].weight.requires_grad_(False)
+        net[3].bias.requires_grad_(False)
+    params = {n: p.detach() for n, p in net.named_parameters()}
+    layers, _ = candidate_layers(net, names)
+    assert own_graph(layers) is not frozen
+    before = snapshot(net)
+    reference = layer_features(net, params, layers, x)
+    core = NetworkCore(net, names=names)
+    own = core.features(x, layers)
+    assert_unchanged(net, before)
+    assert all(p.grad is None for p in net.parameters())
+    for layer in layers:
+        assert torch.equal(own.inputs[layer.name], reference.inputs[layer.name])
+        assert torch.equal(own.grads[layer.name], reference.grads[layer.name])
+        for name, block in layer.jacobians(own.inputs[layer.name], own.grads[layer.name]).items():
+            assert rel_err(block, jacobians[name]) < 1e-12, name
+    if not frozen:
+        plain = layer_features(net, None, layers, x)
+        assert torch.equal(plain.outputs, reference.outputs)
+        for layer in layers:
+            assert torch.equal(plain.grads[layer.name], reference.grads[layer.name])

@@ -64,3 +64,24 @@ def test_a_network_changed_between_the_fit_and_the_first_use_is_refused(eigh_cal
         net.conv.weight.div_(2.0)
     precision = kronecker_precision(net, curvature, lik, torch.full((3,), 0.8, dtype=DTYPE))
     check_against(posterior, net, x_test, precision)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_the_factors_decomposition_is_linear_operators_bit_for_bit(dtype):
+    """``symmetric_eigh`` (the factors' eigh without linear_operator's operators) against linear_operator's own
+    ``_symeig`` of a dense operator: the same eigenvalues (chopped at 0) and eigenvectors, in its symeig dtype
+    (double by default, and under its ``linalg_dtypes`` setting)."""
+    from linear_operator import settings
+    from linear_operator.operators import DenseLinearOperator
+
+    from ntkgp.laplace.weight_space.kfac import symmetric_eigh
+
+    torch.manual_seed(0)
+    root = torch.randn(7, 5, dtype=dtype)
+    matrix = root @ root.T  # rank 5: two eigenvalues round to about zero, some negative
+    for context in (settings.linalg_dtypes(), settings.linalg_dtypes(symeig=torch.float32)):
+        with context:
+            values, vectors = symmetric_eigh(matrix)
+            ref_values, ref_vectors = DenseLinearOperator(matrix)._symeig(eigenvectors=True)
+        assert values.dtype == vectors.dtype == dtype and (values >= 0).all()
+        assert torch.equal(values, ref_values) and torch.equal(vectors, ref_vectors.to_dense())

@@ -65,9 +65,10 @@ class DataPass:
         and :math:`s_0`. With ``distributed``, also check that every rank holds the same network."""
         distributed = check_distributed(distributed)
         with together("checking the network", distributed):
-            core = NetworkCore(net, input_shape=input_shape, prior_structure=prior_structure)
+            core = NetworkCore(net, input_shape=input_shape, prior_structure=prior_structure, fixed_architecture=True)
             scale0 = output_scale(likelihood).detach().to(device=core.device, dtype=core.dtype)
-        check_replicated([*net.parameters(), *net.buffers()], "the network's weights", distributed)
+        if distributed:
+            check_replicated([*net.parameters(), *net.buffers()], "the network's weights", distributed)
         return cls(core=core, likelihood=likelihood, scale0=scale0, distributed=distributed)
 
     @classmethod
@@ -103,6 +104,12 @@ class DataPass:
         Raises:
             TypeError, ValueError: naming ``x``, ``y`` or ``batch_size``.
         """
+        return self._checked(x, y, batch_size)[0]
+
+    def _checked(self, x: Data, y: Tensor | None, batch_size: int
+                 ) -> tuple[int, Tensor | None, Tensor | None]:
+        """:meth:`check`, and for tensor data the prepared inputs (``None`` where preparing them made a copy: the
+        batches are then prepared one at a time, as ever, not held twice) and the normalised targets."""
         batch_size = check_count(batch_size, "batch_size")
         if torch.is_tensor(x):
             prepared = self.core.prepare(x, "x")
@@ -110,12 +117,15 @@ class DataPass:
                 raise TypeError("y must be a tensor of targets when x is a tensor")
             if y.dim() < 1 or y.shape[0] != x.shape[0]:
                 raise ValueError(f"x has {x.shape[0]} rows but y has shape {tuple(y.shape)}")
-            validate_targets(self.likelihood, y, self.core.num_outputs(prepared), num_data=x.shape[0], name="y")
-        elif y is not None:
+            targets = validate_targets(self.likelihood, y, self.core.num_outputs(prepared), num_data=x.shape[0],
+                                       name="y")
+            shared = prepared.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+            return batch_size, prepared.detach() if shared else None, targets
+        if y is not None:
             raise ValueError("pass y=None when x is an iterable of (x, y) batches")
-        elif not isinstance(x, Iterable):
+        if not isinstance(x, Iterable):
             raise TypeError(f"x must be a tensor or an iterable of (x, y) batches, got {type(x).__name__}")
-        return batch_size
+        return batch_size, None, None
 
     def batches(self, x: Data, y: Tensor | None, batch_size: int, progress: bool, desc: str,
                 forward: BatchForward | None = None) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
@@ -123,7 +133,9 @@ class DataPass:
 
         ``x`` is a tensor ``(N, ...)`` with targets ``y``, split into batches of ``batch_size``; or an
         iterable of ``(x_b, y_b)`` batches (e.g. a ``DataLoader``) with ``y=None``. With :attr:`distributed`,
-        invalid data (or an empty shard) on any rank raises on every rank at the end of the pass.
+        invalid data (or an empty shard) on any rank raises on every rank at the end of the pass. Tensor data is
+        validated once, in full (:meth:`check`), and its batches are slices of the checked tensors; the batches
+        of an iterable are validated as they come.
 
         ``forward(x_b, root)``, when given, is the batch's only forward pass (e.g. a feature pass with its backward
         passes from the unit likelihood factors): it returns the outputs ``f_b`` without a graph, and calls
@@ -139,13 +151,17 @@ class DataPass:
 
     def _batches(self, x: Data, y: Tensor | None, batch_size: int, progress: bool, desc: str,
                  forward: BatchForward | None) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
-        batch_size = self.check(x, y, batch_size)
+        batch_size, prepared, normalised = self._checked(x, y, batch_size)
+        normalised_outputs = None if normalised is None else self.core.num_outputs()
         if torch.is_tensor(x):
-            pairs: Iterable = zip(x.split(batch_size), y.split(batch_size))
+            pairs: Iterable = zip((x if prepared is None else prepared).split(batch_size),
+                                  normalised.split(batch_size))
             total = -(-x.shape[0] // batch_size)
         else:
             pairs, total = x, None
-        for pair in tqdm(pairs, total=total, desc=desc, disable=not progress, leave=False):
+        if progress:
+            pairs = tqdm(pairs, total=total, desc=desc, leave=False)
+        for pair in pairs:
             if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
                 raise ValueError(
                     "x must be a tensor or an iterable of (x, y) batches; a batch of "
@@ -153,13 +169,16 @@ class DataPass:
                     "(a DataLoader over a dataset of inputs only has no targets)"
                 )
             xb, yb = pair
-            xb = self.core.prepare(xb, "x").detach()
+            xb = xb if prepared is not None else self.core.prepare(xb, "x").detach()
             checked: list[Tensor] = []
 
             def targets(fb: Tensor, xb=xb, yb=yb) -> Tensor:
                 if not checked:
                     check_outputs(fb, xb.shape[0])
-                    checked.append(validate_targets(self.likelihood, yb, fb.shape[1], num_data=fb.shape[0]))
+                    if normalised is not None and fb.shape[1] == normalised_outputs:  # y checked in full
+                        checked.append(yb)
+                    else:  # a batch's targets, or outputs unlike the first example's: raises naming them
+                        checked.append(validate_targets(self.likelihood, yb, fb.shape[1], num_data=fb.shape[0]))
                 return checked[0]
 
             if forward is None:

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 
 import torch
 from gpytorch.likelihoods import Likelihood
+from linear_operator import settings
 from linear_operator.operators import (
     DenseLinearOperator,
     KroneckerProductLinearOperator,
@@ -56,19 +57,38 @@ from .kfac_factors import FactorSums
 from .layers import structured_layers, usable_layers
 
 
+def symmetric_eigh(matrix: Tensor) -> tuple[Tensor, Tensor]:
+    """The eigenvalues (negative rounding chopped at 0) and eigenvectors of a symmetric ``matrix``, as
+    linear_operator computes them (``_symeig``: in its symeig dtype, double by default, then back to
+    ``matrix``'s dtype), without its operators' bookkeeping."""
+    dtype, work = matrix.dtype, settings._linalg_dtype_symeig.value()
+    if dtype == work:
+        evals, evecs = torch.linalg.eigh(matrix)
+        return evals.clamp_min(0.0), evecs
+    evals, evecs = torch.linalg.eigh(matrix.to(dtype=work))
+    return evals.clamp_min(0.0).to(dtype=dtype), evecs.to(dtype=dtype)
+
+
 class KroneckerFactor(DenseLinearOperator):
     """A symmetric positive semi-definite Kronecker factor whose eigendecomposition is computed once.
 
     linear_operator's ``KroneckerProductLinearOperator`` asks each factor for its eigendecomposition
     whenever a log-determinant is evaluated; this factor keeps linear_operator's own (double precision,
     negative rounding eigenvalues chopped at 0) after the first request, so re-evaluations for new prior
-    precisions or likelihood hyperparameters cost :math:`O(d_{out} d_a)` per block.
+    precisions or likelihood hyperparameters cost :math:`O(d_{out} d_a)` per block. ``decomposition``: that
+    of :func:`symmetric_eigh`, when already computed.
     """
+
+    def __init__(self, matrix: Tensor, decomposition: tuple[Tensor, Tensor] | None = None) -> None:
+        super().__init__(matrix)
+        if decomposition is not None:
+            self.__dict__["_ntkgp_symeig"] = (decomposition[0], DenseLinearOperator(decomposition[1]))
 
     def _symeig(self, eigenvectors: bool = False, return_evals_as_lazy: bool | None = False):
         cached = self.__dict__.get("_ntkgp_symeig")
         if cached is None:
-            cached = super()._symeig(eigenvectors=True)
+            evals, evecs = symmetric_eigh(self.to_dense())
+            cached = (evals, DenseLinearOperator(evecs))
             self.__dict__["_ntkgp_symeig"] = cached
         return cached[0], cached[1] if eigenvectors else None
 
@@ -87,6 +107,7 @@ class KroneckerFactors:
         input_eigenvalues: eigenvalues of :math:`A`, ``(d_a,)``; ``None`` until :meth:`decompose` (at the first
             use, :meth:`eigenvalues`).
         output_eigenvalues: eigenvalues of :math:`\sum_k G_k`, ``(d_out,)``; likewise.
+        input_eigenvectors, output_eigenvectors: their eigenvectors (columns), computed with them.
     """
 
     module: str
@@ -97,19 +118,39 @@ class KroneckerFactors:
     output_factors: Tensor
     input_eigenvalues: Tensor | None = None
     output_eigenvalues: Tensor | None = None
-    input_operator: KroneckerFactor | None = field(default=None, repr=False)
-    output_operator: KroneckerFactor | None = field(default=None, repr=False)
+    input_eigenvectors: Tensor | None = field(default=None, repr=False)
+    output_eigenvectors: Tensor | None = field(default=None, repr=False)
+    _operators: tuple[KroneckerFactor, KroneckerFactor] | None = field(default=None, repr=False)
 
     def decompose(self) -> None:
-        r"""Eigendecompositions of :math:`A` and :math:`\sum_k G_k` (linear_operator's, clamped at 0), once: the
-        first call computes them, later ones return at once (the factors are fixed)."""
-        if self.input_operator is not None:
+        r"""Eigendecompositions of :math:`A` and :math:`\sum_k G_k` (linear_operator's, clamped at 0:
+        :func:`symmetric_eigh`), once: the first call computes them, later ones return at once (the factors are
+        fixed)."""
+        if self.input_eigenvalues is not None:
             return
-        input_operator = KroneckerFactor(self.input_factor)
-        output_operator = KroneckerFactor(self.output_factors.sum(dim=0))
-        self.input_eigenvalues = input_operator.eigvalsh()
-        self.output_eigenvalues = output_operator.eigvalsh()
-        self.input_operator, self.output_operator = input_operator, output_operator
+        q, u_a = symmetric_eigh(self.input_factor)
+        w, u_g = symmetric_eigh(self.output_factors.sum(dim=0))
+        self.input_eigenvectors, self.output_eigenvectors = u_a, u_g
+        self.input_eigenvalues, self.output_eigenvalues = q, w
+
+    @property
+    def input_operator(self) -> KroneckerFactor:
+        r""":math:`A` as a :class:`KroneckerFactor` holding its decomposition (:meth:`decompose`)."""
+        return self._factor_operators()[0]
+
+    @property
+    def output_operator(self) -> KroneckerFactor:
+        r""":math:`\sum_k G_k` as a :class:`KroneckerFactor` holding its decomposition (:meth:`decompose`)."""
+        return self._factor_operators()[1]
+
+    def _factor_operators(self) -> tuple[KroneckerFactor, KroneckerFactor]:
+        if self._operators is None:  # formed at the first request only: the evidence needs the eigenvalues only
+            self.decompose()
+            self._operators = (
+                KroneckerFactor(self.input_factor, (self.input_eigenvalues, self.input_eigenvectors)),
+                KroneckerFactor(self.output_factors.sum(dim=0), (self.output_eigenvalues, self.output_eigenvectors)),
+            )
+        return self._operators
 
     def eigenvalues(self) -> tuple[Tensor, Tensor]:
         r"""The eigenvalues of :math:`A` and of :math:`\sum_k G_k` (:meth:`decompose`, at the first call)."""
@@ -122,11 +163,9 @@ class KroneckerFactors:
         ``eigh`` of each factor (for a 3,137-wide input factor that second decomposition was most of a CNN
         posterior's construction)."""
         self.decompose()
-        q, u_a = self.input_operator._symeig(eigenvectors=True)
         if self.output_factors.shape[0] != 1:
-            return q, u_a.to_dense(), None, None
-        w, u_g = self.output_operator._symeig(eigenvectors=True)
-        return q, u_a.to_dense(), w, u_g.to_dense()
+            return self.input_eigenvalues, self.input_eigenvectors, None, None
+        return self.input_eigenvalues, self.input_eigenvectors, self.output_eigenvalues, self.output_eigenvectors
 
     def output_factor(self, scale: Tensor) -> Tensor:
         r""":math:`G = \sum_k s_k G_k`, ``(d_out, d_out)``."""
@@ -135,7 +174,6 @@ class KroneckerFactors:
     def operator(self, scale: Tensor) -> KroneckerProductLinearOperator:
         r"""The block :math:`H_l = G \otimes A` as a ``KroneckerProductLinearOperator`` (row-major order of
         :math:`\operatorname{vec}([W \mid b])`)."""
-        self.decompose()
         if scale.shape[0] == 1:
             return KroneckerProductLinearOperator(self.output_operator * scale.reshape(()), self.input_operator)
         return KroneckerProductLinearOperator(KroneckerFactor(self.output_factor(scale)), self.input_operator)
@@ -199,10 +237,11 @@ class KroneckerGGN(Curvature):
         if self._unit_spectrum is None:
             eigen = [block.eigenvalues() for block in self.blocks]
             self._unit_spectrum = (
-                torch.cat([(w[:, None] * q[None, :]).reshape(-1) for q, w in eigen]
+                torch.cat([torch.outer(w, q).reshape(-1) for q, w in eigen]
                           + [self.diagonal_components.reshape(-1)]).unsqueeze(0),
-                torch.cat([torch.full((q.numel() * w.numel(),), b.group, device=self.f.device)
-                           for (q, w), b in zip(eigen, self.blocks)] + [self.diagonal_groups]),
+                torch.cat([torch.tensor([b.group for b in self.blocks], device=self.f.device).repeat_interleave(
+                    torch.tensor([q.numel() * w.numel() for q, w in eigen], device=self.f.device)),
+                    self.diagonal_groups]),
             )
         return self._unit_spectrum
 
@@ -289,13 +328,13 @@ def kfac_ggn(
     Arguments as :func:`~ntkgp.laplace.compute_curvature`.
     """
     data = DataPass.start(net, likelihood, prior_structure, input_shape, distributed)
-    pg = data.core.groups
+    pg, dtype, device = data.core.groups, data.core.dtype, data.core.device
     layers = structured_layers(net, pg, strict=True)
     in_blocks = {n for layer in layers for n in (layer.weight, layer.bias) if n is not None}
     diagonal_names = [n for n in pg.names if n not in in_blocks]
     num_components = data.scale0.shape[0]
     sums = FactorSums(layers, num_components)
-    diag_total = torch.zeros(num_components, 0, dtype=data.core.dtype, device=data.core.device)
+    diag_total = torch.zeros(num_components, 0, dtype=dtype, device=device)
     if diagonal_names:
         diag_total = 0
     first = [True]
@@ -312,16 +351,17 @@ def kfac_ggn(
         if diagonal_names:
             diag_total = diag_total + diagonal_ggn_components(data, xb, fb, yb, diagonal_names, [])
     a_sum, g_sum, locations = sums.factors()
-    counts = torch.tensor([locations[layer.name] for layer in layers], device=data.core.device)
-    data.reduce([a_sum[layer.name] for layer in layers] + [g_sum[layer.name] for layer in layers] + [counts]
-                + ([diag_total] if diagonal_names else []))  # sums over every rank's shard (float64)
-    locations = dict(zip([layer.name for layer in layers], counts.tolist()))
+    if data.distributed:  # sums over every rank's shard (float64)
+        counts = torch.tensor([locations[layer.name] for layer in layers], device=device)
+        data.reduce([a_sum[layer.name] for layer in layers] + [g_sum[layer.name] for layer in layers] + [counts]
+                    + ([diag_total] if diagonal_names else []))
+        locations = dict(zip([layer.name for layer in layers], counts.tolist()))
     f_all, y_all = data.collected()
     index = dict(zip(pg.names, pg.group_of))
     blocks = [
         KroneckerFactors(
-            layer.name, layer.weight, layer.bias, index[layer.weight], a_sum[layer.name].to(data.core.dtype),
-            (g_sum[layer.name] / locations[layer.name]).to(data.core.dtype),
+            layer.name, layer.weight, layer.bias, index[layer.weight], a_sum[layer.name].to(dtype),
+            (g_sum[layer.name] / locations[layer.name]).to(dtype),
         )
         for layer in layers
     ]

@@ -56,7 +56,9 @@ def symmetric_gram(x: Tensor) -> Tensor:
     r""":math:`X^\top X` of ``x`` ``(K, d)``: the blocks on and above the diagonal by matrix products (up to 4
     blocks a side, ``d ≥ 1024``), the others mirrored."""
     d = x.shape[1]
-    return _from_upper_blocks(d, max(1, min(4, d // 512)), lambda rows, cols: x[:, rows].T @ x[:, cols], x)
+    if d < 1024:  # one block
+        return x.T @ x
+    return _from_upper_blocks(d, min(4, d // 512), lambda rows, cols: x[:, rows].T @ x[:, cols], x)
 
 
 def location_gram(x: Tensor, chunk: int = 64) -> Tensor:
