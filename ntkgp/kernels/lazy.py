@@ -16,10 +16,21 @@ from __future__ import annotations
 import torch
 from gpytorch.lazy import LazyEvaluatedKernelTensor
 from gpytorch.lazy.lazy_evaluated_kernel_tensor import recall_grad_state
+from gpytorch.utils.memoize import cached
 
 
 class NTKLazyKernelTensor(LazyEvaluatedKernelTensor):
     """What :class:`~ntkgp.kernels.NTKKernel` returns when called in lazy mode (GPyTorch's default)."""
+
+    @cached(name="size")
+    def _size(self) -> torch.Size:
+        """GPyTorch's size; for unbatched inputs and kernel ``(N1·C, N2·C)`` directly, without its broadcasting and its
+        debug check that the kernel defines no ``size`` (NTKKernel defines none): a model's every call reads it."""
+        x1, x2 = self.x1, self.x2
+        if x1.dim() == 2 and x2.dim() == 2 and not self.kernel.batch_shape:
+            c = self.kernel.num_outputs_per_input(x1, x2)
+            return torch.Size((x1.shape[-2] * c, x2.shape[-2] * c))
+        return super()._size()
 
     @recall_grad_state
     def _get_indices(

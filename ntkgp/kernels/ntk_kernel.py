@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from gpytorch import settings as gpytorch_settings
 from gpytorch.constraints import Interval
 from gpytorch.kernels import Kernel
 from gpytorch.lazy import LazyEvaluatedKernelTensor
@@ -356,6 +357,10 @@ class NTKKernel(Kernel):
             raise ValueError(
                 f"x1 and x2 must have the same number of features, got shapes {tuple(x1.shape)} and {tuple(x2.shape)}"
             )
+        if not diag and self.active_dims is None and x1.dim() > 1 and (x2 is None or x2.dim() > 1) and (
+            gpytorch_settings.lazily_evaluate_kernels.on()
+        ):  # what GPyTorch's Kernel.__call__ builds here, as the NTK's own lazy tensor (one object, not two)
+            return NTKLazyKernelTensor(x1, x1 if x2 is None else x2, kernel=self, last_dim_is_batch=False, **params)
         res = super().__call__(x1, x2, diag=diag, **params)
         if type(res) is LazyEvaluatedKernelTensor:
             res = NTKLazyKernelTensor(res.x1, res.x2, kernel=self, last_dim_is_batch=False, **res.params)

@@ -7,6 +7,7 @@ from gpytorch.distributions import MultivariateNormal
 from gpytorch.lazy import LazyEvaluatedKernelTensor
 from gpytorch.likelihoods import Likelihood
 from gpytorch.mlls import MarginalLogLikelihood
+from gpytorch.module import Module
 
 from ..laplace.function_space import EvidenceOptions, laplace_log_marginal_likelihood
 from ..laplace.function_space.evidence import _is_kernel_covariance
@@ -151,10 +152,11 @@ class LaplaceGGNMarginalLogLikelihood(MarginalLogLikelihood):
             method=self.method,
             options=self.options,
         )
-        seen = set()  # the likelihood is reached twice (as self.likelihood and model.likelihood): each prior once
-        for name, module, prior, closure, _ in self.named_priors():
-            key = (id(module), name.rsplit(".", 1)[-1])
-            if key not in seen:
-                seen.add(key)
-                evidence = evidence + prior.log_prob(closure(module)).sum()
+        # The registered priors, as named_priors() yields them but each module once (the likelihood is reached twice,
+        # as self.likelihood and model.likelihood): modules() is one walk, without named_priors' nested generators.
+        for module in self.modules():
+            if isinstance(module, Module):
+                for prior, closure, _ in module._priors.values():
+                    if prior is not None:
+                        evidence = evidence + prior.log_prob(closure(module)).sum()
         return evidence / model.num_data

@@ -110,7 +110,9 @@ def _spectral_data(
     space = choose_space(space, kernel.engine.num_params, n * k)
     engine = kernel.engine
     state = engine.network_state()
-    cache = _SPECTRA.setdefault(kernel, ValueCache(size=2))
+    cache = _SPECTRA.get(kernel)
+    if cache is None:
+        cache = _SPECTRA[kernel] = ValueCache(size=2)
 
     def compute() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         with torch.no_grad():
@@ -187,7 +189,9 @@ def _spectral_terms(scale, delta, eigenvalues, statistics, norms, power):
     """The value of :class:`_SpectralEvidence` and its derivatives in ``scale`` ``(K,)`` and ``delta`` ``(1,)``,
     in few operations (a step costs little else)."""
     alpha, beta, gamma = statistics.unbind(0)
-    rho = scale[:1].pow(power).div(delta)  # (1,)
+    one = scale.shape[0] == 1  # one output scale (one noise, or a temperature): no slicing of s (the same numbers)
+    first = scale if one else scale[:1]
+    rho = (first if power == 1.0 else first.pow(power)).div(delta)  # (1,); pow(1) would be a copy
     z = eigenvalues * rho
     log_det = torch.log1p(z).sum()
     t = (eigenvalues / (z + 1)).sum()  # Σ λ / (1 + ρλ)
@@ -196,7 +200,8 @@ def _spectral_terms(scale, delta, eigenvalues, statistics, norms, power):
     value = fit - 0.5 * (delta[0] * norm + log_det)
     rho_t = rho * t
     grad_scale = torch.addcdiv(gamma, beta, scale)  # ∂fit/∂s_k; the log-determinant's part on s_0 only
-    grad_scale = torch.cat([grad_scale[:1] - (0.5 * power) * rho_t / scale[:1], grad_scale[1:]])
+    own = (0.5 * power) * rho_t / first
+    grad_scale = grad_scale - own if one else torch.cat([grad_scale[:1] - own, grad_scale[1:]])
     grad_delta = 0.5 * (rho_t / delta - norm)
     return value, grad_scale, grad_delta
 
