@@ -29,10 +29,10 @@ def same_values(stored: Sequence[torch.Tensor], current: Sequence[torch.Tensor])
     values (``torch.equal``)."""
     if len(stored) != len(current):
         return False
-    return all(
-        a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and torch.equal(a, b)
-        for a, b in zip(stored, current)
-    )
+    for a, b in zip(stored, current):  # a loop, not all() of a generator: a lookup compares many small tensors
+        if not (a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and torch.equal(a, b)):
+            return False
+    return True
 
 
 _INTEGER_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

@@ -49,17 +49,19 @@ def walk(net: nn.Module) -> NetworkWalk:
     modules = list(net.named_modules())
     parameters: dict[str, Tensor] = {}
     buffers: list[Tensor] = []
-    seen_parameters: set[Tensor] = set()
-    seen_buffers: set[Tensor] = set()
+    seen_parameters: set[int] = set()  # by id: a tensor's own hash is a Python call
+    seen_buffers: set[int] = set()
     for prefix, module in modules:
-        for name, p in module._parameters.items():
-            if p is not None and p not in seen_parameters:
-                seen_parameters.add(p)
-                parameters[f"{prefix}.{name}" if prefix else name] = p
-        for b in module._buffers.values():
-            if b is not None and b not in seen_buffers:
-                seen_buffers.add(b)
-                buffers.append(b)
+        if module._parameters:
+            for name, p in module._parameters.items():
+                if p is not None and id(p) not in seen_parameters:
+                    seen_parameters.add(id(p))
+                    parameters[f"{prefix}.{name}" if prefix else name] = p
+        if module._buffers:
+            for b in module._buffers.values():
+                if b is not None and id(b) not in seen_buffers:
+                    seen_buffers.add(id(b))
+                    buffers.append(b)
     return NetworkWalk(modules, parameters, buffers)
 
 
