@@ -211,7 +211,8 @@ class NTKGP(CheckedLoad, PredictionMixin, ConditioningMixin, BoTorchInterface, G
     @property
     def dtype(self) -> torch.dtype:
         """The dtype of the GP algebra (the hyperparameters'; the network's unless the model was converted)."""
-        return self.covar_module.raw_prior_precision.dtype
+        # read through the registries nn.Module's attribute lookup would search (each call of a step reads it)
+        return self._modules["covar_module"]._parameters["raw_prior_precision"].dtype
 
     @property
     def num_outputs(self) -> int:
