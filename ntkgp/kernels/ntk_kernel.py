@@ -264,8 +264,8 @@ class NTKKernel(Kernel):
     def num_outputs_per_input(self, x1: torch.Tensor, x2: torch.Tensor) -> int:
         """``C``, the number of network outputs (GPyTorch's multi-output convention)."""
         for x in (x1, x2):
-            if x.dim() >= 2 and x.shape[-2] > 0:
-                return self.engine.num_outputs(x.reshape(-1, x.shape[-1])[:1])
+            if x.dim() >= 2 and x.shape[-2] > 0:  # the engine probes x[:1] only while C is unknown
+                return self.engine.num_outputs(x if x.dim() == 2 else x.reshape(-1, x.shape[-1])[:1])
         return self.engine.num_outputs(None)
 
     def is_square(self, x1: torch.Tensor, x2: torch.Tensor) -> bool:
