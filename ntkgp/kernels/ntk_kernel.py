@@ -357,14 +357,23 @@ class NTKKernel(Kernel):
             raise ValueError(
                 f"x1 and x2 must have the same number of features, got shapes {tuple(x1.shape)} and {tuple(x2.shape)}"
             )
-        if not diag and self.active_dims is None and x1.dim() > 1 and (x2 is None or x2.dim() > 1) and (
-            gpytorch_settings.lazily_evaluate_kernels.on()
-        ):  # what GPyTorch's Kernel.__call__ builds here, as the NTK's own lazy tensor (one object, not two)
-            return NTKLazyKernelTensor(x1, x1 if x2 is None else x2, kernel=self, last_dim_is_batch=False, **params)
+        lazy = None if diag else self._lazy(x1, x2, **params)
+        if lazy is not None:
+            return lazy
         res = super().__call__(x1, x2, diag=diag, **params)
         if type(res) is LazyEvaluatedKernelTensor:
             res = NTKLazyKernelTensor(res.x1, res.x2, kernel=self, last_dim_is_batch=False, **res.params)
         return res
+
+    def _lazy(self, x1: torch.Tensor, x2: torch.Tensor | None = None, **params) -> NTKLazyKernelTensor | None:
+        """What GPyTorch's ``Kernel.__call__`` builds for checked inputs ``(*batch, N, D)`` in lazy mode without
+        ``active_dims``, as the NTK's own lazy tensor (one object, not GPyTorch's and then ours); ``None`` in the
+        other cases (they go through GPyTorch). A model calls it with inputs it has checked as ``__call__`` does."""
+        if self.active_dims is None and x1.dim() > 1 and (x2 is None or x2.dim() > 1) and (
+            gpytorch_settings.lazily_evaluate_kernels.on()
+        ):
+            return NTKLazyKernelTensor(x1, x1 if x2 is None else x2, kernel=self, last_dim_is_batch=False, **params)
+        return None
 
     # ------------------------------------------------------------------ GPyTorch interface
     def forward(

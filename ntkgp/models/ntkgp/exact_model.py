@@ -34,7 +34,7 @@ class ExactNTKGP(NTKGP, ExactGP, gaussian=True):
             train_x = self.train_x
             if gpytorch_settings.debug.on() and not (x is train_x or torch.equal(train_x, x)):
                 raise RuntimeError("You must train on the training inputs!")
-            return self.forward(x)
+            return self._checked_prior(x)
         if self.training or gpytorch_settings.prior_mode.on():
             args = [self._flat_inputs(a, "x") if torch.is_tensor(a) else a for a in args]
             return ExactGP.__call__(self, *args, **kwargs)
