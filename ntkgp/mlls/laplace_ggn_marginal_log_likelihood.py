@@ -124,28 +124,29 @@ class LaplaceGGNMarginalLogLikelihood(MarginalLogLikelihood):
             )
         if not isinstance(function_dist, MultivariateNormal):
             raise TypeError(f"function_dist must be a gpytorch MultivariateNormal, got {type(function_dist).__name__}")
-        size = model.num_data * model.num_outputs
+        kernel, likelihood, x = model.covar_module, self.likelihood, model.train_x
+        n, c = model.num_data, model.num_outputs
         covariance = function_dist.lazy_covariance_matrix
-        if tuple(covariance.shape) != (size, size):
+        if tuple(covariance.shape) != (n * c, n * c):
             raise ValueError(
-                f"function_dist must be model(train_x) over the {model.num_data}×{model.num_outputs} training outputs, "
+                f"function_dist must be model(train_x) over the {n}×{c} training outputs, "
                 f"got a covariance of shape {tuple(covariance.shape)}"
             )
-        own = _is_kernel_covariance(covariance, model.covar_module, model.train_x)
-        if isinstance(covariance, LazyEvaluatedKernelTensor) and covariance.kernel is model.covar_module and not own:
+        own = _is_kernel_covariance(covariance, kernel, x)
+        if isinstance(covariance, LazyEvaluatedKernelTensor) and covariance.kernel is kernel and not own:
             raise ValueError(
                 "function_dist must be model(train_x): its covariance is the model's kernel at other inputs (the "
                 "evidence's site factors are at the training inputs)"
             )
         if target is None:
             raise ValueError("target must be the training targets")
-        y = validate_targets(self.likelihood, target, model.num_outputs, num_data=model.num_data, name="target")
+        y = validate_targets(likelihood, target, c, num_data=n, name="target")
         evidence = laplace_log_marginal_likelihood(
-            model.covar_module,
-            self.likelihood,
-            model.train_x,
+            kernel,
+            likelihood,
+            x,
             model.train_outputs,
-            y.to(device=model.train_x.device),
+            y.to(device=x.device),
             self.curvature,
             self.space,
             covariance=None if own else covariance,  # the kernel's own K_XX: the evidence need not compare it again
@@ -159,4 +160,4 @@ class LaplaceGGNMarginalLogLikelihood(MarginalLogLikelihood):
                 for prior, closure, _ in module._priors.values():
                     if prior is not None:
                         evidence = evidence + prior.log_prob(closure(module)).sum()
-        return evidence / model.num_data
+        return evidence / n
