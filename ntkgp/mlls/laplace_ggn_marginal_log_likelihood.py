@@ -9,8 +9,11 @@ from gpytorch.likelihoods import Likelihood
 from gpytorch.mlls import MarginalLogLikelihood
 from gpytorch.module import Module
 
+from ..caching import ValueCache
 from ..laplace.function_space import EvidenceOptions, laplace_log_marginal_likelihood
-from ..laplace.function_space.evidence import _is_kernel_covariance
+from ..laplace.function_space import evidence as routes
+from ..laplace.function_space.eigen import _spectral_data
+from ..laplace.function_space.evidence import _is_kernel_covariance, _route
 from ..laplace.function_space.routes import check_options
 from ..likelihoods import num_outputs, validate_targets
 from ..models import NTKGP
@@ -97,6 +100,7 @@ class LaplaceGGNMarginalLogLikelihood(MarginalLogLikelihood):
                                   (EvidenceMethod, method, "method")):
             choice(enum)(value, name)
         super().__init__(likelihood, model)
+        self._eigen_cache = ValueCache(size=1)
         self.curvature = curvature
         self.space = space
         self.method = method
@@ -104,6 +108,17 @@ class LaplaceGGNMarginalLogLikelihood(MarginalLogLikelihood):
 
     def _option_changed(self, name: str) -> None:
         """Nothing to recompute: each call reads the options (the model's caches do not depend on them)."""
+
+    def _eigen_data(self, kernel, likelihood: Likelihood, x: torch.Tensor, y: torch.Tensor) -> tuple:
+        """The eigen route's fixed data (eigenvalues, fit statistics, group norms) for the model's training data, kept
+        by the values of ``x``, ``y`` and the network (its outputs ``f`` are a function of them: read only to
+        compute, one lookup a step instead of the outputs' and then the data's), the curvature, space and dtype."""
+        model, curvature, space = self.model, self.curvature, self.space
+        tag = (curvature.value, space.value, type(likelihood).__name__, model.dtype)
+        return self._eigen_cache.get_or_compute(
+            tag, [x, y], lambda: _spectral_data(kernel, likelihood, x, model.train_outputs, y, curvature, space),
+            state=kernel.network_state(),
+        )
 
     def forward(self, function_dist: MultivariateNormal, target: torch.Tensor, *params, **kwargs) -> torch.Tensor:
         """The evidence per data point for the prior ``function_dist = model(train_x)`` and ``target``.
@@ -140,19 +155,18 @@ class LaplaceGGNMarginalLogLikelihood(MarginalLogLikelihood):
             )
         if target is None:
             raise ValueError("target must be the training targets")
-        y = validate_targets(likelihood, target, c, num_data=n, name="target")
-        evidence = laplace_log_marginal_likelihood(
-            kernel,
-            likelihood,
-            x,
-            model.train_outputs,
-            y.to(device=x.device),
-            self.curvature,
-            self.space,
-            covariance=None if own else covariance,  # the kernel's own K_XX: the evidence need not compare it again
-            method=self.method,
-            options=self.options,
-        )
+        y = validate_targets(likelihood, target, c, num_data=n, name="target").to(device=x.device)
+        given = None if own else covariance  # the kernel's own K_XX: the evidence need not compare it again
+        curvature, space = self.curvature, self.space
+        if _route(kernel, likelihood, x, (n, c, model.dtype), curvature, space, given, self.method,
+                  self.options) is EvidenceMethod.EIGEN:  # the route laplace_log_marginal_likelihood would take
+            data = self._eigen_data(kernel, likelihood, x, y)
+            evidence = routes.checked_spectral_evidence(kernel, likelihood, x, None, y, curvature, space, data=data)
+        else:
+            evidence = laplace_log_marginal_likelihood(
+                kernel, likelihood, x, model.train_outputs, y, curvature, space, covariance=given, method=self.method,
+                options=self.options,
+            )
         # The registered priors, as named_priors() yields them but each module once (the likelihood is reached twice,
         # as self.likelihood and model.likelihood): modules() is one walk, without named_priors' nested generators.
         for module in self.modules():

@@ -133,3 +133,50 @@ def test_the_step_follows_structural_changes_of_the_network(change):
     exact = model.log_marginal_likelihood(method="cholesky")
     assert rel_err(value.detach(), exact.detach()) < 1e-10
     assert rel_err(before * x.shape[0], exact.detach()) > 1e-3  # the change is one the evidence sees
+
+
+def test_the_mlls_kept_eigen_data_follows_every_change():
+    """The MLL keeps the eigen route's data by the values of the training inputs, the targets and the network (the
+    network's outputs are read only to compute it): value and gradient against the Cholesky route, built anew,
+    after each change, and against the data recomputed when nothing changed (one computation for two steps)."""
+    import ntkgp.mlls.laplace_ggn_marginal_log_likelihood as mll_module
+
+    net, x, y = _problem(n=30)
+    lik = gpytorch.likelihoods.GaussianLikelihood().double()
+    model = ntkgp.NTKGP(net, x, y, lik, prior_precision=1.5, prior_structure="network").train()
+    mll = ntkgp.LaplaceGGNMarginalLogLikelihood(lik, model)
+    computed = []
+    original = mll_module._spectral_data
+    mll_module._spectral_data = lambda *a, **k: computed.append(1) or original(*a, **k)
+    try:
+        def check(targets, curvature="ggn"):
+            mll.curvature = curvature
+            value = mll(model(model.train_x), targets) * model.num_data
+            exact = ntkgp.LaplaceGGNMarginalLogLikelihood(lik, model, curvature=curvature, method="cholesky")
+            reference = exact(model(model.train_x), targets) * model.num_data
+            params = [p for p in model.hyperparameters() if p.requires_grad]
+            if model.dtype == torch.float32:  # the two routes' gradients differ by float32 rounding
+                assert value.dtype == torch.float32 and rel_err(value.detach(), reference.detach()) < 1e-5
+                return
+            assert rel_err(value.detach(), reference.detach()) < 1e-10
+            for a, b in zip(torch.autograd.grad(value, params), torch.autograd.grad(reference, params)):
+                assert rel_err(a, b) < 1e-10
+
+        targets = y.clone()
+        check(targets)
+        check(targets)
+        assert len(computed) == 1  # the second step from the kept data
+        changes = [
+            lambda: targets.mul_(-1.0),  # the caller's targets, changed in place
+            lambda: net[0].weight.data.mul_(1.3),  # a write the version counter misses
+            lambda: model.set_train_data(model.train_x + 0.5, strict=False),
+            lambda: model.float(),  # the outputs and the algebra in float32: the data's dtype changes
+            lambda: check(targets, curvature="ef"),  # the empirical Fisher: other data
+        ]
+        for change in changes:
+            before = len(computed)
+            change()
+            check(targets)
+            assert len(computed) > before
+    finally:
+        mll_module._spectral_data = original

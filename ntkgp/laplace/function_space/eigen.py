@@ -243,16 +243,20 @@ def checked_spectral_evidence(
     kernel: NTKKernel,
     likelihood: Likelihood,
     x: torch.Tensor,
-    f: torch.Tensor,
+    f: torch.Tensor | None,
     y: torch.Tensor,
     curvature: Curvature,
     space: Space | str,
+    data: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     r"""The whole Laplace evidence :math:`\log q(\mathcal D)` of the eigen route (data fit, prior term and
     :func:`spectral_log_det`), for a caller that has just found :func:`eigen_problem` to be ``None`` for these
     arguments (the evidence's route choice), without checking it again: one cache lookup, the output scale and
-    :math:`\delta` read once each through their constraints, one node of the graph (:class:`_SpectralEvidence`)."""
-    lam, statistics, norms = _spectral_data(kernel, likelihood, x, f, y, curvature, space)
+    :math:`\delta` read once each through their constraints, one node of the graph (:class:`_SpectralEvidence`).
+    ``data``: the eigenvalues, fit statistics and group norms (:func:`_spectral_data` of these arguments) when the
+    caller keeps them under its own key (the MLL, by the model's training data and network; ``f`` is then not
+    read)."""
+    lam, statistics, norms = _spectral_data(kernel, likelihood, x, f, y, curvature, space) if data is None else data
     scale = output_scale(likelihood).to(lam)
     power = 1.0 if curvature is Curvature.GGN else 2.0
     return _SpectralEvidence.apply(scale, kernel.prior_precision.to(lam), lam, statistics, norms, power)
