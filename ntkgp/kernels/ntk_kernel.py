@@ -369,9 +369,8 @@ class NTKKernel(Kernel):
         """What GPyTorch's ``Kernel.__call__`` builds for checked inputs ``(*batch, N, D)`` in lazy mode without
         ``active_dims``, as the NTK's own lazy tensor (one object, not GPyTorch's and then ours); ``None`` in the
         other cases (they go through GPyTorch). A model calls it with inputs it has checked as ``__call__`` does."""
-        if self.active_dims is None and x1.dim() > 1 and (x2 is None or x2.dim() > 1) and (
-            gpytorch_settings.lazily_evaluate_kernels.on()
-        ):
+        lazy = gpytorch_settings.lazily_evaluate_kernels.on()
+        if lazy and self.active_dims is None and x1.dim() > 1 and (x2 is None or x2.dim() > 1):
             return NTKLazyKernelTensor(x1, x1 if x2 is None else x2, kernel=self, last_dim_is_batch=False, **params)
         return None
 

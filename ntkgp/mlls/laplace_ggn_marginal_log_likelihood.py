@@ -63,8 +63,15 @@ class LaplaceGGNMarginalLogLikelihood(MarginalLogLikelihood):
             preconditioner and seed of the matrix-free route).
 
     ``curvature``, ``space``, ``method`` and ``options`` may be assigned after construction (strings or enum
-    members, validated as by the constructor): the MLL keeps nothing that depends on them, so the next call
-    equals that of an MLL built with the new value.
+    members, validated as by the constructor): what the MLL keeps is keyed by them, so the next call equals that
+    of an MLL built with the new value.
+
+    **What a step costs.** On the eigen route (one δ, ``method="auto"`` or ``"eigen"``) the MLL keeps the route's
+    fixed data (the eigenvalues, the data-fit statistics and :math:`\lVert\theta^*\rVert^2`) by the values of
+    the training inputs, the targets and the network's weights and buffers (the network's outputs, a function of
+    them, are read only to compute it), with the curvature, space and dtype: a hyperparameter step is one cache
+    lookup and an :math:`O(\min(Nk, P))` evaluation, and any change of the data or the network is seen at the next
+    call, as everywhere in ntkgp.
 
     Raises:
         TypeError: when ``model`` is not an NTKGP, ``likelihood`` not a GPyTorch likelihood or ``options`` not
@@ -107,7 +114,8 @@ class LaplaceGGNMarginalLogLikelihood(MarginalLogLikelihood):
         self.options = options
 
     def _option_changed(self, name: str) -> None:
-        """Nothing to recompute: each call reads the options (the model's caches do not depend on them)."""
+        """Nothing to recompute: each call reads the options (the eigen route's kept data is keyed by the curvature
+        and space, the model's caches do not depend on them)."""
 
     def _eigen_data(self, kernel, likelihood: Likelihood, x: torch.Tensor, y: torch.Tensor) -> tuple:
         """The eigen route's fixed data (eigenvalues, fit statistics, group norms) for the model's training data, kept
