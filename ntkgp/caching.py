@@ -29,13 +29,14 @@ def same_values(stored: Sequence[torch.Tensor], current: Sequence[torch.Tensor])
     values (``torch.equal``)."""
     if len(stored) != len(current):
         return False
-    return all(
-        a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and torch.equal(a, b.detach())
-        for a, b in zip(stored, current)
-    )
+    for a, b in zip(stored, current):  # a loop, not all() of a generator: a lookup compares many small tensors
+        if not (a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and torch.equal(a, b)):
+            return False
+    return True
 
 
 _INTEGER_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_NO_TENSORS = torch.zeros(0, dtype=torch.int64)  # the fingerprint of no tensors (no entry to change: one shared)
 
 
 def fingerprint(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
@@ -50,19 +51,22 @@ def fingerprint(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
         flat = t.detach().reshape(-1)
         bits = flat.view(_INTEGER_VIEW[flat.element_size()]) if flat.is_floating_point() else flat
         rows.append(torch.stack([bits.sum(dtype=torch.int64), bits[::2].sum(dtype=torch.int64)]))
-    return torch.cat(rows).cpu() if rows else torch.zeros(0, dtype=torch.int64)
+    return torch.cat(rows).cpu() if rows else _NO_TENSORS
 
 
 def network_key(
-    net: torch.nn.Module, covered: Sequence[torch.Tensor], parameters: Iterable[torch.Tensor] | None = None
+    net: torch.nn.Module, covered: Sequence[torch.Tensor], parameters: Iterable[torch.Tensor] | None = None,
+    buffers: Iterable[torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
     """What results computed from ``net`` depend on, as a cache or guard key: the parameters ``covered`` (those
     differentiated, e.g. θ*) and the buffers themselves, and a :func:`fingerprint` of every other parameter
     (frozen ones: they change the outputs and Jacobians, but a frozen backbone is not copied into every key).
-    ``parameters``: ``net.parameters()`` when the caller has just walked them (one walk of the modules less)."""
+    ``parameters`` and ``buffers``: ``net.parameters()`` and ``net.buffers()`` when the caller has just walked
+    them (:func:`ntkgp.ntk.network.walk`: one walk of the modules less each)."""
     ids = {id(p) for p in covered}
     every = net.parameters() if parameters is None else parameters
-    return [*covered, *net.buffers(), fingerprint([p for p in every if id(p) not in ids])]
+    held = net.buffers() if buffers is None else buffers
+    return [*covered, *held, fingerprint([p for p in every if id(p) not in ids])]
 
 
 class ValueCache:

@@ -21,6 +21,21 @@ from gpytorch.lazy.lazy_evaluated_kernel_tensor import recall_grad_state
 class NTKLazyKernelTensor(LazyEvaluatedKernelTensor):
     """What :class:`~ntkgp.kernels.NTKKernel` returns when called in lazy mode (GPyTorch's default)."""
 
+    def _size(self) -> torch.Size:
+        """GPyTorch's size, kept on the tensor (its inputs and kernel are fixed); for unbatched inputs and kernel
+        ``(N1·C, N2·C)`` directly, without GPyTorch's broadcasting, its debug check that the kernel defines no
+        ``size`` (NTKKernel defines none) and its memo's pickled key: a model's every call reads it twice."""
+        size = self.__dict__.get("_ntk_size")
+        if size is None:
+            x1, x2 = self.x1, self.x2
+            if x1.dim() == 2 and x2.dim() == 2 and not self.kernel.batch_shape:
+                c = self.kernel.num_outputs_per_input(x1, x2)
+                size = torch.Size((x1.shape[-2] * c, x2.shape[-2] * c))
+            else:
+                size = super()._size()
+            self._ntk_size = size
+        return size
+
     @recall_grad_state
     def _get_indices(
         self, row_index: torch.Tensor, col_index: torch.Tensor, *batch_indices: torch.Tensor

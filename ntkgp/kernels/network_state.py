@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..ntk import NTKEngine
+from ..ntk.network import walk
 
 __all__ = ["RANDOM_NETWORK", "RandomNetworkError", "TrainableParametersChanged", "network_state"]
 
@@ -38,8 +39,8 @@ def network_state(engine: NTKEngine, owner: str) -> list[torch.Tensor]:
     Raises:
         TrainableParametersChanged: naming the parameters frozen or unfrozen since ``owner`` was built.
     """
-    named = dict(engine.net.named_parameters())  # one walk of the modules, for the check and the state
-    now = [name for name, p in named.items() if p.requires_grad]
+    walked = walk(engine.net)  # one walk of the modules, for the check and the state
+    now = [name for name, p in walked.parameters.items() if p.requires_grad]
     built = list(engine.groups.names)
     if now != built:
         frozen = [n for n in built if n not in now]
@@ -49,4 +50,4 @@ def network_state(engine: NTKEngine, owner: str) -> list[torch.Tensor]:
             f"{unfrozen}); its parameter groups, Jacobian columns and prior precisions belong to the old set: "
             f"build a new {owner}"
         )
-    return engine.core.network_state(named)
+    return engine.core.network_state(walked)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from gpytorch import settings as gpytorch_settings
 from gpytorch.constraints import Interval
 from gpytorch.kernels import Kernel
 from gpytorch.lazy import LazyEvaluatedKernelTensor
@@ -263,8 +264,8 @@ class NTKKernel(Kernel):
     def num_outputs_per_input(self, x1: torch.Tensor, x2: torch.Tensor) -> int:
         """``C``, the number of network outputs (GPyTorch's multi-output convention)."""
         for x in (x1, x2):
-            if x.dim() >= 2 and x.shape[-2] > 0:
-                return self.engine.num_outputs(x.reshape(-1, x.shape[-1])[:1])
+            if x.dim() >= 2 and x.shape[-2] > 0:  # the engine probes x[:1] only while C is unknown
+                return self.engine.num_outputs(x if x.dim() == 2 else x.reshape(-1, x.shape[-1])[:1])
         return self.engine.num_outputs(None)
 
     def is_square(self, x1: torch.Tensor, x2: torch.Tensor) -> bool:
@@ -356,10 +357,22 @@ class NTKKernel(Kernel):
             raise ValueError(
                 f"x1 and x2 must have the same number of features, got shapes {tuple(x1.shape)} and {tuple(x2.shape)}"
             )
+        lazy = None if diag else self._lazy(x1, x2, **params)
+        if lazy is not None:
+            return lazy
         res = super().__call__(x1, x2, diag=diag, **params)
         if type(res) is LazyEvaluatedKernelTensor:
             res = NTKLazyKernelTensor(res.x1, res.x2, kernel=self, last_dim_is_batch=False, **res.params)
         return res
+
+    def _lazy(self, x1: torch.Tensor, x2: torch.Tensor | None = None, **params) -> NTKLazyKernelTensor | None:
+        """What GPyTorch's ``Kernel.__call__`` builds for checked inputs ``(*batch, N, D)`` in lazy mode without
+        ``active_dims``, as the NTK's own lazy tensor (one object, not GPyTorch's and then ours); ``None`` in the
+        other cases (they go through GPyTorch). A model calls it with inputs it has checked as ``__call__`` does."""
+        lazy = gpytorch_settings.lazily_evaluate_kernels.on()
+        if lazy and self.active_dims is None and x1.dim() > 1 and (x2 is None or x2.dim() > 1):
+            return NTKLazyKernelTensor(x1, x1 if x2 is None else x2, kernel=self, last_dim_is_batch=False, **params)
+        return None
 
     # ------------------------------------------------------------------ GPyTorch interface
     def forward(

@@ -7,9 +7,13 @@ from gpytorch.distributions import MultivariateNormal
 from gpytorch.lazy import LazyEvaluatedKernelTensor
 from gpytorch.likelihoods import Likelihood
 from gpytorch.mlls import MarginalLogLikelihood
+from gpytorch.module import Module
 
+from ..caching import ValueCache
 from ..laplace.function_space import EvidenceOptions, laplace_log_marginal_likelihood
-from ..laplace.function_space.evidence import _is_kernel_covariance
+from ..laplace.function_space import evidence as routes
+from ..laplace.function_space.eigen import _spectral_data
+from ..laplace.function_space.evidence import _is_kernel_covariance, _route
 from ..laplace.function_space.routes import check_options
 from ..likelihoods import num_outputs, validate_targets
 from ..models import NTKGP
@@ -59,8 +63,15 @@ class LaplaceGGNMarginalLogLikelihood(MarginalLogLikelihood):
             preconditioner and seed of the matrix-free route).
 
     ``curvature``, ``space``, ``method`` and ``options`` may be assigned after construction (strings or enum
-    members, validated as by the constructor): the MLL keeps nothing that depends on them, so the next call
-    equals that of an MLL built with the new value.
+    members, validated as by the constructor): what the MLL keeps is keyed by them, so the next call equals that
+    of an MLL built with the new value.
+
+    **What a step costs.** On the eigen route (one δ, ``method="auto"`` or ``"eigen"``) the MLL keeps the route's
+    fixed data (the eigenvalues, the data-fit statistics and :math:`\lVert\theta^*\rVert^2`) by the values of
+    the training inputs, the targets and the network's weights and buffers (the network's outputs, a function of
+    them, are read only to compute it), with the curvature, space and dtype: a hyperparameter step is one cache
+    lookup and an :math:`O(\min(Nk, P))` evaluation, and any change of the data or the network is seen at the next
+    call, as everywhere in ntkgp.
 
     Raises:
         TypeError: when ``model`` is not an NTKGP, ``likelihood`` not a GPyTorch likelihood or ``options`` not
@@ -96,13 +107,26 @@ class LaplaceGGNMarginalLogLikelihood(MarginalLogLikelihood):
                                   (EvidenceMethod, method, "method")):
             choice(enum)(value, name)
         super().__init__(likelihood, model)
+        self._eigen_cache = ValueCache(size=1)
         self.curvature = curvature
         self.space = space
         self.method = method
         self.options = options
 
     def _option_changed(self, name: str) -> None:
-        """Nothing to recompute: each call reads the options (the model's caches do not depend on them)."""
+        """Nothing to recompute: each call reads the options (the eigen route's kept data is keyed by the curvature
+        and space, the model's caches do not depend on them)."""
+
+    def _eigen_data(self, kernel, likelihood: Likelihood, x: torch.Tensor, y: torch.Tensor) -> tuple:
+        """The eigen route's fixed data (eigenvalues, fit statistics, group norms) for the model's training data, kept
+        by the values of ``x``, ``y`` and the network (its outputs ``f`` are a function of them: read only to
+        compute, one lookup a step instead of the outputs' and then the data's), the curvature, space and dtype."""
+        model, curvature, space = self.model, self.curvature, self.space
+        tag = (curvature.value, space.value, type(likelihood).__name__, model.dtype)
+        return self._eigen_cache.get_or_compute(
+            tag, [x, y], lambda: _spectral_data(kernel, likelihood, x, model.train_outputs, y, curvature, space),
+            state=kernel.network_state(),
+        )
 
     def forward(self, function_dist: MultivariateNormal, target: torch.Tensor, *params, **kwargs) -> torch.Tensor:
         """The evidence per data point for the prior ``function_dist = model(train_x)`` and ``target``.
@@ -123,38 +147,39 @@ class LaplaceGGNMarginalLogLikelihood(MarginalLogLikelihood):
             )
         if not isinstance(function_dist, MultivariateNormal):
             raise TypeError(f"function_dist must be a gpytorch MultivariateNormal, got {type(function_dist).__name__}")
-        size = model.num_data * model.num_outputs
+        kernel, likelihood, x = model.covar_module, self.likelihood, model.train_x
+        n, c = model.num_data, model.num_outputs
         covariance = function_dist.lazy_covariance_matrix
-        if tuple(covariance.shape) != (size, size):
+        if tuple(covariance.shape) != (n * c, n * c):
             raise ValueError(
-                f"function_dist must be model(train_x) over the {model.num_data}×{model.num_outputs} training outputs, "
+                f"function_dist must be model(train_x) over the {n}×{c} training outputs, "
                 f"got a covariance of shape {tuple(covariance.shape)}"
             )
-        own = _is_kernel_covariance(covariance, model.covar_module, model.train_x)
-        if isinstance(covariance, LazyEvaluatedKernelTensor) and covariance.kernel is model.covar_module and not own:
+        own = _is_kernel_covariance(covariance, kernel, x)
+        if isinstance(covariance, LazyEvaluatedKernelTensor) and covariance.kernel is kernel and not own:
             raise ValueError(
                 "function_dist must be model(train_x): its covariance is the model's kernel at other inputs (the "
                 "evidence's site factors are at the training inputs)"
             )
         if target is None:
             raise ValueError("target must be the training targets")
-        y = validate_targets(self.likelihood, target, model.num_outputs, num_data=model.num_data, name="target")
-        evidence = laplace_log_marginal_likelihood(
-            model.covar_module,
-            self.likelihood,
-            model.train_x,
-            model.train_outputs,
-            y.to(device=model.train_x.device),
-            self.curvature,
-            self.space,
-            covariance=None if own else covariance,  # the kernel's own K_XX: the evidence need not compare it again
-            method=self.method,
-            options=self.options,
-        )
-        seen = set()  # the likelihood is reached twice (as self.likelihood and model.likelihood): each prior once
-        for name, module, prior, closure, _ in self.named_priors():
-            key = (id(module), name.rsplit(".", 1)[-1])
-            if key not in seen:
-                seen.add(key)
-                evidence = evidence + prior.log_prob(closure(module)).sum()
-        return evidence / model.num_data
+        y = validate_targets(likelihood, target, c, num_data=n, name="target").to(device=x.device)
+        given = None if own else covariance  # the kernel's own K_XX: the evidence need not compare it again
+        curvature, space = self.curvature, self.space
+        if _route(kernel, likelihood, x, (n, c, model.dtype), curvature, space, given, self.method,
+                  self.options) is EvidenceMethod.EIGEN:  # the route laplace_log_marginal_likelihood would take
+            data = self._eigen_data(kernel, likelihood, x, y)
+            evidence = routes.checked_spectral_evidence(kernel, likelihood, x, None, y, curvature, space, data=data)
+        else:
+            evidence = laplace_log_marginal_likelihood(
+                kernel, likelihood, x, model.train_outputs, y, curvature, space, covariance=given, method=self.method,
+                options=self.options,
+            )
+        # The registered priors, as named_priors() yields them but each module once (the likelihood is reached twice,
+        # as self.likelihood and model.likelihood): modules() is one walk, without named_priors' nested generators.
+        for module in self.modules():
+            if isinstance(module, Module):
+                for prior, closure, _ in module._priors.values():
+                    if prior is not None:
+                        evidence = evidence + prior.log_prob(closure(module)).sum()
+        return evidence / n

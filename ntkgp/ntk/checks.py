@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -11,15 +12,18 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.dropout import _DropoutNd
 
 
-def check_eval_mode(net: nn.Module, argument: str = "net") -> None:
+def check_eval_mode(
+    net: nn.Module, argument: str = "net", modules: Iterable[tuple[str, nn.Module]] | None = None
+) -> None:
     """Raise when the network would treat examples differently per batch.
 
     BatchNorm in training mode (or without running statistics, in any mode) mixes the examples of a batch and
     dropout in training mode is random, so the per-example Jacobian, and hence the kernel, would not be a
     function of one input.
-    The network is not switched to eval mode here: that is the user's decision.
+    The network is not switched to eval mode here: that is the user's decision. ``modules``:
+    ``net.named_modules()`` when the caller has just walked them.
     """
-    for name, module in net.named_modules():
+    for name, module in net.named_modules() if modules is None else modules:
         if isinstance(module, _BatchNorm) and not module.track_running_stats:
             raise ValueError(
                 f"{argument} contains {type(module).__name__} module '{name or type(net).__name__}' with "

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from itertools import accumulate
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -32,6 +33,37 @@ from .features import Layer, LayerFeatures, layer_features, own_graph
 from .functional import forward, per_example_jacobians, per_example_vjps
 from .groups import GroupSpec, resolve_groups
 from .layer_plan import LayerPlan, cached_plan
+
+
+class NetworkWalk(NamedTuple):
+    """What one walk of a network's modules gives (:func:`walk`)."""
+
+    modules: list[tuple[str, nn.Module]]  #: ``list(net.named_modules())``
+    parameters: dict[str, Tensor]  #: ``dict(net.named_parameters())``
+    buffers: list[Tensor]  #: ``list(net.buffers())``
+
+
+def walk(net: nn.Module) -> NetworkWalk:
+    """The named modules, named parameters and buffers of ``net``, as ``named_modules()``, ``named_parameters()``
+    and ``buffers()`` give them (same order, each tensor once), from one walk of the modules instead of three
+    (a network state is read at every cache lookup)."""
+    modules = list(net.named_modules())
+    parameters: dict[str, Tensor] = {}
+    buffers: list[Tensor] = []
+    seen_parameters: set[int] = set()  # by id: a tensor's own hash is a Python call
+    seen_buffers: set[int] = set()
+    for prefix, module in modules:
+        if module._parameters:
+            for name, p in module._parameters.items():
+                if p is not None and id(p) not in seen_parameters:
+                    seen_parameters.add(id(p))
+                    parameters[f"{prefix}.{name}" if prefix else name] = p
+        if module._buffers:
+            for b in module._buffers.values():
+                if b is not None and id(b) not in seen_buffers:
+                    seen_buffers.add(id(b))
+                    buffers.append(b)
+    return NetworkWalk(modules, parameters, buffers)
 
 
 class NetworkCore:
@@ -130,15 +162,16 @@ class NetworkCore:
     def device(self) -> torch.device:
         return self._first().device
 
-    def network_state(self, named: dict[str, Tensor] | None = None) -> list[Tensor]:
+    def network_state(self, walked: NetworkWalk | None = None) -> list[Tensor]:
         """What the network's outputs depend on, the key of every value cache computed from it
         (:func:`~ntkgp.caching.network_key`): :math:`\\theta^*` and the buffers themselves, and a fingerprint
         (exact integer sums of their bit patterns) of the other parameters. It also checks the network's mode:
-        a cached result is never served for a network since switched to training mode. ``named``:
-        ``dict(net.named_parameters())`` when the caller has just walked them (one walk of the modules)."""
-        check_eval_mode(self.net)
-        named = dict(self.net.named_parameters()) if named is None else named
-        return network_key(self.net, [named[n] for n in self.names], named.values())
+        a cached result is never served for a network since switched to training mode. ``walked``:
+        :func:`walk` of the network when the caller has just walked it (one walk of the modules in all)."""
+        walked = walk(self.net) if walked is None else walked
+        check_eval_mode(self.net, modules=walked.modules)
+        named = walked.parameters
+        return network_key(self.net, [named[n] for n in self.names], named.values(), walked.buffers)
 
     def group_sq_norms(self) -> Tensor:
         """``‖θ*_g‖²`` per prior group, shape ``(G,)``."""

@@ -110,7 +110,9 @@ def _spectral_data(
     space = choose_space(space, kernel.engine.num_params, n * k)
     engine = kernel.engine
     state = engine.network_state()
-    cache = _SPECTRA.setdefault(kernel, ValueCache(size=2))
+    cache = _SPECTRA.get(kernel)
+    if cache is None:
+        cache = _SPECTRA[kernel] = ValueCache(size=2)
 
     def compute() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         with torch.no_grad():
@@ -187,7 +189,9 @@ def _spectral_terms(scale, delta, eigenvalues, statistics, norms, power):
     """The value of :class:`_SpectralEvidence` and its derivatives in ``scale`` ``(K,)`` and ``delta`` ``(1,)``,
     in few operations (a step costs little else)."""
     alpha, beta, gamma = statistics.unbind(0)
-    rho = scale[:1].pow(power).div(delta)  # (1,)
+    one = scale.shape[0] == 1  # one output scale (one noise, or a temperature): no slicing of s (the same numbers)
+    first = scale if one else scale[:1]
+    rho = (first if power == 1.0 else first.pow(power)).div(delta)  # (1,); pow(1) would be a copy
     z = eigenvalues * rho
     log_det = torch.log1p(z).sum()
     t = (eigenvalues / (z + 1)).sum()  # Σ λ / (1 + ρλ)
@@ -196,7 +200,8 @@ def _spectral_terms(scale, delta, eigenvalues, statistics, norms, power):
     value = fit - 0.5 * (delta[0] * norm + log_det)
     rho_t = rho * t
     grad_scale = torch.addcdiv(gamma, beta, scale)  # ∂fit/∂s_k; the log-determinant's part on s_0 only
-    grad_scale = torch.cat([grad_scale[:1] - (0.5 * power) * rho_t / scale[:1], grad_scale[1:]])
+    own = (0.5 * power) * rho_t / first
+    grad_scale = grad_scale - own if one else torch.cat([grad_scale[:1] - own, grad_scale[1:]])
     grad_delta = 0.5 * (rho_t / delta - norm)
     return value, grad_scale, grad_delta
 
@@ -238,16 +243,20 @@ def checked_spectral_evidence(
     kernel: NTKKernel,
     likelihood: Likelihood,
     x: torch.Tensor,
-    f: torch.Tensor,
+    f: torch.Tensor | None,
     y: torch.Tensor,
     curvature: Curvature,
     space: Space | str,
+    data: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     r"""The whole Laplace evidence :math:`\log q(\mathcal D)` of the eigen route (data fit, prior term and
     :func:`spectral_log_det`), for a caller that has just found :func:`eigen_problem` to be ``None`` for these
     arguments (the evidence's route choice), without checking it again: one cache lookup, the output scale and
-    :math:`\delta` read once each through their constraints, one node of the graph (:class:`_SpectralEvidence`)."""
-    lam, statistics, norms = _spectral_data(kernel, likelihood, x, f, y, curvature, space)
+    :math:`\delta` read once each through their constraints, one node of the graph (:class:`_SpectralEvidence`).
+    ``data``: the eigenvalues, fit statistics and group norms (:func:`_spectral_data` of these arguments) when the
+    caller keeps them under its own key (the MLL, by the model's training data and network; ``f`` is then not
+    read)."""
+    lam, statistics, norms = _spectral_data(kernel, likelihood, x, f, y, curvature, space) if data is None else data
     scale = output_scale(likelihood).to(lam)
     power = 1.0 if curvature is Curvature.GGN else 2.0
     return _SpectralEvidence.apply(scale, kernel.prior_precision.to(lam), lam, statistics, norms, power)

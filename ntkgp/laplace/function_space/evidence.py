@@ -155,14 +155,21 @@ def evidence_method(
     curvature = choose(Curvature, curvature, "curvature")
     space = choose(Space, space, "space")
     method = choose(EvidenceMethod, method, "method")
-    return _route(kernel, likelihood, x, f, curvature, space, covariance, method, check_options(options))
+    return _route(kernel, likelihood, x, _outputs(f), curvature, space, covariance, method, check_options(options))
+
+
+def _outputs(f: torch.Tensor) -> tuple[int, int, torch.dtype]:
+    """What the route choice reads of the network outputs ``f``: ``(N, C, dtype)``."""
+    return f.shape[-2], f.shape[-1], f.dtype
 
 
 def _route(
-    kernel: NTKKernel, likelihood: Likelihood, x: torch.Tensor, f: torch.Tensor, curvature: Curvature, space: Space,
-    covariance: LinearOperator | torch.Tensor | None, method: EvidenceMethod, options: EvidenceOptions,
+    kernel: NTKKernel, likelihood: Likelihood, x: torch.Tensor, outputs: tuple[int, int, torch.dtype],
+    curvature: Curvature, space: Space, covariance: LinearOperator | torch.Tensor | None, method: EvidenceMethod,
+    options: EvidenceOptions,
 ) -> EvidenceMethod:
-    """:func:`evidence_method` for arguments already converted to their types (the evidence's own call)."""
+    """:func:`evidence_method` for arguments already converted to their types (the evidence's own call, and the
+    MLL's, which knows ``outputs`` = :func:`_outputs` of ``f`` before it reads ``f``)."""
     own = covariance is None or _is_kernel_covariance(covariance, kernel, x)
     if method is EvidenceMethod.CHOLESKY:
         return method
@@ -179,11 +186,11 @@ def _route(
         raise ValueError(f"method='eigen' does not apply: {eigen}")
     if method is EvidenceMethod.MATRIX_FREE and free is not None:
         raise ValueError(f"method='matrix_free' does not apply: {free}")
-    n, c = f.shape[-2], f.shape[-1]
+    n, c, dtype = outputs
     k = c if curvature is Curvature.GGN else 1
     engine = kernel.engine
     components = scale_size(likelihood) ** (2 if curvature is Curvature.EF else 1)
-    dense = dense_memory_bytes(engine.num_params, engine.num_groups, n, c, k, f.dtype, space, components)
+    dense = dense_memory_bytes(engine.num_params, engine.num_groups, n, c, k, dtype, space, components)
     chosen = choose_method(method, dense, options, eigen)
     if chosen is EvidenceMethod.MATRIX_FREE and free is not None:
         return EvidenceMethod.CHOLESKY
@@ -256,8 +263,8 @@ def laplace_log_marginal_likelihood(
     curvature = choose(Curvature, curvature, "curvature")
     space = choose(Space, space, "space")
     options = check_options(options)
-    route = _route(kernel, likelihood, x, f, curvature, space, covariance, choose(EvidenceMethod, method, "method"),
-                   options)
+    route = _route(kernel, likelihood, x, _outputs(f), curvature, space, covariance,
+                   choose(EvidenceMethod, method, "method"), options)
     traced = f.requires_grad and torch.is_grad_enabled()  # the data fit then differentiable in f
     if route is EvidenceMethod.EIGEN and not traced:  # fit, prior and log-determinant from one cache lookup
         return checked_spectral_evidence(kernel, likelihood, x, f, y, curvature, space)

@@ -26,6 +26,15 @@ class ExactNTKGP(NTKGP, ExactGP, gaussian=True):
         ExactGP.__init__(self, x, y.squeeze(-1) if y.shape[-1] == 1 else y, likelihood)
 
     def __call__(self, *args, **kwargs):
+        if self.training and len(args) == 1 and not kwargs and torch.is_tensor(args[0]):
+            # ExactGP's train mode for one input, without its generic plumbing (a hyperparameter step calls it):
+            # the prior at the training inputs, refused at other inputs under gpytorch.settings.debug (GPyTorch's
+            # check; the training inputs themselves, the usual argument, need no comparison: x is finite here)
+            x = self._flat_inputs(args[0], "x")
+            train_x = self.train_x
+            if gpytorch_settings.debug.on() and not (x is train_x or torch.equal(train_x, x)):
+                raise RuntimeError("You must train on the training inputs!")
+            return self._checked_prior(x)
         if self.training or gpytorch_settings.prior_mode.on():
             args = [self._flat_inputs(a, "x") if torch.is_tensor(a) else a for a in args]
             return ExactGP.__call__(self, *args, **kwargs)

@@ -26,7 +26,7 @@ class LaplaceNTKGP(NTKGP, gaussian=False):
         if self.training or gpytorch_settings.prior_mode.on():
             if kwargs:
                 raise TypeError(f"model(x) in train mode takes no keyword arguments, got {sorted(kwargs)}")
-            return self.forward(self._flat_inputs(x, "x"))
+            return self._checked_prior(self._flat_inputs(x, "x"))
         return self._call_eval(x, **kwargs)
 
     def _apply(self, fn):

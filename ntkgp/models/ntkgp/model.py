@@ -211,7 +211,8 @@ class NTKGP(CheckedLoad, PredictionMixin, ConditioningMixin, BoTorchInterface, G
     @property
     def dtype(self) -> torch.dtype:
         """The dtype of the GP algebra (the hyperparameters'; the network's unless the model was converted)."""
-        return self.covar_module.raw_prior_precision.dtype
+        # read through the registries nn.Module's attribute lookup would search (each call of a step reads it)
+        return self._modules["covar_module"]._parameters["raw_prior_precision"].dtype
 
     @property
     def num_outputs(self) -> int:
@@ -259,8 +260,20 @@ class NTKGP(CheckedLoad, PredictionMixin, ConditioningMixin, BoTorchInterface, G
 
     def forward(self, x: torch.Tensor) -> MultivariateNormal:
         """The prior of the linearized network at ``x`` ``(*batch, n, D)``: ``N(m(x), K(x, x))``."""
+        return self._prior(x)
+
+    def _prior(self, x: torch.Tensor, checked: bool = False) -> MultivariateNormal:
+        """:meth:`forward`; ``checked``: ``x`` comes from :meth:`_flat_inputs`, which checks all the kernel would
+        (floating, finite, the training inputs' features), so the kernel does not check it again."""
         mean = self.mean_module.values(x).to(dtype=self.dtype, device=self.train_x.device)
-        return self._mvn(mean, self.covar_module(x))
+        kernel = self.covar_module
+        covar = kernel._lazy(x) if checked else None
+        return self._mvn(mean, kernel(x) if covar is None else covar)
+
+    def _checked_prior(self, x: torch.Tensor) -> MultivariateNormal:
+        """The train-mode call's prior at ``x`` from :meth:`_flat_inputs`: :meth:`forward`, a subclass's own if it
+        has one."""
+        return self._prior(x, checked=True) if type(self).forward is NTKGP.forward else self.forward(x)
 
     def _targets(self, target: torch.Tensor | None) -> torch.Tensor:
         if target is None:
