@@ -49,6 +49,7 @@ from ntkgp._doctable import command_line, markdown_table, write_block
 from ntkgp.laplace import EvidenceOptions
 from ntkgp.laplace.function_space.routes import dense_memory_bytes
 from ntkgp.likelihoods import SoftmaxLikelihood
+from ntkgp.options import WEIGHT_SPACE_FROM
 
 DOC = "docs/scaling.md"
 VEHICLE_FREE = {"num_probes": 10, "cg_tolerance": 0.01, "preconditioner_rank": 100, "max_cg_iterations": 200}
@@ -332,7 +333,7 @@ def formulas_table() -> str:
         chosen = dense_memory_bytes(p, 3, n, 10, 10, torch.float32, "auto")
         dense = f"{function / 2**30:.1f} GiB"
         if chosen != function:
-            dense += f" (weight space, which `\"auto\"` takes since `P < N·k`: {chosen / 2**30:.0f} GiB)"
+            dense += f" (weight space, which `\"auto\"` takes since `N·k > {WEIGHT_SPACE_FROM} P`: {chosen / 2**30:.0f} GiB)"
         features = n * (10 * sum(widths_out) + sum(widths_in)) * 4
         cg = n * 10 * 10 * 6 * 4
         sketch = n * 10 * 50 * 3 * 4

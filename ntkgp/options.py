@@ -38,7 +38,7 @@ class Space(Option):
     """Where an NTK computation is carried out (``space=``): on the ``N·C`` function values or the ``P`` weights.
 
     ``"function"``: dense ``(N·C)²`` Grams; ``"weight"``: the Jacobian ``J`` as a low-rank root (kernel) or a
-    ``P × P`` system (evidence). ``"auto"`` picks weight space when ``N·C > 0.7 P`` (:func:`choose_space`, measured).
+    ``P × P`` system (evidence). ``"auto"`` picks weight space when ``N·C > 0.85 P`` (:func:`choose_space`, measured).
     """
 
     AUTO = "auto"
@@ -159,16 +159,17 @@ def choose(enum: type[E], value: object, argument: str) -> E:
 
 
 #: ``"auto"`` takes weight space once ``N·C`` exceeds this fraction of ``P``. Measured by
-#: ``benchmarks/evidence_routes.py --crossover`` (docs/ntkgp.md): an exact evidence step (per-tensor δ, the
-#: curvature built once) costs the same in both spaces at ``N·C ≈ 0.7 P`` with one thread (geometric interpolation
-#: between 0.5 and 0.75, two runs on 2026-12-03: the function-space step grows as ``(N·C)^{2.6}``, 14 ms at
-#: ``N·C = 0.5 P`` and 80-85 ms at ``N·C = P = 1179``; the weight-space one, a Cholesky factorization and a
-#: triangular inverse, stays at 31-37 ms), and is about 2.4× cheaper in weight space at ``N·C = P``. The previous
-#: measurement (before the one-node function-space evidence) gave ``≈ 0.7 P``, before the triangular inverse
-#: ``≈ 0.7 P`` (one thread) and ``≈ 0.56 P`` (two threads). The rule counts steps with the curvature built once: where it is rebuilt for every step
-#: (``train_marglik`` with ``hyper_steps=1``) the builds dominate, ``(N C)² P`` against ``N C P²`` operations, and
-#: by these counts function space is the cheaper one up to ``N·C ≈ P``.
-WEIGHT_SPACE_FROM = 0.7
+#: ``benchmarks/evidence_routes.py --crossover`` (docs/ntkgp.md) and on a finer grid beside it: an exact evidence
+#: step (per-tensor δ, the curvature built once, softmax with 3 classes, P = 1179) costs the same in both spaces at
+#: ``N·C ≈ 0.9 P`` with one thread (two runs on 2026-12-03 at N·C/P = 0.7, 0.8, 0.85, 0.9, 1.0: function space
+#: 22.7, 31.4, 36.4-38.2, 42.8, 56-58 ms; weight space, a Cholesky factorization and a triangular inverse, 41-43
+#: ms throughout) and at ``≈ 0.82 P`` in CPU time with two threads; the rule lies between them. The function-space
+#: step is cheaper than in the previous measurement (``≈ 0.7 P``) since its gradient takes ``B⁻¹`` from the factor
+#: (``cholesky_inverse``, ``2R³/3`` flops) instead of ``L⁻¹`` and ``L⁻ᵀ L⁻¹`` (``7R³/3``). The rule counts steps
+#: with the curvature built once: where it is rebuilt for every step (``train_marglik`` with ``hyper_steps=1``) the
+#: builds dominate, ``(N C)² P`` against ``N C P²`` operations, and by these counts function space is the cheaper
+#: one up to ``N·C ≈ P``.
+WEIGHT_SPACE_FROM = 0.85
 
 
 def choose_space(space: Space | str, num_params: int, num_rows: int) -> Space:

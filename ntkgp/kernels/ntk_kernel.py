@@ -56,7 +56,7 @@ class NTKKernel(Kernel):
     are not recomputed). ``last_dim_is_batch`` is not supported (there is no additive structure over input
     dimensions to exploit).
 
-    **Space** (``space=``, the rule of :func:`ntkgp.options.choose_space`): weight space when ``N·C > 0.7 P``
+    **Space** (``space=``, the rule of :func:`ntkgp.options.choose_space`): weight space when ``N·C > 0.85 P``
     (``WEIGHT_SPACE_FROM``, measured):
     a :class:`~linear_operator.operators.LowRankRootLinearOperator` with root :math:`J P_0^{-1/2}` (or, for
     ``x1 ≠ x2``, a :class:`~linear_operator.operators.MatmulLinearOperator` :math:`(J_1 P_0^{-1}) J_2^\top`),

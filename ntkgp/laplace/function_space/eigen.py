@@ -147,7 +147,7 @@ def spectrum(
     :math:`J^\top L_0 L_0^\top J` (weight space), cached by the values of ``x``, ``f``, ``y`` and the
     network's weights and buffers (the hyperparameters may change freely).
 
-    The space follows :func:`ntkgp.options.choose_space` (weight space when :math:`Nk > 0.7 P`); the
+    The space follows :func:`ntkgp.options.choose_space` (weight space when :math:`Nk > 0.85 P`); the
     eigendecomposition costs :math:`O(\min(Nk, P)^3)` once.
     """
     curvature = choose(Curvature, curvature, "curvature")

@@ -80,7 +80,7 @@ def _given_log_det(
 
     Function space factorises the ``(N·k)²`` matrix :math:`I + L^\top K L`; weight space the ``P²`` matrix
     :math:`I + W^\top W`, :math:`W = L^\top J P_0^{-1/2}` (from the covariance's root or the cached Jacobian).
-    ``"auto"`` takes weight space when :math:`N k > 0.7 P` (:func:`ntkgp.options.choose_space`, measured).
+    ``"auto"`` takes weight space when :math:`N k > 0.85 P` (:func:`ntkgp.options.choose_space`, measured).
 
     Args:
         kernel: the NTK kernel at the training inputs (prior precisions, cached Grams and Jacobians).

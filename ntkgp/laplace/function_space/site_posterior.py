@@ -171,7 +171,7 @@ LOW_PRECISION_WEIGHT_FACTOR = 2
 def posterior_space(kernel: NTKKernel, num_rows: int, dtype: torch.dtype | None = None) -> Space:
     r"""Where the site posterior is factorized, from the kernel's ``space`` (``"auto"``, ``"function"``, ``"weight"``).
 
-    ``"auto"`` is :func:`ntkgp.options.choose_space`: weight space when :math:`N k > 0.7 P` (``num_rows``), the
+    ``"auto"`` is :func:`ntkgp.options.choose_space`: weight space when :math:`N k > 0.85 P` (``num_rows``), the
     smaller factorization. In a precision lower than float64 (``dtype``) it also takes weight space up to
     :math:`P \le 2 N k` (at most about three times the flops): the function-space variance is a difference
     that loses every digit in float32 on ill-conditioned problems, the weight-space one is a sum of squares
