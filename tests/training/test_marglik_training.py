@@ -260,10 +260,12 @@ def test_the_curvature_is_built_once_per_round_not_per_step(monkeypatch, prior_s
 
 @pytest.mark.parametrize("hyper_steps", [1, 10])
 def test_a_round_of_few_steps_takes_the_space_of_the_cheaper_build(monkeypatch, hyper_steps):
-    """N = 25 between 0.6 P and P = 33: one step per build takes function space (the cheaper build), ten steps the
-    weight space of ``choose_space``; the curvature's evidence equals the other space's at the same θ."""
+    """N = 30 between ``WEIGHT_SPACE_FROM`` · P and P = 33: one step per build takes function space (the cheaper
+    build), ten steps the weight space of ``choose_space``; the curvature's evidence equals the other space's at the
+    same θ."""
     import ntkgp.training.hyper_round as module
     from ntkgp.laplace.weight_space import FullCurvature, FunctionSpaceCurvature
+    from ntkgp.options import WEIGHT_SPACE_FROM
 
     calls = []
     original = module.exact_curvature
@@ -274,9 +276,10 @@ def test_a_round_of_few_steps_takes_the_space_of_the_cheaper_build(monkeypatch, 
 
     monkeypatch.setattr(module, "exact_curvature", counting)
     torch.manual_seed(0)
-    x = torch.randn(25, 2, dtype=torch.float64)
-    y = torch.sin(x[:, 0]) + 0.1 * torch.randn(25, dtype=torch.float64)
+    x = torch.randn(30, 2, dtype=torch.float64)
+    y = torch.sin(x[:, 0]) + 0.1 * torch.randn(30, dtype=torch.float64)
     net = torch.nn.Sequential(torch.nn.Linear(2, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).double()
+    assert WEIGHT_SPACE_FROM * 33 < 30 < 33
     lik = gpytorch.likelihoods.GaussianLikelihood().double()
     train_marglik(net, x, y, lik, epochs=2, lr=1e-2, burn_in=0, frequency=1, hyper_steps=hyper_steps, progress=False)
     args, kwargs, curvature = calls[-1]
