@@ -41,7 +41,7 @@ import ntkgp
 from ntkgp._doctable import command_line, markdown_table, write_block
 from ntkgp.laplace.weight_space import DiagLaplace, KFACLaplace, compute_curvature
 from ntkgp.likelihoods import SoftmaxLikelihood
-from route_bounds import (MIN_SECONDS, bare_full_build, bare_full_step, bare_kfac_build, bare_low_rank_step,
+from route_bounds import (MIN_SECONDS, quiet_collector, bare_full_build, bare_full_step, bare_kfac_build, bare_low_rank_step,
                           bare_structured_step, floor_step, per_step)
 from ntkgp.laplace.weight_space.layer_ggn import layer_ggn_layers
 from ntkgp.laplace.weight_space.low_rank_groups import low_rank_cheaper
@@ -114,9 +114,10 @@ def test_inputs(x: torch.Tensor) -> torch.Tensor:
 
 def timed(fn):
     """``fn()`` and the CPU seconds of the process it took (module docstring)."""
-    start = time.process_time()
-    value = fn()
-    return value, time.process_time() - start
+    with quiet_collector():
+        start = time.process_time()
+        value = fn()
+        return value, time.process_time() - start
 
 
 def timed_build(build):
@@ -393,7 +394,8 @@ def write_docs(rows, points, other: bool, threads: int) -> None:
         table.append(row)
     text = markdown_table(header, table)
     text += (f"\n\nCPU time of the process, {threads} thread(s); a step is the mean over at least --steps steps and "
-             f"{MIN_SECONDS} s; the build of a several-δ row on the Schur route includes the one-time "
+             f"{MIN_SECONDS} s, and every timing starts after a garbage collection with the collector paused "
+             "during it (as timeit does); the build of a several-δ row on the Schur route includes the one-time "
              "decomposition of the largest group's block made at its second evaluation (the first step's time above "
              "the mean step). Bounds (benchmarks/route_bounds.py): the floor, an Adam step on the row's "
              "hyperparameters after the backward pass of a one-operation graph; the bare step, the row's evidence "

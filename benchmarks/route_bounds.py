@@ -24,6 +24,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import time
 
 import torch
@@ -35,15 +37,31 @@ MAX_STEPS = 5000
 
 
 def per_step(step, steps: int) -> float:
-    """Mean CPU seconds of ``step()`` over at least ``steps`` calls and ``MIN_SECONDS`` (one warm-up call first)."""
+    """Mean CPU seconds of ``step()`` over at least ``steps`` calls and ``MIN_SECONDS`` (one warm-up call first),
+    with the garbage of earlier work collected first and the collector paused while timing (as ``timeit`` does:
+    a collection of another row's tensors would land on this one)."""
     step()
     count, total = 0, 0.0
-    while (count < steps or total < MIN_SECONDS) and count < MAX_STEPS:
-        start = time.process_time()
-        step()
-        total += time.process_time() - start
-        count += 1
+    with quiet_collector():
+        while (count < steps or total < MIN_SECONDS) and count < MAX_STEPS:
+            start = time.process_time()
+            step()
+            total += time.process_time() - start
+            count += 1
     return total / count
+
+
+@contextlib.contextmanager
+def quiet_collector():
+    """Collect the garbage now, then pause the cyclic collector until the block ends."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _adam(num_groups: int, regression: bool):
