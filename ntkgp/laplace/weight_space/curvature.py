@@ -155,7 +155,7 @@ class Curvature(ABC):
         spectrum = self.diagonal_spectrum()
         if spectrum is not None:  # one node of the graph, O(P)
             return structured_evidence(delta, self.scale(likelihood), *spectrum, self.theta_sq_norms,
-                                       self.group_sizes, self.fit_statistics(likelihood))
+                                       self.fit_statistics(likelihood))
         prior = 0.5 * (delta * self.theta_sq_norms).sum()
         return self.data_fit(likelihood) - prior - 0.5 * self.log_det_ratio(delta, likelihood)
 
