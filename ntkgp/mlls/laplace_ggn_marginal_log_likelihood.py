@@ -10,10 +10,10 @@ from gpytorch.mlls import MarginalLogLikelihood
 from gpytorch.module import Module
 
 from ..caching import ValueCache
-from ..laplace.function_space import EvidenceOptions, laplace_log_marginal_likelihood
+from ..laplace.function_space import EvidenceOptions
 from ..laplace.function_space import evidence as routes
 from ..laplace.function_space.eigen import _spectral_data
-from ..laplace.function_space.evidence import _is_kernel_covariance, _route
+from ..laplace.function_space.evidence import _evidence_by_route, _is_kernel_covariance, _route
 from ..laplace.function_space.routes import check_options
 from ..likelihoods import num_outputs, validate_targets
 from ..models import NTKGP
@@ -166,15 +166,14 @@ class LaplaceGGNMarginalLogLikelihood(MarginalLogLikelihood):
         y = validate_targets(likelihood, target, c, num_data=n, name="target").to(device=x.device)
         given = None if own else covariance  # the kernel's own K_XX: the evidence need not compare it again
         curvature, space = self.curvature, self.space
-        if _route(kernel, likelihood, x, (n, c, model.dtype), curvature, space, given, self.method,
-                  self.options) is EvidenceMethod.EIGEN:  # the route laplace_log_marginal_likelihood would take
+        route = _route(kernel, likelihood, x, (n, c, model.dtype), curvature, space, given, self.method,
+                       self.options)  # the route laplace_log_marginal_likelihood would take
+        if route is EvidenceMethod.EIGEN:
             data = self._eigen_data(kernel, likelihood, x, y)
             evidence = routes.checked_spectral_evidence(kernel, likelihood, x, None, y, curvature, space, data=data)
         else:
-            evidence = laplace_log_marginal_likelihood(
-                kernel, likelihood, x, model.train_outputs, y, curvature, space, covariance=given, method=self.method,
-                options=self.options,
-            )
+            evidence = _evidence_by_route(kernel, likelihood, x, model.train_outputs, y, curvature, space, given,
+                                          route, self.options)
         # The registered priors, as named_priors() yields them but each module once (the likelihood is reached twice,
         # as self.likelihood and model.likelihood): modules() is one walk, without named_priors' nested generators.
         for module in self.modules():

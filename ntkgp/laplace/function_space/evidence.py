@@ -265,6 +265,16 @@ def laplace_log_marginal_likelihood(
     options = check_options(options)
     route = _route(kernel, likelihood, x, _outputs(f), curvature, space, covariance,
                    choose(EvidenceMethod, method, "method"), options)
+    return _evidence_by_route(kernel, likelihood, x, f, y, curvature, space, covariance, route, options)
+
+
+def _evidence_by_route(
+    kernel: NTKKernel, likelihood: Likelihood, x: torch.Tensor, f: torch.Tensor, y: torch.Tensor,
+    curvature: Curvature, space: Space, covariance: LinearOperator | torch.Tensor | None, route: EvidenceMethod,
+    options: EvidenceOptions,
+) -> torch.Tensor:
+    """:func:`laplace_log_marginal_likelihood` for arguments converted to their types and the route :func:`_route`
+    chose for them (the MLL's call, which has chosen it already)."""
     traced = f.requires_grad and torch.is_grad_enabled()  # the data fit then differentiable in f
     if route is EvidenceMethod.EIGEN and not traced:  # fit, prior and log-determinant from one cache lookup
         return checked_spectral_evidence(kernel, likelihood, x, f, y, curvature, space)
