@@ -245,16 +245,6 @@ class KroneckerGGN(Curvature):
             )
         return self._unit_spectrum
 
-    @property
-    def unit_eigenvalues(self) -> Tensor | None:
-        """The products of :meth:`unit_spectrum`, ``(1, P)``; ``None`` with several components."""
-        return self.unit_spectrum()[0] if self.scale_size == 1 else None
-
-    @property
-    def eigenvalue_groups(self) -> Tensor | None:
-        """The groups of :meth:`unit_spectrum`, ``(P,)``; ``None`` with several components."""
-        return self.unit_spectrum()[1] if self.scale_size == 1 else None
-
     def diagonal_spectrum(self) -> tuple[Tensor, Tensor, int] | None:
         if self.scale_size != 1:
             return None
