@@ -70,6 +70,22 @@ class TemperatureMixin:
     def temperature(self) -> Tensor:
         return self.raw_temperature_constraint.transform(self.raw_temperature)
 
+    def fixed_temperature(self) -> float | None:
+        """:math:`T` as a number where it is not learned (``raw_temperature`` does not require grad), else ``None``.
+
+        The constraint's transform runs once per value of ``raw_temperature`` and constraint object, not at every
+        call: a hyperparameter step of the evidence reads :math:`T` once, and GPyTorch's transform (a module call)
+        costs more than the rest of a structured evidence's bookkeeping. The value is read at every call, so any
+        change of it (the setter, ``initialize``, ``load_state_dict``, an in-place write) is seen."""
+        raw = self.raw_temperature
+        if raw.requires_grad:
+            return None
+        value, constraint = float(raw), self.raw_temperature_constraint
+        memo = self.__dict__.get("_fixed_temperature")
+        if memo is None or memo[0] != value or memo[1] is not constraint:
+            memo = self.__dict__["_fixed_temperature"] = (value, constraint, float(constraint.transform(raw)))
+        return memo[2]
+
     @temperature.setter
     def temperature(self, value: float | Tensor) -> None:
         if isinstance(value, bool) or not isinstance(value, (numbers.Real, Tensor)):

@@ -5,12 +5,18 @@ derivatives against the formula written in plain torch and differentiated by aut
 import pytest
 import torch
 
-from ntkgp.laplace.weight_space.structured_evidence import structured_evidence
+from ntkgp.laplace.weight_space.structured_evidence import Spectrum, structured_evidence
 
 
-def reference(delta, scale, u, groups, power, norms, stats):
+def node(delta, variance, u, groups, power, norms, stats):
+    """The node on the arguments of :func:`reference`."""
+    return structured_evidence(delta, variance, Spectrum(u, groups, power, norms), tuple(stats[:, 0].tolist()))
+
+
+def reference(delta, variance, u, groups, power, norms, stats):
+    """The evidence as the difference of the two log-determinants, in plain torch; ``variance`` is 1/s."""
     sizes = torch.bincount(groups, minlength=delta.shape[0]).to(delta)
-    s = scale.reshape(())
+    s = 1 / variance.reshape(()) if torch.is_tensor(variance) else torch.tensor(1.0 / variance, dtype=delta.dtype)
     alpha, beta, gamma = stats[:, 0]
     terms = s**power * u + delta[groups]
     return (alpha + beta * s.log() + gamma * s - (delta * norms).sum() / 2 + (sizes * delta.log()).sum() / 2
@@ -42,20 +48,20 @@ def test_value_and_gradients_against_autograd(name, power, dtype):
     sizes = torch.bincount(groups, minlength=num_groups).to(dtype)
     stats = torch.tensor([[-1.3], [50.0], [-7.5]], dtype=dtype)
     delta0 = torch.rand(num_groups, generator=g, dtype=torch.float64).to(dtype) + 0.2
-    scale0 = torch.tensor([0.7], dtype=dtype)
+    variance0 = torch.tensor([0.7], dtype=dtype)
     values, grads = [], []
-    for fn, dt in ((structured_evidence, dtype), (reference, torch.float64)):  # the formula at the same inputs in
-        delta, scale = delta0.to(dt).requires_grad_(), scale0.to(dt).requires_grad_()  # float64, rounded to dtype
-        value = fn(delta, scale, u.to(dt), groups, power, norms.to(dt), stats.to(dt))
+    for fn, dt in ((node, dtype), (reference, torch.float64)):  # the formula at the same inputs in
+        delta, variance = delta0.to(dt).requires_grad_(), variance0.to(dt).requires_grad_()  # float64, rounded
+        value = fn(delta, variance, u.to(dt), groups, power, norms.to(dt), stats.to(dt))  # to dtype
         values.append(value.detach().to(dtype))
-        grads.append([g.to(dtype) for g in torch.autograd.grad(value, [delta, scale])])
+        grads.append([g.to(dtype) for g in torch.autograd.grad(value, [delta, variance])])
     tol = 1e-5 if dtype == torch.float32 else 1e-12
     (value, expected), ((gd, gs), (ed, es)) = values, grads
     assert value.dtype == dtype and torch.allclose(value, expected, rtol=tol, atol=0)
     assert torch.allclose(gd, ed, rtol=tol, atol=tol) and torch.allclose(gs, es, rtol=tol)
 
 
-@pytest.mark.parametrize("wanted", ["delta", "scale", "neither"])
+@pytest.mark.parametrize("wanted", ["delta", "variance", "neither"])
 @pytest.mark.parametrize("num_groups", [1, 3])
 def test_only_the_asked_derivative_scaled_by_the_incoming_gradient_against_autograd(wanted, num_groups):
     """The derivatives are formed in the forward pass only for the inputs that need them; the backward pass scales
@@ -66,16 +72,16 @@ def test_only_the_asked_derivative_scaled_by_the_incoming_gradient_against_autog
     norms = torch.rand(num_groups, generator=g, dtype=torch.float64)
     stats = torch.tensor([[-0.4], [12.0], [-3.0]], dtype=torch.float64)
     results = []
-    for fn in (structured_evidence, reference):
+    for fn in (node, reference):  # the gradient in the shape of its input
         delta = (torch.rand(num_groups, generator=torch.Generator().manual_seed(2), dtype=torch.float64) + 0.5
                  ).requires_grad_(wanted == "delta")
-        scale = torch.tensor([1.7], dtype=torch.float64, requires_grad=wanted == "scale")
-        value = fn(delta, scale, u, groups, 2, norms, stats)
+        variance = torch.tensor(1.7, dtype=torch.float64, requires_grad=wanted == "variance")  # shape (): T
+        value = fn(delta, variance, u, groups, 2, norms, stats)
         if wanted == "neither":
             assert not value.requires_grad
             results.append(value)
             continue
-        leaf = delta if wanted == "delta" else scale
+        leaf = delta if wanted == "delta" else variance
         results.append(torch.autograd.grad(torch.sin(value) * 2.5, leaf)[0])
     assert torch.allclose(results[0], results[1], rtol=1e-12, atol=1e-12)
 
@@ -92,10 +98,31 @@ def test_float32_value_and_gradient_lose_no_digits_to_a_large_prior_precision(de
     norms = torch.tensor([1e-3], dtype=torch.float64)
     stats = torch.tensor([[0.0], [0.0], [-1.0]], dtype=torch.float64)
     results = []
-    for fn, dt in ((structured_evidence, torch.float32), (reference, torch.float64)):
+    for fn, dt in ((node, torch.float32), (reference, torch.float64)):
         d = torch.tensor([delta], dtype=dt, requires_grad=True)
         value = fn(d, torch.ones(1, dtype=dt), u.to(dt), groups, 1, norms.to(dt), stats.to(dt))
         results.append((value.item(), torch.autograd.grad(value, d)[0].item()))
     (value, grad), (expected, expected_grad) = results
     assert abs(value - expected) < 1e-6 * abs(expected)
     assert abs(grad - expected_grad) < 1e-5 * abs(expected_grad)
+
+
+@pytest.mark.parametrize("variance", [None, 0.3, 2.5])
+@pytest.mark.parametrize("num_groups", [1, 3])
+def test_a_fixed_variance_as_a_number_against_autograd(variance, num_groups):
+    """A temperature that is not learned comes as a number (or ``None``: s = 1); the value and the δ-gradient
+    against the formula with the same variance as a tensor without a graph."""
+    g = torch.Generator().manual_seed(4)
+    groups = torch.arange(num_groups).repeat_interleave(9)
+    u = torch.rand(groups.shape[0], generator=g, dtype=torch.float64) * 2
+    norms = torch.rand(num_groups, generator=g, dtype=torch.float64)
+    stats = torch.tensor([[0.0], [0.0], [-21.0]], dtype=torch.float64)
+    results = []
+    for fn, v in ((node, variance), (reference, 1.0 if variance is None else torch.tensor(variance, dtype=torch.float64))):
+        delta = (torch.rand(num_groups, generator=torch.Generator().manual_seed(5), dtype=torch.float64) + 0.5
+                 ).requires_grad_()
+        value = fn(delta, v, u, groups, 1, norms, stats)
+        results.append((value.detach(), torch.autograd.grad(value, delta)[0]))
+    (value, grad), (expected, expected_grad) = results
+    assert torch.allclose(value, expected, rtol=1e-12, atol=0)
+    assert torch.allclose(grad, expected_grad, rtol=1e-12, atol=1e-12)

@@ -65,3 +65,64 @@ def test_laplace_evidence_is_non_decreasing_in_temperature(num_classes):
     evidence = _dense_evidence(likelihood, f, y.double() if c == 1 else y, gram, prior_term)
     (derivative,) = torch.autograd.grad(evidence, likelihood.raw_temperature)
     assert derivative.item() > 0
+
+
+def _changes():
+    """Every way a user changes a fixed temperature, each to a new value: (name, function of the likelihood)."""
+    from gpytorch.constraints import GreaterThan
+
+    def state_dict(likelihood):
+        state = likelihood.state_dict()
+        state["raw_temperature"] = state["raw_temperature"] + 0.7
+        likelihood.load_state_dict(state)
+
+    return [
+        ("setter", lambda lik: setattr(lik, "temperature", 2.5)),
+        ("initialize", lambda lik: lik.initialize(raw_temperature=torch.tensor(-1.3))),
+        ("load_state_dict", state_dict),
+        ("in-place write through .data", lambda lik: lik.raw_temperature.data.fill_(0.4)),
+        ("a new constraint", lambda lik: lik.register_constraint("raw_temperature", GreaterThan(0.5))),
+    ]
+
+
+@pytest.mark.parametrize("change", _changes(), ids=lambda c: c[0])
+def test_fixed_temperature_follows_every_change_of_value_or_constraint(change):
+    """The number is GPyTorch's transform of the current raw value, after every kind of change (the transform
+    runs only when the raw value or the constraint differ from the last call's)."""
+    likelihood = SoftmaxLikelihood(3, temperature=0.8)
+    assert likelihood.fixed_temperature() == pytest.approx(0.8, rel=1e-6)
+    change[1](likelihood)
+    expected = likelihood.raw_temperature_constraint.transform(likelihood.raw_temperature).item()
+    assert abs(expected - 0.8) > 1e-3
+    assert likelihood.fixed_temperature() == expected
+    likelihood.learn_temperature = True  # learned: no number, the tensor with its graph is what counts
+    assert likelihood.fixed_temperature() is None
+
+
+@pytest.mark.parametrize("structure", ["diag_ggn", "kfac"])
+@pytest.mark.parametrize("change", _changes(), ids=lambda c: c[0])
+def test_structured_evidence_follows_a_changed_fixed_temperature(change, structure):
+    """The one-node evidence of a curvature, evaluated before and after the likelihood's fixed temperature
+    changes, against its data term, prior and log-determinant ratio evaluated separately (Σ log(s u + δ) − Σ P log δ
+    on the likelihood's output scale; no cached number)."""
+    from ntkgp.laplace.weight_space import compute_curvature
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3)).double()
+    x, y = torch.randn(20, 4, dtype=torch.float64), torch.randint(0, 3, (20,))
+    likelihood = SoftmaxLikelihood(3, temperature=0.8).double()
+    curvature = compute_curvature(net, x, y, likelihood, structure, prior_structure="network")
+    delta = torch.tensor([1.3], dtype=torch.float64, requires_grad=True)
+
+    def both():
+        value = curvature.log_marginal_likelihood(delta, likelihood)
+        expected = (curvature.data_fit(likelihood) - 0.5 * (delta * curvature.theta_sq_norms).sum()
+                    - 0.5 * curvature.log_det_ratio(delta, likelihood))
+        grads = [torch.autograd.grad(v, delta)[0] for v in (value, expected)]
+        return value.item(), expected.item(), grads
+
+    for _ in range(2):  # before and after the change
+        value, expected, (grad, expected_grad) = both()
+        assert value == pytest.approx(expected, rel=1e-11)
+        assert torch.allclose(grad, expected_grad, rtol=1e-10)
+        change[1](likelihood)

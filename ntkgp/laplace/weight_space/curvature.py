@@ -18,7 +18,9 @@ the noise and the temperature.
 from __future__ import annotations
 
 import math
+import weakref
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from functools import cached_property
 
 import torch
@@ -27,8 +29,8 @@ from torch import Tensor
 
 from ...ntk import ParameterGroups
 from ...ntk.prior_precision import prior_precision_vector
-from .scaling import data_fit, data_fit_statistics, output_scale
-from .structured_evidence import structured_evidence
+from .scaling import data_fit, data_fit_statistics, output_scale, variance_reader
+from .structured_evidence import Spectrum, structured_evidence
 
 
 class Curvature(ABC):
@@ -54,7 +56,8 @@ class Curvature(ABC):
         self.y = y
         self.scale_size = int(scale_size)
         self.group_sizes = groups.group_sizes().to(f)
-        self._fit_statistics: tuple[type, Tensor] | None = None
+        self._fit_statistics: tuple[type, Tensor, tuple[float, ...]] | None = None
+        self._variance_reader: tuple[weakref.ref, Callable[[Likelihood], Tensor | None]] | None = None
 
     @cached_property
     def column_groups(self) -> Tensor:
@@ -91,20 +94,45 @@ class Curvature(ABC):
         s = output_scale(likelihood)
         if s.dtype != self.dtype or s.device != self.f.device:
             s = s.to(device=self.f.device, dtype=self.dtype)
-        if s.shape != (self.scale_size,):
+        self._check_scale_size(s.shape[0], likelihood)
+        return s
+
+    def variance(self, likelihood: Likelihood) -> Tensor | float | None:
+        r"""The reciprocal :math:`v = 1/s` of the output scale as the likelihood holds it (``σ²``, ``(C,)``, or
+        ``T``, ``()``, in the curvature's dtype; a temperature that is not learned as a number), or ``None`` for
+        :math:`s = 1` (:func:`~ntkgp.laplace.weight_space.scaling.variance_reader`)."""
+        reader = self._variance_reader
+        if reader is None or reader[0]() is not likelihood:  # checked and dispatched once per likelihood
+            reader = self._variance_reader = (weakref.ref(likelihood), variance_reader(likelihood))
+        v = reader[1](likelihood)
+        if not torch.is_tensor(v):  # None (s = 1) or a number: one component
+            self._check_scale_size(1, likelihood)
+            return v
+        if v.dtype != self.dtype or v.device != self.f.device:
+            v = v.to(device=self.f.device, dtype=self.dtype)
+        self._check_scale_size(v.numel(), likelihood)
+        return v
+
+    def _check_scale_size(self, size: int, likelihood: Likelihood) -> None:
+        if size != self.scale_size:
             raise ValueError(
                 f"the curvature was computed for a likelihood with an output scale of size {self.scale_size}, "
-                f"but {type(likelihood).__name__} has one of size {s.shape[0]}; compute it again for this "
+                f"but {type(likelihood).__name__} has one of size {size}; compute it again for this "
                 "likelihood"
             )
-        return s
 
     def fit_statistics(self, likelihood: Likelihood) -> Tensor:
         r"""The statistics ``(3, K)`` of the data term
-        (:func:`~ntkgp.laplace.weight_space.scaling.data_fit_statistics`), computed once per likelihood type from the stored outputs, :math:`O(NC)`."""
+        (:func:`~ntkgp.laplace.weight_space.scaling.data_fit_statistics`), computed once per likelihood type from
+        the stored outputs, :math:`O(NC)`."""
+        return self._statistics(likelihood)[1]
+
+    def _statistics(self, likelihood: Likelihood) -> tuple[type, Tensor, tuple[float, ...]]:
+        """``(type, statistics, their first column as numbers)``, formed once per likelihood type."""
         if self._fit_statistics is None or self._fit_statistics[0] is not type(likelihood):
-            self._fit_statistics = (type(likelihood), data_fit_statistics(likelihood, self.f, self.y))
-        return self._fit_statistics[1]
+            statistics = data_fit_statistics(likelihood, self.f, self.y)
+            self._fit_statistics = (type(likelihood), statistics, tuple(statistics[:, 0].tolist()))
+        return self._fit_statistics
 
     def data_fit(self, likelihood: Likelihood) -> Tensor:
         r""":math:`\sum_n \log p(y_n \mid f_n)` at the likelihood's current noise or temperature, shape
@@ -116,6 +144,13 @@ class Curvature(ABC):
         r"""``(u, groups, q)`` when every eigenvalue of :math:`H + P_0` is :math:`s^q u_p + \delta_{g(p)}` for the
         one output scale :math:`s` (:mod:`~ntkgp.laplace.weight_space.structured_evidence`), else ``None``."""
         return None
+
+    @cached_property
+    def _spectrum(self) -> Spectrum | None:
+        """:meth:`diagonal_spectrum` with the norms, as the one-node evidence takes them (formed at the first use:
+        a curvature is fixed once computed)."""
+        spectrum = self.diagonal_spectrum()
+        return None if spectrum is None else Spectrum(*spectrum, self.theta_sq_norms)
 
     @abstractmethod
     def log_det(self, prior_precision: float | Tensor, likelihood: Likelihood) -> Tensor:
@@ -152,10 +187,9 @@ class Curvature(ABC):
                 output scale.
         """
         delta = self.prior_precision_vector(prior_precision)
-        spectrum = self.diagonal_spectrum()
+        spectrum = self._spectrum
         if spectrum is not None:  # one node of the graph, O(P)
-            return structured_evidence(delta, self.scale(likelihood), *spectrum, self.theta_sq_norms,
-                                       self.fit_statistics(likelihood))
+            return structured_evidence(delta, self.variance(likelihood), spectrum, self._statistics(likelihood)[2])
         prior = 0.5 * (delta * self.theta_sq_norms).sum()
         return self.data_fit(likelihood) - prior - 0.5 * self.log_det_ratio(delta, likelihood)
 

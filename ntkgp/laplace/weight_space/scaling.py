@@ -18,6 +18,7 @@ A curvature computed once therefore follows any new noise or temperature through
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from gpytorch.likelihoods import Likelihood
@@ -32,6 +33,7 @@ from ...likelihoods import (
     noise_variance,
     num_outputs,
 )
+from ...likelihoods.temperature import TemperatureMixin
 
 
 def scale_size(likelihood: Likelihood) -> int:
@@ -40,16 +42,46 @@ def scale_size(likelihood: Likelihood) -> int:
     return num_outputs(likelihood) if is_gaussian(likelihood) else 1
 
 
+def output_variance(likelihood: Likelihood) -> Tensor | None:
+    r"""The reciprocal :math:`v = 1/s` of the output scale as the likelihood holds it: ``(C,)`` the noise variances
+    :math:`\sigma_c^2` of a Gaussian likelihood, ``()`` the temperature :math:`T` of a tempered one, ``None``
+    without either (:math:`s = 1`). Differentiable w.r.t. the noise and the temperature."""
+    num_outputs(likelihood)  # raises for an unsupported likelihood
+    if is_gaussian(likelihood):
+        return noise_variance(likelihood)
+    return likelihood_temperature(likelihood)
+
+
+def variance_reader(likelihood: Likelihood) -> Callable[[Likelihood], Tensor | float | None]:
+    """The function that reads :func:`output_variance` from a likelihood of this one's type, found once: a caller
+    that evaluates often (a hyperparameter step) keeps it instead of dispatching on the type at every call. A
+    temperature that is not learned comes as a number
+    (:meth:`~ntkgp.likelihoods.temperature.TemperatureMixin.fixed_temperature`).
+
+    Raises:
+        NotImplementedError: for an unsupported likelihood or configuration (:func:`~ntkgp.likelihoods.num_outputs`).
+    """
+    num_outputs(likelihood)  # raises for an unsupported likelihood
+    cls = type(likelihood)
+    if is_gaussian(likelihood):
+        return noise_variance.dispatch(cls)
+    if isinstance(likelihood, TemperatureMixin):
+        return _temperature_or_number
+    return likelihood_temperature.dispatch(cls)
+
+
+def _temperature_or_number(likelihood: TemperatureMixin) -> Tensor | float:
+    fixed = likelihood.fixed_temperature()
+    return likelihood.temperature if fixed is None else fixed
+
+
 def output_scale(likelihood: Likelihood) -> Tensor:
     r"""The output scale :math:`s` of ``likelihood``: ``(C,)`` :math:`1/\sigma_c^2` for Gaussian likelihoods,
     ``(1,)`` :math:`1/T` otherwise. Differentiable w.r.t. the noise and the temperature."""
-    num_outputs(likelihood)  # raises for an unsupported likelihood
-    if is_gaussian(likelihood):
-        return noise_variance(likelihood).reciprocal()
-    temperature = likelihood_temperature(likelihood)
-    if temperature is None:
+    variance = output_variance(likelihood)
+    if variance is None:
         return torch.ones(1)
-    return temperature.reciprocal().reshape(1)
+    return variance.reciprocal().reshape(-1)
 
 
 def data_fit_statistics(likelihood: Likelihood, f: Tensor, y: Tensor) -> Tensor:

@@ -13,13 +13,15 @@ shifted by the prior precision of its group, and the data term is :math:`\alpha 
 
     \frac{\partial}{\partial \delta_g} = -\tfrac12 \|\theta^*_g\|^2 + \frac{1}{2 \delta_g}
     \sum_{p \in g} \frac{z_p}{1 + z_p}, \qquad
-    \frac{\partial}{\partial s} = \frac{\beta}{s} + \gamma - \frac{q}{2 s} \sum_p \frac{z_p}{1 + z_p}:
+    \frac{\partial}{\partial v} = -s^2 \frac{\partial}{\partial s}
+    = -\beta s - \gamma s^2 + \frac{q s}{2} \sum_p \frac{z_p}{1 + z_p}
 
+in the variance :math:`v = 1/s` the likelihood holds (the noise :math:`\sigma^2` or the temperature :math:`T`):
 :math:`\log|H + P_0| - \log|P_0|` as a sum of ``log1p``, not the difference of :math:`\sum_p \log(s^q u_p +
 \delta_{g(p)})` and :math:`\sum_g P_g \log \delta_g` (which loses the digits of the small :math:`z_p` when
-:math:`\delta` is large), and the derivatives as sums of positive terms. Forward and backward are :math:`O(P)`
-with a handful of tensor operations: a hyperparameter step of these structures costs little more than the
-optimizer's own step.
+:math:`\delta` is large), and the sum in the derivatives of positive terms. Forward and backward are :math:`O(P)`
+with a handful of tensor operations, and the node takes :math:`v` itself (no reciprocal in the graph): a
+hyperparameter step of these structures costs little more than the optimizer's own step.
 """
 
 from __future__ import annotations
@@ -30,68 +32,82 @@ import torch
 from torch import Tensor
 
 
-class _StructuredEvidence(torch.autograd.Function):
-    """The evidence above and its first derivatives in ``delta`` and ``scale`` (module docstring).
+class Spectrum:
+    r"""The fixed numbers of the node, formed once per curvature: :math:`u` ``(P,)``, the group of every entry
+    ``(P,)`` long (``None`` with one group), :math:`q`, :math:`\|\theta^*_g\|^2` ``(G,)`` and, with one group, that
+    norm as a number."""
 
-    The ``O(P)`` work is a few tensor operations (:math:`z`, its ``log1p`` and :math:`z/(1 + z)`, the sums);
-    the scalars are Python floats, and the derivatives are formed in the forward pass when they are asked for (a
+    __slots__ = ("eigenvalues", "groups", "power", "theta_sq_norms", "theta_sq_norm")
+
+    def __init__(self, eigenvalues: Tensor, groups: Tensor, power: int, theta_sq_norms: Tensor) -> None:
+        one = theta_sq_norms.shape[0] == 1
+        self.eigenvalues = eigenvalues
+        self.groups = None if one else groups
+        self.power = int(power)
+        self.theta_sq_norms = theta_sq_norms
+        self.theta_sq_norm = float(theta_sq_norms[0]) if one else None
+
+
+class _StructuredEvidence(torch.autograd.Function):
+    """The evidence above and its first derivatives in ``delta`` and ``variance`` (module docstring).
+
+    The ``O(P)`` work is a few tensor operations (:math:`z`, its ``log1p``, :math:`1/(1 + z)` and the sums); the
+    scalars are Python floats, and the derivatives are formed in the forward pass when they are asked for (a
     hyperparameter step always asks), so that the backward pass only scales them by the incoming gradient."""
 
     @staticmethod
-    def forward(ctx, delta, scale, eigenvalues, groups, power, theta_sq_norms, statistics):
-        s = float(scale)
-        weight = s if power == 1 else s * s
-        alpha, beta, gamma = statistics[:, 0].tolist()
-        one = delta.shape[0] == 1
-        if one:  # δ as a number: z = (w/δ) u in one pass over u
-            d, norm = float(delta), float(theta_sq_norms)
-            z = eigenvalues * (weight / d)
-            prior = 0.5 * d * norm
+    def forward(ctx, delta, variance, spectrum, statistics):
+        s = 1.0 if variance is None else 1.0 / float(variance)
+        weight = s if spectrum.power == 1 else s * s
+        alpha, beta, gamma = statistics
+        need_delta, need_variance = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        u = spectrum.eigenvalues
+        share = total = None
+        if spectrum.groups is None:  # δ as a number: z = (w/δ) u in one pass over u
+            d = float(delta)
+            prior = 0.5 * d * spectrum.theta_sq_norm
+            z = u * (weight / d)
+            if need_delta or need_variance:  # Σ z_p/(1 + z_p) ≥ 0 as z · (1 + z)⁻¹, one dot product
+                total = float(torch.dot(z, torch.add(z, 1.0).reciprocal_()))
         else:  # index_select (a third of the time of delta[groups] for P ~ 5,000)
-            z = eigenvalues * delta.reciprocal().mul_(weight).index_select(0, groups)
-            prior = 0.5 * float(torch.dot(delta, theta_sq_norms))
-        need_delta, need_scale = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        if need_delta or need_scale:
-            share = z / (z + 1)  # z_p / (1 + z_p) ≥ 0
-            total = float(share.sum()) if one or need_scale else None
-            if need_delta:  # ∂/∂δ_g = ½ (Σ_{p∈g} z_p/(1 + z_p) / δ_g − ‖θ_g‖²)
-                ctx.grad_delta = (0.5 * (total / d - norm) if one else
-                                  0.5 * (share.new_zeros(delta.shape[0]).index_add_(0, groups, share) / delta
-                                         - theta_sq_norms))
-            if need_scale:  # ∂/∂s = β/s + γ − (q/2s) Σ z_p/(1 + z_p)
-                ctx.grad_scale = beta / s + gamma - 0.5 * power * total / s
-        log_det_ratio = float(torch.log1p(z).sum())
+            z = u * delta.reciprocal().mul_(weight).index_select(0, spectrum.groups)
+            prior = 0.5 * float(torch.dot(delta, spectrum.theta_sq_norms))
+            if need_delta or need_variance:  # z_p/(1 + z_p) ≥ 0 as z_p · (1 + z_p)⁻¹
+                share = z * torch.add(z, 1.0).reciprocal_()
+                total = float(share.sum()) if need_variance else None
+        log_det_ratio = float(z.log1p_().sum())  # z is this call's own
+        if need_delta:  # ∂/∂δ_g = ½ (Σ_{p∈g} z_p/(1 + z_p) / δ_g − ‖θ_g‖²)
+            ctx.grad_delta = (0.5 * (total / d - spectrum.theta_sq_norm) if share is None else
+                              0.5 * (share.new_zeros(delta.shape[0]).index_add_(0, spectrum.groups, share) / delta
+                                     - spectrum.theta_sq_norms))
+        if need_variance:  # ∂/∂v = −s² ∂/∂s = −β s − γ s² + (q s/2) Σ z_p/(1 + z_p)
+            ctx.grad_variance = 0.5 * spectrum.power * s * total - beta * s - gamma * s * s
+            ctx.variance_shape = variance.shape
         return torch.full((), alpha + beta * math.log(s) + gamma * s - prior - 0.5 * log_det_ratio,
-                          dtype=delta.dtype, device=delta.device)
+                          dtype=u.dtype, device=u.device)
 
     @staticmethod
     def backward(ctx, grad):
-        grad_delta = grad_scale = None
+        grad_delta = grad_variance = None
         if ctx.needs_input_grad[0]:
             grad_delta = (grad * ctx.grad_delta).reshape(-1)
         if ctx.needs_input_grad[1]:
-            grad_scale = (grad * ctx.grad_scale).reshape(1)
-        return grad_delta, grad_scale, None, None, None, None, None
+            grad_variance = (grad * ctx.grad_variance).reshape(ctx.variance_shape)
+        return grad_delta, grad_variance, None, None
 
 
 def structured_evidence(
-    delta: Tensor,
-    scale: Tensor,
-    eigenvalues: Tensor,
-    groups: Tensor,
-    power: int,
-    theta_sq_norms: Tensor,
-    statistics: Tensor,
+    delta: Tensor, variance: Tensor | None, spectrum: Spectrum, statistics: tuple[float, float, float]
 ) -> Tensor:
     r"""The log marginal likelihood of the module docstring, shape ``()``, first-order differentiable in
-    ``delta`` and ``scale``.
+    ``delta`` and ``variance``.
 
     Args:
-        delta: :math:`\delta > 0`, ``(G,)`` (validated by the caller).
-        scale: :math:`s > 0`, ``(1,)``.
-        eigenvalues: :math:`u \ge 0`, ``(P,)``; ``groups``: :math:`g(p)`, ``(P,)`` long.
-        power: :math:`q`, 1 (GGN) or 2 (empirical Fisher).
-        theta_sq_norms: :math:`\|\theta^*_g\|^2`, ``(G,)``.
-        statistics: :math:`(\alpha, \beta, \gamma)`, ``(3, 1)``.
+        delta: :math:`\delta > 0`, ``(G,)`` (validated by the caller), of the dtype of :math:`u`.
+        variance: :math:`v = 1/s > 0`, one element (the noise :math:`\sigma^2` or the temperature :math:`T`),
+            or ``None`` for :math:`s = 1`.
+        spectrum: :math:`u \ge 0`, the groups, :math:`q` (1: GGN, 2: empirical Fisher) and
+            :math:`\|\theta^*_g\|^2` (:class:`Spectrum`).
+        statistics: :math:`(\alpha, \beta, \gamma)` as numbers.
     """
-    return _StructuredEvidence.apply(delta, scale, eigenvalues, groups, power, theta_sq_norms, statistics)
+    return _StructuredEvidence.apply(delta, variance, spectrum, statistics)
