@@ -10,7 +10,9 @@ tensor (ntkgp's KFAC: one per layer, its weight and bias share a Kronecker block
 and bias in separate blocks, each with its own δ). Measured: the build (one pass over the data and the first
 evidence; a build under 0.3 s: the mean of repeated builds after the first, on both sides), the time of one
 hyperparameter step (Adam on log δ, and on the noise for regression; the mean of at least ``--steps`` steps
-and 0.3 s after one warm-up step) and the GLM predictive covariance at 1,000 points. Times are
+and 0.3 s after one warm-up step; where both libraries run, the two steps are then timed again in alternation,
+five rounds for steps under 25 ms, and each side's median counts) and the GLM predictive covariance at 1,000
+points. Times are
 the CPU time of the process (``time.process_time``) with ``--threads`` threads (default 1), which the load of other
 processes on a shared machine changes little; with one thread it is the time the work took. Beside each row,
 measured lower bounds (``benchmarks/route_bounds.py``): the floor of its hyperparameter step (an Adam step on the
@@ -41,7 +43,7 @@ import ntkgp
 from ntkgp._doctable import command_line, markdown_table, write_block
 from ntkgp.laplace.weight_space import DiagLaplace, KFACLaplace, compute_curvature
 from ntkgp.likelihoods import SoftmaxLikelihood
-from route_bounds import (MIN_SECONDS, quiet_collector, bare_full_build, bare_full_step, bare_kfac_build, bare_low_rank_step,
+from route_bounds import (MIN_SECONDS, ROUND_LIMIT, alternating_steps, quiet_collector, bare_full_build, bare_full_step, bare_kfac_build, bare_low_rank_step,
                           bare_structured_step, floor_step, per_step)
 from ntkgp.laplace.weight_space.layer_ggn import layer_ggn_layers
 from ntkgp.laplace.weight_space.low_rank_groups import low_rank_cheaper
@@ -198,7 +200,8 @@ def ntkgp_full(task, x, y, net, prior_structure, steps, x_test):
               "bare_build": bare_full_build(x.shape[0] * k, p, weight, one,
                                             block_shapes(model, x, k) if weight else None, x.shape[0],
                                             full_ggn(net, x, y, lik) if weight else None)}
-    return {"build": t_build, "step": t_step, "pred": t_pred, "first": first, "route": f"full GGN, {space} space",
+    return {"build": t_build, "step": t_step, "step_fn": step, "pred": t_pred, "first": first,
+            "route": f"full GGN, {space} space",
             **bounds}
 
 
@@ -233,7 +236,8 @@ def ntkgp_structured(task, x, y, net, structure, prior_structure, steps, x_test)
     bounds = {"floor": floor_step(curvature.groups.num_groups, regression, steps),
               "bare_step": bare_structured_step(curvature, lik, regression, steps),
               "bare_build": bare_kfac_build(net, x) if structure == "kfac" and net[-1].out_features == 1 else None}
-    return {"build": t_build, "step": t_step, "pred": t_pred, "first": first, "route": structure, **bounds}
+    return {"build": t_build, "step": t_step, "step_fn": step, "pred": t_pred, "first": first, "route": structure,
+            **bounds}
 
 
 # ---------------------------------------------------------------------------------------------- laplace-torch
@@ -273,7 +277,7 @@ def laplace_torch(task, x, y, net, structure, per_tensor, steps, x_test):
         if task == "regression":
             la.sigma_noise = log_sigma.detach().exp()
     t_pred = timed(lambda: la._glm_predictive_distribution(x_test))[1]
-    return {"build": t_build, "step": t_step, "pred": t_pred, "first": first}
+    return {"build": t_build, "step": t_step, "step_fn": step, "pred": t_pred, "first": first}
 
 
 def have_laplace() -> bool:
@@ -347,6 +351,12 @@ def main() -> None:
                     grouping = ("layer" if structure == "kfac" else "parameter") if per_tensor else "network"
                     ours = ntkgp_structured(task, x, y, net, structure, grouping, args.steps, x_test)
                 theirs = laplace_torch(task, x, y, net, structure, per_tensor, args.steps, x_test) if other else None
+                if theirs is not None:  # both steps timed again in alternation, under the same machine state
+                    ours["step"], theirs["step"] = alternating_steps(ours["step_fn"], theirs["step_fn"], args.steps,
+                                                                   (ours["step"], theirs["step"]))
+                for side in (ours, theirs):
+                    if side is not None:
+                        del side["step_fn"]
                 rows.append((label, "per tensor" if per_tensor else "one", ours, theirs))
                 print(format_row(rows[-1]), flush=True)
         if args.write_docs:  # after each problem: a long run leaves what it measured
@@ -394,7 +404,8 @@ def write_docs(rows, points, other: bool, threads: int) -> None:
         table.append(row)
     text = markdown_table(header, table)
     text += (f"\n\nCPU time of the process, {threads} thread(s); a step is the mean over at least --steps steps and "
-             f"{MIN_SECONDS} s, and every timing starts after a garbage collection with the collector paused "
+             f"{MIN_SECONDS} s (both libraries' steps timed in alternation, five rounds where a step takes under "
+             f"{ROUND_LIMIT * 1e3:.0f} ms, the median of each side's rounds), and every timing starts after a garbage collection with the collector paused "
              "during it (as timeit does); the build of a several-δ row on the Schur route includes the one-time "
              "decomposition of the largest group's block made at its second evaluation (the first step's time above "
              "the mean step). Bounds (benchmarks/route_bounds.py): the floor, an Adam step on the row's "

@@ -1,7 +1,8 @@
 """Measured lower bounds beside the rows of ``benchmarks/evidence_routes.py``: what a step or a build cannot go below.
 
 - :func:`per_step`: the CPU time of one step, the mean over at least ``steps`` steps and at least
-  ``MIN_SECONDS`` of CPU time after one warm-up step (a step of half a millisecond timed three times is noise).
+  ``MIN_SECONDS`` of CPU time after one warm-up step (a step of half a millisecond timed three times is noise);
+  :func:`alternating_steps`: two libraries' steps timed in alternation, the median of several rounds.
 - :func:`floor_step`: an Adam step on the row's hyperparameters (``G`` log δ and, for regression, a log noise)
   after the backward pass of a one-operation graph: what no hyperparameter step can avoid.
 - :func:`bare_structured_step`: the floor's step plus the ``O(P)`` kernels of the KFAC / diagonal evidence
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import statistics
 import time
 
 import torch
@@ -34,6 +36,7 @@ from ntkgp.linalg import gram, triangular_inverse
 
 MIN_SECONDS = 0.3
 MAX_STEPS = 5000
+ROUND_LIMIT = 0.025  # seconds: a step this long or longer is timed in one round
 
 
 def per_step(step, steps: int) -> float:
@@ -49,6 +52,21 @@ def per_step(step, steps: int) -> float:
             total += time.process_time() - start
             count += 1
     return total / count
+
+
+def alternating_steps(ours, theirs, steps: int, first: tuple[float, float], rounds: int = 5
+                      ) -> tuple[float, float]:
+    """:func:`per_step` of two steps timed in alternation (``ours``, ``theirs``, ``ours``, …) for ``rounds``
+    rounds, and the median of each side's rounds: both sides under the same state of a shared machine, which a
+    single timing of each, minutes apart, is not. Where either step took ``ROUND_LIMIT`` or more in its ``first``
+    timing (seconds, ours and theirs), those timings are returned as they are."""
+    if max(first) >= ROUND_LIMIT:
+        return first
+    times: tuple[list[float], list[float]] = ([], [])
+    for _ in range(rounds):
+        for fn, out in zip((ours, theirs), times):
+            out.append(per_step(fn, steps))
+    return statistics.median(times[0]), statistics.median(times[1])
 
 
 @contextlib.contextmanager

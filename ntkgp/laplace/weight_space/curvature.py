@@ -82,8 +82,8 @@ class Curvature(ABC):
         r"""The prior precisions :math:`\delta` as a ``(G,)`` tensor (a scalar is shared by all groups), with its
         graph (:func:`~ntkgp.ntk.prior_precision.prior_precision_vector`)."""
         delta = prior_precision
-        if not (torch.is_tensor(delta) and delta.dtype == self.dtype and delta.device == self.f.device
-                and delta.shape == self.group_sizes.shape and _positive_finite(delta)):
+        if not (isinstance(delta, Tensor) and delta.dtype == self.f.dtype and delta.shape == self.group_sizes.shape
+                and delta.device == self.f.device and _positive_finite(delta)):
             # anything but a positive finite (G,) tensor of the curvature's dtype: the full conversion and check
             delta = prior_precision_vector(prior_precision, self.groups, self.dtype, self.f.device,
                                            keep_graph=True)
@@ -105,12 +105,15 @@ class Curvature(ABC):
         if reader is None or reader[0]() is not likelihood:  # checked and dispatched once per likelihood
             reader = self._variance_reader = (weakref.ref(likelihood), variance_reader(likelihood))
         v = reader[1](likelihood)
-        if not torch.is_tensor(v):  # None (s = 1) or a number: one component
-            self._check_scale_size(1, likelihood)
+        if not isinstance(v, Tensor):  # None (s = 1) or a number: one component
+            if self.scale_size != 1:
+                self._check_scale_size(1, likelihood)
             return v
-        if v.dtype != self.dtype or v.device != self.f.device:
-            v = v.to(device=self.f.device, dtype=self.dtype)
-        self._check_scale_size(v.numel(), likelihood)
+        f = self.f
+        if v.dtype != f.dtype or v.device != f.device:
+            v = v.to(device=f.device, dtype=f.dtype)
+        if v.numel() != self.scale_size:
+            self._check_scale_size(v.numel(), likelihood)
         return v
 
     def _check_scale_size(self, size: int, likelihood: Likelihood) -> None:
@@ -198,7 +201,7 @@ def _positive_finite(delta: Tensor) -> bool:
     """Whether every entry is positive and finite, from one reduction (the smallest entry positive, the largest
     finite; ``aminmax`` propagates NaN, which fails both); one entry is read as a number."""
     if delta.numel() == 1:
-        value = float(delta.detach())
+        value = delta.item()
         return 0 < value < math.inf
     low, high = torch.aminmax(delta.detach())
     return float(low) > 0 and float(high) < math.inf
