@@ -200,8 +200,8 @@ def ntkgp_full(task, x, y, net, prior_structure, steps, x_test):
               "bare_build": bare_full_build(x.shape[0] * k, p, weight, one,
                                             block_shapes(model, x, k) if weight else None, x.shape[0],
                                             full_ggn(net, x, y, lik) if weight else None)}
-    return {"build": t_build, "step": t_step, "step_fn": step, "pred": t_pred, "first": first,
-            "route": f"full GGN, {space} space",
+    return {"build": t_build, "step": t_step, "step_fn": step, "before_steps": model.train, "pred": t_pred,
+            "first": first, "route": f"full GGN, {space} space",
             **bounds}
 
 
@@ -352,11 +352,13 @@ def main() -> None:
                     ours = ntkgp_structured(task, x, y, net, structure, grouping, args.steps, x_test)
                 theirs = laplace_torch(task, x, y, net, structure, per_tensor, args.steps, x_test) if other else None
                 if theirs is not None:  # both steps timed again in alternation, under the same machine state
+                    ours.pop("before_steps", lambda: None)()  # the MLL's model back in train mode
                     ours["step"], theirs["step"] = alternating_steps(ours["step_fn"], theirs["step_fn"], args.steps,
                                                                    (ours["step"], theirs["step"]))
                 for side in (ours, theirs):
                     if side is not None:
-                        del side["step_fn"]
+                        side.pop("step_fn")
+                        side.pop("before_steps", None)
                 rows.append((label, "per tensor" if per_tensor else "one", ours, theirs))
                 print(format_row(rows[-1]), flush=True)
         if args.write_docs:  # after each problem: a long run leaves what it measured

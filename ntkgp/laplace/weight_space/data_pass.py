@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
-from gpytorch.likelihoods import Likelihood, SoftmaxLikelihood
+from gpytorch.likelihoods import Likelihood
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
@@ -200,24 +200,10 @@ class DataPass:
 
     def unit_hessian_root(self, f: Tensor, y: Tensor) -> Tensor:
         r"""A root :math:`R_n` of :math:`\tilde\Lambda_n` with the fewest columns the likelihood allows, shape
-        ``(n, C, M)``: for a softmax likelihood :math:`M = C - 1`, else :meth:`unit_hessian_sqrt` (``M = C``).
-
-        :math:`\Lambda = (\operatorname{diag}(p) - p p^\top)/T` has rank :math:`C - 1`, and its root
-        :math:`L` (:meth:`unit_hessian_sqrt`) annihilates the unit vector :math:`\sqrt p`. With the Householder
-        reflection :math:`H = I - \beta v v^\top`, :math:`v = \sqrt p + e_k`, :math:`\beta = 2/\|v\|^2 = 1/(1 +
-        \sqrt{p_k})` (:math:`\|v\|^2 = 2 + 2\sqrt{p_k} \ge 2`: no cancellation), :math:`H e_k = -\sqrt p`, so
-        column :math:`k` of :math:`L H` is zero and the others are the root,
-        :math:`R = L H \setminus k = L_{:, \ne k} - \beta\, L_{:, k} \sqrt{p}_{\ne k}^\top` (using
-        :math:`L v = L e_k`), :math:`R R^\top = L H H^\top L^\top = \Lambda`; here :math:`k = C - 1`. A backward
-        pass and a product per example fewer in a pass over cotangent columns (:math:`\sum_m (J^\top r_m)
-        (J^\top r_m)^\top` is the same for every root)."""
-        root = self.unit_hessian_sqrt(f, y)
-        if not isinstance(self.likelihood, SoftmaxLikelihood) or root.shape[-1] < 2:
-            return root
-        with torch.no_grad():
-            sqrt_p = torch.exp(0.5 * torch.log_softmax(f.to(root.dtype), dim=-1))  # (n, C)
-            beta = 1 / (1 + sqrt_p[:, -1])
-            return root[..., :-1] - (beta[:, None, None] * root[..., -1:]) * sqrt_p[:, None, :-1]
+        ``(n, C, M)`` (:func:`~ntkgp.laplace.weight_space.scaling.unit_hessian_root`: :math:`M = C - 1` for a
+        softmax likelihood). A backward pass and a product per example fewer in a pass over cotangent columns
+        (:math:`\sum_m (J^\top r_m) (J^\top r_m)^\top` is the same for every root)."""
+        return scaling.unit_hessian_root(self.likelihood, f, y, self.scale0)
 
     def unit_gradient(self, f: Tensor, y: Tensor) -> Tensor:
         r""":math:`\tilde g_n = S_0^{-1} g_n`, shape ``(n, C)`` (Gaussian: :math:`y_n - f_n`)."""

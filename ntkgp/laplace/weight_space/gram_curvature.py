@@ -1,6 +1,8 @@
 r"""The full GGN / EF in function space: :math:`\log|H + P_0|` through the per-group Grams of its unit rows.
 
-With the unit rows :math:`U` of :math:`H` (``R × P``: :math:`\tilde L_n^\top J_n` for the GGN, :math:`R = NC`;
+With the unit rows :math:`U` of :math:`H` (``R × P``: :math:`\tilde L_n^\top J_n` for the GGN, :math:`R = NC`,
+or :math:`N(C - 1)` for a softmax, whose :math:`\Lambda_n` has rank :math:`C - 1` and a root of that many columns,
+:func:`~ntkgp.laplace.weight_space.scaling.unit_hessian_root`;
 :math:`\tilde g_n^\top J_n` for the EF, :math:`R = N`) and the row weights :math:`w(s)` of the likelihood's output
 scale (:mod:`~ntkgp.laplace.weight_space.scaling`), :math:`H = U^\top W U` and by the matrix determinant lemma
 
@@ -33,7 +35,7 @@ from ...options import choose
 from .curvature import Curvature
 from .data_pass import DataPass
 from .exact_log_det import scaled_log_det, spectral_log_det_ratio
-from .scaling import unit_gradient, unit_hessian_sqrt
+from .scaling import unit_gradient, unit_hessian_root, unit_hessian_sqrt
 
 __all__ = ["FunctionSpaceCurvature", "function_space_curvature", "unit_grams"]
 
@@ -74,9 +76,9 @@ def unit_grams(
             if not bool((root == 1).all()):
                 grams = grams * (root[None, :, None] * root[None, None, :])
         return grams, row_scale
-    root = unit_hessian_sqrt(likelihood, f, y, scale0)  # (N, C, M)
+    root = unit_hessian_root(likelihood, f, y, scale0)  # (N, C, M): M = C − 1 for a softmax (rank of Λ_n)
     grams = block_sandwich(root, grams, symmetric=True)  # the NTK's Grams
-    return grams, torch.zeros(n * c, dtype=torch.long, device=f.device)
+    return grams, torch.zeros(grams.shape[-1], dtype=torch.long, device=f.device)
 
 
 class FunctionSpaceCurvature(Curvature):

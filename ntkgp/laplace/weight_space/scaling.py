@@ -21,7 +21,7 @@ import math
 from collections.abc import Callable
 
 import torch
-from gpytorch.likelihoods import Likelihood
+from gpytorch.likelihoods import Likelihood, SoftmaxLikelihood
 from torch import Tensor
 
 from ...likelihoods import (
@@ -119,6 +119,29 @@ def unit_hessian_sqrt(likelihood: Likelihood, f: Tensor, y: Tensor, scale0: Tens
     likelihood, :math:`L_n \sqrt{T_0}` for a tempered one."""
     with torch.no_grad():
         return hessian_sqrt(likelihood, f, y) * scale0.rsqrt()[:, None]
+
+
+def unit_hessian_root(likelihood: Likelihood, f: Tensor, y: Tensor, scale0: Tensor) -> Tensor:
+    r"""A root :math:`R_n` of :math:`\tilde\Lambda_n = S_0^{-1/2} \Lambda_n S_0^{-1/2}` with the fewest columns the
+    likelihood allows, shape ``(n, C, M)``, without a graph: for a softmax likelihood :math:`M = C - 1`, else
+    :func:`unit_hessian_sqrt` (``M = C``).
+
+    :math:`\Lambda = (\operatorname{diag}(p) - p p^\top)/T` has rank :math:`C - 1`, and its root
+    :math:`L` (:func:`unit_hessian_sqrt`) annihilates the unit vector :math:`\sqrt p`. With the Householder
+    reflection :math:`H = I - \beta v v^\top`, :math:`v = \sqrt p + e_k`, :math:`\beta = 2/\|v\|^2 = 1/(1 +
+    \sqrt{p_k})` (:math:`\|v\|^2 = 2 + 2\sqrt{p_k} \ge 2`: no cancellation), :math:`H e_k = -\sqrt p`, so
+    column :math:`k` of :math:`L H` is zero and the others are the root,
+    :math:`R = L H \setminus k = L_{:, \ne k} - \beta\, L_{:, k} \sqrt{p}_{\ne k}^\top` (using
+    :math:`L v = L e_k`), :math:`R R^\top = L H H^\top L^\top = \Lambda`; here :math:`k = C - 1`. Whatever is
+    formed from :math:`R R^\top` alone (a GGN, :math:`\log|I + R^\top K R| = \log|I + K \Lambda|`) is the same
+    for every root, with :math:`(C - 1)/C` of the rows."""
+    root = unit_hessian_sqrt(likelihood, f, y, scale0)
+    if not isinstance(likelihood, SoftmaxLikelihood) or root.shape[-1] < 2:
+        return root
+    with torch.no_grad():
+        sqrt_p = torch.exp(0.5 * torch.log_softmax(f.to(root.dtype), dim=-1))  # (n, C)
+        beta = 1 / (1 + sqrt_p[:, -1])
+        return root[..., :-1] - (beta[:, None, None] * root[..., -1:]) * sqrt_p[:, None, :-1]
 
 
 def unit_gradient(likelihood: Likelihood, f: Tensor, y: Tensor, scale0: Tensor) -> Tensor:
