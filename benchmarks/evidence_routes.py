@@ -43,7 +43,7 @@ import ntkgp
 from ntkgp._doctable import command_line, markdown_table, write_block
 from ntkgp.laplace.weight_space import DiagLaplace, KFACLaplace, compute_curvature
 from ntkgp.likelihoods import SoftmaxLikelihood
-from route_bounds import (MIN_SECONDS, ROUND_LIMIT, alternating_steps, quiet_collector, bare_full_build, bare_full_step, bare_kfac_build, bare_low_rank_step,
+from route_bounds import (MIN_SECONDS, ROUND_LIMIT, alternating_steps, warm_torch, quiet_collector, bare_full_build, bare_full_step, bare_kfac_build, bare_low_rank_step,
                           bare_structured_step, floor_step, per_step)
 from ntkgp.laplace.weight_space.layer_ggn import layer_ggn_layers
 from ntkgp.laplace.weight_space.low_rank_groups import low_rank_cheaper
@@ -330,6 +330,7 @@ def main() -> None:
     torch.set_default_dtype(torch.float64)
     torch.set_num_threads(args.threads)
     other = have_laplace()
+    warm_torch()
     points = crossover(args.steps) if args.crossover else None
     rows = []
     order = ["digits", "digits 0-2", "UCI energy"]  # the problems of the issue first; Snelson (P = 5251) last

@@ -69,6 +69,22 @@ def alternating_steps(ours, theirs, steps: int, first: tuple[float, float], roun
     return statistics.median(times[0]), statistics.median(times[1])
 
 
+def warm_torch() -> None:
+    """torch's one-time lazy imports, untimed, before either library is timed: the first forward-mode product
+    imports ``torch._decomp.decompositions_for_jvp``, which scripts a dozen functions with TorchScript (about 0.2 s
+    of CPU), and the first ``autograd.grad`` with a given cotangent imports ``torch.fx``'s symbolic shapes; either
+    would land on whichever side first takes that path."""
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2)).double()
+    x = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
+    out = net(x)
+    torch.autograd.grad(out, x, torch.ones_like(out))
+    params = dict(net.named_parameters())
+    tangents = {name: torch.ones_like(value) for name, value in params.items()}
+    torch.func.jvp(lambda p: torch.func.functional_call(net, p, (x.detach(),)), (params,), (tangents,))
+    torch.func.vmap(torch.func.jacrev(lambda p, xi: torch.func.functional_call(net, p, (xi,))),
+                    in_dims=(None, 0))(params, x.detach())
+
+
 @contextlib.contextmanager
 def quiet_collector():
     """Collect the garbage now, then pause the cyclic collector until the block ends."""

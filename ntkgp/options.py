@@ -158,7 +158,7 @@ def choose(enum: type[E], value: object, argument: str) -> E:
     raise ValueError(f"{argument} must be one of {accepted}, got {value!r}")
 
 
-#: ``"auto"`` takes weight space once ``N·C`` exceeds this fraction of ``P``. Measured by
+#: ``"auto"`` takes weight space once the function-space side ``R`` exceeds this fraction of ``P``. Measured by
 #: ``benchmarks/evidence_routes.py --crossover`` (docs/ntkgp.md) and on a finer grid beside it: an exact evidence
 #: step (per-tensor δ, the curvature built once, softmax with 3 classes, P = 1179) costs the same in both spaces at
 #: ``N·C ≈ 0.9 P`` with one thread (two runs on 2026-12-03 at N·C/P = 0.7, 0.8, 0.85, 0.9, 1.0: function space
@@ -169,11 +169,17 @@ def choose(enum: type[E], value: object, argument: str) -> E:
 #: with the curvature built once: where it is rebuilt for every step (``train_marglik`` with ``hyper_steps=1``) the
 #: builds dominate, ``(N C)² P`` against ``N C P²`` operations, and by these counts function space is the cheaper
 #: one up to ``N·C ≈ P``.
+#: Measured again on 2026-12-05 after the softmax GGN's function-space side shrank to ``R = N·(C − 1)`` rows (the
+#: root of ``Λ_n`` with ``C − 1`` columns): at N·C/P = 0.5, 0.75, 1.0, 1.5, 2.0 (R/P = 0.33, 0.5, 0.67, 1.0,
+#: 1.33) function space 4.7, 9.7, 18.0, 47.9, 93.2 ms against weight space 35-38 ms, equal at ``R ≈ 0.9 P`` as
+#: before: the rule holds for the function-space side ``R`` (``num_rows``), which for a softmax GGN is
+#: ``N·(C − 1)``.
 WEIGHT_SPACE_FROM = 0.85
 
 
 def choose_space(space: Space | str, num_params: int, num_rows: int) -> Space:
-    """Resolve ``"auto"``: weight space when ``N·C > WEIGHT_SPACE_FROM · P`` (the cheaper exact route, measured),
+    """Resolve ``"auto"``: weight space when the function-space side ``R`` (``num_rows``: ``N·C``, ``N·(C − 1)``
+    for a softmax GGN, ``N`` for the EF) exceeds ``WEIGHT_SPACE_FROM · P`` (the cheaper exact route, measured),
     else function space."""
     space = choose(Space, space, "space")
     if space is not Space.AUTO:

@@ -27,6 +27,10 @@ def block_apply(factor: torch.Tensor, v: torch.Tensor, transpose: bool = False) 
     (``(N·C[, m])`` with ``transpose=True``)."""
     n, c, k = factor.shape
     tail = v.shape[1:]
+    if len(tail) == 1:  # columns: one batched product of the blocks (an einsum takes about twice as long)
+        if transpose:
+            return torch.matmul(factor.mT, v.reshape(n, c, tail[0])).reshape(n * k, tail[0])
+        return torch.matmul(factor, v.reshape(n, k, tail[0])).reshape(n * c, tail[0])
     if transpose:
         return torch.einsum("nca,nc...->na...", factor, v.reshape(n, c, *tail)).reshape(n * k, *tail)
     return torch.einsum("nca,na...->nc...", factor, v.reshape(n, k, *tail)).reshape(n * c, *tail)

@@ -25,7 +25,7 @@ from linear_operator.operators import LinearOperator, RootLinearOperator
 from ...kernels import NTKKernel
 from ...likelihoods import gradient, hessian_sqrt, log_likelihood
 from ...options import Curvature, Space, choose, choose_space
-from ..weight_space.scaling import scale_size
+from ..weight_space.scaling import fewest_columns, scale_size, unit_root_columns
 from .algebra import low_rank_log_det, site_cholesky
 from .eigen import checked_spectral_evidence, eigen_problem, spectral_log_det
 from .evidence_curvature import curvature_problem, evidence_curvature
@@ -40,14 +40,17 @@ def curvature_factor(
 ) -> torch.Tensor:
     """Blocks ``(N, C, k)`` of the factor ``L`` with ``L_n L_nᵀ`` the per-point curvature in output space.
 
-    ``"ggn"``: ``L_n L_nᵀ = Λ_n`` (k = C); ``"ef"``: ``L_n = g_n`` (k = 1), so that ``J_nᵀ L_n L_nᵀ J_n = G_nᵀ G_n``
+    ``"ggn"``: ``L_n L_nᵀ = Λ_n`` with the fewest columns (k = C − 1 for a softmax, whose ``Λ_n`` has that rank,
+    :func:`~ntkgp.laplace.weight_space.scaling.fewest_columns`; else k = C): every quantity of the Laplace GLM
+    (evidence, site posterior, predictive) depends on ``L`` only through ``L_n L_nᵀ``, and the site matrices are
+    ``N·k`` square; ``"ef"``: ``L_n = g_n`` (k = 1), so that ``J_nᵀ L_n L_nᵀ J_n = G_nᵀ G_n``
     with ``G_n = g_nᵀ J_n`` the per-example gradient (the empirical Fisher).
 
     Raises:
         ValueError: for an unknown ``curvature``.
     """
     if choose(Curvature, curvature, "curvature") is Curvature.GGN:
-        return hessian_sqrt(likelihood, f, y)
+        return fewest_columns(likelihood, f, hessian_sqrt(likelihood, f, y))
     return gradient(likelihood, f, y).unsqueeze(-1)
 
 
@@ -279,7 +282,8 @@ def _evidence_by_route(
     if route is EvidenceMethod.EIGEN and not traced:  # fit, prior and log-determinant from one cache lookup
         return checked_spectral_evidence(kernel, likelihood, x, f, y, curvature, space)
     if route is EvidenceMethod.CHOLESKY and (covariance is None or _is_kernel_covariance(covariance, kernel, x)):
-        k = f.shape[-1] if curvature is Curvature.GGN else 1
+        # the function-space side of the curvature's own evidence: N·(C − 1) rows for a softmax GGN
+        k = unit_root_columns(likelihood, f.shape[-1]) if curvature is Curvature.GGN else 1
         resolved = choose_space(space, kernel.engine.num_params, f.shape[-2] * k)
         if curvature_problem(kernel, likelihood, x, f, y, curvature, resolved) is None:
             # the curvature's own evidence: its fit statistics and ‖θ*_g‖², kept with it (one cache lookup)

@@ -44,6 +44,7 @@ from .curvature import Curvature
 from .data_pass import Data, DataPass
 from .exact_log_det import scaled_log_det, spectral_log_det_ratio
 from .gram_curvature import FunctionSpaceCurvature, function_space_curvature
+from .scaling import unit_root_columns
 from .layer_ggn import blocks_of_root
 from .low_rank_groups import GroupSchur, low_rank_cheaper
 from .scaling import unit_gradient, unit_hessian_sqrt
@@ -332,7 +333,8 @@ def exact_curvature(
     validated: bool = False,
 ) -> FullCurvature | FunctionSpaceCurvature:
     r"""The exact full GGN / EF in the cheaper space (``space="auto"``, by :func:`~ntkgp.options.choose_space`
-    on :math:`P` and the function-space side :math:`R`: ``N·C`` for the GGN, ``N`` for the EF), or as
+    on :math:`P` and the function-space side :math:`R`: ``N·C`` for the GGN, ``N·(C - 1)`` for a softmax GGN,
+    ``N`` for the EF), or as
     ``space="weight"`` / ``"function"`` says. The multi-output Gaussian EF is weight space only.
 
     Cost of the build: :math:`O(R^2 P)` or :math:`O(R P^2)`; of each evaluation :math:`O(R^3)` or
@@ -345,7 +347,8 @@ def exact_curvature(
     if space is Space.AUTO:
         c = num_outputs(likelihood)
         num_params = sum(p.numel() for p in net.parameters() if p.requires_grad)
-        space = choose_space(space, num_params, int(x.shape[0]) * (1 if fisher else c))
+        rows = int(x.shape[0]) * (1 if fisher else unit_root_columns(likelihood, c))  # the function-space side
+        space = choose_space(space, num_params, rows)
         if fisher and is_gaussian(likelihood) and c > 1:  # the multi-output Gaussian EF is weight space only
             space = Space.WEIGHT
     if space is Space.FUNCTION:

@@ -121,6 +121,12 @@ def unit_hessian_sqrt(likelihood: Likelihood, f: Tensor, y: Tensor, scale0: Tens
         return hessian_sqrt(likelihood, f, y) * scale0.rsqrt()[:, None]
 
 
+def unit_root_columns(likelihood: Likelihood, num_outputs: int) -> int:
+    """The columns ``M`` of :func:`unit_hessian_root` for ``num_outputs`` outputs: ``C - 1`` for a softmax
+    likelihood, else ``C``; the function-space GGN of ``N`` points is ``N·M`` square."""
+    return num_outputs - 1 if isinstance(likelihood, SoftmaxLikelihood) and num_outputs >= 2 else num_outputs
+
+
 def unit_hessian_root(likelihood: Likelihood, f: Tensor, y: Tensor, scale0: Tensor) -> Tensor:
     r"""A root :math:`R_n` of :math:`\tilde\Lambda_n = S_0^{-1/2} \Lambda_n S_0^{-1/2}` with the fewest columns the
     likelihood allows, shape ``(n, C, M)``, without a graph: for a softmax likelihood :math:`M = C - 1`, else
@@ -135,13 +141,19 @@ def unit_hessian_root(likelihood: Likelihood, f: Tensor, y: Tensor, scale0: Tens
     :math:`L v = L e_k`), :math:`R R^\top = L H H^\top L^\top = \Lambda`; here :math:`k = C - 1`. Whatever is
     formed from :math:`R R^\top` alone (a GGN, :math:`\log|I + R^\top K R| = \log|I + K \Lambda|`) is the same
     for every root, with :math:`(C - 1)/C` of the rows."""
-    root = unit_hessian_sqrt(likelihood, f, y, scale0)
+    with torch.no_grad():
+        return fewest_columns(likelihood, f, unit_hessian_sqrt(likelihood, f, y, scale0))
+
+
+def fewest_columns(likelihood: Likelihood, f: Tensor, root: Tensor) -> Tensor:
+    r"""A root ``(n, C, C)`` of :math:`\Lambda_n` (:func:`~ntkgp.likelihoods.hessian_sqrt`, any scale) as one with
+    the fewest columns (:func:`unit_hessian_root`: ``C - 1`` for a softmax likelihood, else ``root`` itself);
+    differentiable in ``root`` and ``f`` (the temperature and the outputs keep their graph)."""
     if not isinstance(likelihood, SoftmaxLikelihood) or root.shape[-1] < 2:
         return root
-    with torch.no_grad():
-        sqrt_p = torch.exp(0.5 * torch.log_softmax(f.to(root.dtype), dim=-1))  # (n, C)
-        beta = 1 / (1 + sqrt_p[:, -1])
-        return root[..., :-1] - (beta[:, None, None] * root[..., -1:]) * sqrt_p[:, None, :-1]
+    sqrt_p = torch.exp(0.5 * torch.log_softmax(f.to(root.dtype), dim=-1))  # (n, C)
+    beta = 1 / (1 + sqrt_p[:, -1])
+    return root[..., :-1] - (beta[:, None, None] * root[..., -1:]) * sqrt_p[:, None, :-1]
 
 
 def unit_gradient(likelihood: Likelihood, f: Tensor, y: Tensor, scale0: Tensor) -> Tensor:
