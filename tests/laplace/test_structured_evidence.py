@@ -126,3 +126,23 @@ def test_a_fixed_variance_as_a_number_against_autograd(variance, num_groups):
     (value, grad), (expected, expected_grad) = results
     assert torch.allclose(value, expected, rtol=1e-12, atol=0)
     assert torch.allclose(grad, expected_grad, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("structure", ["diag_ggn", "kfac"])
+@pytest.mark.parametrize("groups", ["network", "layer"])
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("nan"), float("inf")])
+def test_a_curvature_evidence_rejects_a_bad_prior_precision_tensor(bad, groups, structure):
+    """A (G,) tensor of the curvature's dtype with a non-positive or non-finite entry: ValueError naming
+    prior_precision (with one group the node checks the one number it reads), nothing computed."""
+    from ntkgp.laplace.weight_space import compute_curvature
+    from ntkgp.likelihoods import SoftmaxLikelihood
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3)).double()
+    x, y = torch.randn(12, 3, dtype=torch.float64), torch.randint(0, 3, (12,))
+    likelihood = SoftmaxLikelihood(3).double()
+    curvature = compute_curvature(net, x, y, likelihood, structure, prior_structure=groups)
+    delta = torch.ones(curvature.groups.num_groups, dtype=torch.float64)
+    delta[-1] = bad
+    with pytest.raises(ValueError, match="prior_precision"):
+        curvature.log_marginal_likelihood(delta.requires_grad_(), likelihood)

@@ -78,12 +78,14 @@ class Curvature(ABC):
     def dtype(self) -> torch.dtype:
         return self.f.dtype
 
-    def prior_precision_vector(self, prior_precision: float | Tensor) -> Tensor:
+    def prior_precision_vector(self, prior_precision: float | Tensor, check_value: bool = True) -> Tensor:
         r"""The prior precisions :math:`\delta` as a ``(G,)`` tensor (a scalar is shared by all groups), with its
-        graph (:func:`~ntkgp.ntk.prior_precision.prior_precision_vector`)."""
+        graph (:func:`~ntkgp.ntk.prior_precision.prior_precision_vector`). ``check_value=False``: a ``(G,)`` tensor of
+        the curvature's dtype and device is returned without reading its values (for a caller that checks them
+        itself, as the one-node evidence of one group does with the one number it reads)."""
         delta = prior_precision
         if not (isinstance(delta, Tensor) and delta.dtype == self.f.dtype and delta.shape == self.group_sizes.shape
-                and delta.device == self.f.device and _positive_finite(delta)):
+                and delta.device == self.f.device and (not check_value or _positive_finite(delta))):
             # anything but a positive finite (G,) tensor of the curvature's dtype: the full conversion and check
             delta = prior_precision_vector(prior_precision, self.groups, self.dtype, self.f.device,
                                            keep_graph=True)
@@ -189,10 +191,11 @@ class Curvature(ABC):
             ValueError: ``prior_precision`` of the wrong shape or not positive, or a likelihood with another
                 output scale.
         """
-        delta = self.prior_precision_vector(prior_precision)
         spectrum = self._spectrum
-        if spectrum is not None:  # one node of the graph, O(P)
+        if spectrum is not None:  # one node of the graph, O(P); with one group it checks δ's value itself
+            delta = self.prior_precision_vector(prior_precision, check_value=spectrum.groups is not None)
             return structured_evidence(delta, self.variance(likelihood), spectrum, self._statistics(likelihood)[2])
+        delta = self.prior_precision_vector(prior_precision)
         prior = 0.5 * (delta * self.theta_sq_norms).sum()
         return self.data_fit(likelihood) - prior - 0.5 * self.log_det_ratio(delta, likelihood)
 

@@ -68,6 +68,8 @@ class _StructuredEvidence(torch.autograd.Function):
         share = total = None
         if spectrum.groups is None:  # δ as a number: z = (w/δ) u in one pass over u
             d = delta.item()
+            if not 0 < d < math.inf:  # the caller leaves this check to the node (Curvature.log_marginal_likelihood)
+                raise ValueError(f"prior_precision must be positive and finite, got {[d]}")
             prior = 0.5 * d * spectrum.theta_sq_norm
             z = u * (weight / d)
             if need_delta or need_variance:  # Σ z_p/(1 + z_p) ≥ 0 as z · (1 + z)⁻¹, one dot product
@@ -103,7 +105,8 @@ def structured_evidence(
     ``delta`` and ``variance``.
 
     Args:
-        delta: :math:`\delta > 0`, ``(G,)`` (validated by the caller), of the dtype of :math:`u`.
+        delta: :math:`\delta > 0`, ``(G,)``, of the dtype of :math:`u` (validated by the caller; with one group
+            its one value is checked here: ``ValueError`` naming ``prior_precision``).
         variance: :math:`v = 1/s > 0`, one element (the noise :math:`\sigma^2` or the temperature :math:`T`),
             or ``None`` for :math:`s = 1`.
         spectrum: :math:`u \ge 0`, the groups, :math:`q` (1: GGN, 2: empirical Fisher) and
