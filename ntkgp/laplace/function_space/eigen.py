@@ -43,7 +43,7 @@ from ...linalg import block_sandwich
 from ...linalg import gram
 from ...options import Curvature, Space, choose, choose_space
 from ..weight_space.layer_ggn import blocks_of_root
-from ..weight_space.scaling import data_fit_statistics, output_scale
+from ..weight_space.scaling import data_fit_statistics, fewest_columns, output_scale, unit_root_columns
 from .algebra import block_apply
 
 __all__ = ["checked_spectral_evidence", "eigen_problem", "site_scale", "spectral_log_det", "spectrum"]
@@ -92,8 +92,8 @@ def eigen_problem(
 
 
 def _factor(likelihood: Likelihood, f: torch.Tensor, y: torch.Tensor, curvature: Curvature) -> torch.Tensor:
-    if curvature is Curvature.GGN:
-        return hessian_sqrt(likelihood, f, y)
+    if curvature is Curvature.GGN:  # the root with the fewest columns (C − 1 for a softmax)
+        return fewest_columns(likelihood, f, hessian_sqrt(likelihood, f, y))
     return gradient(likelihood, f, y).unsqueeze(-1)
 
 
@@ -106,7 +106,7 @@ def _spectral_data(
     ``(G,)``: everything of the evidence that the hyperparameters leave fixed, computed together and cached by the
     values of ``x``, ``f``, ``y`` and the network's weights and buffers (one lookup per evidence)."""
     n, c = f.shape
-    k = c if curvature is Curvature.GGN else 1
+    k = unit_root_columns(likelihood, c) if curvature is Curvature.GGN else 1
     space = choose_space(space, kernel.engine.num_params, n * k)
     engine = kernel.engine
     state = engine.network_state()
