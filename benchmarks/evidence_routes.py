@@ -47,6 +47,7 @@ from route_bounds import (MIN_SECONDS, ROUND_LIMIT, alternating_steps, warm_torc
                           bare_structured_step, floor_step, per_step)
 from ntkgp.laplace.weight_space.layer_ggn import layer_ggn_layers
 from ntkgp.laplace.weight_space.low_rank_groups import low_rank_cheaper
+from ntkgp.laplace.weight_space.scaling import unit_root_columns
 
 TEST_POINTS = 1000
 
@@ -182,10 +183,11 @@ def ntkgp_full(task, x, y, net, prior_structure, steps, x_test):
 
     t_pred = timed(predict)[1]
     k = net[-1].out_features if task == "classification" else 1
+    rows = x.shape[0] * unit_root_columns(lik, k)  # the function-space side: N·(C − 1) for a softmax GGN
     from ntkgp.options import choose_space
 
     p = sum(q.numel() for q in net.parameters())
-    space = choose_space("auto", p, x.shape[0] * k).value
+    space = choose_space("auto", p, rows).value
     one, weight, regression = prior_structure == "network", space == "weight", task == "regression"
     groups = model.covar_module.engine.num_groups
     floor = floor_step(groups, regression, steps)
@@ -195,9 +197,9 @@ def ntkgp_full(task, x, y, net, prior_structure, steps, x_test):
         t_build += max(t_first - t_step, 0.0)
     bounds = {"floor": floor,
               "bare_step": (bare_low_rank_step(sizes, regression, steps, floor) if schur else
-                            bare_full_step(min(p, x.shape[0] * k) if one else p if weight else x.shape[0] * k,
+                            bare_full_step(min(p, rows) if one else p if weight else rows,
                                            groups, one, not weight, regression, steps, floor)),
-              "bare_build": bare_full_build(x.shape[0] * k, p, weight, one,
+              "bare_build": bare_full_build(rows, p, weight, one,
                                             block_shapes(model, x, k) if weight else None, x.shape[0],
                                             full_ggn(net, x, y, lik) if weight else None)}
     return {"build": t_build, "step": t_step, "step_fn": step, "before_steps": model.train, "pred": t_pred,
@@ -289,7 +291,7 @@ def have_laplace() -> bool:
 
 
 # ---------------------------------------------------------------------------------------------- crossover
-def crossover(steps: int) -> list[tuple[float, float, float]]:
+def crossover(steps: int) -> list[tuple[float, float, float, float]]:
     """One exact evidence step (per-tensor δ, softmax, 3 classes) in each space for N·C / P on a grid."""
     net = mlp([20, 24, 24, 3])  # P = 1179
     p = sum(q.numel() for q in net.parameters())
@@ -310,8 +312,9 @@ def crossover(steps: int) -> list[tuple[float, float, float]]:
 
             step()
             times.append(timed(lambda: [step() for _ in range(steps)])[1] / steps)
-        out.append((n * 3 / p, *times))
-        print(f"N·C/P = {n * 3 / p:.2f}: function {times[0] * 1e3:.1f} ms, weight {times[1] * 1e3:.1f} ms per step")
+        out.append((n * 3 / p, n * 2 / p, *times))  # R = N·(C − 1): the softmax GGN's function-space side
+        print(f"N·C/P = {n * 3 / p:.2f} (R/P = {n * 2 / p:.2f}): function {times[0] * 1e3:.1f} ms, "
+              f"weight {times[1] * 1e3:.1f} ms per step")
     return out
 
 
@@ -422,9 +425,11 @@ def write_docs(rows, points, other: bool, threads: int) -> None:
              "pair of layers) and the first factorization or eigenvalues of the row's own matrix (full GGN), or one "
              "forward and one backward pass, the Kronecker factors and their eigenvalues (KFAC, one output).")
     if points:
-        text += "\n\nOne exact evidence step (value and gradient) in each space, softmax with 3 classes, P = 1179:\n\n"
-        text += markdown_table(["N·C / P", "function space ms", "weight space ms"],
-                               [[f"{r:.2f}", f"{a * 1e3:.3g}", f"{b * 1e3:.3g}"] for r, a, b in points])
+        text += ("\n\nOne exact evidence step (value and gradient) in each space, softmax with 3 classes, P = 1179 "
+                 "(the function-space side is R = N·(C − 1), the rows of the softmax's root with C − 1 columns):\n\n")
+        text += markdown_table(["N·C / P", "R / P", "function space ms", "weight space ms"],
+                               [[f"{r:.2f}", f"{q:.2f}", f"{a * 1e3:.3g}", f"{b * 1e3:.3g}"]
+                                for r, q, a, b in points])
     note = "  # with laplace-torch importable" if other else ""
     write_block("docs/ntkgp.md", "ntkgp-evidence-routes", text, command_line() + note)
 

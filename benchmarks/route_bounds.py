@@ -227,7 +227,7 @@ def bare_full_build(rows: int, num_params: int, weight_space: bool, one_delta: b
                     shapes: list[tuple[int, int]] | None = None, examples: int | None = None,
                     ggn: torch.Tensor | None = None) -> float:
     """The least arithmetic that forms the GGN (or the NTK Gram) and its first factorization: the Gram of an
-    ``(N·C) × P`` matrix or, where ntkgp forms a weight-space GGN from layer blocks (``shapes``: ``(d_a, d_out)``
+    ``R × P`` matrix (``rows``: the function-space side, ``N·C``, ``N·(C − 1)`` for a softmax GGN) or, where ntkgp forms a weight-space GGN from layer blocks (``shapes``: ``(d_a, d_out)``
     of its layers, ``examples`` = N), the block products of :func:`block_products`; then the eigenvalues
     (one δ) or one Cholesky factorization — of the row's own GGN ``ggn`` where given (the symmetric eigensolver's
     time depends on the spectrum: a trained network's GGN deflates, a random matrix does not)."""
