@@ -190,7 +190,7 @@ def _route(
     if method is EvidenceMethod.MATRIX_FREE and free is not None:
         raise ValueError(f"method='matrix_free' does not apply: {free}")
     n, c, dtype = outputs
-    k = c if curvature is Curvature.GGN else 1
+    k = unit_root_columns(likelihood, c) if curvature is Curvature.GGN else 1  # the site factor's columns
     engine = kernel.engine
     components = scale_size(likelihood) ** (2 if curvature is Curvature.EF else 1)
     dense = dense_memory_bytes(engine.num_params, engine.num_groups, n, c, k, dtype, space, components)
