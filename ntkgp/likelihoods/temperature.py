@@ -77,10 +77,12 @@ class TemperatureMixin:
         call: a hyperparameter step of the evidence reads :math:`T` once, and GPyTorch's transform (a module call)
         costs more than the rest of a structured evidence's bookkeeping. The value is read at every call, so any
         change of it (the setter, ``initialize``, ``load_state_dict``, an in-place write) is seen."""
-        raw = self.raw_temperature
+        # the registries of torch.nn.Module (where register_parameter / register_constraint put them): a step reads
+        # them once each, and Module.__getattr__'s search costs more than the rest of this method
+        raw = self._parameters["raw_temperature"]
         if raw.requires_grad:
             return None
-        value, constraint = float(raw), self.raw_temperature_constraint
+        value, constraint = raw.item(), self._modules["raw_temperature_constraint"]
         memo = self.__dict__.get("_fixed_temperature")
         if memo is None or memo[0] != value or memo[1] is not constraint:
             memo = self.__dict__["_fixed_temperature"] = (value, constraint, float(constraint.transform(raw)))
