@@ -171,9 +171,9 @@ def choose(enum: type[E], value: object, argument: str) -> E:
 #: one up to ``N·C ≈ P``.
 #: Measured again on 2026-12-05 after the softmax GGN's function-space side shrank to ``R = N·(C − 1)`` rows (the
 #: root of ``Λ_n`` with ``C − 1`` columns): at N·C/P = 0.5, 0.75, 1.0, 1.5, 2.0 (R/P = 0.33, 0.5, 0.67, 1.0,
-#: 1.33) function space 4.7, 9.7, 18.0, 47.9, 93.2 ms against weight space 35-38 ms, equal at ``R ≈ 0.9 P`` as
-#: before: the rule holds for the function-space side ``R`` (``num_rows``), which for a softmax GGN is
-#: ``N·(C − 1)``.
+#: 1.33) function space 4.7, 9.7, 18.0, 47.9, 93.2 ms against weight space 35-38 ms (and in the table's run,
+#: 12:10 UTC: 4.8, 9.7, 18.1, 51.2, 104 against 37-41 ms), equal at ``R ≈ 0.9 P`` as before: the rule holds for
+#: the function-space side ``R`` (``num_rows``), which for a softmax GGN is ``N·(C − 1)``.
 WEIGHT_SPACE_FROM = 0.85
 
 
