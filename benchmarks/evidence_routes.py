@@ -43,8 +43,8 @@ import ntkgp
 from ntkgp._doctable import command_line, markdown_table, write_block
 from ntkgp.laplace.weight_space import DiagLaplace, KFACLaplace, compute_curvature
 from ntkgp.likelihoods import SoftmaxLikelihood
-from route_bounds import (MIN_SECONDS, ROUND_LIMIT, alternating_steps, warm_torch, quiet_collector, bare_full_build, bare_full_step, bare_kfac_build, bare_low_rank_step,
-                          bare_structured_step, floor_step, per_step)
+from route_bounds import (MIN_SECONDS, ROUND_LIMIT, alternating_steps, bare_full_build, bare_full_step, bare_kfac_build,
+                          bare_low_rank_step, bare_structured_step, floor_step, per_step, quiet_collector, warm_torch)
 from ntkgp.laplace.weight_space.layer_ggn import layer_ggn_layers
 from ntkgp.laplace.weight_space.low_rank_groups import low_rank_cheaper
 from ntkgp.laplace.weight_space.scaling import unit_root_columns
@@ -355,14 +355,12 @@ def main() -> None:
                     grouping = ("layer" if structure == "kfac" else "parameter") if per_tensor else "network"
                     ours = ntkgp_structured(task, x, y, net, structure, grouping, args.steps, x_test)
                 theirs = laplace_torch(task, x, y, net, structure, per_tensor, args.steps, x_test) if other else None
+                prepare, step = ours.pop("before_steps", None), ours.pop("step_fn")
                 if theirs is not None:  # both steps timed again in alternation, under the same machine state
-                    ours.pop("before_steps", lambda: None)()  # the MLL's model back in train mode
-                    ours["step"], theirs["step"] = alternating_steps(ours["step_fn"], theirs["step_fn"], args.steps,
+                    if prepare is not None:
+                        prepare()  # the MLL's model back in train mode
+                    ours["step"], theirs["step"] = alternating_steps(step, theirs.pop("step_fn"), args.steps,
                                                                    (ours["step"], theirs["step"]))
-                for side in (ours, theirs):
-                    if side is not None:
-                        side.pop("step_fn")
-                        side.pop("before_steps", None)
                 rows.append((label, "per tensor" if per_tensor else "one", ours, theirs))
                 print(format_row(rows[-1]), flush=True)
         if args.write_docs:  # after each problem: a long run leaves what it measured

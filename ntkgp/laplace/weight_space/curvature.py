@@ -96,7 +96,8 @@ class Curvature(ABC):
         s = output_scale(likelihood)
         if s.dtype != self.dtype or s.device != self.f.device:
             s = s.to(device=self.f.device, dtype=self.dtype)
-        self._check_scale_size(s.shape[0], likelihood)
+        if s.shape[0] != self.scale_size:
+            raise self._scale_size_error(s.shape[0], likelihood)
         return s
 
     def variance(self, likelihood: Likelihood) -> Tensor | float | None:
@@ -109,22 +110,20 @@ class Curvature(ABC):
         v = reader[1](likelihood)
         if not isinstance(v, Tensor):  # None (s = 1) or a number: one component
             if self.scale_size != 1:
-                self._check_scale_size(1, likelihood)
+                raise self._scale_size_error(1, likelihood)
             return v
         f = self.f
         if v.dtype != f.dtype or v.device != f.device:
             v = v.to(device=f.device, dtype=f.dtype)
         if v.numel() != self.scale_size:
-            self._check_scale_size(v.numel(), likelihood)
+            raise self._scale_size_error(v.numel(), likelihood)
         return v
 
-    def _check_scale_size(self, size: int, likelihood: Likelihood) -> None:
-        if size != self.scale_size:
-            raise ValueError(
-                f"the curvature was computed for a likelihood with an output scale of size {self.scale_size}, "
-                f"but {type(likelihood).__name__} has one of size {size}; compute it again for this "
-                "likelihood"
-            )
+    def _scale_size_error(self, size: int, likelihood: Likelihood) -> ValueError:
+        return ValueError(
+            f"the curvature was computed for a likelihood with an output scale of size {self.scale_size}, "
+            f"but {type(likelihood).__name__} has one of size {size}; compute it again for this likelihood"
+        )
 
     def fit_statistics(self, likelihood: Likelihood) -> Tensor:
         r"""The statistics ``(3, K)`` of the data term

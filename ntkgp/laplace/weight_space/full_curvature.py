@@ -44,10 +44,9 @@ from .curvature import Curvature
 from .data_pass import Data, DataPass
 from .exact_log_det import scaled_log_det, spectral_log_det_ratio
 from .gram_curvature import FunctionSpaceCurvature, function_space_curvature
-from .scaling import unit_root_columns
 from .layer_ggn import blocks_of_root
 from .low_rank_groups import GroupSchur, low_rank_cheaper
-from .scaling import unit_gradient, unit_hessian_sqrt
+from .scaling import unit_gradient, unit_hessian_sqrt, unit_root_columns
 
 DECOMPOSE_AFTER = 1  # evaluations per network state by the Cholesky route before the low-rank decomposition
 

@@ -46,16 +46,13 @@ def output_variance(likelihood: Likelihood) -> Tensor | None:
     r"""The reciprocal :math:`v = 1/s` of the output scale as the likelihood holds it: ``(C,)`` the noise variances
     :math:`\sigma_c^2` of a Gaussian likelihood, ``()`` the temperature :math:`T` of a tempered one, ``None``
     without either (:math:`s = 1`). Differentiable w.r.t. the noise and the temperature."""
-    num_outputs(likelihood)  # raises for an unsupported likelihood
-    if is_gaussian(likelihood):
-        return noise_variance(likelihood)
-    return likelihood_temperature(likelihood)
+    return variance_reader(likelihood, numbers=False)(likelihood)
 
 
-def variance_reader(likelihood: Likelihood) -> Callable[[Likelihood], Tensor | float | None]:
+def variance_reader(likelihood: Likelihood, numbers: bool = True) -> Callable[[Likelihood], Tensor | float | None]:
     """The function that reads :func:`output_variance` from a likelihood of this one's type, found once: a caller
-    that evaluates often (a hyperparameter step) keeps it instead of dispatching on the type at every call. A
-    temperature that is not learned comes as a number
+    that evaluates often (a hyperparameter step) keeps it instead of dispatching on the type at every call. With
+    ``numbers``, a temperature that is not learned comes as a number
     (:meth:`~ntkgp.likelihoods.temperature.TemperatureMixin.fixed_temperature`).
 
     Raises:
@@ -65,7 +62,7 @@ def variance_reader(likelihood: Likelihood) -> Callable[[Likelihood], Tensor | f
     cls = type(likelihood)
     if is_gaussian(likelihood):
         return noise_variance.dispatch(cls)
-    if isinstance(likelihood, TemperatureMixin):
+    if numbers and isinstance(likelihood, TemperatureMixin):
         return _temperature_or_number
     return likelihood_temperature.dispatch(cls)
 
@@ -149,7 +146,7 @@ def fewest_columns(likelihood: Likelihood, f: Tensor, root: Tensor) -> Tensor:
     r"""A root ``(n, C, C)`` of :math:`\Lambda_n` (:func:`~ntkgp.likelihoods.hessian_sqrt`, any scale) as one with
     the fewest columns (:func:`unit_hessian_root`: ``C - 1`` for a softmax likelihood, else ``root`` itself);
     differentiable in ``root`` and ``f`` (the temperature and the outputs keep their graph)."""
-    if not isinstance(likelihood, SoftmaxLikelihood) or root.shape[-1] < 2:
+    if unit_root_columns(likelihood, root.shape[-1]) == root.shape[-1]:
         return root
     sqrt_p = torch.exp(0.5 * torch.log_softmax(f.to(root.dtype), dim=-1))  # (n, C)
     beta = 1 / (1 + sqrt_p[:, -1])
