@@ -18,7 +18,7 @@ exception the library did not turn into a clear error), then the counts per area
     python benchmarks/audit.py --list               # the cases, without running them
     python benchmarks/audit.py --write-docs         # every area, the counts into docs/guarantees.md
 
-Areas: ntkgp, sfr, fsvi, marglik, posteriors, numerics, likelihoods, cli, data. The exit status is 1 when a
+Areas: ntkgp, sfr, fsvi, marglik, posteriors, numerics, likelihoods, cli, data, networks, threads. The exit status is 1 when a
 case is SILENT-WRONG, MODIFIED-USER-OBJECT or RAW-ERROR, else 0.
 """
 

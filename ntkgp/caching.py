@@ -108,15 +108,21 @@ class ValueCache:
         if self.size == 0 or any(t.requires_grad for t in inputs):
             return compute()
         key = inputs + list(state)
-        for slot, (stored_tag, stored, value) in self._entries.items():
+        for slot, (stored_tag, stored, value) in list(self._entries.items()):  # a snapshot: threads may store
             if stored_tag == tag and same_values(stored, key):
-                self._entries.move_to_end(slot)
+                try:
+                    self._entries.move_to_end(slot)
+                except KeyError:  # evicted by another thread meanwhile
+                    pass
                 return value
         value = compute()
         self._entries[self._next] = (tag, _snapshot(key), value)
         self._next += 1
         while len(self._entries) > self.size:
-            self._entries.popitem(last=False)
+            try:
+                self._entries.popitem(last=False)
+            except KeyError:  # emptied by another thread meanwhile
+                break
         return value
 
     def clear(self) -> None:

@@ -111,7 +111,8 @@ class Subset(Option):
     """Which weights a posterior is over (``subset=``)."""
 
     ALL = "all"
-    LAST_LAYER = "last_layer"
+    LAST_LAYER = "last_layer"  #: one layer (default the last); full, KFAC or diagonal, from its features
+    SUBNETWORK = "subnetwork"  #: chosen parameters or coordinates, by name or by boolean mask; full
 
 
 class Method(Option):

@@ -2,7 +2,8 @@
 
 The audit (issue 25's second one) runs as a benchmark script (``python benchmarks/audit.py``, 2 minutes); here
 only what takes seconds: the classification of each outcome on made-up cases whose outcome is known, and the
-``likelihoods`` and ``data`` areas, whose failures were fixed (each fix has its own test in its folder).
+``likelihoods`` and ``data`` areas, whose failures were fixed (each fix has its own test in its folder), that every
+subject of issue 38 has its round-four cases, and the quick ones among them (all of them with ``--runslow``).
 """
 
 from __future__ import annotations
@@ -100,3 +101,41 @@ def test_the_fast_areas_hold(area):
     assert len(results) >= 10
     bad = {k: v for k, v in results.items() if v[0] not in (fw.HELD, fw.CLEAR)}
     assert not bad
+
+
+# ---------------------------------------------------------------------- the fourth round (issue 38)
+ROUND_FOUR = {  # what issue 38 lists, and the cases that try it
+    "float32 function-space mean": ["numerics-16"], "evidence from a tensor and a list δ": ["numerics-17"],
+    "stale distributions": ["ntkgp-33", "ntkgp-34", "ntkgp-35", "ntkgp-36", "ntkgp-37", "ntkgp-38", "ntkgp-39",
+                            "sfr-30", "sfr-31", "fsvi-25"],
+    "the network seen from another thread": ["threads-01"],
+    "threads sharing one model": ["threads-02", "threads-03", "threads-04", "threads-05"],
+    "unused parameters": ["networks-01"], "tuple and dict outputs": ["networks-02", "networks-02b", "networks-03",
+                                                                     "networks-03b"],
+    "LazyLinear, GRU, weight_norm, TransformerEncoder": ["networks-04", "networks-05", "networks-06", "networks-07"],
+    "deepcopy of KFAC and diagonal posteriors": ["posteriors-24", "posteriors-25"],
+    "train_marglik with inputs that require grad": ["marglik-21"], "arrays to SFR": ["sfr-32"],
+    "float32 SFR variance": ["sfr-33"],
+}
+
+
+def test_every_subject_of_issue_38_has_its_cases():
+    load(["ntkgp", "networks"])  # the round-four modules (with the older areas' and the networks' cases)
+    registered = {c.id for c in fw.iter_cases()}
+    missing = {subject: [i for i in ids if i not in registered] for subject, ids in ROUND_FOUR.items()}
+    assert not {k: v for k, v in missing.items() if v}
+
+
+@pytest.mark.parametrize("case_id", ["networks-02", "networks-03", "networks-04", "sfr-32"])
+def test_the_quick_round_four_cases_hold(case_id):
+    load(["ntkgp", "networks"])
+    (c,) = fw.iter_cases(ids=[case_id])
+    assert audit.run_case(c)[0] in (fw.HELD, fw.CLEAR)
+
+
+@pytest.mark.slow
+def test_the_round_four_cases_hold():
+    load(["ntkgp", "networks"])
+    ids = [i for ids in ROUND_FOUR.values() for i in ids]
+    results = {c.id: audit.run_case(c) for c in fw.iter_cases(ids=ids)}
+    assert not {k: v for k, v in results.items() if v[0] not in (fw.HELD, fw.CLEAR)}

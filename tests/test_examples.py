@@ -108,12 +108,79 @@ def test_fmnist_uncertainty_tiny_on_synthetic_images(tmp_path, monkeypatch, caps
 
 
 
+@pytest.fixture
+def one_thread():
+    """One torch thread: at these tiny sizes the second thread only adds synchronization (several times the run
+    time on a loaded machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_resnet_batchnorm_tiny_on_synthetic_images(tmp_path, monkeypatch, capsys, one_thread):
+    """The ResNet example end to end on tiny synthetic images: MAP, KFAC, KFAC-MC and last-layer KFAC on one
+    table with in-range metrics, and the entropy figure."""
+    out = run_example("resnet_batchnorm", ["--synthetic", "--n-train", "16", "--n-test", "8", "--epochs", "1",
+                                           "--width", "2", "--no-laplace-torch", "--output-dir", str(tmp_path)],
+                      monkeypatch, capsys)
+    # P of the described network, counted by hand: stem 9W + BN 2W, three blocks of two 3×3 convs (9W² each,
+    # no bias) and two BNs (2W each), linear 10W + 10
+    width = 2
+    assert f"P = {9 * width + 2 * width + 3 * (18 * width**2 + 4 * width) + 10 * width + 10:,}" in out
+    rows = table(out, "method")
+    assert [row[0] for row in rows] == ["MAP", "KFAC", "KFAC-MC (S = 1)", "last-layer KFAC"]
+    for row in rows:
+        nll, acc, ece, auroc = map(float, row[1:5])
+        assert nll > 0 and 0 <= acc <= 1 and 0 <= ece <= 1 and 0 <= auroc <= 1
+    assert (tmp_path / "resnet_batchnorm_entropy.png").stat().st_size > 10_000
+
+
+def test_transformer_tokens_tiny(tmp_path, monkeypatch, capsys, one_thread):
+    """The transformer example end to end at tiny sizes: MAP, KFAC, NTKGP and SFR on integer token ids."""
+    out = run_example("transformer_tokens", ["--n-train", "24", "--n-test", "8", "--epochs", "1", "--classes", "3",
+                                             "--seq-len", "4", "--vocab", "12", "--width", "4", "--n-gp", "6",
+                                             "--num-inducing", "4", "--no-laplace-torch", "--output-dir",
+                                             str(tmp_path)], monkeypatch, capsys)
+    rows = table(out, "method")
+    assert [row[0] for row in rows] == ["MAP", "KFAC", "NTKGP (N = 6)", "SFR (M = 4)"]
+    for row in rows:
+        nll, acc, ece, auroc = map(float, row[1:5])
+        assert nll > 0 and 0 <= acc <= 1 and 0 <= ece <= 1 and 0 <= auroc <= 1
+    assert (tmp_path / "transformer_tokens_entropy.png").stat().st_size > 10_000
+
+
+def test_transformer_task_is_the_first_of_two_markers(monkeypatch):
+    """The sequence task, by a scan of each sequence: exactly two different markers, the label is the earlier
+    one, both orders equally common (a bag of tokens cannot beat chance); OOD sequences use only the held-out
+    quarter of the vocabulary, which no training sequence contains."""
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    from transformer_tokens import marker_sequences
+
+    classes, seq_len, vocab = 4, 10, 32
+    x, y = marker_sequences(4000, classes, seq_len, vocab, seed=0)
+    later = []
+    for tokens, label in zip(x.tolist(), y.tolist()):
+        markers = [(position, t) for position, t in enumerate(tokens) if t < classes]
+        assert len(markers) == 2 and markers[0][1] != markers[1][1]
+        assert label == markers[0][1]
+        later.append(markers[1][1])
+    assert x.max() < vocab - vocab // 4
+    # the label is the smaller of the two markers in half of the sequences: 4000 fair coin flips, |Δ| < 5σ
+    smaller = sum(a < b for a, b in zip(y.tolist(), later))
+    assert abs(smaller - 2000) < 5 * (4000 * 0.25) ** 0.5
+    ood, _ = marker_sequences(100, classes, seq_len, vocab, seed=1, out_of_distribution=True)
+    assert ood.min() >= vocab - vocab // 4 and ood.max() < vocab
+
+
 @pytest.mark.parametrize(("name", "args", "message"), [
     ("snelson_regression", ["--grid-size", "1"], "--grid-size >= 2"),
     ("banana_classification", ["--epochs", "0"], "--epochs must be >= 1"),
     ("sequential_updates", ["--batches", "1"], "--batches must be >= 2"),
     ("bayesian_optimization", ["--seeds", "0"], "--seeds must be >= 1"),
     ("fmnist_uncertainty", ["--epochs", "0"], "--epochs must be a positive integer"),
+    ("resnet_batchnorm", ["--width", "0"], "--width must be a positive integer"),
+    ("transformer_tokens", ["--width", "3"], "--width must be even"),
 ])
 def test_bad_options_exit_2(name, args, message, tmp_path, monkeypatch, capsys):
     monkeypatch.syspath_prepend(str(EXAMPLES))

@@ -150,6 +150,9 @@ COVERED_ELSEWHERE: dict[str, str] = {
     "KFACLaplace": "tests/posteriors/test_option_attributes.py",
     "DiagLaplace": "tests/posteriors/test_option_attributes.py",
     "LastLayerLaplace": "tests/posteriors/test_option_attributes.py",
+    "LastLayerKFACLaplace": "tests/posteriors/test_option_attributes.py",
+    "LastLayerDiagLaplace": "tests/posteriors/test_option_attributes.py",
+    "SubnetLaplace": "tests/posteriors/test_option_attributes.py",
     "DensePosterior": "tests/posteriors/test_option_attributes.py",
     "WeightPosterior": "tests/posteriors/test_option_attributes.py",
 }

@@ -25,7 +25,7 @@ SCRIPTS = ROOT / "benchmarks" / "reproduce"
 def _load(name: str):
     """A module of benchmarks/reproduce under its own name, with the ``_common`` / ``_images`` it imports taken from
     there and ``sys.modules`` left as it was for those names (examples/ has a ``_common`` too)."""
-    shared = ("_common", "_images")
+    shared = ("_common", "_images", "_resumable", "_sfr_stages", "_sfr_table")
     saved = {key: sys.modules.pop(key) for key in shared if key in sys.modules}
     sys.path.insert(0, str(SCRIPTS))
     try:
@@ -266,13 +266,124 @@ def test_marglik_images_quick_skips_laplace_torch_cleanly(tiny, tmp_path):
             assert len(t["epoch_seconds"]) == 1 and 0 < t["epoch_seconds"][0] + t["round"] <= t["total"] + 1e-9
 
 
-def test_sfr_images_quick(tiny, tmp_path):
-    out = quick("sfr_images", tiny, tmp_path, "--width-scale", "16").stdout
-    assert "| M = 16 |" in out and "| M = 32 |" in out and "| network (MAP) |" in out
-    run16 = json.loads(next(tmp_path.glob("public_M16_*.json")).read_text())
-    assert run16["inducing_rank"][1] <= 16 and {"gp", "nn"} <= set(run16["train"])
-    assert run16["delta_evidence"] > 0 and run16["train"]["gp"]["nll"] > 0
-    assert run16["train"]["gp"]["nll"] != run16["train"]["nn"]["nll"]  # the two means are two predictives
+def test_sfr_images_quick_runs_every_stage_resumes_and_rebuilds_the_table(tiny, tmp_path):
+    first = quick("sfr_images", tiny, tmp_path, "--width-scale", "16").stdout
+    for row in ("| NN MAP |", "| Laplace GLM (KFAC) | not tuned", "| SFR, M = 16 | tuned: evidence",
+                "| SFR-NN, M = 16 | tuned: validation NLPD"):
+        assert row in first
+    files = {f.name.split("_ood64")[0].split("_seed0")[0]: json.loads(f.read_text()) for f in tmp_path.glob("*.json")}
+    assert set(files) == {"train", "map", "glm_train", "glm_evidence", "glm_validation", "sfr_M16_public_train",
+                          "sfr_M16_public_evidence", "sfr_M16_public_validation"}
+    assert files["train"]["done"] and files["train"]["training_runs"] == 1 and files["train"]["epochs_run"] == 2
+    assert (tmp_path / (files["train"]["key"] + ".weights.pt")).is_file()
+    for name, r in files.items():
+        for which in ("gp", "nn") if name.startswith("sfr") else ("gp",) if name.startswith("glm") else ():
+            assert 0 <= r[which]["ood_auroc"] <= 1 and r[which]["nll"] > 0 and r[which]["ece"] >= 0
+            assert r[which]["delta"] > 0
+    grid = [row[0] for row in files["sfr_M16_public_validation"]["tuning"]]
+    for which, column in (("gp", 1), ("nn", 2)):  # the δ of the lowest validation NLPD, for each mean
+        best = min(files["sfr_M16_public_validation"]["tuning"], key=lambda row: row[column])[0]
+        assert files["sfr_M16_public_validation"][which]["delta"] == best and best in grid
+    delta = files["train"]["delta_train"]
+    assert files["sfr_M16_public_train"]["gp"]["delta"] == delta and files["glm_train"]["gp"]["delta"] == delta
+    table = quick("sfr_images", tiny, tmp_path, "--width-scale", "16", "--table-only").stdout
+    assert "[run]" not in table and first[first.index("| method"):] == table[table.index("| method"):]
+
+
+def test_checkpointed_training_resumed_run_by_run_equals_one_run(tmp_path):
+    """Four runs of one epoch each (``budget_seconds=0``) against one uninterrupted run: the same weights, Adam state
+    and early-stopping record; and the weights against a plain Adam loop over the same per-epoch permutations."""
+    resumable = _load("_resumable")
+    torch.manual_seed(0)
+    x, y = torch.randn(40, 6, dtype=torch.float64), torch.randint(0, 3, (40,))
+    val = (torch.randn(20, 6, dtype=torch.float64), torch.randint(0, 3, (20,)))
+
+    def make():
+        torch.manual_seed(1)
+        return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+
+    kwargs = dict(delta=2.0, max_epochs=4, lr=1e-2, batch_size=16, seed=3, validation=val, eval_every=2, patience=5,
+                  log=lambda _: None)
+    whole = make()
+    one = resumable.train_checkpointed(whole, x, y, checkpoint=tmp_path / "a.pt", best_path=tmp_path / "a_best.pt",
+                                       **kwargs)
+    runs = []
+    for _ in range(4):
+        pieces = make()
+        runs.append(resumable.train_checkpointed(pieces, x, y, checkpoint=tmp_path / "b.pt",
+                                                 best_path=tmp_path / "b_best.pt", budget_seconds=0, **kwargs))
+        if len(runs) == 1:  # what --table-only reads of an unfinished training
+            state = resumable.progress(tmp_path / "b.pt")
+            assert state["epoch"] == 1 and state["runs"] == 1 and len(state["epoch_seconds"]) == 1
+    assert [r["done"] for r in runs] == [False, False, False, True] and runs[-1]["training_runs"] == 4
+    assert one["done"] and one["training_runs"] == 1 and one["epochs_run"] == runs[-1]["epochs_run"] == 4
+    assert [e for e, _ in one["validation"]] == [e for e, _ in runs[-1]["validation"]] == [2, 4]
+    # the same float64 operations in the same order: equal up to rounding (no bit equality asked)
+    for a, b in zip(whole.parameters(), pieces.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+    saved = [torch.load(tmp_path / f, weights_only=False)["optimizer"]["state"] for f in ("a.pt", "b.pt")]
+    for k in saved[0]:
+        torch.testing.assert_close(saved[0][k]["exp_avg_sq"], saved[1][k]["exp_avg_sq"], rtol=1e-12, atol=1e-16)
+    # independent replay: Adam on mean CE + δ/(2N)‖θ‖² over randperm(N, seed 1,000,003·seed + epoch) batches
+    replay = make()
+    opt = torch.optim.Adam(replay.parameters(), lr=1e-2)
+    best, best_state = math.inf, None
+    for epoch in range(1, 5):
+        order = torch.randperm(40, generator=torch.Generator().manual_seed(1_000_003 * 3 + epoch))
+        for idx in order.split(16):
+            loss = nn.functional.cross_entropy(replay(x[idx]), y[idx])
+            loss = loss + 2.0 / 80 * sum(p.square().sum() for p in replay.parameters())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        if epoch % 2 == 0:
+            with torch.no_grad():
+                v = nn.functional.cross_entropy(replay(val[0]), val[1]).item() + 2.0 / 80 * float(
+                    sum(p.square().sum() for p in replay.parameters()))
+            if v < best:
+                best, best_state = v, [p.detach().clone() for p in replay.parameters()]
+    assert one["best_validation_loss"] == pytest.approx(best, rel=1e-10)
+    for a, b in zip(whole.parameters(), best_state):  # the net ends at the best weights
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_sfr_nn_from_one_pass_equals_the_models_nn_predictive():
+    """``_sfr_stages.sfr_probs`` takes SFR-NN's probabilities from the GP pass's covariance and the network's output;
+    against ntkgp's own ``predictive_mean="nn"`` (and ``"gp"``) on a small tanh network (the function does not
+    depend on the architecture; an MLP keeps the test fast)."""
+    stages = _load("_sfr_stages")
+    import ntkgp
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 4)).eval()
+    x, y, x_test = torch.randn(40, 6), torch.randint(0, 4, (40,)), torch.randn(12, 6)
+    sfr = ntkgp.SFR(net, x, y, ntkgp.likelihoods.SoftmaxLikelihood(num_classes=4), num_inducing=8,
+                    prior_precision=3.0, prior_mean="zero", output_coupling="independent", seed=0)
+    gp, nn_ = stages.sfr_probs(sfr, net, x_test, chunk=5)
+    with torch.no_grad():
+        ref_gp = sfr.likelihood(sfr(x_test)).probs
+        sfr.predictive_mean = "nn"
+        ref_nn = sfr.likelihood(sfr(x_test)).probs
+    # float32 probabilities (values ≤ 1) from the same covariance and means, chunked differently: a few ulps of 1
+    # (float32 ε = 1.2e-7) through the probit's scaling and the softmax
+    torch.testing.assert_close(gp, ref_gp, rtol=0, atol=1e-6)
+    torch.testing.assert_close(nn_, ref_nn, rtol=0, atol=1e-6)
+    assert (gp - nn_).abs().max() > 1e-2  # two different means: the comparison can fail
+
+
+@pytest.mark.parametrize("metric, ours, verdict", [
+    ("nll", 0.25, "within"),  # |0.25 − 0.23| = 0.020 ≤ 2·√(0.01² + 0.01²/5) = 0.0219
+    ("nll", 0.26, "worse"), ("nll", 0.20, "better"),
+    ("accuracy", 91.05, "within"),  # 0.93 ≤ 2·√(0.44² + 0.44²/5) = 0.964
+    ("accuracy", 90.9, "worse"), ("accuracy", 93.1, "better"),
+])
+def test_sfr_table_verdicts_one_seed_against_five(metric, ours, verdict):
+    table = _load("_sfr_table")
+    assert table.verdict(ours, table.published("map", None, "train", metric), metric == "accuracy") == verdict
+    # a published value without an error borrows the spread of δ not tuned, M = 3,200 (SFR NLPD: 0.02)
+    assert table.published("sfr", 512, "train", "nll") == (0.38, 0.02, True)
+    assert table.published("sfr_nn", 3200, "validation", "ece") == (0.01, None, True)
+    assert table.verdict(0.2, table.published("sfr_nn", 3200, "evidence", "ece"), False) == "n/a"
 
 
 def test_fsvi_images_quick(tiny, tmp_path):
@@ -282,6 +393,23 @@ def test_fsvi_images_quick(tiny, tmp_path):
     assert "FSVI has the lowest NLL: " in out and "OOD AUROC clearly above MAP's" in out
     runs = [json.loads(f.read_text()) for f in tmp_path.glob("*.json")]
     assert all(0 <= r["ood_auroc"] <= 1 and r["ece"] >= 0 for r in runs) and len(runs) == 4
+
+
+def test_fsvi_augmented_context_is_flipped_and_shifted_training_images():
+    """Every context image is one training image, flipped or not, shifted by at most 4 pixels with zeros filled in:
+    found by brute force over images, flips and offsets."""
+    fsvi = _load("fsvi_images")
+    x = torch.rand(5, 1, 28, 28) + 1.0  # no zeros: a filled-in pixel is told from an image pixel
+    points = fsvi.augmented_context(x)(16, torch.Generator().manual_seed(0))
+    assert points.shape == (16, 1, 28, 28)
+    padded = {flip: nn.functional.pad(x.flip(-1) if flip else x, (4, 4, 4, 4)) for flip in (False, True)}
+    found = set()
+    for point in points:
+        matches = [(i, flip, r, c) for flip in (False, True) for i in range(5) for r in range(9) for c in range(9)
+                   if torch.equal(padded[flip][i, :, r:r + 28, c:c + 28], point)]
+        assert len(matches) >= 1
+        found.add((matches[0][1], matches[0][2] != 4 or matches[0][3] != 4))
+    assert len(found) > 1  # both flips or shifts occur in 16 draws
 
 
 @pytest.mark.parametrize("args, message", [

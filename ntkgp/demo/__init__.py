@@ -15,7 +15,7 @@ Example:
 """
 
 from .report import HEADERS, DemoRow, Predictive, format_table, predict
-from .run import DemoResult, refit_prior_precision, run_demo, run_task
+from .run import DemoResult, run_demo, run_task
 from .tasks import DEFAULT, QUICK, DemoConfig, DemoTask, csv_task, gap_regression_task, mlp, two_moons_task
 
 __all__ = [
@@ -32,7 +32,6 @@ __all__ = [
     "gap_regression_task",
     "mlp",
     "predict",
-    "refit_prior_precision",
     "run_demo",
     "run_task",
     "two_moons_task",

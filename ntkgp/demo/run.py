@@ -19,7 +19,7 @@ from .notes import COLUMNS, REFIT, explain
 from .report import HEADERS, DemoRow, format_table, predict, scores
 from .tasks import DemoConfig, DemoTask, mlp
 
-__all__ = ["DemoResult", "refit_prior_precision", "run_demo", "run_task"]
+__all__ = ["DemoResult", "run_demo", "run_task"]
 
 
 @dataclass
@@ -49,22 +49,10 @@ def _evidence_per_datum(model: NTKGP | SFR) -> float:
     return total.item() / model.num_data
 
 
-def refit_prior_precision(model: NTKGP, steps: int = 100, lr: float = 0.1) -> NTKGP:
-    """Maximize ``model``'s Laplace-GGN evidence over its prior precisions δ, the network's weights θ* fixed.
-
-    ``steps`` Adam steps (step ``lr``) on ``model.covar_module.raw_prior_precision`` (δ is log-parameterized);
-    nothing else changes.
-
-    Returns:
-        ``model``, in eval mode.
-    """
-    raw = model.covar_module.raw_prior_precision
-    optimizer = torch.optim.Adam([raw], lr=lr)
-    for _ in range(steps):
-        optimizer.zero_grad()
-        (-model.log_marginal_likelihood()).backward()
-        optimizer.step()
-    raw.grad = None
+def _refit(model: NTKGP) -> NTKGP:
+    """``model`` with δ refit by its evidence (:meth:`~ntkgp.NTKGP.optimize_prior_precision`, θ* fixed), in eval
+    mode."""
+    model.optimize_prior_precision(steps=100, lr=0.1)
     return model.eval()
 
 
@@ -89,9 +77,9 @@ def run_task(task: DemoTask, config: DemoConfig, output_dir: Path,
 
     Rows: the network alone (``train s``: its training), NTKGP, NTKGP after ``condition_on``; where NTKGP's
     test ECE is above the network's, NTKGP with δ refit by the evidence at the final weights
-    (:func:`refit_prior_precision`; ``build s`` includes the refit); SFR, SFR after ``update``. The network is
-    trained with Algorithm 1 on the full Laplace-GGN log marginal likelihood (one prior precision per layer,
-    learned noise for regression).
+    (:meth:`~ntkgp.NTKGP.optimize_prior_precision`; ``build s`` includes the refit); SFR, SFR after
+    ``update``. The network is trained with Algorithm 1 on the full Laplace-GGN log marginal likelihood (one
+    prior precision per layer, learned noise for regression).
 
     Args:
         task: the problem.
@@ -149,7 +137,7 @@ def run_task(task: DemoTask, config: DemoConfig, output_dir: Path,
                                            inducing, output_dir / f"{task.name}_{short.lower()}.png"))
         if short == "NTKGP" and task.kind == "classification" and built.ece > rows[0].ece:  # less calibrated
             log(f"[{task.name}] NTKGP: refit δ by the evidence at the final weights")
-            refit, refit_s = _timed(lambda: refit_prior_precision(build()))
+            refit, refit_s = _timed(lambda: _refit(build()))
             scored, predict_s = _timed(predict, refit, likelihood, task.x_test, task.kind)
             rows.append(DemoRow(task.name, REFIT, refit.num_data, _evidence_per_datum(refit), **scores(task, scored),
                                 train_s=None, build_s=refit_s, predict_s=predict_s, update_s=None))

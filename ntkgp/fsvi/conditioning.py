@@ -59,8 +59,8 @@ class Conditioning(CheckedLoad):
             )
         if not isinstance(x_new, Tensor):
             raise TypeError(f"x_new must be a torch.Tensor, got {type(x_new).__name__}")
-        if not x_new.is_floating_point():
-            raise TypeError(f"x_new must be a floating-point tensor, got dtype {x_new.dtype}")
+        if x_new.is_complex():  # floating point, or integer token ids (passed to the network as they are)
+            raise TypeError(f"x_new must be a real tensor, got dtype {x_new.dtype}")
         if x_new.dim() < 2 or x_new.shape[0] == 0:
             raise ValueError(
                 "x_new must have shape (M, ...) with M >= 1 and a feature dimension (no batch dimensions; "
@@ -258,7 +258,7 @@ class Conditioning(CheckedLoad):
         :meth:`_conditioning`, its posterior: mean :math:`m(x) + K(x, X) \alpha`, covariance
         :math:`K(x, x) - A^\top A` with :math:`A = L^{-1} K(X, x)` (lazy: the diagonal never forms the
         ``(N·C)²`` matrix)."""
-        mean, covar = self.mean_module(x), self.covar_module(x)
+        mean, covar = self.mean_module(x), self._kernel_now()(x)  # μ, s now: read later, still these
         if self._observed is None:
             return self._mvn(mean, covar)
         x_obs, factor, alpha = self._conditioning()

@@ -24,8 +24,8 @@ def _check_data(x: object, argument: str) -> Tensor:
         raise TypeError(f"{argument} must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() < 2 or x.shape[0] == 0:
         raise ValueError(f"{argument} must have shape (N, ...) with N >= 1 and a feature dimension, got {tuple(x.shape)}")
-    if not x.is_floating_point():
-        raise TypeError(f"{argument} must be a floating-point tensor, got {x.dtype}")
+    if x.is_complex():  # floating point, or integer token ids
+        raise TypeError(f"{argument} must be a real tensor, got {x.dtype}")
     if not torch.isfinite(x).all():
         raise ValueError(f"{argument} contains NaN or Inf values")
     return x

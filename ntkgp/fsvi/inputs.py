@@ -67,7 +67,7 @@ class NetworkInputs:
         r""":func:`~ntkgp.ntk.checks.check_fits` at :math:`\mu`: the network takes ``x[:1]`` (prepared) and gives
         ``(1, C)`` (``num_outputs`` if given); returns ``C``."""
         means = {n: t.detach() for n, t in self.variational_distribution.means().items()}
-        return check_fits(self.net, means, x, argument, num_outputs)
+        return check_fits(self.linearized.core.module(), means, x, argument, num_outputs)  # ntkgp's private copy
 
     def _takes_rows(self, x: Tensor) -> bool:
         """Whether the network maps one row of ``x``'s last dimension, ``(1, x.shape[-1])``, to ``(1, C)``."""

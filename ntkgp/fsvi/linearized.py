@@ -155,8 +155,9 @@ class LinearizedNetwork:
         detached = {**self.core.functional_params(), **{n: p.detach() for n, p in params.items()}}
         with torch.no_grad():
             self._num_outputs = self.forward(detached, x[:1]).shape[1]
+        self.core.autodiff(x[:1])  # how the network is differentiated, or a clear error now (ntkgp.ntk.autodiff)
         probe = x[:1] if self.strategy == "auto" else None
-        self._plan = plan_layers(self.net, detached, self.core.names, probe)
+        self._plan = plan_layers(self.net, detached, self.core.names, probe, runner=self.core.module())
         return self._plan
 
     def features(self, params: Params, x: Tensor, create_graph: bool) -> _Features:

@@ -12,7 +12,10 @@ from linear_operator.operators import DiagLinearOperator
 from torch import Tensor, distributions, nn
 
 from ..botorch import BoTorchInterface
+from ..caching import fingerprint
 from ..likelihoods import is_gaussian, noise_variance, num_outputs
+from ..ntk.outputs import with_output
+from ..ntk.private_copy import model_lock
 from ..options import KLCovariance, OptionAttribute, Predictive, choice, choose
 from .checks import positive_int, real_number
 from .conditioning import Conditioning
@@ -27,6 +30,50 @@ from .variational import MeanFieldGaussian
 
 def _context_jitter(value: object, argument: str) -> float:
     return real_number(value, argument)
+
+
+class VariationalValues:
+    r"""The :math:`\mu` and :math:`s^2` of a :class:`~ntkgp.fsvi.MeanFieldGaussian` as they are now, read by a
+    :class:`~ntkgp.fsvi.MeanFieldNTKKernel` in its place: the covariance of ``model(x)`` is that of the moment it was
+    made, whatever an optimizer step or a ``.data`` write does afterwards (docs/guarantees.md, "Distributions are
+    snapshots"). :math:`\mu` is copied (``P`` numbers; the copy keeps its graph to :math:`\mu` when gradients are
+    on), :math:`s^2` is computed now (a new tensor). What the network itself contributes (its buffers and the
+    parameters outside :math:`\mu`) is fingerprinted (:func:`~ntkgp.caching.fingerprint`): if it changed, reading
+    the covariance raises ``RuntimeError`` instead of mixing.
+
+    Args:
+        q: the live variational distribution.
+        net: the network.
+    """
+
+    def __init__(self, q: MeanFieldGaussian, net: nn.Module) -> None:
+        self._means = {n: m.clone() for n, m in q.means().items()}
+        self._variances = q.variances()
+        self.mean = list(self._means.values())
+        self._net, self._names = net, frozenset(q.names)
+        self._key = self._held()
+
+    def _held(self) -> Tensor:
+        held = [p for n, p in self._net.named_parameters() if n not in self._names]
+        return fingerprint([*held, *self._net.buffers()])
+
+    def means(self) -> dict[str, Tensor]:
+        r""":math:`\mu` per parameter name, as it was.
+
+        Raises:
+            RuntimeError: the network's buffers or parameters outside :math:`\mu` changed since.
+        """
+        if not torch.equal(self._held(), self._key):
+            raise RuntimeError(
+                "the network's buffers or frozen parameters changed after this FSVI distribution was made: its "
+                "covariance cannot be evaluated at the old ones. Read the distribution before changing the "
+                "network, or make it again"
+            )
+        return dict(self._means)
+
+    def variances(self) -> dict[str, Tensor]:
+        r""":math:`s^2` per parameter name, as it was."""
+        return dict(self._variances)
 
 
 class FSVI(Conditioning, NetworkInputs, BoTorchInterface, GP):
@@ -89,6 +136,8 @@ class FSVI(Conditioning, NetworkInputs, BoTorchInterface, GP):
             independent) or ``"diagonal"`` (every output independent, as the public JAX code of FSVI does by
             default). The last two cost :math:`O(K)` instead of :math:`O(K^2)` per layer (docs/fsvi.md, "Which
             covariance the KL keeps").
+        output: for a network returning a dict or a tuple, the key or index of the output to use
+            (:mod:`ntkgp.ntk.outputs`).
 
     ``context_jitter`` and ``kl_covariance`` may be assigned afterwards (validated as here; the next KL uses
     them, as a model built with them would); ``model.prior.prior_linearization`` cannot be changed.
@@ -115,7 +164,9 @@ class FSVI(Conditioning, NetworkInputs, BoTorchInterface, GP):
         chunk_size: int = 256,
         context_jitter: float = 1e-2,
         kl_covariance: str = "full",
+        output: str | int | None = None,
     ) -> None:
+        net = with_output(net, output)  # a network returning a dict or tuple: its output output= (ntkgp.ntk.outputs)
         if not isinstance(likelihood, Likelihood):
             raise TypeError(f"likelihood must be a gpytorch Likelihood, got {type(likelihood).__name__}")
         num_outputs(likelihood)  # raises for unsupported likelihoods
@@ -168,13 +219,19 @@ class FSVI(Conditioning, NetworkInputs, BoTorchInterface, GP):
 
     def forward(self, x: Tensor) -> MultivariateNormal:
         r""":math:`q(f(x)) = N(f(x; \mu), J_\mu(x) \operatorname{diag}(s^2) J_\mu(x)^\top)`, lazy covariance; on a
-        conditioned model (:meth:`condition_on`) its exact posterior given the observations."""
+        conditioned model (:meth:`condition_on`) its exact posterior given the observations. The covariance is
+        evaluated at the :math:`\mu` and :math:`s` of this call (:class:`VariationalValues`), whenever it is read."""
         return self._distribution(x)
+
+    def _kernel_now(self) -> MeanFieldNTKKernel:
+        r"""The covariance kernel at :math:`\mu` and :math:`s` as they are now (what a lazy covariance reads later)."""
+        return MeanFieldNTKKernel(self.linearized, VariationalValues(self.variational_distribution, self.net))
 
     def __call__(self, x: Tensor) -> MultivariateNormal:
         x = self._flat(x)
-        self._check_outputs(x)
-        return super().__call__(x)
+        with model_lock(self):  # one prediction (and cache fill) at a time per model: docs/guarantees.md, "Threads"
+            self._check_outputs(x)
+            return super().__call__(x)
 
     # ------------------------------------------------------------------ function-space KL
     def function_space_kl(self, x_context: Tensor) -> Tensor:

@@ -67,6 +67,12 @@ def _build_context(
         )
     kind = choose(ContextKind, context, "context")
     image_shape = input_shape if input_shape is not None and len(input_shape) >= 2 else None
+    if not x_first.is_floating_point():  # token ids: context points are rows of the data, never real-valued draws
+        if kind is not ContextKind.AUTO:
+            raise ValueError(f"context={context!r} draws real-valued inputs, but train_x holds {x_first.dtype} "
+                             "values (token ids): use context='auto' (random training inputs), a tensor of inputs "
+                             "or a sampler")
+        return contexts.DatasetContext(_loader_inputs(batches, 2**20))
     if kind is ContextKind.AUTO:
         kind = ContextKind.MONOCHROME if image_shape is not None else ContextKind.UNIFORM
     if kind is ContextKind.MONOCHROME:
@@ -122,6 +128,7 @@ def train_fsvi(
     strategy: str = "auto",
     seed: int = 0,
     progress: bool = True,
+    output: str | int | None = None,
 ) -> FSVIResult:
     r"""Fit a mean-field Gaussian over all the weights of ``net`` by function-space variational inference.
 
@@ -143,7 +150,8 @@ def train_fsvi(
             ``train_y=None``.
         train_y: targets (see :func:`ntkgp.likelihoods.validate_targets`), or ``None`` with a loader.
         likelihood: a supported likelihood (its number of outputs must match the network's).
-        context: ``"auto"`` (``"monochrome"`` for image inputs, else ``"uniform"``), ``"uniform"`` (the box of
+        context: ``"auto"`` (``"monochrome"`` for image inputs, random training inputs for integer inputs such as
+            token ids, else ``"uniform"``), ``"uniform"`` (the box of
             the training inputs), ``"monochrome"``, a :class:`~ntkgp.fsvi.ContextDistribution`, a tensor of inputs
             (a :class:`~ntkgp.fsvi.DatasetContext`) or a callable ``(K, generator) -> (K, ...)``.
         num_context: ``K``, context points per step.
@@ -168,6 +176,8 @@ def train_fsvi(
         strategy: ``"auto"`` or ``"contraction"``, see :class:`~ntkgp.fsvi.linearized.LinearizedNetwork`.
         seed: seeds shuffling, context points and weight draws (the global random state is not used).
         progress: show a tqdm bar over epochs.
+        output: for a network returning a dict or a tuple, the key or index of the output to use
+            (:mod:`ntkgp.ntk.outputs`).
 
     Returns:
         :class:`FSVIResult` with the trained model and the per-epoch history.
@@ -215,6 +225,7 @@ def train_fsvi(
         kl_covariance=kl_covariance,
         input_shape=input_shape,
         strategy=strategy,
+        output=output,
     )
 
     generator = torch.Generator().manual_seed(seed)

@@ -17,7 +17,8 @@ from gpytorch.priors import Prior
 from torch import nn
 
 from ..ntk import GroupSpec
-from ..ntk.checks import check_has_values, check_network_values
+from ..ntk.checks import check_network_values
+from ..ntk.inputs import check_tensor
 from ..linalg import all_finite
 from ..options import PriorStructure, Space, Strategy, choose
 
@@ -180,14 +181,10 @@ def kernel_input(x: object, argument: str, input_shape: tuple[int, ...] | None) 
     """Check ``x`` and flatten trailing ``input_shape`` dimensions: ``(*batch, N, D)`` (or GPyTorch's ``(N,)``).
 
     Raises:
-        TypeError: not a floating tensor.
+        TypeError: not a real tensor (floating point or integer).
         ValueError: a scalar, a feature count that does not fit ``input_shape``, NaN/Inf.
     """
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{argument} must be a torch.Tensor, got {type(x).__name__}")
-    check_has_values(x, argument)
-    if not x.is_floating_point():
-        raise TypeError(f"{argument} must be a floating-point tensor, got dtype {x.dtype}")
+    check_tensor(x, argument)  # floating point, or integer token ids (passed to the network as they are)
     shape = input_shape
     if shape is not None and len(shape) > 1 and x.dim() > len(shape) and tuple(x.shape[-len(shape) :]) == shape:
         x = x.flatten(-len(shape))
@@ -201,6 +198,14 @@ def kernel_input(x: object, argument: str, input_shape: tuple[int, ...] | None) 
     if not all_finite(x):
         raise ValueError(f"{argument} contains NaN or Inf values")
     return x
+
+
+def check_integer_input(engine, x: torch.Tensor, argument: str) -> None:
+    """For integer inputs (token ids, passed to the network as they are), check that the network takes them
+    (one forward pass of one row, once per input signature), so that a network that does not is reported naming
+    ``argument`` before any pass (floating inputs are checked by the passes themselves)."""
+    if not x.is_floating_point() and x.numel() > 0:
+        engine.prepare(x.unsqueeze(-1)[:1] if x.dim() == 1 else x.reshape(-1, x.shape[-1])[:1], argument)
 
 
 def prior_precision_tensor(

@@ -19,13 +19,14 @@ from linear_operator.operators import (
     MatmulLinearOperator,
 )
 
+from ..ntk.inputs import check_structure, num_rows
 from ..options import Space, choose_space
 from .batching import Slices, distinct_slices, gather, pair_grams
 
 if TYPE_CHECKING:
     from .ntk_kernel import NTKKernel
 
-__all__ = ["kernel_diagonal", "kernel_matrix"]
+__all__ = ["kernel_diagonal", "kernel_matrix", "structured_kernel_matrix"]
 
 
 def kernel_matrix(kernel: NTKKernel, x1: torch.Tensor, x2: torch.Tensor, batch: torch.Size, square: bool) -> LinearOperator:
@@ -87,3 +88,45 @@ def kernel_diagonal(kernel: NTKKernel, x1: torch.Tensor, x2: torch.Tensor, squar
         for s in range(0, n1, step)
     ]
     return torch.cat(parts, dim=-1).expand(*batch, -1)
+
+
+def structured_kernel_matrix(kernel: NTKKernel, x1: dict, x2: dict | None, diag: bool) -> LinearOperator | torch.Tensor:
+    r"""``K(x1, x2)`` ``(N1·C, N2·C)`` (or its diagonal ``(N·C,)``) for dict inputs of tensors sharing their leading
+    dimension (:mod:`ntkgp.ntk.inputs`, e.g. ``{"ids": ..., "mask": ...}``): the per-group Grams of the engine
+    (no cache, no batch dimensions) re-weighted by :math:`\delta^{-1}`, a
+    :class:`~linear_operator.operators.DenseLinearOperator` in the kernel's dtype."""
+    for name, x in (("x1", x1), ("x2", x2)):
+        if x is not None:
+            check_structure(x, name)
+    w = kernel.prior_precision.reciprocal()
+    if kernel.batch_shape:
+        raise ValueError("dict inputs take a kernel without batch_shape")
+    if diag:
+        if x2 is not None and x2 is not x1:
+            if num_rows(x1) != num_rows(x2):
+                raise ValueError(f"diag=True needs x1 and x2 with the same number of points, got {num_rows(x1)} and "
+                                 f"{num_rows(x2)}")
+            return torch.einsum("g,gii->i", w, kernel.engine.group_grams(x1, x2).to(w))
+        return torch.einsum("g,gncc->nc", w, kernel.engine.diag_blocks(x1).to(w)).reshape(-1)
+    grams = kernel.engine.group_grams(x1, None if x2 is x1 else x2).to(w)
+    return DenseLinearOperator(torch.einsum("g,gij->ij", w, grams))
+
+
+def kernel_forward(kernel: NTKKernel, x1: torch.Tensor, x2: torch.Tensor, diag: bool) -> LinearOperator | torch.Tensor:
+    """``NTKKernel.forward``: the kernel matrix (or its diagonal) of checked inputs ``(*batch, N, D)``, broadcast with
+    the kernel's ``batch_shape``.
+
+    Raises:
+        ValueError: the inputs' batch shapes do not broadcast with the kernel's.
+    """
+    try:
+        batch = torch.broadcast_shapes(x1.shape[:-2], x2.shape[:-2], kernel.batch_shape)
+    except RuntimeError:
+        raise ValueError(
+            f"x1 {tuple(x1.shape)} and x2 {tuple(x2.shape)} do not broadcast with the kernel's batch_shape "
+            f"{tuple(kernel.batch_shape)}"
+        ) from None
+    square = kernel.is_square(x1, x2)
+    if diag:
+        return kernel_diagonal(kernel, x1, x2, square, batch)
+    return kernel_matrix(kernel, x1, x2, batch, square)

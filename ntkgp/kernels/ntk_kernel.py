@@ -12,8 +12,11 @@ from linear_operator.operators import LinearOperator
 from torch import nn
 
 from ..ntk import GroupSpec, NTKEngine
+from ..ntk.outputs import with_output
+from ..ntk.private_copy import model_lock
 from ..options import OptionAttribute, Space, Strategy, choice
 from .arguments import (
+    check_integer_input,
     check_network_dtype,
     count,
     flag,
@@ -25,7 +28,7 @@ from .arguments import (
     prior_structure_value,
 )
 from .batching import distinct_slices, gather, tracks_grad
-from .kernel_matrix import kernel_diagonal, kernel_matrix
+from .kernel_matrix import kernel_forward, structured_kernel_matrix
 from .lazy import NTKLazyKernelTensor
 from .network_state import RANDOM_NETWORK, RandomNetworkError, network_state
 from .shared_cache import SharedValueCache
@@ -105,6 +108,8 @@ class NTKKernel(Kernel):
             (GPyTorch's softplus default would move a large :math:`\delta` by only about the step size).
         cache_size: how many inputs (or input pairs) to keep pieces for (0 disables the cache).
         progress: show progress bars over chunks.
+        output: for a network returning a dict or a tuple, the key or index of the output to use
+            (:mod:`ntkgp.ntk.outputs`); ``None`` (default) for a network returning a tensor.
         batch_shape: GPyTorch's kernel batch shape (one :math:`\delta` vector per batch element).
         active_dims: GPyTorch's ``active_dims``.
 
@@ -148,9 +153,11 @@ class NTKKernel(Kernel):
         prior_precision_constraint: Interval | None = None,
         cache_size: int = 4,
         progress: bool = False,
+        output: str | int | None = None,
         **kwargs,
     ) -> None:
         # ---- validate everything before anything is built
+        net = with_output(net, output)  # the network's output chosen by output= (ntkgp.ntk.outputs)
         check_network_dtype(net)
         args = kernel_arguments(
             prior_structure,
@@ -293,7 +300,8 @@ class NTKKernel(Kernel):
             "diag": lambda: self.engine.diag_blocks(xs[0]),
         }[kind]
         try:
-            return self._cache.get_or_compute(kind, xs, compute, state=self.network_state())
+            with model_lock(self):  # one fill at a time per kernel (docs/guarantees.md, "Threads")
+                return self._cache.get_or_compute(kind, xs, compute, state=self.network_state())
         except RuntimeError as error:
             if _RANDOM_OPERATION not in str(error):
                 raise
@@ -338,7 +346,9 @@ class NTKKernel(Kernel):
     # ------------------------------------------------------------------ inputs
     def _as_input(self, x: torch.Tensor, argument: str) -> torch.Tensor:
         """Check ``x`` and flatten trailing ``input_shape`` dimensions (:func:`ntkgp.kernels.arguments.kernel_input`)."""
-        return kernel_input(x, argument, self.input_shape)
+        x = kernel_input(x, argument, self.input_shape)
+        check_integer_input(self.engine, x, argument)
+        return x
 
     def __call__(
         self,
@@ -350,6 +360,8 @@ class NTKKernel(Kernel):
     ):
         if last_dim_is_batch:
             raise NotImplementedError("NTKKernel does not support last_dim_is_batch=True")
+        if isinstance(x1, dict):  # a dict of tensors (token ids and a mask): a dense Gram, ntkgp.ntk.inputs
+            return structured_kernel_matrix(self, x1, x2, diag)
         same = x2 is x1
         x1 = self._as_input(x1, "x1")
         x2 = x1 if same else (None if x2 is None else self._as_input(x2, "x2"))
@@ -385,15 +397,4 @@ class NTKKernel(Kernel):
     ) -> torch.Tensor | LinearOperator:
         if last_dim_is_batch:
             raise NotImplementedError("NTKKernel does not support last_dim_is_batch=True")
-        try:
-            batch = torch.broadcast_shapes(x1.shape[:-2], x2.shape[:-2], self.batch_shape)
-        except RuntimeError:
-            raise ValueError(
-                f"x1 {tuple(x1.shape)} and x2 {tuple(x2.shape)} do not broadcast with the kernel's "
-                "batch_shape "
-                f"{tuple(self.batch_shape)}"
-            ) from None
-        square = self.is_square(x1, x2)
-        if diag:
-            return kernel_diagonal(self, x1, x2, square, batch)
-        return kernel_matrix(self, x1, x2, batch, square)
+        return kernel_forward(self, x1, x2, diag)

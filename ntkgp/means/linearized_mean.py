@@ -6,7 +6,6 @@ import math
 
 import torch
 from gpytorch.means import Mean
-from torch.func import functional_call, jvp
 
 from ..caching import ValueCache
 from ..kernels.arguments import count
@@ -68,8 +67,8 @@ class _NetworkMeanBase(Mean):
         """The mean at flat inputs ``(*batch, N, D)`` as ``(*batch, N, C)`` in the network's dtype."""
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-        if not x.is_floating_point():
-            raise TypeError(f"x must be a floating-point tensor, got dtype {x.dtype}")
+        if x.is_complex():  # floating point, or integer token ids
+            raise TypeError(f"x must be a real tensor, got dtype {x.dtype}")
         if x.dim() < 2:
             raise ValueError(f"x must have shape (*batch, N, D), got {tuple(x.shape)}")
         batch, n = x.shape[:-2], x.shape[-2]
@@ -94,7 +93,7 @@ class NetworkMean(_NetworkMeanBase):
     r"""The network's own output as a GP mean, :math:`m(x) = f(x; \theta^*)` (SFR-NN, laplace-torch's GLM mean)."""
 
     def _outputs(self, x: torch.Tensor) -> torch.Tensor:
-        return functional_call(self.engine.net, self.engine.params(), (x,))
+        return self.engine.core.call({}, x)  # on ntkgp's private copy of the network
 
 
 class LinearizedNetworkMean(_NetworkMeanBase):
@@ -103,12 +102,12 @@ class LinearizedNetworkMean(_NetworkMeanBase):
     The linearized network :math:`f_{lin}(x;\theta) = f(x;\theta^*) + J(x)(\theta - \theta^*)` with prior
     :math:`\theta \sim N(0, P_0^{-1})` is the GP :math:`GP(m, K)` with the NTK kernel ``K`` (docs/math.md, "GLM
     predictive"). :math:`f(x;\theta^*)` and :math:`J(x)\theta^*` come from one forward-mode pass
-    (``torch.func.jvp`` with tangent :math:`\theta^*`); the Jacobian is never formed. When ``x`` requires grad
+    (``torch.func.jvp`` with tangent :math:`\theta^*`; reverse over reverse for a network without forward-mode
+    derivatives, :meth:`NetworkCore.value_and_jvp <ntkgp.ntk.network.NetworkCore.value_and_jvp>`); the Jacobian is
+    never formed. When ``x`` requires grad
     both terms are differentiable w.r.t. ``x``.
     """
 
     def _outputs(self, x: torch.Tensor) -> torch.Tensor:
-        params = self.engine.params()
-        net = self.engine.net
-        f, j_theta = jvp(lambda p: functional_call(net, p, (x,)), (params,), (params,))
+        f, j_theta = self.engine.core.value_and_jvp(x, self.engine.params())
         return f - j_theta

@@ -15,6 +15,7 @@ from ..laplace.function_space import evidence as routes
 from ..laplace.function_space.eigen import _spectral_data
 from ..laplace.function_space.evidence import _evidence_by_route, _is_kernel_covariance, _route
 from ..laplace.function_space.routes import check_options
+from ..laplace.weight_space.prior_tuning import optimize_parameter_precision
 from ..likelihoods import num_outputs, validate_targets
 from ..models import NTKGP
 from ..options import Curvature, EvidenceMethod, OptionAttribute, Space, choice
@@ -182,3 +183,18 @@ class LaplaceGGNMarginalLogLikelihood(MarginalLogLikelihood):
                     if prior is not None:
                         evidence = evidence + prior.log_prob(closure(module)).sum()
         return evidence / n
+
+    def optimize_prior_precision(self, optimizer: str = "adam", steps: int = 100, lr: float = 0.1, grid=None,
+                                 sweeps: int = 2, progress: bool = False) -> torch.Tensor:
+        r"""Maximize this MLL (the evidence per data point, with any registered hyperparameter priors) over the
+        model's :math:`\delta` alone, set it and return it; the arguments as
+        :meth:`ntkgp.NTKGP.optimize_prior_precision`. The model is put in train mode for the evaluations and
+        left in the mode it was in."""
+        model = self.model
+        mode = model.training
+        model.train()
+        try:
+            return optimize_parameter_precision(lambda: self(model(model.train_x), model.train_y), model.covar_module,
+                                                optimizer, steps, lr, grid, sweeps, progress)
+        finally:
+            model.train(mode)

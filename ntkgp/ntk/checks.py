@@ -11,6 +11,10 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.dropout import _DropoutNd
 
+from .inputs import Inputs, check_structure, describe, detach, is_integer, is_structured, rows
+from .inputs import to as to_network
+from .outputs import OutputSelectionError, describe_output
+
 
 def check_eval_mode(
     net: nn.Module, argument: str = "net", modules: Iterable[tuple[str, nn.Module]] | None = None
@@ -54,6 +58,21 @@ def check_network_values(net: nn.Module, argument: str = "net") -> None:
         if t.is_meta:
             raise ValueError(f"{argument} has {name!r} on the meta device, which holds shapes but no values to "
                              "compute with: load the network's weights first")
+
+
+def check_initialized(net: nn.Module, argument: str = "net") -> None:
+    """Raise ``ValueError`` naming ``argument`` and the module for a lazy module (``nn.LazyLinear``, ...) whose
+    parameters or buffers are not initialized yet: their shapes are unknown until a batch has been through it."""
+    for name, module in net.named_modules():
+        for kind, tensors in (("parameter", module._parameters), ("buffer", module._buffers)):
+            lazy = [k for k, t in tensors.items() if t is not None and nn.parameter.is_lazy(t)]
+            if lazy:
+                raise ValueError(
+                    f"{argument} has the uninitialized lazy module '{name or type(net).__name__}' "
+                    f"({type(module).__name__}; {kind} {lazy[0]!r} has no shape yet): run one batch through the "
+                    f"network first (e.g. {argument}(x[:1])) so that its parameters are created, then build the "
+                    "ntkgp object"
+                )
 
 
 def check_inputs(x: torch.Tensor, argument: str = "x") -> None:
@@ -141,14 +160,22 @@ def check_tangents(u: object, shapes: dict[str, torch.Size], argument: str = "u"
 
 
 def prepare_inputs(
-    x: torch.Tensor, argument: str, dtype: torch.dtype, device: torch.device, input_shape: tuple[int, ...] | None
-) -> torch.Tensor:
-    """Check ``x`` (:func:`check_inputs`, real) and bring it to ``dtype`` (floating inputs), ``device`` and
-    ``(N, *input_shape)`` (flat ``(N, D)`` inputs are reshaped); a copy only where needed."""
+    x: Inputs, argument: str, dtype: torch.dtype, device: torch.device, input_shape: tuple[int, ...] | None
+) -> Inputs:
+    """Check ``x`` (:func:`check_inputs`, real) and bring it to ``dtype`` (floating inputs; integer token ids are
+    never cast), ``device`` and ``(N, *input_shape)`` (flat ``(N, D)`` inputs are reshaped); a copy only where
+    needed. A dict/tuple of tensors (:mod:`ntkgp.ntk.inputs`) is checked leaf by leaf (common leading dimension,
+    finite floating-point leaves) and moved the same way; ``input_shape`` applies to tensor inputs only."""
+    if is_structured(x):
+        check_structure(x, argument)
+        if input_shape is not None:
+            raise ValueError(f"input_shape={input_shape} applies to tensor inputs, but {argument} is a "
+                             f"{type(x).__name__} of tensors: leave input_shape=None")
+        return to_network(x, dtype, device)
     check_inputs(x, argument)
     if x.is_complex():
         raise TypeError(f"{argument} must be a real tensor, got dtype {x.dtype}")
-    x = x.to(dtype=dtype, device=device) if x.is_floating_point() else x.to(device=device)
+    x = to_network(x, dtype, device)
     if input_shape is not None and tuple(x.shape[1:]) != input_shape:
         if x.dim() == 2 and x.shape[1] == math.prod(input_shape):
             return x.reshape(x.shape[0], *input_shape)
@@ -160,22 +187,39 @@ def prepare_inputs(
 
 
 def check_fits(
-    net: nn.Module, params: dict[str, torch.Tensor], x: torch.Tensor, argument: str, num_outputs: int | None
+    net: nn.Module, params: dict[str, torch.Tensor], x: Inputs, argument: str, num_outputs: int | None
 ) -> int:
     """One forward pass of ``x[:1]``: raise a ``ValueError`` naming ``argument`` when ``x`` does not fit the
-    network (the network's own error is chained), or when the outputs are not ``(1, C)`` with the ``C`` seen
-    before. Returns ``C``."""
+    network (the network's own error is chained), when the network returns a dict or a tuple (choose one with
+    ``output=``, :mod:`ntkgp.ntk.outputs`), or when the outputs are not ``(1, C)`` with the ``C`` seen before.
+    Returns ``C``."""
     from .functional import forward
 
     try:
         with torch.no_grad():
-            f = forward(net, params, x[:1].detach())
+            f = forward(net, params, detach(rows(x, 0, 1)))
+    except OutputSelectionError:
+        raise
     except Exception as error:  # the network's own error, re-raised with the argument's name
+        hint = (" (integer inputs are passed to the network as they are, as token ids for an nn.Embedding; "
+                "convert real-valued features with .to(torch.float64))" if is_integer(x) else "")
         raise ValueError(
-            f"{argument} of shape {tuple(x.shape)} and dtype {x.dtype} does not fit the network: "
-            f"{type(error).__name__}: {error}"
+            f"{argument} of {describe(x)} does not fit the network: {type(error).__name__}: {error}{hint}"
         ) from error
+    if not isinstance(f, torch.Tensor):
+        raise ValueError(
+            f"net returns {describe_output(f)} instead of a tensor of outputs: choose the output to use with "
+            "output= (a key of the dict, e.g. output='logits', or an index of the tuple, e.g. output=0)"
+        )
     check_outputs(f, 1)
     if num_outputs is not None and f.shape[1] != num_outputs:
         raise ValueError(f"{argument} gives {f.shape[1]} network outputs, earlier inputs {num_outputs}")
     return f.shape[1]
+
+
+def check_not_array(x: object, argument: str) -> None:
+    """Raise ``TypeError`` naming ``argument`` for an array that is not a tensor (a NumPy array, or anything
+    with ``__array__``): it would otherwise be read as an iterable of batches."""
+    if not isinstance(x, torch.Tensor) and hasattr(x, "__array__"):
+        raise TypeError(f"{argument} must be a torch.Tensor (or an iterable of (x, y) batches), got "
+                        f"{type(x).__name__}: convert it with torch.as_tensor({argument})")

@@ -16,6 +16,8 @@ import torch
 from torch import Tensor
 
 from .network import NetworkCore
+from .inputs import num_rows
+from .inputs import rows as take_rows
 
 Columns = dict[int, Tensor]
 
@@ -77,6 +79,6 @@ def add_diag_blocks(out: Tensor, s: int, e: int, j: Columns, c: int) -> None:
 def jacobian(core: NetworkCore, x: Tensor) -> Tensor:
     """The stacked Jacobian ``(N·C, P)`` of every parameter, chunk by chunk."""
     rows = []
-    for s, e in core.chunks(x.shape[0], "Jacobians"):
-        rows.append(core.jacobian(x[s:e]).reshape(-1, core.num_params))
+    for s, e in core.chunks(num_rows(x), "Jacobians"):
+        rows.append(core.jacobian(take_rows(x, s, e)).reshape(-1, core.num_params))
     return torch.cat(rows)

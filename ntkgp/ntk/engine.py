@@ -30,6 +30,7 @@ from .groups import GroupSpec
 from .layer_plan import LayerPlan, plan_layers
 from .network import NetworkCore
 from .products import NTKProducts
+from .inputs import detach, num_rows, requires_grad
 
 
 class NTKEngine:
@@ -151,7 +152,7 @@ class NTKEngine:
 
     @staticmethod
     def _graph(*xs: torch.Tensor) -> bool:  # keep a graph to the inputs (else the detached fast path)
-        return torch.is_grad_enabled() and any(x.requires_grad for x in xs)
+        return torch.is_grad_enabled() and any(requires_grad(x) for x in xs)
 
     def _pair(self, x1: torch.Tensor, x2: torch.Tensor | None) -> tuple:
         """``(x1, x2, sym, plan, C, graph)`` for a two-argument computation, both arguments validated first."""
@@ -182,7 +183,7 @@ class NTKEngine:
         a number of points keeps those of the leading chunks within it and recomputes the others at each use (a
         memory budget). :meth:`FeatureSet.converted <ntkgp.ntk.feature_pass.FeatureSet.converted>` gives them in
         another dtype."""
-        x = self.prepare(x).detach()
+        x = detach(self.prepare(x))
         return FeatureSet(self.core, self.plan(x), x, graph=False, keep=keep)
 
     def _given(self, x1: torch.Tensor, features: FeatureSet | None, plan, graph: bool) -> FeatureSet | None:
@@ -191,7 +192,7 @@ class NTKEngine:
             return None
         if not isinstance(features, FeatureSet):
             raise TypeError(f"x1_features must be a FeatureSet (NTKEngine.feature_set), got {type(features).__name__}")
-        if features.num_points != x1.shape[0] or features.plan.routes() != plan.routes():
+        if features.num_points != num_rows(x1) or features.plan.routes() != plan.routes():
             raise ValueError("x1_features are not those of x1 (another number of points or other routes)")
         if graph:  # a graph to the inputs: the given features carry none
             raise ValueError("x1_features cannot be combined with inputs that require grad")
@@ -216,9 +217,9 @@ class NTKEngine:
                 raise ValueError(f"{name}=True needs x1_features and x2")
         blocks = outputs = None
         if with_blocks:
-            blocks = torch.zeros(self.num_groups, x2.shape[0], c, c, dtype=self.dtype, device=self.device)
+            blocks = torch.zeros(self.num_groups, num_rows(x2), c, c, dtype=self.dtype, device=self.device)
         if with_outputs:
-            outputs = tuple(torch.empty(x2.shape[0], c, dtype=self.dtype, device=self.device) for _ in range(2))
+            outputs = tuple(torch.empty(num_rows(x2), c, dtype=self.dtype, device=self.device) for _ in range(2))
         out = grams.group_grams(self.core, plan, x1, x2, sym, c, graph, f1, blocks, outputs)
         extra = ((blocks,) if with_blocks else ()) + (outputs or ())
         return (out, *extra) if extra else out
@@ -240,7 +241,7 @@ class NTKEngine:
         if with_outputs:
             if f1 is None or sym:
                 raise ValueError("with_outputs=True needs x1_features and x2")
-            outputs = tuple(torch.empty(x2.shape[0], c, dtype=self.dtype, device=self.device) for _ in range(2))
+            outputs = tuple(torch.empty(num_rows(x2), c, dtype=self.dtype, device=self.device) for _ in range(2))
         out, diag = grams.output_grams(self.core, plan, x1, x2, sym, c, graph, with_diagonal, f1, outputs)
         extra = ((diag,) if with_diagonal else ()) + (outputs or ())
         return (out, *extra) if extra else out
@@ -255,7 +256,7 @@ class NTKEngine:
         """The products :math:`J(X)^\\top v` and :math:`J(X) u` at ``x``, prepared once for many calls (the layer
         features of the structured layers computed and kept; :class:`~ntkgp.ntk.products.NTKProducts`); ``x``
         is checked and prepared, no graph is kept."""
-        x = self.prepare(x).detach()
+        x = detach(self.prepare(x))
         return NTKProducts(self.core, self.plan(x), x, engine=self)
 
     def _one_shot(self, x: torch.Tensor) -> NTKProducts:
@@ -265,7 +266,7 @@ class NTKEngine:
     def vjp(self, x: torch.Tensor, v: torch.Tensor) -> dict[str, torch.Tensor]:
         """``J(X)ᵀ v`` for ``v`` of shape ``(N·C,)`` or ``(N·C, k)``: per parameter, shape ``(*p.shape[, k])``."""
         x = self.prepare(x)
-        check_rows(v, x.shape[0] * self.num_outputs(x), "v")
+        check_rows(v, num_rows(x) * self.num_outputs(x), "v")
         columns = v if v.dim() == 2 else v.unsqueeze(-1)
         out = self._one_shot(x).transpose(columns)
         return {
@@ -295,7 +296,7 @@ class NTKEngine:
             ValueError: a wrong shape, NaN/Inf or a negative weight, naming the argument.
         """
         x = self.prepare(x)
-        check_rows(v, x.shape[0] * self.num_outputs(x), "v")
+        check_rows(v, num_rows(x) * self.num_outputs(x), "v")
         check_rows(weights, self.num_groups, "weights", max_dim=1)
         if bool((weights < 0).any()):
             raise ValueError(f"weights must be non-negative, got {weights.detach().tolist()}")

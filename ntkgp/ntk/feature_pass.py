@@ -33,6 +33,8 @@ from torch import Tensor
 from .features import Layer
 from .layer_plan import LayerPlan
 from .network import NetworkCore
+from .inputs import num_rows
+from .inputs import rows as take_rows
 
 
 class ChunkFeatures:
@@ -219,17 +221,17 @@ class FeatureSet:
     def __init__(self, core: NetworkCore, plan: LayerPlan, x: Tensor, graph: bool, columns: bool = True,
                  keep: bool | int | None = None) -> None:
         self.core, self.plan, self.x, self.graph = core, plan, x, graph
-        n, c = x.shape[0], core.num_outputs(x)
+        n, c = num_rows(x), core.num_outputs(x)
         self.contracted = columns and bool(plan.generic or plan.multi)
         if keep is None:
-            keep = n * c * contracted_width(core, plan) * x.element_size() <= core.max_jacobian_bytes
+            keep = n * c * contracted_width(core, plan) * core.dtype.itemsize <= core.max_jacobian_bytes
         limit = (n if keep else 0) if isinstance(keep, bool) else int(keep)
         self.bounds = [(s, min(s + core.chunk_size, n)) for s in range(0, n, core.chunk_size)]
-        self.dtype = x.dtype  # of the columns given out (recomputed ones are rounded to it: :meth:`converted`)
+        self.dtype = core.dtype  # of the columns given out (the network's: x may hold token ids) (recomputed ones are rounded to it: :meth:`converted`)
         inputs, grads, self.kept = {}, {}, []
         for s, e in core.chunks(n, "layer features"):
             held = self.contracted and e <= limit
-            f = chunk_features(core, plan, x[s:e], graph, columns=held)
+            f = chunk_features(core, plan, take_rows(x, s, e), graph, columns=held)
             for m in f.inputs:
                 inputs.setdefault(m, []).append(f.inputs[m])
                 grads.setdefault(m, []).append(f.grads[m])
@@ -239,7 +241,7 @@ class FeatureSet:
 
     @property
     def num_points(self) -> int:
-        return self.x.shape[0]
+        return num_rows(self.x)
 
     @property
     def keep(self) -> bool:
@@ -283,5 +285,5 @@ class FeatureSet:
         if self.kept[k] is not None:
             return self.kept[k]
         s, e = self.bounds[k]
-        cols = chunk_features(self.core, self.plan, self.x[s:e], self.graph, single=False).columns
+        cols = chunk_features(self.core, self.plan, take_rows(self.x, s, e), self.graph, single=False).columns
         return {g: t.to(self.dtype) for g, t in cols.items()}

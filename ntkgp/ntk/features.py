@@ -12,7 +12,8 @@ the Jacobian of the network's output :math:`f_c(x_n)` w.r.t. the layer's paramet
 
 (``docs/math.md``, "Structured form"), so Grams, curvatures and per-example products of these layers need
 only the layer inputs :math:`a` and the back-propagated output gradients :math:`\Gamma`, never the Jacobian.
-Both come from one batched forward pass with hooks (removed afterwards) and one backward pass per cotangent
+Both come from one batched forward pass with hooks (on ntkgp's private copy of the network, removed afterwards)
+and one backward pass per cotangent
 column (the examples do not interact: eval mode). Which layers take this form is decided once by the layer
 plan (:mod:`ntkgp.ntk.layer_plan`).
 """
@@ -27,7 +28,8 @@ from torch import Tensor, nn
 from torch.nn.functional import pad, unfold
 
 from .checks import check_outputs
-from .functional import forward
+from .functional import call, forward
+from .inputs import num_rows
 
 LAYER_TYPES = (nn.Linear, nn.Conv2d)
 
@@ -92,6 +94,19 @@ class Layer:
         if self.bias is not None:
             parts.append(grads.sum(dim=-1, keepdim=True))
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+
+    def takes(self, inputs: object, n: int) -> bool:
+        """Whether the layer's recorded input is a batch of ``n`` examples it can be structured on."""
+        return _batched(self.module, inputs, n)
+
+    def recorded_inputs(self, inputs: Tensor) -> Tensor:
+        """The features kept from the layer's input (:func:`layer_inputs`: ``a`` as ``(n, d_in, T)``)."""
+        return layer_inputs(self.module, inputs)
+
+    def recorded_gradients(self, grads: Tensor) -> Tensor:
+        r""":math:`\Gamma` as ``(n, d_out, T)`` from the gradient w.r.t. the layer's output
+        (:func:`layer_output_gradients`)."""
+        return layer_output_gradients(self.module, grads)
 
     def jacobians(self, inputs: Tensor, grads: Tensor) -> dict[str, Tensor]:
         r"""Per-example Jacobian blocks from the features, ``{name: (n, M, numel)}`` for gradients
@@ -214,12 +229,13 @@ def record(net, params, layers, x, cotangents, graph, reduce=None) -> tuple[Laye
 
         return hook
 
-    handles = [layer.module.register_forward_hook(recorder(layer.name)) for layer in layers]
-    n = x.shape[0]
+    # on ``net`` (ntkgp's private copy): each layer's module of the same name, never the user's
+    handles = [net.get_submodule(layer.name).register_forward_hook(recorder(layer.name)) for layer in layers]
+    n = num_rows(x)
     try:
         with torch.enable_grad():
             if params is None:  # the network's own parameters, which require grad, carry the graph to the layers
-                f = net(x)
+                f = call(net, None, x)
             else:
                 # the layers' parameters carry the graph to their outputs; those that require grad keep their own
                 # graph when ``graph`` (differentiating w.r.t. θ, e.g. FSVI)
@@ -240,7 +256,7 @@ def record(net, params, layers, x, cotangents, graph, reduce=None) -> tuple[Laye
                         f"layer '{layer.name}' is called {how} per forward pass ({len(calls)} calls; the "
                         "structured form needs exactly one)"
                     )
-                elif not _batched(layer.module, calls[0][0], n):
+                elif not layer.takes(calls[0][0], n):
                     problems[layer.name] = ValueError(f"layer '{layer.name}' is not applied to batched inputs")
             good = [layer for layer in layers if layer.name not in problems]
             outs = [seen[layer.name][0][1] for layer in good]
@@ -248,14 +264,14 @@ def record(net, params, layers, x, cotangents, graph, reduce=None) -> tuple[Laye
                 inputs = {}
                 for layer in good:
                     a = seen[layer.name][0][0]
-                    inputs[layer.name] = layer_inputs(layer.module, a if graph else a.detach())
+                    inputs[layer.name] = layer.recorded_inputs(a if graph else a.detach())
             grads: dict[str, list[Tensor]] = {layer.name: [] for layer in good}
             if good:
                 count = f.shape[1] if cotangents is None else cotangents.shape[-1]
                 for m, gs in enumerate(_output_gradients(f, outs, cotangents, graph)):
                     for layer, g, z in zip(good, gs, outs):
                         g = torch.zeros_like(z) if g is None else g
-                        g = layer_output_gradients(layer.module, g if graph else g.detach())
+                        g = layer.recorded_gradients(g if graph else g.detach())
                         kept = g if reduce is None else reduce(layer, inputs[layer.name], g, m, count)
                         if kept is not None:
                             grads[layer.name].append(kept)
@@ -281,7 +297,8 @@ def layer_features(
     r"""Layer inputs :math:`a` and output gradients :math:`\Gamma` of one batch.
 
     Args:
-        net: the network (not modified; the hooks are removed afterwards).
+        net: ntkgp's private copy of the network (:meth:`NetworkCore.module
+            <ntkgp.ntk.network.NetworkCore.module>`; the hooks are registered on it and removed afterwards).
         params: the parameters passed to ``functional_call`` (detached, or requiring grad with ``graph``); ``None``
             (without ``graph``): the network's own, called as it is, where a parameter of each layer requires grad
             (:func:`own_graph`: its graph reaches every layer's output; autograd is asked for the gradients of the

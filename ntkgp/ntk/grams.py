@@ -23,18 +23,20 @@ from . import contraction, structured
 from .feature_pass import ChunkFeatures, FeatureSet, chunk_features
 from .layer_plan import LayerPlan
 from .network import NetworkCore
+from .inputs import num_rows
+from .inputs import rows as take_rows
 
 
 def _row_chunks(core: NetworkCore, plan: LayerPlan, x1: Tensor, f2: FeatureSet, sym: bool, c: int, graph: bool):
     """``(k, s, e, features of x1[s:e])``: from ``f2`` with ``sym``, else from one pass per chunk."""
-    for k, (s, e) in enumerate(core.chunks(x1.shape[0], "Gram")):
+    for k, (s, e) in enumerate(core.chunks(num_rows(x1), "Gram")):
         if sym:
             rows = f2.rows(s, e, c)
             if f2.contracted:
                 rows.columns = f2.columns(k)
             yield k, s, e, rows
         else:
-            yield k, s, e, chunk_features(core, plan, x1[s:e], graph, columns=f2.contracted)
+            yield k, s, e, chunk_features(core, plan, take_rows(x1, s, e), graph, columns=f2.contracted)
 
 
 def _pairs(f2: FeatureSet, k1: int, s1: int, rows: ChunkFeatures, sym: bool):
@@ -58,8 +60,8 @@ def _group_grams_given(core: NetworkCore, plan: LayerPlan, f1: FeatureSet, x2: T
     ``blocks``, the per-point blocks of ``x2``, into ``outputs`` :math:`f(x_2)` and :math:`J(x_2)\\theta^*`, from the
     same pass)."""
     whole, chunks = _given_rows(core, f1, c)
-    for s2, e2 in core.chunks(x2.shape[0], "Gram"):
-        f2 = chunk_features(core, plan, x2[s2:e2], False, columns=f1.contracted, linearized=outputs is not None)
+    for s2, e2 in core.chunks(num_rows(x2), "Gram"):
+        f2 = chunk_features(core, plan, take_rows(x2, s2, e2), False, columns=f1.contracted, linearized=outputs is not None)
         if outputs is not None:
             outputs[0][s2:e2], outputs[1][s2:e2] = f2.outputs, f2.linearized
         block = out[:, :, s2 * c : e2 * c]
@@ -82,7 +84,7 @@ def group_grams(core: NetworkCore, plan: LayerPlan, x1: Tensor, x2: Tensor, sym:
     ``blocks``, if given, receives the per-point blocks of ``x2`` ``(G, N2, C, C)`` and ``outputs``, two ``(N2, C)``
     tensors, :math:`f(x_2)` and :math:`J(x_2)\\theta^*`, from the same pass)."""
     groups = core.groups.num_groups
-    out = torch.empty(groups, x1.shape[0] * c, x2.shape[0] * c, dtype=core.dtype, device=core.device)
+    out = torch.empty(groups, num_rows(x1) * c, num_rows(x2) * c, dtype=core.dtype, device=core.device)
     written = structured.term_groups(core, plan)
     for g in range(groups):
         if g not in written or (f1 is not None and not sym):
@@ -91,7 +93,7 @@ def group_grams(core: NetworkCore, plan: LayerPlan, x1: Tensor, x2: Tensor, sym:
         _group_grams_given(core, plan, f1, x2, c, out, blocks, outputs)
         return out
     f2 = FeatureSet(core, plan, x2, graph) if f1 is None else f1
-    whole = f2.rows(0, x2.shape[0], c)
+    whole = f2.rows(0, num_rows(x2), c)
     for k1, s1, e1, rows in _row_chunks(core, plan, x1, f2, sym, c, graph):
         if plan.single:
             structured.gram_rows(core, plan, out, s1, rows, whole, c, graph)
@@ -106,8 +108,8 @@ def _output_grams_given(core: NetworkCore, plan: LayerPlan, f1: FeatureSet, x2: 
     """:func:`output_grams` from the given features of ``x1`` against ``x2``, one chunk of ``x2`` at a time (and,
     into ``outputs``, :math:`f(x_2)` and :math:`J(x_2)\\theta^*` from the same pass)."""
     whole, chunks = _given_rows(core, f1, c)
-    for s2, e2 in core.chunks(x2.shape[0], "Gram"):
-        f2 = chunk_features(core, plan, x2[s2:e2], False, columns=f1.contracted, linearized=outputs is not None)
+    for s2, e2 in core.chunks(num_rows(x2), "Gram"):
+        f2 = chunk_features(core, plan, take_rows(x2, s2, e2), False, columns=f1.contracted, linearized=outputs is not None)
         if outputs is not None:
             outputs[0][s2:e2], outputs[1][s2:e2] = f2.outputs, f2.linearized
         if plan.single:
@@ -128,8 +130,8 @@ def output_grams(
     (``f1``: the given features of ``x1``, see the module doc; with them and ``outputs``, two ``(N2, C)`` tensors,
     :math:`f(x_2)` and :math:`J(x_2)\\theta^*` are written into ``outputs`` from the same pass)."""
     kw = {"dtype": core.dtype, "device": core.device}
-    groups, n2 = core.groups.num_groups, x2.shape[0]
-    out = torch.zeros(groups, c, x1.shape[0], n2, **kw)
+    groups, n2 = core.groups.num_groups, num_rows(x2)
+    out = torch.zeros(groups, c, num_rows(x1), n2, **kw)
     diag = torch.zeros(groups, n2, c, **kw) if with_diagonal else None
     if f1 is not None and not sym:
         _output_grams_given(core, plan, f1, x2, c, out, diag, outputs)
@@ -155,9 +157,9 @@ def output_grams(
 
 def diag_blocks(core: NetworkCore, plan: LayerPlan, x: Tensor, c: int, graph: bool) -> Tensor:
     """Per-group, per-point ``C×C`` blocks ``(G, N, C, C)``, chunk by chunk (one feature pass each)."""
-    out = torch.zeros(core.groups.num_groups, x.shape[0], c, c, dtype=core.dtype, device=core.device)
-    for s, e in core.chunks(x.shape[0], "diagonal"):
-        f = chunk_features(core, plan, x[s:e], graph)
+    out = torch.zeros(core.groups.num_groups, num_rows(x), c, c, dtype=core.dtype, device=core.device)
+    for s, e in core.chunks(num_rows(x), "diagonal"):
+        f = chunk_features(core, plan, take_rows(x, s, e), graph)
         if plan.single:
             structured.diag_block_rows(core, plan, out[:, s:e], f, c)
         contraction.add_diag_blocks(out, s, e, f.columns, c)

@@ -10,6 +10,14 @@ shape, :func:`cached_plan`). Layers that fail take the generic per-example route
 of locations ``T`` per example on the probe: one for a linear layer on ``(N, d)`` inputs (its Grams factor,
 :attr:`LayerPlan.single`), several for a convolution (:attr:`LayerPlan.multi`). The bias is folded into the
 input once, by :meth:`~ntkgp.ntk.features.Layer.fold` (:math:`\bar a = [a; 1]`).
+
+Normalization layers' affine parameters and ``nn.Embedding`` tables are verified by the same check
+(:func:`verify_layers`, from :mod:`ntkgp.ntk.norm_features`) and, in the curvature passes (diagonal GGN and EF,
+KFAC's exact diagonal part), take their per-example rows from the same forward and backward passes:
+:math:`\sum_t \hat x_{nt} \odot \Gamma_{nmt}` and :math:`\sum_t \Gamma_{nmt}`, :math:`O(dT)` per example and
+column for :math:`d` channels on :math:`T` locations, and a scatter of :math:`\Gamma` by token id, :math:`O(TD)`,
+instead of a per-example backward pass through the whole network. They are not part of this plan: the NTK engine
+sends them to its generic route.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from .architecture import cached
 from .checks import check_outputs
 from .features import LAYER_TYPES, Layer, record
 from .functional import forward
+from .inputs import detach, num_rows, signature
 
 
 @dataclass(frozen=True)
@@ -136,12 +145,12 @@ def verify_layers(
     """
     if not layers:
         return [], {}, {}
-    probe = probe.detach()
+    probe = detach(probe)
     names = [n for layer in layers for n in layer.parameter_names]
     with torch.enable_grad():
         local = {**params, **{n: params[n].detach().requires_grad_(True) for n in names}}
         f = forward(net, local, probe)
-        check_outputs(f, probe.shape[0])
+        check_outputs(f, num_rows(probe))
         generator = torch.Generator().manual_seed(0)
         u = torch.randn(f.shape, generator=generator, dtype=torch.float64).to(f)
         exact = dict(zip(names, torch.autograd.grad(f, [local[n] for n in names], u, allow_unused=True)))
@@ -190,7 +199,7 @@ def _plan(layers: Sequence[Layer], locations: dict[str, int], names: Sequence[st
 
 def plan_layers(
     net: nn.Module, params: dict[str, Tensor], names: Sequence[str], probe: Tensor | None,
-    modules: Sequence[str] | None = None,
+    modules: Sequence[str] | None = None, runner: nn.Module | None = None,
 ) -> LayerPlan:
     """The layer plan of the parameters ``names``: candidates verified on ``probe`` (one prepared example).
 
@@ -200,6 +209,8 @@ def plan_layers(
         names: the parameters :math:`\\theta`.
         probe: ``(1, ...)``; ``None`` for no structured layer (every parameter generic).
         modules: restrict the candidates to these module names.
+        runner: the module the probe passes run on (ntkgp's private copy of ``net``,
+            :meth:`NetworkCore.module <ntkgp.ntk.network.NetworkCore.module>`); ``None``: ``net`` itself.
 
     Raises:
         ValueError: when ``modules`` names a module that is not a Linear/Conv2d layer with parameters in
@@ -208,25 +219,26 @@ def plan_layers(
     if probe is None:
         return LayerPlan(generic=tuple(names))
     candidates, problems = _restrict(*candidate_layers(net, names), modules)
-    layers, locations, failed = verify_layers(net, params, candidates, probe)
+    layers, locations, failed = verify_layers(net if runner is None else runner, params, candidates, probe)
     return _plan(layers, locations, names, {**problems, **failed})
 
 
 def cached_plan(
     net: nn.Module, params: Callable[[], dict[str, Tensor]], names: Sequence[str], probe: Tensor,
-    modules: Sequence[str] | None = None, held: list | None = None,
+    modules: Sequence[str] | None = None, held: list | None = None, runner: nn.Module | None = None,
 ) -> LayerPlan:
     """:func:`plan_layers` (``params()``: its parameters, looked up only when the plan is computed), every
     candidate verified once per architecture of ``net``
     (:func:`ntkgp.ntk.architecture.cached`: its modules, parameters, attributes, forwards and hooks as they are
     now) and probe shape, dtype and device, whatever the number of cores built on the network and the
-    ``modules`` asked for: a layer's check does not depend on the others checked with it (its own hook, its own
+    ``modules`` asked for (the probe passes on ``runner``, :func:`plan_layers`): a layer's check does not depend on
+    the others checked with it (its own hook, its own
     parameters' products), so the plan of some modules is that of all restricted to them. The candidates (and
     their sharing) are walked each time."""
-    key = ("layer plan", tuple(names), tuple(probe.shape[1:]), probe.dtype, probe.device)
+    key = ("layer plan", tuple(names), *signature(probe))
 
     def verdict() -> tuple:  # the plan without its modules: the cache holds the network weakly
-        plan = plan_layers(net, params(), names, probe)
+        plan = plan_layers(net, params(), names, probe, runner=runner)
         return plan.names, dict(plan.locations), tuple((m, type(e), str(e)) for m, e in plan.problems.items())
 
     verified, locations, problems = cached(net, key, verdict, held)

@@ -7,11 +7,23 @@ per-example vector-Jacobian products, layer features, and the layer plan of each
 (:mod:`ntkgp.ntk.layer_plan`). The NTK engine's strategies, the weight posteriors, the curvature passes and
 FSVI's linearized network all use it.
 
-The network is called through ``torch.func.functional_call`` with detached aliases of its parameters (a forward
-pass at :math:`\theta^*` without a graph, and the layer features at :math:`\theta^*` where the layers' parameters
-require grad, by its own call, which is the same without the swaps): its weights,
-``requires_grad`` flags, ``.grad``, mode and hooks are left as they are. The layer plan and the check that inputs
-fit are kept per architecture of the network across cores (:mod:`ntkgp.ntk.architecture`).
+**The user's module is never touched.** :attr:`NetworkCore.net` is the user's network, read for keys, checks and
+plans; every pass runs on ntkgp's private structural copy of it (:meth:`NetworkCore.module`,
+:mod:`ntkgp.ntk.private_copy`: its own module objects sharing the user's parameter and buffer tensors, one per
+thread, rebuilt when the network changes in structure), called through ``torch.func.functional_call`` with
+detached aliases of the parameters (a forward pass at :math:`\theta^*` without a graph, and the layer features at
+:math:`\theta^*` where the layers' parameters require grad, by the copy's own call). The user's weights,
+``requires_grad`` flags, ``.grad``, mode and hooks are left as they are, and another thread calling the network
+meanwhile sees its own ``nn.Parameter``\ s and hooks only.
+
+**Every network that builds is differentiated.** The first input of each shape is also a probe of how the network
+can be differentiated (:mod:`ntkgp.ntk.autodiff`: forward mode or reverse over reverse, vectorized over examples or
+one at a time, differentiable attention kernels), so that a network whose operations lack a derivative mode takes
+another route, or is refused at construction naming the module, never at its first prediction. A parameter the
+forward never uses has zero Jacobian columns. Lazy modules not yet initialized are refused at construction.
+
+The layer plan, the check that inputs fit and the autodiff probe are kept per architecture of the network across
+cores (:mod:`ntkgp.ntk.architecture`).
 """
 
 from __future__ import annotations
@@ -22,17 +34,20 @@ from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
-from torch.func import jvp, vmap
+from torch.utils import _pytree as pytree
 from tqdm.auto import tqdm
 
 from ..caching import network_key
 from .architecture import cached
-from .checks import (check_count, check_eval_mode, check_fits, check_network_values, check_outputs, check_shape,
-                     prepare_inputs)
+from .checks import (check_count, check_eval_mode, check_fits, check_initialized, check_network_values, check_outputs,
+                     check_shape, prepare_inputs)
+from .autodiff import Autodiff, probe
 from .features import Layer, LayerFeatures, layer_features, own_graph
-from .functional import forward, per_example_jacobians, per_example_vjps
+from .functional import call, forward, jvp_columns, per_example_jacobians, per_example_vjps, vjp_columns
 from .groups import GroupSpec, resolve_groups
+from .inputs import detach, num_rows, requires_grad, rows, signature, split
 from .layer_plan import LayerPlan, cached_plan
+from .private_copy import PrivateCopies
 
 
 class NetworkWalk(NamedTuple):
@@ -103,6 +118,7 @@ class NetworkCore:
     ) -> None:
         if not isinstance(net, nn.Module):
             raise TypeError(f"net must be a torch.nn.Module, got {type(net).__name__}")
+        check_initialized(net)
         check_network_values(net)
         self.chunk_size = check_count(chunk_size, "chunk_size")
         self.max_jacobian_bytes = check_count(max_jacobian_bytes, "max_jacobian_bytes", minimum=0)
@@ -121,6 +137,8 @@ class NetworkCore:
         self._num_outputs: int | None = None
         self._plans: dict[tuple, LayerPlan] = {}
         self._architecture: list | None = [] if fixed_architecture else None  # architecture.cached's ``held``
+        self._copies = PrivateCopies(net)  # ntkgp's private copy of the network, one per thread
+        self._autodiff: dict[tuple, Autodiff] = {}  # per input shape: how the network is differentiated
 
     def __deepcopy__(self, memo: dict) -> NetworkCore:
         # A copy of a kernel or model refers to the same user network: never duplicate (or detach) it.
@@ -128,6 +146,30 @@ class NetworkCore:
         new.__dict__.update(self.__dict__)
         memo[id(self)] = new
         return new
+
+    def module(self) -> nn.Module:
+        """This thread's private structural copy of the network as it is now (:mod:`ntkgp.ntk.private_copy`):
+        what every pass runs on. Rebuilt when the network changed in structure since the last pass."""
+        return self._copies.get()
+
+    def autodiff(self, x) -> Autodiff:
+        """How the network is differentiated for inputs shaped like the prepared ``x`` (:mod:`ntkgp.ntk.autodiff`),
+        probed on ``x[:1]`` once per input shape and architecture of the network.
+
+        Raises:
+            ValueError: no route differentiates the network (naming the module whose forward fails)."""
+        leaves = pytree.tree_leaves(x)
+        key = tuple((tuple(t.shape[1:]), t.dtype, t.device) for t in leaves)
+        found = self._autodiff.get(key)
+        if found is None:
+            module = self.module()
+            found = cached(self.net, ("autodiff", tuple(self.names), *key),
+                           lambda: probe(module, self.functional_params(), self.names, x,
+                                         dict(self.net.named_parameters())), self._architecture)
+            if found.kernels:
+                self._copies.kernels = True
+            self._autodiff[key] = found
+        return found
 
     # ------------------------------------------------------------------ parameters
     @property
@@ -212,13 +254,15 @@ class NetworkCore:
         """
         check_eval_mode(self.net)
         x = prepare_inputs(x, argument, self.dtype, self.device, self.input_shape)
-        key = (tuple(x.shape[1:]), x.dtype)
+        key = signature(x)  # shape of one example, dtype, device (of each entry of a dict/tuple input)
         if key not in self._fits:  # once per core; the forward pass once per architecture of the network
-            c = cached(self.net, ("fits", *key, x.device),
-                       lambda: check_fits(self.net, self.functional_params(), x, argument, None), self._architecture)
+            c = cached(self.net, ("fits", *key),
+                       lambda: check_fits(self.module(), self.functional_params(), x, argument, None),
+                       self._architecture)
             if self._num_outputs is not None and c != self._num_outputs:  # raises, naming the argument
-                check_fits(self.net, self.functional_params(), x, argument, self._num_outputs)
+                check_fits(self.module(), self.functional_params(), x, argument, self._num_outputs)
             self._num_outputs = c
+            self.autodiff(x)  # how the network is differentiated: a route for every network, or a clear error now
             self._fits.add(key)
         return x
 
@@ -227,31 +271,31 @@ class NetworkCore:
         if self._num_outputs is None:
             if x is None:
                 raise RuntimeError("the number of outputs is unknown until the network has seen an input")
-            self.prepare(x[:1])
+            self.prepare(rows(x, 0, 1))
         return self._num_outputs
 
     def call(self, params: dict[str, Tensor], x: Tensor) -> Tensor:
         """``f(x; θ)`` with the parameters ``params`` (e.g. FSVI's mean, differentiable) and the others held."""
-        return forward(self.net, {**self.functional_params(), **params}, x)
+        return forward(self.module(), {**self.functional_params(), **params}, x)
 
     def forward(self, x: Tensor, perturbation: Tensor | None = None) -> Tensor:
         r""":math:`f(x; \theta^* + \eta)` for a prepared batch ``x`` and a flat ``perturbation`` :math:`\eta`
         ``(P,)`` (``None``: :math:`\eta = 0`), shape ``(N, C)``."""
         if perturbation is None and not torch.is_grad_enabled():
-            return self.net(x)  # without a graph the network's own call is the functional one, less its swaps
+            return call(self.module(), None, x)  # without a graph the copy's own call is the functional one
         params = self.functional_params()
         if perturbation is not None:
             for n, d in self.unflatten(perturbation).items():
                 params[n] = params[n] + d
-        return forward(self.net, params, x)
+        return forward(self.module(), params, x)
 
     def outputs(self, x: Tensor, argument: str = "x") -> Tensor:
         r""":math:`f(x; \theta^*)`, shape ``(N, C)``, by chunks; ``x`` is checked and prepared. No graph to the
         network; a graph to ``x`` when it requires grad (and grad mode is on)."""
         x = self.prepare(x, argument)
-        with torch.set_grad_enabled(torch.is_grad_enabled() and x.requires_grad):
-            f = torch.cat([self.forward(xc) for xc in x.split(self.chunk_size)])
-        check_outputs(f, x.shape[0])
+        with torch.set_grad_enabled(torch.is_grad_enabled() and requires_grad(x)):
+            f = torch.cat([self.forward(xc) for xc in split(x, self.chunk_size)])
+        check_outputs(f, num_rows(x))
         self._num_outputs = f.shape[1]
         return f
 
@@ -270,7 +314,7 @@ class NetworkCore:
         ``x``, by ``vmap(jacrev)`` (memory :math:`O(n C P_{names})`), at :math:`\theta^*` or at ``params``
         (differentiable in those that require grad)."""
         given = self.functional_params() if params is None else {**self.functional_params(), **params}
-        return per_example_jacobians(self.net, given, x, names)
+        return per_example_jacobians(self.module(), given, x, names, self.autodiff(x).vectorized)
 
     def jacobian(self, x: Tensor, names: Sequence[str] | None = None) -> Tensor:
         r"""Per-example Jacobians :math:`J(x_n)`, shape ``(N, C, P)`` (``P`` of ``names``, default all of
@@ -283,30 +327,46 @@ class NetworkCore:
         r"""Jacobian-vector products :math:`J(x) \eta_s` for flat tangents ``(S, P)``, shape ``(S, N, C)``.
 
         Forward mode (``torch.func.jvp``, vectorized over the tangents by ``vmap``): the cost of about
-        three forward passes per tangent; :math:`J` is never formed.
+        three forward passes per tangent; :math:`J` is never formed. Networks without forward-mode derivatives take
+        reverse over reverse (:mod:`ntkgp.ntk.autodiff`).
         """
-        params = self.functional_params()
-        primals = {n: params[n] for n in self.names}
+        return self.jvp_dict(x, self.unflatten(tangents.to(self.dtype)))[1]
 
-        def push(tangent: dict[str, Tensor]) -> Tensor:
-            return jvp(lambda p: forward(self.net, {**params, **p}, x), (primals,), (tangent,))[1]
+    def jvp_dict(self, x, tangents: dict[str, Tensor], params: dict[str, Tensor] | None = None
+                 ) -> tuple[Tensor, Tensor]:
+        r""":math:`f(x)` ``(N, C)`` and :math:`J(x) u_s` ``(S, N, C)`` for tangents ``{name: (S, *shape)}`` of some
+        parameters of :math:`\theta`, at :math:`\theta^*` or at ``params`` (differentiable in them), by the route
+        the network takes (:func:`~ntkgp.ntk.functional.jvp_columns`)."""
+        given = self.functional_params() if params is None else {**self.functional_params(), **params}
+        return jvp_columns(self.module(), given, x, tangents, self.autodiff(x).forward_mode)
 
-        return vmap(push)(self.unflatten(tangents.to(self.dtype)))
+    def value_and_jvp(self, x, tangent: dict[str, Tensor], params: dict[str, Tensor] | None = None
+                      ) -> tuple[Tensor, Tensor]:
+        r""":math:`f(x)` and :math:`J(x) u` ``(N, C)`` for one parameter-shaped tangent ``{name: shape}`` (e.g.
+        :math:`u = \theta^*`: the linearized network's offset), one pass."""
+        f, pushed = self.jvp_dict(x, {n: t.unsqueeze(0) for n, t in tangent.items()}, params)
+        return f, pushed[0]
+
+    def vjp_columns(self, x, names: Sequence[str], v: Tensor) -> dict[str, Tensor]:
+        r""":math:`J(X)^\top V` of the parameters ``names`` for cotangent columns ``v`` ``(N, C, k)``,
+        ``{name: (*shape, k)}`` (:func:`~ntkgp.ntk.functional.vjp_columns`)."""
+        return vjp_columns(self.module(), self.functional_params(), x, names, v)
 
     def per_example_vjps(self, x: Tensor, cotangents: Tensor, names: Sequence[str]) -> Tensor:
         r"""Rows :math:`J_n^\top u_{nm}` restricted to the parameters ``names``, shape ``(n, M, P_{names})``
         (:func:`ntkgp.ntk.functional.per_example_vjps`)."""
-        return per_example_vjps(self.net, self.functional_params(), x, cotangents, names)
+        return per_example_vjps(self.module(), self.functional_params(), x, cotangents, names,
+                                self.autodiff(x).vectorized)
 
     # ------------------------------------------------------------------ layers
     def layer_plan(self, x: Tensor, modules: Sequence[str] | None = None) -> LayerPlan:
         """The layer plan of :math:`\\theta` for inputs shaped like the prepared ``x``, verified on the probe
         ``x[:1]`` once per input shape (and ``modules``) and architecture of the network, whatever the number of
         cores built on it (:func:`~ntkgp.ntk.layer_plan.cached_plan`); within a core, once per input shape."""
-        key = (tuple(x.shape[1:]), None if modules is None else tuple(modules))
+        key = (signature(x), None if modules is None else tuple(modules))
         if key not in self._plans:
-            self._plans[key] = cached_plan(self.net, self.functional_params, self.names, x[:1].detach(), modules,
-                                           self._architecture)
+            self._plans[key] = cached_plan(self.net, self.functional_params, self.names, detach(rows(x, 0, 1)), modules,
+                                           self._architecture, self.module())
         return self._plans[key]
 
     def features(
@@ -319,4 +379,4 @@ class NetworkCore:
             given = None
         else:
             given = self.functional_params() if params is None else {**self.functional_params(), **params}
-        return layer_features(self.net, given, layers, x, cotangents, graph, reduce)
+        return layer_features(self.module(), given, layers, x, cotangents, graph, reduce)

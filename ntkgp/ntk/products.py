@@ -19,7 +19,9 @@ layer (``docs/math.md``, "Structured form"):
 * every other parameter (convolutions, normalization layers, anything the safety rule leaves out; every
   parameter for a plan without layers, the engine's one-shot products): one ``torch.func.vjp`` /
   ``torch.func.jvp`` pass per chunk of examples, restricted to those parameters (memory
-  :math:`O(\text{chunk}\cdot(\text{activations} + k P))`).
+  :math:`O(\text{chunk}\cdot(\text{activations} + k P))`; :meth:`NetworkCore.vjp_columns
+  <ntkgp.ntk.network.NetworkCore.vjp_columns>`, :meth:`NetworkCore.jvp_dict <ntkgp.ntk.network.NetworkCore.jvp_dict>`,
+  on ntkgp's private copy of the network, by reverse over reverse for a network without forward-mode derivatives).
 
 Tangents in parameter space are lists with one ``(numel, k)`` tensor per parameter of :math:`\theta`, in the
 order of ``core.names``. Rows are in GPyTorch's interleaved order ``n·C + c``. Inputs that require grad keep
@@ -30,14 +32,11 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
-from torch.func import jvp as func_jvp
-from torch.func import vjp as func_vjp
-from torch.func import vmap
-
 from .feature_pass import FeatureSet
-from .functional import forward
 from .layer_plan import LayerPlan
 from .network import NetworkCore
+from .inputs import detach, num_rows
+from .inputs import rows as take_rows
 
 __all__ = ["NTKProducts"]
 
@@ -71,8 +70,8 @@ class NTKProducts:
         self.core = core
         self.engine = engine
         self.graph = graph
-        self.x = x if graph else x.detach()
-        self.num_data = x.shape[0]
+        self.x = x if graph else detach(x)
+        self.num_data = num_rows(x)
         self.num_outputs = core.num_outputs(x)
         self.names = core.names
         self.shapes = core.shapes
@@ -194,37 +193,22 @@ class NTKProducts:
         return out
 
     # ------------------------------------------------------------------ generic parameters (torch.func)
-    def _generic_params(self) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
-        params = self.core.functional_params()
-        return params, {self.names[i]: params[self.names[i]] for i in self.generic}
-
     def _generic_transpose(self, vv: Tensor) -> list[Tensor]:
-        params, sub = self._generic_params()
+        names = [self.names[i] for i in self.generic]
         k = vv.shape[-1]
         total = None
         for s, e in self.core.chunks(self.num_data, "J^T v"):
-
-            def f(ps, xs=self.x[s:e]):
-                return forward(self.core.net, {**params, **ps}, xs)
-
-            _, pull = func_vjp(f, sub)
-            grads = vmap(pull, in_dims=-1, out_dims=-1)(vv[s:e])[0]
+            grads = self.core.vjp_columns(take_rows(self.x, s, e), names, vv[s:e])
             grads = {name: g.reshape(-1, k) for name, g in grads.items()}
             total = grads if total is None else {name: total[name] + grads[name] for name in total}
-        return [total[self.names[i]] for i in self.generic]
+        return [total[name] for name in names]
 
     def _generic_apply(self, u: list[Tensor]) -> Tensor:
-        params, sub = self._generic_params()
         k = u[0].shape[-1]
-        tangents = {
-            self.names[i]: t.reshape(*self.shapes[i], k).to(dtype=self.dtype, device=self.device)
+        tangents = {  # (k, *shape): one tangent per column
+            self.names[i]: t.to(dtype=self.dtype, device=self.device).T.reshape(k, *self.shapes[i])
             for i, t in zip(self.generic, u)
         }
-        rows = []
-        for s, e in self.core.chunks(self.num_data, "J u"):
-
-            def push(t, xs=self.x[s:e]):
-                return func_jvp(lambda ps: forward(self.core.net, {**params, **ps}, xs), (sub,), (t,))[1]
-
-            rows.append(vmap(push, in_dims=-1, out_dims=-1)(tangents))
+        rows = [self.core.jvp_dict(take_rows(self.x, s, e), tangents)[1].permute(1, 2, 0)
+                for s, e in self.core.chunks(self.num_data, "J u")]
         return torch.cat(rows).reshape(-1, k)

@@ -17,6 +17,7 @@ import torch
 from ..distributed import check_distributed
 from ..kernels.arguments import check_int
 from ..ntk import GroupSpec
+from ..ntk.data_arguments import check_data
 from ..options import Structure, choose
 
 __all__ = ["MarglikOptions", "Schedule", "check_options", "make_optimizer", "make_scheduler", "needs_closure"]
@@ -117,6 +118,7 @@ def check_options(
 
 
 def _check_loader(train_x: object, train_y: object, batch_size: int | None) -> None:
+    check_data(train_x, "train_x")  # an array is not a loader of batches
     if train_y is not None:
         raise TypeError(
             f"train_x must be a torch.Tensor when train_y is given (or a loader of (x, y) batches with train_y=None), "

@@ -85,8 +85,11 @@ class TensorData:
         self.kernel = model.covar_module
         self.distributed = options.distributed
         engine = self.kernel.engine
-        self.x = engine.prepare(model.train_x, "train_x")
-        self.y = model.train_y
+        # detached: Algorithm 1 differentiates with respect to θ and the hyperparameters only, never the inputs
+        # (a graph to a train_x that requires grad would be freed by the first backward); the user's tensors keep
+        # their flags (detach makes a view)
+        self.x = engine.prepare(model.train_x, "train_x").detach()
+        self.y = model.train_y.detach()
         self.y_curvature = validate_targets(likelihood, self.y, engine.num_outputs(self.x), num_data=self.x.shape[0])
         self.n_local = self.x.shape[0]
         self.n = int(all_reduce_sum(torch.tensor([self.n_local], device=engine.device), self.distributed).item())
@@ -172,9 +175,9 @@ class LoaderData:
     def prepare(self, x: object, y: object) -> Batch:
         """A batch checked (every row, the targets) in the network's shape, dtype and device."""
         engine = self.kernel.engine
-        x = engine.prepare(x, "train_x")
+        x = engine.prepare(x, "train_x").detach()  # as TensorData: no graph to the inputs
         y = validate_targets(self.likelihood, y, engine.num_outputs(x), num_data=x.shape[0], name="train_y")
-        return x, y.to(device=x.device)
+        return x, y.detach().to(device=x.device)
 
     def batches(self, generator: torch.Generator) -> Iterator[Batch | None]:
         """One epoch's MAP batches, the loader's; with ``distributed`` every rank takes as many steps as the

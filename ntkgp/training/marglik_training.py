@@ -19,11 +19,13 @@ from tqdm.auto import tqdm
 
 from ..distributed import broadcast_, check_layout, rank
 from ..ntk import GroupSpec
+from ..ntk.outputs import with_output
 from .arguments import MarglikOptions, check_options, make_optimizer, make_scheduler
 from .checkpoint import Checkpoints
 from .data import LoaderData, TensorData, training_data
 from .hyper_round import HyperparameterRound, build_curvature
 from .map_training import MapTraining, step_scheduler
+from .normalization import batch_statistics
 from .result import MarglikResult
 from .safeguards import (
     NOISE_VARIANCE_RANGE,
@@ -65,6 +67,8 @@ def train_marglik(
     seed: int = 0,
     progress: bool = True,
     distributed: bool = False,
+    output: str | int | None = None,
+    train_normalization: bool = True,
 ) -> MarglikResult:
     r"""Train ``net`` on its MAP objective while learning the hyperparameters by the Laplace evidence.
 
@@ -150,6 +154,11 @@ def train_marglik(
             structures in weight space, :func:`ntkgp.laplace.weight_space.full_curvature.full_curvature`); every rank ends with the
             same weights and hyperparameters, those of one process on all the data for ``batch_size=None``
             (docs/scaling.md, "Several processes and GPUs").
+        output: for a network returning a dict or a tuple, the key or index of the output to train and use
+            (:mod:`ntkgp.ntk.outputs`).
+        train_normalization: BatchNorm modules in training mode for the MAP steps (batch statistics; running
+            statistics updated) and in eval mode for every round and at the end (:mod:`ntkgp.training.normalization`);
+            ``False`` keeps them as given (frozen statistics, e.g. to fine-tune).
 
     Returns:
         A :class:`MarglikResult`.
@@ -160,25 +169,29 @@ def train_marglik(
             initial weights and the initial hyperparameters are restored).
         KeyboardInterrupt: training was interrupted (see "Interrupts").
     """
+    if not isinstance(train_normalization, bool):
+        raise TypeError(f"train_normalization must be True or False, got {train_normalization!r}")
     options = check_options(
         train_x, train_y, structure=structure, prior_structure=prior_structure, epochs=epochs, batch_size=batch_size,
         lr=lr, optimizer=optimizer, scheduler=scheduler, burn_in=burn_in, frequency=frequency,
         hyper_steps=hyper_steps, hyper_lr=hyper_lr, learn_likelihood=learn_likelihood,
         curvature_batch_size=curvature_batch_size, seed=seed, progress=progress, distributed=distributed,
     )
+    net = with_output(net, output)  # a network returning a dict or tuple: its output output= (ntkgp.ntk.outputs)
     state = [*net.parameters(), *net.buffers()]
     check_layout(state, "the network's weights", enabled=options.distributed)  # a broadcast of mismatched sizes aborts
     broadcast_(state, enabled=options.distributed)  # replicated, as DDP does
     data = training_data(net, train_x, train_y, likelihood, prior_precision, options)
-    return _Algorithm1(net, likelihood, data, options).run()
+    return _Algorithm1(net, likelihood, data, options, train_normalization).run()
 
 
 class _Algorithm1:
     """One run of Algorithm 1 on checked data: the MAP epochs, the rounds, the checkpoints."""
 
     def __init__(self, net: nn.Module, likelihood: Likelihood, data: TensorData | LoaderData,
-                 options: MarglikOptions) -> None:
+                 options: MarglikOptions, train_normalization: bool = True) -> None:
         self.net, self.likelihood, self.data, self.options = net, likelihood, data, options
+        self.train_normalization = train_normalization
         kernel = data.kernel
         trainable = MapTraining.trainable_parameters(net, kernel)
         optimizer = make_optimizer(options.optimizer, trainable, options.lr)  # checked: no weight touched yet
@@ -227,7 +240,8 @@ class _Algorithm1:
 
     def _epoch(self, epoch: int) -> bool:
         """One epoch of MAP steps and, when due, a hyperparameter round; ``False``: training stops."""
-        total = self.map.epoch(self.data.batches(self.generator))
+        with batch_statistics(self.net, self.train_normalization, self.options.distributed):
+            total = self.map.epoch(self.data.batches(self.generator))
         self.losses.append(total)
         if not self.map.finite(total):
             self._diverged(epoch)

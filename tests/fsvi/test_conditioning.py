@@ -325,7 +325,8 @@ def test_invalid_observations_are_refused_and_never_modified():
     x_before, y_before = x.clone(), y.clone()
     cases = [
         ((x.tolist(), y), TypeError, "x_new"),
-        ((x.long(), y), TypeError, "x_new"),
+        ((x.long(), y), ValueError, "x_new"),  # ids are passed as they are: this network does not take them
+        ((x.to(torch.complex128), y), TypeError, "x_new"),
         ((x, y.tolist()), TypeError, "y_new"),
         ((x[0], y), ValueError, "x_new"),
         ((x[:0], y[:0]), ValueError, "x_new"),

@@ -12,6 +12,7 @@ from torch.distributions import MultivariateNormal, kl_divergence
 from torch.func import functional_call
 
 from ntkgp.fsvi import FSVI, gaussian_kl
+from tests.helpers import EPS32, float32_gaussian_kl_tolerance, float32_roundings
 
 from . import reference as ref
 
@@ -127,6 +128,34 @@ def _dense_kl(net, model, x, jitter=0.0):
     return kl_divergence(MultivariateNormal(f_q, cov_q), MultivariateNormal(f_p, cov_p))
 
 
+def float32_kl_tolerance(net, model, x, jitter=0.0, kind="full") -> float:
+    """The first-order bound of :func:`tests.helpers.float32_gaussian_kl_tolerance` on a float32 copy's
+    ``function_space_kl(x)`` (``kind``: the full Gaussians, their K blocks C × C, or their variances), from the
+    dense float64 Gaussians. The means f(μ) and the prior's (f(μ0), or f(μ) + J_μ(μ0 − μ)) carry
+    |Δf| ≤ rε(|f| + ‖J‖‖θ‖) (tests.helpers.float32_roundings), so ‖Δ(μ_q − μ_p)‖ ≤ rε(‖f_q‖ + ‖f_p‖
+    + ‖J_μ‖_F(‖μ‖ + ‖μ0 − μ‖) + ‖J_μ0‖_F‖μ0‖)."""
+    f_q, cov_q, f_p, cov_p = _dense_gaussians(net, model, x, jitter)
+    q, p = model.variational_distribution, model.prior
+    names = q.names
+    mu = {n: t.detach() for n, t in q.means().items()}
+    mu0 = {n: t.detach() for n, t in p.means().items()}
+    r = float32_roundings(net)
+    flat_mu, flat_mu0 = ref.flat(mu, names), ref.flat(mu0, names)
+    mean_error = r * EPS32 * (f_q.norm() + f_p.norm()
+                              + ref.jacobian(net, mu, names, x).norm() * (flat_mu.norm() + (flat_mu0 - flat_mu).norm())
+                              + ref.jacobian(net, mu0, names, x).norm() * flat_mu0.norm()).item()
+    d = f_q - f_p
+    if kind == "full":
+        return float32_gaussian_kl_tolerance(d, cov_q, cov_p, r, mean_error)
+    k = x.shape[0]
+    c = d.numel() // k
+    if kind == "block":
+        blocks = [cov.view(k, c, k, c).diagonal(dim1=0, dim2=2).permute(2, 0, 1) for cov in (cov_q, cov_p)]
+        return float32_gaussian_kl_tolerance(d.view(k, c), *blocks, r, mean_error)
+    return float32_gaussian_kl_tolerance(d[:, None], cov_q.diagonal()[:, None, None], cov_p.diagonal()[:, None, None],
+                                         r, mean_error)
+
+
 PRIORS = [("zero", "variational_mean"), ("mapping", "variational_mean"), ("initial", "prior_mean"),
           ("mapping", "prior_mean")]
 
@@ -158,7 +187,7 @@ def test_function_space_kl_cnn():
 
 
 def test_float32_close_to_float64():
-    _, model64 = _model(3, "zero", "variational_mean", jitter=1e-2)
+    net64, model64 = _model(3, "zero", "variational_mean", jitter=1e-2)
     net32 = ref.mlp(d_in=2, width=5, d_out=3, seed=0, dtype=torch.float32)
     model32 = FSVI(net32, MultitaskGaussianLikelihood(3, rank=0), prior_mean="zero", prior_structure="parameter")
     model32.load_state_dict({k: v.float() if torch.is_tensor(v) else v for k, v in model64.state_dict().items()},
@@ -167,7 +196,9 @@ def test_float32_close_to_float64():
     kl64 = model64.function_space_kl(x)
     kl32 = model32.function_space_kl(x.float())
     assert kl32.dtype == torch.float32
-    torch.testing.assert_close(kl32.double(), kl64, rtol=1e-3, atol=1e-3)
+    tol = float32_kl_tolerance(net64, model64, x, jitter=1e-2)  # the error model: ε32 times the KL's condition
+    assert tol < 1e-2 * abs(kl64.item())  # a meaningful bound: a 1 % error fails
+    assert abs(kl32.double().item() - kl64.item()) <= tol
 
 
 def test_singular_covariance_gets_warned_jitter():

@@ -159,8 +159,9 @@ def test_cache_is_not_used_for_inputs_that_require_grad():
 
 
 def test_point_blocks_mean_and_empty_diagonals_follow_gpytorch_input_conventions():
-    """1-D inputs are (N,) points of one feature for point_blocks as for k(x); the mean rejects non-tensors and
-    non-floating tensors with a TypeError naming x; an empty input gives an empty diagonal, as the full matrix."""
+    """1-D inputs are (N,) points of one feature for point_blocks as for k(x); the mean rejects non-tensors with a
+    TypeError naming x, and integer inputs (passed to the network as they are, for token ids) that a float network
+    does not take with a ValueError naming x; an empty input gives an empty diagonal, as the full matrix."""
     import ntkgp
 
     torch.manual_seed(0)
@@ -169,8 +170,9 @@ def test_point_blocks_mean_and_empty_diagonals_follow_gpytorch_input_conventions
     x = torch.randn(4, dtype=torch.float64)
     torch.testing.assert_close(kernel.point_blocks(x), kernel.point_blocks(x[:, None]), rtol=0, atol=0)
     mean = ntkgp.LinearizedNetworkMean(kernel.engine)
-    for bad, kind in (([[0.5]], TypeError), (torch.ones(3, 1, dtype=torch.long), TypeError)):
-        with pytest.raises(kind, match="x must be"):
+    for bad, kind, match in (([[0.5]], TypeError, "x must be"),
+                             (torch.ones(3, 1, dtype=torch.long), ValueError, r"x of .*int64 does not fit.*\.to\(")):
+        with pytest.raises(kind, match=match):
             mean(bad)
     empty = torch.zeros(0, 1, dtype=torch.float64)
     assert kernel(empty, diag=True).shape == (0,) and kernel(empty).to_dense().shape == (0, 0)

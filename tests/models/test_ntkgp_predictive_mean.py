@@ -96,4 +96,10 @@ def test_float32_network():
     x_test = torch.randn(4, 3, dtype=torch.float64)
     with torch.no_grad():
         mean = model(x_test).mean
-        assert mean.dtype == torch.float32 and torch.equal(mean, net(x_test.float()).squeeze(-1))
+        direct = net(x_test.float()).squeeze(-1)
+        # the engine's forward and the module's call: the same float32 operations, possibly summed in another order;
+        # each output of this depth-2 MLP is a sum of at most `width` products per layer, so the two differ by at most
+        # γ_w Σ|terms| ≤ w ε |W||h| (bounded here by w ε times the outputs' scale plus one)
+        width = max(p.shape[-1] for p in net.parameters() if p.dim() == 2)
+        tolerance = width * torch.finfo(torch.float32).eps * (1 + direct.abs().max())
+        assert mean.dtype == torch.float32 and (mean - direct).abs().max() <= tolerance

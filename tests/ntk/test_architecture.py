@@ -3,6 +3,7 @@ per architecture, again after any change of it, and each result against an indep
 uncached plan, autograd, the convolution's own output shape, a dense KFAC block)."""
 
 import gc
+import types
 import weakref
 from unittest import mock
 
@@ -115,10 +116,20 @@ def test_an_instance_forward_is_seen():
     net = Tied().double()
     x = torch.randn(4, 3, dtype=torch.float64)
     assert plan_of(net, x).names == ("a", "b")
-    net.forward = lambda x: net.b(torch.tanh(net.a(x)) + x @ net.a.weight.T)
+    # a forward bound to the instance: ntkgp's private copy of the network runs it bound to the copy
+    net.forward = types.MethodType(lambda self, x: self.b(torch.tanh(self.a(x)) + x @ self.a.weight.T), net)
     assert plan_of(net, x).names == ("b",)
     del net.forward
     assert plan_of(net, x).names == ("a", "b")
+
+
+def test_a_forward_that_bypasses_the_private_copy_is_refused_at_construction():
+    """A closure over the user's network set as its forward reads the user's parameters, not those of ntkgp's
+    private copy: its Jacobian would be silently zero, so the first input is refused, naming a parameter."""
+    net = Tied().double()
+    net.forward = lambda x: net.b(torch.tanh(net.a(x)))
+    with pytest.raises(ValueError, match=r"uses the parameter 'a.weight' through a reference outside"):
+        NetworkCore(net).prepare(torch.randn(4, 3, dtype=torch.float64))
 
 
 def test_a_changed_stride_gives_the_new_number_of_locations():

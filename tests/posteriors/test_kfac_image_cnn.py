@@ -6,6 +6,7 @@ precision (float64); and a float32 network against its float64 copy."""
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from ntkgp.laplace import predict
 from ntkgp.laplace.weight_space import KFACLaplace, compute_curvature, kfac_factors
 from ntkgp.laplace.weight_space.kfac_factors import location_gram, symmetric_gram
 from ntkgp.likelihoods import SoftmaxLikelihood, hessian
-from tests.helpers import assert_unchanged, brute_jacobian, rel_err, snapshot
+from tests.helpers import EPS32, assert_unchanged, brute_jacobian, float32_roundings, rel_err, snapshot
 
 C = 3
 
@@ -35,11 +36,13 @@ def data(n: int = 7, dtype=torch.float64):
     return torch.randn(n, 1, 8, 8, generator=g).to(dtype), torch.randint(0, C, (n,), generator=g)
 
 
-def brute_factors(net: nn.Sequential, x: torch.Tensor, y: torch.Tensor, lik) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def brute_factors(net: nn.Sequential, x: torch.Tensor, y: torch.Tensor, lik,
+                  lam: torch.Tensor | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(A, G) per layer: A = Σ_n Σ_t ā ā^T from F.unfold patches, G = (1/(N T)) Σ_n Σ_t J_t^T Λ_n J_t with J_t the
-    jacrev of f w.r.t. a zero perturbation of the layer's output at location t."""
+    jacrev of f w.r.t. a zero perturbation of the layer's output at location t (``lam``: Λ_n given instead)."""
     layers = [i for i, m in enumerate(net) if isinstance(m, nn.Conv2d | nn.Linear)]
-    lam = hessian(lik, net(x).detach(), y).detach()  # Λ_n, (N, C, C)
+    if lam is None:
+        lam = hessian(lik, net(x).detach(), y).detach()  # Λ_n, (N, C, C)
     out = []
     for i in layers:
         layer = net[i]
@@ -99,14 +102,45 @@ def test_float32_image_cnn_matches_its_float64_copy():
     x_test = data(6)[0] + 0.3
     posts = [KFACLaplace(n, x.to(d), y, lik.to(d), prior_precision=0.5, prior_structure="network", batch_size=16)
              for n, d in ((net32, torch.float32), (net64, torch.float64))]
-    for b32, b64 in zip(posts[0].blocks, posts[1].blocks):
+    # Error model (ε = ε32, r = float32_roundings: the relative rounding of the activations, outputs and output
+    # gradients of this network, f and its Jacobians measured on the float64 copy). A = Σ ā āᵀ over m = N·T
+    # products: ‖ΔA‖_F ≤ (2r + log2 m) ε tr A. G = Σ J_tᵀ Λ_n J_t / (NT) cancels (Λ annihilates the ones), so its
+    # error is bounded by the same sum without cancellation, G_abs = Σ ‖Λ_n‖ J_tᵀ J_t / (NT):
+    # ‖ΔG‖_F ≤ (2r(1 + 4 max|f|) + log2 m + 2C) ε tr G_abs (Λ moves with f, the product ΛJ adds C roundings).
+    # The covariance J* (G⊗A + δ)⁻¹ J*ᵀ per block b: ‖ΔC‖_F ≤ Σ_b ‖J*_b‖_F² (2rε + η_b κ_b)/δ, with η_b the
+    # relative errors of A_b and G_b plus the eigendecomposition's d_b ε, κ_b = (‖G_b‖‖A_b‖ + δ)/δ.
+    delta, r = 0.5, float32_roundings(net64)
+    with torch.no_grad():
+        f = net64(x)
+    m = x.shape[0] * 64  # the most products summed into one factor entry: N examples × 8·8 locations
+    lam_abs = torch.linalg.matrix_norm(hessian(lik.double(), f, y), ord=2)[:, None, None] * torch.eye(C, dtype=f.dtype)
+    bounds_g = [g.trace().item() for _, g in brute_factors(net64, x, y, lik.double(), lam=lam_abs)]
+    jac, _ = brute_jacobian(net64, x_test)
+    cov_error = 0.0
+    for b32, b64, g_abs in zip(posts[0].blocks, posts[1].blocks, bounds_g):
+        a64, g64 = b64.input_factor, b64.output_factors.sum(0)
+        error_a = (2 * r + math.log2(m)) * EPS32 * a64.trace().item()
+        error_g = (2 * r * (1 + 4 * f.abs().max().item()) + math.log2(m) + 2 * C) * EPS32 * g_abs
         assert b32.input_factor.dtype == torch.float32
-        assert rel_err(b32.input_factor.double(), b64.input_factor) < 1e-6
-        assert rel_err(b32.output_factors.double(), b64.output_factors) < 1e-5
+        assert (b32.input_factor.double() - a64).norm() <= error_a
+        assert (b32.output_factors.double().sum(0) - g64).norm() <= error_g
+        norm_a, norm_g = (torch.linalg.matrix_norm(t, ord=2).item() for t in (a64, g64))
+        eta = error_a / norm_a + error_g / norm_g + a64.shape[0] * g64.shape[0] * EPS32
+        kappa = (norm_a * norm_g + delta) / delta
+        cov_error += jac[:, b64.index.reshape(-1)].square().sum().item() * (2 * r * EPS32 + eta * kappa) / delta
     cov32, cov64 = (p.glm_covariance(x_test.to(d)) for p, d in zip(posts, (torch.float32, torch.float64)))
-    assert cov32.dtype == torch.float32 and rel_err(cov32.double(), cov64) < 1e-4
+    assert cov_error < 1e-2 * cov64.norm()  # a meaningful bound: a 1 % error fails
+    assert cov32.dtype == torch.float32 and (cov32.double() - cov64).norm() <= cov_error
+    # probit: p = softmax(z), z_c = f_c / √(1 + π σ_c²/8): |Δp| ≤ ½ max|Δz| (Σ_k |∂p_c/∂z_k| = 2p_c(1 − p_c)),
+    # |Δz| ≤ |Δf| + (π/16)|f||Δσ²|, with |Δf| ≤ rε(|f| + ‖J*‖‖θ‖) as in float32_roundings
+    with torch.no_grad():
+        f_test = net64(x_test)
+    theta = torch.cat([p.reshape(-1) for p in net64.parameters()]).norm()
+    d_f = r * EPS32 * (f_test.abs().max() + jac.norm(dim=1).max() * theta).item()
+    prob_error = 0.5 * (d_f + math.pi / 16 * f_test.abs().max().item() * cov_error)
+    assert prob_error < 1e-2
     probs32, probs64 = (predict(p, x_test.to(d), link="probit").probs for p, d in zip(posts, (torch.float32, torch.float64)))
-    assert (probs32.double() - probs64).abs().max() < 1e-5
+    assert (probs32.double() - probs64).abs().max() <= prob_error
 
 
 def test_symmetric_and_location_grams_equal_plain_products():

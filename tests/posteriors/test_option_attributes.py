@@ -6,12 +6,15 @@ import gpytorch
 import pytest
 import torch
 
-from ntkgp.laplace.weight_space import DiagLaplace, FullLaplace, KFACLaplace, LastLayerLaplace
+from ntkgp.laplace.weight_space import (DiagLaplace, FullLaplace, KFACLaplace, LastLayerDiagLaplace,
+                                       LastLayerKFACLaplace, LastLayerLaplace)
+from ntkgp.laplace.weight_space.subnetwork_laplace import SubnetLaplace
 from ntkgp.likelihoods import SoftmaxLikelihood
 from ntkgp.options import option_attributes
 from tests.helpers import mlp
 
-CLASSES = [FullLaplace, KFACLaplace, DiagLaplace, LastLayerLaplace]
+CLASSES = [FullLaplace, KFACLaplace, DiagLaplace, LastLayerLaplace, LastLayerKFACLaplace, LastLayerDiagLaplace,
+           SubnetLaplace]
 #: every documented value of the assignable options
 VALUES = {"damping": [True, False]}
 
@@ -21,6 +24,13 @@ def problem():
     net = mlp(3, 5, 3, depth=1)
     x = torch.randn(15, 3, dtype=torch.float64)
     return net, x, torch.randint(0, 3, (15,)), SoftmaxLikelihood(num_classes=3).double()
+
+
+def build(cls, net, x, y, lik, **kwargs):
+    """A posterior of ``cls``; a subnetwork posterior over the first layer's weight."""
+    if cls is SubnetLaplace:
+        kwargs["subnetwork"] = [next(iter(dict(net.named_parameters())))]
+    return cls(net, x, y, lik, **kwargs)
 
 
 def summary(posterior, x):
@@ -43,7 +53,7 @@ def test_every_option_attribute_is_assignable_or_fixed(cls):
     attributes = option_attributes(cls)
     assert {"likelihood", "structure"} <= set(attributes)
     for name, attribute in attributes.items():
-        posterior = cls(net, x, y, lik, prior_precision=2.0)
+        posterior = build(cls, net, x, y, lik, prior_precision=2.0)
         current = getattr(posterior, name)
         setattr(posterior, name, current)  # its own value: a no-op
         if attribute.fixed is not None:
@@ -54,7 +64,7 @@ def test_every_option_attribute_is_assignable_or_fixed(cls):
         for value in VALUES[name]:
             summary(posterior, x)  # something cached at the old value
             setattr(posterior, name, value)
-            fresh = cls(net, x, y, lik, prior_precision=2.0, **{name: value})
+            fresh = build(cls, net, x, y, lik, prior_precision=2.0, **{name: value})
             for a, b in zip(summary(posterior, x), summary(fresh, x)):
                 assert torch.allclose(a, b, rtol=1e-12, atol=1e-14)
 

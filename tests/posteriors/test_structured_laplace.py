@@ -105,8 +105,8 @@ def test_front_door_dispatch_and_errors():
         laplace_posterior(net, x, y, lik, structure="lowrank")
     with pytest.raises(ValueError, match="subset"):
         laplace_posterior(net, x, y, lik, subset="first_layer")
-    with pytest.raises(ValueError, match="last_layer"):
-        laplace_posterior(net, x, y, lik, subset="last_layer", structure="kfac")
+    with pytest.raises(ValueError, match="subnetwork"):
+        laplace_posterior(net, x, y, lik, subset="subnetwork", structure="kfac", subnetwork=["0.bias"])
     with pytest.raises(ValueError, match="prior_precision"):
         KFACLaplace(net, x, y, lik, prior_precision=torch.ones(2))
     with pytest.raises(TypeError, match="curvature"):

@@ -32,13 +32,16 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+from gpytorch.kernels import Kernel
 from linear_operator.operators import LinearOperator
+from linear_operator.operators._linear_operator import _to_helper
 from linear_operator.utils.warnings import NumericalWarning
 
 from ...kernels import NTKKernel
+from ...kernels.snapshot import KernelSnapshot
 from ...options import Space
 from .site_posterior import SitePosterior
 
@@ -47,10 +50,14 @@ __all__ = ["GLMPredictiveCovariance", "PredictiveContext"]
 
 @dataclass(eq=False)
 class PredictiveContext:
-    """What the predictive covariance needs besides the test inputs.
+    r"""What the predictive covariance needs besides the test inputs, as it is when the context is made.
+
+    The kernel is read through a :class:`~ntkgp.kernels.snapshot.KernelSnapshot` taken then (:math:`\delta` and
+    the network's weights and buffers): the covariance is that of the model at that moment whatever changes
+    afterwards, as the site posterior (computed then) is (docs/guarantees.md, "Distributions are snapshots").
 
     Attributes:
-        kernel: the NTK kernel.
+        kernel: the NTK kernel (live; :meth:`current_kernel` is the one to compute with).
         posterior: the site posterior at the training data.
         train_x: training inputs ``(N, D)`` as the kernel takes them.
         num_outputs: ``C``, the network's outputs.
@@ -64,6 +71,22 @@ class PredictiveContext:
     num_outputs: int
     outputs: tuple[int, ...] | None
     chunk_size: int
+    snapshot: KernelSnapshot = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.snapshot = KernelSnapshot(self.kernel)
+
+    def current_kernel(self) -> NTKKernel:
+        """The kernel at the values of the moment the context was made (the live one while nothing changed)."""
+        return self.snapshot.kernel()
+
+    def _matrix(self, xa: torch.Tensor, xb: torch.Tensor) -> torch.Tensor:
+        """``K(xa, xb)`` dense, in the posterior's dtype, evaluated at once (no lazy tensor, no second snapshot)."""
+        kernel = self.current_kernel()
+        # the kernel's evaluation itself (GPyTorch's non-lazy path), not ``settings.lazily_evaluate_kernels(False)``:
+        # a process-wide setting that concurrent predictions would corrupt
+        block = super(Kernel, kernel).__call__(xa, xb)
+        return (block.to_dense() if isinstance(block, LinearOperator) else block).to(self.posterior.dtype)
 
     @property
     def num_kept(self) -> int:
@@ -87,8 +110,8 @@ class PredictiveContext:
     def root(self, xs: torch.Tensor) -> torch.Tensor:
         """``A`` for the points ``xs`` ``(m, D)``, kept outputs only: ``(m·C', N·k)`` or ``(m·C', P)``."""
         if self.weight_space:
-            return self.posterior.weight_root(self.keep(self.kernel.jacobian(xs)))
-        cross = self.kernel(xs, self.train_x).to_dense().to(self.posterior.dtype)
+            return self.posterior.weight_root(self.keep(self.current_kernel().jacobian(xs)))
+        cross = self._matrix(xs, self.train_x)
         return self.posterior.variance_root(self.keep(cross))
 
     def variance(self, xs: torch.Tensor) -> torch.Tensor:
@@ -108,12 +131,11 @@ class PredictiveContext:
 
     def prior_diagonal(self, xs: torch.Tensor) -> torch.Tensor:
         """``diag K(xs, xs)`` for the kept outputs, ``(m·C',)``."""
-        return self.keep(self.kernel(xs, diag=True).reshape(-1).to(self.posterior.dtype))
+        return self.keep(self.current_kernel()(xs, diag=True).reshape(-1).to(self.posterior.dtype))
 
     def prior_block(self, xa: torch.Tensor, xb: torch.Tensor) -> torch.Tensor:
         """``K(xa, xb)`` for the kept outputs, ``(ma·C', mb·C')``."""
-        block = self.kernel(xa, xb).to_dense().to(self.posterior.dtype)
-        return self.keep(self.keep(block, 0), 1)
+        return self.keep(self.keep(self._matrix(xa, xb), 0), 1)
 
     def chunks(self, m: int) -> list[tuple[int, int]]:
         return [(s, min(s + self.chunk_size, m)) for s in range(0, m, self.chunk_size)]
@@ -151,6 +173,18 @@ class GLMPredictiveCovariance(LinearOperator):
         super().__init__(x, context=context)
         self.x = x
         self.context = context
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The covariance's dtype: the inputs' when floating point, the posterior's for integer token ids."""
+        return self.x.dtype if self.x.is_floating_point() else self.context.posterior.dtype
+
+    def to(self, *args, **kwargs) -> GLMPredictiveCovariance:
+        """As ``LinearOperator.to``; integer token ids are only moved, never cast."""
+        if self.x.is_floating_point():
+            return super().to(*args, **kwargs)
+        device = _to_helper(*args, **kwargs)[0]
+        return type(self)(self.x if device is None else self.x.to(device=device), self.context)
 
     # ------------------------------------------------------------------ LinearOperator interface
     def _size(self) -> torch.Size:
@@ -298,7 +332,7 @@ class GLMPredictiveCovariance(LinearOperator):
     def _point_blocks(self, xs: torch.Tensor) -> torch.Tensor:
         """Per-point prior blocks ``K(x_m, x_m)`` for the kept outputs, ``(m, C', C')``."""
         ctx = self.context
-        blocks_fn = getattr(ctx.kernel, "diag_blocks", None)
+        blocks_fn = getattr(ctx.current_kernel(), "diag_blocks", None)
         if callable(blocks_fn):
             blocks = blocks_fn(xs).to(ctx.posterior.dtype)
             if ctx.outputs is not None:

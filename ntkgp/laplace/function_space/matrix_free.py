@@ -31,6 +31,7 @@ quadrature of :math:`P^{-1}B` (GPyTorch's variance-reduction scheme).
 from __future__ import annotations
 
 import contextlib
+import threading
 import weakref
 
 import torch
@@ -56,10 +57,16 @@ def kernel_products(kernel: NTKKernel, x: torch.Tensor) -> NTKProducts:
     return cache.get_or_compute("products", [x], lambda: engine.products(x), state=state)
 
 
+#: GPyTorch's settings are process-wide class attributes, saved and restored by each ``with``: two threads inside at
+#: once could restore each other's values and leave them set for good. Matrix-free evaluations are serialized.
+_SETTINGS_LOCK = threading.RLock()
+
+
 @contextlib.contextmanager
 def _gpytorch_settings(options: EvidenceOptions):
-    """GPyTorch's settings for one matrix-free evaluation: CG + SLQ always (never a dense Cholesky)."""
-    with contextlib.ExitStack() as stack:
+    """GPyTorch's settings for one matrix-free evaluation: CG + SLQ always (never a dense Cholesky); one thread at a
+    time (:data:`_SETTINGS_LOCK`)."""
+    with _SETTINGS_LOCK, contextlib.ExitStack() as stack:
         stack.enter_context(settings.max_cholesky_size(0))
         stack.enter_context(settings.fast_computations(log_prob=True))
         for value, setting in (

@@ -9,8 +9,11 @@ estimator of their GLM predictive.
   :func:`exact_curvature` builds it or :class:`FunctionSpaceCurvature`, whichever side is smaller). The names are the
   members of :class:`ntkgp.options.Structure`; :mod:`~ntkgp.laplace.weight_space.structures` is the one place
   that maps a name to its class.
+* :func:`last_layer_curvature` — the full, KFAC or diagonal curvature of one layer (default the last) from its
+  features, one forward pass over the data (:mod:`~ntkgp.laplace.weight_space.last_layer_curvature`).
 * :func:`laplace_posterior` — the posterior front door: :class:`FullLaplace`, :class:`KFACLaplace`,
-  :class:`DiagLaplace`, :class:`LastLayerLaplace` (base class :class:`WeightPosterior`).
+  :class:`DiagLaplace`; over one layer :class:`LastLayerLaplace`, :class:`LastLayerKFACLaplace`,
+  :class:`LastLayerDiagLaplace`; over a subnetwork :class:`SubnetLaplace` (base class :class:`WeightPosterior`).
 * :func:`predict` — the GLM predictive of a posterior by every estimator of the papers (closed form, GLM-MC,
   MC-GLM, network sampling; probit, bridge and MC links).
 """
@@ -24,11 +27,14 @@ from .gram_curvature import FunctionSpaceCurvature, function_space_curvature
 from .kfac import KroneckerFactors, KroneckerGGN, kfac_ggn
 from .kfac_laplace import KFACLaplace
 from .laplace_posterior import laplace_posterior
+from .last_layer_curvature import last_layer_curvature
 from .last_layer_laplace import LastLayerLaplace
+from .last_layer_structured import LastLayerDiagLaplace, LastLayerKFACLaplace
 from .posterior import WeightPosterior
 from .predictive_estimators import Prediction, default_step_size, laplace_bridge, predict
 from .scaling import output_scale
 from .structures import compute_curvature
+from .subnetwork_laplace import SubnetLaplace
 
 __all__ = [
     "Curvature",
@@ -42,8 +48,11 @@ __all__ = [
     "KFACLaplace",
     "KroneckerFactors",
     "KroneckerGGN",
+    "LastLayerDiagLaplace",
+    "LastLayerKFACLaplace",
     "LastLayerLaplace",
     "Prediction",
+    "SubnetLaplace",
     "WeightPosterior",
     "compute_curvature",
     "default_step_size",
@@ -57,6 +66,7 @@ __all__ = [
     "kfac_ggn",
     "laplace_bridge",
     "laplace_posterior",
+    "last_layer_curvature",
     "output_scale",
     "predict",
 ]

@@ -16,14 +16,17 @@ from dataclasses import dataclass, field
 import torch
 from gpytorch.likelihoods import Likelihood
 from torch import Tensor, nn
-from tqdm.auto import tqdm
 
 from ...distributed import all_gather_rows, all_reduce_sum, check_distributed, check_replicated, together
 from ...likelihoods import validate_targets
+from ...ntk.inputs import detach, leaves, num_rows, split
 from ...ntk.checks import check_count, check_outputs
+from ...ntk.data_arguments import check_data
 from ...ntk.groups import GroupSpec
 from ...ntk.network import NetworkCore
+from ...progress import progress_bar
 from . import scaling
+from .sampled_ggn import check_generator, check_mc_samples, sampled_unit_hessian_root
 from .scaling import output_scale
 
 Data = Tensor | Iterable[tuple[Tensor, Tensor]]
@@ -43,6 +46,9 @@ class DataPass:
         scale0: the output scale :math:`s_0` of the likelihood at computation time, ``(K,)``, detached.
         distributed: each rank passes its shard of the data; sums (:meth:`reduce`) and the collected
             outputs and targets (:meth:`collected`) are over all ranks (:mod:`ntkgp.distributed`).
+        mc_samples: ``None`` for the exact roots of the likelihood's Hessian, or :math:`S`: the sampled roots of
+            :mod:`~ntkgp.laplace.weight_space.sampled_ggn` (a softmax likelihood), :math:`S` columns per example.
+        generator: the sampled roots' random numbers (``None``: torch's global generator).
     """
 
     core: NetworkCore
@@ -51,6 +57,8 @@ class DataPass:
     outputs: list[Tensor] = field(default_factory=list)
     targets: list[Tensor] = field(default_factory=list)
     distributed: bool = False
+    mc_samples: int | None = None
+    generator: torch.Generator | None = None
 
     @classmethod
     def start(
@@ -60,16 +68,21 @@ class DataPass:
         prior_structure: GroupSpec = "layer",
         input_shape: tuple[int, ...] | None = None,
         distributed: bool = False,
+        mc_samples: int | None = None,
+        generator: torch.Generator | None = None,
     ) -> DataPass:
         """Check the network (eval mode, trainable parameters) and the likelihood; record :math:`\\theta^*`
         and :math:`s_0`. With ``distributed``, also check that every rank holds the same network."""
         distributed = check_distributed(distributed)
+        mc_samples = check_mc_samples(mc_samples, likelihood)
+        generator = check_generator(generator)
         with together("checking the network", distributed):
             core = NetworkCore(net, input_shape=input_shape, prior_structure=prior_structure, fixed_architecture=True)
             scale0 = output_scale(likelihood).detach().to(device=core.device, dtype=core.dtype)
         if distributed:
             check_replicated([*net.parameters(), *net.buffers()], "the network's weights", distributed)
-        return cls(core=core, likelihood=likelihood, scale0=scale0, distributed=distributed)
+        return cls(core=core, likelihood=likelihood, scale0=scale0, distributed=distributed, mc_samples=mc_samples,
+                   generator=generator)
 
     @classmethod
     def on(cls, core: NetworkCore, likelihood: Likelihood) -> DataPass:
@@ -111,16 +124,18 @@ class DataPass:
         """:meth:`check`, and for tensor data the prepared inputs (``None`` where preparing them made a copy: the
         batches are then prepared one at a time, as ever, not held twice) and the normalised targets."""
         batch_size = check_count(batch_size, "batch_size")
-        if torch.is_tensor(x):
+        check_data(x, "x")  # an array is not an iterable of batches
+        if torch.is_tensor(x) or isinstance(x, dict):  # a tensor, or a dict of tensors (ntkgp.ntk.inputs)
             prepared = self.core.prepare(x, "x")
             if not torch.is_tensor(y):
                 raise TypeError("y must be a tensor of targets when x is a tensor")
-            if y.dim() < 1 or y.shape[0] != x.shape[0]:
-                raise ValueError(f"x has {x.shape[0]} rows but y has shape {tuple(y.shape)}")
-            targets = validate_targets(self.likelihood, y, self.core.num_outputs(prepared), num_data=x.shape[0],
+            if y.dim() < 1 or y.shape[0] != num_rows(x):
+                raise ValueError(f"x has {num_rows(x)} rows but y has shape {tuple(y.shape)}")
+            targets = validate_targets(self.likelihood, y, self.core.num_outputs(prepared), num_data=num_rows(x),
                                        name="y")
-            shared = prepared.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
-            return batch_size, prepared.detach() if shared else None, targets
+            shared = all(a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+                         for a, b in zip(leaves(prepared), leaves(x)))
+            return batch_size, detach(prepared) if shared else None, targets
         if y is not None:
             raise ValueError("pass y=None when x is an iterable of (x, y) batches")
         if not isinstance(x, Iterable):
@@ -153,14 +168,13 @@ class DataPass:
                  forward: BatchForward | None) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
         batch_size, prepared, normalised = self._checked(x, y, batch_size)
         normalised_outputs = None if normalised is None else self.core.num_outputs()
-        if torch.is_tensor(x):
-            pairs: Iterable = zip((x if prepared is None else prepared).split(batch_size),
+        if torch.is_tensor(x) or isinstance(x, dict):
+            pairs: Iterable = zip(split(x if prepared is None else prepared, batch_size),
                                   normalised.split(batch_size))
-            total = -(-x.shape[0] // batch_size)
+            total = -(-num_rows(x) // batch_size)
         else:
             pairs, total = x, None
-        if progress:
-            pairs = tqdm(pairs, total=total, desc=desc, leave=False)
+        pairs = progress_bar(pairs, total, desc, progress)
         for pair in pairs:
             if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
                 raise ValueError(
@@ -169,12 +183,12 @@ class DataPass:
                     "(a DataLoader over a dataset of inputs only has no targets)"
                 )
             xb, yb = pair
-            xb = xb if prepared is not None else self.core.prepare(xb, "x").detach()
+            xb = xb if prepared is not None else detach(self.core.prepare(xb, "x"))
             checked: list[Tensor] = []
 
             def targets(fb: Tensor, xb=xb, yb=yb) -> Tensor:
                 if not checked:
-                    check_outputs(fb, xb.shape[0])
+                    check_outputs(fb, num_rows(xb))
                     if normalised is not None and fb.shape[1] == normalised_outputs:  # y checked in full
                         checked.append(yb)
                     else:  # a batch's targets, or outputs unlike the first example's: raises naming them
@@ -194,15 +208,22 @@ class DataPass:
     def unit_hessian_sqrt(self, f: Tensor, y: Tensor) -> Tensor:
         r""":math:`\tilde L_n = S_0^{-1/2} L_n` with :math:`L_n L_n^\top = \Lambda_n`, shape ``(n, C, C)``.
 
-        Gaussian: :math:`\tilde L_n = I`; tempered classification: :math:`L_n \sqrt{T_0}`.
+        Gaussian: :math:`\tilde L_n = I`; tempered classification: :math:`L_n \sqrt{T_0}`. With
+        :attr:`mc_samples`, the sampled root ``(n, C, S)`` instead (:func:`unit_hessian_root`).
         """
+        if self.mc_samples is not None:
+            return self.unit_hessian_root(f, y)
         return scaling.unit_hessian_sqrt(self.likelihood, f, y, self.scale0)
 
     def unit_hessian_root(self, f: Tensor, y: Tensor) -> Tensor:
         r"""A root :math:`R_n` of :math:`\tilde\Lambda_n` with the fewest columns the likelihood allows, shape
         ``(n, C, M)`` (:func:`~ntkgp.laplace.weight_space.scaling.unit_hessian_root`: :math:`M = C - 1` for a
         softmax likelihood). A backward pass and a product per example fewer in a pass over cotangent columns
-        (:math:`\sum_m (J^\top r_m) (J^\top r_m)^\top` is the same for every root)."""
+        (:math:`\sum_m (J^\top r_m) (J^\top r_m)^\top` is the same for every root). With :attr:`mc_samples`,
+        :math:`S` sampled columns whose outer products average to it
+        (:func:`~ntkgp.laplace.weight_space.sampled_ggn.sampled_unit_hessian_root`)."""
+        if self.mc_samples is not None:
+            return sampled_unit_hessian_root(f, self.mc_samples, self.generator)
         return scaling.unit_hessian_root(self.likelihood, f, y, self.scale0)
 
     def unit_gradient(self, f: Tensor, y: Tensor) -> Tensor:

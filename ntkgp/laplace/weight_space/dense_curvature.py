@@ -32,6 +32,7 @@ from .full_curvature import component_weights as _component_weights
 from .full_curvature import ComponentSum, jacobian_rows
 from ...likelihoods import num_outputs, validate_targets
 from ...ntk.checks import check_outputs
+from ...ntk.data_arguments import check_data
 from ...options import Curvature
 from ...ntk.network import NetworkCore
 
@@ -66,6 +67,7 @@ def data_batches(
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+    check_data(x, "x")  # an array is not an iterable of batches
     if torch.is_tensor(x):
         if not torch.is_tensor(y):
             raise TypeError("y must be a tensor of targets when x is a tensor")

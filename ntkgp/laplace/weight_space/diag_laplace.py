@@ -46,7 +46,11 @@ class DiagLaplace(WeightPosterior):
         prior_precision: :math:`\delta`, a float or one per group.
         prior_structure: ``"layer"`` (default), ``"network"``, ``"parameter"`` or a mapping name → group.
         batch_size: examples per batch of the curvature pass.
-        progress: show a tqdm bar.
+        progress: ``None`` (auto: a bar on a terminal, else one line with the pass's estimated time when it is
+            long), ``True`` (a bar) or ``False`` (:mod:`ntkgp.progress`).
+        mc_samples: ``None`` (the exact GGN) or :math:`S` sampled roots of a softmax likelihood's Hessian per
+            example (:mod:`~ntkgp.laplace.weight_space.sampled_ggn`; GGN only).
+        generator: the samples' ``torch.Generator`` (``None``: torch's global one).
         input_shape: the shape of one input, for flat inputs.
         chunk_size: examples per chunk at prediction time.
 
@@ -71,14 +75,19 @@ class DiagLaplace(WeightPosterior):
         prior_precision: float | Tensor = 1.0,
         prior_structure: str | Mapping[str, str] = "layer",
         batch_size: int = 64,
-        progress: bool = False,
+        progress: bool | None = None,
         input_shape: tuple[int, ...] | None = None,
         chunk_size: int = 256,
+        mc_samples: int | None = None,
+        generator: torch.Generator | None = None,
     ) -> None:
         kind = choice(CurvatureKind)(curvature, "curvature")
+        if kind is not CurvatureKind.GGN and mc_samples is not None:
+            raise ValueError("mc_samples samples the GGN's Hessian roots; the empirical Fisher has none: pass None")
         check_before_pass(net, likelihood, prior_precision, prior_structure, input_shape, chunk_size)
-        build = diagonal_ggn if kind is CurvatureKind.GGN else diagonal_ef
-        computed = build(net, x, y, likelihood, group_spec(prior_structure), batch_size, progress, input_shape)
+        sampled = {} if mc_samples is None else {"mc_samples": mc_samples, "generator": generator}
+        computed = (diagonal_ggn if kind is CurvatureKind.GGN else diagonal_ef)(
+            net, x, y, likelihood, group_spec(prior_structure), batch_size, progress, input_shape, **sampled)
         self._setup(computed, net, likelihood, prior_precision, input_shape, chunk_size)
 
     @classmethod
@@ -111,7 +120,12 @@ class DiagLaplace(WeightPosterior):
         self.structure = curvature.structure
         self.curvature = "ef" if curvature.structure == "diag_ef" else "ggn"
         self.diagonal_curvature = curvature
+        #: the curvature the posterior was built from (its evidence); the same object as ``diagonal_curvature``
+        self.evidence_curvature = curvature
         self._layers = None
+
+    def _log_marginal_likelihood(self, prior_precision: Tensor) -> Tensor:
+        return self.evidence_curvature.log_marginal_likelihood(prior_precision, self.likelihood)
 
     def precision_diagonal(self) -> Tensor:
         r""":math:`h(s) + \delta`, ``(P,)``."""

@@ -7,7 +7,8 @@ r"""Diagonal Laplace curvatures: the diagonal of the GGN or of the empirical Fis
 
 with :math:`L_n L_n^\top = \Lambda_n` (:func:`~ntkgp.likelihoods.hessian_sqrt`). The rows :math:`J_n^\top u` are
 formed batch by batch, never the Jacobian of the data set: from layer inputs and back-propagated output
-gradients for ``Linear``/``Conv2d`` layers (:mod:`~ntkgp.laplace.weight_space.layers`), by per-example
+gradients for ``Linear``/``Conv2d`` layers (:mod:`~ntkgp.laplace.weight_space.layers`) and for normalization
+layers' affine parameters and embedding tables (:mod:`~ntkgp.laplace.weight_space.norm_layers`), by per-example
 vector-Jacobian products for all other parameters (and for layers called more than once per forward pass).
 
 The likelihood's hyperparameters enter through its output scale :math:`s` (:mod:`~ntkgp.laplace.weight_space.scaling`):
@@ -29,12 +30,15 @@ import torch
 from gpytorch.likelihoods import Likelihood
 from torch import Tensor, nn
 
+from ...ntk.inputs import rows
 from ...ntk import ParameterGroups
 from ...ntk.groups import GroupSpec
 from .curvature import Curvature
 from .data_pass import Data, DataPass
 from .exact_log_det import diagonal_log_det
 from .layers import Layer, layer_features, structured_layers, usable_layers
+from ...ntk.norm_features import ElementwiseLayer
+from .norm_layers import diagonal_layers
 
 
 class DiagonalCurvature(Curvature):
@@ -116,7 +120,8 @@ def diagonal_products(
         layers: ``Linear``/``Conv2d`` layers whose parameters (all in ``names``) take the structured route
             (:mod:`~ntkgp.laplace.weight_space.layers`): per-example gradients :math:`\sum_t \Gamma_{nmt} \bar a_{nt}^\top`,
             and for one location :math:`\sum_n \Gamma_{nm}^{\odot 2} (\bar a_n^{\odot 2})^\top`, a matrix
-            product; the other parameters take per-example vector-Jacobian products.
+            product; normalization and embedding layers (:class:`~ntkgp.ntk.norm_features.ElementwiseLayer`) their
+            elementwise rows; the other parameters take per-example vector-Jacobian products.
         pairs: all pairs :math:`(a, b)`, shape ``(M^2, P_{names})``; otherwise :math:`a = b`, ``(M, P_{names})``.
 
     Returns:
@@ -140,6 +145,10 @@ def diagonal_products(
         inputs, grads = layer_features(data, layers, x, cotangents)
         for layer in layers:
             a, g = inputs[layer.name], grads[layer.name]  # (n, d_a, T), (n, M, d_out, T)
+            if isinstance(layer, ElementwiseLayer):  # normalization, embedding: elementwise rows (norm_layers)
+                for name, values in layer.squares(a, g, pairs).items():
+                    out[:, offsets[name] : offsets[name] + values.shape[-1]] = values
+                continue
             if a.shape[-1] == 1 and pairs:
                 values = torch.einsum("nao,nbo,ni->aboi", g[..., 0], g[..., 0], a[..., 0].square()).flatten(0, 1)
             elif a.shape[-1] == 1:
@@ -179,18 +188,22 @@ def diagonal_ggn(
     likelihood: Likelihood,
     prior_structure: GroupSpec = "layer",
     batch_size: int = 64,
-    progress: bool = False,
+    progress: bool | None = None,
     input_shape: tuple[int, ...] | None = None,
     distributed: bool = False,
+    mc_samples: int | None = None,
+    generator: torch.Generator | None = None,
 ) -> DiagonalGGN:
     r"""The diagonal GGN :math:`\sum_n \sum_m (J_n^\top L_{n,:m})^{\odot 2}` over the data, batch by batch.
 
-    ``Linear``/``Conv2d`` layers: one forward and :math:`C` backward passes per batch (layer features);
+    ``Linear``/``Conv2d`` layers, normalization layers' affine parameters and embedding tables: one forward and
+    :math:`C` backward passes per batch (layer features, :mod:`~ntkgp.laplace.weight_space.norm_layers`);
     other parameters: per-example vector-Jacobian products, memory :math:`O(\text{batch} \cdot C \cdot P)`.
-    Arguments as :func:`~ntkgp.laplace.compute_curvature`.
+    With ``mc_samples`` :math:`= S`, :math:`S` sampled columns instead of :math:`C`
+    (:mod:`~ntkgp.laplace.weight_space.sampled_ggn`). Arguments as :func:`~ntkgp.laplace.compute_curvature`.
     """
     return _diagonal_pass(DiagonalGGN, "diagonal GGN", diagonal_ggn_components, net, x, y, likelihood,
-                          prior_structure, batch_size, progress, input_shape, distributed)
+                          prior_structure, batch_size, progress, input_shape, distributed, mc_samples, generator)
 
 
 def diagonal_ef(
@@ -200,7 +213,7 @@ def diagonal_ef(
     likelihood: Likelihood,
     prior_structure: GroupSpec = "layer",
     batch_size: int = 64,
-    progress: bool = False,
+    progress: bool | None = None,
     input_shape: tuple[int, ...] | None = None,
     distributed: bool = False,
 ) -> DiagonalEF:
@@ -222,16 +235,18 @@ def _diagonal_ef_components(data: DataPass, x: Tensor, f: Tensor, y: Tensor, nam
 
 
 def _diagonal_pass(kind, label: str, components, net, x, y, likelihood, prior_structure, batch_size, progress,
-                   input_shape, distributed):
+                   input_shape, distributed, mc_samples=None, generator=None):
     """The one pass over the data of both diagonals: ``components(data, x, f, y, names, layers)`` summed over
     the batches (and the ranks), the layer features checked on the first batch."""
-    data = DataPass.start(net, likelihood, prior_structure, input_shape, distributed)
+    data = DataPass.start(net, likelihood, prior_structure, input_shape, distributed, mc_samples, generator)
     names = list(data.core.groups.names)
     layers = structured_layers(net, data.core.groups, strict=False)
     total = 0
     for step, (xb, fb, yb) in enumerate(data.batches(x, y, batch_size, progress, label)):
         if step == 0:
-            layers = usable_layers(data, layers, xb[:1], strict=False)
+            layers = usable_layers(data, layers, rows(xb, 0, 1), strict=False)
+            covered = {n for layer in layers for n in layer.parameter_names}
+            layers = layers + diagonal_layers(data, [n for n in names if n not in covered], rows(xb, 0, 1))
         total = total + components(data, xb, fb, yb, names, layers)
     data.reduce([total])  # sums over every rank's shard
     f_all, y_all = data.collected()

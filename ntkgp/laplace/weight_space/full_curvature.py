@@ -268,10 +268,12 @@ def full_curvature(
     curvature: str = "ggn",
     prior_structure: GroupSpec = "layer",
     batch_size: int = 64,
-    progress: bool = False,
+    progress: bool | None = None,
     input_shape: tuple[int, ...] | None = None,
     distributed: bool = False,
     spectral: bool = False,
+    mc_samples: int | None = None,
+    generator: torch.Generator | None = None,
 ) -> FullCurvature:
     r"""The weight-space full GGN (``curvature="ggn"``) or EF (``"ef"``): one pass over (this rank's shard
     of) the data, per-example rows :math:`J_n^\top u_{nm}` summed as the components :math:`D_k`; with
@@ -281,10 +283,14 @@ def full_curvature(
         curvature: ``"ggn"`` (:math:`u_n` the columns of :math:`\tilde L_n`) or ``"ef"`` (:math:`u_n = \tilde g_n`,
             one column per output for Gaussian likelihoods).
         spectral: see :class:`FullCurvature`.
+        mc_samples: with ``"ggn"``, :math:`S` sampled roots per example instead of the exact ones
+            (:mod:`~ntkgp.laplace.weight_space.sampled_ggn`).
         Others: as :func:`~ntkgp.laplace.compute_curvature`.
     """
     fisher = _fisher(curvature)
-    data = DataPass.start(net, likelihood, prior_structure, input_shape, distributed)
+    if fisher and mc_samples is not None:
+        raise ValueError("mc_samples samples the GGN's Hessian roots; the empirical Fisher has none: pass None")
+    data = DataPass.start(net, likelihood, prior_structure, input_shape, distributed, mc_samples, generator)
     names = list(data.core.groups.names)
     per_output = data.scale0.shape[0] > 1
     components = ComponentSum(fisher, per_output)

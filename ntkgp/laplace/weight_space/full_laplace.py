@@ -19,9 +19,11 @@ from linear_operator.utils.cholesky import psd_safe_cholesky
 from torch import Tensor, nn
 
 from ...options import Curvature, OptionAttribute, choice
+from .curvature import Curvature as CurvatureData
 from .dense_curvature import Data, component_weights, dense_curvature, scale_size
+from .full_curvature import FullCurvature, full_curvature
 from ...ntk.network import NetworkCore
-from .posterior import WeightPosterior, check_before_pass
+from .posterior import WeightPosterior, check_before_pass, check_likelihood, group_spec
 
 
 class DensePosterior(WeightPosterior):
@@ -52,6 +54,15 @@ class DensePosterior(WeightPosterior):
         self.curvature = curvature
         self.structure = self._structure_name()
         self.components = components
+
+    #: the :class:`~ntkgp.laplace.weight_space.Curvature` the components belong to (its evidence), or ``None``
+    #: where the posterior was built from the components alone
+    evidence_curvature: CurvatureData | None = None
+
+    def _log_marginal_likelihood(self, prior_precision: Tensor) -> Tensor:
+        if self.evidence_curvature is None:
+            return super()._log_marginal_likelihood(prior_precision)
+        return self.evidence_curvature.log_marginal_likelihood(prior_precision, self.likelihood)
 
     def _structure_name(self) -> str:
         return f"full_{self.curvature.value}"
@@ -141,12 +152,49 @@ class FullLaplace(DensePosterior):
         chunk_size: int = 256,
     ) -> None:
         kind = choice(Curvature)(curvature, "curvature")
+        names = self._parameter_names(net)
         fn, groups = check_before_pass(
-            net, likelihood, prior_precision, prior_structure, input_shape, chunk_size, self._parameter_names(net)
+            net, likelihood, prior_precision, prior_structure, input_shape, chunk_size, names
         )
-        components = dense_curvature(fn, x, y, likelihood, kind, batch_size, progress)
-        super().__init__(fn, likelihood, groups, prior_precision, components, kind)
+        if names is not None:  # a subset of the parameters: the components over them alone
+            components = dense_curvature(fn, x, y, likelihood, kind, batch_size, progress)
+            super().__init__(fn, likelihood, groups, prior_precision, components, kind)
+            return
+        fitted = full_curvature(net, x, y, likelihood, kind.value, group_spec(prior_structure), batch_size, progress,
+                                input_shape)
+        self._setup(fitted, net, likelihood, prior_precision, input_shape, chunk_size)
+
+    @classmethod
+    def from_curvature(
+        cls,
+        curvature: CurvatureData,
+        net: nn.Module,
+        likelihood: Likelihood,
+        prior_precision: float | Tensor = 1.0,
+        input_shape: tuple[int, ...] | None = None,
+        chunk_size: int = 256,
+    ) -> FullLaplace:
+        """The posterior of a full curvature already computed (``compute_curvature(..., structure="full_ggn")``
+        or ``"full_ef"`` at the network's current weights), without another pass over the data.
+
+        Raises:
+            TypeError: when ``curvature`` is not a weight-space :class:`~ntkgp.laplace.weight_space.FullCurvature`.
+        """
+        check_likelihood(likelihood)
+        self = cls.__new__(cls)
+        self._setup(curvature, net, likelihood, prior_precision, input_shape, chunk_size)
+        return self
+
+    def _setup(self, curvature, net, likelihood, prior_precision, input_shape, chunk_size) -> None:
+        if not isinstance(curvature, FullCurvature):
+            raise TypeError(
+                f"curvature must be a weight-space FullCurvature (full_ggn or full_ef), got {type(curvature).__name__}"
+            )
+        fn = NetworkCore(net, list(curvature.groups.names), input_shape, chunk_size)
+        kind = Curvature.EF if curvature.fisher else Curvature.GGN
+        DensePosterior.__init__(self, fn, likelihood, curvature.groups, prior_precision, curvature.components, kind)
+        self.evidence_curvature = curvature
 
     def _parameter_names(self, net: nn.Module) -> list[str] | None:
-        """The parameters the posterior is over: every trainable one."""
+        """The parameters the posterior is over: every trainable one (``None``)."""
         return None

@@ -13,7 +13,9 @@ column :math:`m` of :math:`L_n` (:math:`L_n L_n^\top = \Lambda_n`) at location :
 in the row-major order of :math:`\operatorname{vec}(\Theta)` (output index major). :math:`T_l` is the number of
 locations per example: the spatial positions of a convolution, the extra dimensions of a linear layer's
 input, 1 for ``(N, d)`` inputs. This is the *KFAC-expand* convention (Eschenhagen et al. 2023), the KFC of
-Grosse & Martens (2016) for a sum over the data set. For ``nn.Linear`` on ``(N, d)`` inputs and
+Grosse & Martens (2016) for a sum over the data set: on sequences (``nn.Linear`` on ``(N, T, d)``) the :math:`T`
+positions count as examples. ``kfac_approximation="reduce"`` gives their *KFAC-reduce*, the locations reduced per
+example first (:func:`kfac_ggn`). For ``nn.Linear`` on ``(N, d)`` inputs and
 :math:`N = 1` the product is the exact GGN block.
 
 No damping: each block :math:`H_l + \delta_l I` is exact through the factors' eigendecompositions: with
@@ -24,7 +26,9 @@ layer). The eigendecompositions are computed once per factor, at the first use t
 the evidence, a posterior's covariance, sampling or predictive; not in the pass over the data: linear_operator's, in
 double precision, rounding-negative eigenvalues chopped at 0). Weight and
 bias form one block and must share a prior group. Parameters outside ``nn.Linear`` / ``nn.Conv2d`` (normalisation layers, embeddings,
-...) get the exact diagonal GGN block (:mod:`~ntkgp.laplace.weight_space.diagonal`).
+...) get the exact diagonal GGN block (:mod:`~ntkgp.laplace.weight_space.diagonal`): normalization layers' affine
+parameters and embedding tables from the same forward and backward passes
+(:mod:`~ntkgp.laplace.weight_space.norm_layers`), any other by per-example vector-Jacobian products.
 
 Likelihood hyperparameters: :math:`G_l = \sum_k s_k G_{lk}` with components from the unit factors
 (:mod:`~ntkgp.laplace.weight_space.scaling`). With one component (one noise, or a temperature)
@@ -47,6 +51,7 @@ from linear_operator.operators import (
 )
 from torch import Tensor, nn
 
+from ...ntk.inputs import rows
 from ...ntk import ParameterGroups
 from ...ntk.groups import GroupSpec
 from .curvature import Curvature
@@ -55,6 +60,7 @@ from .diagonal import diagonal_ggn_components
 from .exact_log_det import diagonal_log_det
 from .kfac_factors import FactorSums
 from .layers import structured_layers, usable_layers
+from .norm_layers import DiagonalSums, diagonal_layers
 
 
 def symmetric_eigh(matrix: Tensor) -> tuple[Tensor, Tensor]:
@@ -295,6 +301,12 @@ class KroneckerGGN(Curvature):
         return out
 
 
+def check_kfac_approximation(kfac_approximation: str) -> None:
+    """Raise ``ValueError`` unless ``kfac_approximation`` is ``"expand"`` or ``"reduce"``."""
+    if kfac_approximation not in ("expand", "reduce"):
+        raise ValueError(f"kfac_approximation must be 'expand' or 'reduce', got {kfac_approximation!r}")
+
+
 def kfac_ggn(
     net: nn.Module,
     x: Data,
@@ -302,44 +314,59 @@ def kfac_ggn(
     likelihood: Likelihood,
     prior_structure: GroupSpec = "layer",
     batch_size: int = 64,
-    progress: bool = False,
+    progress: bool | None = None,
     input_shape: tuple[int, ...] | None = None,
     distributed: bool = False,
+    mc_samples: int | None = None,
+    generator: torch.Generator | None = None,
+    kfac_approximation: str = "expand",
 ) -> KroneckerGGN:
     r"""KFAC factors :math:`A_l, G_l` of every ``Linear``/``Conv2d`` layer (module docstring) and the exact
     diagonal GGN of the other parameters, batch by batch.
 
     Cost: one forward and :math:`M` backward passes per batch (:math:`M = C - 1` for a softmax, the columns of
     :meth:`~ntkgp.laplace.weight_space.data_pass.DataPass.unit_hessian_root`; plus per-example passes for parameters
-    outside the layers) and the factors' products, :math:`T_l d_{in}^2 + M T_l d_{out}^2` per example and layer
+    outside the layers and the normalization and embedding layers of :mod:`~ntkgp.laplace.weight_space.norm_layers`) and the factors' products, :math:`T_l d_{in}^2 + M T_l d_{out}^2` per example and layer
     (:mod:`~ntkgp.laplace.weight_space.kfac_factors`); memory
     :math:`O(\text{batch} \cdot \text{activations} + \sum_l d_a^2 + K d_{out}^2)`: one output's gradients at a time,
-    the factors' float64 sums.
+    the factors' float64 sums. With ``mc_samples`` :math:`= S`, :math:`S` backward passes per batch instead of
+    :math:`M` (:mod:`~ntkgp.laplace.weight_space.sampled_ggn`). ``kfac_approximation``: ``"expand"`` (module
+    docstring) or ``"reduce"``: a layer's :math:`T_l` locations reduced per example first,
+    :math:`A_l = \sum_n \bar a_n \bar a_n^\top` with :math:`a_n = T_l^{-1} \sum_t a_{nt}` and
+    :math:`G_l = N^{-1} \sum_n \sum_m \Gamma_{nm} \Gamma_{nm}^\top` with :math:`\Gamma_{nm} = \sum_t \Gamma_{nmt}`
+    (Eschenhagen et al. 2023; exact for :math:`N = 1` when the locations are averaged right after the layer). The
+    two coincide for layers with one location.
     Arguments as :func:`~ntkgp.laplace.compute_curvature`.
     """
-    data = DataPass.start(net, likelihood, prior_structure, input_shape, distributed)
+    check_kfac_approximation(kfac_approximation)
+    data = DataPass.start(net, likelihood, prior_structure, input_shape, distributed, mc_samples, generator)
     pg, dtype, device = data.core.groups, data.core.dtype, data.core.device
     layers = structured_layers(net, pg, strict=True)
     in_blocks = {n for layer in layers for n in (layer.weight, layer.bias) if n is not None}
     diagonal_names = [n for n in pg.names if n not in in_blocks]
     num_components = data.scale0.shape[0]
-    sums = FactorSums(layers, num_components)
+    sums = FactorSums(layers, num_components, reduce_locations=kfac_approximation == "reduce")
     diag_total = torch.zeros(num_components, 0, dtype=dtype, device=device)
-    if diagonal_names:
-        diag_total = 0
+    generic_total, generic = 0, diagonal_names
+    elementwise = DiagonalSums(num_components)  # normalization and embedding layers, from the same passes
     first = [True]
 
     def forward(xb: Tensor, root) -> Tensor:  # the batch's one forward pass, and its backward passes
         if first:  # the layers checked on the first batch's first example
             first.clear()
-            usable_layers(data, layers, xb[:1], strict=True)
-        features = data.core.features(xb, layers, root, reduce=sums.reduce)  # G: in sums.reduce
+            usable_layers(data, layers, rows(xb, 0, 1), strict=True)
+            elementwise.layers = diagonal_layers(data, diagonal_names, rows(xb, 0, 1))
+        features = data.core.features(xb, layers + elementwise.layers, root,
+                                      reduce=elementwise.routed(sums.reduce))  # G: in sums.reduce
         sums.add_inputs(features.inputs)
         return features.outputs
 
     for xb, fb, yb in data.batches(x, y, batch_size, progress, "KFAC", forward):
-        if diagonal_names:
-            diag_total = diag_total + diagonal_ggn_components(data, xb, fb, yb, diagonal_names, [])
+        generic = [n for n in diagonal_names if n not in elementwise.names]
+        if generic:
+            generic_total = generic_total + diagonal_ggn_components(data, xb, fb, yb, generic, [])
+    if diagonal_names:
+        diag_total = elementwise.merge(data, diagonal_names, generic, generic_total)
     a_sum, g_sum, locations = sums.factors()
     if data.distributed:  # sums over every rank's shard (float64)
         counts = torch.tensor([locations[layer.name] for layer in layers], device=device)

@@ -85,10 +85,15 @@ class FactorSums:
         num_components: ``K``, the likelihood's number of output-scale components: 1 (one sum over the columns)
             or the number of cotangent columns (one sum per column).
         rows: examples gathered before the product of a single-location layer's inputs (:data:`ROWS`).
+        reduce_locations: KFAC-reduce (Eschenhagen et al. 2023): each example's locations reduced before the
+            products, :math:`a_n = T^{-1} \sum_t a_{nt}` and :math:`\Gamma_{nm} = \sum_t \Gamma_{nmt}` (one
+            location per example); otherwise KFAC-expand (every location a term of the sums).
     """
 
-    def __init__(self, layers: list[Layer], num_components: int, rows: int | None = None) -> None:
+    def __init__(self, layers: list[Layer], num_components: int, rows: int | None = None,
+                 reduce_locations: bool = False) -> None:
         self.layers = layers
+        self.reduce_locations = reduce_locations
         self.num_components = num_components
         self.rows = ROWS if rows is None else rows
         self.inputs: dict[str, Tensor] = {}  # A, (d_a, d_a): Σ a aᵀ, bordered by Σ a (and the count) with a bias
@@ -112,6 +117,8 @@ class FactorSums:
     def reduce(self, layer: Layer, a: Tensor, g: Tensor, m: int, count: int) -> None:
         r"""The ``reduce`` hook of the feature pass: column ``m`` of ``count``'s gradients ``g``
         ``(n, d_out, T)`` added to :math:`G` (kept by this object: returns ``None``)."""
+        if self.reduce_locations and g.shape[-1] != 1:
+            g = g.sum(dim=-1, keepdim=True)
         gram = g[..., 0].T @ g[..., 0] if g.shape[-1] == 1 else location_gram(g)
         k = m if self.num_components == count else 0
         if layer.name not in self.outputs:
@@ -124,6 +131,8 @@ class FactorSums:
         """One batch's layer inputs ``(n, d_in, T)`` (unfolded, without the row of ones) added to :math:`A`."""
         for layer in self.layers:
             a = inputs[layer.name]
+            if self.reduce_locations and a.shape[2] != 1:
+                a = a.mean(dim=2, keepdim=True)
             self.locations[layer.name] += a.shape[0] * a.shape[2]
             if a.shape[2] == 1:
                 self.pending[layer.name].append(a[..., 0])

@@ -43,7 +43,7 @@ from .curvature import Curvature
 from ...ntk.features import Layer
 from ...options import OptionAttribute
 from .data_pass import Data
-from .kfac import KroneckerFactors, KroneckerGGN, kfac_ggn
+from .kfac import KroneckerFactors, KroneckerGGN, check_kfac_approximation, kfac_ggn
 from .posterior import WeightPosterior, check_before_pass, check_likelihood, group_spec
 from .kronecker_form import (
     kronecker_covariances,
@@ -115,9 +115,15 @@ class KFACLaplace(WeightPosterior):
             and bias in one group (one Kronecker block per layer).
         damping: use the damped Kronecker product instead of the exact prior (module docstring).
         batch_size: examples per batch of the curvature pass.
-        progress: show a tqdm bar.
+        progress: ``None`` (auto: a bar on a terminal, else one line with the pass's estimated time when it is
+            long), ``True`` (a bar) or ``False`` (:mod:`ntkgp.progress`).
+        mc_samples: ``None`` (the exact GGN) or :math:`S` sampled roots of a softmax likelihood's Hessian per
+            example (:mod:`~ntkgp.laplace.weight_space.sampled_ggn`; GGN only).
+        generator: the samples' ``torch.Generator`` (``None``: torch's global one).
         input_shape: the shape of one input, for flat inputs.
         chunk_size: examples per chunk at prediction time.
+        kfac_approximation: ``"expand"`` or ``"reduce"`` on layers with several locations per example
+            (:func:`~ntkgp.laplace.weight_space.kfac_ggn`).
 
     ``damping`` may be assigned after construction (the layer covariances are formed again); the other arguments
     are fixed.
@@ -141,13 +147,18 @@ class KFACLaplace(WeightPosterior):
         prior_structure: str | Mapping[str, str] = "layer",
         damping: bool = False,
         batch_size: int = 64,
-        progress: bool = False,
+        progress: bool | None = None,
         input_shape: tuple[int, ...] | None = None,
         chunk_size: int = 256,
+        mc_samples: int | None = None,
+        generator: torch.Generator | None = None,
+        kfac_approximation: str = "expand",
     ) -> None:
         _check_damping(damping, "damping")
+        check_kfac_approximation(kfac_approximation)
         check_before_pass(net, likelihood, prior_precision, prior_structure, input_shape, chunk_size)
-        curvature = kfac_ggn(net, x, y, likelihood, group_spec(prior_structure), batch_size, progress, input_shape)
+        curvature = kfac_ggn(net, x, y, likelihood, group_spec(prior_structure), batch_size, progress, input_shape,
+                             mc_samples=mc_samples, generator=generator, kfac_approximation=kfac_approximation)
         self._setup(curvature, net, likelihood, prior_precision, damping, input_shape, chunk_size)
 
     @classmethod
@@ -203,6 +214,19 @@ class KFACLaplace(WeightPosterior):
             or [torch.zeros(0, dtype=torch.long, device=fn.device)]
         )
         self._verified = False
+        #: the :class:`~ntkgp.laplace.weight_space.KroneckerGGN` the posterior was built from (its evidence)
+        self.evidence_curvature = curvature
+
+    def _log_marginal_likelihood(self, prior_precision: Tensor) -> Tensor:
+        if self.damping:
+            raise ValueError(
+                "the evidence of a KFAC posterior is that of the exact prior (G ⊗ A + δI); with damping=True the "
+                "posterior's precision is another matrix: set damping=False to evaluate or tune δ by the evidence"
+            )
+        return self.evidence_curvature.log_marginal_likelihood(prior_precision, self.likelihood)
+
+    def _state_options(self) -> dict:
+        return {"damping": self.damping}
 
     def _option_changed(self, name: str) -> None:
         """``damping`` changed: drop the layer covariances formed with the old value."""

@@ -6,7 +6,9 @@ r"""Weight-space Laplace posteriors :math:`N(\theta^*, (H + P_0)^{-1})` of a tra
 - :class:`KFACLaplace`: one Kronecker block per ``Linear``/``Conv2d`` layer, the prior added exactly through
   the eigendecompositions of the factors;
 - :class:`DiagLaplace`: diagonal GGN or empirical Fisher;
-- :class:`LastLayerLaplace`: a full posterior over the last layer only.
+- ``subset="last_layer"``: :class:`LastLayerLaplace` (full), :class:`LastLayerKFACLaplace`,
+  :class:`LastLayerDiagLaplace`: one layer (default the last) from its features, one forward pass over the data;
+- ``subset="subnetwork"``: :class:`SubnetLaplace`, a full posterior over chosen parameters or coordinates.
 
 Each gives products with :math:`\Sigma`, samples :math:`\eta \sim N(0, \Sigma)`, :math:`\log|\Sigma^{-1}|` and
 the GLM covariance at test inputs, for per-group prior precisions and the likelihood's current noise or
@@ -20,12 +22,13 @@ from collections.abc import Mapping
 from gpytorch.likelihoods import Likelihood
 from torch import Tensor, nn
 
+from ...ntk.outputs import with_output
 from ...options import Structure, Subset, choose
 from .data_pass import Data
 from .full_laplace import FullLaplace
-from .last_layer_laplace import LastLayerLaplace
 from .posterior import WeightPosterior
-from .structures import STRUCTURE_CLASSES
+from .structures import LAST_LAYER_CLASSES, STRUCTURE_CLASSES
+from .subnetwork_laplace import SubnetLaplace
 
 
 def laplace_posterior(
@@ -37,6 +40,7 @@ def laplace_posterior(
     subset: str = "all",
     prior_precision: float | Tensor = 1.0,
     prior_structure: str | Mapping[str, str] = "layer",
+    output: str | int | None = None,
     **kwargs,
 ) -> WeightPosterior:
     r"""The Laplace posterior of ``net`` at its current weights, for the curvature ``structure``.
@@ -47,34 +51,45 @@ def laplace_posterior(
         y: training targets.
         likelihood: a supported likelihood.
         structure: ``"full_ggn"``, ``"full_ef"``, ``"kfac"`` (default), ``"diag_ggn"`` or ``"diag_ef"``.
-        subset: ``"all"`` (default) or ``"last_layer"`` (a full posterior over the last layer; ``structure``
-            then must be ``"full_ggn"`` or ``"full_ef"``).
+        subset: ``"all"`` (default), ``"last_layer"`` (a posterior of any ``structure`` over one layer, default the
+            last: ``layer=`` names another) or ``"subnetwork"`` (a full posterior over ``subnetwork=``, a list of
+            parameter names or a mapping name → boolean mask; ``structure`` must be ``"full_ggn"`` or
+            ``"full_ef"``).
         prior_precision: :math:`\delta`, a float or one per group.
         prior_structure: ``"layer"``, ``"network"``, ``"parameter"`` or a mapping name → group.
+        output: for a network returning a dict or a tuple, the key or index of the output to use
+            (:mod:`ntkgp.ntk.outputs`).
         **kwargs: passed to the class (``batch_size``, ``progress``, ``input_shape``, ``chunk_size``,
-            ``damping`` for KFAC, ``layer`` for the last layer).
+            ``damping`` for KFAC, ``layer`` for the last layer, ``subnetwork`` for a subnetwork).
 
     Returns:
-        a :class:`FullLaplace`, :class:`KFACLaplace`, :class:`DiagLaplace` or :class:`LastLayerLaplace`.
+        a :class:`FullLaplace`, :class:`KFACLaplace`, :class:`DiagLaplace`, :class:`LastLayerLaplace`,
+        :class:`LastLayerKFACLaplace`, :class:`LastLayerDiagLaplace` or :class:`SubnetLaplace`.
 
     Raises:
-        ValueError: for an unknown ``structure`` or ``subset``, or a last-layer posterior with a structure
-            other than a full one.
+        ValueError: for an unknown ``structure`` or ``subset``, a subnetwork posterior with a structure other than
+            a full one or without ``subnetwork``.
 
     Example:
         >>> posterior = laplace_posterior(net, x, y, SoftmaxLikelihood(10), structure="kfac")
         >>> prediction = ntkgp.laplace.predict(posterior, x_test, method="glm", link="probit")
     """
+    net = with_output(net, output)  # a network returning a dict or tuple: its output output= (ntkgp.ntk.outputs)
     structure = choose(Structure, structure, "structure")
     subset = choose(Subset, subset, "subset")
     common = {"prior_precision": prior_precision, "prior_structure": prior_structure, **kwargs}
     classes = STRUCTURE_CLASSES[structure]
     if subset is Subset.LAST_LAYER:
+        cls, arguments = LAST_LAYER_CLASSES[structure]
+        return cls(net, x, y, likelihood, **arguments, **common)
+    if subset is Subset.SUBNETWORK:
         if classes.posterior is not FullLaplace:
             raise ValueError(
-                f"subset='last_layer' needs structure='full_ggn' or 'full_ef', got {structure.value!r}"
+                f"subset='subnetwork' needs structure='full_ggn' or 'full_ef', got {structure.value!r}"
             )
-        return LastLayerLaplace(net, x, y, likelihood, **classes.posterior_arguments, **common)
+        if "subnetwork" not in common:
+            raise ValueError("subset='subnetwork' needs subnetwork= (parameter names or name → boolean mask)")
+        return SubnetLaplace(net, x, y, likelihood, **classes.posterior_arguments, **common)
     return classes.posterior(net, x, y, likelihood, **classes.posterior_arguments, **common)
 
 

@@ -1,27 +1,63 @@
 r"""Last-layer Laplace: a full Laplace posterior over the parameters of one layer, the others fixed at
-:math:`\theta^*`."""
+:math:`\theta^*`, from the layer's features (:mod:`~ntkgp.laplace.weight_space.last_layer_curvature`)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
+import torch
 from gpytorch.likelihoods import Likelihood
 from torch import Tensor, nn
 
-from ...options import OptionAttribute
-from .dense_curvature import Data
-from .full_laplace import FullLaplace
-from .posterior import check_name
+from ...ntk.features import Layer
+from ...options import Curvature, OptionAttribute, Structure, choice
+from .curvature import Curvature as CurvatureData
+from .data_pass import Data
+from .full_laplace import DensePosterior, FullLaplace
+from .last_layer_curvature import fit_last_layer
+from .last_layer_features import feature_layer, head_features, last_layer_names
+from .posterior import check_before_pass, check_name
 
 
-class LastLayerLaplace(FullLaplace):
+class LayerRoute:
+    """The feature route of a posterior over one layer: decided by its pass over the data, or, for a posterior
+    restored from a curvature (``from_curvature``, ``from_state_dict``), at its first prediction."""
+
+    _route_pending = False
+
+    def head(self, x: Tensor) -> Layer | None:
+        """The layer in structured form on the feature route (decided on the prepared ``x`` if not yet), else
+        ``None``."""
+        if self._route_pending:
+            self.feature_layer = feature_layer(self.function, self.layer, x)
+            self._route_pending = False
+        return self.feature_layer
+
+    def _restored(self):
+        """``self`` after ``from_curvature``: the layer from the curvature's parameter names, the route pending.
+
+        Raises:
+            ValueError: when the curvature's parameters are not those of one module.
+        """
+        modules = {n.rpartition(".")[0] for n in self.names}
+        if len(modules) != 1:
+            raise ValueError(f"curvature must be over one layer's parameters, got {list(self.names)}")
+        self.layer = modules.pop()
+        self.feature_layer = None
+        self._route_pending = True
+        return self
+
+
+class LastLayerLaplace(LayerRoute, FullLaplace):
     r"""The full Laplace posterior over the last layer's weight and bias; all other weights stay at
     :math:`\theta^*`.
 
     For a last ``nn.Linear`` layer :math:`f = W \phi(x) + b` the Jacobian is
-    :math:`J(x) = I_C \otimes [\phi(x)^\top, 1]`, so :math:`P = C (d + 1)` is small even for a large network
-    and the dense algebra of :class:`FullLaplace` (GGN or EF) applies. Sampling methods of the predictive
-    perturb only this layer.
+    :math:`J(x) = I_C \otimes [\phi(x)^\top, 1]`: the GGN :math:`H = \sum_n \tilde\Lambda_n \otimes \tilde\phi_n
+    \tilde\phi_n^\top` (or the EF) comes from one forward pass over the data, and the GLM predictive from the
+    features of the test points (:mod:`~ntkgp.laplace.weight_space.last_layer_curvature`); :math:`P = C (d + 1)`,
+    memory :math:`O(K P^2)`, and the dense algebra of :class:`FullLaplace` applies. Another layer (or one whose output
+    is not the network's) takes per-example Jacobians. Sampling methods of the predictive perturb only this layer.
 
     Args:
         net: the trained network (never modified).
@@ -34,12 +70,14 @@ class LastLayerLaplace(FullLaplace):
         prior_precision: :math:`\delta`, a float or one per group.
         prior_structure: ``"layer"`` (default: one :math:`\delta` for the layer), ``"parameter"`` (weight and
             bias separately), ``"network"`` or a mapping name → group.
-        batch_size: examples per Jacobian batch.
+        batch_size: examples per batch of the pass over the data.
         progress: show a tqdm bar.
         input_shape: the shape of one input, for flat inputs.
-        chunk_size: examples per Jacobian chunk at prediction time.
+        chunk_size: examples per chunk at prediction time.
 
-    ``layer`` holds the module's name (the default resolved) and is fixed after construction.
+    ``layer`` holds the module's name (the default resolved) and is fixed after construction; :attr:`feature_layer`
+    is the layer in structured form on the feature route, else ``None`` (:meth:`head`); :attr:`evidence_curvature` the layer's
+    :class:`~ntkgp.laplace.weight_space.FullCurvature` (its evidence, :meth:`log_marginal_likelihood`).
 
     Raises:
         ValueError: when ``layer`` names no module, or a module without trainable parameters of its own.
@@ -67,50 +105,62 @@ class LastLayerLaplace(FullLaplace):
         input_shape: tuple[int, ...] | None = None,
         chunk_size: int = 256,
     ) -> None:
-        self._layer_request = layer
-        super().__init__(
-            net,
-            x,
-            y,
-            likelihood,
-            curvature,
-            prior_precision,
-            prior_structure,
-            batch_size,
-            progress,
-            input_shape,
-            chunk_size,
-        )
+        kind = choice(Curvature)(curvature, "curvature")
+        name, names = last_layer_names(net, layer)
+        fn, groups = check_before_pass(net, likelihood, prior_precision, prior_structure, input_shape, chunk_size,
+                                       names)
+        structure = Structure.FULL_EF if kind is Curvature.EF else Structure.FULL_GGN
+        fitted, self.feature_layer = fit_last_layer(fn, groups, likelihood, name, structure, x, y, batch_size,
+                                                    progress)
+        self.layer = name
+        self.evidence_curvature: CurvatureData = fitted
+        DensePosterior.__init__(self, fn, likelihood, groups, prior_precision, fitted.components, kind)
+
+    @classmethod
+    def from_curvature(cls, curvature: CurvatureData, net: nn.Module, likelihood: Likelihood,
+                       prior_precision: float | Tensor = 1.0, input_shape: tuple[int, ...] | None = None,
+                       chunk_size: int = 256) -> LastLayerLaplace:
+        """The posterior of one layer's full curvature already computed (:func:`last_layer_curvature`, or a
+        :meth:`state_dict`'s), without a pass over the data; the route decided at the first prediction.
+
+        Raises:
+            TypeError: for another curvature than a :class:`~ntkgp.laplace.weight_space.FullCurvature`.
+            ValueError: for a curvature over the parameters of several modules.
+        """
+        return super().from_curvature(curvature, net, likelihood, prior_precision, input_shape, chunk_size)._restored()
 
     def _structure_name(self) -> str:
         return f"last_layer_{self.curvature.value}"
 
-    def _parameter_names(self, net: nn.Module) -> list[str]:
-        if not isinstance(net, nn.Module):
-            raise TypeError(f"net must be a torch.nn.Module, got {type(net).__name__}")
-        owners = [
-            (
-                name,
-                [
-                    f"{name}.{k}" if name else k
-                    for k, p in module.named_parameters(recurse=False)
-                    if p.requires_grad
-                ],
-            )
-            for name, module in net.named_modules()
-        ]
-        owners = [(name, params) for name, params in owners if params]
-        request = self._layer_request
-        if request is None:
-            if not owners:
-                raise ValueError("net has no trainable parameters")
-            self.layer = owners[-1][0]
-            return owners[-1][1]
-        found = dict(owners)
-        if request not in found:
-            raise ValueError(
-                f"layer must name a module of net with trainable parameters of its own, got {request!r}; "
-                f"candidates: {list(found)}"
-            )
-        self.layer = request
-        return found[request]
+    def jacobian(self, x: Tensor) -> Tensor:
+        r"""Per-example Jacobians of a prepared chunk, ``(n, C, P)``: :math:`I_C \otimes \tilde\phi^\top` in the
+        network's flat order on the feature route (one forward pass), else by ``vmap(jacrev)``."""
+        layer = self.head(x)
+        if layer is None:
+            return self.function.jacobian(x)
+        return feature_jacobian(self.function, layer, x)
+
+    def _log_marginal_likelihood(self, prior_precision: Tensor) -> Tensor:
+        return layer_evidence(self, prior_precision)
+
+
+def layer_evidence(posterior, prior_precision: Tensor) -> Tensor:
+    r"""The Laplace-GGN evidence of a posterior over one layer's parameters (or a subnetwork's): that of the
+    curvature it was built from (:attr:`evidence_curvature`,
+    :meth:`~ntkgp.laplace.weight_space.Curvature.log_marginal_likelihood`: ``docs/math.md``, "Laplace-GGN
+    evidence") for prior precisions ``(G,)`` at the likelihood's current noise or temperature, differentiable in
+    both; the network checked unchanged first."""
+    posterior.check_network()
+    return posterior.evidence_curvature.log_marginal_likelihood(prior_precision, posterior.likelihood)
+
+
+def feature_jacobian(function, layer: Layer, x: Tensor) -> Tensor:
+    r""":math:`J = I_C \otimes \tilde\phi^\top` of a prepared chunk in the flat order of ``function``'s
+    :math:`\theta` (the layer's parameters), ``(n, C, P)``, from one forward pass."""
+    phi, f = head_features(function, layer, x)
+    n, c = f.shape
+    index = layer.index(function.offset, function.device)  # (C, d_a)
+    out = phi.new_zeros(n, c, function.num_params)
+    rows = torch.arange(c, device=phi.device)[:, None].expand_as(index)
+    out[:, rows, index] = phi[:, None, :].expand(n, c, phi.shape[1])
+    return out

@@ -27,6 +27,7 @@ flattened row-major: :meth:`NetworkCore.unflatten` splits them.
 
 from __future__ import annotations
 
+import copy
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 
@@ -37,10 +38,13 @@ from torch import Tensor
 from ...caching import ValueCache, network_key, same_values
 from .scaling import output_scale
 from ...likelihoods import num_outputs
+from ...ntk.inputs import split
 from ...ntk import ParameterGroups, resolve_groups
 from ...options import OptionAttribute, PriorStructure, choose
 from ...ntk.network import NetworkCore
 from ...ntk.prior_precision import prior_precision_vector
+from .posterior_state import PosteriorState
+from .prior_tuning import PriorTuning
 
 
 def prior_groups(fn: NetworkCore, prior_structure: str | Mapping[str, str]) -> ParameterGroups:
@@ -127,7 +131,7 @@ def check_before_pass(
     return fn, groups
 
 
-class WeightPosterior(ABC):
+class WeightPosterior(PriorTuning, PosteriorState, ABC):
     r"""A Gaussian Laplace posterior :math:`N(\theta^*, (H(s) + P_0)^{-1})` over (some of) a network's
     weights.
 
@@ -139,6 +143,11 @@ class WeightPosterior(ABC):
         prior_precision: :math:`\delta`, a positive float or one per group ``(G,)``.
         scale_size: the length of :math:`s` the curvature is split for (``C`` for Gaussian likelihoods,
             ``1`` otherwise).
+
+    The front door :func:`~ntkgp.laplace.weight_space.laplace_posterior` returns one; beside the algebra below it
+    offers the evidence :meth:`log_marginal_likelihood`, :meth:`optimize_prior_precision`, :meth:`predict`,
+    :meth:`predictive_samples` and :meth:`state_dict` / :meth:`load_state_dict`
+    (:mod:`~ntkgp.laplace.weight_space.prior_tuning`, :mod:`~ntkgp.laplace.weight_space.posterior_state`).
 
     ``prior_precision`` and the likelihood's hyperparameters may change at any time (everything computed from
     them is cached by value); ``likelihood`` and ``structure`` are fixed at construction (assigning another value
@@ -185,6 +194,22 @@ class WeightPosterior(ABC):
                 "belongs to the old weights and would be mixed with the new Jacobians: build a new posterior "
                 "(or restore the weights)"
             )
+
+    def __deepcopy__(self, memo: dict) -> WeightPosterior:
+        """A copy that predicts as this posterior: it shares the network (held by reference, as every model's copy
+        does: the structured forms hook its layers, which must be the modules the network calls) and copies
+        everything else (δ, the likelihood, the curvature), so that changing the copy's hyperparameters leaves
+        this posterior as it is."""
+        net = self.function.net
+        shared = {id(obj): obj for obj in (*net.modules(), *net.parameters(), *net.buffers())}
+        # a memo of its own, so that the network is shared here even where an enclosing deepcopy copies it (as
+        # NetworkCore always shares it) and stays copied there; what else was copied is passed back
+        inner = {**memo, **shared}
+        new = object.__new__(type(self))
+        inner[id(self)] = memo[id(self)] = new
+        new.__dict__.update(copy.deepcopy(self.__dict__, inner))
+        memo.update({k: v for k, v in inner.items() if k not in shared and k != id(inner) and k not in memo})
+        return new
 
     # ------------------------------------------------------------------ hyperparameters
     @property
@@ -297,7 +322,7 @@ class WeightPosterior(ABC):
         """
         self.check_network()
         x = self.function.prepare(x)
-        return torch.cat([self._glm_covariance(xc) for xc in x.split(self.function.chunk_size)])
+        return torch.cat([self._glm_covariance(xc) for xc in split(x, self.function.chunk_size)])
 
     def glm_root(self, x: Tensor) -> Tensor:
         r"""A root :math:`R(X)`, ``(N, C, R)``, of the joint GLM covariance:
@@ -307,7 +332,7 @@ class WeightPosterior(ABC):
         """
         self.check_network()
         x = self.function.prepare(x)
-        return torch.cat([self._glm_root(xc) for xc in x.split(self.function.chunk_size)])
+        return torch.cat([self._glm_root(xc) for xc in split(x, self.function.chunk_size)])
 
     # ------------------------------------------------------------------ what each structure implements
     @abstractmethod

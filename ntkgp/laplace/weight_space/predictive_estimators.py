@@ -58,8 +58,12 @@ from ...likelihoods import (
     softmax_monte_carlo,
     softmax_probit,
 )
+from ...ntk.inputs import num_rows, split
 from ...options import FiniteDifference, Link, Method, choose
-from .laplace_posterior import WeightPosterior
+
+#: What :func:`predict` uses of a posterior (:class:`~ntkgp.laplace.weight_space.WeightPosterior`'s interface; checked
+#: by name, so that the posterior's own ``predict`` can call this module without an import circle).
+POSTERIOR_INTERFACE = ("function", "likelihood", "sample", "glm_covariance", "glm_root")
 
 #: Network evaluations (samples × test points) vectorized at once by the sampling methods (bounds memory).
 SAMPLE_BUDGET = 16384
@@ -132,11 +136,11 @@ def laplace_bridge(mean: Tensor, variance: Tensor) -> Tensor:
 
 
 def _check_args(posterior, x, num_samples, joint, step_size, generator, progress) -> None:
-    if not isinstance(posterior, WeightPosterior):
+    if not all(hasattr(posterior, name) for name in POSTERIOR_INTERFACE):
         raise TypeError(
             f"posterior must be an ntkgp.laplace.weight_space.WeightPosterior, got {type(posterior).__name__}"
         )
-    if not torch.is_tensor(x):
+    if not torch.is_tensor(x) and not isinstance(x, dict):  # a tensor, or a dict of tensors (ntkgp.ntk.inputs)
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
         raise ValueError(f"num_samples must be a positive integer, got {num_samples!r}")
@@ -170,7 +174,7 @@ def _link_for(likelihood: Likelihood, link: str | None) -> Link | None:
 
 
 def _sample_outputs(
-    posterior: WeightPosterior, x: Tensor, eta: Tensor, method: Method, scheme, step_size
+    posterior, x: Tensor, eta: Tensor, method: Method, scheme, step_size
 ) -> Tensor:
     """Function samples minus :math:`f(x;\\theta^*)` (GLM methods) or the network's outputs (``nn_sampling``),
     ``(S, n, C)``, for a prepared chunk ``x`` and draws ``eta`` ``(S, P)``."""
@@ -199,7 +203,7 @@ def _covariance(blocks: Tensor | None, root: Tensor | None, c: int):
 
 
 def predict(
-    posterior: WeightPosterior,
+    posterior,
     x: Tensor,
     method: str = "glm",
     link: str | None = None,
@@ -254,7 +258,7 @@ def predict(
         raise ValueError("method='nn_sampling' estimates a covariance from samples: num_samples must be >= 2")
     fn = posterior.function
     x = fn.prepare(x)
-    chunks = list(x.split(fn.chunk_size))
+    chunks = split(x, fn.chunk_size)
     bar = tqdm(chunks, desc=f"predict ({method.value})", disable=not progress, leave=False)
     samples = blocks = root = None
     with torch.no_grad():
@@ -271,7 +275,7 @@ def predict(
                     torch.cat(
                         [
                             _sample_outputs(posterior, xc, e, method, scheme, step_size)
-                            for e in eta.split(max(1, SAMPLE_BUDGET // xc.shape[0]))
+                            for e in eta.split(max(1, SAMPLE_BUDGET // num_rows(xc)))
                         ]
                     )
                     for xc in bar

@@ -6,20 +6,25 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
 from gpytorch.likelihoods import Likelihood
 from torch import Tensor, nn
 
 from ...ntk.groups import GroupSpec
 from ...options import Structure, choose
+from ...progress import check_progress
 from .curvature import Curvature
 from .data_pass import Data
 from .diag_laplace import DiagLaplace
 from .diagonal import diagonal_ef, diagonal_ggn
 from .full_curvature import full_ef, full_ggn
 from .full_laplace import FullLaplace
-from .kfac import kfac_ggn
+from .kfac import check_kfac_approximation, kfac_ggn
 from .kfac_laplace import KFACLaplace
+from .last_layer_laplace import LastLayerLaplace
+from .last_layer_structured import LastLayerDiagLaplace, LastLayerKFACLaplace
 from .posterior import WeightPosterior
+from .sampled_ggn import check_generator
 
 
 @dataclass(frozen=True)
@@ -46,6 +51,15 @@ STRUCTURE_CLASSES: dict[Structure, StructureClasses] = {
     Structure.DIAG_EF: StructureClasses(diagonal_ef, DiagLaplace, {"curvature": "ef"}),
 }
 
+#: The last-layer posterior of each structure (``subset="last_layer"``) and its fixed keyword arguments.
+LAST_LAYER_CLASSES: dict[Structure, tuple[type[WeightPosterior], dict]] = {
+    Structure.FULL_GGN: (LastLayerLaplace, {"curvature": "ggn"}),
+    Structure.FULL_EF: (LastLayerLaplace, {"curvature": "ef"}),
+    Structure.KFAC: (LastLayerKFACLaplace, {}),
+    Structure.DIAG_GGN: (LastLayerDiagLaplace, {"curvature": "ggn"}),
+    Structure.DIAG_EF: (LastLayerDiagLaplace, {"curvature": "ef"}),
+}
+
 
 def compute_curvature(
     net: nn.Module,
@@ -55,9 +69,12 @@ def compute_curvature(
     structure: str = "kfac",
     prior_structure: GroupSpec = "layer",
     batch_size: int = 64,
-    progress: bool = False,
+    progress: bool | None = None,
     input_shape: tuple[int, ...] | None = None,
     distributed: bool = False,
+    mc_samples: int | None = None,
+    generator: torch.Generator | None = None,
+    kfac_approximation: str = "expand",
 ) -> Curvature:
     r"""Compute the curvature ``structure`` of ``net`` at its current weights :math:`\theta^*`, once.
 
@@ -81,11 +98,20 @@ def compute_curvature(
         prior_structure: prior-precision groups, see :func:`ntkgp.ntk.resolve_groups`; ``"kfac"`` needs the
             weight and bias of each ``Linear``/``Conv2d`` layer in one group (``"layer"`` or ``"network"``).
         batch_size: examples per batch when ``x`` is a tensor.
-        progress: show a tqdm progress bar over the batches.
+        progress: ``None`` (auto: a bar on a terminal, else one line with the pass's estimated time when it is
+            long), ``True`` (a bar) or ``False`` (silent): :mod:`ntkgp.progress`.
         input_shape: shape of one input; flat ``(N, D)`` inputs are reshaped to it.
         distributed: each rank of an initialized ``torch.distributed`` process group passes its shard of the
             data (the network replicated on every rank, as in DDP); the sums over the data are all-reduced, so
             every rank gets the curvature of all the data (docs/scaling.md, "Several processes and GPUs").
+        mc_samples: ``None`` (the exact GGN) or :math:`S`: a Monte-Carlo GGN from :math:`S` sampled roots of a
+            softmax likelihood's Hessian per example — :math:`S` backward passes per batch instead of
+            :math:`C - 1`, unbiased for the GGN and its diagonal
+            (:mod:`~ntkgp.laplace.weight_space.sampled_ggn`); ``"kfac"``, ``"diag_ggn"`` and ``"full_ggn"``.
+        generator: the samples' ``torch.Generator`` (``None``: torch's global one).
+        kfac_approximation: for ``"kfac"``, on layers with several locations per example (convolutions,
+            ``nn.Linear`` on sequences): ``"expand"`` (each location a term of the factors' sums) or ``"reduce"`` (each example's
+            locations reduced first); Eschenhagen et al. (2023), :func:`~ntkgp.laplace.weight_space.kfac_ggn`.
 
     Returns:
         The :class:`~ntkgp.laplace.weight_space.Curvature`.
@@ -104,9 +130,20 @@ def compute_curvature(
         torch.Size([])
     """
     chosen = choose(Structure, structure, "structure")
-    if not isinstance(progress, bool):
-        raise TypeError(f"progress must be True or False, got {progress!r}")
+    check_progress(progress)
+    sampled = {}
+    if mc_samples is not None or generator is not None:
+        if chosen not in (Structure.KFAC, Structure.DIAG_GGN, Structure.FULL_GGN):
+            raise ValueError(
+                f"mc_samples samples the GGN's Hessian roots (structure 'kfac', 'diag_ggn' or 'full_ggn'); "
+                f"{chosen.value!r} is an empirical Fisher: pass mc_samples=None"
+            )
+        sampled = {"mc_samples": mc_samples, "generator": check_generator(generator)}
+    check_kfac_approximation(kfac_approximation)
+    approximation = {} if kfac_approximation == "expand" else {"kfac_approximation": kfac_approximation}
+    if approximation and chosen is not Structure.KFAC:
+        raise ValueError(f"kfac_approximation applies to structure 'kfac', not {chosen.value!r}")
     return STRUCTURE_CLASSES[chosen].curvature(
         net, x, y, likelihood, prior_structure=prior_structure, batch_size=batch_size, progress=progress,
-        input_shape=input_shape, distributed=distributed,
+        input_shape=input_shape, distributed=distributed, **sampled, **approximation,
     )

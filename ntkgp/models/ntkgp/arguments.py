@@ -18,7 +18,9 @@ from ...kernels.arguments import check_network_dtype, optional_positive_int, pos
 from ...kernels.network_state import RANDOM_NETWORK, RandomNetworkError
 from ...likelihoods import num_outputs, validate_targets
 from ...ntk import GroupSpec, NTKEngine
-from ...ntk.checks import OutputShapeError, check_has_values
+from ...ntk.checks import OutputShapeError
+from ...ntk.inputs import check_tensor
+from ...ntk.inputs import to as to_network
 
 __all__ = ["check_floating", "optional_positive_int", "positive_int", "setup"]
 
@@ -34,15 +36,9 @@ BATCH_MODE = (
 
 
 def check_floating(x: object, argument: str) -> torch.Tensor:
-    """A floating-point tensor; ``TypeError`` naming ``argument`` otherwise."""
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{argument} must be a torch.Tensor, got {type(x).__name__}")
-    check_has_values(x, argument)
-    if not x.is_floating_point():
-        raise TypeError(
-            f"{argument} must be a floating-point tensor, got dtype {x.dtype} (convert it with .to(torch.float64))"
-        )
-    return x
+    """A real tensor: floating point (features), or integer/boolean (token ids, masks: passed to the network as
+    they are, never cast to its dtype); ``TypeError`` naming ``argument`` otherwise (the name is historical)."""
+    return check_tensor(x, argument)
 
 
 def _check_not_batched(likelihood: Likelihood, kernel_kwargs: dict) -> None:
@@ -85,7 +81,7 @@ def setup(
     """Check everything and build the kernel; returns ``x`` (flat), ``y`` (validated), the kernel and ``f(x)``.
 
     Raises:
-        TypeError: a non-likelihood, a non-floating ``train_x``, a float16/bfloat16 network.
+        TypeError: a non-likelihood, a ``train_x`` that is not a real tensor, a float16/bfloat16 network.
         ValueError: shapes, non-finite values, batch-mode data, a random network, outputs that do not match the
             likelihood, bad targets.
         NotImplementedError: an unsupported likelihood.
@@ -120,7 +116,7 @@ def setup(
             raise
         raise ValueError(f"net could not be applied to train_x: {error}{batch_hint}") from None
     engine = kernel.engine
-    x = train_x.flatten(1).to(dtype=kernel.raw_prior_precision.dtype, device=kernel.raw_prior_precision.device)
+    x = to_network(train_x.flatten(1), kernel.raw_prior_precision.dtype, kernel.raw_prior_precision.device)
     try:
         f = deterministic_outputs(engine, x)
     except (RuntimeError, ValueError) as error:  # the network rejects the inputs (wrong feature count, ...)

@@ -13,9 +13,11 @@ from torch import nn
 from ...botorch import BoTorchInterface
 from ...caching import ValueCache
 from ...laplace.function_space import SitePosterior, fit_site_posterior, laplace_log_marginal_likelihood
+from ...laplace.weight_space.prior_tuning import optimize_parameter_precision
 from ...likelihoods import is_gaussian, validate_targets
 from ...means import LinearizedNetworkMean, NetworkMean
 from ...ntk import GroupSpec
+from ...ntk.private_copy import model_lock
 from ...options import OptionAttribute, PredictiveMean, choice, choose
 from ...persistence import CheckedLoad
 from .arguments import optional_positive_int, setup
@@ -315,6 +317,15 @@ class NTKGP(CheckedLoad, PredictionMixin, ConditioningMixin, BoTorchInterface, G
             options=options,
         )
 
+    def optimize_prior_precision(self, optimizer: str = "adam", steps: int = 100, lr: float = 0.1, grid=None,
+                                 sweeps: int = 2, progress: bool = False) -> torch.Tensor:
+        r"""Maximize :meth:`log_marginal_likelihood` over :math:`\delta` alone (the noise or temperature and
+        :math:`\theta^*` fixed), set it and return it: ``optimizer="adam"`` (``steps`` steps of size ``lr`` on
+        ``raw_prior_precision``, the best kept), ``"lbfgs"`` or ``"grid"`` (values ``(M,)`` or candidates
+        ``(M, G)``), as :meth:`ntkgp.laplace.WeightPosterior.optimize_prior_precision` (``docs/ntkgp.md``)."""
+        return optimize_parameter_precision(self.log_marginal_likelihood, self.covar_module, optimizer, steps, lr,
+                                            grid, sweeps, progress)
+
     # ------------------------------------------------------------------ posterior of the training outputs
     #: Whether the sites are iterated to the mode (set by :meth:`condition_on`; see :attr:`iterated_sites`).
     _iterated_sites = False
@@ -343,9 +354,10 @@ class NTKGP(CheckedLoad, PredictionMixin, ConditioningMixin, BoTorchInterface, G
             with torch.no_grad():
                 return self._fit()
 
-        return self._posterior_cache.get_or_compute(
-            ("site_posterior", *self._kernel_options()), [self.train_x, self._train_y], fit, state=self._state()
-        )
+        with model_lock(self):  # one fill at a time per model (docs/guarantees.md, "Threads")
+            return self._posterior_cache.get_or_compute(
+                ("site_posterior", *self._kernel_options()), [self.train_x, self._train_y], fit, state=self._state()
+            )
 
     def site_posterior(self) -> SitePosterior:
         """The Gaussian-site posterior over the training outputs.

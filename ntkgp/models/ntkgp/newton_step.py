@@ -29,9 +29,13 @@ exposed to rounding:
   with :math:`B = I + L^\top K_{XX} L = R R^\top`; two vector-Jacobian and one Jacobian-vector product over
   the training inputs, never a Jacobian. The Woodbury form is not backward stable (it subtracts nearly all of
   :math:`a` from itself where the data dominate the prior), so for a lower-precision model the step is refined
-  :data:`REFINEMENTS` times with the residual of :math:`H` itself, :math:`s \leftarrow s + \mathrm{W}(u - H s)`
-  (:math:`\mathrm{W}` the Woodbury solve; :math:`H s = P_0 s + J_X^\top \Lambda J_X s`: each refinement two
-  more Jacobian-vector and two more vector-Jacobian products), which brings it to about the weight-space
+  with the residual of :math:`H` itself, :math:`s \leftarrow s + \mathrm{W}(u - H s)` (:math:`\mathrm{W}` the
+  Woodbury solve; :math:`H s = P_0 s + J_X^\top \Lambda J_X s`: each refinement two more Jacobian-vector and
+  two more vector-Jacobian products), **until the residual stops falling** (at most :data:`MAX_REFINEMENTS`
+  times; the iterate of the smallest residual is kept). Each refinement contracts the error by the relative
+  error of :math:`\mathrm{W}`, about :math:`\epsilon\kappa` times a constant that depends on the CPU's float32
+  arithmetic (a fixed number of refinements reached float32 accuracy on one machine and not on another); run
+  to the residual's rounding floor, the step is backward stable on every machine, at about the weight-space
   solve's accuracy.
 
 At test points the mean costs one forward-mode pass (:math:`f` and :math:`J s` together), no cross-Gram.
@@ -60,24 +64,23 @@ prior is resolved (about :math:`10^{2}\,\epsilon\kappa\,\max\delta`).
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 
 import torch
 from gpytorch.likelihoods import Likelihood
 from linear_operator.utils.warnings import NumericalWarning
-from torch.func import jvp
 
 from ...kernels import NTKKernel
 from ...laplace.function_space import SitePosterior
 from ...laplace.function_space.algebra import block_apply
 from ...likelihoods import gradient, hessian
 from ...ntk import NTKEngine
-from ...ntk.functional import forward
 from ...options import Space
 
 __all__ = [
     "ERROR_CONSTANTS",
     "ERROR_LIMIT",
-    "REFINEMENTS",
+    "MAX_REFINEMENTS",
     "condition_number",
     "newton_step",
     "relative_error",
@@ -85,15 +88,17 @@ __all__ = [
 ]
 
 #: :math:`c` of the error estimate per space: the largest ratio of the measured float32 error to
-#: :math:`\epsilon\kappa\max|J_X s|`, with margin (weight space 0.0007 to 0.018, refined function space 0.002
-#: to 0.042; trained MLP/CNN regressions, noise 1e-4 to 1e-2; docs/ntkgp.md, "float32").
+#: :math:`\epsilon\kappa\max|J_X s|`, with margin (weight space 0.0007 to 0.018, function space refined until
+#: the residual stops falling 0.0013 to 0.030; trained MLP/CNN regressions, noise 1e-4 to 1e-2; docs/ntkgp.md,
+#: "float32").
 ERROR_CONSTANTS = {Space.WEIGHT: 0.02, Space.FUNCTION: 0.06}
 #: The estimated relative error of the mean above which :func:`newton_step` warns (three digits).
 ERROR_LIMIT = 1e-3
-#: Refinement steps of the function-space Newton step of a lower-precision model (each two more Jacobian-vector
-#: and two more vector-Jacobian products over the training inputs: H s and a Woodbury solve; none in float64,
-#: where the Woodbury form loses only ``0.3 · ε · κ`` of the mean).
-REFINEMENTS = 2
+#: The most refinement steps of the function-space Newton step of a lower-precision model, which stop earlier
+#: once the residual stops falling (each two more Jacobian-vector and two more vector-Jacobian products over the
+#: training inputs: H s and a Woodbury solve; none in float64, where the Woodbury form loses only
+#: ``0.3 · ε · κ`` of the mean). Where ε·κ approaches 1 the refinement stalls and the error estimate warns.
+MAX_REFINEMENTS = 20
 
 
 def flat_parameters(engine: NTKEngine, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -177,12 +182,14 @@ def newton_step(
             v = block_apply(post.factor, solved.squeeze(-1))
             return a - flat_parameters(engine, engine.vjp(x, v.to(engine.dtype))).to(dtype) / precision, z, v
 
-        step, z, v = woodbury(u)
-        for _ in range(REFINEMENTS if dtype != _wide(dtype, z.device) else 0):  # not backward stable: refine
-            js = engine.jvp(x, parameter_dict(engine, step)).to(dtype).reshape(lam.shape[:-1])
-            hs = precision * step + flat_parameters(
+        def residual(s: torch.Tensor) -> torch.Tensor:  # u - H s, H s = P0 s + J_Xᵀ Λ J_X s
+            js = engine.jvp(x, parameter_dict(engine, s)).to(dtype).reshape(lam.shape[:-1])
+            return u - precision * s - flat_parameters(
                 engine, engine.vjp(x, (lam @ js.unsqueeze(-1)).reshape(-1).to(engine.dtype))).to(dtype)
-            step = step + woodbury(u - hs)[0]
+
+        step, z, v = woodbury(u)
+        if dtype != _wide(dtype, z.device):  # not backward stable: refine until the residual stops falling
+            step = _refine(step, residual, lambda b: woodbury(b)[0])
         # J_X s = z - K_XX v, from the cached Gram: only the size matters here
         correction = lambda: (z - kernel(x).to_dense().to(dtype) @ v).detach().abs().max()  # noqa: E731
     with torch.no_grad():
@@ -203,6 +210,23 @@ def newton_step(
     if error > ERROR_LIMIT:
         _warn(post, dtype, kappa, error)
     return step
+
+
+def _refine(
+    step: torch.Tensor, residual: Callable[[torch.Tensor], torch.Tensor], solve: Callable[[torch.Tensor], torch.Tensor]
+) -> torch.Tensor:
+    r"""Iterative refinement :math:`s \leftarrow s + \mathrm{W}(u - H s)` while :math:`\lVert u - H s\rVert`
+    falls (at most :data:`MAX_REFINEMENTS` steps): the iterate of the smallest residual."""
+    best, best_norm = step, float("inf")
+    for refinements in range(MAX_REFINEMENTS + 1):
+        r = residual(step)
+        norm = float(r.detach().norm())
+        if not norm < best_norm:  # stopped falling (or not finite): the rounding floor is reached
+            break
+        best, best_norm = step, norm
+        if refinements < MAX_REFINEMENTS:
+            step = step + solve(r)
+    return best
 
 
 def relative_error(post: SitePosterior, kappa: float, correction: float, outputs: float) -> float:
@@ -235,5 +259,5 @@ def shifted_outputs(engine: NTKEngine, x: torch.Tensor, step: dict[str, torch.Te
     points), in the network's dtype; with a graph to ``x`` when it requires grad (and to ``step`` when it carries
     one)."""
     x = engine.prepare(x, "X")
-    f, push = jvp(lambda p: forward(engine.net, p, x), (engine.params(),), (step,))
+    f, push = engine.core.value_and_jvp(x, step)  # on ntkgp's private copy; reverse mode where forward AD fails
     return f + push

@@ -14,6 +14,8 @@ from ...laplace.function_space import GLMPredictiveCovariance, PredictiveContext
 from ...likelihoods import is_gaussian, noise_variance
 from ...linalg import all_finite
 from ...options import PredictiveMean
+from ...ntk.inputs import to as to_network
+from ...ntk.private_copy import model_lock
 from .arguments import check_floating, positive_int
 from .newton_step import parameter_dict, shifted_outputs
 
@@ -41,7 +43,7 @@ class PredictionMixin:
             raise ValueError(f"{argument} must have shape {expected}, got {tuple(x.shape)}")
         if not all_finite(x):
             raise ValueError(f"{argument} contains NaN or Inf values")
-        return x.to(dtype=self.dtype, device=self.train_x.device)
+        return to_network(x, self.dtype, self.train_x.device)  # integer token ids stay integer
 
     def _output_indices(self, output_indices: Sequence[int] | None) -> tuple[int, ...] | None:
         if output_indices is None:
@@ -150,7 +152,7 @@ class PredictionMixin:
         if outputs is not None:
             mean = mean[:, list(outputs)]
         mean = mean.reshape(*batch, n, mean.shape[-1])
-        covar = GLMPredictiveCovariance(x.to(post.dtype), context)
+        covar = GLMPredictiveCovariance(to_network(x, post.dtype, x.device), context)
         if noise is not None:
             covar = covar + DiagLinearOperator(self._noise_diagonal(noise, outputs, mean.shape).to(post.dtype))
         return self._mvn(mean, covar)
@@ -187,4 +189,5 @@ class PredictionMixin:
 
     # ------------------------------------------------------------------ GPyTorch calls
     def _call_eval(self, x: torch.Tensor, **kwargs) -> MultivariateNormal:
-        return self.predictive_distribution(x, **kwargs)
+        with model_lock(self):  # one prediction (and cache fill) at a time per model: docs/guarantees.md, "Threads"
+            return self.predictive_distribution(x, **kwargs)

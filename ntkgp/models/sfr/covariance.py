@@ -13,19 +13,63 @@ recomputed on demand from the inputs, one chunk at a time:
   vector-Jacobian and one Jacobian-vector product (:meth:`~ntkgp.ntk.NTKEngine.matvec`), and
   :math:`V^\top (V v)`, :math:`S^\top(S v)` chunk by chunk: the dense matrix is never formed;
 * :meth:`to_dense` (and entries off the point blocks) form the dense matrix, which is what was asked for.
+
+What is recomputed is that of the moment the operator was made (:class:`TermsSnapshot`; docs/guarantees.md,
+"Distributions are snapshots"): the posterior state (:math:`\delta`, the noise or temperature, the factors) is
+held as computed then, and the network's weights and buffers and :math:`Z` are copied then, so that a change
+afterwards (an optimizer step on the network, ``.data``, ``sfr.inducing_points``) is not read.
 """
 
 from __future__ import annotations
 
 import torch
 from linear_operator.operators import LinearOperator
+from linear_operator.operators._linear_operator import _to_helper
 from linear_operator.utils.getitem import _is_noop_index
 from linear_operator.utils.memoize import cached
 from torch import Tensor
 
+from ...caching import same_values
+from ...kernels.snapshot import NetworkSnapshot
 from .prediction_terms import PredictiveTerms
 
-__all__ = ["SparsePosteriorCovariance"]
+__all__ = ["SparsePosteriorCovariance", "TermsSnapshot"]
+
+
+class TermsSnapshot:
+    """The predictive terms at the network and inducing inputs of the moment they were made.
+
+    The live ``terms`` while the network (:class:`~ntkgp.kernels.snapshot.NetworkSnapshot`) and :math:`Z` are
+    unchanged; afterwards the same posterior state on an engine over a private copy of the network at the old
+    weights and the copy of :math:`Z`.
+
+    Args:
+        terms: the live terms.
+    """
+
+    def __init__(self, terms: PredictiveTerms) -> None:
+        self.terms = terms
+        self.network = NetworkSnapshot(terms.engine)
+        self.inducing_points = terms.inducing_points.detach().clone()
+        self._frozen: PredictiveTerms | None = None
+
+    def current(self) -> PredictiveTerms:
+        """The terms to compute with now."""
+        if self._frozen is not None:
+            return self._frozen
+        live = self.terms
+        changed = self.network.changed()
+        if not changed and same_values((self.inducing_points,), (live.inducing_points.detach(),)):
+            return live
+        engine = self.network.frozen() if changed else live.engine
+        z = self.inducing_points
+        terms = PredictiveTerms(
+            engine, z, live.coupling, live.num_outputs, live.state, live.mean, live.predictive_mean,
+            lambda: engine.jacobian(z), None,
+        )
+        if changed:  # a private network: these terms stay valid
+            self._frozen = terms
+        return terms
 
 
 def project(a: Tensor, rhs: Tensor, num_outputs: int) -> Tensor:
@@ -82,14 +126,36 @@ class SparsePosteriorCovariance(LinearOperator):
         *,
         terms: PredictiveTerms,
         chunk_size: int,
+        snapshot: TermsSnapshot | None = None,
     ) -> None:
         factors = {} if low_rank_z is None else {"low_rank_z": low_rank_z, "low_rank_s": low_rank_s}
-        super().__init__(x, blocks, terms=terms, chunk_size=chunk_size, **factors)
+        snapshot = TermsSnapshot(terms) if snapshot is None else snapshot  # operators derived from this share it
+        super().__init__(x, blocks, terms=terms, chunk_size=chunk_size, snapshot=snapshot, **factors)
         self.x, self.blocks = x, blocks
         self.low_rank_z, self.low_rank_s = low_rank_z, low_rank_s
-        self.terms, self.chunk_size = terms, chunk_size
+        self.chunk_size, self.snapshot = chunk_size, snapshot
+
+    @property
+    def terms(self) -> PredictiveTerms:
+        """The predictive terms of the moment the operator was made (:class:`TermsSnapshot`)."""
+        return self.snapshot.current()
 
     # ------------------------------------------------------------------ shapes
+    @property
+    def dtype(self) -> torch.dtype:
+        """The blocks' dtype (the inputs may be integer token ids)."""
+        return self.blocks.dtype
+
+    def to(self, *args, **kwargs) -> SparsePosteriorCovariance:
+        """As ``LinearOperator.to``, except that integer token ids are only moved, never cast."""
+        if self.x.is_floating_point():
+            return super().to(*args, **kwargs)
+        device, dtype = _to_helper(*args, **kwargs)
+        factors = [None if t is None else t.to(dtype=dtype, device=device)
+                   for t in (self.blocks, self.low_rank_z, self.low_rank_s)]
+        return type(self)(self.x.to(device=device), *factors, terms=self.snapshot.terms, chunk_size=self.chunk_size,
+                          snapshot=self.snapshot)
+
     @property
     def _num_points(self) -> int:
         return self.blocks.shape[-3]
@@ -193,7 +259,8 @@ class SparsePosteriorCovariance(LinearOperator):
         z = None if self.low_rank_z is None else fn(self.low_rank_z, 3)
         s = None if self.low_rank_s is None else fn(self.low_rank_s, 3)
         return SparsePosteriorCovariance(
-            fn(self.x, extra), fn(self.blocks, 3), z, s, terms=self.terms, chunk_size=self.chunk_size
+            fn(self.x, extra), fn(self.blocks, 3), z, s, terms=self.snapshot.terms, chunk_size=self.chunk_size,
+            snapshot=self.snapshot,
         )
 
     def _getitem(self, row_index, col_index, *batch_indices) -> LinearOperator:

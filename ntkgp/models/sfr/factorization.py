@@ -63,10 +63,12 @@ def solve(
     b_u, y_u = statistics.projected(weights, slots)  # a fresh B_u, overwritten by the factorization
     eps = rounding(network_dtype, b_u, inducing)
     factors = whitened_factors(None, b_u, y_u, inducing=inducing, overwrite_b_u=True, **eps)
-    mean_error = None
+    mean_error = cross_rounding = None
     if eps["cross_eps"] > 0:  # the rounding of float32 cross-covariances in the mean (PosteriorState.mean_error)
         mean_error = eps["cross_eps"] * (inducing.k_diagonal.sqrt() * factors.alpha.detach().abs()).sum(-1)
-    return PosteriorState(weights=weights, slots=slots, factors=factors, mean_error=mean_error)
+        cross_rounding = (eps["cross_eps"], inducing.k_diagonal.sqrt())  # and in the variances
+    return PosteriorState(weights=weights, slots=slots, factors=factors, mean_error=mean_error,
+                          cross_rounding=cross_rounding)
 
 
 def rounding(network_dtype: torch.dtype, b_u: Tensor, inducing: InducingFactors) -> dict[str, float]:

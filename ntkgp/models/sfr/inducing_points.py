@@ -49,6 +49,7 @@ __all__ = [
     "choose_inducing_inputs_distributed",
     "greedy_variance",
     "inducing_inputs_from_data",
+    "model_dtype",
     "smallest_keys",
     "uniform_subset",
 ]
@@ -291,3 +292,9 @@ def inducing_inputs_from_data(
     else:
         z = choose_inducing_inputs(engine, batches(), size, method, seed, pool_size, weights)
     return z.detach().clone()
+
+
+def model_dtype(inducing_points: Tensor, reference: Tensor) -> torch.dtype:
+    """The dtype of SFR's results: that of the inducing inputs (the network's, unless the model was converted),
+    or ``reference``'s (the kernel's prior precision, converted with the model) when they are integer token ids."""
+    return inducing_points.dtype if inducing_points.is_floating_point() else reference.dtype

@@ -23,7 +23,9 @@ from .evidence import collapsed_bound
 from .factorization import PosteriorCache, generation_key, inducing_feature_set, posterior_state, reset_after_load
 from .factorization import z_jacobian
 from .guard import StateGuard, state_key
-from .inducing_points import inducing_inputs_from_data
+from ...ntk.outputs import with_output
+from ...ntk.private_copy import model_lock
+from .inducing_points import inducing_inputs_from_data, model_dtype
 from .prediction import predictive_distribution
 from .prediction_terms import PosteriorState, PredictiveTerms
 from .statistics import statistics_dtype
@@ -122,6 +124,8 @@ class SFR(CheckedLoad, BoTorchInterface, GP):
         statistics: ``"per_group"`` (default: per pair of prior groups, so that :math:`\delta` can change, and
             be learned by the evidence, without the data) or ``"combined"`` (for the combined kernel at the
             initial :math:`\delta`, ``G²`` times less memory; :math:`\delta` fixed, see above).
+        output: for a network returning a dict or a tuple, the key or index of the output to use
+            (:mod:`ntkgp.ntk.outputs`).
 
     Raises:
         ValueError, TypeError: for any invalid argument, naming it, before anything is computed.
@@ -166,8 +170,10 @@ class SFR(CheckedLoad, BoTorchInterface, GP):
         pool_size: int = 4096,
         distributed: bool = False,
         statistics: str = "per_group",
+        output: str | int | None = None,
     ) -> None:
         super().__init__()
+        net = with_output(net, output)  # a network returning a dict or tuple: its output output= (ntkgp.ntk.outputs)
         # ---- validate every argument before anything is computed
         self.statistics, self.prior_mean = statistics, prior_mean
         self.predictive_mean, self.output_coupling = predictive_mean, output_coupling
@@ -335,8 +341,7 @@ class SFR(CheckedLoad, BoTorchInterface, GP):
 
     # ------------------------------------------------------------------ posterior factors
     def _factors(self) -> PosteriorState:
-        """The posterior's whitened factorization now (:func:`~ntkgp.models.sfr.factorization.posterior_state`)."""
-        return posterior_state(self)
+        return posterior_state(self)  # the whitened factorization now (factorization.posterior_state)
 
     @property
     def inducing_rank(self) -> Tensor:
@@ -349,26 +354,26 @@ class SFR(CheckedLoad, BoTorchInterface, GP):
         """The posterior over :math:`f(x)` for ``x`` ``(*batch, n, *example)``, computed ``chunk_size`` points at a time.
 
         Args:
-            x: test inputs (floating point, finite).
+            x: test inputs (finite floating point, or token ids).
             chunk_size: test points per chunk; default the accumulation step (``batch_size``, or as many
                 points as keep the ``G`` cross-Grams of a chunk under ``2**24`` numbers).
 
         Returns:
-            ``MultivariateNormal`` ``(*batch, n)`` (``C = 1``) or ``MultitaskMultivariateNormal`` ``(*batch, n, C)``,
-            in the model's dtype (that of ``inducing_points``: the network's, unless converted).
+            ``MultivariateNormal`` ``(*batch, n)`` (``C = 1``) or ``MultitaskMultivariateNormal`` ``(*batch, n, C)``
+            in the model's dtype (the network's, unless converted).
         """
         flat, batch = self._layout.check(x, "x", batched=True)
         chunk = self._rows_per_step() if chunk_size is None else positive_int(chunk_size, "chunk_size")
-        x = self.engine.prepare(flat, "x")
-        terms = PredictiveTerms(
-            self.engine, self.inducing_points, self.output_coupling, self.num_outputs, self._factors(),
-            self.prior_mean, self.predictive_mean, lambda: z_jacobian(self), inducing_feature_set(self),
-        )
-        return predictive_distribution(terms, x, batch, chunk, self.inducing_points.dtype)
+        with model_lock(self):  # one prediction (and cache fill) at a time per model: docs/guarantees.md, "Threads"
+            x = self.engine.prepare(flat, "x")
+            terms = PredictiveTerms(
+                self.engine, self.inducing_points, self.output_coupling, self.num_outputs, self._factors(),
+                self.prior_mean, self.predictive_mean, lambda: z_jacobian(self), inducing_feature_set(self),
+            )
+            return predictive_distribution(terms, x, batch, chunk, model_dtype(self.inducing_points, self.covar_module.raw_prior_precision))
 
     def posterior(self, X: Tensor, output_indices=None, observation_noise=False, posterior_transform=None, **kwargs):
-        """BoTorch's ``Model.posterior``: a ``GPyTorchPosterior`` over ``f(X)`` for ``X`` ``(b, q, d)`` (BoTorch is
-        imported here, only when called; ``pip install ntkgp[botorch]``).
+        """BoTorch's ``Model.posterior``: a ``GPyTorchPosterior`` over ``f(X)`` (BoTorch imported when called).
 
         Args:
             X: inputs ``(*batch, q, *example)``.
@@ -392,4 +397,4 @@ class SFR(CheckedLoad, BoTorchInterface, GP):
         :math:`\theta^*`); see docs/sfr.md. Computed from the statistics alone; differentiable w.r.t.
         :math:`\delta`, the Gaussian noise and the temperature in ``train()`` mode.
         """
-        return collapsed_bound(self._factors(), self.dual_statistics, self.likelihood).to(self.inducing_points.dtype)
+        return collapsed_bound(self._factors(), self.dual_statistics, self.likelihood).to(model_dtype(self.inducing_points, self.covar_module.raw_prior_precision))

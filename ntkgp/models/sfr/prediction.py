@@ -12,6 +12,7 @@ import torch
 from gpytorch.distributions import MultitaskMultivariateNormal, MultivariateNormal
 from torch import Tensor
 
+from ...ntk.inputs import to as to_network
 from .covariance import SparsePosteriorCovariance, per_batch_factors
 from .prediction_terms import PredictiveTerms
 
@@ -46,7 +47,7 @@ def predictive_distribution(
     factors = [None, None]
     if len(parts) == 1:  # small enough to keep V and R⁻¹V (per batch element)
         factors = [per_batch_factors(f, batch) for f in (parts[0].low_rank_z, parts[0].low_rank_s)]
-    points = x.reshape(*batch, count, *x.shape[1:]).to(dtype)  # exact: converted back for recomputations
+    points = to_network(x.reshape(*batch, count, *x.shape[1:]), dtype, x.device)  # exact: converted back for recomputations
     covariance = SparsePosteriorCovariance(points, blocks, *factors, terms=terms, chunk_size=chunk)
     if c == 1:
         return MultivariateNormal(mean.squeeze(-1), covariance)

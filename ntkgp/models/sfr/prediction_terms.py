@@ -29,7 +29,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
-from torch.func import functional_call
 
 from ...linalg import NumericalWarning
 from ...ntk import NTKEngine
@@ -37,6 +36,7 @@ from ...ntk.feature_pass import FeatureSet
 from ...options import OutputCoupling, PredictiveMean, PriorMean
 from .streaming import mean_offset
 from .system_grams import system_grams_and_diagonal
+from .variance_precision import check_variance_precision
 from .whitening import WhitenedFactors
 
 __all__ = ["ChunkPrediction", "PosteriorState", "PredictiveTerms"]
@@ -55,12 +55,16 @@ class PosteriorState:
             :math:`K_{xZ}`, :math:`\epsilon_X \sum_k \sqrt{[K_{ZZ}]_{kk}}\,|\alpha_k|` per system ``(nb,)``
             (each entry of :math:`K_{xZ}` is rounded by about :math:`\epsilon_X\sqrt{K_{xx}[K_{ZZ}]_{kk}}`);
             ``None`` otherwise.
+        cross_rounding: for such a network, the unit roundoff of its features and :math:`\sqrt{[K_{ZZ}]_{kk}}` per
+            system ``(nb, K)``, what bounds the variances' error (:mod:`~ntkgp.models.sfr.variance_precision`);
+            ``None`` otherwise.
     """
 
     weights: Tensor
     slots: Tensor
     factors: WhitenedFactors
     mean_error: Tensor | None = None
+    cross_rounding: tuple[float, Tensor] | None = None
 
 
 @dataclass
@@ -167,7 +171,7 @@ class PredictiveTerms:
             offset = mean_offset(self.engine, x, f, self.mean) if linearized else None
         else:  # with a graph to x (detached weights)
             params = self.engine.params()
-            f = functional_call(self.engine.net, params, (x,))
+            f = self.engine.core.call({}, x)  # on ntkgp's private copy of the network
             offset = None
             if linearized:
                 theta = torch.cat([p.reshape(-1) for p in params.values()]).to(jac)
@@ -209,6 +213,9 @@ class PredictiveTerms:
         blocks = residual + point_outer(low_s, n, c)
         if self.predictive_mean is PredictiveMean.GP and self.state.mean_error is not None:
             _check_mean_precision(self.state.mean_error, prior_blocks, blocks, self.coupling)
+        if self.state.cross_rounding is not None:
+            check_variance_precision(self.state.cross_rounding, self.state.factors, low_z, low_s, prior_blocks, blocks,
+                                     self.coupling)
         return ChunkPrediction(mean=mean, blocks=blocks, low_rank_z=low_z, low_rank_s=low_s)
 
     # ------------------------------------------------------------------ the prior covariance of f(x)

@@ -23,6 +23,7 @@ from torch import Tensor
 from ...linalg import NumericalWarning
 from ...ntk import NTKEngine
 from ...ntk.feature_pass import FeatureSet, chunk_for_budget, contracted_width
+from ...ntk.inputs import to as to_network
 from ...options import OutputCoupling, choose
 from .whitening import _symmetrize_
 
@@ -154,7 +155,7 @@ def inducing_features(engine: NTKEngine, z: Tensor) -> tuple[FeatureSet, NTKEngi
     precise = precise_engine(engine)
     z = engine.prepare(z, "inducing_points").detach()
     keep = INDUCING_FEATURE_BYTES // max(1, inducing_feature_bytes(engine, z))
-    return precise.feature_set(z.to(precise.dtype), keep=keep), precise
+    return precise.feature_set(to_network(z, precise.dtype, z.device), keep=keep), precise
 
 
 def network_features(engine: NTKEngine, exact: FeatureSet) -> FeatureSet:
@@ -174,7 +175,7 @@ def inducing_grams(
     (:func:`precise_engine`); and the dtype it was computed in. ``features``: the float64 features of ``z`` and their
     engine (:func:`inducing_features`), reused."""
     exact, precise = features
-    z = z.to(precise.dtype)
+    z = to_network(z, precise.dtype, z.device)  # integer token ids stay integer
     if weights is not None:
         return combined_system_gram(precise, z, coupling, weights.to(precise.dtype), rows, dtype, exact), precise.dtype
     return system_grams(precise, z, None, coupling, exact).to(dtype), precise.dtype

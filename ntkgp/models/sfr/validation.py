@@ -1,7 +1,7 @@
 r"""Checking what SFR is given: tensors, their layout, integer and boolean options.
 
 Every public entry of :class:`~ntkgp.models.sfr.SFR` validates its arguments here before any side effect:
-tensors must be floating point, finite in every row and shaped like the network's input; integer
+tensors must be real (floating point, or integer token ids), finite in every row and shaped like the network's input; integer
 arguments must be positive integers (``2.7`` is rejected, not truncated); flags must be ``True`` or ``False``.
 Errors name the argument. The same validators check an option assigned after construction
 (:class:`~ntkgp.options.OptionAttribute`).
@@ -18,6 +18,7 @@ from torch import Tensor
 
 from ...kernels.arguments import optional_positive_int, positive_int
 from ...ntk.checks import check_has_values
+from ...ntk.data_arguments import check_data
 
 __all__ = [
     "InputLayout",
@@ -57,17 +58,18 @@ def flag(value: object, argument: str) -> bool:
 
 
 def check_inputs(x: object, argument: str) -> Tensor:
-    """Raise unless ``x`` is a floating-point tensor ``(N, ...)`` with ``N >= 1`` and finite in every row.
+    """Raise unless ``x`` is a real tensor ``(N, ...)`` with ``N >= 1`` and finite in every row (floating point,
+    or integer token ids).
 
     Raises:
-        TypeError: if ``x`` is not a tensor or not floating point.
+        TypeError: if ``x`` is not a tensor, or complex.
         ValueError: for a meta tensor, fewer than two dimensions, no rows, or NaN/Inf values (the first bad row is named).
     """
     if not torch.is_tensor(x):
         raise TypeError(f"{argument} must be a torch.Tensor, got {type(x).__name__}")
     check_has_values(x, argument)
-    if not x.is_floating_point():
-        raise TypeError(f"{argument} must be a floating-point tensor, got dtype {x.dtype}")
+    if x.is_complex():  # floating point, or integer token ids (passed to the network as they are)
+        raise TypeError(f"{argument} must be a real tensor (floating point or integer), got dtype {x.dtype}")
     if x.dim() < 2 or x.shape[0] == 0:
         raise ValueError(
             f"{argument} must have shape (N, ...) with one row per example (N >= 1), got {tuple(x.shape)}; "
@@ -133,6 +135,7 @@ def training_batches(x: object, y: object, argument: str) -> Iterator[tuple[Tens
     ``argument`` names the data in errors (``"train"`` → ``train_x``, ``train_y``; ``"new"`` → ``x_new``, ``y_new``).
     """
     name_x, name_y = data_names(argument)
+    check_data(x, name_x)  # an array is not an iterable of batches: refused as such, by its name
     if torch.is_tensor(x):
         if not torch.is_tensor(y):
             raise TypeError(f"{name_y} must be a tensor when {name_x} is, got {type(y).__name__}")
@@ -176,6 +179,11 @@ def check_training_data(train_x: object, train_y: object, inducing_points: objec
     Raises:
         ValueError, TypeError: naming the argument.
     """
+    if isinstance(train_x, dict):  # not an iterable of batches: a structured input SFR does not take (yet)
+        raise TypeError("train_x must be a torch.Tensor (token ids included) or an iterable of (x, y) batches, got a "
+                        "dict of tensors: dict inputs are taken by NTKKernel, NTKEngine and laplace_posterior "
+                        "(docs/ntk.md, \"Inputs and outputs\")")
+    check_data(train_x, "train_x")
     if torch.is_tensor(train_x):
         if train_y is None:
             raise ValueError("train_y is required when train_x is a tensor")

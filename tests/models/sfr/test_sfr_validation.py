@@ -43,7 +43,9 @@ def test_constructor_arguments_are_validated(gaussian, kwargs, match):
 @pytest.mark.parametrize(
     "bad,error,match",
     [
-        (lambda x: x.long(), TypeError, "train_x must be a floating-point tensor"),
+        (lambda x: x.to(torch.complex128), TypeError, "train_x must be a real tensor"),
+        # integer inputs are passed as they are (token ids): a float network does not take them, named
+        (lambda x: x.long(), ValueError, r"train_x of .*int64 does not fit the network.*\.to\("),
         (lambda x: x[:, 0], ValueError, r"train_x must have shape \(N, ...\)"),
         (lambda x: torch.cat([x, torch.ones(len(x), 1, dtype=x.dtype)], 1), ValueError, "train_x .* does not fit the network"),
         (lambda x: x.index_put((torch.tensor([5]), torch.tensor([1])), torch.tensor(float("inf"), dtype=x.dtype)), ValueError, "row 5"),
@@ -57,7 +59,9 @@ def test_bad_training_inputs_name_the_argument(gaussian, bad, error, match):
 
 def test_inducing_points_are_checked_like_inputs(gaussian):
     net, x, y, lik, _ = gaussian
-    with pytest.raises(TypeError, match="inducing_points must be a floating-point"):
+    with pytest.raises(TypeError, match="inducing_points must be a real tensor"):
+        SFR(net, x, y, lik, inducing_points=x[:3].to(torch.complex128))
+    with pytest.raises(ValueError, match="inducing_points of .*int32 does not fit the network"):
         SFR(net, x, y, lik, inducing_points=x[:3].int())
     bad = x[:3].clone()
     bad[2, 0] = float("nan")
@@ -68,7 +72,8 @@ def test_inducing_points_are_checked_like_inputs(gaussian):
 @pytest.mark.parametrize(
     "bad,error,match",
     [
-        (lambda x: x.long(), TypeError, "x must be a floating-point tensor"),
+        (lambda x: x.to(torch.complex128), TypeError, "x must be a real tensor"),
+        (lambda x: x.long(), ValueError, "x of .*int64 does not fit the network"),
         (lambda x: x[:, :2], ValueError, r"x must have shape \(..., n, 3\)"),
         (lambda x: x[0], ValueError, r"x must have shape \(..., n, 3\)"),
         (lambda x: torch.where(torch.arange(len(x))[:, None] == 4, float("nan"), x), ValueError, "row 4"),
@@ -92,9 +97,9 @@ def test_update_validates_everything_before_changing_the_model(gaussian):
     for args, error, match in [
         ((x[:4], y[:3]), ValueError, "same number of rows"),
         ((x[:4, :2], y[:4]), ValueError, "x_new must have shape"),
-        ((x[:4].long(), y[:4]), TypeError, "x_new must be a floating-point"),
+        ((x[:4].long(), y[:4]), ValueError, "x_new of .*int64 does not fit the network"),
         ((x[:4], None), ValueError, "y_new is required"),
-        ((batches, None), TypeError, "x_new must be a floating-point"),
+        ((batches, None), ValueError, "x_new of .*int64 does not fit the network"),
     ]:
         with pytest.raises(error, match=match):
             sfr.update(*args)

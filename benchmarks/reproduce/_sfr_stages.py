@@ -1,0 +1,172 @@
+"""The evaluation stages of sfr_images.py: the trained network (NN MAP), ntkgp's KFAC Laplace GLM and SFR / SFR-NN
+at each M, each at three prior precisions — the training δ ("not tuned"), δ from the evidence, δ from the
+validation NLPD (the paper's tuning) — scored on the test half by NLPD, accuracy, ECE and OOD AUROC against MNIST.
+
+Each stage is one JSON file (``_common.Store``), so an interrupted reproduction resumes at the first missing one.
+"""
+
+from __future__ import annotations
+
+import math
+import resource
+import time
+
+import torch
+from gpytorch.distributions import MultitaskMultivariateNormal
+from torch import Tensor
+
+import _common
+import _images
+import ntkgp
+from ntkgp.metrics import expected_calibration_error, ood_auroc, predictive_entropy
+
+#: δ modes: the training δ, the evidence's, the validation NLPD's (the paper's "δ tuned")
+MODES = ("train", "evidence", "validation")
+ECE_BINS = 15  # the public SFR experiments' ECE: netcal's ECE(bins=15)
+
+
+def peak_memory_mb() -> float:
+    """The process's peak resident memory so far (MB; Linux reports ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def scores(probs: Tensor, y: Tensor, probs_ood: Tensor | None) -> dict:
+    """NLPD, accuracy %, ECE (15 bins) on ``(probs, y)``; OOD AUROC by predictive entropy against ``probs_ood``."""
+    out = _images.classification(probs, y)
+    out["ece"] = expected_calibration_error(probs.double().cpu(), y.cpu(), num_bins=ECE_BINS)
+    if probs_ood is not None:
+        out["ood_auroc"] = ood_auroc(predictive_entropy(probs.double().cpu()), predictive_entropy(probs_ood.double().cpu()))
+        out["mean_entropy_ood"] = float(predictive_entropy(probs_ood.double().cpu()).mean())
+    out["mean_entropy_test"] = float(predictive_entropy(probs.double().cpu()).mean())
+    return out
+
+
+def nlpd(probs: Tensor, y: Tensor) -> float:
+    return _images.classification(probs, y)["nll"]
+
+
+# ---------------------------------------------------------------------------------------------------- NN MAP
+def network_stage(net, data: dict) -> dict:
+    probs = {k: _images.in_chunks(lambda b: net(b).softmax(-1), data[k][0]) for k in ("test", "validation")}
+    ood = _images.in_chunks(lambda b: net(b).softmax(-1), data["ood"])
+    return {**scores(probs["test"], data["test"][1], ood), "validation_nll": nlpd(probs["validation"],
+                                                                                  data["validation"][1])}
+
+
+# ------------------------------------------------------------------------------------------------------- SFR
+def sfr_probs(sfr, net, x: Tensor, chunk: int) -> tuple[Tensor, Tensor]:
+    """Class probabilities (probit) of SFR (the GP mean) and SFR-NN (the network's output as the mean, SFR's
+    covariance), from one pass: the covariance is the same for both (docs/sfr.md, ``predictive_mean``)."""
+    gp, nn_ = [], []
+    with torch.no_grad():
+        for b in x.split(chunk):
+            dist = sfr(b)
+            gp.append(sfr.likelihood(dist).probs)
+            nn_.append(sfr.likelihood(MultitaskMultivariateNormal(net(b).to(dist.mean.dtype),
+                                                                  dist.lazy_covariance_matrix)).probs)
+    return torch.cat(gp), torch.cat(nn_)
+
+
+def _grid(delta: float, exponents) -> list[float]:
+    return [delta * 10 ** e for e in exponents]
+
+
+def sfr_stage(sfr, net, data: dict, mode: str, delta_train: float, args) -> dict:
+    """One δ mode of a built SFR: the δ, then test and OOD scores of SFR and SFR-NN at it."""
+    start, out = time.perf_counter(), {"mode": mode}
+    if mode == "train":
+        deltas = {"gp": delta_train, "nn": delta_train}
+    elif mode == "evidence":
+        d = _common.evidence_delta(sfr, _grid(delta_train, args.evidence_exponents), args.evidence_steps)
+        deltas = {"gp": d, "nn": d}
+    else:
+        grid = _grid(delta_train, args.tune_exponents)
+        xv, yv = data["tune"]
+        table = []
+        for d in grid:
+            _common.set_delta(sfr, d)
+            gp, nn_ = sfr_probs(sfr, net, xv, args.chunk_size)
+            table.append((d, nlpd(gp, yv), nlpd(nn_, yv)))
+        out["tuning"] = table
+        deltas = {"gp": min(table, key=lambda r: r[1])[0], "nn": min(table, key=lambda r: r[2])[0]}
+    out["tune_seconds"] = time.perf_counter() - start
+    for which in ("gp", "nn"):
+        _common.set_delta(sfr, deltas[which])
+        t0 = time.perf_counter()
+        test = sfr_probs(sfr, net, data["test"][0], args.chunk_size)
+        ood = sfr_probs(sfr, net, data["ood"], args.chunk_size)
+        k = 0 if which == "gp" else 1
+        out[which] = {**scores(test[k], data["test"][1], ood[k]), "delta": deltas[which],
+                      "predict_seconds": time.perf_counter() - t0, "images_predicted": len(data["test"][0]) + len(data["ood"])}
+    _common.set_delta(sfr, delta_train)
+    out["peak_memory_mb"] = peak_memory_mb()
+    return out
+
+
+def build_sfr(net, data: dict, m: int, delta_train: float, seed: int, args):
+    start = time.perf_counter()
+    x, y = data["train"]
+    sfr = ntkgp.SFR(net, x, y, ntkgp.likelihoods.SoftmaxLikelihood(num_classes=10).to(x.device), num_inducing=m,
+                    prior_precision=delta_train, prior_structure="network", seed=seed, chunk_size=args.chunk_size,
+                    **args.sfr_configuration)
+    rank = sfr.inducing_rank.reshape(-1)
+    return sfr, {"build_seconds": time.perf_counter() - start, "inducing_rank": [int(rank.min()), int(rank.max())],
+                 "peak_memory_mb_after_build": peak_memory_mb()}
+
+
+# ------------------------------------------------------------------------------------------- KFAC Laplace GLM
+def glm_probs(posterior, x: Tensor, chunk: int) -> Tensor:
+    with torch.no_grad():
+        return torch.cat([ntkgp.laplace.predict(posterior, b, link="probit").probs for b in x.split(chunk)])
+
+
+def glm_evidence_delta(curvature, likelihood, delta_train: float, exponents, steps: int) -> float:
+    """The δ maximising the KFAC Laplace evidence (``Curvature.log_marginal_likelihood``): the best of the grid,
+    then ``steps`` Adam steps (0.05) on log δ."""
+    with torch.no_grad():
+        best = max(_grid(delta_train, exponents), key=lambda d: float(curvature.log_marginal_likelihood(d, likelihood)))
+    log_delta = torch.tensor(math.log(best), dtype=torch.float64, requires_grad=True)
+    opt = torch.optim.Adam([log_delta], lr=0.05)
+    for _ in range(steps):
+        loss = -curvature.log_marginal_likelihood(log_delta.exp(), likelihood) / curvature.num_data
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return float(log_delta.exp())
+
+
+def glm_stage(posterior, curvature, likelihood, data: dict, mode: str, delta_train: float, args) -> dict:
+    start, out = time.perf_counter(), {"mode": mode}
+    if mode == "train":
+        delta = delta_train
+    elif mode == "evidence":
+        delta = glm_evidence_delta(curvature, likelihood, delta_train, args.evidence_exponents, args.evidence_steps)
+    else:
+        xv, yv = data["tune"]
+        table = []
+        for d in _grid(delta_train, args.tune_exponents):
+            posterior.prior_precision = d
+            table.append((d, nlpd(glm_probs(posterior, xv, args.chunk_size), yv)))
+        out["tuning"] = table
+        delta = min(table, key=lambda r: r[1])[0]
+    out["tune_seconds"] = time.perf_counter() - start
+    posterior.prior_precision = delta
+    t0 = time.perf_counter()
+    test, ood = (glm_probs(posterior, data[k] if k == "ood" else data[k][0], args.chunk_size) for k in ("test", "ood"))
+    out["gp"] = {**scores(test, data["test"][1], ood), "delta": delta, "predict_seconds": time.perf_counter() - t0}
+    posterior.prior_precision = delta_train
+    out["peak_memory_mb"] = peak_memory_mb()
+    return out
+
+
+def build_glm(net, data: dict, delta_train: float, args):
+    """ntkgp's KFAC curvature (one pass over the training images) and its posterior at the training δ."""
+    start = time.perf_counter()
+    x, y = data["train"]
+    likelihood = ntkgp.likelihoods.SoftmaxLikelihood(num_classes=10).to(x.device)
+    curvature = ntkgp.laplace.compute_curvature(net, x, y, likelihood, structure="kfac", prior_structure="network",
+                                                progress=False)
+    posterior = ntkgp.laplace.KFACLaplace.from_curvature(curvature, net, likelihood, prior_precision=delta_train,
+                                                         chunk_size=args.chunk_size)
+    return posterior, curvature, likelihood, {"build_seconds": time.perf_counter() - start,
+                                              "peak_memory_mb_after_build": peak_memory_mb()}
