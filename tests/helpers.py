@@ -208,15 +208,18 @@ def float32_laplace_tolerances(net: nn.Module, x, y, log_prob, x_test, delta: fl
     :math:`H = J^\top\Lambda J + \delta I` (``n = min(NC, P)`` the dimension factorized in float32, with backward
     error :math:`(n + 1)\epsilon\lVert H\rVert`; the sum over the ``NC`` rows adds :math:`\log_2(NC)` roundings):
 
-    :math:`\lVert\Delta H\rVert \le 2r\epsilon\lVert\Lambda\rVert^{1/2}\lVert J\rVert_F\lVert\Lambda^{1/2}J\rVert
-    + (8\max|\Delta f| + \log_2(NC)\,\epsilon)\lVert\Lambda\rVert\lVert J\rVert^2 + (n + 1)\epsilon\lVert H\rVert`,
-    all measured here; :math:`\kappa = \lVert J^\top\Lambda J\rVert/\lambda_{\min}(H)` is reported. With the gain
+    :math:`\lVert\Delta H\rVert \le \sum_n\lVert\Lambda_n\rVert\lVert J_n\rVert_F^2(2r\epsilon +
+    8\max_c|\Delta f_{nc}| + \log_2(NC)\,\epsilon) + (n + 1)\epsilon\lVert H\rVert` (per example: a confident
+    prediction has a small :math:`\Lambda_n`), all measured here; :math:`\kappa = \lVert J^\top\Lambda J\rVert/\lambda_{\min}(H)` is reported. With the gain
     :math:`G = J_* H^{-1}` and the step :math:`s = H^{-1}u`, :math:`u = J^\top g - \delta\theta`
     (:math:`J_*\Delta s = G(\Delta u - \Delta H s)`):
 
     - mean :math:`f_* + J_* s`: :math:`\lVert\Delta f_*\rVert + r\epsilon\lVert J_*\rVert_F\lVert s\rVert +
-      \lVert G\rVert(\lVert\Delta H\rVert\lVert s\rVert + r\epsilon\lVert J\rVert_F\lVert g\rVert) +
-      \lVert G J^\top\Lambda\rVert\lVert\Delta f\rVert`;
+      \lVert G\Delta H s\rVert + r\epsilon\lVert G\rVert\lVert J\rVert_F\lVert g\rVert +
+      \lVert G J^\top\Lambda\rVert\lVert\Delta f\rVert`, with :math:`\lVert G\Delta H s\rVert` bounded per example
+      (:math:`\Delta H s = \sum_n \Delta J_n^\top\Lambda_n J_n s + J_n^\top\Lambda_n\Delta J_n s +
+      J_n^\top\Delta\Lambda_n J_n s` through :math:`\lVert G\rVert`, :math:`\lVert G J_n^\top\rVert` and
+      :math:`J_n s`, plus the sum's and the factorization's roundings times :math:`\lVert G\rVert\lVert s\rVert`);
     - variance :math:`G_i J_{*i}^\top` at test point ``i``: :math:`2r\epsilon\lVert J_{*i}\rVert\lVert G_i\rVert +
       \lVert\Delta H\rVert\lVert G_i\rVert^2`;
     - evidence: :math:`\lVert g\rVert\lVert\Delta f\rVert + \tfrac12 n\lVert\Delta H\rVert/\lambda_{\min}(H)`
@@ -257,20 +260,35 @@ def float32_laplace_tolerances(net: nn.Module, x, y, log_prob, x_test, delta: fl
     n = min(j.shape[0], params)
     norm_f = lambda t: torch.linalg.matrix_norm(t).item()  # Frobenius
     norm_2 = lambda t: torch.linalg.matrix_norm(t, ord=2).item()
-    data, lam_max, lam_min = norm_2(j.T @ lam_blocks @ j), norm_2(lam_blocks), torch.linalg.eigvalsh(hessian)[0].item()
+    data, lam_min = norm_2(j.T @ lam_blocks @ j), torch.linalg.eigvalsh(hessian)[0].item()
     kappa = data / lam_min
-    s_norm = step.norm().item()
+    step_vector, s_norm = step, step.norm().item()
     # |Δf| per output row, at the sites (f, or f + J s at the mode), and its largest value
     rows = f.abs() + j.norm(dim=-1) * (theta + (s_norm if mode else 0.0))
-    df, df_max = r * eps * rows.norm().item(), r * eps * rows.max().item()
+    df = r * eps * rows.norm().item()
     df_test = r * eps * (f_test.abs() + j_test.norm(dim=-1) * theta).norm().item()
     # ‖ΔH‖: the Jacobian's rows, the sites (ΔΛ ≤ 4·2 max|Δf| ‖Λ‖ for softmax or logistic sites), the sum over the
     # N·C rows and the float32 factorization's backward error
-    dh = (2 * r * eps * math.sqrt(lam_max * data) * norm_f(j)
-          + ((0.0 if gaussian else 8 * df_max) + math.log2(j.shape[0]) * eps) * lam_max * norm_2(j) ** 2
-          + (n + 1) * eps * (data + delta))
+    per_example = (torch.linalg.matrix_norm(lam, ord=2)  # ‖Λ_n‖ ‖J_n‖_F² (2rε + 8 max_c|Δf_nc| + log2(NC) ε)
+                   * j.reshape(*lam.shape[:2], -1).square().sum((1, 2))
+                   * (2 * r * eps + (0.0 if gaussian else 8 * r * eps) * rows.reshape(lam.shape[:2]).amax(-1)
+                      + math.log2(j.shape[0]) * eps))
+    dh = per_example.sum().item() + (n + 1) * eps * (data + delta)
+    # ‖G ΔH s‖ per example: ΔH s = Σ_n ΔJ_nᵀΛ_nJ_n s + J_nᵀΛ_nΔJ_n s + J_nᵀΔΛ_nJ_n s, plus the sum's and the
+    # factorization's roundings
+    shape = lam.shape[:2]
+    j_n = j.reshape(*shape, -1)
+    out_s = (j @ step_vector).reshape(shape)  # J_n s
+    lam_n = torch.linalg.matrix_norm(lam, ord=2)
+    gain_n = torch.linalg.matrix_norm((gain @ j.T).reshape(gain.shape[0], *shape).permute(1, 0, 2), ord=2)  # ‖G J_nᵀ‖
+    row_f = j_n.square().sum((1, 2)).sqrt()  # ‖J_n‖_F
+    sites_n = (0.0 if gaussian else 8 * r * eps) * rows.reshape(shape).amax(-1)
+    g_dh_s = (norm_2(gain) * r * eps * row_f * (lam @ out_s[..., None]).squeeze(-1).norm(dim=-1)
+              + gain_n * lam_n * (r * eps * row_f * s_norm + sites_n * out_s.norm(dim=-1))).sum().item()
+    g_dh_s += norm_2(gain) * (math.log2(j.shape[0]) * eps * (lam_n * row_f.square()).sum().item()
+                              + (n + 1) * eps * (data + delta)) * s_norm
     d_mean = (df_test + r * eps * norm_f(j_test) * s_norm
-              + norm_2(gain) * (dh * s_norm + r * eps * norm_f(j) * g.norm().item())
+              + g_dh_s + norm_2(gain) * r * eps * norm_f(j) * g.norm().item()
               + norm_2(gain @ j.T @ lam_blocks) * df)
     d_variance = 2 * r * eps * j_test.norm(dim=-1) * gain.norm(dim=-1) + dh * gain.norm(dim=-1).square()
     return {

@@ -35,6 +35,7 @@ from ...ntk.checks import check_outputs
 from ...ntk.data_arguments import check_data
 from ...options import Curvature
 from ...ntk.network import NetworkCore
+from ...progress import progress_bar
 
 Data = Tensor | Iterable[tuple[Tensor, Tensor]]
 
@@ -45,7 +46,7 @@ def data_batches(
     y: Tensor | None,
     likelihood: Likelihood,
     batch_size: int,
-    progress: bool,
+    progress: bool | None,
     desc: str,
 ) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
     """Yield ``(x_b, f_b, y_b)``: prepared inputs, outputs ``(n, C)`` at :math:`\\theta^*`, normalized
@@ -81,7 +82,7 @@ def data_batches(
         pairs, total = x, None
     expected = num_outputs(likelihood)
     seen = 0
-    for xb, yb in tqdm(pairs, total=total, desc=desc, disable=not progress, leave=False):
+    for xb, yb in progress_bar(pairs, total, desc, progress):
         xb = fn.prepare(xb)
         with torch.no_grad():
             fb = fn.forward(xb)
@@ -104,7 +105,7 @@ def dense_curvature(
     likelihood: Likelihood,
     curvature: Curvature,
     batch_size: int = 64,
-    progress: bool = False,
+    progress: bool | None = None,
 ) -> Tensor:
     r"""The components of the dense GGN (``(K, P, P)``) or EF (``(K², P, P)``), module docstring.
 

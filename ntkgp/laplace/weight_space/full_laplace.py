@@ -127,7 +127,8 @@ class FullLaplace(DensePosterior):
         prior_precision: :math:`\delta`, a float or one per group.
         prior_structure: ``"layer"`` (default), ``"network"``, ``"parameter"`` or a mapping name → group.
         batch_size: examples per Jacobian batch.
-        progress: show a tqdm bar over the batches.
+        progress: ``None`` (auto: a bar on a terminal, else one line with a long pass's estimated time),
+            ``True`` (a bar) or ``False`` (silent): :mod:`ntkgp.progress`.
         input_shape: the shape of one input, for flat ``(N, D)`` inputs.
         chunk_size: examples per Jacobian chunk at prediction time.
 
@@ -147,7 +148,7 @@ class FullLaplace(DensePosterior):
         prior_precision: float | Tensor = 1.0,
         prior_structure: str | Mapping[str, str] = "layer",
         batch_size: int = 64,
-        progress: bool = False,
+        progress: bool | None = None,
         input_shape: tuple[int, ...] | None = None,
         chunk_size: int = 256,
     ) -> None:

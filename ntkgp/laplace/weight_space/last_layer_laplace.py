@@ -71,7 +71,8 @@ class LastLayerLaplace(LayerRoute, FullLaplace):
         prior_structure: ``"layer"`` (default: one :math:`\delta` for the layer), ``"parameter"`` (weight and
             bias separately), ``"network"`` or a mapping name → group.
         batch_size: examples per batch of the pass over the data.
-        progress: show a tqdm bar.
+        progress: ``None`` (auto: a bar on a terminal, else one line with a long pass's estimated time),
+            ``True`` (a bar) or ``False`` (silent): :mod:`ntkgp.progress`.
         input_shape: the shape of one input, for flat inputs.
         chunk_size: examples per chunk at prediction time.
 
@@ -101,7 +102,7 @@ class LastLayerLaplace(LayerRoute, FullLaplace):
         prior_precision: float | Tensor = 1.0,
         prior_structure: str | Mapping[str, str] = "layer",
         batch_size: int = 64,
-        progress: bool = False,
+        progress: bool | None = None,
         input_shape: tuple[int, ...] | None = None,
         chunk_size: int = 256,
     ) -> None:

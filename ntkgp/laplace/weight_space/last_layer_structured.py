@@ -88,7 +88,7 @@ class LastLayerKFACLaplace(LayerRoute, KFACLaplace):
         prior_structure: str | Mapping[str, str] = "layer",
         damping: bool = False,
         batch_size: int = 64,
-        progress: bool = False,
+        progress: bool | None = None,
         input_shape: tuple[int, ...] | None = None,
         chunk_size: int = 256,
     ) -> None:
@@ -160,7 +160,7 @@ class LastLayerDiagLaplace(LayerRoute, DiagLaplace):
         prior_precision: float | Tensor = 1.0,
         prior_structure: str | Mapping[str, str] = "layer",
         batch_size: int = 64,
-        progress: bool = False,
+        progress: bool | None = None,
         input_shape: tuple[int, ...] | None = None,
         chunk_size: int = 256,
     ) -> None:

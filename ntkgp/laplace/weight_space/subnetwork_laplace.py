@@ -116,7 +116,8 @@ class SubnetLaplace(DensePosterior):
         prior_structure: ``"layer"`` (default), ``"network"``, ``"parameter"`` or a mapping name → group over the
             parameters that hold a selected coordinate.
         batch_size: examples per Jacobian batch.
-        progress: show a tqdm bar.
+        progress: ``None`` (auto: a bar on a terminal, else one line with a long pass's estimated time),
+            ``True`` (a bar) or ``False`` (silent): :mod:`ntkgp.progress`.
         input_shape: the shape of one input, for flat inputs.
         chunk_size: examples per Jacobian chunk at prediction time.
 
@@ -143,7 +144,7 @@ class SubnetLaplace(DensePosterior):
         prior_precision: float | Tensor = 1.0,
         prior_structure: str | Mapping[str, str] = "layer",
         batch_size: int = 64,
-        progress: bool = False,
+        progress: bool | None = None,
         input_shape: tuple[int, ...] | None = None,
         chunk_size: int = 256,
     ) -> None:
