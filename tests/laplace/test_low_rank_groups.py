@@ -13,7 +13,7 @@ import ntkgp
 import ntkgp.laplace.weight_space.low_rank_groups as low_rank_groups
 from ntkgp.laplace.weight_space.low_rank_groups import GroupSchur, low_rank_cheaper
 from ntkgp.likelihoods import LogisticLikelihood
-from tests.helpers import brute_jacobian, mlp, rel_err
+from tests.helpers import EPS32, brute_jacobian, mlp, rel_err
 
 from .test_evidence_curvature import brute_evidence
 
@@ -175,7 +175,28 @@ def test_float32_agrees_with_float64(deltas):
     schur32 = GroupSchur(component.float(), groups, sizes)
     got = schur32.log_det_ratio(weight.float(), delta.float())
     assert got.dtype == torch.float32
-    assert abs(got.double() - expected).item() < 1e-4 * abs(expected).item()
+    # Error model (ε = ε32), first order, measured on the float64 D: log|wD + P0| − log|P0| = log|B| with
+    # B = I + w P0^-½ D P0^-½. Rounding D, w and δ to float32 perturbs B componentwise by 3ε|B_ij|; the Cholesky of
+    # the other groups' Schur complement (scaled by P0^-½) has backward error |ΔB_ij| ≤ (P+1)ε√(B_ii B_jj), which a
+    # diagonal scaling leaves unchanged; the eigendecomposition of the large group's D_bb has backward error
+    # (P_b+1)ε‖D_bb‖ normwise. With |Δ log|B|| = |tr(B⁻¹ΔB)|:
+    # |Δ| ≤ ε Σ_ij |B⁻¹_ij|(3|B_ij| + (P+1)√(B_ii B_jj)) + (P_b+1)ε‖B_bb − I‖ tr((B⁻¹)_bb), a worst case over the
+    # roundings' directions (any CPU, any thread count).
+    cols = delta[groups].rsqrt()
+    b = torch.eye(cols.shape[0], dtype=torch.float64) + weight * cols[:, None] * component * cols[None, :]
+    inverse, root = torch.linalg.inv(b), torch.diagonal(b).sqrt()
+    p, block = cols.shape[0], groups == 0  # group 0 holds 96 of the 121 columns
+    bound = EPS32 * (inverse.abs() * (3 * b.abs() + (p + 1) * root[:, None] * root[None, :])).sum()
+    bound += (int(block.sum()) + 1) * EPS32 * (
+        torch.linalg.matrix_norm(b[block][:, block] - torch.eye(int(block.sum()), dtype=torch.float64), ord=2)
+        * torch.diagonal(inverse[block][:, block]).sum()
+    )
+    assert abs(got.double() - expected).item() <= bound.item()
+    # The bound is below 1e-2 relative (a real bug of that size fails) except where the large group's δ_b is far
+    # below the others (DELTAS[2]): there the honest eigendecomposition term, ε‖D_bb‖/δ_b times tr((B⁻¹)_bb), is
+    # ~4e-2 of the value; the same code paths are held to about 1e-3 relative by the other two cases.
+    if deltas != DELTAS[2]:
+        assert bound.item() < 1e-2 * abs(expected).item()
 
 
 def test_eigenvalues_at_the_rounding_level_keep_their_coupling_against_a_50_digit_reference():

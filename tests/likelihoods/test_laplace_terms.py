@@ -22,6 +22,7 @@ from ntkgp.likelihoods import (
 )
 
 N = 7
+EPS32 = torch.finfo(torch.float32).eps
 
 
 def _gaussian() -> gpytorch.likelihoods.Likelihood:
@@ -223,10 +224,35 @@ def test_float32(name):
     f32 = f64.float()
     y32 = y64.float() if y64.is_floating_point() else y64
     likelihood32, likelihood64 = build(), build().double()
+    # Error model (ε = ε32), first order, a worst case over the roundings' directions (any CPU, any thread count):
+    # - the inputs: f and real targets rounded to float32 (ε relative per entry) move each entry t of a term by
+    #   at most ε Σ_j |∂t/∂x_j||x_j|, the componentwise condition measured here by autograd in float64;
+    # - the evaluation: each entry is a straight-line computation of at most k = 16 roundings (differences,
+    #   squares, quotients, exp / log / sqrt, a sum over C ≤ 4 outputs, the float32 hyperparameter transform), each
+    #   relative to an intermediate bounded by (1 + max|f| + max|y| + h)(1 + |t|), h the noise variance or the
+    #   temperature (log-softmax's f_y − logsumexp f, a Gaussian's (y − f)/σ² formed from y − f = σ²t).
+    real_y = y64.is_floating_point()
+    if hasattr(likelihood64, "temperature"):
+        h = float(likelihood64.temperature.detach())
+    elif isinstance(likelihood64, gpytorch.likelihoods.SoftmaxLikelihood):
+        h = 1.0
+    else:
+        h = float(noise_variance(likelihood64).detach().max())
+    scale = 1 + f64.abs().max() + (y64.abs().max() if real_y else 0) + h
     for term in (log_likelihood, gradient, hessian, hessian_sqrt):
         value = term(likelihood32, f32, y32)
         assert value.dtype == torch.float32
-        torch.testing.assert_close(value.double(), term(likelihood64, f64, y64), rtol=1e-5, atol=1e-5)
+        expected = term(likelihood64, f64, y64).detach()
+        inputs = (f64, y64) if real_y else (f64,)
+        jacobians = torch.autograd.functional.jacobian(
+            lambda *xs, term=term: term(likelihood64, xs[0], xs[1] if real_y else y64), inputs
+        )
+        condition = sum(
+            (jac.abs() * x.abs()).reshape(*expected.shape, -1).sum(-1) for jac, x in zip(jacobians, inputs)
+        )
+        bound = EPS32 * (condition + 16 * scale * (1 + expected.abs()))
+        assert ((value.double() - expected).abs() <= bound).all(), term.__name__
+        assert (bound < 1e-2 * (1 + expected.abs())).all()  # a 1e-2 bug still fails
 
 
 def test_leading_batch_dimensions():
