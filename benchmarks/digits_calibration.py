@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from ntkgp.training import HyperparameterSchedule
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or with -m
 from map_fit import fit_map  # noqa: E402
@@ -109,7 +110,9 @@ def algorithm_1_rows(train: tuple, val: tuple, test: tuple, prior_structure: str
     net = nn.Sequential(nn.Linear(64, 32), nn.Tanh(), nn.Linear(32, 10)).double()
     likelihood = SoftmaxLikelihood(num_classes=10).double()
     result = train_marglik(net, *train, likelihood, structure="full_ggn", prior_structure=prior_structure,
-                           epochs=1000, lr=1e-2, burn_in=100, frequency=100, hyper_steps=50, progress=False)
+                           epochs=1000, lr=1e-2,
+                           schedule=HyperparameterSchedule(burn_in=100, frequency=100, hyper_steps=50),
+                           progress=False)
     which = "one δ" if prior_structure == "network" else "δ per layer"
     delta = ", ".join(f"{d:.3g}" for d in result.prior_precision.tolist())
     return [network_row(f"Algorithm 1 ({which} learned in training): network", net, val, test),

@@ -36,6 +36,7 @@ from torch import nn
 import ntkgp
 from ntkgp._doctable import command_line, markdown_table, write_block
 from ntkgp.likelihoods import SoftmaxLikelihood
+from ntkgp.laplace import PassOptions
 
 #: ntkgp's structure → laplace-torch's hessian_structure, per row.
 ROWS = [("full_ggn", "full"), ("kfac", "kron"), ("diag_ggn", "diag")]
@@ -92,7 +93,7 @@ def forward_pass(net, x, y, batch_size: int) -> None:
 
 def ntkgp_fit(net, x, y, structure: str, batch_size: int):
     return ntkgp.laplace.laplace_posterior(net, x, y, SoftmaxLikelihood(10), structure=structure,
-                                          subset="last_layer", prior_precision=1.0, batch_size=batch_size)
+                                          subset="last_layer", prior_precision=1.0, options=PassOptions(batch_size=batch_size))
 
 
 def laplace_torch_fit(net, x, y, structure: str, batch_size: int):

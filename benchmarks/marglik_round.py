@@ -26,7 +26,7 @@ from torch import nn
 
 from benchmarks.evidence import _with_laplace, make_data
 from ntkgp._doctable import command_line, markdown_table, write_block
-from ntkgp.training import train_marglik
+from ntkgp.training import HyperparameterSchedule, train_marglik
 
 
 def snelson_net() -> nn.Module:
@@ -38,7 +38,9 @@ def snelson_net() -> nn.Module:
 def ntkgp_round(net, x, y, steps: int) -> float:
     lik = gpytorch.likelihoods.GaussianLikelihood().double()
     t = time.perf_counter()
-    train_marglik(net, x, y, lik, epochs=1, burn_in=0, frequency=1, hyper_steps=steps, lr=1e-3, progress=False)
+    train_marglik(net, x, y, lik, epochs=1,
+                  schedule=HyperparameterSchedule(burn_in=0, frequency=1, hyper_steps=steps), lr=1e-3,
+                  progress=False)
     return time.perf_counter() - t
 
 

@@ -37,6 +37,7 @@ from torch import nn
 
 from ntkgp.likelihoods import SoftmaxLikelihood
 from ntkgp.models.sfr import SFR
+from ntkgp.models import SFRInducingOptions
 
 SIZES = {1: (10_000, 512), 10: (5_000, 256)}
 SETTINGS = [
@@ -84,7 +85,7 @@ def run_ntkgp(
     best = [float("inf")] * 3
     for _ in range(repeats):
         t0 = time.perf_counter()
-        sfr = SFR(net, x, y, likelihood(), seed=0, **kw)
+        sfr = SFR(net, x, y, likelihood(), inducing=SFRInducingOptions(seed=0), **kw)
         sfr._factors()
         t1 = time.perf_counter()
         dist = sfr(x_test)

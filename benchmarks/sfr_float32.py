@@ -30,6 +30,7 @@ from torch import nn
 
 from ntkgp.likelihoods import SoftmaxLikelihood
 from ntkgp.models.sfr import SFR
+from ntkgp.models import SFRInducingOptions
 
 FILES = {
     "x_train": "train-images-idx3-ubyte.gz",
@@ -101,7 +102,8 @@ def build_and_predict(net, x, y, x_test, dtype, args, inducing_points=None):
     kw = {"num_inducing": args.m} if inducing_points is None else {"inducing_points": inducing_points}
     start = time.perf_counter()
     sfr = SFR(net, x.to(dtype), y, SoftmaxLikelihood(10).to(dtype), prior_precision=args.prior_precision,
-              prior_mean=args.prior_mean, output_coupling=args.coupling, seed=args.seed, **kw)
+              prior_mean=args.prior_mean, output_coupling=args.coupling,
+              inducing=SFRInducingOptions(seed=args.seed), **kw)
     rank = sfr.inducing_rank
     built = time.perf_counter()
     with torch.no_grad():

@@ -42,6 +42,7 @@ import sys
 import time
 
 import torch
+from ntkgp.models import SFRMemoryOptions
 
 DOC = "docs/scaling.md"
 OLD_CONSTANT, NEW_CONSTANT = 8, 4
@@ -96,13 +97,13 @@ def case(spec: str, n: int, m: int) -> dict:
     x_test = torch.randn(200, 784, dtype=dtype, generator=g)
     likelihood = SoftmaxLikelihood(c).to(dtype)
     SFR(net, x[:40], y[:40], likelihood, num_inducing=4, prior_structure=structure,  # warm-up
-        statistics=statistics)(x_test[:5]).variance
+        memory=SFRMemoryOptions(statistics=statistics))(x_test[:5]).variance
 
     base = psutil.Process().memory_info().rss / 2**20
     _reset_high_water()
     start = time.perf_counter()
     sfr = SFR(net, x, y, likelihood, num_inducing=m, prior_structure=structure, output_coupling="joint",
-              statistics=statistics)
+              memory=SFRMemoryOptions(statistics=statistics))
     built, build_peak = time.perf_counter() - start, _high_water_mib() - base
     _reset_high_water()
     start = time.perf_counter()

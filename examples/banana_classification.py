@@ -32,7 +32,7 @@ import torch
 from ntkgp import metrics, plotting
 from ntkgp.datasets import load_banana, two_moons
 from ntkgp.likelihoods import LogisticLikelihood
-from ntkgp.training import train_marglik
+from ntkgp.training import HyperparameterSchedule, MAPOptimization, train_marglik
 
 from _common import add_data_arguments, format_table, load_data_or_stand_in, mlp
 
@@ -77,15 +77,17 @@ def main() -> int:
     x_train, y_train, x_test, y_test = x[train], y[train], x[test], y[test]
     start = time.perf_counter()
     settings = {
-        "online": {"prior_precision": 1.0, "burn_in": 100, "hyper_steps": 50},
-        "baseline": {"prior_precision": args.baseline_precision, "burn_in": args.epochs, "hyper_steps": 0},
+        "online": {"prior_precision": 1.0, "schedule": HyperparameterSchedule(burn_in=100, frequency=100, hyper_steps=50)},
+        "baseline": {"prior_precision": args.baseline_precision,
+                     "schedule": HyperparameterSchedule(burn_in=args.epochs, frequency=100, hyper_steps=0)},
     }
     models, rows = {}, []
     for name, setting in settings.items():
         t = time.perf_counter()
         result = train_marglik(mlp(2, 1, width=args.width, depth=2, seed=args.seed), x_train, y_train,
-                               LogisticLikelihood().double(), epochs=args.epochs, lr=1e-2, frequency=100,
-                               seed=args.seed, progress=False, **setting)
+                               LogisticLikelihood().double(), epochs=args.epochs, lr=1e-2,
+                               optimization=MAPOptimization(seed=args.seed),
+                               progress=False, **setting)
         seconds = time.perf_counter() - t
         model = result.model(x_train, y_train).eval()
         with torch.no_grad():

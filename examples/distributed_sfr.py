@@ -33,9 +33,10 @@ import torch.distributed as dist
 from ntkgp.distributed import rank, shard, world_size
 from ntkgp.likelihoods import SoftmaxLikelihood
 from ntkgp.models.sfr import SFR
-from ntkgp.training import train_marglik
+from ntkgp.training import HyperparameterSchedule, train_marglik
 
 from _common import format_table, mlp
+from ntkgp.models import SFRInducingOptions
 
 
 def parse_args() -> argparse.Namespace:
@@ -82,13 +83,14 @@ def main() -> None:
     likelihood = SoftmaxLikelihood(num_classes=3).to(device=device, dtype=torch.float64)
     started = time.perf_counter()
     result = train_marglik(
-        net, x_train, y_train, likelihood, structure="kfac", epochs=args.epochs, lr=1e-2, burn_in=args.epochs // 3,
-        frequency=args.epochs // 3, hyper_steps=50, progress=me == 0, distributed=True,
+        net, x_train, y_train, likelihood, structure="kfac", epochs=args.epochs, lr=1e-2,
+        schedule=HyperparameterSchedule(burn_in=args.epochs // 3, frequency=args.epochs // 3, hyper_steps=50),
+        progress=me == 0, distributed=True,
     )
     trained = time.perf_counter()
     net.eval()
     sfr = SFR(net, x_train, y_train, likelihood, num_inducing=args.num_inducing, prior_precision=result.prior_precision,
-              seed=args.seed, distributed=True)
+              inducing=SFRInducingOptions(seed=args.seed), distributed=True)
     built = time.perf_counter()
     sfr.update(x_new, y_new)
     updated = time.perf_counter()

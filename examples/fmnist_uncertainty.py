@@ -43,6 +43,7 @@ import ntkgp
 from ntkgp.datasets import load_fashion_mnist, load_mnist
 from ntkgp.likelihoods import SoftmaxLikelihood
 from ntkgp.metrics import accuracy, categorical_nlpd, expected_calibration_error, ood_auroc, predictive_entropy
+from ntkgp.fsvi import FSVIOptimization
 
 HEADERS = ["method", "NLPD", "accuracy", "ECE", "OOD AUROC", "seconds"]
 
@@ -206,7 +207,8 @@ def main(argv: list[str] | None = None) -> list[list[str]]:
 
     result = ntkgp.fsvi.train_fsvi(copy.deepcopy(net), x_tr, y_tr, SoftmaxLikelihood(num_classes=10),
                                    context="monochrome", prior_precision=delta, prior_structure="network",
-                                   epochs=args.fsvi_epochs, batch_size=128, seed=args.seed, progress=False)
+                                   epochs=args.fsvi_epochs, batch_size=128,
+                                   optimization=FSVIOptimization(seed=args.seed), progress=False)
     gen = torch.Generator().manual_seed(args.seed)
     evaluate("FSVI", lambda x: result.model.predict(x, num_samples=30, generator=gen).probs, result.seconds,
              x_te, y_te, x_ood, rows, entropies)

@@ -49,7 +49,7 @@ from torch import nn
 from ntkgp import NTKGP, SFR, metrics, plotting
 from ntkgp._doctable import command_line, write_block
 from ntkgp.datasets import gap_regression, two_moons
-from ntkgp.fsvi import BatchMixedContext, MonochromeContext, UniformBoxContext, train_fsvi
+from ntkgp.fsvi import BatchMixedContext, FSVIOptimization, FSVIOptions, MonochromeContext, train_fsvi, UniformBoxContext
 from ntkgp.likelihoods import LogisticLikelihood, SoftmaxLikelihood, log_likelihood
 
 DOC, REGION = "docs/fsvi.md", "EXAMPLE_TABLE"
@@ -153,7 +153,8 @@ def gap_problem(args, rows) -> None:
                             context=UniformBoxContext(torch.tensor([-2.0], dtype=torch.float64),
                                                       torch.tensor([2.0], dtype=torch.float64)),
                             prior_precision=precisions, epochs=fsvi_epochs, batch_size=None, lr=1e-2, num_context=32,
-                            context_jitter=1e-6, kl_covariance=kl_covariance, seed=args.seed, progress=False)
+                            options=FSVIOptions(context_jitter=1e-6, kl_covariance=kl_covariance),
+                            optimization=FSVIOptimization(seed=args.seed), progress=False)
         model = result.model
         with torch.no_grad():
             (mc, lin, mid), more = timed(lambda model=model: (
@@ -199,8 +200,10 @@ def moons_problem(args, rows) -> None:
         probs[name] = (value, seconds + more)
     for name, kl_covariance in (("FSVI", "full"), (DIAGONAL, "diagonal")):
         result = train_fsvi(relu_mlp(2, 32, 1, args.seed), x, y, LogisticLikelihood().double(), prior_precision=1.0,
-                            epochs=epochs, batch_size=None, lr=1e-2, num_context=32, kl_covariance=kl_covariance,
-                            seed=args.seed, progress=False)
+                            epochs=epochs, batch_size=None, lr=1e-2, num_context=32,
+                            options=FSVIOptions(kl_covariance=kl_covariance),
+                            optimization=FSVIOptimization(seed=args.seed),
+                            progress=False)
         model = result.model
         with torch.no_grad():
             value, more = timed(lambda model=model: tuple(
@@ -252,7 +255,8 @@ def digits_problem(args, rows) -> None:
     for name, kl_covariance in (("FSVI", "full"), (DIAGONAL, "diagonal")):
         result = train_fsvi(small_cnn(args.seed), x, y, SoftmaxLikelihood(10).double(), context=context,
                             prior_precision=1.0, epochs=epochs, batch_size=64, lr=1e-2, num_context=32,
-                            kl_covariance=kl_covariance, seed=args.seed, progress=False)
+                            options=FSVIOptions(kl_covariance=kl_covariance),
+                            optimization=FSVIOptimization(seed=args.seed), progress=False)
         model = result.model
         predictives[name] = (lambda t, model=model: model.predict(
             t, num_samples=100, generator=torch.Generator().manual_seed(2)).probs, result.seconds)

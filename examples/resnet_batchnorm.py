@@ -51,6 +51,7 @@ import ntkgp
 from _uncertainty import Report, laplace_torch_rows, plot_entropies, train_map
 from fmnist_uncertainty import load
 from ntkgp.likelihoods import SoftmaxLikelihood
+from ntkgp.training import HyperparameterSchedule, MAPOptimization
 
 
 class ResidualBlock(nn.Module):
@@ -117,7 +118,9 @@ def main(argv: list[str] | None = None) -> list[list[object]]:
         start = time.perf_counter()
         trained = ntkgp.training.train_marglik(  # takes the network in eval mode; BatchNorm trains in its MAP steps
             net.eval(), x_tr, y_tr, SoftmaxLikelihood(num_classes=10), structure="kfac", prior_precision=delta,
-            epochs=args.epochs, batch_size=128, burn_in=0, frequency=1, hyper_steps=20, seed=args.seed,
+            epochs=args.epochs, batch_size=128,
+            schedule=HyperparameterSchedule(burn_in=0, frequency=1, hyper_steps=20),
+            optimization=MAPOptimization(seed=args.seed),
             progress=False)
         net.eval()
         seconds = time.perf_counter() - start

@@ -34,9 +34,10 @@ import torch
 from ntkgp import metrics, plotting
 from ntkgp.datasets import RegressionSplit, load_uci_regression
 from ntkgp.models.sfr import SFR
-from ntkgp.training import train_marglik
+from ntkgp.training import HyperparameterSchedule, MAPOptimization, train_marglik
 
 from _common import add_data_arguments, format_table, load_data_or_stand_in, mlp
+from ntkgp.models import SFRInducingOptions
 
 
 def parse_args() -> argparse.Namespace:
@@ -80,9 +81,11 @@ def train_sfr(x: torch.Tensor, y: torch.Tensor, args: argparse.Namespace) -> SFR
     """Algorithm 1 on a fresh network, then SFR with the learned hyperparameters."""
     result = train_marglik(mlp(x.shape[1], 1, width=args.width, depth=2, seed=args.seed), x, y,
                            gpytorch.likelihoods.GaussianLikelihood().double(), epochs=args.epochs, lr=1e-2,
-                           burn_in=100, frequency=100, hyper_steps=50, seed=args.seed, progress=False)
+                           schedule=HyperparameterSchedule(burn_in=100, frequency=100, hyper_steps=50),
+                           optimization=MAPOptimization(seed=args.seed), progress=False)
     return SFR(result.net, x, y, result.likelihood, num_inducing=min(args.num_inducing, len(x)),
-               prior_precision=result.prior_precision, prior_structure=result.kernel.prior_structure, seed=args.seed)
+               prior_precision=result.prior_precision, prior_structure=result.kernel.prior_structure,
+               inducing=SFRInducingOptions(seed=args.seed))
 
 
 def test_nlpd(sfr: SFR, data: RegressionSplit) -> float:

@@ -33,7 +33,7 @@ import torch
 
 from ntkgp import plotting
 from ntkgp.datasets import gap_regression, load_snelson
-from ntkgp.training import MarglikResult, compare_models, train_marglik
+from ntkgp.training import compare_models, HyperparameterSchedule, MAPOptimization, MarglikResult, train_marglik
 
 from _common import add_data_arguments, format_table, load_data_or_stand_in, mlp
 
@@ -80,9 +80,12 @@ def train(x: torch.Tensor, y: torch.Tensor, depth: int, epochs: int, seed: int, 
         likelihood.noise = noise
     return train_marglik(
         mlp(1, 1, width=width, depth=depth, seed=seed), x, y, likelihood, prior_structure=prior_structure,
-        prior_precision=prior_precision, epochs=epochs, lr=1e-2, burn_in=0 if learn_hypers else epochs,
-        frequency=frequency, hyper_steps=hyper_steps if learn_hypers else 0, hyper_lr=hyper_lr, learn_likelihood=noise is None,
-        seed=seed, progress=False,
+        prior_precision=prior_precision, epochs=epochs, lr=1e-2,
+        schedule=HyperparameterSchedule(burn_in=0 if learn_hypers else epochs, frequency=frequency,
+                                        hyper_steps=hyper_steps if learn_hypers else 0, hyper_lr=hyper_lr,
+                                        learn_likelihood=noise is None),
+        optimization=MAPOptimization(seed=seed),
+        progress=False,
     )
 
 

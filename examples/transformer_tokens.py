@@ -48,6 +48,8 @@ from torch import Tensor, nn
 import ntkgp
 from _uncertainty import Report, laplace_torch_rows, plot_entropies, train_map
 from ntkgp.likelihoods import SoftmaxLikelihood
+from ntkgp.models import SFRInducingOptions
+from ntkgp.laplace import PassOptions
 
 
 def marker_sequences(n: int, classes: int, seq_len: int, vocab: int, seed: int,
@@ -129,7 +131,7 @@ def main(argv: list[str] | None = None) -> list[list[object]]:
 
     start = time.perf_counter()
     posterior = ntkgp.laplace.laplace_posterior(net, x_tr, y_tr, SoftmaxLikelihood(num_classes=classes),
-                                                structure="kfac", prior_precision=delta, progress=False)
+                                                structure="kfac", prior_precision=delta, options=PassOptions(progress=False))
     chosen = posterior.optimize_prior_precision(method="evidence").detach()
     report.add("KFAC", lambda x: posterior.predict(x, link="probit").probs, time.perf_counter() - start)
 
@@ -145,7 +147,8 @@ def main(argv: list[str] | None = None) -> list[list[object]]:
 
     start = time.perf_counter()
     sfr = ntkgp.SFR(net, x_tr, y_tr, SoftmaxLikelihood(num_classes=classes),
-                    num_inducing=min(args.num_inducing, args.n_train), prior_precision=chosen, seed=args.seed,
+                    num_inducing=min(args.num_inducing, args.n_train), prior_precision=chosen,
+                    inducing=SFRInducingOptions(seed=args.seed),
                     progress=False)
     sfr.eval()
     report.add(f"SFR (M = {sfr.num_inducing})", lambda x: sfr.likelihood(sfr(x)).probs, time.perf_counter() - start)

@@ -167,7 +167,7 @@ class BoTorchInterface:
         """``condition_on`` (a new model), or ``update`` on a copy that shares the network (this model unchanged)."""
         if hasattr(self, "condition_on"):
             return self.condition_on(X, Y)
-        if torch.is_grad_enabled() and X.requires_grad:
+        if torch.is_grad_enabled() and torch.is_tensor(X) and X.requires_grad:
             raise NotImplementedError(
                 f"{type(self).__name__}.update is not differentiable in the new inputs (its statistics are summed "
                 "without a graph), so conditioning on X that requires grad would give zero gradients w.r.t. X, "
@@ -191,6 +191,8 @@ class BoTorchInterface:
         """
         if kwargs:
             raise NotImplementedError(f"condition_on_observations does not support {sorted(kwargs)}")
+        if isinstance(X, dict | tuple) and torch.is_tensor(Y) and Y.dim() <= 2:  # structured inputs, no fantasy batch
+            return self._condition(X, _targets(Y, self.num_outputs))  # (docs/networks.md, "Dict and tuple inputs")
         if not torch.is_tensor(X) or not torch.is_tensor(Y):
             raise TypeError("X and Y must be tensors")
         if X.dim() == 2 and Y.dim() <= 2:

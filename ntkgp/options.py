@@ -7,6 +7,7 @@ members compare equal to their strings (``Space.WEIGHT == "weight"``), so users 
 
 from __future__ import annotations
 
+import warnings
 from enum import Enum
 from typing import TypeVar
 
@@ -56,8 +57,10 @@ class Structure(Option):
     DIAG_EF = "diag_ef"
 
 
-class Curvature(Option):
-    """Generalised Gauss–Newton or empirical Fisher (``curvature=``)."""
+class CurvatureKind(Option):
+    """Which curvature a Laplace approximation takes (``curvature=``): the generalised Gauss–Newton or the
+    empirical Fisher, laplace-torch's ``GGN`` and ``EF`` backends. (The structured curvature objects themselves are
+    :class:`ntkgp.laplace.weight_space.Curvature`.)"""
 
     GGN = "ggn"
     EF = "ef"
@@ -319,3 +322,13 @@ class KLCovariance(Option):
     #: every output independent: a sum of K·C one-dimensional KLs (what the public JAX code of FSVI computes
     #: unless its ``full_ntk`` flag is set)
     DIAGONAL = "diagonal"
+
+
+def __getattr__(name: str) -> object:
+    """``Curvature``, the former name of :class:`CurvatureKind`, still importable with a ``DeprecationWarning``
+    (it clashed with the curvature base class :class:`ntkgp.laplace.weight_space.Curvature`)."""
+    if name == "Curvature":
+        warnings.warn("ntkgp.options.Curvature is deprecated: use ntkgp.options.CurvatureKind (the same enum)",
+                      DeprecationWarning, stacklevel=2)
+        return CurvatureKind
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from tests.datasets.image_files import write_idx_folder
+from ntkgp.models import SFRInducingOptions
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "benchmarks" / "reproduce"
@@ -358,14 +359,16 @@ def test_sfr_nn_from_one_pass_equals_the_models_nn_predictive():
     net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 4)).eval()
     x, y, x_test = torch.randn(40, 6), torch.randint(0, 4, (40,)), torch.randn(12, 6)
     sfr = ntkgp.SFR(net, x, y, ntkgp.likelihoods.SoftmaxLikelihood(num_classes=4), num_inducing=8,
-                    prior_precision=3.0, prior_mean="zero", output_coupling="independent", seed=0)
+                    prior_precision=3.0, prior_mean="zero", output_coupling="independent",
+                    inducing=SFRInducingOptions(seed=0))
     gp, nn_ = stages.sfr_probs(sfr, net, x_test, chunk=5)
     with torch.no_grad():
         ref_gp = sfr.likelihood(sfr(x_test)).probs
         sfr.predictive_mean = "nn"
         ref_nn = sfr.likelihood(sfr(x_test)).probs
     # float32 probabilities (values ≤ 1) from the same covariance and means, chunked differently: a few ulps of 1
-    # (float32 ε = 1.2e-7) through the probit's scaling and the softmax
+    # (float32 ε = 1.2e-7) through the probit's scaling and the softmax; atol 1e-6 ≈ 8ε32, a rough budget: the
+    # normalization's (log2 C + 2)ε32 = 4ε32 (C = 4) for each of the two, the logits' rounding through a slope ≤ ¼
     torch.testing.assert_close(gp, ref_gp, rtol=0, atol=1e-6)
     torch.testing.assert_close(nn_, ref_nn, rtol=0, atol=1e-6)
     assert (gp - nn_).abs().max() > 1e-2  # two different means: the comparison can fail

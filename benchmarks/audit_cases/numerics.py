@@ -17,6 +17,7 @@ from ntkgp.likelihoods import LogisticLikelihood
 
 from .framework import HELD, SilentWrong, case, close
 from .references import F64, binary, fit, gaussian, glm_predictive, mlp, regression, weight_space_variances
+from ntkgp.training import HyperparameterSchedule
 
 AREA = "numerics"
 
@@ -191,7 +192,8 @@ def large_target_scale():
     y = 1e3 * y
     net = mlp()
     lik = gaussian(1e4)
-    result = train_marglik(net, x, y, lik, epochs=6, lr=1e-2, burn_in=0, frequency=2, hyper_steps=5,
+    result = train_marglik(net, x, y, lik, epochs=6, lr=1e-2,
+                           schedule=HyperparameterSchedule(burn_in=0, frequency=2, hyper_steps=5),
                            prior_structure="network", progress=False)
     delta = result.prior_precision.reshape(-1)[0].item()
     brute = log_evidence(net, x, y, delta, lik.noise.item()) / 20

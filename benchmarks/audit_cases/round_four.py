@@ -15,7 +15,7 @@ from linear_operator.utils.warnings import NumericalWarning
 import ntkgp
 from ntkgp.fsvi import FSVI
 from ntkgp.laplace import compute_curvature, laplace_posterior, predict
-from ntkgp.training import train_marglik
+from ntkgp.training import HyperparameterSchedule, train_marglik
 
 from .framework import CLEAR, HELD, Refused, SilentWrong, attempt, case, close, refusal, untouched
 from .references import F64, fit, gaussian, glm_predictive, mlp, outputs_and_jacobian, regression
@@ -220,7 +220,8 @@ def deepcopy_diag():
 def marglik_requires_grad():
     x, y = regression(20)
     x_graph = x.clone().requires_grad_(True)
-    settings = dict(epochs=3, burn_in=1, frequency=1, hyper_steps=2, lr=1e-2, progress=False)
+    settings = dict(epochs=3, schedule=HyperparameterSchedule(burn_in=1, frequency=1, hyper_steps=2),
+                    lr=1e-2, progress=False)
     net, reference = mlp(), mlp()
     with untouched(state=False, net=net, train_x=x_graph):
         result = train_marglik(net, x_graph, y, gaussian(NOISE), **settings)

@@ -18,6 +18,7 @@ import ntkgp
 from .framework import (CLEAR, HELD, Interrupter, Refused, SilentWrong, attempt, case, close,
                         expect_interrupt, refusal, untouched)
 from .references import F64, fit, gaussian, glm_predictive, mlp, regression
+from ntkgp.models import SFRMemoryOptions
 
 AREA = "sfr"
 TOL = 1e-7
@@ -319,7 +320,7 @@ def empty_update():
 @case("sfr-20", AREA, "pickle of a never-used SFR with statistics='combined', loaded, then both predict")
 def pickle_combined():
     net, x, y, x_test, lik = _setup()
-    model = ntkgp.SFR(net, x, y, lik, num_inducing=10, statistics="combined")
+    model = ntkgp.SFR(net, x, y, lik, num_inducing=10, memory=SFRMemoryOptions(statistics="combined"))
     loaded = pickle.loads(pickle.dumps(model))
     before = _predict(model, x_test)
     after = _predict(loaded, x_test)

@@ -37,7 +37,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import _common
 from ntkgp.datasets import load_fashion_mnist, load_mnist
 from ntkgp.metrics import accuracy, categorical_nlpd, expected_calibration_error
-from ntkgp.training import train_marglik
+from ntkgp.training import HyperparameterSchedule, MAPOptimization, train_marglik
 
 FULL_TRAIN = 60_000  # both data sets' training images (MNIST: the classic 50,000 + its 10,000 validation images)
 
@@ -313,8 +313,10 @@ def fit_marglik(net: nn.Module, x: Tensor, y: Tensor, likelihood, *, structure: 
         schedule = partial(StepClock, schedule, clock)
     result = train_marglik(net, loader(x, y, batch_size, seed), None, likelihood, structure=structure,
                            prior_structure=prior_structure, prior_precision=1.0, epochs=epochs, lr=lr,
-                           optimizer=optimizer, scheduler=schedule, burn_in=burn_in, frequency=frequency,
-                           hyper_steps=hyper_steps, hyper_lr=hyper_lr, seed=seed, progress=False)
+                           optimization=MAPOptimization(optimizer=optimizer, scheduler=schedule, seed=seed),
+                           schedule=HyperparameterSchedule(burn_in=burn_in, frequency=frequency,
+                                                           hyper_steps=hyper_steps, hyper_lr=hyper_lr),
+                           progress=False)
     inside = sum(m < epochs for m in milestones)
     return result, f"DataLoader of {batch_size}, MultiStepLR {milestones} x{gamma:g} ({inside} decays inside the run)"
 

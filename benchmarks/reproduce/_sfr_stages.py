@@ -19,6 +19,7 @@ import _common
 import _images
 import ntkgp
 from ntkgp.metrics import expected_calibration_error, ood_auroc, predictive_entropy
+from ntkgp.models import SFRInducingOptions, SFRMemoryOptions
 
 #: δ modes: the training δ, the evidence's, the validation NLPD's (the paper's "δ tuned")
 MODES = ("train", "evidence", "validation")
@@ -107,7 +108,9 @@ def build_sfr(net, data: dict, m: int, delta_train: float, seed: int, args):
     start = time.perf_counter()
     x, y = data["train"]
     sfr = ntkgp.SFR(net, x, y, ntkgp.likelihoods.SoftmaxLikelihood(num_classes=10).to(x.device), num_inducing=m,
-                    prior_precision=delta_train, prior_structure="network", seed=seed, chunk_size=args.chunk_size,
+                    prior_precision=delta_train, prior_structure="network",
+                    inducing=SFRInducingOptions(seed=seed),
+                    memory=SFRMemoryOptions(chunk_size=args.chunk_size),
                     **args.sfr_configuration)
     rank = sfr.inducing_rank.reshape(-1)
     return sfr, {"build_seconds": time.perf_counter() - start, "inducing_rank": [int(rank.min()), int(rank.max())],

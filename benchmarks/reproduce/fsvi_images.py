@@ -39,9 +39,10 @@ import _common
 import _images
 import ntkgp
 from ntkgp.datasets import load_mnist
-from ntkgp.fsvi import train_fsvi
+from ntkgp.fsvi import FSVIOptimization, train_fsvi
 from ntkgp.likelihoods import SoftmaxLikelihood
 from ntkgp.metrics import ood_auroc, predictive_entropy
+from ntkgp.models import SFRInducingOptions, SFRMemoryOptions
 
 REGION = "fsvi-images"
 PROTOCOL_EPOCHS = 200
@@ -114,7 +115,9 @@ def run_method(args, method: str, seed: int, state: Path) -> dict:
         result = train_fsvi(_images.fsvi_cnn(args.width_scale, seed).to(args.device), x, y, lik, **context,
                             num_context=args.num_context,
                             prior_precision=args.fsvi_prior_precision, prior_structure="network", epochs=args.epochs,
-                            batch_size=128, lr=5e-3, optimizer=optimizer(args, len(y)), seed=seed, progress=False)
+                            batch_size=128, lr=5e-3,
+                            optimization=FSVIOptimization(optimizer=optimizer(args, len(y)), seed=seed),
+                            progress=False)
         out = scores(lambda b: result.model.predict(b, num_samples=args.mc_samples, generator=gen).probs, x_test,
                      y_test, ood, result.seconds)
         return {**out, "method": method, "seed": seed, "device": args.device,
@@ -131,8 +134,9 @@ def run_method(args, method: str, seed: int, state: Path) -> dict:
     else:
         start = time.perf_counter()
         sfr = ntkgp.SFR(net, x, y, lik, num_inducing=args.num_inducing, prior_precision=args.delta,
-                        prior_structure="network", output_coupling="independent", seed=seed,
-                        chunk_size=args.chunk_size)
+                        prior_structure="network", output_coupling="independent",
+                        inducing=SFRInducingOptions(seed=seed),
+                        memory=SFRMemoryOptions(chunk_size=args.chunk_size))
         out = scores(lambda b: sfr.likelihood(sfr(b)).probs, x_test, y_test, ood, time.perf_counter() - start,
                      args.chunk_size)
         out["inducing_rank_min"] = int(sfr.inducing_rank.min())

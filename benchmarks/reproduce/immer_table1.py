@@ -33,7 +33,7 @@ from ntkgp import NTKGP, metrics
 from ntkgp.datasets import load_uci_regression
 from ntkgp.laplace.weight_space import laplace_posterior
 from ntkgp.laplace.weight_space.predictive_estimators import predict
-from ntkgp.training import train_marglik
+from ntkgp.training import HyperparameterSchedule, MAPOptimization, train_marglik
 
 DATASETS = ["boston", "concrete", "energy", "kin8nm", "naval", "power", "wine", "yacht"]
 STRUCTURES = ["full_ggn", "full_ef", "kfac", "diag_ggn", "diag_ef"]
@@ -101,8 +101,11 @@ def train_run(data, structure: str, split: int, args):
     start = time.perf_counter()
     result = train_marglik(
         net, data.x_train, data.y_train, likelihood, structure=structure, prior_structure=args.prior_structure,
-        prior_precision=1.0, epochs=args.epochs, batch_size=None, lr=args.lr, burn_in=args.burn_in,
-        frequency=args.frequency, hyper_steps=args.hyper_steps, hyper_lr=args.hyper_lr, seed=split, progress=False,
+        prior_precision=1.0, epochs=args.epochs, batch_size=None, lr=args.lr,
+        schedule=HyperparameterSchedule(burn_in=args.burn_in, frequency=args.frequency,
+                                        hyper_steps=args.hyper_steps, hyper_lr=args.hyper_lr),
+        optimization=MAPOptimization(seed=split),
+        progress=False,
     )
     return result, time.perf_counter() - start
 

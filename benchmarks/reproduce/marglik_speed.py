@@ -40,7 +40,7 @@ from torch import nn
 
 from ntkgp._doctable import REPO_ROOT, markdown_table, write_block
 from ntkgp.datasets import load_uci_regression
-from ntkgp.training import train_marglik
+from ntkgp.training import HyperparameterSchedule, train_marglik
 
 DOC = REPO_ROOT / "docs" / "training.md"
 BLOCK = "marglik_speed"
@@ -125,7 +125,9 @@ def ntkgp_run(x: torch.Tensor, y: torch.Tensor, epochs: int, hyper_steps: int) -
     burn_in = 0 if hyper_steps else epochs
     with Clock() as clock:
         result = train_marglik(net, x, y, lik, structure="full_ggn", prior_precision=1.0, epochs=epochs, lr=1e-3,
-                               hyper_lr=1e-3, burn_in=burn_in, frequency=1, hyper_steps=hyper_steps, progress=False)
+                               schedule=HyperparameterSchedule(hyper_lr=1e-3, burn_in=burn_in, frequency=1,
+                                                               hyper_steps=hyper_steps),
+                               progress=False)
     return clock, result
 
 

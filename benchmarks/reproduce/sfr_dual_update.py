@@ -39,6 +39,7 @@ import _common
 from ntkgp import metrics
 from ntkgp.datasets import load_uci_regression
 from ntkgp.models.sfr import SFR
+from ntkgp.models import SFRInducingOptions
 
 DATASETS = ["boston", "protein"]
 GRID = [10.0**e for e in torch.arange(-4.0, 4.01, 0.5).tolist()]
@@ -87,7 +88,7 @@ def build_sfr(net, x, y, noise: float, z, prior_mean: str, seed: int) -> tuple[S
     likelihood = GaussianLikelihood().double()
     likelihood.noise = noise
     sfr = SFR(net, x, y, likelihood, inducing_points=z, prior_precision=1.0, prior_structure="network",
-              prior_mean=prior_mean, seed=seed)
+              prior_mean=prior_mean, inducing=SFRInducingOptions(seed=seed))
     sfr.eval()
     scores = []
     with torch.no_grad():

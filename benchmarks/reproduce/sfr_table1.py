@@ -40,6 +40,7 @@ from ntkgp import NTKGP, metrics
 from ntkgp.datasets import load_uci_classification
 from ntkgp.likelihoods import SoftmaxLikelihood
 from ntkgp.models.sfr import SFR
+from ntkgp.models import SFRInducingOptions
 
 DATASETS = ["australian", "breast_cancer", "glass"]
 # Published NLPD (mean, std over 5 seeds), SFR paper Table 1 (p. 4): "No delta tuning" columns nn map, glm, sfr
@@ -141,7 +142,8 @@ def run_one(data_dir, dataset: str, seed: int, args) -> dict:
     for name, options in configurations.items():
         t = time.perf_counter()
         sfr = SFR(net, data.x_train, data.y_train, SoftmaxLikelihood(c).double(), num_inducing=m,
-                  prior_precision=delta, prior_structure="network", seed=seed, **options)
+                  prior_precision=delta, prior_structure="network", inducing=SFRInducingOptions(seed=seed),
+                  **options)
         sfr.eval()
         out["nlpd"][f"sfr_{name}_train"] = nlpd(sfr, data.x_test, data.y_test)
         out["delta"][f"sfr_{name}_tuned"], out["nlpd"][f"sfr_{name}_tuned"] = tuned(sfr, data)

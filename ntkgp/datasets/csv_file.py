@@ -12,7 +12,7 @@ from typing import Literal, NamedTuple
 import torch
 from torch import Tensor
 
-from .arguments import _float_dtype
+from ..validation import float_dtype
 from .data_folder import PathType
 
 __all__ = ["CsvData", "load_csv"]
@@ -78,7 +78,7 @@ def load_csv(
     """
     if task not in ("regression", "classification"):
         raise ValueError(f"task must be 'regression' or 'classification'; got {task!r}")
-    _float_dtype(dtype)
+    float_dtype(dtype)
     if isinstance(input_columns, (str, numbers.Integral)):
         input_columns = [input_columns]
     input_columns = list(input_columns)

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .arguments import _float_dtype
+from ..validation import float_dtype
 from .data_folder import PathType, _listing
 from .idx import IDX_STEMS, _idx_files, _read_idx_split
 from .mnist_pickle import _load_mnist_pickle
@@ -94,7 +94,7 @@ def load_fashion_mnist(
     Example:
         >>> x_train, y_train, x_test, y_test = load_fashion_mnist()  # doctest: +SKIP
     """
-    _float_dtype(dtype)
+    float_dtype(dtype)
     normalize = _check_normalize(normalize)
     folder = Path(FASHION_MNIST_DIR if data_dir is None else data_dir)
     if not folder.is_dir():
@@ -153,7 +153,7 @@ def load_mnist(
     Example:
         >>> x_train, y_train, x_test, y_test = load_mnist("mnisthub/")  # doctest: +SKIP
     """
-    _float_dtype(dtype)
+    float_dtype(dtype)
     normalize = _check_normalize(normalize)
     if not isinstance(include_validation, bool):
         raise ValueError(f"include_validation must be True or False; got {include_validation!r}")

@@ -8,7 +8,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from .arguments import _float_dtype, _integer, _non_negative
+from ..validation import float_dtype, integer, non_negative
 
 __all__ = [
     "GAP_REGRESSION_INTERVALS",
@@ -98,10 +98,10 @@ def gap_regression(
     if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 2:
         raise ValueError(f"n must be an integer >= 2 (one point on each side of the gap); got {n!r}")
     n = int(n)
-    n_test = _integer(n_test, "n_test", minimum=1)
-    noise_std = _non_negative(noise_std, "noise_std")
-    seed = _integer(seed, "seed", minimum=-(2**63), maximum=2**64 - 1)  # torch.Generator.manual_seed's range
-    _float_dtype(dtype)
+    n_test = integer(n_test, "n_test", minimum=1)
+    noise_std = non_negative(noise_std, "noise_std")
+    seed = integer(seed, "seed", minimum=-(2**63), maximum=2**64 - 1)  # torch.Generator.manual_seed's range
+    float_dtype(dtype)
     generator = torch.Generator().manual_seed(seed)
     u = torch.rand(n, generator=generator, dtype=torch.float64)
     (left_lo, left_hi), (right_lo, right_hi) = GAP_REGRESSION_INTERVALS
@@ -146,10 +146,10 @@ def two_moons(
         >>> x.shape, sorted(y.unique().tolist())
         (torch.Size([10, 2]), [0, 1])
     """
-    n = _integer(n, "n", minimum=2)
-    noise = _non_negative(noise, "noise")
-    seed = _integer(seed, "seed", minimum=0, maximum=2**32 - 1)  # scikit-learn's random_state
-    _float_dtype(dtype)
+    n = integer(n, "n", minimum=2)
+    noise = non_negative(noise, "noise")
+    seed = integer(seed, "seed", minimum=0, maximum=2**32 - 1)  # scikit-learn's random_state
+    float_dtype(dtype)
     try:
         from sklearn.datasets import make_moons
     except ImportError as error:

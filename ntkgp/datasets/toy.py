@@ -6,7 +6,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .arguments import _float_dtype
+from ..validation import float_dtype
 from .data_folder import PathType, _data_file
 from .preprocessing import _encode_labels
 
@@ -38,7 +38,7 @@ def load_snelson(data_dir: PathType, dtype: torch.dtype = torch.float64) -> tupl
     Example:
         >>> x_train, y_train, x_test = load_snelson(resolve_data_dir())  # doctest: +SKIP
     """
-    _float_dtype(dtype)
+    float_dtype(dtype)
     files = [
         _data_file(data_dir, ("toy", f"snelson_{stem}.dat"), _SNELSON_LAYOUT)
         for stem in ("train_inputs", "train_outputs", "test_inputs")
@@ -68,7 +68,7 @@ def load_banana(
     Example:
         >>> x, y = load_banana(resolve_data_dir())  # doctest: +SKIP
     """
-    _float_dtype(dtype)
+    float_dtype(dtype)
     if full:
         table = np.loadtxt(_data_file(data_dir, ("toy", "banana_5300.csv"), _BANANA_LAYOUT), delimiter=",")
         x, raw_labels = table[:, :2], table[:, 2]

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .arguments import _float_dtype
+from ..validation import float_dtype
 from .data_folder import PathType, _data_file
 from .preprocessing import _encode_labels, _mean_std, _stratified_split
 
@@ -110,7 +110,7 @@ def load_uci_regression(
     """
     if not (isinstance(val_fraction, (int, float)) and math.isfinite(val_fraction) and 0 <= val_fraction < 1):
         raise ValueError(f"val_fraction must be in [0, 1); got {val_fraction!r}")
-    _float_dtype(dtype)
+    float_dtype(dtype)
     if isinstance(split, bool) or not isinstance(split, numbers.Integral):
         raise ValueError(f"split must be an integer index; got {split!r}")
     folder = ("uci_regression", name)
@@ -197,7 +197,7 @@ def load_uci_classification(
     """
     if name not in _UCI_CLASSIFICATION_NAMES:
         raise ValueError(f"name must be one of {_UCI_CLASSIFICATION_NAMES}; got {name!r}")
-    _float_dtype(dtype)
+    float_dtype(dtype)
     if split not in ("random", "distributed"):
         raise ValueError(f"split must be 'random' or 'distributed'; got {split!r}")
     if split == "distributed" and name == "glass":

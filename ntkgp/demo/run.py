@@ -12,12 +12,13 @@ from gpytorch.likelihoods import GaussianLikelihood, Likelihood
 
 from ntkgp import NTKGP, SFR, plotting
 from ntkgp.likelihoods import LogisticLikelihood, SoftmaxLikelihood
-from ntkgp.training import train_marglik
+from ntkgp.training import HyperparameterSchedule, MAPOptimization, train_marglik
 
 from .figures import before_after_figure, plot_inputs
 from .notes import COLUMNS, REFIT, explain
 from .report import HEADERS, DemoRow, format_table, predict, scores
 from .tasks import DemoConfig, DemoTask, mlp
+from ntkgp.models import SFRInducingOptions
 
 __all__ = ["DemoResult", "run_demo", "run_task"]
 
@@ -99,7 +100,9 @@ def run_task(task: DemoTask, config: DemoConfig, output_dir: Path,
         f"network, N={n}, {config.epochs} epochs")
     result, train_s = _timed(lambda: train_marglik(
         net, task.x_train, task.y_train, likelihood, structure="full_ggn", epochs=config.epochs, lr=config.lr,
-        burn_in=config.burn_in, frequency=config.frequency, hyper_steps=config.hyper_steps, seed=config.seed,
+        schedule=HyperparameterSchedule(burn_in=config.burn_in, frequency=config.frequency,
+                                        hyper_steps=config.hyper_steps),
+        optimization=MAPOptimization(seed=config.seed),
         progress=config.progress))
     net_pred, net_s = _timed(predict, net, likelihood, task.x_test, task.kind)
     rows = [DemoRow(task.name, "network (MAP)", n, None, **scores(task, net_pred), train_s=train_s, build_s=None,
@@ -112,7 +115,7 @@ def run_task(task: DemoTask, config: DemoConfig, output_dir: Path,
         ("SFR", f"SFR (M={num_inducing})",
          lambda: SFR(net, task.x_train, task.y_train, likelihood, num_inducing=num_inducing,
                      prior_precision=result.prior_precision, prior_structure=result.kernel.prior_structure,
-                     seed=config.seed),
+                     inducing=SFRInducingOptions(seed=config.seed)),
          lambda m: m.update(task.x_new, task.y_new)),
     ]
     plot_at = plot_inputs(task, config)

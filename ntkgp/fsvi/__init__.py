@@ -32,6 +32,7 @@ from .model import FSVI
 from .objective import ELBOTerms, FunctionSpaceELBO
 from .prior import GaussianParameterPrior
 from .training import FSVIResult, train_fsvi
+from .training_options import FSVIOptimization, FSVIOptions
 from .variational import MeanFieldGaussian
 
 __all__ = [
@@ -40,6 +41,8 @@ __all__ = [
     "ContextDistribution",
     "DatasetContext",
     "ELBOTerms",
+    "FSVIOptimization",
+    "FSVIOptions",
     "FSVIResult",
     "FunctionSpaceELBO",
     "GaussianParameterPrior",

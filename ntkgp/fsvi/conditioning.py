@@ -57,6 +57,7 @@ class Conditioning(CheckedLoad):
                 f"under {type(self.likelihood).__name__} the observations are not Gaussian in f, so the linearized "
                 "GP has no closed-form posterior given them. Train on the union of the data instead."
             )
+        x_new = self.packed(x_new, "x_new")  # a dict/tuple of tensors: packed rows (ntkgp.ntk.packed_inputs)
         if not isinstance(x_new, Tensor):
             raise TypeError(f"x_new must be a torch.Tensor, got {type(x_new).__name__}")
         if x_new.is_complex():  # floating point, or integer token ids (passed to the network as they are)
@@ -241,7 +242,9 @@ class Conditioning(CheckedLoad):
 
         def compute() -> tuple[Tensor, Tensor, Tensor]:
             reference = self._reference()
-            x, y = x_obs.to(reference), y_obs.to(reference)
+            # integer inputs (token ids, packed rows of a dict) keep their dtype: only floating ones are converted
+            x = x_obs.to(reference) if x_obs.is_floating_point() else x_obs.to(reference.device)
+            y = y_obs.to(reference)
             residual = (y - self.mean_module(x).reshape(y.shape)).reshape(-1)
             k = self.covar_module(x).to_dense()
             sigma = noise.to(k).repeat(x.shape[0])  # interleaved: entry m·C + c is task c's noise

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from .checks import positive_int, real_number
+from ..validation import positive_int, real_number
 
 
 def _check_data(x: object, argument: str) -> Tensor:

@@ -26,8 +26,11 @@ a differentiable function of :math:`\theta` *and* :math:`v` (what FSVI trains). 
   tensor costs only :math:`N^2 d_\text{in} + (NC)^2 d_\text{out}` (the NTK's form).
 * **convolutions** (and linear layers on extra dimensions): per-example Jacobian blocks assembled from the same
   features, :math:`\sum_t \Gamma_{nct} a_{nt}^\top`, then contracted.
-* **every other parameter** (normalization layers, layers that fail the safety rule): per-example
-  Jacobians by ``torch.func.vmap(jacrev)``, contracted.
+* **normalization layers' affine parameters and embedding tables** (the layer plan's elementwise layers,
+  :mod:`ntkgp.ntk.norm_features`): per-example rows from the same features (:math:`\sum_t \hat x_{nt} \odot
+  \Gamma_{nct}`, :math:`\sum_t \Gamma_{nct}`; the output gradients scattered by token id), contracted.
+* **every other parameter** (layers that fail the safety rule, recurrent weights): per-example Jacobians by
+  ``torch.func.vmap(jacrev)``, contracted.
 """
 
 from __future__ import annotations
@@ -157,7 +160,8 @@ class LinearizedNetwork:
             self._num_outputs = self.forward(detached, x[:1]).shape[1]
         self.core.autodiff(x[:1])  # how the network is differentiated, or a clear error now (ntkgp.ntk.autodiff)
         probe = x[:1] if self.strategy == "auto" else None
-        self._plan = plan_layers(self.net, detached, self.core.names, probe, runner=self.core.module())
+        self._plan = plan_layers(self.net, detached, self.core.names, probe, runner=self.core.module(),
+                                 elementwise=True)
         return self._plan
 
     def features(self, params: Params, x: Tensor, create_graph: bool) -> _Features:
@@ -170,10 +174,11 @@ class LinearizedNetwork:
         if not create_graph:
             params = {n: p.detach() for n, p in params.items()}
             x = x.detach()
-        feats = self.core.features(x, plan.layers, graph=create_graph, params=dict(params))
+        layers = (*plan.layers, *plan.elementwise)  # norm layers, embeddings: rows from the same features
+        feats = self.core.features(x, layers, graph=create_graph, params=dict(params))
         inputs, grads, jacobians = {}, {}, {}
         pairs = {layer.name for layer in plan.single}
-        for layer in plan.layers:
+        for layer in layers:
             a, g = feats.inputs[layer.name], feats.grads[layer.name]  # (N, d_in, T), (N, C, d_out, T)
             if layer.name in pairs:
                 inputs[layer.name], grads[layer.name] = a[..., 0], g[..., 0]

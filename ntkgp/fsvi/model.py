@@ -17,7 +17,7 @@ from ..likelihoods import is_gaussian, noise_variance, num_outputs
 from ..ntk.outputs import with_output
 from ..ntk.private_copy import model_lock
 from ..options import KLCovariance, OptionAttribute, Predictive, choice, choose
-from .checks import positive_int, real_number
+from ..validation import positive_int, real_number
 from .conditioning import Conditioning
 from .inputs import NetworkInputs
 from .kernel import MeanFieldNTKKernel

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from ..likelihoods import log_likelihood, validate_targets
-from .checks import positive_int
+from ..validation import positive_int
 from .model import FSVI
 
 

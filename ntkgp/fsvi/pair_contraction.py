@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..memory import PAIR_CONTRACTION_BYTES, chunk_rows
+
 
 class PairContraction(torch.autograd.Function):
     r""":math:`T_{n c, m d} = \sum_i \gamma_{1, n c i} B_{n m i} \gamma_{2, m d i}` as ``(N1, C, N2·C)``, by chunks of
@@ -34,13 +36,12 @@ class PairContraction(torch.autograd.Function):
     work, forward and backward); the backward pass is that of :math:`T'` for :math:`\bar T' = \bar T + \bar T^\top`.
     First-order only (FSVI needs the gradient of its objective, not its Hessian)."""
 
-    # elements of one chunk's W (1 MiB in float32). Per-chunk overhead against keeping W in cache: 2¹⁸ was
-    # fastest for K = 32, C = 10, d_out = 256 on a 2-core CPU (one thread), 2¹⁹ close
-    CHUNK_ELEMENTS = 2**18
+    # bytes of one chunk's W (:data:`ntkgp.memory.PAIR_CONTRACTION_BYTES`, 1 MiB: 2¹⁸ float32 numbers)
+    CHUNK_BYTES = PAIR_CONTRACTION_BYTES
 
     @staticmethod
-    def _chunk(n1: int, c: int, d_out: int) -> int:
-        return max(1, PairContraction.CHUNK_ELEMENTS // (n1 * c * d_out))
+    def _chunk(n1: int, c: int, d_out: int, dtype: torch.dtype) -> int:
+        return chunk_rows(PairContraction.CHUNK_BYTES, n1 * c * d_out, dtype)
 
     @staticmethod
     def _upper(n: int, like: Tensor) -> Tensor:
@@ -54,7 +55,7 @@ class PairContraction(torch.autograd.Function):
         n2 = g2.shape[0]
         bt = (b * PairContraction._upper(n1, b) if symmetric else b).transpose(0, 1).contiguous()  # (N2, N1, d)
         out = (g1.new_zeros if symmetric else g1.new_empty)(n2, c, n1 * c)  # Tᵀ (T'ᵀ), [m, d, (n, c)]
-        step = PairContraction._chunk(n1, c, d_out)
+        step = PairContraction._chunk(n1, c, d_out, g1.dtype)
         for s in range(0, n2, step):
             e = min(s + step, n2)
             r = e if symmetric else n1  # rows n < e hold the blocks n ≤ m
@@ -79,7 +80,7 @@ class PairContraction(torch.autograd.Function):
         grad_g1 = g1.new_zeros(n1, c, d_out) if need_g1 else None
         grad_bt = (bt.new_zeros if symmetric else bt.new_empty)(bt.shape) if need_b else None
         grad_g2 = torch.empty_like(g2) if need_g2 else None
-        step = PairContraction._chunk(n1, c, d_out)
+        step = PairContraction._chunk(n1, c, d_out, g1.dtype)
         for s in range(0, n2, step):
             e = min(s + step, n2)
             k, r = e - s, (e if symmetric else n1)

@@ -6,20 +6,23 @@ import copy
 import math
 import numbers
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
 from gpytorch.likelihoods import Likelihood
 from torch import Tensor, nn
-from tqdm.auto import tqdm
 
 from ..likelihoods import num_outputs, validate_targets
+from ..option_groups import accepts_flat_keywords, check_group
 from ..options import ContextKind, choose
+from ..progress import Progress, check_progress
+from ..validation import positive_int, real_number
 from . import context as contexts
-from .checks import positive_int, real_number
+from .inputs import structured_training
 from .model import FSVI
 from .objective import FunctionSpaceELBO
+from .training_options import FSVIOptimization, FSVIOptions
 
 Batches = Iterable[tuple[Tensor, Tensor]]
 
@@ -70,8 +73,8 @@ def _build_context(
     if not x_first.is_floating_point():  # token ids: context points are rows of the data, never real-valued draws
         if kind is not ContextKind.AUTO:
             raise ValueError(f"context={context!r} draws real-valued inputs, but train_x holds {x_first.dtype} "
-                             "values (token ids): use context='auto' (random training inputs), a tensor of inputs "
-                             "or a sampler")
+                             "values (token ids, or the packed rows of a dict): use context='auto' (random training "
+                             "inputs), inputs or a sampler")
         return contexts.DatasetContext(_loader_inputs(batches, 2**20))
     if kind is ContextKind.AUTO:
         kind = ContextKind.MONOCHROME if image_shape is not None else ContextKind.UNIFORM
@@ -101,6 +104,7 @@ class _TensorBatches:
             yield self.x[idx], self.y[idx]
 
 
+@accepts_flat_keywords(options=FSVIOptions, optimization=FSVIOptimization)
 def train_fsvi(
     net: nn.Module,
     train_x: Tensor | Batches,
@@ -109,31 +113,20 @@ def train_fsvi(
     *,
     context: str | contexts.ContextDistribution | Tensor | Callable = "auto",
     num_context: int = 32,
-    context_batch_fraction: float = 0.0,
     prior_precision: float | Tensor = 1.0,
     prior_structure: str | Mapping[str, str] = "layer",
-    prior_mean: str | Mapping[str, Tensor] = "zero",
-    prior_linearization: str = "variational_mean",
-    init_std: float = 1e-3,
-    context_jitter: float = 1e-2,
-    kl_covariance: str = "full",
-    num_samples: int = 1,
     epochs: int = 100,
     batch_size: int | None = 128,
     num_data: int | None = None,
     lr: float = 1e-3,
-    optimizer: Callable[..., torch.optim.Optimizer] = torch.optim.Adam,
-    learn_likelihood: bool = False,
-    input_shape: Sequence[int] | None = None,
-    strategy: str = "auto",
-    seed: int = 0,
-    progress: bool = True,
-    output: str | int | None = None,
+    options: FSVIOptions | None = None,
+    optimization: FSVIOptimization | None = None,
+    progress: bool | None = None,
 ) -> FSVIResult:
     r"""Fit a mean-field Gaussian over all the weights of ``net`` by function-space variational inference.
 
-    Maximizes :class:`~ntkgp.fsvi.FunctionSpaceELBO` with ``optimizer`` over :math:`\mu` and the raw :math:`s`
-    (and the likelihood's noise or temperature with ``learn_likelihood=True``):
+    Maximizes :class:`~ntkgp.fsvi.FunctionSpaceELBO` with ``optimization.optimizer`` over :math:`\mu` and the raw
+    :math:`s` (and the likelihood's noise or temperature with ``learn_likelihood=True``):
 
     .. math::
         \mathcal L(\mu, s) = \frac{N}{B} \sum_{b} \frac1S \sum_s \log p(y_b \mid f(x_b; \mu + s \odot \epsilon_s))
@@ -146,8 +139,8 @@ def train_fsvi(
     Args:
         net: any ``nn.Module`` ``(N, *input_shape) → (N, C)``: linear layers take the structured route,
             convolutions and BatchNorm (eval mode) the Jacobian route.
-        train_x: inputs ``(N, ...)``, or an iterable of ``(x, y)`` mini-batches (a ``DataLoader``) with
-            ``train_y=None``.
+        train_x: inputs ``(N, ...)`` or a dict/tuple of tensors (docs/networks.md, "Dict and tuple inputs in the
+            GPyTorch models"), or an iterable of ``(x, y)`` mini-batches (a ``DataLoader``) with ``train_y=None``.
         train_y: targets (see :func:`ntkgp.likelihoods.validate_targets`), or ``None`` with a loader.
         likelihood: a supported likelihood (its number of outputs must match the network's).
         context: ``"auto"`` (``"monochrome"`` for image inputs, random training inputs for integer inputs such as
@@ -155,29 +148,21 @@ def train_fsvi(
             the training inputs), ``"monochrome"``, a :class:`~ntkgp.fsvi.ContextDistribution`, a tensor of inputs
             (a :class:`~ntkgp.fsvi.DatasetContext`) or a callable ``(K, generator) -> (K, ...)``.
         num_context: ``K``, context points per step.
-        context_batch_fraction: the fraction of them taken from the current mini-batch
-            (:class:`~ntkgp.fsvi.BatchMixedContext`; the paper uses 0.5 with monochrome images).
         prior_precision: :math:`\delta`, float or one per group; :math:`s_0^2 = 1/\delta_g`.
         prior_structure: ``"network"``, ``"layer"`` (default), ``"parameter"`` or a mapping.
-        prior_mean: ``"zero"``, ``"initial"`` or a mapping, see :class:`~ntkgp.fsvi.GaussianParameterPrior`.
-        prior_linearization: ``"variational_mean"`` (default) or ``"prior_mean"``.
-        init_std: the initial :math:`s` of every weight (below the prior's).
-        context_jitter: relative shared noise on the context outputs, see :class:`~ntkgp.fsvi.FSVI`.
-        kl_covariance: ``"full"`` (default), ``"block"`` or ``"diagonal"``: the covariance over the context
-            outputs that the KL keeps, see :class:`~ntkgp.fsvi.FSVI`.
-        num_samples: ``S``, weight draws per step for the expected log-likelihood.
         epochs: passes over the data.
         batch_size: mini-batch size for tensors (``None``: full batch); ignored for loaders.
         num_data: ``N`` for a loader (default ``len(loader.dataset)``, else counted in one pass).
         lr: the optimizer's step size.
-        optimizer: a ``torch.optim`` class.
-        learn_likelihood: also optimize the likelihood's parameters (Gaussian noise) on the objective.
-        input_shape: one input's shape as the network expects it (default: the inputs' own shape).
-        strategy: ``"auto"`` or ``"contraction"``, see :class:`~ntkgp.fsvi.linearized.LinearizedNetwork`.
-        seed: seeds shuffling, context points and weight draws (the global random state is not used).
-        progress: show a tqdm bar over epochs.
-        output: for a network returning a dict or a tuple, the key or index of the output to use
-            (:mod:`ntkgp.ntk.outputs`).
+        options: the model's other options, an :class:`~ntkgp.fsvi.FSVIOptions` (``prior_mean``,
+            ``prior_linearization``, ``init_std``, ``context_jitter``, ``kl_covariance``, ``input_shape``,
+            ``strategy``, ``output``; ``None``: its defaults). Its fields as flat keywords
+            (``kl_covariance="diagonal"``) still work, with a ``FutureWarning``, for one release.
+        optimization: an :class:`~ntkgp.fsvi.FSVIOptimization` (``optimizer``, ``num_samples``,
+            ``context_batch_fraction``, ``learn_likelihood``, ``seed``; ``None``: its defaults); its fields as flat
+            keywords likewise.
+        progress: over the epochs: ``None`` (auto: a bar on a terminal, else one line with a long training's
+            estimated time), ``True`` (a bar) or ``False`` (silent): :mod:`ntkgp.progress`.
 
     Returns:
         :class:`FSVIResult` with the trained model and the per-epoch history.
@@ -199,6 +184,12 @@ def train_fsvi(
     if not isinstance(likelihood, Likelihood):
         raise TypeError(f"likelihood must be a gpytorch Likelihood, got {type(likelihood).__name__}")
     expected = num_outputs(likelihood)
+    options = check_group(options, FSVIOptions, "options")
+    optimization = check_group(optimization, FSVIOptimization, "optimization")
+    input_shape, output = options.input_shape, options.output
+    optimizer, seed = optimization.optimizer, optimization.seed
+    num_samples, learn_likelihood = optimization.num_samples, optimization.learn_likelihood
+    context_batch_fraction = optimization.context_batch_fraction
     num_context = positive_int(num_context, "num_context")
     num_samples = positive_int(num_samples, "num_samples")
     epochs = positive_int(epochs, "epochs")
@@ -209,6 +200,7 @@ def train_fsvi(
     if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
         raise TypeError(f"seed must be an integer, got {seed!r}")
     seed = int(seed)
+    check_progress(progress)
     if not callable(optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer class (a callable), got {optimizer!r}")
     # the model first: it checks its own options before a loader is read (reading one can draw from the global
@@ -218,15 +210,20 @@ def train_fsvi(
         copy.deepcopy(likelihood),
         prior_precision=prior_precision,
         prior_structure=prior_structure,
-        prior_mean=prior_mean,
-        prior_linearization=prior_linearization,
-        init_std=init_std,
-        context_jitter=context_jitter,
-        kl_covariance=kl_covariance,
+        prior_mean=options.prior_mean,
+        prior_linearization=options.prior_linearization,
+        init_std=options.init_std,
+        context_jitter=options.context_jitter,
+        kl_covariance=options.kl_covariance,
         input_shape=input_shape,
-        strategy=strategy,
+        strategy=options.strategy,
         output=output,
     )
+    # dict/tuple inputs: packed rows and the view of the network that rebuilds them (ntkgp.ntk.packed_inputs);
+    # after the model's own checks (reading a loader's first batch is a side effect)
+    view, train_x, context = structured_training(model.net, train_x, train_y, context)
+    if view is not model.net:
+        model._use_network(view)
 
     generator = torch.Generator().manual_seed(seed)
     if isinstance(train_x, Tensor):
@@ -293,27 +290,28 @@ def train_fsvi(
     model.train()
     history: list[dict] = []
     start = time.perf_counter()
-    bar = tqdm(range(epochs), desc="FSVI", disable=not progress)
-    for epoch in bar:
-        sums, steps = [0.0, 0.0, 0.0], 0
-        for x, y in batches:
-            # detached: the backward pass reaches μ, s (and the likelihood's copy), never the user's tensors
-            x, y = (t.detach() if isinstance(t, Tensor) else t for t in (x, y))
-            x_context = sampler.sample(num_context, generator, batch_x=x).detach()
-            opt.zero_grad(set_to_none=True)
-            terms = elbo(x, y, x_context, generator=noise)
-            (-terms.value).backward()
-            opt.step()
-            for i, t in enumerate(terms):
-                sums[i] += t.item()
-            steps += 1
-        history.append({
-            "epoch": epoch + 1,
-            "elbo": sums[0] / steps,
-            "expected_log_likelihood": sums[1] / steps,
-            "kl": sums[2] / steps,
-            "seconds": time.perf_counter() - start,
-        })
-        bar.set_postfix(elbo=f"{history[-1]['elbo']:.4g}")
+    with Progress(epochs, "FSVI", progress, unit="epoch") as bar:
+        for epoch in range(epochs):
+            sums, steps = [0.0, 0.0, 0.0], 0
+            for x, y in batches:
+                # detached: the backward pass reaches μ, s (and the likelihood's copy), never the user's tensors
+                x, y = (t.detach() if isinstance(t, Tensor) else t for t in (x, y))
+                x_context = sampler.sample(num_context, generator, batch_x=x).detach()
+                opt.zero_grad(set_to_none=True)
+                terms = elbo(x, y, x_context, generator=noise)
+                (-terms.value).backward()
+                opt.step()
+                for i, t in enumerate(terms):
+                    sums[i] += t.item()
+                steps += 1
+            history.append({
+                "epoch": epoch + 1,
+                "elbo": sums[0] / steps,
+                "expected_log_likelihood": sums[1] / steps,
+                "kl": sums[2] / steps,
+                "seconds": time.perf_counter() - start,
+            })
+            bar.set_postfix(elbo=f"{history[-1]['elbo']:.4g}")
+            bar.update(1)
     model.eval()
     return FSVIResult(model, history, time.perf_counter() - start)

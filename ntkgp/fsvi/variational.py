@@ -8,7 +8,7 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor, nn
 
-from .checks import real_number
+from ..validation import real_number
 
 
 def _positive(value: object, argument: str) -> float:

@@ -1,13 +1,13 @@
 """Validation of :class:`~ntkgp.kernels.NTKKernel`'s arguments, shared by its constructor, its option attributes
 (``kernel.space = ...``, :class:`ntkgp.options.OptionAttribute`) and its prior-precision setter.
 
-Every check runs before anything is built or written, and every error names the argument.
+Every check runs before anything is built or written, and every error names the argument. The generic checks
+(integers, counts, flags) are :mod:`ntkgp.validation`'s.
 """
 
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -16,16 +16,16 @@ from gpytorch.constraints import Interval, Positive
 from gpytorch.priors import Prior
 from torch import nn
 
+from ..linalg import all_finite
 from ..ntk import GroupSpec
 from ..ntk.checks import check_network_values
 from ..ntk.inputs import check_tensor
-from ..linalg import all_finite
 from ..options import PriorStructure, Space, Strategy, choose
+from ..progress import check_progress
+from ..validation import SUPPORTED_DTYPES, check_int, count, positive_count
 
 #: GPyTorch ``Kernel`` keywords the NTK kernel passes on (no lengthscale, ARD or ``eps``: it has none).
 KERNEL_KEYWORDS = ("batch_shape", "active_dims")
-#: The dtypes ntkgp computes in (half precisions cannot be factorized or solved with).
-SUPPORTED_DTYPES = (torch.float32, torch.float64)
 
 
 @dataclass(frozen=True)
@@ -37,55 +37,11 @@ class KernelArguments:
     strategy: Strategy
     chunk_size: int
     cache_size: int
-    progress: bool
+    progress: bool | None
     input_shape: tuple[int, ...] | None
     batch_shape: torch.Size
     prior_precision_prior: Prior | None
     constraint: Interval
-
-
-def check_int(value: object, argument: str, minimum: int) -> int:
-    """``value`` as an ``int`` if it is an integer (any ``numbers.Integral`` such as ``numpy.int64``, not a bool)
-    ``>= minimum``; else ``ValueError`` naming ``argument``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        raise ValueError(f"{argument} must be an integer >= {minimum}, got {value!r}")
-    return int(value)
-
-
-def positive_int(value: object, argument: str, allow_none: bool = False) -> int | None:
-    """``value`` as an ``int >= 1`` (any ``numbers.Integral`` such as ``numpy.int64``, not a bool; ``None`` too with
-    ``allow_none``): the one check of a positive count that the models, FSVI and the kernels share.
-
-    Raises:
-        ValueError: naming ``argument``.
-    """
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f"{argument} must be a positive integer{' or None' if allow_none else ''}, got {value!r}")
-    return int(value)
-
-
-def optional_positive_int(value: object, argument: str) -> int | None:
-    """``None`` or a positive integer (:func:`positive_int`)."""
-    return positive_int(value, argument, allow_none=True)
-
-
-def positive_count(value: object, argument: str) -> int:
-    """An integer ``>= 1`` (``chunk_size``)."""
-    return check_int(value, argument, 1)
-
-
-def count(value: object, argument: str) -> int:
-    """An integer ``>= 0`` (``cache_size``; 0 disables the cache)."""
-    return check_int(value, argument, 0)
-
-
-def flag(value: object, argument: str) -> bool:
-    """``True`` or ``False`` (``progress``); ``TypeError`` otherwise."""
-    if not isinstance(value, bool):
-        raise TypeError(f"{argument} must be a bool, got {value!r}")
-    return value
 
 
 def prior_structure_value(value: object, argument: str) -> GroupSpec:
@@ -147,7 +103,7 @@ def kernel_arguments(
     if unknown:
         raise TypeError(f"NTKKernel got unexpected keyword arguments {unknown}")
     prior_structure = prior_structure_value(prior_structure, "prior_structure")
-    progress = flag(progress, "progress")
+    progress = check_progress(progress, "progress")
     input_shape = input_shape_value(input_shape, "input_shape")
     batch_shape = kwargs.get("batch_shape", torch.Size([]))
     if not isinstance(batch_shape, (tuple, list, torch.Size)) or any(

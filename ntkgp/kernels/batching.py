@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..memory import STACKED_GRAM_BYTES, chunk_rows
+
 
 @dataclass(frozen=True)
 class Slices:
@@ -98,10 +100,6 @@ def group_pairs(pairs: list[tuple[int, int]]) -> tuple[int, dict[int, list[int]]
     return side, groups
 
 
-#: Entries (all groups) of one stacked Gram when many small distinct slices are computed together.
-STACKED_ENTRIES = 2**22
-
-
 def _stack(pieces: list[torch.Tensor]) -> torch.Tensor:
     """``torch.stack``, without copying a single piece (a Gram can be most of the memory in use)."""
     return pieces[0].unsqueeze(0) if len(pieces) == 1 else torch.stack(pieces)
@@ -117,7 +115,7 @@ def pair_grams(
     ``grams(x1, x2)``: ``(G, N1·C, N2·C)``), whichever makes fewer calls: group the pairs by the side with
     fewer distinct slices (one call per slice of that side against all its partners stacked: nothing
     computed in vain), or stack ``k`` pairs on both sides and keep the diagonal blocks of one Gram (``k``
-    times the work, at most :data:`STACKED_ENTRIES` entries per call: many small slices, such as
+    times the work, at most :data:`ntkgp.memory.STACKED_GRAM_BYTES` per call: many small slices, such as
     BoTorch's ``(b, q, d)`` candidates, then cost one call instead of ``b``).
 
     Args:
@@ -134,7 +132,8 @@ def pair_grams(
         )
     n1, n2 = s1.values.shape[1], s2.values.shape[1]
     side, groups = group_pairs(pairs)
-    k = max(1, math.isqrt(STACKED_ENTRIES // (entries_per_point_pair * n1 * n2)))
+    dtype = s1.values.dtype if s1.values.is_floating_point() else torch.float64  # the Grams' dtype
+    k = math.isqrt(chunk_rows(STACKED_GRAM_BYTES, entries_per_point_pair * n1 * n2, dtype))  # k² pairs
     if -(-len(pairs) // k) < len(groups):
         return _stack(_stacked_pair_grams(grams, pairs, s1, s2, square, k)), pair_index
     d = s1.values.shape[-1]

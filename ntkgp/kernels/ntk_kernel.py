@@ -15,18 +15,10 @@ from ..ntk import GroupSpec, NTKEngine
 from ..ntk.outputs import with_output
 from ..ntk.private_copy import model_lock
 from ..options import OptionAttribute, Space, Strategy, choice
-from .arguments import (
-    check_integer_input,
-    check_network_dtype,
-    count,
-    flag,
-    input_shape_value,
-    kernel_arguments,
-    kernel_input,
-    positive_count,
-    prior_precision_tensor,
-    prior_structure_value,
-)
+from ..progress import check_progress
+from ..validation import count, positive_count
+from .arguments import (check_integer_input, check_network_dtype, input_shape_value, kernel_arguments, kernel_input,
+                        prior_precision_tensor, prior_structure_value)
 from .batching import distinct_slices, gather, tracks_grad
 from .kernel_matrix import kernel_forward, structured_kernel_matrix
 from .lazy import NTKLazyKernelTensor
@@ -107,7 +99,7 @@ class NTKKernel(Kernel):
             of magnitude and an optimizer step then changes :math:`\delta` by a factor, from 1e-3 as from 1e3
             (GPyTorch's softplus default would move a large :math:`\delta` by only about the step size).
         cache_size: how many inputs (or input pairs) to keep pieces for (0 disables the cache).
-        progress: show progress bars over chunks.
+        progress: ``None`` (auto), ``True`` (a bar) or ``False`` over the chunks of a pass (:mod:`ntkgp.progress`).
         output: for a network returning a dict or a tuple, the key or index of the output to use
             (:mod:`ntkgp.ntk.outputs`); ``None`` (default) for a network returning a tensor.
         batch_shape: GPyTorch's kernel batch shape (one :math:`\delta` vector per batch element).
@@ -137,7 +129,7 @@ class NTKKernel(Kernel):
     space = OptionAttribute(choice(Space), on_change="_space_changed")
     strategy = OptionAttribute(choice(Strategy), on_change="_engine_option_changed")
     chunk_size = OptionAttribute(positive_count, on_change="_engine_option_changed")
-    progress = OptionAttribute(flag, on_change="_engine_option_changed")
+    progress = OptionAttribute(check_progress, on_change="_engine_option_changed")
     cache_size = OptionAttribute(count, on_change="_cache_size_changed")
 
     def __init__(
@@ -152,7 +144,7 @@ class NTKKernel(Kernel):
         prior_precision_prior: Prior | None = None,
         prior_precision_constraint: Interval | None = None,
         cache_size: int = 4,
-        progress: bool = False,
+        progress: bool | None = None,
         output: str | int | None = None,
         **kwargs,
     ) -> None:

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from ..caching import fingerprint, same_values
+from ..memory import JACOBIAN_BYTES
 from ..ntk import NTKEngine
 from ..ntk.network import walk
 from .shared_cache import SharedValueCache
@@ -60,7 +61,7 @@ def engine_on(engine: NTKEngine, net: nn.Module) -> NTKEngine:
         chunk_size=engine.chunk_size,
         strategy=engine.strategy.value,
         input_shape=engine.input_shape,
-        max_jacobian_bytes=getattr(core, "max_jacobian_bytes", 2**30),
+        max_jacobian_bytes=getattr(core, "max_jacobian_bytes", JACOBIAN_BYTES),
         progress=getattr(core, "progress", False),
     )
 

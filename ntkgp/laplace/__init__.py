@@ -10,6 +10,9 @@ log marginal likelihood have two exact representations (``docs/math.md``):
 * :mod:`ntkgp.laplace.weight_space` — through :math:`H` (``P × P``) or its KFAC / diagonal approximations:
   :func:`compute_curvature`, the posteriors of :func:`laplace_posterior` and the estimators of :func:`predict`.
 
+Both spaces evaluate an evidence whose spectrum is known (KFAC, the diagonal, the full GGN with one δ) through one
+node of the graph, :mod:`ntkgp.laplace.spectral_evidence`.
+
 The GPyTorch-role packages (:mod:`ntkgp.kernels`, :mod:`ntkgp.means`, :mod:`ntkgp.mlls`, :mod:`ntkgp.models`)
 are thin adapters over these two.
 """
@@ -32,6 +35,7 @@ from .weight_space import (
     LastLayerDiagLaplace,
     LastLayerKFACLaplace,
     LastLayerLaplace,
+    PassOptions,
     Prediction,
     SubnetLaplace,
     WeightPosterior,
@@ -51,6 +55,7 @@ __all__ = [
     "LastLayerDiagLaplace",
     "LastLayerKFACLaplace",
     "LastLayerLaplace",
+    "PassOptions",
     "Prediction",
     "SiteIterationWarning",
     "SitePosterior",

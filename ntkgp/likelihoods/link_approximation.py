@@ -14,7 +14,6 @@ Two approximations, chosen by ``link_approx``:
 from __future__ import annotations
 
 import math
-import numbers
 import warnings
 from typing import Any
 
@@ -26,6 +25,7 @@ from torch import Tensor
 from torch.distributions import Distribution
 
 from ..options import Link, OptionAttribute
+from ..validation import positive_int
 
 LINK_APPROXIMATIONS = ("probit", "mc")
 
@@ -50,9 +50,7 @@ def check_num_samples(num_samples: object, argument: str = "num_samples") -> int
     Raises:
         ValueError: naming ``argument``.
     """
-    if isinstance(num_samples, bool) or not isinstance(num_samples, numbers.Integral) or num_samples < 1:
-        raise ValueError(f"{argument} must be a positive integer, got {num_samples!r}")
-    return int(num_samples)
+    return positive_int(num_samples, argument)
 
 
 class LinkApproximation:

@@ -9,7 +9,7 @@ Tempering scales :math:`\\log p`, :math:`g = \\nabla_f \\log p` and :math:`\\Lam
 from __future__ import annotations
 
 import numbers
-from functools import singledispatch
+from functools import partial, singledispatch
 
 import torch
 from gpytorch.constraints import Interval, Positive
@@ -18,12 +18,10 @@ from gpytorch.priors import Prior
 from torch import Tensor
 
 from ..options import OptionAttribute
+from ..validation import flag
 
-
-def _flag(value: object, argument: str) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"{argument} must be True or False, got {value!r}")
-    return value
+#: ``learn_temperature``'s check: a bool, else ``ValueError``.
+_flag = partial(flag, error=ValueError)
 
 
 class TemperatureMixin:

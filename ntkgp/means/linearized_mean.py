@@ -8,11 +8,11 @@ import torch
 from gpytorch.means import Mean
 
 from ..caching import ValueCache
-from ..kernels.arguments import count
 from ..kernels.network_state import network_state
 from ..ntk import NTKEngine
 from ..ntk.checks import check_outputs
 from ..options import OptionAttribute
+from ..validation import count
 
 __all__ = ["LinearizedNetworkMean", "NetworkMean"]
 

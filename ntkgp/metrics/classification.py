@@ -7,6 +7,7 @@ import numbers
 import torch
 from torch import Tensor
 
+from ..validation import positive_int
 from .checks import _class_probs, _labels
 
 __all__ = ["accuracy", "brier_score", "categorical_nlpd", "expected_calibration_error", "predictive_entropy"]
@@ -115,9 +116,7 @@ def expected_calibration_error(probs: Tensor, y: Tensor, num_bins: int = 10) -> 
         >>> expected_calibration_error(torch.tensor([[0.8, 0.2], [0.8, 0.2]]), torch.tensor([0, 1]))
         0.30000001192092896
     """
-    if isinstance(num_bins, bool) or not isinstance(num_bins, numbers.Integral) or num_bins < 1:
-        raise ValueError(f"num_bins must be a positive integer, got {num_bins!r}")
-    num_bins = int(num_bins)
+    num_bins = positive_int(num_bins, "num_bins")
     p = _class_probs(probs)
     y = _labels(y, p.shape[0], p.shape[1])
     confidence, prediction = p.max(dim=1)

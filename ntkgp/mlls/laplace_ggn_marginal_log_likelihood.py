@@ -9,16 +9,12 @@ from gpytorch.likelihoods import Likelihood
 from gpytorch.mlls import MarginalLogLikelihood
 from gpytorch.module import Module
 
-from ..caching import ValueCache
-from ..laplace.function_space import EvidenceOptions
-from ..laplace.function_space import evidence as routes
-from ..laplace.function_space.eigen import _spectral_data
-from ..laplace.function_space.evidence import _evidence_by_route, _is_kernel_covariance, _route
+from ..laplace.function_space import EvidenceOptions, TrainingEvidence, is_kernel_covariance
 from ..laplace.function_space.routes import check_options
 from ..laplace.weight_space.prior_tuning import optimize_parameter_precision
 from ..likelihoods import num_outputs, validate_targets
 from ..models import NTKGP
-from ..options import Curvature, EvidenceMethod, OptionAttribute, Space, choice
+from ..options import CurvatureKind, EvidenceMethod, OptionAttribute, Space, choice
 
 
 class LaplaceGGNMarginalLogLikelihood(MarginalLogLikelihood):
@@ -80,7 +76,7 @@ class LaplaceGGNMarginalLogLikelihood(MarginalLogLikelihood):
         ValueError: for an unknown option or a likelihood with another number of outputs.
     """
 
-    curvature = OptionAttribute(choice(Curvature), on_change="_option_changed")
+    curvature = OptionAttribute(choice(CurvatureKind), on_change="_option_changed")
     space = OptionAttribute(choice(Space), on_change="_option_changed")
     method = OptionAttribute(choice(EvidenceMethod), on_change="_option_changed")
     options = OptionAttribute(check_options, on_change="_option_changed")
@@ -104,11 +100,11 @@ class LaplaceGGNMarginalLogLikelihood(MarginalLogLikelihood):
                 f"network has {model.num_outputs}"
             )
         options = check_options(options)  # every argument is checked before the MLL takes the model
-        for enum, value, name in ((Curvature, curvature, "curvature"), (Space, space, "space"),
+        for enum, value, name in ((CurvatureKind, curvature, "curvature"), (Space, space, "space"),
                                   (EvidenceMethod, method, "method")):
             choice(enum)(value, name)
         super().__init__(likelihood, model)
-        self._eigen_cache = ValueCache(size=1)
+        self._evidence = TrainingEvidence()  # keeps the eigen route's data by the model's training data and network
         self.curvature = curvature
         self.space = space
         self.method = method
@@ -117,17 +113,6 @@ class LaplaceGGNMarginalLogLikelihood(MarginalLogLikelihood):
     def _option_changed(self, name: str) -> None:
         """Nothing to recompute: each call reads the options (the eigen route's kept data is keyed by the curvature
         and space, the model's caches do not depend on them)."""
-
-    def _eigen_data(self, kernel, likelihood: Likelihood, x: torch.Tensor, y: torch.Tensor) -> tuple:
-        """The eigen route's fixed data (eigenvalues, fit statistics, group norms) for the model's training data, kept
-        by the values of ``x``, ``y`` and the network (its outputs ``f`` are a function of them: read only to
-        compute, one lookup a step instead of the outputs' and then the data's), the curvature, space and dtype."""
-        model, curvature, space = self.model, self.curvature, self.space
-        tag = (curvature.value, space.value, type(likelihood).__name__, model.dtype)
-        return self._eigen_cache.get_or_compute(
-            tag, [x, y], lambda: _spectral_data(kernel, likelihood, x, model.train_outputs, y, curvature, space),
-            state=kernel.network_state(),
-        )
 
     def forward(self, function_dist: MultivariateNormal, target: torch.Tensor, *params, **kwargs) -> torch.Tensor:
         """The evidence per data point for the prior ``function_dist = model(train_x)`` and ``target``.
@@ -156,7 +141,7 @@ class LaplaceGGNMarginalLogLikelihood(MarginalLogLikelihood):
                 f"function_dist must be model(train_x) over the {n}×{c} training outputs, "
                 f"got a covariance of shape {tuple(covariance.shape)}"
             )
-        own = _is_kernel_covariance(covariance, kernel, x)
+        own = is_kernel_covariance(covariance, kernel, x)
         if isinstance(covariance, LazyEvaluatedKernelTensor) and covariance.kernel is kernel and not own:
             raise ValueError(
                 "function_dist must be model(train_x): its covariance is the model's kernel at other inputs (the "
@@ -166,15 +151,8 @@ class LaplaceGGNMarginalLogLikelihood(MarginalLogLikelihood):
             raise ValueError("target must be the training targets")
         y = validate_targets(likelihood, target, c, num_data=n, name="target").to(device=x.device)
         given = None if own else covariance  # the kernel's own K_XX: the evidence need not compare it again
-        curvature, space = self.curvature, self.space
-        route = _route(kernel, likelihood, x, (n, c, model.dtype), curvature, space, given, self.method,
-                       self.options)  # the route laplace_log_marginal_likelihood would take
-        if route is EvidenceMethod.EIGEN:
-            data = self._eigen_data(kernel, likelihood, x, y)
-            evidence = routes.checked_spectral_evidence(kernel, likelihood, x, None, y, curvature, space, data=data)
-        else:
-            evidence = _evidence_by_route(kernel, likelihood, x, model.train_outputs, y, curvature, space, given,
-                                          route, self.options)
+        evidence = self._evidence(kernel, likelihood, x, lambda: model.train_outputs, y, (n, c, model.dtype),
+                                  self.curvature, self.space, given, self.method, self.options)
         # The registered priors, as named_priors() yields them but each module once (the likelihood is reached twice,
         # as self.likelihood and model.likelihood): modules() is one walk, without named_priors' nested generators.
         for module in self.modules():

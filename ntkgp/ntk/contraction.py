@@ -1,10 +1,12 @@
 r"""The contraction strategy of the NTK engine: Jacobian columns of a chunk of examples, contracted group by
 group.
 
-The columns (:mod:`ntkgp.ntk.feature_pass`) are those of the generic parameters (normalisation layers,
-embeddings, layers that fail the structured rule: ``vmap(jacrev)``) and of the layers with several locations per
-example (convolutions: :math:`\sum_t \Gamma_{nct} \bar a_{nt}^\top` from their features, one batched matrix
-product per chunk). A Gram block is :math:`J_g(X_{1,i}) J_g(X_{2,j})^\top` for a pair of chunks; memory
+The columns (:mod:`ntkgp.ntk.feature_pass`) are those of the generic parameters (layers that fail the structured
+rule, free parameters, anything else: ``vmap(jacrev)``), of the layers with several locations per example
+(convolutions: :math:`\sum_t \Gamma_{nct} \bar a_{nt}^\top` from their features, one batched matrix product per
+chunk) and of the normalization layers (their rows from the same features, :mod:`ntkgp.ntk.elementwise_pass`);
+the embedding tables' token sums beside them are contracted as Grams of equal tokens
+(:mod:`ntkgp.ntk.token_grams`). A Gram block is :math:`J_g(X_{1,i}) J_g(X_{2,j})^\top` for a pair of chunks; memory
 :math:`O(\text{chunk} \cdot C \cdot P_{contracted})` per chunk (:mod:`ntkgp.ntk.grams` drives the chunks, keeping
 the columns of ``x2`` when they fit in ``max_jacobian_bytes``). With ``x2=None`` only the lower blocks are
 contracted.
@@ -15,17 +17,26 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .network import NetworkCore
+from . import token_grams
 from .inputs import num_rows
 from .inputs import rows as take_rows
+from .network import NetworkCore
+from .token_grams import TokenSums
 
+#: The contracted features of a chunk: ``{group: (n·C, P_g)}`` columns with the token sums of the tables as
+#: ``.tokens`` (:class:`~ntkgp.ntk.feature_pass.Contracted`).
 Columns = dict[int, Tensor]
+
+
+def _tokens(j) -> tuple[TokenSums, ...]:
+    return getattr(j, "tokens", ())
 
 
 def add_gram(out: Tensor, s1: int, e1: int, j1: Columns, s2: int, e2: int, j2: Columns, c: int, mirror: bool) -> None:
     """Add ``J_g(X1) J_g(X2)ᵀ`` of the chunks to ``out`` ``(G, N1·C, N2·C)`` (and its transpose with ``mirror``)."""
-    for g, a in j1.items():
-        block = a @ j2[g].T
+    blocks = [(g, a @ j2[g].T) for g, a in j1.items()]
+    blocks += [(t1.group, token_grams.gram(t1, e1 - s1, t2, e2 - s2)) for t1, t2 in zip(_tokens(j1), _tokens(j2))]
+    for g, block in blocks:
         out[g, s1 * c : e1 * c, s2 * c : e2 * c] += block
         if mirror:
             out[g, s2 * c : e2 * c, s1 * c : e1 * c] += block.T
@@ -40,13 +51,21 @@ def add_output_gram(out: Tensor, s1: int, e1: int, j1: Columns, s2: int, e2: int
         out[g, :, s1:e1, s2:e2] += block
         if mirror:
             out[g, :, s2:e2, s1:e1] += block.transpose(1, 2)
+    for t1, t2 in zip(_tokens(j1), _tokens(j2)):
+        block = token_grams.output_gram(t1, e1 - s1, t2, e2 - s2)
+        out[t1.group, :, s1:e1, s2:e2] += block
+        if mirror:
+            out[t1.group, :, s2:e2, s1:e1] += block.transpose(1, 2)
 
 
 def add_output_gram_pieces(out: Tensor, s1: int, e1: int, j1: Columns, s2: int, e2: int, pieces: dict[int, list[Tensor]],
-                           c: int) -> None:
+                           c: int, tokens: tuple[TokenSums, ...] = ()) -> None:
     """:func:`add_output_gram` with the columns of the chunk ``s2:e2`` as pieces ``(C, n, P_i)``
     (:class:`~ntkgp.ntk.feature_pass.ChunkFeatures`): one batched product per piece against the matching columns of
-    ``j1``, so that the chunk's columns are never joined (the same products, summed over the pieces)."""
+    ``j1``, so that the chunk's columns are never joined (the same products, summed over the pieces); ``tokens``: the
+    chunk's token sums."""
+    for t1, t2 in zip(_tokens(j1), tokens):
+        out[t1.group, :, s1:e1, s2:e2] += token_grams.output_gram(t1, e1 - s1, t2, e2 - s2)
     for g, parts in pieces.items():
         rows = j1[g].view(e1 - s1, c, -1)
         target, start = out[g, :, s1:e1, s2:e2], 0
@@ -56,8 +75,11 @@ def add_output_gram_pieces(out: Tensor, s1: int, e1: int, j1: Columns, s2: int, 
             start += width
 
 
-def add_output_diagonal_pieces(diag: Tensor, s: int, e: int, pieces: dict[int, list[Tensor]]) -> None:
-    """:func:`add_output_diagonal` from the pieces ``(C, n, P_i)`` of the chunk's columns."""
+def add_output_diagonal_pieces(diag: Tensor, s: int, e: int, pieces: dict[int, list[Tensor]],
+                               tokens: tuple[TokenSums, ...] = ()) -> None:
+    """:func:`add_output_diagonal` from the pieces ``(C, n, P_i)`` of the chunk's columns and its token sums."""
+    for t in tokens:
+        diag[t.group, s:e] += token_grams.output_diagonal(t, e - s)
     for g, parts in pieces.items():
         for piece in parts:
             diag[g, s:e] += piece.square().sum(-1).T
@@ -67,6 +89,8 @@ def add_output_diagonal(diag: Tensor, s: int, e: int, j: Columns, c: int) -> Non
     """Add the output diagonals of the chunk's per-point blocks to ``diag`` ``(G, N, C)``."""
     for g, cols in j.items():
         diag[g, s:e] += cols.view(e - s, c, -1).square().sum(-1)
+    for t in _tokens(j):
+        diag[t.group, s:e] += token_grams.output_diagonal(t, e - s)
 
 
 def add_diag_blocks(out: Tensor, s: int, e: int, j: Columns, c: int) -> None:
@@ -74,6 +98,8 @@ def add_diag_blocks(out: Tensor, s: int, e: int, j: Columns, c: int) -> None:
     for g, cols in j.items():
         jn = cols.view(e - s, c, -1)
         out[g, s:e] += jn @ jn.transpose(-1, -2)
+    for t in _tokens(j):
+        out[t.group, s:e] += token_grams.diag_blocks(t, e - s)
 
 
 def jacobian(core: NetworkCore, x: Tensor) -> Tensor:

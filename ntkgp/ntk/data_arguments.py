@@ -19,7 +19,11 @@ def check_data(x: object, argument: str) -> None:
     ``(x, y)`` batches, a dict of input tensors) and loaders pass: their own checks follow."""
     check_not_array(x, argument)
     if isinstance(x, list | tuple | dict):
-        other = next((leaf for leaf in pytree.tree_leaves(x) if not isinstance(leaf, Tensor)), None)
+        other = next(((path, leaf) for path, leaf in pytree.tree_flatten_with_path(x)[0]
+                      if not isinstance(leaf, Tensor)), None)
         if other is not None:
-            raise TypeError(f"{argument} must be a torch.Tensor (or an iterable of (x, y) batches of tensors), got a "
-                            f"{type(x).__name__} holding {type(other).__name__}: convert it with torch.as_tensor")
+            path, leaf = other
+            raise TypeError(f"{argument} must be a torch.Tensor, a dict/tuple of tensors or an iterable of (x, y) "
+                            f"batches of tensors, got a {type(x).__name__} holding {type(leaf).__name__} "
+                            f"({argument}{pytree.keystr(path)} must be a torch.Tensor, got {type(leaf).__name__}): "
+                            "convert it with torch.as_tensor")

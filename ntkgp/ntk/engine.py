@@ -22,6 +22,7 @@ import copy
 import torch
 from torch import nn
 
+from ..memory import JACOBIAN_BYTES
 from ..options import Strategy, choose
 from . import contraction, grams
 from .checks import check_rows, check_tangents
@@ -49,7 +50,8 @@ class NTKEngine:
             flat ``(N, D)`` matrices (GPyTorch's convention) are reshaped to ``(N, *input_shape)``.
         max_jacobian_bytes: the contraction route keeps the Jacobian of the second argument in memory
             when it is smaller than this, and recomputes it chunk by chunk otherwise.
-        progress: show a tqdm progress bar over chunks.
+        progress: over the chunks of each pass: ``False`` (the default: silent), ``None`` (auto: a bar on a
+            terminal, else one line with a long pass's estimated time) or ``True`` (a bar): :mod:`ntkgp.progress`.
 
     Raises:
         TypeError: ``net`` is not a module.
@@ -70,8 +72,8 @@ class NTKEngine:
         chunk_size: int = 256,
         strategy: str = "auto",
         input_shape: tuple[int, ...] | None = None,
-        max_jacobian_bytes: int = 2**30,
-        progress: bool = False,
+        max_jacobian_bytes: int = JACOBIAN_BYTES,
+        progress: bool | None = False,
     ) -> None:
         if not isinstance(net, nn.Module):
             raise TypeError(f"net must be a torch.nn.Module, got {type(net).__name__}")
@@ -208,7 +210,9 @@ class NTKEngine:
         ``x1_features`` (:meth:`feature_set` of ``x1``) spares recomputing ``x1``'s features; with it and ``x2``,
         ``with_blocks=True`` also returns :meth:`diag_blocks` of ``x2``, and ``with_outputs=True`` (after them) the
         network outputs :math:`f(x_2)` and :math:`J(x_2)\\theta^*` ``(N2, C)``, from the same pass over ``x2``
-        (as :meth:`output_grams`).
+        (as :meth:`output_grams`). ``x1_features`` in a finer dtype than the network's (features of a float64 copy
+        of a float32 network) give the Grams and blocks in that dtype, ``x2``'s features promoted to it before they
+        are contracted (:mod:`ntkgp.ntk.grams`).
         """
         x1, x2, sym, plan, c, graph = self._pair(x1, x2)
         f1 = self._given(x1, x1_features, plan, graph)
@@ -217,7 +221,8 @@ class NTKEngine:
                 raise ValueError(f"{name}=True needs x1_features and x2")
         blocks = outputs = None
         if with_blocks:
-            blocks = torch.zeros(self.num_groups, num_rows(x2), c, c, dtype=self.dtype, device=self.device)
+            blocks = torch.zeros(self.num_groups, num_rows(x2), c, c, dtype=grams.gram_dtype(self.core, f1),
+                                 device=self.device)
         if with_outputs:
             outputs = tuple(torch.empty(num_rows(x2), c, dtype=self.dtype, device=self.device) for _ in range(2))
         out = grams.group_grams(self.core, plan, x1, x2, sym, c, graph, f1, blocks, outputs)

@@ -10,6 +10,11 @@ per-example Jacobians of the generic parameters (``vmap(jacrev)``, :meth:`Networ
   batched matrix product; the gradients at every location of the ``C`` outputs are never held together), and
   is contracted with the generic parameters (:mod:`ntkgp.ntk.contraction`) as columns ``(n·C, P_g)`` per group.
 
+* the layer plan's elementwise layers (normalization layers' affine parameters, ``nn.Embedding`` tables:
+  :mod:`ntkgp.ntk.elementwise_pass`) take their rows, or their token sums, from the same passes: a normalization
+  layer's ``(C, n, d)`` columns join the contracted ones, a table's :class:`~ntkgp.ntk.token_grams.TokenSums` are
+  contracted as a Gram of equal tokens (:mod:`ntkgp.ntk.token_grams`).
+
 A :class:`FeatureSet` holds the features of a whole set of inputs, chunk by chunk: the single-location ones
 always (:math:`O(N(C\sum d_{out} + \sum d_{in}))` numbers), the contracted columns when they fit in
 ``max_jacobian_bytes`` or when asked to (``keep=True``: the features of a set used many times, as SFR's inducing
@@ -17,10 +22,13 @@ inputs; recomputed for each use otherwise), or those of as many leading chunks a
 of points: the rest recomputed at each use, so that a set beyond the budget costs in proportion to the excess).
 
 **Memory of one chunk** of ``n`` examples (``s`` bytes per number): the contracted columns
-``n·C·P_c`` (``P_c`` = :func:`contracted_width`; written in place, one product per output and layer, and twice
-where a consumer joins the layers' blocks into ``(n·C, P_g)`` columns: :class:`ChunkFeatures`), plus the unfolded inputs of the multi-location layers :math:`n \sum_l d_{a,l} T_l` and the
-per-example Jacobians of the generic parameters (``vmap(jacrev)``, about ``3·n·C·P_g``): :func:`chunk_bytes` per
-example.
+``n·C·P_c`` (``P_c`` = :func:`contracted_width`, the token sums of the tables included; written in place, one
+product per output and layer, and twice where a consumer joins the layers' blocks into ``(n·C, P_g)`` columns:
+:class:`ChunkFeatures`), plus the unfolded inputs of the multi-location layers :math:`n \sum_l d_{a,l} T_l`, the
+normalized inputs and one column's gradients of the normalization layers :math:`2 n \sum_l d_l T_l`, the token ids
+(int64) and the per-example Jacobians of the generic parameters (``vmap(jacrev)``, about ``3·n·C·P_g``):
+:func:`chunk_bytes` per example. A Gram of equal tokens adds temporaries of at most
+:data:`~ntkgp.ntk.token_grams.PAIR_NUMBERS` numbers and its ``(n_1·n_2, C, C)`` block.
 """
 
 from __future__ import annotations
@@ -30,37 +38,74 @@ import copy
 import torch
 from torch import Tensor
 
+from ..memory import FEATURE_PASS_BYTES, chunk_rows
+from . import token_grams
+from .elementwise_pass import ElementwiseReducer, token_numbers
 from .features import Layer
-from .layer_plan import LayerPlan
-from .network import NetworkCore
 from .inputs import num_rows
 from .inputs import rows as take_rows
+from .layer_plan import LayerPlan
+from .network import NetworkCore
+from .norm_features import EmbeddingLayer
+from .token_grams import TokenSums
+
+
+class Contracted(dict):
+    """The contracted features of a chunk: the columns ``{group: (n·C, P_g)}`` (this dict) and the embedding tables'
+    token sums :attr:`tokens` (:class:`~ntkgp.ntk.token_grams.TokenSums`, contracted as Grams of equal tokens)."""
+
+    def __init__(self, columns: dict[int, Tensor] | None = None, tokens: tuple[TokenSums, ...] = ()) -> None:
+        super().__init__(columns or {})
+        self.tokens = tuple(tokens)
+
+    def to(self, dtype: torch.dtype) -> Contracted:
+        """The same features in ``dtype``."""
+        return Contracted({g: t.to(dtype) for g, t in self.items()}, tuple(t.to(dtype) for t in self.tokens))
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.values()) + sum(t.nbytes() for t in self.tokens)
 
 
 class ChunkFeatures:
     """The features of one chunk: single-location layers' inputs ``(n, d_in)`` and gradients ``(n·C, d_out)``,
-    and the contracted columns ``{group: (n·C, P_g)}``.
+    and the contracted features (:class:`Contracted`: columns ``{group: (n·C, P_g)}`` and token sums).
 
-    The columns may be given as ``pieces`` ``{group: [(C, n, P_i), ...]}`` (the multi-location layers' blocks as the
-    feature pass writes them, then the generic parameters' Jacobians, in the columns' order): ``columns`` is then
-    formed from them on first use (one copy); the contractions that can use the pieces directly
-    (:func:`~ntkgp.ntk.contraction.add_output_gram_pieces`) never form it."""
+    The columns may be given as ``pieces`` ``{group: [(C, n, P_i), ...]}`` (the multi-location and normalization
+    layers' blocks as the feature pass writes them, then the generic parameters' Jacobians, in the columns' order):
+    ``columns`` is then formed from them on first use (one copy); the contractions that can use the pieces directly
+    (:func:`~ntkgp.ntk.contraction.add_output_gram_pieces`) never form it. ``tokens``: the tables' token sums."""
 
-    def __init__(self, inputs: dict[str, Tensor], grads: dict[str, Tensor], columns: dict[int, Tensor] | None = None,
+    def __init__(self, inputs: dict[str, Tensor], grads: dict[str, Tensor], columns: Contracted | None = None,
                  pieces: dict[int, list[Tensor]] | None = None, outputs: Tensor | None = None,
-                 linearized: Tensor | None = None) -> None:
+                 linearized: Tensor | None = None, tokens: tuple[TokenSums, ...] = ()) -> None:
         self.inputs, self.grads, self.pieces, self._columns = inputs, grads, pieces, columns
+        self.tokens = tuple(tokens) if columns is None else columns.tokens
         self.outputs, self.linearized = outputs, linearized  # f(x) and J(x)θ* (n, C), when the pass formed them
 
     @property
-    def columns(self) -> dict[int, Tensor]:
+    def columns(self) -> Contracted:
         if self._columns is None:
-            self._columns = {g: _joined(p) for g, p in (self.pieces or {}).items()}
+            self._columns = Contracted({g: _joined(p) for g, p in (self.pieces or {}).items()}, self.tokens)
         return self._columns
 
     @columns.setter
-    def columns(self, value: dict[int, Tensor]) -> None:
-        self._columns, self.pieces = value, None
+    def columns(self, value: Contracted) -> None:
+        self._columns, self.pieces, self.tokens = value, None, value.tokens
+
+    def promote_(self, dtype: torch.dtype) -> ChunkFeatures:
+        """Convert the features (not ``outputs``, ``linearized``) to ``dtype`` in place, piece by piece (each
+        original released as it is converted), for a contraction against features kept in that finer dtype
+        (:mod:`ntkgp.ntk.grams`, given features); returns ``self``."""
+        for held in (self.inputs, self.grads, self._columns or {}):
+            for key in held:
+                held[key] = held[key].to(dtype)
+        for parts in (self.pieces or {}).values():
+            for i in range(len(parts)):
+                parts[i] = parts[i].to(dtype)
+        self.tokens = tuple(t.to(dtype) for t in self.tokens)  # the tables' token sums
+        if self._columns is not None:
+            self._columns.tokens = self.tokens
+        return self
 
 
 def _joined(pieces: list[Tensor]) -> Tensor:
@@ -71,17 +116,22 @@ def _joined(pieces: list[Tensor]) -> Tensor:
 
 
 class _Reducer:
-    r"""The ``reduce`` of the feature pass (:func:`~ntkgp.ntk.features.layer_features`): the multi-location layers'
+    r"""The ``reduce`` of the feature pass (:func:`~ntkgp.ntk.features.layer_features`): the elementwise layers'
+    rows and token sums (:class:`~ntkgp.ntk.elementwise_pass.ElementwiseReducer`), the multi-location layers'
     blocks :math:`\sum_t \Gamma_{nct} \bar a_{nt}^\top`, each cotangent column's written by one batched product into
     its place in a ``(C, n, d_out, d_a)`` buffer per layer (no stack, no copy; with ``graph`` they are returned and
     stacked, differentiable); the single-location layers' gradients ``(n, d_out)``."""
 
-    def __init__(self, plan: LayerPlan, graph: bool) -> None:
+    def __init__(self, plan: LayerPlan, graph: bool, group: dict[str, int]) -> None:
         self.multi, self.graph = {layer.name for layer in plan.multi}, graph
         self.blocks: dict[str, Tensor] = {}
         self.folded: dict[str, Tensor] = {}
+        self.elementwise_names = {layer.name for layer in plan.elementwise}
+        self.elementwise = ElementwiseReducer(group, graph)
 
     def __call__(self, layer: Layer, a: Tensor, g: Tensor, m: int, count: int) -> Tensor | None:
+        if layer.name in self.elementwise_names:
+            return self.elementwise(layer, a, g, m, count)
         if layer.name in self.multi:
             if self.graph:
                 return layer.blocks(a, g)  # (n, d_out, d_a)
@@ -119,25 +169,31 @@ def _layer_output(layer: Layer, theta: dict[str, Tensor], a: Tensor) -> Tensor:
 def chunk_features(core: NetworkCore, plan: LayerPlan, x: Tensor, graph: bool, single: bool = True,
                    columns: bool = True, linearized: bool = False) -> ChunkFeatures:
     r"""The features of the chunk ``x`` (prepared): those of the single-location layers (``single``) and the
-    contracted columns (``columns``, as pieces: :class:`ChunkFeatures`); with ``graph`` differentiable in ``x``.
+    contracted features (``columns``: the columns as pieces and the token sums, :class:`ChunkFeatures`); with
+    ``graph`` differentiable in ``x``.
 
     ``linearized`` (no ``graph``, every feature): also the outputs :math:`f(x)` of the pass and :math:`J(x)\theta^*`
     from the features, layer by layer :math:`\sum_t \Gamma_{nct} \cdot (W a_{nt} + b)` (the blocks against
-    :math:`\Theta`, the linear layers' gradients against their outputs, the generic Jacobians against their
-    parameters): the Jacobian-vector product without another pass (``ChunkFeatures.outputs``, ``.linearized``)."""
-    if linearized and (graph or not single or not (columns or not (plan.multi or plan.generic))):
+    :math:`\Theta`, the linear layers' gradients against their outputs, the normalization layers' rows and the
+    tables' token sums against their parameters, the generic Jacobians against theirs): the Jacobian-vector product
+    without another pass (``ChunkFeatures.outputs``, ``.linearized``)."""
+    contracted = bool(plan.multi or plan.generic or plan.elementwise)
+    if linearized and (graph or not single or not (columns or not contracted)):
         raise ValueError("linearized=True needs every feature (single=True, columns=True) and no graph")
     layers = [la for la in plan.layers if (la in plan.single and single) or (la in plan.multi and columns)]
-    inputs, grads, pieces = {}, {}, {}
+    layers += list(plan.elementwise) if columns else []
+    inputs, grads, pieces, tokens = {}, {}, {}, []
     group = dict(zip(core.groups.names, core.groups.group_of))
     theta = core.params() if linearized else {}
     outputs = jt = None
     if layers:
-        reducer = _Reducer(plan, graph)
+        reducer = _Reducer(plan, graph, group)
         feats = core.features(x, layers, graph=graph, reduce=reducer)
         outputs = feats.outputs
         jt = torch.zeros_like(outputs) if linearized else None
         for layer in layers:
+            if layer.name in reducer.elementwise_names:
+                continue
             if layer in plan.single:  # (n, C, d_out)
                 g = feats.grads[layer.name]
                 a = inputs[layer.name] = feats.inputs[layer.name][..., 0]
@@ -155,6 +211,14 @@ def chunk_features(core: NetworkCore, plan: LayerPlan, x: Tensor, graph: bool, s
             else:  # weight and bias in two groups
                 pieces.setdefault(group[layer.weight], []).append(block[..., : layer.fan_in].flatten(2))
                 pieces.setdefault(group[layer.bias], []).append(block[..., layer.fan_in])
+        for name, rows in reducer.elementwise.pieces().items():  # normalization layers: (C, n, d)
+            pieces.setdefault(group[name], []).append(rows)
+            if linearized:
+                jt += (rows @ theta[name].reshape(-1)).T
+        tokens = reducer.elementwise.tokens()
+        if linearized:
+            for t in tokens:
+                jt += token_grams.linearized(t, num_rows(x), theta[t.name])
     if columns and plan.generic:
         with torch.set_grad_enabled(graph):
             jac = core.jacobian_chunk(x, plan.generic)
@@ -166,27 +230,44 @@ def chunk_features(core: NetworkCore, plan: LayerPlan, x: Tensor, graph: bool, s
                         outputs = core.forward(x)
                     jt = torch.zeros_like(outputs)
                 jt += jac[name] @ theta[name].reshape(-1).to(jac[name])
-    return ChunkFeatures(inputs, grads, pieces=dict(sorted(pieces.items())), outputs=outputs, linearized=jt)
+    return ChunkFeatures(inputs, grads, pieces=dict(sorted(pieces.items())), outputs=outputs, linearized=jt,
+                         tokens=tuple(tokens))
 
 
 def contracted_width(core: NetworkCore, plan: LayerPlan) -> int:
-    """The number of contracted columns (multi-location layers and generic parameters)."""
+    """The numbers per example and output of the contracted features: the columns of the multi-location layers,
+    the normalization layers and the generic parameters, and at most ``T·D`` token sums per embedding table
+    (:func:`~ntkgp.ntk.elementwise_pass.token_numbers`, ``T`` its locations on the probe)."""
     numel = dict(zip(core.names, core.numels))
-    return sum(numel[n] for n in plan.generic) + sum(numel[n] for la in plan.multi for n in la.parameter_names)
+    return (sum(numel[n] for n in plan.generic) + sum(numel[n] for la in plan.multi for n in la.parameter_names)
+            + sum(token_numbers(la, plan.locations[la.name]) for la in plan.elementwise))
 
 
 def chunk_bytes(core: NetworkCore, plan: LayerPlan, c: int, itemsize: int) -> int:
     """Bytes per example of one chunk's feature pass (module doc, "Memory of one chunk"): ``itemsize·(2·C·P_c +
-    Σ_l d_a T_l + 3·C·P_g)`` for the multi-location layers' columns and unfolded inputs and the generic
-    parameters' Jacobians (``T_l`` the locations on the probe)."""
+    Σ_l d_a T_l + 2 Σ_l d_l T_l + 3·C·P_g) + 8·Σ_l T_l`` for the contracted features (:func:`contracted_width`),
+    the multi-location layers' unfolded inputs, the normalization layers' normalized inputs and one column's
+    gradients (``d_l`` channels), the generic parameters' Jacobians and the tables' token ids (``T_l`` the
+    locations on the probe)."""
     numel = dict(zip(core.names, core.numels))
     generic = sum(numel[n] for n in plan.generic)
     unfolded = sum((layer.fan_in + 1) * plan.locations[layer.name] for layer in plan.multi)
-    return itemsize * (2 * c * contracted_width(core, plan) + unfolded + 3 * c * generic)
+    norms = sum(2 * _channels(la) * plan.locations[la.name] for la in plan.elementwise if not _table(la))
+    ids = sum(8 * plan.locations[la.name] for la in plan.elementwise if _table(la))
+    return itemsize * (2 * c * contracted_width(core, plan) + unfolded + norms + 3 * c * generic) + ids
 
 
-#: The memory one chunk's feature pass may take by default (:func:`chunk_for_budget`).
-CHUNK_BYTES = 2**30
+def _table(layer: Layer) -> bool:
+    return isinstance(layer, EmbeddingLayer)
+
+
+def _channels(layer: Layer) -> int:
+    return (layer.module.weight if layer.module.weight is not None else layer.module.bias).numel()
+
+
+#: The memory one chunk's feature pass may take by default (:func:`chunk_for_budget`;
+#: :data:`ntkgp.memory.FEATURE_PASS_BYTES`).
+CHUNK_BYTES = FEATURE_PASS_BYTES
 
 
 def chunk_for_budget(core: NetworkCore, plan: LayerPlan, c: int, itemsize: int, budget: int | None = None,
@@ -196,7 +277,7 @@ def chunk_for_budget(core: NetworkCore, plan: LayerPlan, c: int, itemsize: int, 
     C = 10: about 1.7 MB per example, 610 examples per GiB (a chunk of 1,024 on the per-example Jacobian route
     would hold ``1024·C·P`` numbers, 17 GB)."""
     budget = CHUNK_BYTES if budget is None else budget
-    return max(1, min(largest, budget // max(1, chunk_bytes(core, plan, c, itemsize))))
+    return chunk_rows(budget, chunk_bytes(core, plan, c, 1), itemsize, largest)
 
 
 class FeatureSet:
@@ -222,7 +303,7 @@ class FeatureSet:
                  keep: bool | int | None = None) -> None:
         self.core, self.plan, self.x, self.graph = core, plan, x, graph
         n, c = num_rows(x), core.num_outputs(x)
-        self.contracted = columns and bool(plan.generic or plan.multi)
+        self.contracted = columns and bool(plan.generic or plan.multi or plan.elementwise)
         if keep is None:
             keep = n * c * contracted_width(core, plan) * core.dtype.itemsize <= core.max_jacobian_bytes
         limit = (n if keep else 0) if isinstance(keep, bool) else int(keep)
@@ -264,26 +345,26 @@ class FeatureSet:
         new.grads = {m: g.to(dtype) for m, g in self.grads.items()}
         new.kept = []
         for k, cols in enumerate(self.kept):
-            new.kept.append(None if cols is None else {g: t.to(dtype) for g, t in cols.items()})
+            new.kept.append(None if cols is None else cols.to(dtype))
             if release:
                 self.kept[k] = None
         return new
 
     def nbytes(self) -> int:
         """The bytes held."""
-        tensors = [*self.inputs.values(), *self.grads.values(),
-                   *(t for cols in self.kept if cols is not None for t in cols.values())]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        tensors = [*self.inputs.values(), *self.grads.values()]
+        return (sum(t.numel() * t.element_size() for t in tensors)
+                + sum(cols.nbytes() for cols in self.kept if cols is not None))
 
     def rows(self, start: int, stop: int, c: int) -> ChunkFeatures:
         """The single-location features of the inputs ``start:stop`` (views)."""
         return ChunkFeatures({m: a[start:stop] for m, a in self.inputs.items()},
-                             {m: g[start * c : stop * c] for m, g in self.grads.items()}, {})
+                             {m: g[start * c : stop * c] for m, g in self.grads.items()}, Contracted())
 
-    def columns(self, k: int) -> dict[int, Tensor]:
-        """The contracted columns of chunk ``k`` (kept, or recomputed and rounded to :attr:`dtype`)."""
+    def columns(self, k: int) -> Contracted:
+        """The contracted features of chunk ``k`` (kept, or recomputed and rounded to :attr:`dtype`)."""
         if self.kept[k] is not None:
             return self.kept[k]
         s, e = self.bounds[k]
-        cols = chunk_features(self.core, self.plan, take_rows(self.x, s, e), self.graph, single=False).columns
-        return {g: t.to(self.dtype) for g, t in cols.items()}
+        return chunk_features(self.core, self.plan, take_rows(self.x, s, e), self.graph, single=False).columns.to(
+            self.dtype)

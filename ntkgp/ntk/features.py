@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -43,6 +44,12 @@ class Layer:
     module: nn.Module
     weight: str | None
     bias: str | None
+
+    #: Whether the layer may be called several times per forward pass (weight sharing): its recorded inputs and
+    #: gradients are then those of its calls joined along the locations (:func:`record`). Only layers whose
+    #: per-example gradient is a sum over locations of a product of the two take this (the elementwise layers of
+    #: :mod:`ntkgp.ntk.norm_features`).
+    repeated: ClassVar[bool] = False
 
     @property
     def parameter_names(self) -> tuple[str, ...]:
@@ -94,6 +101,16 @@ class Layer:
         if self.bias is not None:
             parts.append(grads.sum(dim=-1, keepdim=True))
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+
+    def attach(self, net: nn.Module, recorder: Callable):
+        """Start recording the layer's ``(module, (input,), output)`` on ``net`` (ntkgp's private copy) with
+        ``recorder``; returns a handle with ``remove()``. A forward hook on the module of the layer's name."""
+        return net.get_submodule(self.name).register_forward_hook(recorder)
+
+    def requires_grad(self) -> bool:
+        """Whether a parameter of the layer in :math:`\theta` requires grad (:func:`own_graph`)."""
+        return any(getattr(self.module, k).requires_grad for k, n in (("weight", self.weight), ("bias", self.bias))
+                   if n is not None)
 
     def takes(self, inputs: object, n: int) -> bool:
         """Whether the layer's recorded input is a batch of ``n`` examples it can be structured on."""
@@ -218,9 +235,15 @@ def _output_gradients(f: Tensor, outs: list[Tensor], cotangents: Tensor | None, 
         )
 
 
+def _along_locations(parts: list[Tensor]) -> Tensor:
+    """The features of a layer's calls joined along their locations (the last dimension)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+
+
 def record(net, params, layers, x, cotangents, graph, reduce=None) -> tuple[LayerFeatures, dict[str, Exception]]:
     """One forward pass with hooks and one backward pass per cotangent column; layers called other than once
-    or on unbatched inputs are returned as problems (no features). Arguments as :func:`layer_features`."""
+    (other than at least once for a :attr:`Layer.repeated` one: its calls joined along the locations) or on unbatched
+    inputs are returned as problems (no features). Arguments as :func:`layer_features`."""
     seen: dict[str, list[tuple[object, Tensor]]] = {layer.name: [] for layer in layers}
 
     def recorder(name: str):
@@ -230,7 +253,7 @@ def record(net, params, layers, x, cotangents, graph, reduce=None) -> tuple[Laye
         return hook
 
     # on ``net`` (ntkgp's private copy): each layer's module of the same name, never the user's
-    handles = [net.get_submodule(layer.name).register_forward_hook(recorder(layer.name)) for layer in layers]
+    handles = [layer.attach(net, recorder(layer.name)) for layer in layers]
     n = num_rows(x)
     try:
         with torch.enable_grad():
@@ -250,28 +273,31 @@ def record(net, params, layers, x, cotangents, graph, reduce=None) -> tuple[Laye
             problems: dict[str, Exception] = {}
             for layer in layers:
                 calls = seen[layer.name]
-                if len(calls) != 1:
+                if not calls or (len(calls) > 1 and not layer.repeated):
                     how = "more than once" if calls else "never"
                     problems[layer.name] = ValueError(
                         f"layer '{layer.name}' is called {how} per forward pass ({len(calls)} calls; the "
                         "structured form needs exactly one)"
                     )
-                elif not layer.takes(calls[0][0], n):
+                elif not all(layer.takes(a, n) for a, _ in calls):
                     problems[layer.name] = ValueError(f"layer '{layer.name}' is not applied to batched inputs")
             good = [layer for layer in layers if layer.name not in problems]
-            outs = [seen[layer.name][0][1] for layer in good]
+            outs = [z for layer in good for _, z in seen[layer.name]]  # every call's output, layer by layer
             with torch.set_grad_enabled(graph):  # the layers' inputs (unfolded patches), before the backward passes
-                inputs = {}
-                for layer in good:
-                    a = seen[layer.name][0][0]
-                    inputs[layer.name] = layer.recorded_inputs(a if graph else a.detach())
+                inputs = {layer.name: _along_locations([layer.recorded_inputs(a if graph else a.detach())
+                                                        for a, _ in seen[layer.name]]) for layer in good}
             grads: dict[str, list[Tensor]] = {layer.name: [] for layer in good}
             if good:
                 count = f.shape[1] if cotangents is None else cotangents.shape[-1]
                 for m, gs in enumerate(_output_gradients(f, outs, cotangents, graph)):
-                    for layer, g, z in zip(good, gs, outs):
-                        g = torch.zeros_like(z) if g is None else g
-                        g = layer.recorded_gradients(g if graph else g.detach())
+                    at = 0
+                    for layer in good:
+                        parts = []
+                        for _, z in seen[layer.name]:
+                            g = torch.zeros_like(z) if gs[at] is None else gs[at]
+                            parts.append(layer.recorded_gradients(g if graph else g.detach()))
+                            at += 1
+                        g = _along_locations(parts)
                         kept = g if reduce is None else reduce(layer, inputs[layer.name], g, m, count)
                         if kept is not None:
                             grads[layer.name].append(kept)
@@ -285,8 +311,7 @@ def record(net, params, layers, x, cotangents, graph, reduce=None) -> tuple[Laye
 def own_graph(layers: Sequence[Layer]) -> bool:
     """Whether the network's own parameters carry a graph to every layer's output: a parameter in
     :math:`\theta` of each layer requires grad (``params=None`` of :func:`layer_features`)."""
-    return all(any(getattr(layer.module, k).requires_grad for k, n in (("weight", layer.weight), ("bias", layer.bias))
-                   if n is not None) for layer in layers)
+    return all(layer.requires_grad() for layer in layers)
 
 
 def layer_features(

@@ -11,7 +11,12 @@ The features of the second argument ``x2`` are computed once (its contracted col
 inducing inputs, computed once per model) nothing of ``x1`` is recomputed: ``x2`` is passed through the network
 one chunk at a time (one forward and ``C`` backward passes per chunk, its columns never kept) and each chunk is
 contracted against all of ``f1``; with ``sym`` the Gram of ``f1`` with itself. Chunks of ``f1`` beyond its memory
-budget (not kept) are recomputed once per chunk of ``x2``, one at a time.
+budget (not kept) are recomputed once per chunk of ``x2``, one at a time. Features ``f1`` in a finer dtype than the
+network's (SFR's float64 features of ``Z`` for a float32 network) give the Grams and the blocks or diagonals of
+``x2`` in that dtype: each chunk of ``x2`` is passed in the network's dtype, then its features are promoted
+(:meth:`~ntkgp.ntk.feature_pass.ChunkFeatures.promote_`) and contracted in ``f1``'s, so that the products carry
+no rounding beyond that of ``x2``'s own features (the outputs ``f(x2)`` and :math:`J(x_2)\theta^*` stay in the
+network's dtype).
 """
 
 from __future__ import annotations
@@ -25,6 +30,11 @@ from .layer_plan import LayerPlan
 from .network import NetworkCore
 from .inputs import num_rows
 from .inputs import rows as take_rows
+
+
+def gram_dtype(core: NetworkCore, f1: FeatureSet | None) -> torch.dtype:
+    """The dtype of the Grams: the network's, or that of the given features ``f1`` where it is finer."""
+    return core.dtype if f1 is None else torch.promote_types(core.dtype, f1.dtype)
 
 
 def _row_chunks(core: NetworkCore, plan: LayerPlan, x1: Tensor, f2: FeatureSet, sym: bool, c: int, graph: bool):
@@ -64,6 +74,7 @@ def _group_grams_given(core: NetworkCore, plan: LayerPlan, f1: FeatureSet, x2: T
         f2 = chunk_features(core, plan, take_rows(x2, s2, e2), False, columns=f1.contracted, linearized=outputs is not None)
         if outputs is not None:
             outputs[0][s2:e2], outputs[1][s2:e2] = f2.outputs, f2.linearized
+        f2.promote_(out.dtype)
         block = out[:, :, s2 * c : e2 * c]
         if plan.single:  # written into a contiguous block, then copied into the columns of out
             part = torch.zeros(block.shape, dtype=out.dtype, device=out.device)
@@ -84,7 +95,7 @@ def group_grams(core: NetworkCore, plan: LayerPlan, x1: Tensor, x2: Tensor, sym:
     ``blocks``, if given, receives the per-point blocks of ``x2`` ``(G, N2, C, C)`` and ``outputs``, two ``(N2, C)``
     tensors, :math:`f(x_2)` and :math:`J(x_2)\\theta^*`, from the same pass)."""
     groups = core.groups.num_groups
-    out = torch.empty(groups, num_rows(x1) * c, num_rows(x2) * c, dtype=core.dtype, device=core.device)
+    out = torch.empty(groups, num_rows(x1) * c, num_rows(x2) * c, dtype=gram_dtype(core, f1), device=core.device)
     written = structured.term_groups(core, plan)
     for g in range(groups):
         if g not in written or (f1 is not None and not sym):
@@ -112,14 +123,15 @@ def _output_grams_given(core: NetworkCore, plan: LayerPlan, f1: FeatureSet, x2: 
         f2 = chunk_features(core, plan, take_rows(x2, s2, e2), False, columns=f1.contracted, linearized=outputs is not None)
         if outputs is not None:
             outputs[0][s2:e2], outputs[1][s2:e2] = f2.outputs, f2.linearized
+        f2.promote_(out.dtype)
         if plan.single:
             structured.output_gram_rows(core, plan, out[..., s2:e2], whole, f2, c, False)
             if diag is not None:
                 structured.output_diagonal(core, plan, diag[:, s2:e2], f2, c)
         for s1, e1, k in chunks:  # the chunk's columns as the pass wrote them (never joined)
-            contraction.add_output_gram_pieces(out, s1, e1, f1.columns(k), s2, e2, f2.pieces, c)
-        if diag is not None and f2.pieces:
-            contraction.add_output_diagonal_pieces(diag, s2, e2, f2.pieces)
+            contraction.add_output_gram_pieces(out, s1, e1, f1.columns(k), s2, e2, f2.pieces, c, f2.tokens)
+        if diag is not None and (f2.pieces or f2.tokens):
+            contraction.add_output_diagonal_pieces(diag, s2, e2, f2.pieces, f2.tokens)
 
 
 def output_grams(
@@ -129,7 +141,7 @@ def output_grams(
     """Per-output Grams ``(G, C, N1, N2)`` and, ``with_diagonal``, the output diagonals of ``x2`` ``(G, N2, C)``
     (``f1``: the given features of ``x1``, see the module doc; with them and ``outputs``, two ``(N2, C)`` tensors,
     :math:`f(x_2)` and :math:`J(x_2)\\theta^*` are written into ``outputs`` from the same pass)."""
-    kw = {"dtype": core.dtype, "device": core.device}
+    kw = {"dtype": gram_dtype(core, f1), "device": core.device}
     groups, n2 = core.groups.num_groups, num_rows(x2)
     out = torch.zeros(groups, c, num_rows(x1), n2, **kw)
     diag = torch.zeros(groups, n2, c, **kw) if with_diagonal else None

@@ -3,7 +3,7 @@ r"""Network inputs: one tensor, or a dict (or tuple, or list) of tensors sharing
 The network core (:class:`~ntkgp.ntk.network.NetworkCore`: input checks, chunks, every pass of the engine and
 of the weight-space posteriors) reads its inputs through this module, so that token ids and structured inputs
 are treated alike everywhere (docs/ntk.md, "Inputs and outputs"; ``NTKKernel`` and ``laplace_posterior`` take
-dict inputs, the GPyTorch models take tensors):
+dict inputs as they are, the GPyTorch models as packed rows of bytes, :mod:`ntkgp.ntk.packed_inputs`):
 
 * **dtype.** Floating-point leaves are brought to the network's dtype; integer and boolean leaves (token ids,
   attention masks) are passed to the network as they are, only moved to its device. NaN/Inf checks apply to the

@@ -11,13 +11,16 @@ of locations ``T`` per example on the probe: one for a linear layer on ``(N, d)`
 :attr:`LayerPlan.single`), several for a convolution (:attr:`LayerPlan.multi`). The bias is folded into the
 input once, by :meth:`~ntkgp.ntk.features.Layer.fold` (:math:`\bar a = [a; 1]`).
 
-Normalization layers' affine parameters and ``nn.Embedding`` tables are verified by the same check
-(:func:`verify_layers`, from :mod:`ntkgp.ntk.norm_features`) and, in the curvature passes (diagonal GGN and EF,
-KFAC's exact diagonal part), take their per-example rows from the same forward and backward passes:
-:math:`\sum_t \hat x_{nt} \odot \Gamma_{nmt}` and :math:`\sum_t \Gamma_{nmt}`, :math:`O(dT)` per example and
-column for :math:`d` channels on :math:`T` locations, and a scatter of :math:`\Gamma` by token id, :math:`O(TD)`,
-instead of a per-example backward pass through the whole network. They are not part of this plan: the NTK engine
-sends them to its generic route.
+Normalization layers' affine parameters and ``nn.Embedding`` tables (:mod:`ntkgp.ntk.norm_features`) are verified
+by the same check, in the same probe passes, and are the plan's :attr:`LayerPlan.elementwise` layers (with
+``elementwise=True``, as :func:`cached_plan` and so every :meth:`NetworkCore.layer_plan
+<ntkgp.ntk.network.NetworkCore.layer_plan>` asks; :func:`plan_layers` leaves them generic by default): they take
+their per-example rows from the same forward and backward passes, :math:`\sum_t \hat x_{nt} \odot \Gamma_{nmt}`
+and :math:`\sum_t \Gamma_{nmt}`, :math:`O(dT)` per example and column for :math:`d` channels on :math:`T`
+locations, and a scatter of :math:`\Gamma` by token id, :math:`O(TD)`, instead of a per-example backward pass
+through the whole network: in the curvature passes (diagonal GGN and EF, KFAC's exact diagonal part) and the NTK's
+Grams (:mod:`ntkgp.ntk.token_grams` for the tables). Their parameters are not :attr:`LayerPlan.generic`: a consumer
+without a route for them asks :func:`plan_layers` for a plan without them, or sends them to its generic route.
 """
 
 from __future__ import annotations
@@ -28,11 +31,14 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from .additive_features import additive_candidates
 from .architecture import cached
+from .attention_features import AttentionProjection, attention_candidates
 from .checks import check_outputs
 from .features import LAYER_TYPES, Layer, record
 from .functional import forward
 from .inputs import detach, num_rows, signature
+from .norm_features import elementwise_candidates
 
 
 @dataclass(frozen=True)
@@ -42,15 +48,20 @@ class LayerPlan:
     Attributes:
         layers: the verified layers, in module order.
         locations: their number of locations per example on the probe.
-        generic: the parameters of :math:`\\theta` outside the verified layers (per-example Jacobians).
+        generic: the parameters of :math:`\\theta` outside the verified layers and the elementwise ones
+            (per-example Jacobians).
         problems: for each candidate left out, why: ``NotImplementedError`` for an unsupported convolution,
             ``ValueError`` otherwise (unsafe: shared, called other than once, a Jacobian that differs).
+        elementwise: the verified normalization and embedding layers (:mod:`ntkgp.ntk.norm_features`), in module
+            order, their number of locations in ``locations`` (summed over their calls). An elementwise candidate
+            that fails the check is generic, not a problem.
     """
 
     layers: tuple[Layer, ...] = ()
     locations: dict[str, int] = field(default_factory=dict)
     generic: tuple[str, ...] = ()
     problems: dict[str, Exception] = field(default_factory=dict)
+    elementwise: tuple[Layer, ...] = ()
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -69,7 +80,8 @@ class LayerPlan:
 
     def routes(self) -> tuple:
         """What identifies the routes (two plans with equal routes treat the parameters alike)."""
-        return self.names, self.generic, tuple(layer.name for layer in self.multi)
+        return (self.names, self.generic, tuple(layer.name for layer in self.multi),
+                tuple(layer.name for layer in self.elementwise))
 
     def unsafe(self) -> dict[str, Exception]:
         """The problems other than an unsupported configuration."""
@@ -82,12 +94,19 @@ class LayerPlan:
             raise type(problem)(f"{prefix}{problem}") from problem
 
 
+def _elementwise(net: nn.Module, names: Sequence[str]) -> list[Layer]:
+    """The elementwise candidates: normalization and embedding layers, and free parameters added to the activations
+    (:mod:`ntkgp.ntk.additive_features`)."""
+    return [*elementwise_candidates(net, names), *additive_candidates(net, names)]
+
+
 def _conv_unsupported(module: nn.Module) -> bool:
     return isinstance(module, nn.Conv2d) and module.groups != 1
 
 
 def candidate_layers(net: nn.Module, names: Sequence[str]) -> tuple[list[Layer], dict[str, Exception]]:
-    """Every ``nn.Linear`` / ``nn.Conv2d`` (exact types) with a weight or bias in ``names``, in module order.
+    """Every ``nn.Linear`` / ``nn.Conv2d`` (exact types) with a weight or bias in ``names``, and the projections of
+    every ``nn.MultiheadAttention`` (:mod:`ntkgp.ntk.attention_features`), in module order.
 
     Returns:
         The candidate layers, and for the layers left out the reason: ``ValueError`` when a parameter is
@@ -103,6 +122,9 @@ def candidate_layers(net: nn.Module, names: Sequence[str]) -> tuple[list[Layer],
                 owners[id(p)] = owners.get(id(p), 0) + 1
     layers, problems = [], {}
     for name, module in modules:
+        if type(module) is nn.MultiheadAttention:  # its projections as shared linear layers (attention_features)
+            layers += attention_candidates(name, module, chosen, lambda p: owners[id(p)] > 1)
+            continue
         if type(module) not in LAYER_TYPES:
             continue
         prefix = f"{name}." if name else ""
@@ -192,14 +214,15 @@ def _restrict(candidates: list[Layer], problems: dict[str, Exception], modules: 
 
 
 def _plan(layers: Sequence[Layer], locations: dict[str, int], names: Sequence[str],
-          problems: dict[str, Exception]) -> LayerPlan:
-    covered = {n for layer in layers for n in layer.parameter_names}
-    return LayerPlan(tuple(layers), locations, tuple(n for n in names if n not in covered), problems)
+          problems: dict[str, Exception], elementwise: Sequence[Layer] = ()) -> LayerPlan:
+    covered = {n for layer in (*layers, *elementwise) for n in layer.parameter_names}
+    return LayerPlan(tuple(layers), locations, tuple(n for n in names if n not in covered), problems,
+                     tuple(elementwise))
 
 
 def plan_layers(
     net: nn.Module, params: dict[str, Tensor], names: Sequence[str], probe: Tensor | None,
-    modules: Sequence[str] | None = None, runner: nn.Module | None = None,
+    modules: Sequence[str] | None = None, runner: nn.Module | None = None, elementwise: bool = False,
 ) -> LayerPlan:
     """The layer plan of the parameters ``names``: candidates verified on ``probe`` (one prepared example).
 
@@ -211,6 +234,9 @@ def plan_layers(
         modules: restrict the candidates to these module names.
         runner: the module the probe passes run on (ntkgp's private copy of ``net``,
             :meth:`NetworkCore.module <ntkgp.ntk.network.NetworkCore.module>`); ``None``: ``net`` itself.
+        elementwise: also verify the normalization and embedding layers
+            (:func:`~ntkgp.ntk.norm_features.elementwise_candidates`, in the same probe passes): the plan's
+            :attr:`LayerPlan.elementwise`; otherwise their parameters are generic.
 
     Raises:
         ValueError: when ``modules`` names a module that is not a Linear/Conv2d layer with parameters in
@@ -219,8 +245,15 @@ def plan_layers(
     if probe is None:
         return LayerPlan(generic=tuple(names))
     candidates, problems = _restrict(*candidate_layers(net, names), modules)
-    layers, locations, failed = verify_layers(net if runner is None else runner, params, candidates, probe)
-    return _plan(layers, locations, names, {**problems, **failed})
+    extra = [la for la in _elementwise(net, names) if modules is None or la.name in modules] \
+        if elementwise else []
+    checked, locations, failed = verify_layers(net if runner is None else runner, params, [*candidates, *extra], probe)
+    own = {layer.name for layer in extra}
+    # an attention projection that fails the check is generic, not a problem (attention_features)
+    quiet = own | {la.name for la in candidates if isinstance(la, AttentionProjection)}
+    return _plan([la for la in checked if la.name not in own], locations, names,
+                 {**problems, **{m: e for m, e in failed.items() if m not in quiet}},
+                 [la for la in checked if la.name in own])
 
 
 def cached_plan(
@@ -234,15 +267,20 @@ def cached_plan(
     ``modules`` asked for (the probe passes on ``runner``, :func:`plan_layers`): a layer's check does not depend on
     the others checked with it (its own hook, its own
     parameters' products), so the plan of some modules is that of all restricted to them. The candidates (and
-    their sharing) are walked each time."""
+    their sharing) are walked each time. The elementwise layers are verified in the same passes
+    (``elementwise=True``: :attr:`LayerPlan.elementwise`)."""
     key = ("layer plan", tuple(names), *signature(probe))
 
     def verdict() -> tuple:  # the plan without its modules: the cache holds the network weakly
-        plan = plan_layers(net, params(), names, probe, runner=runner)
-        return plan.names, dict(plan.locations), tuple((m, type(e), str(e)) for m, e in plan.problems.items())
+        plan = plan_layers(net, params(), names, probe, runner=runner, elementwise=True)
+        return (plan.names, dict(plan.locations), tuple((m, type(e), str(e)) for m, e in plan.problems.items()),
+                tuple(layer.name for layer in plan.elementwise))
 
-    verified, locations, problems = cached(net, key, verdict, held)
+    verified, locations, problems, elementwise = cached(net, key, verdict, held)
     candidates, _ = _restrict(*candidate_layers(net, names), modules)
     chosen = {layer.name: layer for layer in candidates}
-    return _plan([chosen[m] for m in verified if m in chosen], {m: locations[m] for m in verified if m in chosen},
-                 names, {m: kind(message) for m, kind, message in problems if modules is None or m in modules})
+    extra = [la for la in _elementwise(net, names)
+             if la.name in elementwise and (modules is None or la.name in modules)]
+    kept = [m for m in verified if m in chosen] + [la.name for la in extra]
+    return _plan([chosen[m] for m in verified if m in chosen], {m: locations[m] for m in kept},
+                 names, {m: kind(message) for m, kind, message in problems if modules is None or m in modules}, extra)

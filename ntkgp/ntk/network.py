@@ -35,9 +35,10 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
-from tqdm.auto import tqdm
 
 from ..caching import network_key
+from ..memory import JACOBIAN_BYTES
+from ..progress import check_progress, progress_bar
 from .architecture import cached
 from .checks import (check_count, check_eval_mode, check_fits, check_initialized, check_network_values, check_outputs,
                      check_shape, prepare_inputs)
@@ -94,13 +95,14 @@ class NetworkCore:
         chunk_size: examples per chunk of Jacobian computations (memory ``O(chunk_size · C · P)``).
         prior_structure: the prior groups of :math:`\theta` (:func:`~ntkgp.ntk.groups.resolve_groups`).
         max_jacobian_bytes: Jacobians up to this size may be kept between chunks (the NTK's contraction).
-        progress: show a tqdm progress bar over chunks.
+        progress: ``None`` (auto), ``True`` (a bar) or ``False`` (silent) over the chunks of a pass
+            (:mod:`ntkgp.progress`).
         fixed_architecture: the network's modules are not changed while this core is used (a core for one pass
             over the data): its fit checks and layer plans take the architecture cache's entry of its first look-up
             without walking the modules again (:func:`~ntkgp.ntk.architecture.cached`, ``held``).
 
     Raises:
-        TypeError: ``net`` is not an ``nn.Module``, or ``progress`` not a bool.
+        TypeError: ``net`` is not an ``nn.Module``, or ``progress`` not ``True``, ``False`` or ``None``.
         ValueError: an invalid option, unknown or repeated ``names``, no trainable parameter, or
             BatchNorm/dropout in training mode.
     """
@@ -112,8 +114,8 @@ class NetworkCore:
         input_shape: tuple[int, ...] | None = None,
         chunk_size: int = 256,
         prior_structure: GroupSpec = "layer",
-        max_jacobian_bytes: int = 2**30,
-        progress: bool = False,
+        max_jacobian_bytes: int = JACOBIAN_BYTES,
+        progress: bool | None = False,
         fixed_architecture: bool = False,
     ) -> None:
         if not isinstance(net, nn.Module):
@@ -123,8 +125,7 @@ class NetworkCore:
         self.chunk_size = check_count(chunk_size, "chunk_size")
         self.max_jacobian_bytes = check_count(max_jacobian_bytes, "max_jacobian_bytes", minimum=0)
         self.input_shape = check_shape(input_shape, "input_shape")
-        if not isinstance(progress, bool):
-            raise TypeError(f"progress must be True or False, got {progress!r}")
+        check_progress(progress)
         check_eval_mode(net)
         self.groups = resolve_groups(net, prior_structure, names)
         self.net = net
@@ -300,10 +301,11 @@ class NetworkCore:
         return f
 
     def chunks(self, n: int, desc: str) -> Iterator[tuple[int, int]]:
-        """``(start, stop)`` of the chunks of ``chunk_size`` examples among ``n`` (a progress bar with
-        :attr:`progress`)."""
+        """``(start, stop)`` of the chunks of ``chunk_size`` examples among ``n``, with the progress
+        :attr:`progress` asks (:func:`~ntkgp.progress.progress_bar`; nothing for a single chunk)."""
         starts = range(0, n, self.chunk_size)
-        for s in tqdm(starts, desc=desc, disable=not self.progress or len(starts) < 2, leave=False):
+        progress = self.progress if len(starts) > 1 else False
+        for s in progress_bar(starts, len(starts), desc, progress, "chunk"):
             yield s, min(s + self.chunk_size, n)
 
     # ------------------------------------------------------------------ derivatives

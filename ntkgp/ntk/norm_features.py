@@ -1,11 +1,11 @@
 r"""Normalization layers' affine parameters and ``nn.Embedding`` tables from the feature pass's own output
 gradients: per-example gradients without a per-example backward pass.
 
-**Normalization layers** (``nn.BatchNorm1d/2d/3d`` in eval mode with running statistics, ``nn.LayerNorm``,
-``nn.GroupNorm``) compute :math:`z_{nt} = \gamma \odot \hat x_{nt} + \beta` elementwise over the affine
+**Normalization layers** (``nn.BatchNorm1d/2d/3d`` in eval mode with running statistics, ``nn.InstanceNorm1d/2d/3d``
+in eval mode, ``nn.LayerNorm``, ``nn.RMSNorm`` (no :math:`\beta`), ``nn.GroupNorm``) compute :math:`z_{nt} = \gamma \odot \hat x_{nt} + \beta` elementwise over the affine
 parameters' :math:`d` entries at each location :math:`t` (a spatial position, a sequence position), with
 :math:`\hat x` the input normalized by the running statistics (BatchNorm in eval mode) or by the example's own
-(LayerNorm, GroupNorm), which do not depend on :math:`\gamma, \beta`. So, with
+(LayerNorm, RMSNorm, GroupNorm; InstanceNorm without running statistics), which do not depend on :math:`\gamma, \beta`. So, with
 :math:`\Gamma_{nmt} = \partial (u_{nm}^\top f_n) / \partial z_{nt}` from the same backward passes that serve the
 ``Linear`` / ``Conv2d`` layers,
 
@@ -23,9 +23,12 @@ output gradients by token id (``index_add``), never a dense ``(V, D)`` Jacobian 
 ``padding_idx`` gets no gradient (as autograd gives it).
 
 Both are :class:`~ntkgp.ntk.features.Layer`\ s whose recorded "inputs" are :math:`\hat x` ``(n, d, T)`` or the
-token ids ``(n, T)`` and whose gradients are :math:`\Gamma` ``(n, d, T)``; they are verified on a probe like the
+token ids ``(n, T)`` and whose gradients are :math:`\Gamma` ``(n, d, T)``; they are verified on a probe with the
 layer plan's layers (:func:`~ntkgp.ntk.layer_plan.verify_layers`: structured per-example gradient equal to
-autograd's, called exactly once on batched inputs) and take the generic per-example route otherwise. Which modules
+autograd's, called on batched inputs) and are the plan's :attr:`~ntkgp.ntk.layer_plan.LayerPlan.elementwise` layers;
+they take the generic per-example route otherwise. A module called several times per forward pass (an embedding
+used for two sequences, weight sharing) sums its calls: its calls' locations are joined
+(:attr:`~ntkgp.ntk.features.Layer.repeated`), :math:`T` the total over the calls. Which modules
 qualify: the exact types above with a parameter in :math:`\theta` owned by no other module; not an
 ``nn.Embedding`` with ``max_norm`` (it renormalizes its table in the forward), ``scale_grad_by_freq`` or
 ``sparse`` gradients; not a BatchNorm in training mode or without running statistics (the examples of a batch
@@ -36,18 +39,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from .architecture import cached
 from .features import Layer
-from .inputs import detach, signature
-from .layer_plan import verify_layers
 
 BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
-NORM_TYPES = (*BATCH_NORMS, nn.LayerNorm, nn.GroupNorm)
+INSTANCE_NORMS = (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
+#: The trailing normalized dimensions hold the parameters (the others: dimension 1, the channels).
+TRAILING_NORMS = (nn.LayerNorm, nn.RMSNorm)
+NORM_TYPES = (*BATCH_NORMS, *INSTANCE_NORMS, *TRAILING_NORMS, nn.GroupNorm)
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,8 @@ class ElementwiseLayer(Layer):
     r"""A layer whose per-example gradients are elementwise in the recorded features (module docstring): no
     Kronecker block, no bias folded into the inputs. :meth:`jacobians` gives the per-example rows,
     :meth:`squares` their squares summed over the examples."""
+
+    repeated: ClassVar[bool] = True  # a sum over locations: several calls are more locations
 
     def fold(self, a: Tensor) -> Tensor:
         """The recorded features unchanged (there is no row of ones to fold in: the bias is not a column of a
@@ -84,10 +90,10 @@ class NormLayer(ElementwiseLayer):
         return torch.is_tensor(inputs) and inputs.dim() >= 2 and inputs.shape[0] == n and inputs.is_floating_point()
 
     def _layout(self, x: Tensor) -> Tensor:
-        """``(n, d, T)`` from the input or output layout: channels in dimension 1 (BatchNorm, GroupNorm) or the
-        trailing normalized dimensions (LayerNorm)."""
+        """``(n, d, T)`` from the input or output layout: channels in dimension 1 (BatchNorm, InstanceNorm,
+        GroupNorm) or the trailing normalized dimensions (LayerNorm, RMSNorm)."""
         n = x.shape[0]
-        if isinstance(self.module, nn.LayerNorm):
+        if isinstance(self.module, TRAILING_NORMS):
             return x.reshape(n, -1, self.d_out).transpose(1, 2)
         return x.reshape(n, x.shape[1], -1)
 
@@ -96,6 +102,12 @@ class NormLayer(ElementwiseLayer):
         m = self.module
         if isinstance(m, nn.LayerNorm):
             normalized = F.layer_norm(inputs, m.normalized_shape, None, None, m.eps)
+        elif isinstance(m, nn.RMSNorm):
+            normalized = F.rms_norm(inputs, m.normalized_shape, None, m.eps)
+        elif isinstance(m, INSTANCE_NORMS):  # eval mode: the running statistics if tracked, else the example's
+            tracked = m.track_running_stats
+            normalized = F.instance_norm(inputs, m.running_mean if tracked else None, m.running_var if tracked else None,
+                                         None, None, not tracked, 0.0, m.eps)
         elif isinstance(m, nn.GroupNorm):
             normalized = F.group_norm(inputs, m.num_groups, None, None, m.eps)
         else:
@@ -161,7 +173,7 @@ class EmbeddingLayer(ElementwiseLayer):
         \big(\sum_{t: \mathrm{id}_{nt} = v} \Gamma_{nbt}\big)` row by row of the table, ``(M^2 or M, V·D)``:
         memory :math:`O(n T M D)` (:math:`O(n T M^2 D)` with ``pairs``), never a per-example table."""
         tokens, sums = self._token_sums(inputs, grads)  # (U,), (U, M, D)
-        m, d, vocab = sums.shape[1], sums.shape[2], self.module.num_embeddings
+        d, vocab = sums.shape[2], self.module.num_embeddings
         products = torch.einsum("uad,ubd->uabd", sums, sums).flatten(1, 2) if pairs else sums.square()
         table = torch.zeros(vocab, products.shape[1], d, dtype=sums.dtype, device=sums.device)
         table.index_add_(0, tokens, products)
@@ -187,7 +199,9 @@ def elementwise_candidates(net: nn.Module, names: Sequence[str]) -> list[Element
         if kind in NORM_TYPES:
             if kind in BATCH_NORMS and (module.training or module.running_mean is None or module.running_var is None):
                 continue
-            cls, keys = NormLayer, ("weight", "bias")
+            if kind in INSTANCE_NORMS and module.training:  # would update its running statistics
+                continue
+            cls, keys = NormLayer, ("weight",) if kind is nn.RMSNorm else ("weight", "bias")
         elif kind is nn.Embedding:
             if module.max_norm is not None or module.scale_grad_by_freq or module.sparse:
                 continue
@@ -204,24 +218,20 @@ def elementwise_candidates(net: nn.Module, names: Sequence[str]) -> list[Element
 
 def elementwise_layers(core, names: Sequence[str], probe: Tensor) -> list[ElementwiseLayer]:
     """The candidates among ``names`` (:func:`elementwise_candidates`) whose structured per-example gradient
-    equals autograd's on ``probe`` (one prepared example; :func:`~ntkgp.ntk.layer_plan.verify_layers`: one forward
-    and one backward pass), checked once per architecture of the network, input signature and ``names``.
+    equals autograd's on ``probe`` (one prepared example): the layer plan's elementwise layers
+    (:meth:`NetworkCore.layer_plan <ntkgp.ntk.network.NetworkCore.layer_plan>`, verified once per architecture of the
+    network and input signature), restricted to the parameters ``names``.
 
     Args:
         core: the :class:`~ntkgp.ntk.network.NetworkCore` (its network, private copy and parameters).
         names: the parameters that may take this route.
         probe: ``(1, ...)``.
     """
-    candidates = elementwise_candidates(core.net, names)
-    if not candidates:
-        return []
-    probe = detach(probe)
-    key = ("elementwise layers", tuple(names), *signature(probe))
-
-    def verdict() -> tuple[str, ...]:  # names only: the cache holds the network weakly
-        keep, _, _ = verify_layers(core.module(), core.functional_params(),
-                                   elementwise_candidates(core.module(), names), probe)
-        return tuple(layer.name for layer in keep)
-
-    verified = set(cached(core.net, key, verdict, core._architecture))
-    return [layer for layer in candidates if layer.name in verified]
+    chosen = set(names)
+    out = []
+    for layer in core.layer_plan(probe).elementwise:
+        weight = layer.weight if layer.weight in chosen else None
+        bias = layer.bias if layer.bias in chosen else None
+        if weight is not None or bias is not None:
+            out.append(type(layer)(layer.name, layer.module, weight, bias))
+    return out

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from ..memory import GRAM_BLOCK_BYTES, chunk_rows
 from .feature_pass import FeatureSet
 from .layer_plan import LayerPlan
 from .network import NetworkCore
@@ -40,8 +41,9 @@ from .inputs import rows as take_rows
 
 __all__ = ["NTKProducts"]
 
-#: Numbers per temporary in a structured product (rows are processed in blocks below this size).
-BLOCK_ELEMENTS = 1 << 24
+#: Bytes per temporary in a structured product (rows are processed in blocks below this size;
+#: :data:`ntkgp.memory.GRAM_BLOCK_BYTES`).
+BLOCK_BYTES = GRAM_BLOCK_BYTES
 
 
 class NTKProducts:
@@ -111,7 +113,7 @@ class NTKProducts:
         return sum(a.numel() + g.numel() for a, g, _, _ in self.layers)
 
     def _blocks(self, width: int):
-        rows = max(1, BLOCK_ELEMENTS // max(1, width))
+        rows = chunk_rows(BLOCK_BYTES, width, self.dtype)
         for s in range(0, self.num_data, rows):
             yield s, min(s + rows, self.num_data)
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..memory import STRUCTURED_BLOCK_BYTES, chunk_rows
 from .feature_pass import ChunkFeatures
 from .features import Layer
 from .layer_plan import LayerPlan
@@ -56,7 +57,7 @@ def gram_rows(core: NetworkCore, plan: LayerPlan, out: Tensor, start: int, f1: C
     Without ``graph`` every term is formed a block of rows at a time, its input factor ``a·a' (+ 1)`` too: a group
     met for the first time is written in place (``mm`` into the rows of ``out[g]``, then ``mul_``), later ones are
     added, so nothing of the size of ``out`` is allocated besides ``out`` itself (a few temporaries of about
-    2²² numbers each). With ``graph`` the same terms are formed out of place (differentiable).
+    :data:`ntkgp.memory.STRUCTURED_BLOCK_BYTES` each). With ``graph`` the same terms are formed out of place (differentiable).
     """
     written: set[int] = set()
     n2 = next(iter(f2.inputs.values())).shape[0] if f2.inputs else 0
@@ -78,7 +79,7 @@ def gram_rows(core: NetworkCore, plan: LayerPlan, out: Tensor, start: int, f1: C
             continue
         a1, a2 = (f1.inputs[m], f2.inputs[m]) if weight else (None, None)
         fresh = {g for g, _ in terms if g not in written}
-        block_rows = max(1, (1 << 22) // max(1, n2 * c * c))  # a block of the term: rows·C × N2·C numbers
+        block_rows = chunk_rows(STRUCTURED_BLOCK_BYTES, n2 * c * c, g1.dtype)  # a block: rows·C × N2·C numbers
         for s in range(0, n1, block_rows):
             e = min(s + block_rows, n1)
             aa = a1[s:e] @ a2.T if weight else None

@@ -15,10 +15,12 @@ from dataclasses import dataclass
 import torch
 
 from ..distributed import check_distributed
-from ..kernels.arguments import check_int
 from ..ntk import GroupSpec
 from ..ntk.data_arguments import check_data
+from ..ntk.inputs import is_structured
 from ..options import Structure, choose
+from ..progress import check_progress
+from ..validation import check_int
 
 __all__ = ["MarglikOptions", "Schedule", "check_options", "make_optimizer", "make_scheduler", "needs_closure"]
 
@@ -59,7 +61,7 @@ class MarglikOptions:
     learn_likelihood: bool
     curvature_batch_size: int
     seed: int
-    progress: bool
+    progress: bool | None
     distributed: bool
 
 
@@ -106,10 +108,13 @@ def check_options(
             f"scheduler (e.g. functools.partial(torch.optim.lr_scheduler.MultiStepLR, milestones=[...])), got "
             f"{scheduler!r}"
         )
-    if not isinstance(learn_likelihood, bool) or not isinstance(progress, bool):
-        raise TypeError("learn_likelihood and progress must be bools")
+    if not isinstance(learn_likelihood, bool):
+        raise TypeError(f"learn_likelihood must be a bool, got {learn_likelihood!r}")
+    check_progress(progress)
     distributed = check_distributed(distributed)
-    if not torch.is_tensor(train_x):
+    if not torch.is_tensor(train_x) and train_y is not None and is_structured(train_x):
+        check_data(train_x, "train_x")  # a dict/tuple of input tensors (ntkgp.ntk.packed_inputs); numbers refused
+    elif not torch.is_tensor(train_x):
         _check_loader(train_x, train_y, batch_size)
     return MarglikOptions(structure=structure, prior_structure=prior_structure, schedule=schedule,
                           batch_size=batch_size, lr=lr, hyper_lr=hyper_lr, optimizer=optimizer, scheduler=scheduler,

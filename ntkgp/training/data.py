@@ -19,11 +19,26 @@ from ..distributed import all_gather_rows, all_reduce_max, all_reduce_sum, toget
 from ..kernels import NTKKernel
 from ..likelihoods import is_gaussian, num_outputs, validate_targets
 from ..models import NTKGP
+from ..ntk.inputs import is_structured
+from ..ntk.packed_inputs import structure_batches, structure_network
 from .arguments import MarglikOptions
 
-__all__ = ["LoaderData", "TensorData", "training_data"]
+__all__ = ["LoaderData", "TensorData", "structured_data", "training_data"]
 
 Batch = tuple[Tensor, Tensor]
+
+
+def structured_data(net: nn.Module, train_x: object, train_y: object) -> tuple[nn.Module, object]:
+    """Structured inputs (a dict or tuple of tensors with ``train_y``, or a loader of such batches): the view of
+    ``net`` that takes their packed rows, and the data packed (:mod:`ntkgp.ntk.packed_inputs`); the MAP steps, the
+    curvature and the returned ``net`` and ``kernel`` all take the view (which takes the structure itself too).
+    Other data: ``(net, train_x)`` unchanged. Checked (every leaf, a common leading dimension) before any side
+    effect; a loader's first batch is read without moving its random state."""
+    if train_y is not None and is_structured(train_x):
+        return structure_network(net, train_x, "train_x")
+    if train_y is None and not torch.is_tensor(train_x):
+        return structure_batches(net, train_x, "train_x")
+    return net, train_x
 
 
 def training_data(net: nn.Module, train_x: object, train_y: object, likelihood: Likelihood, prior_precision: object,

@@ -14,12 +14,11 @@ from gpytorch.likelihoods import Likelihood
 from linear_operator.utils.errors import NotPSDError
 from torch import Tensor, nn
 
-from ..laplace.weight_space.structures import compute_curvature
+from ..laplace.weight_space.structures import STRUCTURE_CLASSES, compute_curvature
 from ..laplace.weight_space.full_curvature import exact_curvature, full_curvature
 from ..distributed import broadcast_
 from ..kernels import NTKKernel
 from ..likelihoods import hyperparameter_values, is_gaussian, num_outputs
-from ..options import Structure
 from .arguments import MarglikOptions
 from .data import LoaderData, TensorData
 from .safeguards import out_of_range
@@ -31,13 +30,15 @@ def build_curvature(net: nn.Module, data: TensorData | LoaderData, likelihood: L
                     spectral: bool = False):
     """The curvature of one round at the current θ*, built once; its evidence is then cheap to re-evaluate.
 
-    The full structures are exact, in the cheaper space (:func:`ntkgp.laplace.weight_space.full_curvature.exact_curvature`; with
-    ``distributed``, weight space summed over the ranks); the scalable ones through ``compute_curvature``
-    (a loader's batches streamed)."""
+    The structure table (:data:`~ntkgp.laplace.weight_space.structures.STRUCTURE_CLASSES`) says what to build: an
+    exact structure in the cheaper space (:func:`ntkgp.laplace.weight_space.full_curvature.exact_curvature`; with
+    ``distributed``, weight space summed over the ranks), the scalable ones through ``compute_curvature`` (a
+    loader's batches streamed)."""
     engine = data.kernel.engine
     structure, batch_size = options.structure, options.curvature_batch_size
-    if structure in (Structure.FULL_GGN, Structure.FULL_EF):
-        kind = "ggn" if structure is Structure.FULL_GGN else "ef"
+    classes = STRUCTURE_CLASSES[structure]
+    if classes.exact:
+        kind = classes.kind
         if options.distributed:
             x, y = data.curvature_data(stream=True)
             return full_curvature(net, x, y, likelihood, kind, options.prior_structure, batch_size, False,

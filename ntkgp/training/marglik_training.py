@@ -10,21 +10,24 @@ ranges) and :mod:`~ntkgp.training.result` (what is returned).
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import torch
 from gpytorch.likelihoods import Likelihood
 from torch import nn
-from tqdm.auto import tqdm
 
 from ..distributed import broadcast_, check_layout, rank
 from ..ntk import GroupSpec
 from ..ntk.outputs import with_output
+from ..option_groups import accepts_flat_keywords, check_group
+from ..progress import Progress
+from ..validation import flag
 from .arguments import MarglikOptions, check_options, make_optimizer, make_scheduler
 from .checkpoint import Checkpoints
-from .data import LoaderData, TensorData, training_data
+from .data import LoaderData, TensorData, structured_data, training_data
 from .hyper_round import HyperparameterRound, build_curvature
 from .map_training import MapTraining, step_scheduler
+from .marglik_options import HyperparameterSchedule, MAPOptimization
 from .normalization import batch_statistics
 from .result import MarglikResult
 from .safeguards import (
@@ -44,6 +47,7 @@ __all__ = [
 ]
 
 
+@accepts_flat_keywords(schedule=HyperparameterSchedule, optimization=MAPOptimization)
 def train_marglik(
     net: nn.Module,
     train_x: torch.Tensor | Iterable[tuple[torch.Tensor, torch.Tensor]],
@@ -56,29 +60,22 @@ def train_marglik(
     epochs: int = 500,
     batch_size: int | None = None,
     lr: float = 1e-3,
-    optimizer: Callable[..., torch.optim.Optimizer] = torch.optim.Adam,
-    scheduler: Callable[[torch.optim.Optimizer], object] | None = None,
-    burn_in: int = 50,
-    frequency: int = 10,
-    hyper_steps: int = 100,
-    hyper_lr: float = 0.1,
-    learn_likelihood: bool = True,
-    curvature_batch_size: int = 256,
-    seed: int = 0,
-    progress: bool = True,
+    schedule: HyperparameterSchedule | None = None,
+    optimization: MAPOptimization | None = None,
+    progress: bool | None = None,
     distributed: bool = False,
     output: str | int | None = None,
-    train_normalization: bool = True,
 ) -> MarglikResult:
     r"""Train ``net`` on its MAP objective while learning the hyperparameters by the Laplace evidence.
 
     Algorithm 1 of Immer et al. (2021): minimize :math:`-\log p(D\mid\theta) - \log p(\theta\mid\delta)`
-    over :math:`\theta` with ``optimizer`` (the weight decay is the prior, with the current :math:`\delta_g`
+    over :math:`\theta` with ``optimization.optimizer`` (the weight decay is the prior, with the current :math:`\delta_g`
     per group and the current noise/temperature in the likelihood) on batches of ``batch_size`` examples
-    (``None``: the full batch, one step per epoch) or the batches of a loader. After ``burn_in`` epochs, every
-    ``frequency`` epochs (and after the last), compute the curvature once at the current :math:`\theta^*` and
-    take ``hyper_steps`` Adam steps (step ``hyper_lr``) on :math:`-\log q(D)` w.r.t. the prior precisions (per
-    group) and, with ``learn_likelihood``, the likelihood's hyperparameters (noise, one or per output; a
+    (``None``: the full batch, one step per epoch) or the batches of a loader. On the ``schedule``
+    (:class:`~ntkgp.training.HyperparameterSchedule`): after ``burn_in`` epochs, every ``frequency`` epochs (and
+    after the last), compute the curvature once at the current :math:`\theta^*` and take ``hyper_steps`` Adam
+    steps (step ``hyper_lr``) on :math:`-\log q(D)` w.r.t. the prior precisions (per group) and, with
+    ``learn_likelihood``, the likelihood's hyperparameters (noise, one or per output; a
     learnable temperature). The checkpoint with the best evidence is kept and loaded at the end.
 
     **Cost.** Every round builds the curvature **once** at the current :math:`\theta^*` and every
@@ -117,8 +114,8 @@ def train_marglik(
 
     Args:
         net: the network to train, ``(N, ...) → (N, C)``, on the device of the data it is given.
-        train_x: training inputs ``(N, ...)`` (every row is checked for NaN/Inf before training), or a
-            re-iterable loader of ``(x, y)`` batches (a ``torch.utils.data.DataLoader``, shuffled or not, of any
+        train_x: training inputs ``(N, ...)`` (every row is checked for NaN/Inf before training) or a dict/tuple of
+            tensors (docs/networks.md, "Dict and tuple inputs in the GPyTorch models"), or a re-iterable loader of ``(x, y)`` batches (a ``torch.utils.data.DataLoader``, shuffled or not, of any
             size: its batches are the mini-batches, moved to the network's device).
         train_y: training targets; ``None`` with a loader.
         likelihood: a supported likelihood (see :mod:`ntkgp.likelihoods`).
@@ -131,20 +128,15 @@ def train_marglik(
         epochs: number of epochs.
         batch_size: examples per MAP step for tensors (``None``: full batch); ``None`` with a loader.
         lr: learning rate of the MAP optimizer.
-        optimizer: the MAP optimizer's class or factory, called as ``optimizer(params, lr=lr)`` (it must give a
-            ``torch.optim.Optimizer``). An optimizer whose ``step`` needs a closure (``torch.optim.LBFGS``) is
-            stepped as ``step(closure)``, the closure re-evaluating the loss and gradients on the same batch.
-        scheduler: ``None``, or a callable taking the MAP optimizer and returning a learning-rate scheduler
-            (e.g. ``functools.partial(torch.optim.lr_scheduler.MultiStepLR, milestones=[100, 150],
-            gamma=0.1)``), stepped once per epoch (``ReduceLROnPlateau`` with the epoch's MAP loss).
-        burn_in: Algorithm 1's B (epochs before the first round).
-        frequency: Algorithm 1's F (epochs between rounds).
-        hyper_steps: Algorithm 1's K (Adam steps per round).
-        hyper_lr: Algorithm 1's γ (Adam step size on the hyperparameters).
-        learn_likelihood: also learn the likelihood's hyperparameters.
-        curvature_batch_size: examples per batch of the curvature pass (tensor data).
-        seed: seed of the per-epoch shuffle of tensor data (a loader shuffles by its own sampler).
-        progress: a tqdm bar over epochs (with the latest evidence); rank 0 only with ``distributed``.
+        schedule: the hyperparameter rounds, a :class:`~ntkgp.training.HyperparameterSchedule` (``burn_in``,
+            ``frequency``, ``hyper_steps``, ``hyper_lr``, ``learn_likelihood``, ``curvature_batch_size``;
+            ``None``: its defaults). Its fields as flat keywords (``burn_in=10``) still work, with a
+            ``FutureWarning``, for one release.
+        optimization: the MAP steps, a :class:`~ntkgp.training.MAPOptimization` (``optimizer``, ``scheduler``,
+            ``seed``, ``train_normalization``; ``None``: its defaults); its fields as flat keywords likewise.
+        progress: over the epochs (a bar shows the latest evidence): ``None`` (auto: a bar on a terminal, else one
+            line with a long training's estimated time), ``True`` (a bar) or ``False`` (silent): :mod:`ntkgp.progress`;
+            rank 0 only with ``distributed``.
         distributed: data-parallel over an initialized ``torch.distributed`` process group, as
             ``DistributedDataParallel``: every rank makes the same call with its shard of the data
             (:func:`ntkgp.distributed.shard`, or a loader over its shard); the network's weights and buffers
@@ -156,9 +148,6 @@ def train_marglik(
             (docs/scaling.md, "Several processes and GPUs").
         output: for a network returning a dict or a tuple, the key or index of the output to train and use
             (:mod:`ntkgp.ntk.outputs`).
-        train_normalization: BatchNorm modules in training mode for the MAP steps (batch statistics; running
-            statistics updated) and in eval mode for every round and at the end (:mod:`ntkgp.training.normalization`);
-            ``False`` keeps them as given (frozen statistics, e.g. to fine-tune).
 
     Returns:
         A :class:`MarglikResult`.
@@ -169,15 +158,18 @@ def train_marglik(
             initial weights and the initial hyperparameters are restored).
         KeyboardInterrupt: training was interrupted (see "Interrupts").
     """
-    if not isinstance(train_normalization, bool):
-        raise TypeError(f"train_normalization must be True or False, got {train_normalization!r}")
+    schedule = check_group(schedule, HyperparameterSchedule, "schedule")
+    optimization = check_group(optimization, MAPOptimization, "optimization")
+    train_normalization = flag(optimization.train_normalization, "train_normalization")
     options = check_options(
         train_x, train_y, structure=structure, prior_structure=prior_structure, epochs=epochs, batch_size=batch_size,
-        lr=lr, optimizer=optimizer, scheduler=scheduler, burn_in=burn_in, frequency=frequency,
-        hyper_steps=hyper_steps, hyper_lr=hyper_lr, learn_likelihood=learn_likelihood,
-        curvature_batch_size=curvature_batch_size, seed=seed, progress=progress, distributed=distributed,
+        lr=lr, optimizer=optimization.optimizer, scheduler=optimization.scheduler, burn_in=schedule.burn_in,
+        frequency=schedule.frequency, hyper_steps=schedule.hyper_steps, hyper_lr=schedule.hyper_lr,
+        learn_likelihood=schedule.learn_likelihood, curvature_batch_size=schedule.curvature_batch_size,
+        seed=optimization.seed, progress=progress, distributed=distributed,
     )
     net = with_output(net, output)  # a network returning a dict or tuple: its output output= (ntkgp.ntk.outputs)
+    net, train_x = structured_data(net, train_x, train_y)  # dict/tuple inputs: packed rows (ntkgp.ntk.packed_inputs)
     state = [*net.parameters(), *net.buffers()]
     check_layout(state, "the network's weights", enabled=options.distributed)  # a broadcast of mismatched sizes aborts
     broadcast_(state, enabled=options.distributed)  # replicated, as DDP does
@@ -213,13 +205,14 @@ class _Algorithm1:
 
     def run(self) -> MarglikResult:
         """Train; on any exception leave the best checkpoint (or the initial state) loaded, and re-raise."""
-        self.bar = tqdm(range(1, self.options.schedule.epochs + 1), desc="marglik training",
-                        disable=not self.options.progress or rank() != 0)
+        self.bar = Progress(self.options.schedule.epochs, "marglik training",
+                            self.options.progress if rank() == 0 else False, unit="epoch")
         self.checkpoints.take_grads()
         try:
-            for epoch in self.bar:
+            for epoch in range(1, self.options.schedule.epochs + 1):
                 if not self._epoch(epoch):
                     break
+                self.bar.update(1)
             self._finish()
         except BaseException as error:  # KeyboardInterrupt included: nothing is lost, nothing left half-done
             self.checkpoints.load_best_or_initial()
@@ -274,8 +267,7 @@ class _Algorithm1:
             )
         self.history.append(self.rounds.record(epoch, value, at, train_loss))
         self.map.refresh_prior()
-        if self.options.progress:
-            self.bar.set_postfix(log_evidence=f"{value:.4f}")
+        self.bar.set_postfix(log_evidence=f"{value:.4f}")
         self.checkpoints.offer(value, epoch, at)
 
     def _finish(self) -> None:

@@ -9,7 +9,7 @@ import torch
 
 from ..likelihoods import hyperparameter_values, log_likelihood
 from ..models import NTKGP
-from ..options import Curvature, choose
+from ..options import CurvatureKind, choose
 
 
 @dataclass
@@ -61,7 +61,7 @@ def compare_models(models: Mapping[str, NTKGP], curvature: str = "ggn") -> Evide
         raise TypeError(f"models must be a mapping of names to NTKGP models, got {type(models).__name__}")
     if not models:
         raise ValueError("models must hold at least one NTKGP")
-    curvature = choose(Curvature, curvature, "curvature")
+    curvature = choose(CurvatureKind, curvature, "curvature")
     for name, model in models.items():
         if not isinstance(name, str):
             raise TypeError(f"model names must be strings, got {name!r}")

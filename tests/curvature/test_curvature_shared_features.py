@@ -128,7 +128,7 @@ def test_one_safety_rule_for_engine_and_curvature():
     x, y = torch.randn(6, 3, dtype=torch.float64), torch.randint(0, 2, (6,))
     lik = SoftmaxLikelihood(num_classes=2).double()
     data = DataPass.start(net, lik)
-    layers = usable_layers(data, structured_layers(net, data.core.groups, strict=False), x[:1], strict=False)
+    layers = usable_layers(data.core, structured_layers(net, data.core.groups, strict=False), x[:1], strict=False)
     assert [layer.name for layer in layers] == list(NTKEngine(net).plan(x).names) == ["head"]
     curv = compute_curvature(net, x, y, lik, "diag_ggn")
     assert rel_err(curv.diagonal(lik).detach(), brute_diagonals(net, x, y, lik)[0]) < 1e-12
@@ -137,7 +137,7 @@ def test_one_safety_rule_for_engine_and_curvature():
     cnn = small_cnn()
     data = DataPass.start(cnn, lik)
     x_img = torch.randn(2, 1, 6, 6, dtype=torch.float64)
-    layers = usable_layers(data, structured_layers(cnn, data.core.groups, strict=False), x_img[:1], strict=False)
+    layers = usable_layers(data.core, structured_layers(cnn, data.core.groups, strict=False), x_img[:1], strict=False)
     assert [layer.name for layer in layers] == list(NTKEngine(cnn).plan(x_img).names) == ["conv", "head"]
 
 

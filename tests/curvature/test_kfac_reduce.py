@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from ntkgp.laplace import compute_curvature
+from ntkgp.laplace import compute_curvature, PassOptions
 from ntkgp.likelihoods import SoftmaxLikelihood
 from tests.helpers import dense_laplace, reference_log_prob
 
@@ -127,10 +127,10 @@ def test_the_kfac_posterior_takes_the_reduce_approximation():
     x, y = data(6)
     likelihood = SoftmaxLikelihood(num_classes=C)
     posterior = laplace_posterior(net, x, y, likelihood, structure="kfac", kfac_approximation="reduce",
-                                  progress=False)
+                                  options=PassOptions(progress=False))
     a_ref, g_ref, _ = reference_factors(net, x)
     block = next(b.factors for b in posterior.blocks if b.layer.name == "last")
     torch.testing.assert_close(block.input_factor, a_ref, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(block.output_factors.sum(dim=0), g_ref, rtol=1e-10, atol=1e-12)
     with pytest.raises(ValueError, match="kfac_approximation"):
-        laplace_posterior(net, x, y, likelihood, structure="kfac", kfac_approximation="sum", progress=False)
+        laplace_posterior(net, x, y, likelihood, structure="kfac", kfac_approximation="sum", options=PassOptions(progress=False))

@@ -4,7 +4,7 @@ the KFAC, diagonal and full GGN built from it, each against the exact GGN of the
 import pytest
 import torch
 
-from ntkgp.laplace import compute_curvature
+from ntkgp.laplace import compute_curvature, PassOptions
 from ntkgp.laplace.weight_space.sampled_ggn import sampled_root_variance, sampled_unit_hessian_root
 from ntkgp.likelihoods import SoftmaxLikelihood
 from tests.helpers import EPS32
@@ -114,13 +114,13 @@ def test_a_posterior_takes_mc_samples_from_the_front_door(structure):
     net = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Tanh(), torch.nn.Linear(5, 4)).double()
     x, y = torch.randn(15, 3, dtype=torch.float64), torch.randint(0, 4, (15,))
     likelihood = SoftmaxLikelihood(num_classes=4)
-    exact = laplace_posterior(net, x, y, likelihood, structure=structure, progress=False).dense_precision()
+    exact = laplace_posterior(net, x, y, likelihood, structure=structure, options=PassOptions(progress=False)).dense_precision()
     gen = torch.Generator().manual_seed(11)
     ones = torch.stack([laplace_posterior(net, x, y, likelihood, structure=structure, mc_samples=1, generator=gen,
-                                          progress=False).dense_precision() for _ in range(8)])
+                                          options=PassOptions(progress=False)).dense_precision() for _ in range(8)])
     samples = 200 if structure == "kfac" else 2000
     many = laplace_posterior(net, x, y, likelihood, structure=structure, mc_samples=samples, generator=gen,
-                             progress=False).dense_precision()
+                             options=PassOptions(progress=False)).dense_precision()
     assert torch.all((many - exact).abs() <= 5 * ones.std(0) / samples**0.5 + 1e-12 * exact.abs().max())
     with pytest.raises(ValueError, match="mc_samples"):
         laplace_posterior(net, x, y, likelihood, structure="diag_ef", mc_samples=1)

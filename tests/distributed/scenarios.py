@@ -15,8 +15,9 @@ from ntkgp.laplace.weight_space import compute_curvature
 from ntkgp.distributed import all_reduce_sum, shard
 from ntkgp.likelihoods import SoftmaxLikelihood
 from ntkgp.models.sfr import SFR
-from ntkgp.training import train_marglik
+from ntkgp.training import HyperparameterSchedule, train_marglik
 from tests.helpers import mlp
+from ntkgp.models import SFRInducingOptions, SFRMemoryOptions
 
 
 def _data(n: int, d: int, seed: int, classes: int | None = None):
@@ -46,7 +47,7 @@ def sfr_results(rank, world):
     loader = DataLoader(TensorDataset(xs, ys), batch_size=7)
     lik = SoftmaxLikelihood(num_classes=3).double()
     sfr = SFR(net, loader, None, lik, num_inducing=9, prior_precision=torch.tensor([1.0, 2.0, 0.5]),
-              output_coupling="joint", batch_size=5, distributed=distributed)
+              output_coupling="joint", memory=SFRMemoryOptions(batch_size=5), distributed=distributed)
     out["joint"] = _sfr_summary(sfr, x_test)
     sfr.update(*_part(rank, world, x_new, y_new), iterate=False)
     out["joint_updated"] = _sfr_summary(sfr, x_test)
@@ -55,7 +56,8 @@ def sfr_results(rank, world):
     net = mlp(d_in=3, width=5, d_out=1, depth=1, seed=6)
     lik = gpytorch.likelihoods.GaussianLikelihood().double()
     lik.noise = 0.05
-    sfr = SFR(net, *_part(rank, world, x, y), lik, num_inducing=6, inducing_method="greedy_variance", pool_size=20,
+    sfr = SFR(net, *_part(rank, world, x, y), lik, num_inducing=6,
+              inducing=SFRInducingOptions(inducing_method="greedy_variance", pool_size=20),
               output_coupling="independent", distributed=distributed)
     out["greedy"] = _sfr_summary(sfr, x_test[:, :1].expand(-1, 3) * torch.tensor([1.0, -0.5, 2.0]))
     return out
@@ -108,7 +110,9 @@ def marglik_results(rank, world):
     """Algorithm 1, full batch: the full GGN (weight space) on regression, KFAC on softmax; and mini-batches."""
     distributed = rank is not None
     out = {}
-    settings = dict(epochs=6, lr=1e-2, burn_in=2, frequency=2, hyper_steps=5, hyper_lr=0.1, progress=False)
+    settings = dict(epochs=6, lr=1e-2,
+                    schedule=HyperparameterSchedule(burn_in=2, frequency=2, hyper_steps=5, hyper_lr=0.1),
+                    progress=False)
     x, y = _data(31, 2, seed=11)
     for structure in ("full_ggn", "full_ef"):
         net = mlp(d_in=2, width=5, d_out=1, depth=1, seed=12)

@@ -16,6 +16,7 @@ import ntkgp
 from ntkgp import NTKKernel
 from ntkgp.laplace.weight_space import compute_curvature
 from ntkgp.likelihoods import LogisticLikelihood, SoftmaxLikelihood
+from tests.helpers import float32_gram_tolerance
 
 
 def _data(c=3):
@@ -38,7 +39,9 @@ def test_kernel_dtype_follows_the_network_not_the_data():
     net64.load_state_dict({k: v.double() for k, v in net32.state_dict().items()})
     ref = NTKKernel(net64)(x).to_dense()
     got = NTKKernel(net32).double()(x).to_dense()
-    assert ((got - ref).abs().max() / ref.abs().max()) < 1e-5
+    # float32 Jacobians: within rε√(tr K tr K) of the float64 Gram in Frobenius norm (tests.helpers.float32_gram_tolerance,
+    # r from the network, the trace measured here; about 30ε32 relative)
+    assert (got - ref).norm() <= float32_gram_tolerance(net64, ref.detach().diagonal())
 
 
 def test_not_implemented_and_type_errors_of_guarantees_md():

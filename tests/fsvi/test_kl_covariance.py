@@ -14,7 +14,7 @@ from torch.distributions import MultivariateNormal, Normal, kl_divergence
 
 from ntkgp import metrics
 from ntkgp.datasets import gap_regression
-from ntkgp.fsvi import FSVI, gaussian_kl, train_fsvi
+from ntkgp.fsvi import FSVI, FSVIOptions, gaussian_kl, train_fsvi
 
 from . import reference as ref
 from .test_kl import _dense_gaussians, float32_kl_tolerance
@@ -157,7 +157,8 @@ def test_unknown_kl_covariance_is_refused_before_anything_is_built():
         FSVI(net, GaussianLikelihood().double(), kl_covariance="dense")
     x = torch.randn(8, 2, dtype=torch.float64)
     with pytest.raises(ValueError, match="kl_covariance"):
-        train_fsvi(net, x, x[:, 0], GaussianLikelihood().double(), kl_covariance="blocks", epochs=1, progress=False)
+        train_fsvi(net, x, x[:, 0], GaussianLikelihood().double(),
+                   options=FSVIOptions(kl_covariance="blocks"), epochs=1, progress=False)
     for n, p in net.named_parameters():
         assert torch.equal(p, before[n])
 
@@ -177,9 +178,10 @@ def test_train_fsvi_checks_the_model_options_before_reading_a_loader(argument, v
             Loader.read = True
             yield x, x[:, 0]
 
+    settings = {argument: value} if argument == "prior_precision" else {"options": FSVIOptions(**{argument: value})}
     with pytest.raises(ValueError, match=argument):
         train_fsvi(ref.mlp(d_in=2, width=5, d_out=1), Loader(), None, GaussianLikelihood().double(),
-                   progress=False, **{argument: value})
+                   progress=False, **settings)
     assert not Loader.read
 
 
@@ -197,7 +199,8 @@ def test_gap_regression_in_between_uncertainty():
     net = torch.nn.Sequential(torch.nn.Linear(1, 50), torch.nn.ReLU(), torch.nn.Linear(50, 50), torch.nn.ReLU(),
                               torch.nn.Linear(50, 1)).double()
     res = train_fsvi(net, d.x_train, d.y_train, lik, prior_precision=torch.tensor([1.0, 50.0, 50.0]), epochs=1000,
-                     batch_size=None, lr=1e-2, num_context=32, context_jitter=1e-6, kl_covariance=kind,
+                     batch_size=None, lr=1e-2, num_context=32,
+                     options=FSVIOptions(context_jitter=1e-6, kl_covariance=kind),
                      progress=False)
     assert res.model.kl_covariance == kind
     x = torch.linspace(-1, 1, 41, dtype=torch.float64)[:, None]

@@ -13,7 +13,7 @@ import pytest
 import torch
 from gpytorch.likelihoods import GaussianLikelihood
 
-from ntkgp.fsvi import FSVI, SamplerContext, train_fsvi
+from ntkgp.fsvi import FSVI, FSVIOptimization, SamplerContext, train_fsvi
 
 from . import reference as ref
 from .test_conditioning import _check, _data, _dense_posterior, _likelihood, _model
@@ -186,7 +186,8 @@ def test_an_interrupted_train_fsvi_leaves_everything_as_it_was(where):
 
     options = {"optimizer": _interrupting_optimizer(3)} if where == "optimizer" else {"context": SamplerContext(sampler)}
     with pytest.raises(KeyboardInterrupt):
-        train_fsvi(net, x, y, lik, epochs=3, batch_size=4, num_context=4, learn_likelihood=True, progress=False,
+        train_fsvi(net, x, y, lik, epochs=3, batch_size=4, num_context=4,
+                   optimization=FSVIOptimization(learn_likelihood=True), progress=False,
                    **options)
     assert all(torch.equal(v, state[k]) for k, v in net.state_dict().items())
     assert torch.equal(net[0].weight.grad, torch.full_like(net[0].weight, 0.5))

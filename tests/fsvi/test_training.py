@@ -10,7 +10,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from ntkgp import metrics
 from ntkgp.datasets import gap_regression, two_moons
-from ntkgp.fsvi import FSVI, MonochromeContext, UniformBoxContext, train_fsvi
+from ntkgp.fsvi import FSVI, FSVIOptimization, FSVIOptions, MonochromeContext, train_fsvi, UniformBoxContext
 from ntkgp.likelihoods import LogisticLikelihood, SoftmaxLikelihood
 
 from . import reference as ref
@@ -29,7 +29,8 @@ def test_trains_without_touching_the_inputs():
     x0, y0 = x.clone(), y.clone()
     lik = GaussianLikelihood().double()
     noise = lik.noise.clone()
-    res = train_fsvi(net, x, y, lik, epochs=3, batch_size=8, num_context=5, learn_likelihood=True, progress=False)
+    res = train_fsvi(net, x, y, lik, epochs=3, batch_size=8, num_context=5,
+                     optimization=FSVIOptimization(learn_likelihood=True), progress=False)
     assert len(res.history) == 3 and all(torch.isfinite(torch.tensor(h["elbo"])) for h in res.history)
     assert not res.model.training and isinstance(res.model, FSVI)
     for k, v in net.state_dict().items():
@@ -44,7 +45,8 @@ def test_trains_without_touching_the_inputs():
 def test_seeded():
     x, y = _data()
     runs = [train_fsvi(ref.mlp(d_in=2, width=6), x, y, GaussianLikelihood().double(), epochs=2, batch_size=7,
-                       num_context=4, seed=3, progress=False) for _ in range(2)]
+                       num_context=4, optimization=FSVIOptimization(seed=3),
+                       progress=False) for _ in range(2)]
     for a, b in zip(runs[0].model.state_dict().values(), runs[1].model.state_dict().values()):
         assert torch.equal(a, b)
 
@@ -65,7 +67,7 @@ def test_images_with_monochrome_context_mixed_with_the_batch():
     x = torch.rand(12, 1, 6, 6, generator=g, dtype=torch.float64)
     y = torch.randint(3, (12,), generator=g)
     res = train_fsvi(ref.small_cnn(3), x, y, SoftmaxLikelihood(3).double(), epochs=2, batch_size=6, num_context=4,
-                     context_batch_fraction=0.5, progress=False)
+                     optimization=FSVIOptimization(context_batch_fraction=0.5), progress=False)
     assert res.model.linearized.input_shape == (1, 6, 6)
     assert res.model.predict(x, num_samples=3).probs.shape == (12, 3)
     assert isinstance(MonochromeContext.from_data(x).sample(2), torch.Tensor)
@@ -79,10 +81,10 @@ def test_errors_name_the_argument():
         "num_context": {"num_context": 0},
         "epochs": {"epochs": 0},
         "batch_size": {"batch_size": 0},
-        "context_batch_fraction": {"context_batch_fraction": 2.0},
+        "context_batch_fraction": {"optimization": FSVIOptimization(context_batch_fraction=2.0)},
         "lr": {"lr": -1.0},
         "context": {"context": "everywhere"},
-        "context_jitter": {"context_jitter": -1.0},
+        "context_jitter": {"options": FSVIOptions(context_jitter=-1.0)},
     }
     for name, kwargs in cases.items():
         with pytest.raises(ValueError, match=name):
@@ -114,7 +116,8 @@ def test_gap_regression_in_between_uncertainty():
     lik = GaussianLikelihood().double()
     lik.noise = 0.01
     res = train_fsvi(_relu_net(1, 50, 0), d.x_train, d.y_train, lik, prior_precision=torch.tensor([1.0, 50.0, 50.0]),
-                     epochs=1000, batch_size=None, lr=1e-2, num_context=32, context_jitter=1e-6, progress=False)
+                     epochs=1000, batch_size=None, lr=1e-2, num_context=32,
+                     options=FSVIOptions(context_jitter=1e-6), progress=False)
     x = torch.linspace(-1, 1, 41, dtype=torch.float64)[:, None]
     with torch.no_grad():
         std = res.model(x).variance.sqrt()
@@ -162,7 +165,7 @@ def test_inputs_context_and_loaders_that_cannot_work_raise_before_training():
         (dict(context=torch.randn(10, 5, dtype=torch.float64)), ValueError, "context of shape"),
         (dict(train_x=torch.cat([x[:-1], torch.full((1, 2), float("nan"), dtype=torch.float64)])), ValueError,
          "train_x contains NaN"),
-        (dict(optimizer="adam"), TypeError, "optimizer must be"),
+        (dict(optimization=FSVIOptimization(optimizer="adam")), TypeError, "optimizer must be"),
         (dict(train_x=((x[i : i + 5], y[i : i + 5]) for i in range(0, 20, 5)), train_y=None), TypeError,
          "re-iterable"),
     ]
@@ -190,11 +193,13 @@ def test_a_numpy_seed_is_a_seed():
     np = pytest.importorskip("numpy")
     x, y = _data()
     runs = [train_fsvi(ref.mlp(d_in=2, width=4, d_out=1), x, y, GaussianLikelihood().double(), epochs=2,
-                       num_context=4, seed=seed, progress=False).model for seed in (np.int64(3), 3)]
+                       num_context=4, optimization=FSVIOptimization(seed=seed),
+                       progress=False).model for seed in (np.int64(3), 3)]
     with torch.no_grad():
         torch.testing.assert_close(runs[0](x).mean, runs[1](x).mean, rtol=0, atol=0)
     with pytest.raises(TypeError, match="seed"):
-        train_fsvi(ref.mlp(d_in=2), x, y, GaussianLikelihood().double(), seed=2.0, progress=False)
+        train_fsvi(ref.mlp(d_in=2), x, y, GaussianLikelihood().double(),
+                   optimization=FSVIOptimization(seed=2.0), progress=False)
 
 
 def test_a_likelihood_with_another_number_of_outputs_is_refused_by_the_model():

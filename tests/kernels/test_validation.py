@@ -64,7 +64,7 @@ def test_setter_respects_the_constraint_and_accepts_good_values():
         ({"chunk_size": 0}, ValueError, "chunk_size must be an integer"),
         ({"chunk_size": 2.7}, ValueError, "chunk_size must be an integer"),
         ({"cache_size": -1}, ValueError, "cache_size must be an integer"),
-        ({"progress": "yes"}, TypeError, "progress must be a bool"),
+        ({"progress": "yes"}, TypeError, "progress must be True, False or None"),
         ({"input_shape": (3, 0)}, ValueError, "input_shape must be an integer"),
         ({"input_shape": "3"}, ValueError, "input_shape must be a non-empty tuple"),
         ({"batch_shape": (2, -1)}, ValueError, "batch_shape must be a tuple"),

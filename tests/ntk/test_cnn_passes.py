@@ -54,7 +54,8 @@ def test_cnn_grams_and_diagonals_match_dense_jacobians(batched, keep, batchnorm,
     engine = NTKEngine(net, prior_structure="parameter", chunk_size=3, max_jacobian_bytes=2**30 if keep else 0)
     plan = engine.plan(x1)
     assert [la.name for la in plan.multi] == ["0", "3"] and [la.name for la in plan.single] == list(plan.names[2:])
-    assert plan.generic == (("4.weight", "4.bias") if batchnorm else ())  # BatchNorm: vmap(jacrev) columns
+    assert plan.generic == ()  # BatchNorm: the elementwise route (its rows from the same features), no vmap(jacrev)
+    assert [la.name for la in plan.elementwise] == (["4"] if batchnorm else [])
     before = snapshot(net)
     g, c = engine.num_groups, 3
     cross, sym = reference(net, x1, x2, "parameter"), reference(net, x1, x1, "parameter")

@@ -60,7 +60,7 @@ def test_structured_route_is_taken_for_linear_and_conv_layers():
     cnn = NTKEngine(small_cnn(), strategy="auto")
     plan = cnn.plan(torch.randn(2, 1, 6, 6, dtype=torch.float64))
     assert plan.names == ("conv", "head") and [la.name for la in plan.multi] == ["conv"]
-    assert plan.generic == ("bn.weight", "bn.bias")  # BatchNorm: contraction
+    assert plan.generic == () and [la.name for la in plan.elementwise] == ["bn"]  # BatchNorm: from the features
 
 
 def test_shared_linear_falls_back_to_contraction():
@@ -233,7 +233,7 @@ def test_output_grams_are_the_diagonal_output_blocks_of_group_grams(case, groups
         assert rel_err(diag, ref_diag) < 1e-12
     assert_unchanged(net, before)
     plan = engine.plan(x1)
-    assert bool(plan.generic) == (case == "cnn_bn")  # features (MLPs) and the group_grams fallback (CNN)
+    assert not plan.generic and bool(plan.elementwise) == (case == "cnn_bn")  # BatchNorm's rows from the features
 
 
 def test_group_sq_norms():

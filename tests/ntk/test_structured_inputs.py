@@ -14,10 +14,12 @@ from torch import nn
 from torch.func import functional_call, jacrev
 
 import ntkgp
-from ntkgp.laplace import laplace_posterior, predict
+from ntkgp.laplace import laplace_posterior, PassOptions, predict
 from ntkgp.ntk import NTKEngine
 from ntkgp.ntk.inputs import cat, check_structure, num_rows, rows, take
 from ntkgp.ntk.outputs import with_output
+from ntkgp.fsvi import FSVIOptions
+from ntkgp.training import HyperparameterSchedule
 
 VOCAB, LENGTH = 7, 5
 NOISE = 0.1  # the Gaussian likelihood's noise, read back from it in regression_data()
@@ -160,7 +162,7 @@ def test_laplace_posterior_on_dict_inputs_and_outputs_matches_dense_posterior():
     dict_net.load_state_dict(net.state_dict())
     x, x_test = masked_batch(y.shape[0]), masked_batch(4, seed=3)
     posterior = laplace_posterior(dict_net, x, y, likelihood, structure="full_ggn", prior_precision=1.5,
-                                  prior_structure="network", output="logits", batch_size=4)  # batches of a dict
+                                  prior_structure="network", output="logits", options=PassOptions(batch_size=4))  # batches of a dict
     expected = gaussian_posterior_variance(dense_jacobian(dict_net, x, "logits"),
                                            dense_jacobian(dict_net, x_test, "logits"), NOISE, 1.5)
     torch.testing.assert_close(predict(posterior, x_test).f.variance, expected, rtol=1e-9, atol=1e-12)
@@ -221,7 +223,7 @@ def test_fsvi_on_token_ids_takes_context_from_the_data_and_matches_jacrev():
     x, y = ids(12), torch.randint(0, 3, (12,), generator=torch.Generator().manual_seed(4))
     likelihood = ntkgp.likelihoods.SoftmaxLikelihood(num_classes=3)
     result = ntkgp.fsvi.train_fsvi(tuple_net, x, y, likelihood, epochs=2, num_context=4, lr=1e-2, progress=False,
-                                   output=0)
+                                   options=FSVIOptions(output=0))
     model = result.model
     q = model.variational_distribution
     means, variances = q.means(), q.variances()
@@ -241,8 +243,9 @@ def test_train_marglik_on_token_ids_with_a_dict_output():
     x, y = ids(16), torch.randint(0, 3, (16,), generator=torch.Generator().manual_seed(4))
     before = {k: v.clone() for k, v in net.state_dict().items()}
     result = ntkgp.training.train_marglik(
-        net, x, y, ntkgp.likelihoods.SoftmaxLikelihood(num_classes=3), epochs=2, burn_in=1, frequency=1,
-        hyper_steps=2, progress=False, output=0,
+        net, x, y, ntkgp.likelihoods.SoftmaxLikelihood(num_classes=3), epochs=2,
+        schedule=HyperparameterSchedule(burn_in=1, frequency=1, hyper_steps=2),
+        progress=False, output=0,
     )
     assert torch.isfinite(torch.tensor(result.log_evidence))
     assert not torch.equal(result.prior_precision, torch.ones_like(result.prior_precision))  # δ was learned
@@ -301,17 +304,15 @@ def test_rows_of_structured_inputs():
     assert all(torch.equal(joined[k], x[k]) for k in x)
 
 
-def test_models_that_take_tensors_refuse_a_dict_naming_train_x():
+def test_models_take_a_dict_with_a_dict_output():
+    """NTKGP, SFR, FSVI and train_marglik take dict inputs (packed rows, ntkgp.ntk.packed_inputs); their values are
+    checked against independent references in tests/models/test_dict_inputs_models.py."""
     net = MaskedDictModel().double().eval()
     x, y = masked_batch(8), torch.randint(0, 3, (8,), generator=torch.Generator().manual_seed(4))
     likelihood = ntkgp.likelihoods.SoftmaxLikelihood(num_classes=3)
-    for build in (lambda: ntkgp.NTKGP(net, x, y, likelihood, output="logits"),
-                  lambda: ntkgp.SFR(net, x, y, likelihood, num_inducing=3, output="logits"),
-                  lambda: ntkgp.fsvi.train_fsvi(net, x, y, likelihood, epochs=1, progress=False, output="logits"),
-                  lambda: ntkgp.training.train_marglik(net, x, y, likelihood, epochs=1, progress=False,
-                                                       output="logits")):
-        with pytest.raises(TypeError, match="train_x must be a torch.Tensor.*dict"):
-            build()
+    model = ntkgp.NTKGP(net, x, y, likelihood, output="logits").eval()
+    sfr = ntkgp.SFR(net, x, y, likelihood, num_inducing=8, output="logits")  # Z = X: the full posterior
+    torch.testing.assert_close(sfr(x).variance, model(x).variance, rtol=1e-8, atol=1e-12)
 
 
 def test_a_kernel_with_output_pickles_and_deep_copies_as_the_network_view():

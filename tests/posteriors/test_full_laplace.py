@@ -17,6 +17,7 @@ from tests.posteriors.reference import (
     likelihood_case,
     targets,
 )
+from ntkgp.laplace import PassOptions
 
 
 @pytest.mark.parametrize("kind", ["ggn", "ef"])
@@ -29,7 +30,7 @@ def test_full_laplace_equals_dense_brute_force(name, kind):
     x_test = torch.randn(4, 3, dtype=DTYPE, generator=torch.Generator().manual_seed(3))
     delta = torch.tensor([0.7, 2.5], dtype=DTYPE)  # one per layer: per-group prior precisions
     before = snapshot(net)
-    posterior = FullLaplace(net, x, y, lik, curvature=kind, prior_precision=delta, batch_size=4)
+    posterior = FullLaplace(net, x, y, lik, curvature=kind, prior_precision=delta, options=PassOptions(batch_size=4))
     delta_cols = torch.cat([delta[0].expand(3 * 4 + 4), delta[1].expand(4 * c + c)])
     precision = dense_curvature(net, x, y, log_prob, kind) + torch.diag(delta_cols)
     check_against(posterior, net, x_test, precision)
@@ -103,7 +104,7 @@ def test_full_laplace_accepts_batches_and_float32():
     y = targets("softmax", 9)
     loader = list(zip(x.split(4), y.split(4)))
     a = FullLaplace(net, loader, None, lik)
-    b = FullLaplace(net, x, y, lik, batch_size=9)
+    b = FullLaplace(net, x, y, lik, options=PassOptions(batch_size=9))
     close(a.dense_precision(), b.dense_precision())
     net32 = mlp(3, 4, c, depth=1, seed=1, dtype=torch.float32)
     p32 = FullLaplace(net32, x.float(), y, lik.float())
@@ -131,7 +132,7 @@ def test_input_validation_before_any_pass():
     with pytest.raises(TypeError, match="likelihood"):
         FullLaplace(net, x, y, "softmax")
     with pytest.raises(ValueError, match="batch_size"):
-        FullLaplace(net, x, y, lik, batch_size=0)
+        FullLaplace(net, x, y, lik, options=PassOptions(batch_size=0))
     posterior = FullLaplace(net, x, y, lik)
     with pytest.raises(ValueError, match="v must have shape"):
         posterior.covariance_matmul(torch.ones(3, dtype=DTYPE))

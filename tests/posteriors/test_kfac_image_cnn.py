@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.func import jacrev
 
-from ntkgp.laplace import predict
+from ntkgp.laplace import PassOptions, predict
 from ntkgp.laplace.weight_space import KFACLaplace, compute_curvature, kfac_factors
 from ntkgp.laplace.weight_space.kfac_factors import location_gram, symmetric_gram
 from ntkgp.likelihoods import SoftmaxLikelihood, hessian
@@ -85,7 +85,7 @@ def test_factors_of_an_image_cnn_equal_brute_force(monkeypatch, rows):
 def test_glm_covariance_of_an_image_cnn_equals_the_dense_sandwich():
     net, (x, y), lik = image_cnn(), data(), SoftmaxLikelihood(C).double()
     x_test = data(4)[0] + 0.5
-    posterior = KFACLaplace(net, x, y, lik, prior_precision=0.7, prior_structure="network", batch_size=3)
+    posterior = KFACLaplace(net, x, y, lik, prior_precision=0.7, prior_structure="network", options=PassOptions(batch_size=3))
     factors = brute_factors(net, x, y, lik)
     index = torch.cat([b.index.reshape(-1) for b in posterior.blocks])
     blocks = [torch.kron(g, a) + 0.7 * torch.eye(a.shape[0] * g.shape[0], dtype=a.dtype) for a, g in factors]
@@ -100,7 +100,7 @@ def test_float32_image_cnn_matches_its_float64_copy():
     net64, (x, y), lik = image_cnn(), data(40), SoftmaxLikelihood(C)
     net32 = copy.deepcopy(net64).float()
     x_test = data(6)[0] + 0.3
-    posts = [KFACLaplace(n, x.to(d), y, lik.to(d), prior_precision=0.5, prior_structure="network", batch_size=16)
+    posts = [KFACLaplace(n, x.to(d), y, lik.to(d), prior_precision=0.5, prior_structure="network", options=PassOptions(batch_size=16))
              for n, d in ((net32, torch.float32), (net64, torch.float64))]
     # Error model (ε = ε32, r = float32_roundings: the relative rounding of the activations, outputs and output
     # gradients of this network, f and its Jacobians measured on the float64 copy). A = Σ ā āᵀ over m = N·T

@@ -10,6 +10,7 @@ import torch
 from ntkgp.laplace.weight_space import KFACLaplace, compute_curvature
 from tests.posteriors.reference import DTYPE, check_against, close, kronecker_precision
 from tests.posteriors.test_structured_laplace import cnn_case
+from ntkgp.laplace import PassOptions
 
 
 @pytest.fixture
@@ -24,7 +25,7 @@ def eigh_calls(monkeypatch):
 def test_kfac_posterior_decomposes_at_its_first_use_and_not_again_for_a_new_delta(eigh_calls):
     net, lik, _, x, y, x_test = cnn_case()
     delta = torch.tensor([0.5, 2.0, 1.3], dtype=DTYPE)  # conv, bn, head
-    posterior = KFACLaplace(net, x, y, lik, prior_precision=delta, batch_size=3)
+    posterior = KFACLaplace(net, x, y, lik, prior_precision=delta, options=PassOptions(batch_size=3))
     assert eigh_calls == []  # the fit: factors only
     curvature = compute_curvature(net, x, y, lik, structure="kfac")
     check_against(posterior, net, x_test, kronecker_precision(net, curvature, lik, delta))

@@ -32,6 +32,7 @@ from tests.posteriors.reference import (
     likelihood_case,
     targets,
 )
+from ntkgp.laplace import PassOptions
 
 STRUCTURES = ["full_ggn", "full_ef", "kfac", "diag_ggn", "diag_ef"]
 NAMES = ["4.weight", "4.bias"]
@@ -88,7 +89,7 @@ def test_last_layer_structures_equal_dense_brute_force(name, structure):
     delta = torch.tensor([1.7], dtype=DTYPE) if kfac else torch.tensor([0.3, 4.0], dtype=DTYPE)
     before = snapshot(net)
     posterior = laplace_posterior(net, x, y, lik, structure=structure, subset="last_layer", prior_precision=delta,
-                                  prior_structure="layer" if kfac else "parameter", batch_size=4)
+                                  prior_structure="layer" if kfac else "parameter", options=PassOptions(batch_size=4))
     assert posterior.names == NAMES and posterior.layer == "4"
     assert posterior.feature_layer is not None  # one forward pass: the feature route
     delta_cols = delta.expand(6 * c) if kfac else torch.cat([delta[0].expand(5 * c), delta[1].expand(c)])
@@ -160,7 +161,7 @@ def test_a_head_that_differs_on_a_later_batch_raises():
     lik, _, _ = likelihood_case("gaussian")
     with pytest.raises(ValueError, match="not the output of its last layer"):
         laplace_posterior(net, x, torch.randn(8, 1, dtype=DTYPE), lik, structure="diag_ggn", subset="last_layer",
-                          batch_size=4)
+                          options=PassOptions(batch_size=4))
 
 
 @pytest.mark.parametrize("structure", STRUCTURES)

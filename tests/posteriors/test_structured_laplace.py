@@ -18,6 +18,7 @@ from tests.posteriors.reference import (
     targets,
 )
 from tests.posteriors.reference import check_against, close
+from ntkgp.laplace import PassOptions
 
 
 def cnn_case(name: str = "softmax"):
@@ -42,7 +43,7 @@ def test_kfac_laplace_equals_explicit_kronecker_products(name, damping):
     net, lik, _, x, y, x_test = mlp_case(name)
     delta = torch.tensor([0.4, 1.7, 3.0], dtype=DTYPE)  # one per layer
     before = snapshot(net)
-    posterior = KFACLaplace(net, x, y, lik, prior_precision=delta, damping=damping, batch_size=3)
+    posterior = KFACLaplace(net, x, y, lik, prior_precision=delta, damping=damping, options=PassOptions(batch_size=3))
     curvature = compute_curvature(net, x, y, lik, structure="kfac")
     check_against(posterior, net, x_test, kronecker_precision(net, curvature, lik, delta, damping))
     assert_unchanged(net, before)

@@ -12,6 +12,7 @@ import torch
 from ntkgp.laplace.weight_space import SubnetLaplace, laplace_posterior
 from tests.helpers import assert_unchanged, mlp, reference_terms, snapshot
 from tests.posteriors.reference import DTYPE, close, jacobian, likelihood_case, targets
+from ntkgp.laplace import PassOptions
 
 
 def problem(name: str = "softmax"):
@@ -51,7 +52,7 @@ def test_subnetwork_equals_dense_brute_force(by, name, kind):
     delta = torch.tensor([0.7, 2.5], dtype=DTYPE)  # one per layer
     before = snapshot(net)
     posterior = laplace_posterior(net, x, y, lik, structure=f"full_{kind}", subset="subnetwork",
-                                  subnetwork=subnetwork, prior_precision=delta, batch_size=4)
+                                  subnetwork=subnetwork, prior_precision=delta, options=PassOptions(batch_size=4))
     cols = selected_columns(net, chosen)
     assert posterior.num_params == cols.numel()
     jn = jacobian(net, x)[..., cols]  # (N, C, |S|)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from ntkgp.training import train_marglik
+from ntkgp.training import HyperparameterSchedule, MAPOptimization, train_marglik
 
 
 def network():
@@ -23,11 +23,15 @@ def data():
     return x, torch.sin(x.sum(-1)) + 0.1 * torch.randn(32, generator=g, dtype=torch.float64)
 
 
-def run(net, x, y, **kwargs):
+def run(net, x, y, train_normalization=True):
     likelihood = gpytorch.likelihoods.GaussianLikelihood().double()
     likelihood.noise = 0.1
-    train_marglik(net, x, y, likelihood, epochs=1, burn_in=1, frequency=1, hyper_steps=1, lr=0.05,
-                  optimizer=torch.optim.SGD, learn_likelihood=False, prior_precision=2.0, progress=False, **kwargs)
+    train_marglik(net, x, y, likelihood, epochs=1,
+                  schedule=HyperparameterSchedule(burn_in=1, frequency=1, hyper_steps=1,
+                                                  learn_likelihood=False),
+                  optimization=MAPOptimization(optimizer=torch.optim.SGD,
+                                               train_normalization=train_normalization),
+                  lr=0.05, prior_precision=2.0, progress=False)
     return likelihood
 
 

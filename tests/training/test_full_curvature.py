@@ -124,8 +124,6 @@ def test_auto_space_takes_the_smaller_side_and_weight_space_wrappers():
 
 
 def test_the_posteriors_dense_ggn_is_the_full_ggn():
-    from ntkgp.laplace.weight_space.dense_curvature import component_weights, dense_curvature  # noqa: F401
-
     torch.manual_seed(0)
     x, y = torch.randn(6, 2, dtype=DTYPE), torch.randn(6, dtype=DTYPE)
     net = mlp(d_in=2, width=3, d_out=1, depth=1)

@@ -16,9 +16,10 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from ntkgp.training import train_marglik
+from ntkgp.training import HyperparameterSchedule, train_marglik
 
-SETTINGS = dict(epochs=3, burn_in=1, frequency=1, hyper_steps=2, lr=1e-2, progress=False)
+SETTINGS = dict(epochs=3, schedule=HyperparameterSchedule(burn_in=1, frequency=1, hyper_steps=2), lr=1e-2,
+                progress=False)
 
 
 def _run(net, likelihood, x, y, loader: bool, structure: str, batch_size):

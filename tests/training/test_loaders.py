@@ -10,10 +10,10 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import ntkgp
-from ntkgp.training import train_marglik
+from ntkgp.training import HyperparameterSchedule, train_marglik
 from tests.helpers import mlp
 
-ROUNDS = dict(lr=1e-2, burn_in=2, frequency=3, hyper_steps=4, progress=False)
+ROUNDS = dict(lr=1e-2, schedule=HyperparameterSchedule(burn_in=2, frequency=3, hyper_steps=4), progress=False)
 
 
 def _assert_same_run(a, b, net_a, net_b, rtol):
@@ -47,7 +47,8 @@ def test_shuffled_minibatches_of_any_size_follow_the_loader(small_regression, ma
     def loader():
         return DataLoader(TensorDataset(x, y), batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(7))
 
-    train_marglik(net, loader(), None, lik, epochs=3, lr=1e-2, burn_in=10, frequency=10, hyper_steps=0,
+    train_marglik(net, loader(), None, lik, epochs=3, lr=1e-2,
+                  schedule=HyperparameterSchedule(burn_in=10, frequency=10, hyper_steps=0),
                   progress=False)
     batches = loader()
     sizes = [xb.shape[0] for xb, _ in batches]  # the check pass

@@ -1,6 +1,7 @@
 """Algorithm 1 (online evidence optimisation) and model selection by evidence."""
 
 import copy
+import dataclasses
 import math
 
 import gpytorch
@@ -9,7 +10,7 @@ import torch
 
 import ntkgp
 from ntkgp.datasets import gap_regression
-from ntkgp.training import compare_models, train_marglik
+from ntkgp.training import compare_models, HyperparameterSchedule, MAPOptimization, train_marglik
 from tests.helpers import mlp
 
 
@@ -21,8 +22,9 @@ def regression_problem(seed=0):
 
 def test_algorithm1_raises_evidence_and_recovers_noise():
     data, net, lik = regression_problem()
-    result = train_marglik(net, data.x_train, data.y_train, lik, epochs=400, lr=1e-2, burn_in=50, frequency=50,
-                           hyper_steps=50, progress=False)
+    result = train_marglik(net, data.x_train, data.y_train, lik, epochs=400, lr=1e-2,
+                           schedule=HyperparameterSchedule(burn_in=50, frequency=50, hyper_steps=50),
+                           progress=False)
     evidences = [h["log_evidence"] for h in result.history]
     assert len(evidences) == 7  # epochs 100, 150, ..., 400
     assert max(evidences) > evidences[0] + 0.1
@@ -37,7 +39,8 @@ def test_algorithm1_raises_evidence_and_recovers_noise():
 def test_scalable_structures_run_and_learn(structure):
     data, net, lik = regression_problem()
     result = train_marglik(net, data.x_train, data.y_train, lik, structure=structure, epochs=120, lr=1e-2,
-                           burn_in=20, frequency=50, hyper_steps=30, progress=False)
+                           schedule=HyperparameterSchedule(burn_in=20, frequency=50, hyper_steps=30),
+                           progress=False)
     assert len(result.history) == 2 and all(torch.isfinite(torch.tensor(h["log_evidence"])) for h in result.history)
     assert result.history[-1]["log_evidence"] > result.history[0]["log_evidence"]
 
@@ -48,7 +51,9 @@ def test_classification_with_softmax():
     y = (x[:, 0] > 0).long() + (x[:, 1] > 0).long()
     net = mlp(d_in=2, width=12, d_out=3, depth=1)
     lik = ntkgp.likelihoods.SoftmaxLikelihood(num_classes=3).double()
-    result = train_marglik(net, x, y, lik, epochs=100, lr=1e-2, burn_in=20, frequency=40, hyper_steps=20, progress=False)
+    result = train_marglik(net, x, y, lik, epochs=100, lr=1e-2,
+                           schedule=HyperparameterSchedule(burn_in=20, frequency=40, hyper_steps=20),
+                           progress=False)
     assert result.history[-1]["log_evidence"] > result.history[0]["log_evidence"]
 
 
@@ -56,10 +61,12 @@ def test_model_selection_table():
     data, net1, lik1 = regression_problem()
     net2 = mlp(d_in=1, width=20, d_out=1, depth=2, seed=0)
     lik2 = gpytorch.likelihoods.GaussianLikelihood().double()
-    r1 = train_marglik(net1, data.x_train, data.y_train, lik1, epochs=200, lr=1e-2, burn_in=50, frequency=50,
-                       hyper_steps=30, progress=False)
-    r2 = train_marglik(net2, data.x_train, data.y_train, lik2, epochs=200, lr=1e-2, burn_in=50, frequency=50,
-                       hyper_steps=30, progress=False)
+    r1 = train_marglik(net1, data.x_train, data.y_train, lik1, epochs=200, lr=1e-2,
+                       schedule=HyperparameterSchedule(burn_in=50, frequency=50, hyper_steps=30),
+                       progress=False)
+    r2 = train_marglik(net2, data.x_train, data.y_train, lik2, epochs=200, lr=1e-2,
+                       schedule=HyperparameterSchedule(burn_in=50, frequency=50, hyper_steps=30),
+                       progress=False)
     m1, m2 = r1.model(data.x_train, data.y_train), r2.model(data.x_train, data.y_train)
     table = compare_models({"shallow": m1, "deep": m2})
     assert [r.log_evidence_per_n for r in table] == sorted([r.log_evidence_per_n for r in table], reverse=True)
@@ -101,8 +108,10 @@ def test_nan_in_any_row_is_caught_before_training():
 def test_bad_numbers_are_named_before_training(argument, value):
     data, net, lik = regression_problem()
     before = copy.deepcopy(net.state_dict())
+    grouped = {f.name for f in dataclasses.fields(HyperparameterSchedule)}
+    settings = {"schedule": HyperparameterSchedule(**{argument: value})} if argument in grouped else {argument: value}
     with pytest.raises(ValueError, match=argument):
-        train_marglik(net, data.x_train, data.y_train, lik, progress=False, **{argument: value})
+        train_marglik(net, data.x_train, data.y_train, lik, progress=False, **settings)
     assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())
 
 
@@ -112,16 +121,20 @@ def test_numpy_numbers_are_numbers(small_regression):
     np = pytest.importorskip("numpy")
     x, y, net, lik = small_regression(n=20)
     net_ref, lik_ref = copy.deepcopy(net), copy.deepcopy(lik)
-    options = {"burn_in": 0, "frequency": 2, "hyper_steps": 3, "progress": False}
-    result = train_marglik(net, x, y, lik, epochs=np.int64(4), batch_size=np.int32(10), seed=np.int64(1),
-                           lr=np.float32(0.5) / 50, hyper_lr=np.float64(0.1), curvature_batch_size=np.int64(8),
-                           **options)
-    reference = train_marglik(net_ref, x, y, lik_ref, epochs=4, batch_size=10, seed=1, lr=float(np.float32(0.5) / 50),
-                              hyper_lr=0.1, curvature_batch_size=8, **options)
+    rounds = {"burn_in": 0, "frequency": 2, "hyper_steps": 3}
+    result = train_marglik(net, x, y, lik, epochs=np.int64(4), batch_size=np.int32(10),
+                           optimization=MAPOptimization(seed=np.int64(1)),
+                           schedule=HyperparameterSchedule(hyper_lr=np.float64(0.1),
+                                                           curvature_batch_size=np.int64(8), **rounds),
+                           lr=np.float32(0.5) / 50, progress=False)
+    reference = train_marglik(net_ref, x, y, lik_ref, epochs=4, batch_size=10,
+                              optimization=MAPOptimization(seed=1),
+                              schedule=HyperparameterSchedule(hyper_lr=0.1, curvature_batch_size=8, **rounds),
+                              lr=float(np.float32(0.5) / 50), progress=False)
     assert result.log_evidence == reference.log_evidence
     assert all(torch.equal(a, b) for a, b in zip(net.state_dict().values(), net_ref.state_dict().values()))
     with pytest.raises(ValueError, match="epochs"):
-        train_marglik(net, x, y, lik, epochs=np.bool_(True), **options)
+        train_marglik(net, x, y, lik, epochs=np.bool_(True), progress=False)
 
 
 def test_a_huge_hyper_lr_cannot_run_away_silently():
@@ -130,8 +143,10 @@ def test_a_huge_hyper_lr_cannot_run_away_silently():
 
     data, net, lik = regression_problem()
     with pytest.warns(HyperparameterWarning, match="hyper_lr"):
-        result = train_marglik(net, data.x_train, data.y_train, lik, epochs=60, lr=1e-2, burn_in=20, frequency=20,
-                               hyper_steps=30, hyper_lr=100.0, progress=False)
+        result = train_marglik(net, data.x_train, data.y_train, lik, epochs=60, lr=1e-2,
+                               schedule=HyperparameterSchedule(burn_in=20, frequency=20, hyper_steps=30,
+                                                               hyper_lr=100.0),
+                               progress=False)
     low, high = PRIOR_PRECISION_RANGE
     assert ((result.prior_precision >= low) & (result.prior_precision <= high)).all()
     assert torch.isfinite(torch.tensor(result.log_evidence))
@@ -143,7 +158,8 @@ def test_a_huge_hyper_lr_cannot_run_away_silently():
 def test_full_empirical_fisher_structure():
     data, net, lik = regression_problem()
     result = train_marglik(net, data.x_train, data.y_train, lik, structure="full_ef", epochs=120, lr=1e-2,
-                           burn_in=20, frequency=50, hyper_steps=30, progress=False)
+                           schedule=HyperparameterSchedule(burn_in=20, frequency=50, hyper_steps=30),
+                           progress=False)
     assert len(result.history) == 2 and result.history[-1]["log_evidence"] > result.history[0]["log_evidence"]
     model = result.model(data.x_train, data.y_train)
     assert abs(model.log_marginal_likelihood(curvature="ef").item() / 80 - result.log_evidence) < 1e-8
@@ -165,7 +181,8 @@ def test_removed_names_are_gone():
 
 def test_history_noise_is_the_variance():
     data, net, lik = regression_problem()
-    result = train_marglik(net, data.x_train, data.y_train, lik, epochs=30, burn_in=10, frequency=20, hyper_steps=5,
+    result = train_marglik(net, data.x_train, data.y_train, lik, epochs=30,
+                           schedule=HyperparameterSchedule(burn_in=10, frequency=20, hyper_steps=5),
                            progress=False)
     assert result.history[-1]["noise"] == [pytest.approx(lik.noise.item())]  # σ², not σ
 
@@ -195,8 +212,10 @@ def test_batch_size_none_is_the_full_batch(batch_size, steps_per_epoch):
             steps.append(1)
             return super().step(closure)
 
-    train_marglik(net, data.x_train, data.y_train, lik, epochs=2, batch_size=batch_size, burn_in=5, frequency=5,
-                  hyper_steps=0, optimizer=Counting, lr=1e-3, progress=False)
+    train_marglik(net, data.x_train, data.y_train, lik, epochs=2, batch_size=batch_size,
+                  schedule=HyperparameterSchedule(burn_in=5, frequency=5, hyper_steps=0),
+                  optimization=MAPOptimization(optimizer=Counting),
+                  lr=1e-3, progress=False)
     assert len(steps) == 2 * steps_per_epoch
 
 
@@ -207,8 +226,9 @@ def test_result_posterior_is_the_structure_that_was_trained(structure):
     from ntkgp.laplace.weight_space.full_curvature import full_ef
 
     data, net, lik = regression_problem()
-    result = train_marglik(net, data.x_train, data.y_train, lik, structure=structure, epochs=40, lr=1e-2, burn_in=20,
-                           frequency=20, hyper_steps=5, progress=False)
+    result = train_marglik(net, data.x_train, data.y_train, lik, structure=structure, epochs=40, lr=1e-2,
+                           schedule=HyperparameterSchedule(burn_in=20, frequency=20, hyper_steps=5),
+                           progress=False)
     assert result.structure == structure
     posterior = result.posterior(data.x_train, data.y_train)
     assert posterior.structure == structure
@@ -225,8 +245,10 @@ def test_result_posterior_is_the_structure_that_was_trained(structure):
 def test_paper_protocol_one_step_per_epoch_records_exact_triples():
     """F = 1, K = 1, B = 0: each round's evidence is the one evaluated at the recorded hyperparameters."""
     data, net, lik = regression_problem()
-    result = train_marglik(net, data.x_train, data.y_train, lik, epochs=6, lr=1e-3, hyper_lr=1e-3, burn_in=0,
-                           frequency=1, hyper_steps=1, progress=False)
+    result = train_marglik(net, data.x_train, data.y_train, lik, epochs=6, lr=1e-3,
+                           schedule=HyperparameterSchedule(hyper_lr=1e-3, burn_in=0, frequency=1,
+                                                           hyper_steps=1),
+                           progress=False)
     assert [h["epoch"] for h in result.history] == [1, 2, 3, 4, 5, 6]
     # the loaded checkpoint: network, δ and σ² together give the recorded evidence (independent NTKGP evidence)
     model = result.model(data.x_train, data.y_train)
@@ -251,7 +273,8 @@ def test_the_curvature_is_built_once_per_round_not_per_step(monkeypatch, prior_s
     monkeypatch.setattr(module, "exact_curvature", counting)
     data, net, lik = regression_problem()
     result = train_marglik(net, data.x_train, data.y_train, lik, prior_structure=prior_structure, epochs=40, lr=1e-2,
-                           burn_in=0, frequency=20, hyper_steps=6, progress=False)
+                           schedule=HyperparameterSchedule(burn_in=0, frequency=20, hyper_steps=6),
+                           progress=False)
     assert len(result.history) == 2 and len(calls) == 2  # two rounds (epochs 20 and 40), six steps each
     # P = 61 < N = 80: the weight space; one δ: the spectral form (one eigendecomposition per round)
     assert all(c.structure == "full_ggn" and c.num_params == 61 for c in calls)
@@ -281,7 +304,9 @@ def test_a_round_of_few_steps_takes_the_space_of_the_cheaper_build(monkeypatch, 
     net = torch.nn.Sequential(torch.nn.Linear(2, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).double()
     assert WEIGHT_SPACE_FROM * 33 < 30 < 33
     lik = gpytorch.likelihoods.GaussianLikelihood().double()
-    train_marglik(net, x, y, lik, epochs=2, lr=1e-2, burn_in=0, frequency=1, hyper_steps=hyper_steps, progress=False)
+    train_marglik(net, x, y, lik, epochs=2, lr=1e-2,
+                  schedule=HyperparameterSchedule(burn_in=0, frequency=1, hyper_steps=hyper_steps),
+                  progress=False)
     args, kwargs, curvature = calls[-1]
     assert isinstance(curvature, FunctionSpaceCurvature if hyper_steps == 1 else FullCurvature)
     other = original(*args, **{**kwargs, "space": "weight" if hyper_steps == 1 else "function"})
@@ -307,7 +332,9 @@ def test_diverging_map_training_stops_at_the_best_checkpoint():
     net, x, y = _diverging_problem()
     with pytest.warns(HyperparameterWarning, match="MAP training diverged"):
         result = train_marglik(net, x, y, gpytorch.likelihoods.GaussianLikelihood().double(), epochs=10, lr=1.2,
-                               optimizer=torch.optim.SGD, burn_in=0, frequency=5, hyper_steps=20, progress=False)
+                               optimization=MAPOptimization(optimizer=torch.optim.SGD),
+                               schedule=HyperparameterSchedule(burn_in=0, frequency=5, hyper_steps=20),
+                               progress=False)
     assert result.best_epoch == 5 and math.isfinite(result.log_evidence)
     assert all(torch.isfinite(p).all() for p in net.parameters())
     assert [r["epoch"] for r in result.history] == [5]
@@ -318,5 +345,6 @@ def test_diverging_before_any_round_restores_the_initial_weights_and_raises():
     before = {k: v.clone() for k, v in net.state_dict().items()}
     with pytest.raises(FloatingPointError, match="initial weights are restored"):
         train_marglik(net, x, y, gpytorch.likelihoods.GaussianLikelihood().double(), epochs=10, lr=1e4,
-                      optimizer=torch.optim.SGD, burn_in=0, frequency=5, hyper_steps=2, progress=False)
+                      optimization=MAPOptimization(optimizer=torch.optim.SGD),
+                      schedule=HyperparameterSchedule(burn_in=0, frequency=5, hyper_steps=2), progress=False)
     assert all(torch.equal(v, before[k]) for k, v in net.state_dict().items())

@@ -8,10 +8,10 @@ import functools
 import pytest
 import torch
 
-from ntkgp.training import train_marglik
+from ntkgp.training import HyperparameterSchedule, MAPOptimization, train_marglik
 
 # no hyperparameter learning (K = 0) and one round after the last epoch: the weights are the MAP loop's
-FIXED = dict(burn_in=100, frequency=100, hyper_steps=0, progress=False)
+FIXED = dict(schedule=HyperparameterSchedule(burn_in=100, frequency=100, hyper_steps=0), progress=False)
 
 
 def test_lbfgs_is_stepped_with_a_closure_as_a_hand_written_loop(small_regression, map_loss):
@@ -28,7 +28,8 @@ def test_lbfgs_is_stepped_with_a_closure_as_a_hand_written_loop(small_regression
 
             return super().step(counted)
 
-    result = train_marglik(net, x, y, lik, epochs=3, lr=0.5, optimizer=CountingLBFGS, **FIXED)
+    result = train_marglik(net, x, y, lik, epochs=3, lr=0.5,
+                           optimization=MAPOptimization(optimizer=CountingLBFGS), **FIXED)
     assert len(evaluations) > 3  # LBFGS re-evaluated the loss within its steps
     opt = torch.optim.LBFGS(reference.parameters(), lr=0.5)
 
@@ -47,8 +48,10 @@ def test_lbfgs_is_stepped_with_a_closure_as_a_hand_written_loop(small_regression
 
 def test_lbfgs_learns_the_hyperparameters(small_regression):
     x, y, net, lik = small_regression()
-    result = train_marglik(net, x, y, lik, epochs=6, lr=0.5, optimizer=torch.optim.LBFGS, burn_in=0, frequency=3,
-                           hyper_steps=10, progress=False)
+    result = train_marglik(net, x, y, lik, epochs=6, lr=0.5,
+                           optimization=MAPOptimization(optimizer=torch.optim.LBFGS),
+                           schedule=HyperparameterSchedule(burn_in=0, frequency=3, hyper_steps=10),
+                           progress=False)
     assert [h["epoch"] for h in result.history] == [3, 6]
     # the loaded checkpoint: a fresh NTKGP's evidence at the learned hyperparameters is the reported one
     assert abs(result.model(x, y).log_marginal_likelihood().item() / x.shape[0] - result.log_evidence) < 1e-9
@@ -60,7 +63,8 @@ def test_a_multistep_schedule_is_applied_per_epoch(small_regression, map_loss):
     reference = copy.deepcopy(net)
     noise = lik.noise.detach().clone()
     schedule = functools.partial(torch.optim.lr_scheduler.MultiStepLR, milestones=[2, 4], gamma=0.1)
-    train_marglik(net, x, y, lik, epochs=6, lr=0.3, optimizer=torch.optim.SGD, scheduler=schedule, **FIXED)
+    train_marglik(net, x, y, lik, epochs=6, lr=0.3,
+                  optimization=MAPOptimization(optimizer=torch.optim.SGD, scheduler=schedule), **FIXED)
     for epoch in range(1, 7):
         step = 0.3 * (1.0 if epoch <= 2 else 0.1 if epoch <= 4 else 0.01)
         grads = torch.autograd.grad(map_loss(reference, x, y, noise, 1.0, x.shape[0]), list(reference.parameters()))
@@ -71,7 +75,8 @@ def test_a_multistep_schedule_is_applied_per_epoch(small_regression, map_loss):
         torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-14)
     # without the schedule the weights differ: the schedule did something
     _, _, plain, plain_lik = small_regression()
-    train_marglik(plain, x, y, plain_lik, epochs=6, lr=0.3, optimizer=torch.optim.SGD, **FIXED)
+    train_marglik(plain, x, y, plain_lik, epochs=6, lr=0.3,
+                  optimization=MAPOptimization(optimizer=torch.optim.SGD), **FIXED)
     assert not torch.allclose(next(plain.parameters()), next(net.parameters()))
 
 
@@ -84,7 +89,8 @@ def test_reduce_on_plateau_is_given_the_epoch_loss(small_regression):
             seen.append(metrics)
             return super().step(metrics)
 
-    result = train_marglik(net, x, y, lik, epochs=4, lr=1e-2, scheduler=Recording, **FIXED)
+    result = train_marglik(net, x, y, lik, epochs=4, lr=1e-2,
+                           optimization=MAPOptimization(scheduler=Recording), **FIXED)
     assert seen == result.train_loss
 
 
@@ -104,7 +110,7 @@ def test_bad_optimizers_and_schedulers_are_refused_before_any_side_effect(small_
     before = copy.deepcopy(net.state_dict())
     raw = lik.raw_noise.detach().clone()
     with pytest.raises(error, match=match):
-        train_marglik(net, x, y, lik, epochs=2, progress=False, **kwargs)
+        train_marglik(net, x, y, lik, epochs=2, progress=False, optimization=MAPOptimization(**kwargs))
     assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())
     assert torch.equal(lik.raw_noise, raw)
     assert all(p.grad is None for p in [*net.parameters(), *lik.parameters()])

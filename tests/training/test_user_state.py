@@ -5,15 +5,18 @@ against a fresh, uninterrupted run that stops at the last completed round, and a
 initial weights before any round."""
 
 import copy
+import dataclasses
 import signal
 
 import pytest
 import torch
 
-from ntkgp.training import train_marglik
+from ntkgp.training import HyperparameterSchedule, MAPOptimization, train_marglik
 
 # rounds after epochs 4, 8, 12, ... (B = 0, F = 4), K = 3 steps each; one full-batch MAP step per epoch
-SETTINGS = dict(lr=1e-2, burn_in=0, frequency=4, hyper_steps=3, hyper_lr=0.1, progress=False)
+SETTINGS = dict(lr=1e-2,
+                schedule=HyperparameterSchedule(burn_in=0, frequency=4, hyper_steps=3, hyper_lr=0.1),
+                progress=False)
 
 
 def _user_grads(net, lik):
@@ -59,7 +62,7 @@ def test_grads_are_left_as_before_when_training_raises(small_regression):
             return loss
 
     with pytest.raises(FloatingPointError):  # before any round: the initial weights are restored
-        train_marglik(net, x, y, lik, epochs=8, optimizer=Diverging, **SETTINGS)
+        train_marglik(net, x, y, lik, epochs=8, optimization=MAPOptimization(optimizer=Diverging), **SETTINGS)
     _assert_grads_as_before(saved)
     _assert_same_state(net, before)
 
@@ -120,7 +123,8 @@ def _interrupted_run(small_regression, where, how, at):
 
         lik.raw_noise.register_hook(hook)
     with pytest.raises(RAISED[how]) as caught:
-        train_marglik(net, x, y, lik, epochs=20, optimizer=optimizer, **SETTINGS)
+        train_marglik(net, x, y, lik, epochs=20, optimization=MAPOptimization(optimizer=optimizer),
+                      **SETTINGS)
     _assert_grads_as_before(saved)
     return x, y, net, lik, caught.value
 
@@ -155,7 +159,9 @@ def test_an_interrupt_before_any_round_restores_the_initial_weights_and_hyperpar
     initial, noise = copy.deepcopy(net.state_dict()), lik.noise.detach().clone()
     saved = _user_grads(net, lik)
     with pytest.raises(KeyboardInterrupt) as caught:
-        train_marglik(net, x, y, lik, epochs=20, optimizer=_interrupting_optimizer(3, ACTIONS[how]), **SETTINGS)
+        train_marglik(net, x, y, lik, epochs=20,
+                      optimization=MAPOptimization(optimizer=_interrupting_optimizer(3, ACTIONS[how])),
+                      **SETTINGS)
     _assert_same_state(net, initial)
     assert torch.equal(lik.noise, noise)
     _assert_grads_as_before(saved)
@@ -174,7 +180,8 @@ def test_an_interrupt_with_a_loader_and_minibatches(small_regression):
     x, y, net, lik = small_regression()
     with pytest.raises(KeyboardInterrupt):
         train_marglik(net, loader(x, y), None, lik, epochs=20,
-                      optimizer=_interrupting_optimizer(17, _raise_keyboard_interrupt), **SETTINGS)
+                      optimization=MAPOptimization(optimizer=_interrupting_optimizer(17, _raise_keyboard_interrupt)),
+                      **SETTINGS)
     _, _, ref_net, ref_lik = small_regression()
     train_marglik(ref_net, loader(x, y), None, ref_lik, epochs=4, **SETTINGS)
     _assert_same_state(net, ref_net.state_dict())
@@ -185,8 +192,9 @@ def test_learn_likelihood_false_leaves_the_likelihood_alone_after_an_interrupt(s
     x, y, net, lik = small_regression()
     raw = lik.raw_noise.detach().clone()
     with pytest.raises(KeyboardInterrupt):
-        train_marglik(net, x, y, lik, epochs=20, learn_likelihood=False,
-                      optimizer=_interrupting_optimizer(10, _raise_keyboard_interrupt), **SETTINGS)
+        train_marglik(net, x, y, lik, epochs=20,
+                      optimization=MAPOptimization(optimizer=_interrupting_optimizer(10, _raise_keyboard_interrupt)),
+                      **{**SETTINGS, "schedule": dataclasses.replace(SETTINGS["schedule"], learn_likelihood=False)})
     assert torch.equal(lik.raw_noise, raw)
 
 

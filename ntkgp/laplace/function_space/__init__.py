@@ -7,6 +7,7 @@ so that :class:`~ntkgp.NTKGP`, :class:`~ntkgp.mlls.LaplaceGGNMarginalLogLikeliho
 :func:`~ntkgp.training.train_marglik` share one implementation.
 
 * :func:`laplace_log_marginal_likelihood` — :math:`\log q(\mathcal D)` in function or weight space;
+  :class:`TrainingEvidence` — the same, evaluated step after step on fixed training data (the MLL's use);
 * :class:`SitePosterior`, :func:`fit_site_posterior` — the posterior under Gaussian sites, in function or weight
   space (:func:`posterior_space`), at the network's outputs or iterated to the mode (:func:`site_mode`);
 * :class:`GLMPredictiveCovariance` — the predictive covariance, lazy and chunked over test points;
@@ -21,7 +22,7 @@ so that :class:`~ntkgp.NTKGP`, :class:`~ntkgp.mlls.LaplaceGGNMarginalLogLikeliho
 """
 
 from .eigen import spectral_log_det
-from .evidence import evidence_method, laplace_log_marginal_likelihood
+from .evidence import TrainingEvidence, evidence_method, is_kernel_covariance, laplace_log_marginal_likelihood
 from .glm_covariance import GLMPredictiveCovariance, PredictiveContext
 from ...ntk.products import NTKProducts
 from .matrix_free import matrix_free_log_det
@@ -49,8 +50,10 @@ __all__ = [
     "PredictiveContext",
     "SiteIterationWarning",
     "SitePosterior",
+    "TrainingEvidence",
     "evidence_method",
     "fit_site_posterior",
+    "is_kernel_covariance",
     "laplace_log_marginal_likelihood",
     "matrix_free_log_det",
     "posterior_space",

@@ -39,14 +39,14 @@ from gpytorch.likelihoods import Likelihood, MultitaskGaussianLikelihood
 from ...caching import ValueCache
 from ...kernels import NTKKernel
 from ...likelihoods import gradient, hessian_sqrt, is_gaussian, likelihood_temperature, noise_variance
-from ...linalg import block_sandwich
-from ...linalg import gram
-from ...options import Curvature, Space, choose, choose_space
+from ...linalg import block_sandwich, gram
+from ...options import CurvatureKind, Space, choose, choose_space
+from ..spectral_evidence import Spectrum, spectral_evidence
 from ..weight_space.layer_ggn import blocks_of_root
-from ..weight_space.scaling import data_fit_statistics, fewest_columns, output_scale, unit_root_columns
+from ..weight_space.scaling import data_fit_statistics, fewest_columns, output_variance, unit_root_columns
 from .algebra import block_apply
 
-__all__ = ["checked_spectral_evidence", "eigen_problem", "site_scale", "spectral_log_det", "spectrum"]
+__all__ = ["checked_spectral_evidence", "eigen_problem", "site_scale", "spectral_data", "spectral_log_det", "spectrum"]
 
 _SPECTRA: weakref.WeakKeyDictionary[NTKKernel, ValueCache] = weakref.WeakKeyDictionary()
 
@@ -57,7 +57,7 @@ def _has_site_scale(likelihood: Likelihood) -> bool:
                 and likelihood.has_task_noise and likelihood.num_tasks > 1)
 
 
-def site_scale(likelihood: Likelihood, curvature: Curvature | str = "ggn") -> torch.Tensor | None:
+def site_scale(likelihood: Likelihood, curvature: CurvatureKind | str = "ggn") -> torch.Tensor | None:
     r"""The scalar :math:`s` with :math:`L = s L_0` for every value of the likelihood's hyperparameters.
 
     Returns:
@@ -65,7 +65,7 @@ def site_scale(likelihood: Likelihood, curvature: Curvature | str = "ggn") -> to
         (tempered likelihoods; a constant 1 without a temperature) for ``"ggn"`` / ``"ef"``, with its graph
         to the hyperparameter; ``None`` where the site factor has no such scale (per-output noises).
     """
-    power = 1.0 if choose(Curvature, curvature, "curvature") is Curvature.GGN else 2.0
+    power = 1.0 if choose(CurvatureKind, curvature, "curvature") is CurvatureKind.GGN else 2.0
     if not _has_site_scale(likelihood):
         return None
     if is_gaussian(likelihood):
@@ -77,7 +77,7 @@ def site_scale(likelihood: Likelihood, curvature: Curvature | str = "ggn") -> to
 
 
 def eigen_problem(
-    kernel: NTKKernel, likelihood: Likelihood, x: torch.Tensor, curvature: Curvature | str
+    kernel: NTKKernel, likelihood: Likelihood, x: torch.Tensor, curvature: CurvatureKind | str
 ) -> str | None:
     """Why the eigen route does not apply to this problem, or ``None`` when it does."""
     if kernel.engine.num_groups != 1:
@@ -91,22 +91,23 @@ def eigen_problem(
     return None
 
 
-def _factor(likelihood: Likelihood, f: torch.Tensor, y: torch.Tensor, curvature: Curvature) -> torch.Tensor:
-    if curvature is Curvature.GGN:  # the root with the fewest columns (C − 1 for a softmax)
+def _factor(likelihood: Likelihood, f: torch.Tensor, y: torch.Tensor, curvature: CurvatureKind) -> torch.Tensor:
+    if curvature is CurvatureKind.GGN:  # the root with the fewest columns (C − 1 for a softmax)
         return fewest_columns(likelihood, f, hessian_sqrt(likelihood, f, y))
     return gradient(likelihood, f, y).unsqueeze(-1)
 
 
-def _spectral_data(
+def spectral_data(
     kernel: NTKKernel, likelihood: Likelihood, x: torch.Tensor, f: torch.Tensor, y: torch.Tensor,
-    curvature: Curvature, space: Space | str,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    curvature: CurvatureKind, space: Space | str,
+) -> tuple[torch.Tensor, torch.Tensor, Spectrum]:
     r"""The eigenvalues :math:`\lambda` (:func:`spectrum`), the data-fit statistics ``(3, K)``
-    (:func:`~ntkgp.laplace.weight_space.scaling.data_fit_statistics`) and :math:`\lVert\theta^*_g\rVert^2`
-    ``(G,)``: everything of the evidence that the hyperparameters leave fixed, computed together and cached by the
-    values of ``x``, ``f``, ``y`` and the network's weights and buffers (one lookup per evidence)."""
+    (:func:`~ntkgp.laplace.weight_space.scaling.data_fit_statistics`) and the :class:`~ntkgp.laplace.spectral_evidence.Spectrum`
+    of the evidence node (the nonzero :math:`\lambda`, :math:`q`, :math:`\lVert\theta^*\rVert^2`): everything of the
+    evidence that the hyperparameters leave fixed, computed together and cached by the values of ``x``, ``f``, ``y``
+    and the network's weights and buffers (one lookup per evidence)."""
     n, c = f.shape
-    k = unit_root_columns(likelihood, c) if curvature is Curvature.GGN else 1
+    k = unit_root_columns(likelihood, c) if curvature is CurvatureKind.GGN else 1
     space = choose_space(space, kernel.engine.num_params, n * k)
     engine = kernel.engine
     state = engine.network_state()
@@ -114,7 +115,7 @@ def _spectral_data(
     if cache is None:
         cache = _SPECTRA[kernel] = ValueCache(size=2)
 
-    def compute() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def compute() -> tuple[torch.Tensor, torch.Tensor, Spectrum]:
         with torch.no_grad():
             fixed = f.detach()
             scale = site_scale(likelihood, curvature).to(f)
@@ -124,11 +125,13 @@ def _spectral_data(
             else:  # the GGN from the layer blocks where cheaper (weight_space.layer_ggn), else the rows' Gram
                 xp = engine.prepare(x)
                 matrix = (blocks_of_root(engine.core, engine.plan(xp), xp, base)
-                          if curvature is Curvature.GGN else None)
+                          if curvature is CurvatureKind.GGN else None)
                 if matrix is None:
                     matrix = gram(block_apply(base, kernel.jacobian(x).to(base), transpose=True))
             eigenvalues = torch.linalg.eigvalsh(matrix).clamp_min(0)
-            return eigenvalues, data_fit_statistics(likelihood, fixed, y), engine.group_sq_norms().to(f)
+            power = 1 if curvature is CurvatureKind.GGN else 2
+            node = Spectrum(eigenvalues, None, power, engine.group_sq_norms().to(f))
+            return eigenvalues, data_fit_statistics(likelihood, fixed, y), node
 
     tag = ("spectrum", curvature.value, space.value, type(likelihood).__name__)
     return cache.get_or_compute(tag, [x, f.detach(), y], compute, state=state)
@@ -140,7 +143,7 @@ def spectrum(
     x: torch.Tensor,
     f: torch.Tensor,
     y: torch.Tensor,
-    curvature: Curvature | str = "ggn",
+    curvature: CurvatureKind | str = "ggn",
     space: Space | str = "auto",
 ) -> torch.Tensor:
     r"""The eigenvalues :math:`\lambda_i \ge 0` of :math:`L_0^\top K_1 L_0` (function space) or of
@@ -150,60 +153,8 @@ def spectrum(
     The space follows :func:`ntkgp.options.choose_space` (weight space when :math:`Nk > 0.85 P`); the
     eigendecomposition costs :math:`O(\min(Nk, P)^3)` once.
     """
-    curvature = choose(Curvature, curvature, "curvature")
-    return _spectral_data(kernel, likelihood, x, f, y, curvature, space)[0]
-
-
-class _SpectralEvidence(torch.autograd.Function):
-    r"""The evidence of the eigen route as one node of the graph, in the output scale :math:`s` ``(K,)`` and
-    :math:`\delta` ``(1,)``, with :math:`\rho = s_0^{q}/\delta` (:math:`q = 1` GGN, 2 EF):
-
-    .. math::
-        \textstyle\sum_k (\alpha_k + \beta_k \log s_k + \gamma_k s_k) - \tfrac12 \delta \lVert\theta^*\rVert^2
-        - \tfrac12 \sum_i \log(1 + \rho\lambda_i),
-
-    gradients :math:`\beta_k/s_k + \gamma_k - [k = 0]\,\tfrac q2 \tfrac{\rho}{s_0} t` and
-    :math:`-\tfrac12 \lVert\theta^*\rVert^2 + \tfrac12 \tfrac{\rho}{\delta} t`,
-    :math:`t = \sum_i \lambda_i / (1 + \rho\lambda_i)`, written with differentiable operations on the saved
-    inputs when a second derivative is asked for (``create_graph=True``), else taken as computed by the forward
-    pass."""
-
-    @staticmethod
-    def forward(ctx, scale, delta, eigenvalues, statistics, norms, power):
-        ctx.save_for_backward(scale, delta, eigenvalues, statistics, norms)
-        ctx.power = power
-        value, *ctx.gradients = _spectral_terms(scale, delta, eigenvalues, statistics, norms, power)
-        return value
-
-    @staticmethod
-    def backward(ctx, grad):
-        if torch.is_grad_enabled():  # create_graph: the derivatives again, as a graph of the saved inputs
-            _, grad_scale, grad_delta = _spectral_terms(*ctx.saved_tensors, ctx.power)
-        else:  # as the forward pass computed them
-            grad_scale, grad_delta = ctx.gradients
-        return (grad * grad_scale if ctx.needs_input_grad[0] else None,
-                grad * grad_delta if ctx.needs_input_grad[1] else None, None, None, None, None)
-
-
-def _spectral_terms(scale, delta, eigenvalues, statistics, norms, power):
-    """The value of :class:`_SpectralEvidence` and its derivatives in ``scale`` ``(K,)`` and ``delta`` ``(1,)``,
-    in few operations (a step costs little else)."""
-    alpha, beta, gamma = statistics.unbind(0)
-    one = scale.shape[0] == 1  # one output scale (one noise, or a temperature): no slicing of s (the same numbers)
-    first = scale if one else scale[:1]
-    rho = (first if power == 1.0 else first.pow(power)).div(delta)  # (1,); pow(1) would be a copy
-    z = eigenvalues * rho
-    log_det = torch.log1p(z).sum()
-    t = (eigenvalues / (z + 1)).sum()  # Σ λ / (1 + ρλ)
-    norm = norms.sum()
-    fit = torch.addcmul(alpha, beta, scale.log()).addcmul(gamma, scale).sum()
-    value = fit - 0.5 * (delta[0] * norm + log_det)
-    rho_t = rho * t
-    grad_scale = torch.addcdiv(gamma, beta, scale)  # ∂fit/∂s_k; the log-determinant's part on s_0 only
-    own = (0.5 * power) * rho_t / first
-    grad_scale = grad_scale - own if one else torch.cat([grad_scale[:1] - own, grad_scale[1:]])
-    grad_delta = 0.5 * (rho_t / delta - norm)
-    return value, grad_scale, grad_delta
+    curvature = choose(CurvatureKind, curvature, "curvature")
+    return spectral_data(kernel, likelihood, x, f, y, curvature, space)[0]
 
 
 def spectral_log_det(
@@ -212,7 +163,7 @@ def spectral_log_det(
     x: torch.Tensor,
     f: torch.Tensor,
     y: torch.Tensor,
-    curvature: Curvature | str = "ggn",
+    curvature: CurvatureKind | str = "ggn",
     space: Space | str = "auto",
 ) -> torch.Tensor:
     r""":math:`\log|I + L^\top K L| = \sum_i \log(1 + \lambda_i s^2/\delta)`, exact, differentiable in
@@ -230,7 +181,7 @@ def spectral_log_det(
     Raises:
         ValueError: when the route does not apply (:func:`eigen_problem`), naming the reason.
     """
-    curvature = choose(Curvature, curvature, "curvature")
+    curvature = choose(CurvatureKind, curvature, "curvature")
     problem = eigen_problem(kernel, likelihood, x, curvature)
     if problem is not None:
         raise ValueError(f"method='eigen' does not apply: {problem}")
@@ -245,18 +196,19 @@ def checked_spectral_evidence(
     x: torch.Tensor,
     f: torch.Tensor | None,
     y: torch.Tensor,
-    curvature: Curvature,
+    curvature: CurvatureKind,
     space: Space | str,
-    data: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    data: tuple[torch.Tensor, torch.Tensor, Spectrum] | None = None,
 ) -> torch.Tensor:
     r"""The whole Laplace evidence :math:`\log q(\mathcal D)` of the eigen route (data fit, prior term and
     :func:`spectral_log_det`), for a caller that has just found :func:`eigen_problem` to be ``None`` for these
-    arguments (the evidence's route choice), without checking it again: one cache lookup, the output scale and
-    :math:`\delta` read once each through their constraints, one node of the graph (:class:`_SpectralEvidence`).
-    ``data``: the eigenvalues, fit statistics and group norms (:func:`_spectral_data` of these arguments) when the
-    caller keeps them under its own key (the MLL, by the model's training data and network; ``f`` is then not
-    read)."""
-    lam, statistics, norms = _spectral_data(kernel, likelihood, x, f, y, curvature, space) if data is None else data
-    scale = output_scale(likelihood).to(lam)
-    power = 1.0 if curvature is Curvature.GGN else 2.0
-    return _SpectralEvidence.apply(scale, kernel.prior_precision.to(lam), lam, statistics, norms, power)
+    arguments (the evidence's route choice), without checking it again: one cache lookup, the likelihood's variance
+    and :math:`\delta` read once each through their constraints, one node of the graph
+    (:func:`~ntkgp.laplace.spectral_evidence.spectral_evidence`). ``data``: the eigenvalues, fit statistics and
+    spectrum (:func:`spectral_data` of these arguments) when the caller keeps them under its own key (the MLL, by
+    the model's training data and network; ``f`` is then not read)."""
+    lam, statistics, node = spectral_data(kernel, likelihood, x, f, y, curvature, space) if data is None else data
+    variance = output_variance(likelihood)
+    if variance is not None and (variance.dtype != lam.dtype or variance.device != lam.device):
+        variance = variance.to(lam)
+    return spectral_evidence(kernel.prior_precision.to(lam), variance, node, statistics)

@@ -17,26 +17,30 @@ dense route at the kernel's own :math:`K_{XX}` evaluates the exact curvature obj
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from gpytorch.lazy import LazyEvaluatedKernelTensor
 from gpytorch.likelihoods import Likelihood
 from linear_operator.operators import LinearOperator, RootLinearOperator
 
+from ...caching import ValueCache
 from ...kernels import NTKKernel
 from ...likelihoods import gradient, hessian_sqrt, log_likelihood
-from ...options import Curvature, Space, choose, choose_space
+from ...options import CurvatureKind, Space, choose, choose_space
 from ..weight_space.scaling import fewest_columns, scale_size, unit_root_columns
 from .algebra import low_rank_log_det, site_cholesky
-from .eigen import checked_spectral_evidence, eigen_problem, spectral_log_det
+from .eigen import checked_spectral_evidence, eigen_problem, spectral_data, spectral_log_det
 from .evidence_curvature import curvature_problem, evidence_curvature
 from .matrix_free import matrix_free_log_det
 from .routes import EvidenceMethod, EvidenceOptions, check_options, choose_method, dense_memory_bytes
 
-__all__ = ["curvature_factor", "evidence_method", "laplace_log_marginal_likelihood"]
+__all__ = ["TrainingEvidence", "curvature_factor", "evidence_method", "is_kernel_covariance",
+           "laplace_log_marginal_likelihood"]
 
 
 def curvature_factor(
-    likelihood: Likelihood, f: torch.Tensor, y: torch.Tensor, curvature: Curvature | str = "ggn"
+    likelihood: Likelihood, f: torch.Tensor, y: torch.Tensor, curvature: CurvatureKind | str = "ggn"
 ) -> torch.Tensor:
     """Blocks ``(N, C, k)`` of the factor ``L`` with ``L_n L_nᵀ`` the per-point curvature in output space.
 
@@ -49,7 +53,7 @@ def curvature_factor(
     Raises:
         ValueError: for an unknown ``curvature``.
     """
-    if choose(Curvature, curvature, "curvature") is Curvature.GGN:
+    if choose(CurvatureKind, curvature, "curvature") is CurvatureKind.GGN:
         return fewest_columns(likelihood, f, hessian_sqrt(likelihood, f, y))
     return gradient(likelihood, f, y).unsqueeze(-1)
 
@@ -105,8 +109,9 @@ def _given_log_det(
     return low_rank_log_det(factor, root.to(factor))
 
 
-def _is_kernel_covariance(covariance: object, kernel: NTKKernel, x: torch.Tensor) -> bool:
-    """Whether ``covariance`` is the kernel's own lazy :math:`K_{XX}` (e.g. ``model(train_x)``'s covariance)."""
+def is_kernel_covariance(covariance: object, kernel: NTKKernel, x: torch.Tensor) -> bool:
+    """Whether ``covariance`` is the kernel's own lazy :math:`K_{XX}` at ``x`` (e.g. ``model(train_x)``'s
+    covariance): the evidence then computes the kernel's terms itself instead of factorizing ``covariance``."""
     if not isinstance(covariance, LazyEvaluatedKernelTensor) or covariance.kernel is not kernel:
         return False
     if covariance.last_dim_is_batch or covariance.params.get("diag", False):
@@ -129,7 +134,7 @@ def evidence_method(
     likelihood: Likelihood,
     x: torch.Tensor,
     f: torch.Tensor,
-    curvature: Curvature | str = "ggn",
+    curvature: CurvatureKind | str = "ggn",
     space: Space | str = "auto",
     covariance: LinearOperator | torch.Tensor | None = None,
     method: EvidenceMethod | str = "auto",
@@ -155,7 +160,7 @@ def evidence_method(
     Raises:
         ValueError: for an unknown option, or an explicit method that does not apply, naming the reason.
     """
-    curvature = choose(Curvature, curvature, "curvature")
+    curvature = choose(CurvatureKind, curvature, "curvature")
     space = choose(Space, space, "space")
     method = choose(EvidenceMethod, method, "method")
     return _route(kernel, likelihood, x, _outputs(f), curvature, space, covariance, method, check_options(options))
@@ -168,12 +173,12 @@ def _outputs(f: torch.Tensor) -> tuple[int, int, torch.dtype]:
 
 def _route(
     kernel: NTKKernel, likelihood: Likelihood, x: torch.Tensor, outputs: tuple[int, int, torch.dtype],
-    curvature: Curvature, space: Space, covariance: LinearOperator | torch.Tensor | None, method: EvidenceMethod,
+    curvature: CurvatureKind, space: Space, covariance: LinearOperator | torch.Tensor | None, method: EvidenceMethod,
     options: EvidenceOptions,
 ) -> EvidenceMethod:
     """:func:`evidence_method` for arguments already converted to their types (the evidence's own call, and the
     MLL's, which knows ``outputs`` = :func:`_outputs` of ``f`` before it reads ``f``)."""
-    own = covariance is None or _is_kernel_covariance(covariance, kernel, x)
+    own = covariance is None or is_kernel_covariance(covariance, kernel, x)
     if method is EvidenceMethod.CHOLESKY:
         return method
     if not own:
@@ -190,9 +195,9 @@ def _route(
     if method is EvidenceMethod.MATRIX_FREE and free is not None:
         raise ValueError(f"method='matrix_free' does not apply: {free}")
     n, c, dtype = outputs
-    k = unit_root_columns(likelihood, c) if curvature is Curvature.GGN else 1  # the site factor's columns
+    k = unit_root_columns(likelihood, c) if curvature is CurvatureKind.GGN else 1  # the site factor's columns
     engine = kernel.engine
-    components = scale_size(likelihood) ** (2 if curvature is Curvature.EF else 1)
+    components = scale_size(likelihood) ** (2 if curvature is CurvatureKind.EF else 1)
     dense = dense_memory_bytes(engine.num_params, engine.num_groups, n, c, k, dtype, space, components)
     chosen = choose_method(method, dense, options, eigen)
     if chosen is EvidenceMethod.MATRIX_FREE and free is not None:
@@ -206,7 +211,7 @@ def laplace_log_marginal_likelihood(
     x: torch.Tensor,
     f: torch.Tensor,
     y: torch.Tensor,
-    curvature: Curvature | str = "ggn",
+    curvature: CurvatureKind | str = "ggn",
     space: Space | str = "auto",
     covariance: LinearOperator | torch.Tensor | None = None,
     method: EvidenceMethod | str = "auto",
@@ -263,7 +268,7 @@ def laplace_log_marginal_likelihood(
         >>> bool(torch.isclose(exact, eigen, rtol=1e-10))
         True
     """
-    curvature = choose(Curvature, curvature, "curvature")
+    curvature = choose(CurvatureKind, curvature, "curvature")
     space = choose(Space, space, "space")
     options = check_options(options)
     route = _route(kernel, likelihood, x, _outputs(f), curvature, space, covariance,
@@ -273,7 +278,7 @@ def laplace_log_marginal_likelihood(
 
 def _evidence_by_route(
     kernel: NTKKernel, likelihood: Likelihood, x: torch.Tensor, f: torch.Tensor, y: torch.Tensor,
-    curvature: Curvature, space: Space, covariance: LinearOperator | torch.Tensor | None, route: EvidenceMethod,
+    curvature: CurvatureKind, space: Space, covariance: LinearOperator | torch.Tensor | None, route: EvidenceMethod,
     options: EvidenceOptions,
 ) -> torch.Tensor:
     """:func:`laplace_log_marginal_likelihood` for arguments converted to their types and the route :func:`_route`
@@ -281,9 +286,9 @@ def _evidence_by_route(
     traced = f.requires_grad and torch.is_grad_enabled()  # the data fit then differentiable in f
     if route is EvidenceMethod.EIGEN and not traced:  # fit, prior and log-determinant from one cache lookup
         return checked_spectral_evidence(kernel, likelihood, x, f, y, curvature, space)
-    if route is EvidenceMethod.CHOLESKY and (covariance is None or _is_kernel_covariance(covariance, kernel, x)):
+    if route is EvidenceMethod.CHOLESKY and (covariance is None or is_kernel_covariance(covariance, kernel, x)):
         # the function-space side of the curvature's own evidence: N·(C − 1) rows for a softmax GGN
-        k = unit_root_columns(likelihood, f.shape[-1]) if curvature is Curvature.GGN else 1
+        k = unit_root_columns(likelihood, f.shape[-1]) if curvature is CurvatureKind.GGN else 1
         resolved = choose_space(space, kernel.engine.num_params, f.shape[-2] * k)
         if curvature_problem(kernel, likelihood, x, f, y, curvature, resolved) is None:
             # the curvature's own evidence: its fit statistics and ‖θ*_g‖², kept with it (one cache lookup)
@@ -297,3 +302,69 @@ def _evidence_by_route(
     if route is EvidenceMethod.MATRIX_FREE:
         return fit - prior - 0.5 * matrix_free_log_det(kernel, x, factor, options).to(fit)
     return fit - prior - 0.5 * _given_log_det(kernel, x, factor, space, covariance)
+
+
+class TrainingEvidence:
+    r"""The Laplace evidence of fixed training data, evaluated step after step at new hyperparameters (the MLL's
+    use): :func:`laplace_log_marginal_likelihood` with the route chosen from the outputs' sizes alone
+    (:func:`evidence_method`'s rule) and, on the eigen route, its fixed data (eigenvalues, data-fit statistics,
+    :math:`\lVert\theta^*\rVert^2`) kept by the values of the training inputs, the targets and the network's
+    weights and buffers, with the curvature, space and dtype: the network's outputs are read only to compute it,
+    so a step is one cache lookup and an :math:`O(\min(Nk, P))` evaluation.
+
+    Example:
+        >>> from ntkgp.likelihoods import SoftmaxLikelihood
+        >>> net = torch.nn.Sequential(torch.nn.Linear(2, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3)).double()
+        >>> kernel = NTKKernel(net, prior_precision=1.0, prior_structure="network")
+        >>> x, y = torch.randn(20, 2, dtype=torch.float64), torch.randint(0, 3, (20,))
+        >>> evidence = TrainingEvidence()
+        >>> value = evidence(kernel, SoftmaxLikelihood(3), x, lambda: net(x).detach(), y, (20, 3, torch.float64))
+        >>> exact = laplace_log_marginal_likelihood(kernel, SoftmaxLikelihood(3), x, net(x).detach(), y,
+        ...                                         method="cholesky")
+        >>> bool(torch.isclose(value, exact, rtol=1e-10))
+        True
+    """
+
+    def __init__(self) -> None:
+        self._eigen = ValueCache(size=1)
+
+    def __call__(
+        self,
+        kernel: NTKKernel,
+        likelihood: Likelihood,
+        x: torch.Tensor,
+        outputs: Callable[[], torch.Tensor],
+        y: torch.Tensor,
+        shape: tuple[int, int, torch.dtype],
+        curvature: CurvatureKind | str = "ggn",
+        space: Space | str = "auto",
+        covariance: LinearOperator | torch.Tensor | None = None,
+        method: EvidenceMethod | str = "auto",
+        options: EvidenceOptions | None = None,
+    ) -> torch.Tensor:
+        r""":math:`\log q(\mathcal D)` (total, not per point), as :func:`laplace_log_marginal_likelihood`.
+
+        Args:
+            kernel, likelihood, x, curvature, space, covariance, method, options: as for
+                :func:`laplace_log_marginal_likelihood`.
+            outputs: a function giving the network outputs ``(N, C)`` at ``x``, called only where a route needs them.
+            y: validated targets (:func:`ntkgp.likelihoods.validate_targets`).
+            shape: ``(N, C, dtype)`` of the outputs.
+
+        Raises:
+            ValueError: as :func:`laplace_log_marginal_likelihood`.
+        """
+        curvature = choose(CurvatureKind, curvature, "curvature")
+        space = choose(Space, space, "space")
+        options = check_options(options)
+        given = None if covariance is None or is_kernel_covariance(covariance, kernel, x) else covariance
+        route = _route(kernel, likelihood, x, shape, curvature, space, given, choose(EvidenceMethod, method, "method"),
+                       options)
+        if route is EvidenceMethod.EIGEN:
+            tag = (curvature.value, space.value, type(likelihood).__name__, shape[2])
+            data = self._eigen.get_or_compute(
+                tag, [x, y], lambda: spectral_data(kernel, likelihood, x, outputs(), y, curvature, space),
+                state=kernel.network_state(),
+            )
+            return checked_spectral_evidence(kernel, likelihood, x, None, y, curvature, space, data=data)
+        return _evidence_by_route(kernel, likelihood, x, outputs(), y, curvature, space, given, route, options)

@@ -35,7 +35,7 @@ from gpytorch.likelihoods import Likelihood
 
 from ...caching import ValueCache
 from ...kernels import NTKKernel
-from ...options import Curvature, Space
+from ...options import CurvatureKind, Space
 from ..weight_space import FullCurvature, FunctionSpaceCurvature
 from ..weight_space.gram_curvature import unit_grams
 from ..weight_space.layer_ggn import layer_ggn_components
@@ -48,14 +48,14 @@ _CURVATURES: weakref.WeakKeyDictionary[NTKKernel, ValueCache] = weakref.WeakKeyD
 
 def curvature_problem(
     kernel: NTKKernel, likelihood: Likelihood, x: torch.Tensor, f: torch.Tensor, y: torch.Tensor,
-    curvature: Curvature, space: Space,
+    curvature: CurvatureKind, space: Space,
 ) -> str | None:
     """Why :func:`evidence_curvature` does not apply to this problem, or ``None`` when it does."""
     if kernel.raw_prior_precision.dim() != 1:  # the shape of δ, without reading it through its constraint
         return "it needs an unbatched kernel"
     if torch.is_grad_enabled() and any(t.requires_grad for t in (x, f, y)):
         return "x, f or y requires grad (the curvature is fixed data)"
-    if curvature is Curvature.EF and space is Space.FUNCTION and output_scale(likelihood).shape[0] > 1:
+    if curvature is CurvatureKind.EF and space is Space.FUNCTION and output_scale(likelihood).shape[0] > 1:
         return "the function-space empirical Fisher needs a single output scale"
     return None
 
@@ -70,7 +70,7 @@ def weight_space_blocks(engine, likelihood: Likelihood, x: torch.Tensor, f: torc
 
 def evidence_curvature(
     kernel: NTKKernel, likelihood: Likelihood, x: torch.Tensor, f: torch.Tensor, y: torch.Tensor,
-    curvature: Curvature, space: Space,
+    curvature: CurvatureKind, space: Space,
 ) -> FullCurvature | FunctionSpaceCurvature:
     r"""The exact curvature of the evidence at ``x`` in ``space`` (``"function"`` or ``"weight"``), cached with the
     kernel (module docstring).
@@ -85,7 +85,7 @@ def evidence_curvature(
         space: ``Space.FUNCTION`` or ``Space.WEIGHT``.
     """
     engine = kernel.engine
-    fisher = curvature is Curvature.EF
+    fisher = curvature is CurvatureKind.EF
     cache = _CURVATURES.setdefault(kernel, ValueCache(size=2))
 
     def compute() -> FullCurvature | FunctionSpaceCurvature:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ...memory import DENSE_EVIDENCE_BYTES
 from ...options import EvidenceMethod, Space, choose, choose_space
 
 __all__ = [
@@ -35,8 +36,9 @@ __all__ = [
     "dense_memory_bytes",
 ]
 
-#: Default bytes the dense routes may use before ``method="auto"`` switches to the matrix-free route (4 GiB).
-DENSE_MEMORY_LIMIT = 4 * 2**30
+#: Default bytes the dense routes may use before ``method="auto"`` switches to the matrix-free route (4 GiB;
+#: :data:`ntkgp.memory.DENSE_EVIDENCE_BYTES`).
+DENSE_MEMORY_LIMIT = DENSE_EVIDENCE_BYTES
 
 
 def _optional_count(value: object, name: str, minimum: int, maximum: int | None = None) -> int | None:

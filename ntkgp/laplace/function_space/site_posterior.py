@@ -29,7 +29,7 @@ from linear_operator.operators import LinearOperator
 from ...kernels import NTKKernel
 from ...likelihoods import gradient, hessian, is_gaussian, log_likelihood
 from ...linalg import cholesky, gram
-from ...options import Curvature, Space, choose_space
+from ...options import CurvatureKind, Space, choose_space
 from .algebra import block_apply, site_cholesky
 from .eigen import eigen_problem
 from .evidence import curvature_factor
@@ -306,11 +306,11 @@ def _cached_precision(kernel: NTKKernel, likelihood: Likelihood, x: torch.Tensor
     of the ``N·k × P`` rows :math:`W`; ``None`` where it does not apply (a lower precision than float64, whose
     :math:`I + W^\top W` is formed in float64 from the rows; a problem the cached curvature does not treat) or
     where the evidence does not build that curvature (one δ: its eigen route keeps eigenvalues only)."""
-    if f.dtype != torch.float64 or curvature_problem(kernel, likelihood, x, f, y, Curvature.GGN, Space.WEIGHT):
+    if f.dtype != torch.float64 or curvature_problem(kernel, likelihood, x, f, y, CurvatureKind.GGN, Space.WEIGHT):
         return None
-    if eigen_problem(kernel, likelihood, x, Curvature.GGN) is None:
+    if eigen_problem(kernel, likelihood, x, CurvatureKind.GGN) is None:
         return None
-    return lambda: evidence_curvature(kernel, likelihood, x, f, y, Curvature.GGN, Space.WEIGHT).whitened_precision(
+    return lambda: evidence_curvature(kernel, likelihood, x, f, y, CurvatureKind.GGN, Space.WEIGHT).whitened_precision(
         kernel.prior_precision.to(f), likelihood)
 
 

@@ -30,6 +30,7 @@ from .laplace_posterior import laplace_posterior
 from .last_layer_curvature import last_layer_curvature
 from .last_layer_laplace import LastLayerLaplace
 from .last_layer_structured import LastLayerDiagLaplace, LastLayerKFACLaplace
+from .pass_options import PassOptions
 from .posterior import WeightPosterior
 from .predictive_estimators import Prediction, default_step_size, laplace_bridge, predict
 from .scaling import output_scale
@@ -51,6 +52,7 @@ __all__ = [
     "LastLayerDiagLaplace",
     "LastLayerKFACLaplace",
     "LastLayerLaplace",
+    "PassOptions",
     "Prediction",
     "SubnetLaplace",
     "WeightPosterior",

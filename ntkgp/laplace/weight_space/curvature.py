@@ -29,8 +29,8 @@ from torch import Tensor
 
 from ...ntk import ParameterGroups
 from ...ntk.prior_precision import prior_precision_vector
+from ..spectral_evidence import Spectrum, spectral_evidence
 from .scaling import data_fit, data_fit_statistics, output_scale, variance_reader
-from .structured_evidence import Spectrum, structured_evidence
 
 
 class Curvature(ABC):
@@ -146,7 +146,7 @@ class Curvature(ABC):
 
     def diagonal_spectrum(self) -> tuple[Tensor, Tensor, int] | None:
         r"""``(u, groups, q)`` when every eigenvalue of :math:`H + P_0` is :math:`s^q u_p + \delta_{g(p)}` for the
-        one output scale :math:`s` (:mod:`~ntkgp.laplace.weight_space.structured_evidence`), else ``None``."""
+        one output scale :math:`s` (:mod:`~ntkgp.laplace.spectral_evidence`), else ``None``."""
         return None
 
     @cached_property
@@ -193,7 +193,7 @@ class Curvature(ABC):
         spectrum = self._spectrum
         if spectrum is not None:  # one node of the graph, O(P); with one group it checks δ's value itself
             delta = self.prior_precision_vector(prior_precision, check_value=spectrum.groups is not None)
-            return structured_evidence(delta, self.variance(likelihood), spectrum, self._statistics(likelihood)[2])
+            return spectral_evidence(delta, self.variance(likelihood), spectrum, self._statistics(likelihood)[2])
         delta = self.prior_precision_vector(prior_precision)
         prior = 0.5 * (delta * self.theta_sq_norms).sum()
         return self.data_fit(likelihood) - prior - 0.5 * self.log_det_ratio(delta, likelihood)

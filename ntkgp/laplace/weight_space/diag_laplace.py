@@ -17,21 +17,21 @@ import torch
 from gpytorch.likelihoods import Likelihood
 from torch import Tensor, nn
 
+from ...ntk.network import NetworkCore
+from ...option_groups import accepts_flat_keywords
+from ...options import CurvatureKind, OptionAttribute, choice
 from .curvature import Curvature
-from .diagonal import DiagonalCurvature
-from ...options import Curvature as CurvatureKind
-from ...options import OptionAttribute, choice
 from .data_pass import Data
-from .diagonal import diagonal_ef, diagonal_ggn
-from .posterior import WeightPosterior, check_before_pass, check_likelihood, group_spec
+from .diagonal import DiagonalCurvature, diagonal_ef, diagonal_ggn
 from .kronecker_form import (
     kronecker_features,
     kronecker_root,
     kronecker_sandwich,
     layer_index,
-    structured_layers,
 )
-from ...ntk.network import NetworkCore
+from .layers import usable_layers
+from .pass_options import PassOptions, pass_settings
+from .posterior import WeightPosterior, check_before_pass, check_likelihood, group_spec
 
 
 class DiagLaplace(WeightPosterior):
@@ -45,14 +45,13 @@ class DiagLaplace(WeightPosterior):
         curvature: ``"ggn"`` (default: the diagonal of the GGN) or ``"ef"`` (of the empirical Fisher).
         prior_precision: :math:`\delta`, a float or one per group.
         prior_structure: ``"layer"`` (default), ``"network"``, ``"parameter"`` or a mapping name → group.
-        batch_size: examples per batch of the curvature pass.
-        progress: ``None`` (auto: a bar on a terminal, else one line with the pass's estimated time when it is
-            long), ``True`` (a bar) or ``False`` (:mod:`ntkgp.progress`).
+        options: how the passes run, a :class:`~ntkgp.laplace.weight_space.PassOptions` (``batch_size`` of the
+            curvature pass, ``chunk_size`` at prediction time, ``progress``; ``None``: its defaults). Its fields as
+            flat keywords (``batch_size=128``) still work, with a ``FutureWarning``, for one release.
         mc_samples: ``None`` (the exact GGN) or :math:`S` sampled roots of a softmax likelihood's Hessian per
             example (:mod:`~ntkgp.laplace.weight_space.sampled_ggn`; GGN only).
         generator: the samples' ``torch.Generator`` (``None``: torch's global one).
         input_shape: the shape of one input, for flat inputs.
-        chunk_size: examples per chunk at prediction time.
 
     ``curvature`` (``"ggn"`` or ``"ef"``) is fixed after construction; the diagonal it names is
     :attr:`diagonal_curvature`.
@@ -65,6 +64,7 @@ class DiagLaplace(WeightPosterior):
 
     curvature = OptionAttribute(choice(CurvatureKind), fixed="the diagonal was computed for it")
 
+    @accepts_flat_keywords(options=PassOptions)
     def __init__(
         self,
         net: nn.Module,
@@ -74,13 +74,12 @@ class DiagLaplace(WeightPosterior):
         curvature: str = "ggn",
         prior_precision: float | Tensor = 1.0,
         prior_structure: str | Mapping[str, str] = "layer",
-        batch_size: int = 64,
-        progress: bool | None = None,
+        options: PassOptions | None = None,
         input_shape: tuple[int, ...] | None = None,
-        chunk_size: int = 256,
         mc_samples: int | None = None,
         generator: torch.Generator | None = None,
     ) -> None:
+        batch_size, chunk_size, progress = pass_settings(options)
         kind = choice(CurvatureKind)(curvature, "curvature")
         if kind is not CurvatureKind.GGN and mc_samples is not None:
             raise ValueError("mc_samples samples the GGN's Hessian roots; the empirical Fisher has none: pass None")
@@ -153,7 +152,7 @@ class DiagLaplace(WeightPosterior):
         """The verified layers with their flat indices, the other parameters' names and flat indices."""
         if self._layers is None:
             fn = self.function
-            layers = structured_layers(fn, x, strict=False)
+            layers = usable_layers(fn, None, x, strict=False)
             covered = {n for layer in layers for n in (layer.weight, layer.bias) if n is not None}
             rest = [n for n in fn.names if n not in covered]
             index = [torch.arange(fn.offset(n), fn.offset(n) + fn.numels[fn.names.index(n)]) for n in rest]

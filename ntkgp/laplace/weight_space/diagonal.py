@@ -244,7 +244,7 @@ def _diagonal_pass(kind, label: str, components, net, x, y, likelihood, prior_st
     total = 0
     for step, (xb, fb, yb) in enumerate(data.batches(x, y, batch_size, progress, label)):
         if step == 0:
-            layers = usable_layers(data, layers, rows(xb, 0, 1), strict=False)
+            layers = usable_layers(data.core, layers, rows(xb, 0, 1), strict=False)
             covered = {n for layer in layers for n in layer.parameter_names}
             layers = layers + diagonal_layers(data, [n for n in names if n not in covered], rows(xb, 0, 1))
         total = total + components(data, xb, fb, yb, names, layers)

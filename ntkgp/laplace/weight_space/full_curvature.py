@@ -38,8 +38,7 @@ from ...likelihoods import is_gaussian, num_outputs
 from ...linalg import add_lower_gram_, gram, mirror_lower
 from ...ntk import ParameterGroups
 from ...ntk.groups import GroupSpec
-from ...options import Curvature as CurvatureKind
-from ...options import Space, choose, choose_space
+from ...options import CurvatureKind, Space, choose, choose_space
 from .curvature import Curvature
 from .data_pass import Data, DataPass
 from .exact_log_det import scaled_log_det, spectral_log_det_ratio
@@ -53,6 +52,7 @@ DECOMPOSE_AFTER = 1  # evaluations per network state by the Cholesky route befor
 __all__ = [
     "FullCurvature",
     "curvature_components",
+    "dense_components",
     "exact_curvature",
     "full_curvature",
     "full_ef",
@@ -291,26 +291,44 @@ def full_curvature(
     if fisher and mc_samples is not None:
         raise ValueError("mc_samples samples the GGN's Hessian roots; the empirical Fisher has none: pass None")
     data = DataPass.start(net, likelihood, prior_structure, input_shape, distributed, mc_samples, generator)
+    total = dense_components(data, x, y, fisher, batch_size, progress, "full " + ("EF" if fisher else "GGN"))
+    data.reduce([total])
+    f_all, y_all = data.collected()
+    return FullCurvature(data.core.groups, data.theta_sq_norms(), f_all, y_all, data.scale0.shape[0], total,
+                         fisher, spectral)
+
+
+def dense_components(
+    data: DataPass, x: Data, y: Tensor | None, fisher: bool, batch_size: int, progress: bool | None, desc: str,
+    layer_blocks: bool = True,
+) -> Tensor:
+    r"""The components :math:`D_k` ``(K, P, P)`` of the dense GGN or EF over ``data.core``'s parameters (module
+    docstring), one pass over (this rank's shard of) the data: the one dense builder of the package.
+
+    Per batch, the rows :math:`J_n^\top u_{nm}` of the unit factors :math:`u_n` (the columns of :math:`\tilde L_n`,
+    or :math:`\tilde g_n`) by ``data.core.per_example_vjps``, summed in place (:class:`ComponentSum`); with
+    ``layer_blocks``, a GGN of one component takes the layer blocks of ``Linear`` layers from their features instead
+    (:func:`~ntkgp.laplace.weight_space.layer_ggn.blocks_of_root`, ``C`` times fewer multiply-adds), which needs
+    the core's parameters to be whole tensors (not a subnetwork's coordinates). Memory: one batch's rows,
+    :math:`O(\text{batch} \cdot C P)`, and the :math:`K P^2` sums. The caller sums over the ranks
+    (``data.reduce``)."""
     names = list(data.core.groups.names)
     per_output = data.scale0.shape[0] > 1
     components = ComponentSum(fisher, per_output)
-    for xb, fb, yb in data.batches(x, y, batch_size, progress, "full " + ("EF" if fisher else "GGN")):
+    for xb, fb, yb in data.batches(x, y, batch_size, progress, desc):
         if fisher:
             g = data.unit_gradient(fb, yb)
             cot = torch.diag_embed(g) if per_output else g.unsqueeze(-1)
         else:
             cot = data.unit_hessian_sqrt(fb, yb)
         # Linear layers: the GGN from their features, C times fewer multiply-adds than the rows (layer_ggn)
-        part = None if fisher or per_output else blocks_of_root(data.core, data.core.layer_plan(xb), xb, cot)
+        blocks = layer_blocks and not (fisher or per_output)
+        part = blocks_of_root(data.core, data.core.layer_plan(xb), xb, cot) if blocks else None
         if part is not None:
             components.add_sum(part)
         else:
             components.add(data.per_example_vjps(xb, cot, names))  # rows (n, M, P)
-    total = components.total()
-    data.reduce([total])
-    f_all, y_all = data.collected()
-    return FullCurvature(data.core.groups, data.theta_sq_norms(), f_all, y_all, data.scale0.shape[0], total,
-                         fisher, spectral)
+    return components.total()
 
 
 def full_ggn(net: nn.Module, x: Data, y: Tensor | None, likelihood: Likelihood, **kwargs) -> FullCurvature:

@@ -18,11 +18,14 @@ from gpytorch.likelihoods import Likelihood
 from linear_operator.utils.cholesky import psd_safe_cholesky
 from torch import Tensor, nn
 
-from ...options import Curvature, OptionAttribute, choice
+from ...option_groups import accepts_flat_keywords
+from ...options import CurvatureKind, OptionAttribute, choice
 from .curvature import Curvature as CurvatureData
-from .dense_curvature import Data, component_weights, dense_curvature, scale_size
-from .full_curvature import FullCurvature, full_curvature
+from .data_pass import Data
+from .full_curvature import FullCurvature, component_weights, full_curvature
+from .scaling import scale_size
 from ...ntk.network import NetworkCore
+from .pass_options import PassOptions, pass_settings
 from .posterior import WeightPosterior, check_before_pass, check_likelihood, group_spec
 
 
@@ -34,12 +37,13 @@ class DensePosterior(WeightPosterior):
         likelihood: the likelihood.
         groups: prior-precision groups of :math:`\theta`.
         prior_precision: :math:`\delta` (float or ``(G,)``).
-        components: the curvature components ``(K, P, P)`` (:func:`dense_curvature`).
+        components: the curvature components ``(K, P, P)``
+            (:func:`~ntkgp.laplace.weight_space.full_curvature.dense_components`).
         curvature: ``"ggn"`` or ``"ef"`` (how the components are weighted by :math:`s`; fixed after
             construction).
     """
 
-    curvature = OptionAttribute(choice(Curvature), fixed="the curvature matrix was computed for it")
+    curvature = OptionAttribute(choice(CurvatureKind), fixed="the curvature matrix was computed for it")
 
     def __init__(
         self,
@@ -48,7 +52,7 @@ class DensePosterior(WeightPosterior):
         groups,
         prior_precision: float | Tensor,
         components: Tensor,
-        curvature: Curvature | str,
+        curvature: CurvatureKind | str,
     ) -> None:
         super().__init__(function, likelihood, groups, prior_precision, scale_size(likelihood))
         self.curvature = curvature
@@ -69,7 +73,8 @@ class DensePosterior(WeightPosterior):
 
     def curvature_matrix(self) -> Tensor:
         r""":math:`H(s)` for the likelihood's current noise or temperature, ``(P, P)``."""
-        return torch.einsum("k,kpq->pq", component_weights(self.scale(), self.curvature), self.components)
+        weights = component_weights(self.scale(), self.curvature is CurvatureKind.EF)
+        return torch.einsum("k,kpq->pq", weights, self.components)
 
     def dense_precision(self) -> Tensor:
         return self.curvature_matrix() + torch.diag(self.prior_precision_columns())
@@ -126,11 +131,10 @@ class FullLaplace(DensePosterior):
         curvature: ``"ggn"`` (default) or ``"ef"``.
         prior_precision: :math:`\delta`, a float or one per group.
         prior_structure: ``"layer"`` (default), ``"network"``, ``"parameter"`` or a mapping name → group.
-        batch_size: examples per Jacobian batch.
-        progress: ``None`` (auto: a bar on a terminal, else one line with a long pass's estimated time),
-            ``True`` (a bar) or ``False`` (silent): :mod:`ntkgp.progress`.
+        options: how the passes run, a :class:`~ntkgp.laplace.weight_space.PassOptions` (``batch_size`` of the
+            curvature pass, ``chunk_size`` at prediction time, ``progress``; ``None``: its defaults). Its fields as
+            flat keywords (``batch_size=128``) still work, with a ``FutureWarning``, for one release.
         input_shape: the shape of one input, for flat ``(N, D)`` inputs.
-        chunk_size: examples per Jacobian chunk at prediction time.
 
     Example:
         >>> posterior = FullLaplace(net, x, y, likelihood, prior_precision=1.0)
@@ -138,6 +142,7 @@ class FullLaplace(DensePosterior):
         >>> blocks = posterior.glm_covariance(x_test)      # (N, C, C)
     """
 
+    @accepts_flat_keywords(options=PassOptions)
     def __init__(
         self,
         net: nn.Module,
@@ -147,20 +152,12 @@ class FullLaplace(DensePosterior):
         curvature: str = "ggn",
         prior_precision: float | Tensor = 1.0,
         prior_structure: str | Mapping[str, str] = "layer",
-        batch_size: int = 64,
-        progress: bool | None = None,
+        options: PassOptions | None = None,
         input_shape: tuple[int, ...] | None = None,
-        chunk_size: int = 256,
     ) -> None:
-        kind = choice(Curvature)(curvature, "curvature")
-        names = self._parameter_names(net)
-        fn, groups = check_before_pass(
-            net, likelihood, prior_precision, prior_structure, input_shape, chunk_size, names
-        )
-        if names is not None:  # a subset of the parameters: the components over them alone
-            components = dense_curvature(fn, x, y, likelihood, kind, batch_size, progress)
-            super().__init__(fn, likelihood, groups, prior_precision, components, kind)
-            return
+        batch_size, chunk_size, progress = pass_settings(options)
+        kind = choice(CurvatureKind)(curvature, "curvature")
+        check_before_pass(net, likelihood, prior_precision, prior_structure, input_shape, chunk_size)
         fitted = full_curvature(net, x, y, likelihood, kind.value, group_spec(prior_structure), batch_size, progress,
                                 input_shape)
         self._setup(fitted, net, likelihood, prior_precision, input_shape, chunk_size)
@@ -192,10 +189,6 @@ class FullLaplace(DensePosterior):
                 f"curvature must be a weight-space FullCurvature (full_ggn or full_ef), got {type(curvature).__name__}"
             )
         fn = NetworkCore(net, list(curvature.groups.names), input_shape, chunk_size)
-        kind = Curvature.EF if curvature.fisher else Curvature.GGN
+        kind = CurvatureKind.EF if curvature.fisher else CurvatureKind.GGN
         DensePosterior.__init__(self, fn, likelihood, curvature.groups, prior_precision, curvature.components, kind)
         self.evidence_curvature = curvature
-
-    def _parameter_names(self, net: nn.Module) -> list[str] | None:
-        """The parameters the posterior is over: every trainable one (``None``)."""
-        return None

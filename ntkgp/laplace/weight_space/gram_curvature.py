@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from ...linalg import block_sandwich
 from ...ntk import NTKEngine, ParameterGroups
 from ...ntk.groups import GroupSpec
-from ...options import Curvature as CurvatureKind
+from ...options import CurvatureKind
 from ...options import choose
 from .curvature import Curvature
 from .data_pass import DataPass

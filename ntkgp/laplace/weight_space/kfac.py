@@ -1,7 +1,9 @@
 r"""Kronecker-factored GGN (KFAC) without damping (Immer et al. 2021, eq. 9 and §A.3).
 
 For a layer :math:`z = \Theta \bar a` with :math:`\Theta = [W \mid b]` (``nn.Linear``; ``nn.Conv2d`` on unfolded
-patches) and :math:`\bar a = [a; 1]` (the 1 only when the bias is trainable), the exact GGN block is
+patches; the in- and out-projections of ``nn.MultiheadAttention`` on the positions,
+:mod:`ntkgp.ntk.attention_features`) and :math:`\bar a = [a; 1]` (the 1 only when the bias is trainable), the
+exact GGN block is
 :math:`\sum_n \sum_m (\sum_t \Gamma_{nmt} \otimes \bar a_{nt})(\cdot)^\top` with
 :math:`\Gamma_{nmt} = \partial (L_{n,:m}^\top f_n) / \partial z_{nt}` the output gradient back-propagated from
 column :math:`m` of :math:`L_n` (:math:`L_n L_n^\top = \Lambda_n`) at location :math:`t`. KFAC approximates it by
@@ -28,7 +30,9 @@ double precision, rounding-negative eigenvalues chopped at 0). Weight and
 bias form one block and must share a prior group. Parameters outside ``nn.Linear`` / ``nn.Conv2d`` (normalisation layers, embeddings,
 ...) get the exact diagonal GGN block (:mod:`~ntkgp.laplace.weight_space.diagonal`): normalization layers' affine
 parameters and embedding tables from the same forward and backward passes
-(:mod:`~ntkgp.laplace.weight_space.norm_layers`), any other by per-example vector-Jacobian products.
+(:mod:`~ntkgp.laplace.weight_space.norm_layers`), free parameters added to the activations (a learned position) from
+the output gradients at the sum (:mod:`ntkgp.ntk.additive_features`), any other by per-example vector-Jacobian
+products. An attention projection that fails the layer plan's check joins the diagonal instead of raising.
 
 Likelihood hyperparameters: :math:`G_l = \sum_k s_k G_{lk}` with components from the unit factors
 (:mod:`~ntkgp.laplace.weight_space.scaling`). With one component (one noise, or a temperature)
@@ -354,7 +358,11 @@ def kfac_ggn(
     def forward(xb: Tensor, root) -> Tensor:  # the batch's one forward pass, and its backward passes
         if first:  # the layers checked on the first batch's first example
             first.clear()
-            usable_layers(data, layers, rows(xb, 0, 1), strict=True)
+            kept = usable_layers(data.core, layers, rows(xb, 0, 1), strict=True)
+            if len(kept) != len(layers):  # attention projections that fail the check: to the exact diagonal
+                dropped = {n for layer in layers if layer not in kept for n in layer.parameter_names}
+                layers[:] = kept
+                diagonal_names[:] = [n for n in pg.names if n in dropped or n in diagonal_names]
             elementwise.layers = diagonal_layers(data, diagonal_names, rows(xb, 0, 1))
         features = data.core.features(xb, layers + elementwise.layers, root,
                                       reduce=elementwise.routed(sums.reduce))  # G: in sums.reduce

@@ -39,20 +39,23 @@ import torch
 from gpytorch.likelihoods import Likelihood
 from torch import Tensor, nn
 
-from .curvature import Curvature
+from ...ntk.attention_features import rebuild_layer
 from ...ntk.features import Layer
+from ...ntk.network import NetworkCore
+from ...option_groups import accepts_flat_keywords
 from ...options import OptionAttribute
+from .curvature import Curvature
 from .data_pass import Data
 from .kfac import KroneckerFactors, KroneckerGGN, check_kfac_approximation, kfac_ggn
-from .posterior import WeightPosterior, check_before_pass, check_likelihood, group_spec
 from .kronecker_form import (
     kronecker_covariances,
     kronecker_features,
     kronecker_root,
     layer_index,
-    structured_layers,
 )
-from ...ntk.network import NetworkCore
+from .layers import usable_layers
+from .pass_options import PassOptions, pass_settings
+from .posterior import WeightPosterior, check_before_pass, check_likelihood, group_spec
 
 
 def _check_damping(value: object, argument: str) -> bool:
@@ -114,14 +117,13 @@ class KFACLaplace(WeightPosterior):
         prior_structure: ``"layer"`` (default) or ``"network"`` or a mapping that keeps each layer's weight
             and bias in one group (one Kronecker block per layer).
         damping: use the damped Kronecker product instead of the exact prior (module docstring).
-        batch_size: examples per batch of the curvature pass.
-        progress: ``None`` (auto: a bar on a terminal, else one line with the pass's estimated time when it is
-            long), ``True`` (a bar) or ``False`` (:mod:`ntkgp.progress`).
+        options: how the passes run, a :class:`~ntkgp.laplace.weight_space.PassOptions` (``batch_size`` of the
+            curvature pass, ``chunk_size`` at prediction time, ``progress``; ``None``: its defaults). Its fields as
+            flat keywords (``batch_size=128``) still work, with a ``FutureWarning``, for one release.
         mc_samples: ``None`` (the exact GGN) or :math:`S` sampled roots of a softmax likelihood's Hessian per
             example (:mod:`~ntkgp.laplace.weight_space.sampled_ggn`; GGN only).
         generator: the samples' ``torch.Generator`` (``None``: torch's global one).
         input_shape: the shape of one input, for flat inputs.
-        chunk_size: examples per chunk at prediction time.
         kfac_approximation: ``"expand"`` or ``"reduce"`` on layers with several locations per example
             (:func:`~ntkgp.laplace.weight_space.kfac_ggn`).
 
@@ -137,6 +139,7 @@ class KFACLaplace(WeightPosterior):
 
     damping = OptionAttribute(_check_damping, on_change="_option_changed")
 
+    @accepts_flat_keywords(options=PassOptions)
     def __init__(
         self,
         net: nn.Module,
@@ -146,14 +149,13 @@ class KFACLaplace(WeightPosterior):
         prior_precision: float | Tensor = 1.0,
         prior_structure: str | Mapping[str, str] = "layer",
         damping: bool = False,
-        batch_size: int = 64,
-        progress: bool | None = None,
+        options: PassOptions | None = None,
         input_shape: tuple[int, ...] | None = None,
-        chunk_size: int = 256,
         mc_samples: int | None = None,
         generator: torch.Generator | None = None,
         kfac_approximation: str = "expand",
     ) -> None:
+        batch_size, chunk_size, progress = pass_settings(options)
         _check_damping(damping, "damping")
         check_kfac_approximation(kfac_approximation)
         check_before_pass(net, likelihood, prior_precision, prior_structure, input_shape, chunk_size)
@@ -198,11 +200,10 @@ class KFACLaplace(WeightPosterior):
         super().__init__(fn, likelihood, curvature.groups, prior_precision, curvature.scale_size)
         self.structure = "kfac"
         self.damping = damping
-        modules = dict(net.named_modules())
         self.blocks: list[KroneckerBlock] = []
         factors: list[KroneckerFactors] = curvature.blocks
         for f in factors:  # not decomposed here: at the first use (KroneckerBlock.eigen)
-            layer = Layer(f.module, modules[f.module], f.weight, f.bias)
+            layer = rebuild_layer(net, f.module, f.weight, f.bias)  # attention projections included
             self.blocks.append(KroneckerBlock(layer, f.group, layer_index(fn, layer), f))
         self.diagonal_names = list(curvature.diagonal_names)
         self.diagonal_components = curvature.diagonal_components
@@ -329,7 +330,7 @@ class KFACLaplace(WeightPosterior):
         """The blocks' layers, checked against autograd on ``x`` at the first call."""
         layers = [block.layer for block in self.blocks]
         if not self._verified:
-            structured_layers(self.function, x, strict=True, modules=[layer.name for layer in layers])
+            usable_layers(self.function, layers, x, strict=True)
             self._verified = True
         return layers
 

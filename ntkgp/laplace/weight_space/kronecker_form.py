@@ -33,27 +33,6 @@ def layer_index(fn: NetworkCore, layer: Layer) -> Tensor:
     return layer.index(fn.offset, fn.device)
 
 
-def structured_layers(
-    fn: NetworkCore, probe: Tensor, strict: bool, modules: Sequence[str] | None = None
-) -> list[Layer]:
-    """The layers that take the Kronecker form: the layer plan of ``probe``'s shape (verified on ``probe[:1]``).
-
-    Args:
-        fn: the network (only layers with a parameter in :math:`\theta` are candidates).
-        probe: prepared inputs.
-        strict: raise for any candidate (or any of ``modules``) that fails the safety rule; otherwise leave it
-            out (its parameters take per-example Jacobians).
-        modules: restrict to these module names (the KFAC blocks).
-
-    Raises:
-        ValueError, NotImplementedError: with ``strict``, naming the layer and the reason.
-    """
-    plan = fn.layer_plan(probe, modules)
-    if strict:
-        plan.raise_problems()
-    return list(plan.layers)
-
-
 def kronecker_features(
     fn: NetworkCore, x: Tensor, layers: Sequence[Layer]
 ) -> dict[str, tuple[Tensor, Tensor]]:

@@ -59,8 +59,9 @@ def laplace_posterior(
         prior_structure: ``"layer"``, ``"network"``, ``"parameter"`` or a mapping name → group.
         output: for a network returning a dict or a tuple, the key or index of the output to use
             (:mod:`ntkgp.ntk.outputs`).
-        **kwargs: passed to the class (``batch_size``, ``progress``, ``input_shape``, ``chunk_size``,
-            ``damping`` for KFAC, ``layer`` for the last layer, ``subnetwork`` for a subnetwork).
+        **kwargs: passed to the class (``options``, a :class:`~ntkgp.laplace.weight_space.PassOptions` with
+            ``batch_size``, ``chunk_size`` and ``progress``; ``input_shape``, ``damping`` for KFAC, ``layer`` for the
+            last layer, ``subnetwork`` for a subnetwork).
 
     Returns:
         a :class:`FullLaplace`, :class:`KFACLaplace`, :class:`DiagLaplace`, :class:`LastLayerLaplace`,

@@ -35,6 +35,7 @@ from gpytorch.likelihoods import Likelihood, SoftmaxLikelihood
 from torch import Tensor
 
 from ...likelihoods import hessian
+from ...memory import LAST_LAYER_CHUNK_BYTES, chunk_rows
 from ...ntk import ParameterGroups
 from ...ntk.features import Layer
 from ...ntk.network import NetworkCore
@@ -46,9 +47,6 @@ from .full_curvature import ComponentSum, FullCurvature, jacobian_rows
 from .kfac import KroneckerFactors, KroneckerGGN
 from .last_layer_features import LastLayerPass, last_layer_names
 from .posterior import check_before_pass
-
-#: Numbers per chunk of the weighted feature products of the full structure.
-CHUNK_NUMBERS = 2**22
 
 
 def unit_hessian(likelihood: Likelihood, f: Tensor, y: Tensor, scale0: Tensor) -> Tensor:
@@ -79,11 +77,12 @@ def unit_hessian_diagonal(likelihood: Likelihood, f: Tensor, y: Tensor, scale0: 
 
 def pair_grams(phi: Tensor, weights: Tensor) -> Tensor:
     r""":math:`\sum_n w_{nk} \tilde\phi_n \tilde\phi_n^\top`, ``(K, d_a, d_a)``, for ``phi`` ``(n, d_a)`` and
-    ``weights`` ``(n, K)``: one matrix product per chunk of :data:`CHUNK_NUMBERS` numbers."""
+    ``weights`` ``(n, K)``: one matrix product per chunk of
+    :data:`ntkgp.memory.LAST_LAYER_CHUNK_BYTES`."""
     n, d = phi.shape
     k = weights.shape[1]
     out = phi.new_zeros(k * d, d)
-    rows = max(1, CHUNK_NUMBERS // max(1, k * d))
+    rows = chunk_rows(LAST_LAYER_CHUNK_BYTES, k * d, phi.dtype)
     for start in range(0, n, rows):
         part, w = phi[start:start + rows], weights[start:start + rows]
         out.addmm_((w[:, :, None] * part[:, None, :]).reshape(part.shape[0], k * d).T, part)

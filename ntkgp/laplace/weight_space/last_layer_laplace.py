@@ -10,12 +10,14 @@ from gpytorch.likelihoods import Likelihood
 from torch import Tensor, nn
 
 from ...ntk.features import Layer
-from ...options import Curvature, OptionAttribute, Structure, choice
+from ...option_groups import accepts_flat_keywords
+from ...options import CurvatureKind, OptionAttribute, Structure, choice
 from .curvature import Curvature as CurvatureData
 from .data_pass import Data
 from .full_laplace import DensePosterior, FullLaplace
 from .last_layer_curvature import fit_last_layer
 from .last_layer_features import feature_layer, head_features, last_layer_names
+from .pass_options import PassOptions, pass_settings
 from .posterior import check_before_pass, check_name
 
 
@@ -70,11 +72,10 @@ class LastLayerLaplace(LayerRoute, FullLaplace):
         prior_precision: :math:`\delta`, a float or one per group.
         prior_structure: ``"layer"`` (default: one :math:`\delta` for the layer), ``"parameter"`` (weight and
             bias separately), ``"network"`` or a mapping name → group.
-        batch_size: examples per batch of the pass over the data.
-        progress: ``None`` (auto: a bar on a terminal, else one line with a long pass's estimated time),
-            ``True`` (a bar) or ``False`` (silent): :mod:`ntkgp.progress`.
+        options: how the passes run, a :class:`~ntkgp.laplace.weight_space.PassOptions` (``batch_size`` of the
+            curvature pass, ``chunk_size`` at prediction time, ``progress``; ``None``: its defaults). Its fields as
+            flat keywords (``batch_size=128``) still work, with a ``FutureWarning``, for one release.
         input_shape: the shape of one input, for flat inputs.
-        chunk_size: examples per chunk at prediction time.
 
     ``layer`` holds the module's name (the default resolved) and is fixed after construction; :attr:`feature_layer`
     is the layer in structured form on the feature route, else ``None`` (:meth:`head`); :attr:`evidence_curvature` the layer's
@@ -91,6 +92,7 @@ class LastLayerLaplace(LayerRoute, FullLaplace):
 
     layer = OptionAttribute(check_name, fixed="the posterior is over this layer's parameters")
 
+    @accepts_flat_keywords(options=PassOptions)
     def __init__(
         self,
         net: nn.Module,
@@ -101,16 +103,15 @@ class LastLayerLaplace(LayerRoute, FullLaplace):
         curvature: str = "ggn",
         prior_precision: float | Tensor = 1.0,
         prior_structure: str | Mapping[str, str] = "layer",
-        batch_size: int = 64,
-        progress: bool | None = None,
+        options: PassOptions | None = None,
         input_shape: tuple[int, ...] | None = None,
-        chunk_size: int = 256,
     ) -> None:
-        kind = choice(Curvature)(curvature, "curvature")
+        batch_size, chunk_size, progress = pass_settings(options)
+        kind = choice(CurvatureKind)(curvature, "curvature")
         name, names = last_layer_names(net, layer)
         fn, groups = check_before_pass(net, likelihood, prior_precision, prior_structure, input_shape, chunk_size,
                                        names)
-        structure = Structure.FULL_EF if kind is Curvature.EF else Structure.FULL_GGN
+        structure = Structure.FULL_EF if kind is CurvatureKind.EF else Structure.FULL_GGN
         fitted, self.feature_layer = fit_last_layer(fn, groups, likelihood, name, structure, x, y, batch_size,
                                                     progress)
         self.layer = name

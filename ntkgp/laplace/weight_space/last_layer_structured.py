@@ -22,7 +22,8 @@ import torch
 from gpytorch.likelihoods import Likelihood
 from torch import Tensor, nn
 
-from ...options import Curvature as CurvatureKind
+from ...options import CurvatureKind
+from ...option_groups import accepts_flat_keywords
 from ...options import OptionAttribute, Structure, choice
 from .data_pass import Data
 from .diag_laplace import DiagLaplace
@@ -30,6 +31,7 @@ from .kfac_laplace import KFACLaplace, _check_damping
 from .last_layer_curvature import fit_last_layer
 from .last_layer_features import head_features, last_layer_names
 from .last_layer_laplace import LayerRoute, layer_evidence
+from .pass_options import PassOptions, pass_settings
 from .posterior import check_before_pass, check_name
 
 __all__ = ["LastLayerDiagLaplace", "LastLayerKFACLaplace"]
@@ -60,7 +62,7 @@ class LastLayerKFACLaplace(LayerRoute, KFACLaplace):
         prior_precision: :math:`\delta`, a float or one per group.
         prior_structure: ``"layer"`` (default) or ``"network"`` (weight and bias form one block: one group).
         damping: the damped Kronecker product (:class:`~ntkgp.laplace.weight_space.KFACLaplace`).
-        batch_size, progress, input_shape, chunk_size: as :class:`~ntkgp.laplace.weight_space.LastLayerLaplace`.
+        options, input_shape: as :class:`~ntkgp.laplace.weight_space.LastLayerLaplace`.
 
     Memory :math:`O(d_a^2 + C^2)`: ``C = 1,000`` classes need no per-example ``C × C`` matrix. The evidence
     (:meth:`log_marginal_likelihood`, from :attr:`evidence_curvature`) is KFAC's without damping.
@@ -77,6 +79,7 @@ class LastLayerKFACLaplace(LayerRoute, KFACLaplace):
 
     layer = OptionAttribute(check_name, fixed="the posterior is over this layer's parameters")
 
+    @accepts_flat_keywords(options=PassOptions)
     def __init__(
         self,
         net: nn.Module,
@@ -87,11 +90,10 @@ class LastLayerKFACLaplace(LayerRoute, KFACLaplace):
         prior_precision: float | Tensor = 1.0,
         prior_structure: str | Mapping[str, str] = "layer",
         damping: bool = False,
-        batch_size: int = 64,
-        progress: bool | None = None,
+        options: PassOptions | None = None,
         input_shape: tuple[int, ...] | None = None,
-        chunk_size: int = 256,
     ) -> None:
+        batch_size, chunk_size, progress = pass_settings(options)
         _check_damping(damping, "damping")
         fitted = _fit(self, net, x, y, likelihood, layer, Structure.KFAC, prior_precision, prior_structure,
                       batch_size, progress, input_shape, chunk_size)
@@ -138,7 +140,7 @@ class LastLayerDiagLaplace(LayerRoute, DiagLaplace):
     Args:
         net, x, y, likelihood, layer: as :class:`~ntkgp.laplace.weight_space.LastLayerLaplace`.
         curvature: ``"ggn"`` (default) or ``"ef"``.
-        prior_precision, prior_structure, batch_size, progress, input_shape, chunk_size: as
+        prior_precision, prior_structure, options, input_shape: as
             :class:`~ntkgp.laplace.weight_space.LastLayerLaplace`.
 
     Example:
@@ -149,6 +151,7 @@ class LastLayerDiagLaplace(LayerRoute, DiagLaplace):
 
     layer = OptionAttribute(check_name, fixed="the posterior is over this layer's parameters")
 
+    @accepts_flat_keywords(options=PassOptions)
     def __init__(
         self,
         net: nn.Module,
@@ -159,11 +162,10 @@ class LastLayerDiagLaplace(LayerRoute, DiagLaplace):
         curvature: str = "ggn",
         prior_precision: float | Tensor = 1.0,
         prior_structure: str | Mapping[str, str] = "layer",
-        batch_size: int = 64,
-        progress: bool | None = None,
+        options: PassOptions | None = None,
         input_shape: tuple[int, ...] | None = None,
-        chunk_size: int = 256,
     ) -> None:
+        batch_size, chunk_size, progress = pass_settings(options)
         kind = choice(CurvatureKind)(curvature, "curvature")
         structure = Structure.DIAG_EF if kind is CurvatureKind.EF else Structure.DIAG_GGN
         fitted = _fit(self, net, x, y, likelihood, layer, structure, prior_precision, prior_structure, batch_size,

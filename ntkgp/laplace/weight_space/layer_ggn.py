@@ -33,6 +33,7 @@ import torch
 from gpytorch.likelihoods import Likelihood
 from torch import Tensor
 
+from ...memory import LAYER_GGN_MIN_BYTES, chunk_rows, itemsize
 from ...ntk.features import Layer
 from ...ntk.network import NetworkCore
 from .scaling import unit_hessian_sqrt
@@ -94,8 +95,10 @@ def layer_ggn(core: NetworkCore, layers: tuple[Layer, ...], x: Tensor, root: Ten
              (shapes[i][0] * shapes[j][0], shapes[i][1] * shapes[j][1]) for i, j in pairs}
     sums = {pair: torch.zeros(*sizes[pair], dtype=dtype, device=device) for pair in pairs}
     # the temporaries of a block pair, chunk · (rows + columns) numbers, stay within a quarter of the P² of D
+    # (at least LAYER_GGN_MIN_BYTES)
     width = max(rows + cols for rows, cols in sizes.values())
-    chunk_size = max(1, min(chunk_size, max(core.num_params**2 // 4, 1 << 20) // width))
+    budget = max(core.num_params**2 // 4 * itemsize(dtype), LAYER_GGN_MIN_BYTES)
+    chunk_size = chunk_rows(budget, width, dtype, chunk_size)
     for start in range(0, x.shape[0], chunk_size):
         part = slice(start, start + chunk_size)
         features = core.features(x[part], layers, root[part])

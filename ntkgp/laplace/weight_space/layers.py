@@ -17,11 +17,14 @@ bias in one prior group.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from torch import Tensor, nn
 
 from ...ntk import ParameterGroups
 from ...ntk.features import Layer
 from ...ntk.layer_plan import candidate_layers
+from ...ntk.network import NetworkCore
 from .data_pass import DataPass
 
 __all__ = ["Layer", "layer_features", "structured_layers", "usable_layers"]
@@ -64,11 +67,14 @@ def layer_features(
     return {layer.name: layer.fold(features.inputs[layer.name]) for layer in layers}, features.grads
 
 
-def usable_layers(data: DataPass, layers: list[Layer], x: Tensor, strict: bool) -> list[Layer]:
-    """The ``layers`` that pass the safety rule on the probe ``x[:1]`` (the layer plan of ``x``'s shape: called
-    exactly once, batched inputs, structured Jacobian equal to autograd's); with ``strict`` any other raises
-    ``ValueError``."""
-    plan = data.core.layer_plan(x, modules=[layer.name for layer in layers])
+def usable_layers(core: NetworkCore, layers: Sequence[Layer] | None, x: Tensor, strict: bool) -> list[Layer]:
+    """The ``layers`` (``None``: every layer of the plan) that pass the safety rule on the probe ``x[:1]`` (the
+    layer plan of ``x``'s shape: called exactly once, batched inputs, structured Jacobian equal to autograd's), as
+    the curvature's pass checks its :func:`structured_layers` on its first batch and a posterior its layers at its
+    first prediction; with ``strict`` any other raises ``ValueError``."""
+    plan = core.layer_plan(x, modules=None if layers is None else [layer.name for layer in layers])
     if strict and plan.problems:
         raise ValueError("KFAC: " + "; ".join(str(p) for p in plan.problems.values()))
+    if layers is None:
+        return list(plan.layers)
     return [layer for layer in layers if layer.name in plan.names]

@@ -43,6 +43,7 @@ from ...ntk import ParameterGroups, resolve_groups
 from ...options import OptionAttribute, PriorStructure, choose
 from ...ntk.network import NetworkCore
 from ...ntk.prior_precision import prior_precision_vector
+from ...validation import positive_int
 from .posterior_state import PosteriorState
 from .prior_tuning import PriorTuning
 
@@ -288,8 +289,7 @@ class WeightPosterior(PriorTuning, PosteriorState, ABC):
 
     def sample(self, num_samples: int, generator: torch.Generator | None = None) -> Tensor:
         r"""Draws :math:`\eta_s \sim N(0, \Sigma)` (deviations from :math:`\theta^*`), shape ``(S, P)``."""
-        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
-            raise ValueError(f"num_samples must be a positive integer, got {num_samples!r}")
+        num_samples = positive_int(num_samples, "num_samples")
         if generator is not None and not isinstance(generator, torch.Generator):
             raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
         self.check_network()

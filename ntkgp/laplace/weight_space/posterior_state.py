@@ -86,7 +86,8 @@ class PosteriorState:
         keyword arguments as there). laplace-torch's ``la(x, pred_type=..., link_approx=...)``.
 
         Example:
-            >>> posterior = KFACLaplace(net, x, y, SoftmaxLikelihood(10), progress=False)
+            >>> posterior = KFACLaplace(net, x, y, SoftmaxLikelihood(10),
+            ...                         options=ntkgp.laplace.PassOptions(progress=False))
             >>> prediction = posterior.predict(x_test, link="probit")
             >>> tuple(prediction.probs.shape)                 # (N, C) class probabilities
             (1000, 10)

@@ -48,7 +48,6 @@ from linear_operator.operators import (
     RootLinearOperator,
 )
 from torch import Tensor
-from tqdm.auto import tqdm
 
 from ...likelihoods import (
     LogisticLikelihood,
@@ -60,13 +59,17 @@ from ...likelihoods import (
 )
 from ...ntk.inputs import num_rows, split
 from ...options import FiniteDifference, Link, Method, choose
+from ...progress import check_progress, progress_bar
+from ...memory import SAMPLE_EVALUATIONS
+from ...validation import positive_int
 
 #: What :func:`predict` uses of a posterior (:class:`~ntkgp.laplace.weight_space.WeightPosterior`'s interface; checked
 #: by name, so that the posterior's own ``predict`` can call this module without an import circle).
 POSTERIOR_INTERFACE = ("function", "likelihood", "sample", "glm_covariance", "glm_root")
 
-#: Network evaluations (samples × test points) vectorized at once by the sampling methods (bounds memory).
-SAMPLE_BUDGET = 16384
+#: Network evaluations (samples × test points) vectorized at once by the sampling methods (bounds memory;
+#: :data:`ntkgp.memory.SAMPLE_EVALUATIONS`).
+SAMPLE_BUDGET = SAMPLE_EVALUATIONS
 
 __all__ = [
     "FiniteDifference",
@@ -142,8 +145,7 @@ def _check_args(posterior, x, num_samples, joint, step_size, generator, progress
         )
     if not torch.is_tensor(x) and not isinstance(x, dict):  # a tensor, or a dict of tensors (ntkgp.ntk.inputs)
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
-        raise ValueError(f"num_samples must be a positive integer, got {num_samples!r}")
+    positive_int(num_samples, "num_samples")
     if not isinstance(joint, bool):
         raise TypeError(f"joint must be a bool, got {type(joint).__name__}")
     if step_size is not None and not (
@@ -153,8 +155,7 @@ def _check_args(posterior, x, num_samples, joint, step_size, generator, progress
         raise ValueError(f"step_size must be a positive number or None, got {step_size!r}")
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
-    if not isinstance(progress, bool):
-        raise TypeError(f"progress must be a bool, got {type(progress).__name__}")
+    check_progress(progress)
 
 
 def _link_for(likelihood: Likelihood, link: str | None) -> Link | None:
@@ -212,7 +213,7 @@ def predict(
     step_size: float | None = None,
     finite_difference: str = "central",
     generator: torch.Generator | None = None,
-    progress: bool = False,
+    progress: bool | None = False,
 ) -> Prediction:
     r"""The predictive of ``posterior`` at the test inputs ``x`` by the estimator ``method`` (module
     docstring).
@@ -232,7 +233,8 @@ def predict(
             :func:`default_step_size`).
         finite_difference: ``"central"`` (default) or ``"forward"`` (``"mc_glm"`` only).
         generator: random number generator for the draws (reproducible results).
-        progress: show a tqdm bar over chunks of test points.
+        progress: over the chunks of test points: ``False`` (default, silent), ``None`` (auto) or ``True`` (a bar):
+            :mod:`ntkgp.progress`.
 
     Returns:
         a :class:`Prediction` (distribution over :math:`f`, class probabilities, samples).
@@ -259,7 +261,7 @@ def predict(
     fn = posterior.function
     x = fn.prepare(x)
     chunks = split(x, fn.chunk_size)
-    bar = tqdm(chunks, desc=f"predict ({method.value})", disable=not progress, leave=False)
+    bar = progress_bar(chunks, len(chunks), f"predict ({method.value})", progress, unit="chunk")
     samples = blocks = root = None
     with torch.no_grad():
         mean = torch.cat([fn.forward(xc) for xc in chunks]) if method is not Method.NN_SAMPLING else None

@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 from ...likelihoods import is_gaussian, noise_variance
 from ...metrics import brier_score, categorical_nlpd, expected_calibration_error, gaussian_nlpd
 from ...ntk.prior_precision import prior_precision_vector
+from ...validation import positive_float, positive_int
 from .predictive_estimators import Prediction, predict
 
 __all__ = ["DEFAULT_GRID", "PriorTuning", "grid_maximum", "maximize_evidence", "optimize_parameter_precision"]
@@ -35,18 +36,6 @@ EVIDENCE_OPTIMIZERS = ("adam", "lbfgs", "grid")
 #: The named validation metrics (lower is better): negative log predictive density, expected calibration error
 #: and Brier score (classification only).
 VALIDATION_METRICS = ("nll", "ece", "brier")
-
-
-def _positive_int(value: object, argument: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{argument} must be a positive integer, got {value!r}")
-    return value
-
-
-def _positive_float(value: object, argument: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
-        raise ValueError(f"{argument} must be a positive finite number, got {value!r}")
-    return float(value)
 
 
 def check_grid(grid: object, num_groups: int, dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -143,9 +132,9 @@ def optimize_parameter_precision(
     """
     if optimizer not in EVIDENCE_OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {EVIDENCE_OPTIMIZERS}, got {optimizer!r}")
-    _positive_int(steps, "steps")
-    _positive_int(sweeps, "sweeps")
-    _positive_float(lr, "lr")
+    positive_int(steps, "steps")
+    positive_int(sweeps, "sweeps")
+    positive_float(lr, "lr")
     if not isinstance(progress, bool):
         raise TypeError(f"progress must be a bool, got {type(progress).__name__}")
     before = module.prior_precision.detach().clone()
@@ -253,9 +242,9 @@ class PriorTuning:
             raise ValueError(f"method must be one of {methods}, got {method!r}")
         if optimizer not in EVIDENCE_OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {EVIDENCE_OPTIMIZERS}, got {optimizer!r}")
-        _positive_int(steps, "steps")
-        _positive_int(sweeps, "sweeps")
-        _positive_float(lr, "lr")
+        positive_int(steps, "steps")
+        positive_int(sweeps, "sweeps")
+        positive_float(lr, "lr")
         if not isinstance(progress, bool):
             raise TypeError(f"progress must be a bool, got {type(progress).__name__}")
         values = check_grid(grid, self.groups.num_groups, self.function.dtype, self.function.device)

@@ -34,21 +34,26 @@ class StructureClasses:
     Attributes:
         curvature: the builder of its :class:`~ntkgp.laplace.weight_space.Curvature` (one pass over the data).
         posterior: its :class:`~ntkgp.laplace.weight_space.WeightPosterior` class.
-        posterior_arguments: the fixed keyword arguments of that class (``curvature="ggn"`` / ``"ef"``).
+        kind: the curvature it approximates, ``"ggn"`` or ``"ef"`` (empirical Fisher).
+        exact: whether it is the dense :math:`P \times P` curvature itself, which may equally be built in function
+            space (:func:`~ntkgp.laplace.weight_space.exact_curvature`, whichever side is smaller).
+        posterior_arguments: the fixed keyword arguments of the posterior class (``curvature="ggn"`` / ``"ef"``).
     """
 
     curvature: Callable[..., Curvature]
     posterior: type[WeightPosterior]
+    kind: str = "ggn"
+    exact: bool = False
     posterior_arguments: dict = field(default_factory=dict)
 
 
 #: The structures by name (:class:`ntkgp.options.Structure`).
 STRUCTURE_CLASSES: dict[Structure, StructureClasses] = {
-    Structure.FULL_GGN: StructureClasses(full_ggn, FullLaplace, {"curvature": "ggn"}),
-    Structure.FULL_EF: StructureClasses(full_ef, FullLaplace, {"curvature": "ef"}),
-    Structure.KFAC: StructureClasses(kfac_ggn, KFACLaplace),
-    Structure.DIAG_GGN: StructureClasses(diagonal_ggn, DiagLaplace, {"curvature": "ggn"}),
-    Structure.DIAG_EF: StructureClasses(diagonal_ef, DiagLaplace, {"curvature": "ef"}),
+    Structure.FULL_GGN: StructureClasses(full_ggn, FullLaplace, "ggn", True, {"curvature": "ggn"}),
+    Structure.FULL_EF: StructureClasses(full_ef, FullLaplace, "ef", True, {"curvature": "ef"}),
+    Structure.KFAC: StructureClasses(kfac_ggn, KFACLaplace, "ggn"),
+    Structure.DIAG_GGN: StructureClasses(diagonal_ggn, DiagLaplace, "ggn", False, {"curvature": "ggn"}),
+    Structure.DIAG_EF: StructureClasses(diagonal_ef, DiagLaplace, "ef", False, {"curvature": "ef"}),
 }
 
 #: The last-layer posterior of each structure (``subset="last_layer"``) and its fixed keyword arguments.

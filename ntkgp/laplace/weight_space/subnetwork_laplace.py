@@ -19,11 +19,13 @@ from torch import Tensor, nn
 
 from ...ntk import ParameterGroups
 from ...ntk.network import NetworkCore
-from ...options import Curvature, choice
+from ...option_groups import accepts_flat_keywords
+from ...options import CurvatureKind, choice
 from .data_pass import Data, DataPass
-from .full_curvature import ComponentSum, FullCurvature, jacobian_rows
+from .full_curvature import FullCurvature, dense_components
 from .full_laplace import DensePosterior
 from .last_layer_laplace import layer_evidence
+from .pass_options import PassOptions, pass_settings
 from .posterior import check_before_pass
 
 Subnetwork = Sequence[str] | Mapping[str, Tensor]
@@ -100,6 +102,12 @@ class SubnetCore(NetworkCore):
             raise ValueError("a subnetwork's Jacobian is over its selected coordinates only")
         return super().jacobian(x)[..., self.selected]
 
+    def per_example_vjps(self, x: Tensor, cotangents: Tensor, names: Sequence[str]) -> Tensor:
+        r"""Rows :math:`J_{n,S}^\top u_{nm}` over the selected coordinates, ``(n, M, |S|)``."""
+        if list(names) != self.names:
+            raise ValueError("a subnetwork's rows are over its selected coordinates only")
+        return super().per_example_vjps(x, cotangents, names)[..., self.selected]
+
 
 class SubnetLaplace(DensePosterior):
     r"""The full Laplace posterior over a subnetwork (module docstring).
@@ -115,11 +123,10 @@ class SubnetLaplace(DensePosterior):
         prior_precision: :math:`\delta`, a float or one per group.
         prior_structure: ``"layer"`` (default), ``"network"``, ``"parameter"`` or a mapping name → group over the
             parameters that hold a selected coordinate.
-        batch_size: examples per Jacobian batch.
-        progress: ``None`` (auto: a bar on a terminal, else one line with a long pass's estimated time),
-            ``True`` (a bar) or ``False`` (silent): :mod:`ntkgp.progress`.
+        options: how the passes run, a :class:`~ntkgp.laplace.weight_space.PassOptions` (``batch_size`` of the
+            curvature pass, ``chunk_size`` at prediction time, ``progress``; ``None``: its defaults). Its fields as
+            flat keywords (``batch_size=128``) still work, with a ``FutureWarning``, for one release.
         input_shape: the shape of one input, for flat inputs.
-        chunk_size: examples per Jacobian chunk at prediction time.
 
     :attr:`names` are the parameters that hold a selected coordinate; flat vectors (:meth:`mean`, samples) have
     :attr:`num_params` :math:`= |S|` entries; :attr:`subnetwork` holds the masks (``None``: a whole parameter);
@@ -133,6 +140,7 @@ class SubnetLaplace(DensePosterior):
         >>> posterior = SubnetLaplace(net, x, y, SoftmaxLikelihood(10), {"head.weight": mask, "head.bias": None})
     """
 
+    @accepts_flat_keywords(options=PassOptions)
     def __init__(
         self,
         net: nn.Module,
@@ -143,26 +151,21 @@ class SubnetLaplace(DensePosterior):
         curvature: str = "ggn",
         prior_precision: float | Tensor = 1.0,
         prior_structure: str | Mapping[str, str] = "layer",
-        batch_size: int = 64,
-        progress: bool | None = None,
+        options: PassOptions | None = None,
         input_shape: tuple[int, ...] | None = None,
-        chunk_size: int = 256,
     ) -> None:
-        kind = choice(Curvature)(curvature, "curvature")
+        batch_size, chunk_size, progress = pass_settings(options)
+        kind = choice(CurvatureKind)(curvature, "curvature")
         masks = check_subnetwork(net, subnetwork)
         _, groups = check_before_pass(net, likelihood, prior_precision, prior_structure, input_shape, chunk_size,
                                       list(masks))
         fn = SubnetCore(net, masks, input_shape, chunk_size)
         groups = ParameterGroups(names=groups.names, shapes=tuple(torch.Size([n]) for n in fn.counts),
                                  group_of=groups.group_of, group_names=groups.group_names)
-        fisher = kind is Curvature.EF
-        data = DataPass.on(fn, likelihood)
-        total = ComponentSum(fisher, data.scale0.shape[0] > 1)
-        for xb, fb, yb in data.batches(x, y, batch_size, progress, f"subnetwork {kind.value.upper()}"):
-            jac = fn.jacobian(xb)
-            with torch.no_grad():
-                total.add(jacobian_rows(jac, likelihood, fb, yb, data.scale0, fisher))
-        components = total.total()
+        fisher = kind is CurvatureKind.EF
+        data = DataPass.on(fn, likelihood)  # the layer blocks are over whole tensors: the rows of S instead
+        components = dense_components(data, x, y, fisher, batch_size, progress, f"subnetwork {kind.value.upper()}",
+                                      layer_blocks=False)
         f_all, y_all = data.collected()
         theta_sq = fn.theta().square()
         sq_norms = theta_sq.new_zeros(groups.num_groups).index_add_(0, groups.column_groups(theta_sq.device), theta_sq)

@@ -12,6 +12,19 @@
 from .exact_model import ExactNTKGP
 from .laplace_model import LaplaceNTKGP
 from .model import DEFAULT_PREDICTIVE_MEAN, NTKGP
-from .prediction import PREDICTION_BUDGET
 
-__all__ = ["DEFAULT_PREDICTIVE_MEAN", "NTKGP", "PREDICTION_BUDGET", "ExactNTKGP", "LaplaceNTKGP"]
+__all__ = ["DEFAULT_PREDICTIVE_MEAN", "NTKGP", "ExactNTKGP", "LaplaceNTKGP"]
+
+
+def __getattr__(name: str):
+    if name == "PREDICTION_BUDGET":  # deprecated: the budget is in bytes now
+        import warnings
+
+        from ...memory import PREDICTION_BYTES
+
+        warnings.warn(
+            "ntkgp.models.ntkgp.PREDICTION_BUDGET (numbers) is deprecated: the prediction budget is "
+            "ntkgp.memory.PREDICTION_BYTES, in bytes", FutureWarning, stacklevel=2,
+        )
+        return PREDICTION_BYTES // 8
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

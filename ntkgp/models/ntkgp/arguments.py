@@ -14,13 +14,16 @@ from gpytorch.likelihoods import Likelihood
 from torch import nn
 
 from ...kernels import NTKKernel
-from ...kernels.arguments import check_network_dtype, optional_positive_int, positive_int
+from ...kernels.arguments import check_network_dtype
 from ...kernels.network_state import RANDOM_NETWORK, RandomNetworkError
 from ...likelihoods import num_outputs, validate_targets
 from ...ntk import GroupSpec, NTKEngine
 from ...ntk.checks import OutputShapeError
-from ...ntk.inputs import check_tensor
+from ...ntk.data_arguments import check_data
+from ...ntk.inputs import check_tensor, is_structured
 from ...ntk.inputs import to as to_network
+from ...ntk.packed_inputs import structure_network
+from ...validation import optional_positive_int, positive_int
 
 __all__ = ["check_floating", "optional_positive_int", "positive_int", "setup"]
 
@@ -80,6 +83,9 @@ def setup(
 ) -> tuple[torch.Tensor, torch.Tensor, NTKKernel, torch.Tensor]:
     """Check everything and build the kernel; returns ``x`` (flat), ``y`` (validated), the kernel and ``f(x)``.
 
+    Structured ``train_x`` (a dict or tuple of tensors) is packed into rows of bytes and the kernel is built on the
+    view of ``net`` that rebuilds them (:mod:`ntkgp.ntk.packed_inputs`): ``x`` is then the packed rows ``(N, B)``.
+
     Raises:
         TypeError: a non-likelihood, a ``train_x`` that is not a real tensor, a float16/bfloat16 network.
         ValueError: shapes, non-finite values, batch-mode data, a random network, outputs that do not match the
@@ -89,6 +95,12 @@ def setup(
     if not isinstance(likelihood, Likelihood):
         raise TypeError(f"likelihood must be a gpytorch Likelihood, got {type(likelihood).__name__}")
     expected = num_outputs(likelihood)  # raises for unsupported likelihoods
+    if is_structured(train_x):  # a dict/tuple of tensors: packed rows, rebuilt for the network (ntk.packed_inputs)
+        check_data(train_x, "train_x")  # a list of numbers is refused as such
+        if kernel_kwargs.get("input_shape") is not None:
+            raise ValueError(f"input_shape={kernel_kwargs['input_shape']} applies to tensor inputs, but train_x is a "
+                             f"{type(train_x).__name__} of tensors: leave input_shape=None")
+        net, train_x = structure_network(net, train_x, "train_x")
     check_floating(train_x, "train_x")
     check_network_dtype(net)
     _check_not_batched(likelihood, kernel_kwargs)
@@ -133,4 +145,5 @@ def setup(
         )
     y = validate_targets(likelihood, train_y, f.shape[1], num_data=x.shape[0], name="train_y")
     y = y.to(device=x.device)
-    return x, y, kernel, f.to(x)
+    # the model's dtype, never the inputs' (token ids and packed rows are integers: f would be truncated)
+    return x, y, kernel, f.to(dtype=kernel.raw_prior_precision.dtype, device=x.device)

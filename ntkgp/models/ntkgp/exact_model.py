@@ -8,6 +8,7 @@ from gpytorch.likelihoods import Likelihood
 from gpytorch.models import ExactGP
 
 from ...likelihoods import validate_targets
+from ...ntk.inputs import is_structured
 from .model import NTKGP
 
 __all__ = ["ExactNTKGP"]
@@ -26,7 +27,7 @@ class ExactNTKGP(NTKGP, ExactGP, gaussian=True):
         ExactGP.__init__(self, x, y.squeeze(-1) if y.shape[-1] == 1 else y, likelihood)
 
     def __call__(self, *args, **kwargs):
-        if self.training and len(args) == 1 and not kwargs and torch.is_tensor(args[0]):
+        if self.training and len(args) == 1 and not kwargs and (torch.is_tensor(args[0]) or is_structured(args[0])):
             # ExactGP's train mode for one input, without its generic plumbing (a hyperparameter step calls it):
             # the prior at the training inputs, refused at other inputs under gpytorch.settings.debug (GPyTorch's
             # check; the training inputs themselves, the usual argument, need no comparison: x is finite here)
@@ -36,7 +37,7 @@ class ExactNTKGP(NTKGP, ExactGP, gaussian=True):
                 raise RuntimeError("You must train on the training inputs!")
             return self._checked_prior(x)
         if self.training or gpytorch_settings.prior_mode.on():
-            args = [self._flat_inputs(a, "x") if torch.is_tensor(a) else a for a in args]
+            args = [self._flat_inputs(a, "x") if torch.is_tensor(a) or is_structured(a) else a for a in args]
             return ExactGP.__call__(self, *args, **kwargs)
         self.prediction_strategy = None
         if len(args) != 1:
@@ -45,7 +46,8 @@ class ExactNTKGP(NTKGP, ExactGP, gaussian=True):
 
     def set_train_data(self, inputs=None, targets=None, strict: bool = True) -> None:
         """Replace the training data (GPyTorch's method), validated; prefer :meth:`condition_on`."""
-        x = self.train_x if inputs is None else (inputs[0] if isinstance(inputs, tuple) else inputs)
+        # GPyTorch's tuple (x,) of one input, or the input itself (a tensor, a dict, or a tuple of several tensors)
+        x = self.train_x if inputs is None else (inputs[0] if isinstance(inputs, tuple) and len(inputs) == 1 else inputs)
         y = self._train_y if targets is None else targets
         x = self._flat_inputs(x, "inputs")
         if x.dim() != 2:

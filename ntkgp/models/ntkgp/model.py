@@ -91,15 +91,17 @@ class NTKGP(CheckedLoad, PredictionMixin, ConditioningMixin, BoTorchInterface, G
     Args:
         net: the trained network ``(N, *input_shape) → (N, C)``, in eval mode if it has BatchNorm/dropout.
             Held by reference, never modified.
-        train_x: training inputs ``(N, ...)``, floating point; inputs with more than one feature dimension
-            are flattened for GPyTorch and reshaped for the network.
+        train_x: training inputs ``(N, ...)`` (floating point, or integer token ids); inputs with more than one
+            feature dimension are flattened for GPyTorch and reshaped for the network. A dict (or tuple) of tensors
+            with a common leading dimension is kept as packed rows and rebuilt for the network; test inputs and new
+            data are then such dicts (docs/networks.md, "Dict and tuple inputs in the GPyTorch models").
         train_y: targets (see :func:`ntkgp.likelihoods.validate_targets`).
         likelihood: a supported likelihood (its number of outputs must match the network's).
         prior_precision: initial :math:`\delta` (float or one per group).
         prior_structure: which parameters share a :math:`\delta`: ``"layer"``, ``"network"``, ``"parameter"``
             or a mapping.
         prediction_chunk_size: test points per chunk of the predictive (default: as many as fit
-            :data:`PREDICTION_BUDGET` numbers, see docs/ntkgp.md, "Prediction at scale").
+            :data:`ntkgp.memory.PREDICTION_BYTES`, see docs/ntkgp.md, "Prediction at scale").
         predictive_mean: the predictive's mean (:class:`ntkgp.options.PredictiveMean`, as SFR's): ``"gp"``, the
             linearized model's posterior mean :math:`\mu(x_*)` (one Newton step from :math:`\theta^*`; moves
             with :meth:`condition_on`), or ``"nn"``, the network output :math:`f(x_*;\theta^*)` (what
@@ -228,7 +230,8 @@ class NTKGP(CheckedLoad, PredictionMixin, ConditioningMixin, BoTorchInterface, G
 
     @property
     def train_x(self) -> torch.Tensor:
-        """Training inputs ``(N, D)`` as the kernel takes them (flattened)."""
+        """Training inputs ``(N, D)`` as the kernel takes them (flattened; a dict or tuple of tensors as packed rows
+        ``(N, B)`` of bytes, :mod:`ntkgp.ntk.packed_inputs`)."""
         return self.train_inputs[0]
 
     @property

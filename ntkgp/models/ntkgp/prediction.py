@@ -13,16 +13,15 @@ from ...botorch import gradient_settings, to_posterior
 from ...laplace.function_space import GLMPredictiveCovariance, PredictiveContext
 from ...likelihoods import is_gaussian, noise_variance
 from ...linalg import all_finite
+from ...memory import PREDICTION_BYTES, chunk_rows
 from ...options import PredictiveMean
 from ...ntk.inputs import to as to_network
+from ...ntk.packed_inputs import pack_inputs
 from ...ntk.private_copy import model_lock
 from .arguments import check_floating, positive_int
 from .newton_step import parameter_dict, shifted_outputs
 
-__all__ = ["PREDICTION_BUDGET", "PredictionMixin"]
-
-#: Numbers one chunk of test points may occupy in the predictive (``(G + 3)·chunk·C·N·C`` ≤ this), 256 MB in float64.
-PREDICTION_BUDGET = 2**25
+__all__ = ["PredictionMixin"]
 
 
 class PredictionMixin:
@@ -30,7 +29,9 @@ class PredictionMixin:
 
     # ------------------------------------------------------------------ inputs
     def _flat_inputs(self, x: torch.Tensor, argument: str) -> torch.Tensor:
-        """``x`` as ``(*batch, n, D)`` in the model's dtype (trailing ``input_shape`` dimensions flattened)."""
+        """``x`` as ``(*batch, n, D)`` in the model's dtype (trailing ``input_shape`` dimensions flattened; structured
+        inputs packed, :mod:`ntkgp.ntk.packed_inputs`)."""
+        x = pack_inputs(self.covar_module.engine.net, x, argument)
         check_floating(x, argument)
         d = self.train_x.shape[-1]
         shape = self.input_shape
@@ -58,14 +59,14 @@ class PredictionMixin:
 
     def prediction_chunk(self, chunk_size: int | None = None) -> int:
         """Test points per chunk: ``chunk_size``, else :attr:`prediction_chunk_size`, else the largest chunk
-        whose working set ``(G + 3)·chunk·C·N·C`` fits :data:`PREDICTION_BUDGET` numbers (at least 1)."""
+        whose working set ``(G + 3)·chunk·C·N·C`` fits :data:`ntkgp.memory.PREDICTION_BYTES` (at least 1)."""
         if chunk_size is None:
             chunk_size = self.prediction_chunk_size
         if chunk_size is not None:
             return positive_int(chunk_size, "chunk_size")
         n, c = self.num_data, self.num_outputs
         groups = self.covar_module.engine.num_groups
-        return max(1, PREDICTION_BUDGET // ((groups + 3) * c * n * c))
+        return chunk_rows(PREDICTION_BYTES, (groups + 3) * c * n * c, self.dtype)
 
     # ------------------------------------------------------------------ the predictive
     def posterior(

@@ -23,12 +23,15 @@ r"""SFR: a trained network as a sparse function-space GP (Scannell et al.), as a
 from .covariance import SparsePosteriorCovariance
 from .inducing_points import greedy_variance, uniform_subset
 from .model import SFR
+from .options import SFRInducingOptions, SFRMemoryOptions
 from .statistics import DualStatistics
 from .system_grams import system_grams
 from .whitening import InducingFactors, WhitenedFactors, Whitening, inducing_factors, whitened_factors
 
 __all__ = [
     "SFR",
+    "SFRInducingOptions",
+    "SFRMemoryOptions",
     "DualStatistics",
     "InducingFactors",
     "SparsePosteriorCovariance",

@@ -9,8 +9,11 @@ apart, keyed by :math:`1/\delta` and the generation, so that an update and a cha
 reuse them. The cache is not part of a pickled or copied model (a copy recomputes it).
 
 Everything here is in the statistics' dtype (float64, also for a float32 network); the thresholds use the unit
-roundoffs of :math:`K_{ZZ}` (float64), of the sums in :math:`B_u` (the statistics') and of the cross-covariances
-(the network's features) apart (:func:`rounding`, :func:`~ntkgp.models.sfr.whitening.whitened_factors`).
+roundoffs of :math:`K_{ZZ}` (float64) and of the sums in :math:`B_u` (the statistics') apart (:func:`rounding`,
+:func:`~ntkgp.models.sfr.whitening.whitened_factors`). The cross-covariances of a float32 network are float64
+products of its float32 features with float64 features of ``Z`` (:mod:`~ntkgp.models.sfr.system_grams`): their
+rounding moves :math:`V = WK_{Zx}` by no more than the features' own, in every direction :math:`K_{ZZ}` resolves, so
+it drops none; its unit roundoff (``cross_eps``) only scales the precision warnings of the predictive.
 """
 
 from __future__ import annotations
@@ -22,9 +25,10 @@ import torch
 from torch import Tensor
 
 from ...caching import ValueCache
+from ...ntk.inputs import to as to_network
 from .prediction_terms import PosteriorState
 from .statistics import DualStatistics
-from .system_grams import inducing_features, network_features
+from .system_grams import inducing_features, network_features, precise_engine
 from .whitening import InducingFactors, inducing_factors, roundoff, whitened_factors
 
 __all__ = [
@@ -62,7 +66,8 @@ def solve(
     r"""The whitened factors of the posterior at group weights ``weights`` (:math:`1/\delta`) and slot weights."""
     b_u, y_u = statistics.projected(weights, slots)  # a fresh B_u, overwritten by the factorization
     eps = rounding(network_dtype, b_u, inducing)
-    factors = whitened_factors(None, b_u, y_u, inducing=inducing, overwrite_b_u=True, **eps)
+    factors = whitened_factors(None, b_u, y_u, inducing=inducing, overwrite_b_u=True, eps=eps["eps"],
+                               site_eps=eps["site_eps"])  # no threshold from the features' rounding (module doc)
     mean_error = cross_rounding = None
     if eps["cross_eps"] > 0:  # the rounding of float32 cross-covariances in the mean (PosteriorState.mean_error)
         mean_error = eps["cross_eps"] * (inducing.k_diagonal.sqrt() * factors.alpha.detach().abs()).sum(-1)
@@ -72,10 +77,11 @@ def solve(
 
 
 def rounding(network_dtype: torch.dtype, b_u: Tensor, inducing: InducingFactors) -> dict[str, float]:
-    r"""The unit roundoffs of :func:`~ntkgp.models.sfr.whitening.whitened_factors` for SFR: :math:`K_{ZZ}`'s (computed
-    in float64, :func:`~ntkgp.models.sfr.system_grams.inducing_grams`, unless stored lower:
-    ``inducing.gram_eps``), the sums in :math:`B_u`'s (the statistics' dtype) and the cross-covariances' (the
-    network's, where it is coarser than :math:`K_{ZZ}`'s)."""
+    r"""The unit roundoffs of SFR: :math:`K_{ZZ}`'s (computed in float64,
+    :func:`~ntkgp.models.sfr.system_grams.inducing_grams`, unless stored lower: ``inducing.gram_eps``) and the sums
+    in :math:`B_u`'s (the statistics' dtype), the thresholds of
+    :func:`~ntkgp.models.sfr.whitening.whitened_factors`; and the network's features' (``cross_eps``, where it is
+    coarser than :math:`K_{ZZ}`'s), which scales the precision warnings of the predictive only."""
     eps = inducing.gram_eps if inducing.gram_eps is not None else roundoff(torch.float64, inducing.k_trace.dtype)
     cross = roundoff(network_dtype)
     return {"eps": eps, "site_eps": roundoff(b_u.dtype), "cross_eps": cross if cross > eps else 0.0}
@@ -205,5 +211,11 @@ def inducing_feature_set(sfr):
 
 
 def z_jacobian(sfr) -> Tensor:
-    """:math:`J(Z)`, ``(M·C, P)``, of ``sfr`` for predictions with a graph to the inputs (cached)."""
-    return sfr._cache.z_jacobian(lambda: sfr.engine.jacobian(sfr.inducing_points).detach(), generation_key(sfr))
+    """:math:`J(Z)`, ``(M·C, P)``, of ``sfr`` for predictions with a graph to the inputs (cached): in float64, on the
+    copy of a float32 network that forms :math:`K_{ZZ}` (:func:`~ntkgp.models.sfr.system_grams.precise_engine`), as
+    the inducing features of the route without a graph."""
+    def compute() -> Tensor:
+        precise = precise_engine(sfr.engine)
+        return precise.jacobian(to_network(sfr.inducing_points, precise.dtype, sfr.inducing_points.device)).detach()
+
+    return sfr._cache.z_jacobian(compute, generation_key(sfr))

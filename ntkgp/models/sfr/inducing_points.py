@@ -39,6 +39,7 @@ from linear_operator.functions import pivoted_cholesky
 from torch import Tensor
 
 from ...distributed import all_gather_rows, broadcast_, rank, together, world_size
+from ...memory import INDUCING_POOL_BYTES, chunk_rows, renamed_budget
 from ...ntk import NTKEngine
 from ...options import InducingMethod, OutputCoupling
 from .system_grams import system_grams
@@ -125,12 +126,12 @@ def uniform_subset(batches: Iterable[Tensor], size: int, seed: int) -> tuple[Ten
     return kept[torch.argsort(index)], total
 
 
-def pool_gram(engine: NTKEngine, pool: Tensor, weights: Tensor, max_elements: int = 2**25) -> Tensor:
+def pool_gram(engine: NTKEngine, pool: Tensor, weights: Tensor, max_bytes: int = INDUCING_POOL_BYTES) -> Tensor:
     r"""The output trace of the NTK on ``pool``, :math:`\sum_g w_g \sum_c [K_g]_{cc}`, ``(P, P)``, in row blocks
-    that keep the per-group temporary under ``max_elements`` numbers."""
+    that keep the per-group temporary ``rows·G·C·P`` (float64) under ``max_bytes``."""
     n = pool.shape[0]
     weights = weights.detach()
-    rows = max(1, max_elements // max(1, engine.num_groups * engine.num_outputs(pool) * n))
+    rows = chunk_rows(max_bytes, engine.num_groups * engine.num_outputs(pool) * n, torch.float64)
     blocks = [
         torch.einsum("g,gcij->ij", weights, system_grams(engine, pool[s : s + rows], pool, OutputCoupling.INDEPENDENT))
         for s in range(0, n, rows)
@@ -138,7 +139,8 @@ def pool_gram(engine: NTKEngine, pool: Tensor, weights: Tensor, max_elements: in
     return torch.cat(blocks)
 
 
-def greedy_variance(engine: NTKEngine, pool: Tensor, size: int, weights: Tensor, max_elements: int = 2**25) -> Tensor:
+def greedy_variance(engine: NTKEngine, pool: Tensor, size: int, weights: Tensor, max_bytes: int = INDUCING_POOL_BYTES,
+                    *, max_elements: int | None = None) -> Tensor:
     r"""Greedy conditional-variance selection of ``size`` rows of ``pool`` (deterministic).
 
     The pivots of a partial pivoted Cholesky factorization of the pool's Gram (:func:`pool_gram`), which at
@@ -151,7 +153,8 @@ def greedy_variance(engine: NTKEngine, pool: Tensor, size: int, weights: Tensor,
         pool: candidate inputs ``(P, ...)``.
         size: ``M``.
         weights: group weights :math:`1/\delta`, ``(G,)``.
-        max_elements: bound on the temporary per-group Gram block.
+        max_bytes: bound on the temporary per-group Gram block, in bytes (:data:`ntkgp.memory.INDUCING_POOL_BYTES`).
+        max_elements: deprecated, the same bound in float64 numbers (``8·max_elements`` bytes).
 
     Returns:
         Indices into ``pool``, shape ``(M,)``, in the order they were chosen.
@@ -159,11 +162,12 @@ def greedy_variance(engine: NTKEngine, pool: Tensor, size: int, weights: Tensor,
     Raises:
         ValueError: if ``pool`` has fewer than ``size`` rows.
     """
+    max_bytes = renamed_budget(max_bytes, max_elements, "max_bytes", "max_elements")
     n = pool.shape[0]
     if n < size:
         raise ValueError(f"cannot choose {size} inducing inputs from {n} candidates (num_inducing > N)")
     with torch.no_grad():
-        gram = pool_gram(engine, pool, weights, max_elements)
+        gram = pool_gram(engine, pool, weights, max_bytes)
         # stop once the residual trace is at rounding level: further pivots would divide by noise
         tolerance = 10 * n * torch.finfo(gram.dtype).eps
         factor, pivots = pivoted_cholesky(gram, rank=size, error_tol=tolerance, return_pivots=True)

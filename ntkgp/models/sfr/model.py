@@ -2,7 +2,6 @@ r"""SFR: a trained network as a sparse GP whose inducing points summarize all th
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterable
 
 import torch
@@ -15,10 +14,13 @@ from ...botorch import BoTorchInterface, botorch_posterior
 from ...distributed import check_distributed, check_replicated, together
 from ...kernels import NTKKernel
 from ...likelihoods import num_outputs as likelihood_outputs
+from ...memory import SFR_STEP_BYTES, chunk_rows
+from ...option_groups import accepts_flat_keywords, check_group
 from ...ntk import GroupSpec, NTKEngine
 from ...options import (InducingMethod, OptionAttribute, OutputCoupling, PredictiveMean, PriorMean, PriorStructure,
                          StatisticsMode, choice, choose, option_attributes)
 from ...persistence import CheckedLoad
+from ...validation import optional_positive_int, positive_int
 from .evidence import collapsed_bound
 from .factorization import PosteriorCache, generation_key, inducing_feature_set, posterior_state, reset_after_load
 from .factorization import z_jacobian
@@ -26,14 +28,14 @@ from .guard import StateGuard, state_key
 from ...ntk.outputs import with_output
 from ...ntk.private_copy import model_lock
 from .inducing_points import inducing_inputs_from_data, model_dtype
+from .options import SFRInducingOptions, SFRMemoryOptions
 from .prediction import predictive_distribution
 from .prediction_terms import PosteriorState, PredictiveTerms
 from .statistics import statistics_dtype
-from .streaming import stream_statistics
+from .streaming import counted, stream_statistics
 from .system_grams import auto_chunk_size, inducing_features, inducing_grams, network_features
 from .updates import new_statistics
-from .validation import check_training_data, first_batch, flag, integer, optional_positive_int, positive_int
-from .validation import training_batches
+from .validation import check_training_data, first_batch, integer, pack_inputs, progress_flag, training_batches
 
 __all__ = ["SFR"]
 
@@ -84,10 +86,10 @@ class SFR(CheckedLoad, BoTorchInterface, GP):
     ``pool_size`` and ``distributed`` shaped the pass over the data: assigning another value raises
     ``AttributeError`` (build a new model).
 
-    **Precision.** A float32 network gives float32 features; the statistics are summed, and the posterior
-    factorized, in float64 (:func:`~ntkgp.models.sfr.statistics.statistics_dtype`), and the mean is the network's
-    output plus a correction (never :math:`f(x) - J(x)\theta^*` formed in float32); results are returned in
-    the network's dtype (docs/sfr.md, "float32").
+    **Precision.** A float32 network gives float32 features of the data and test points, contracted in float64 with
+    float64 features of ``Z`` (:mod:`~ntkgp.models.sfr.system_grams`, with its memory and time); sums and solves are
+    float64, the mean is the network's output plus a correction (never :math:`f(x) - J(x)\theta^*` in float32),
+    and results are returned in the network's dtype (docs/sfr.md, "float32").
 
     **Combined statistics** (``statistics="combined"``, opt-in): the statistics and :math:`K_{ZZ}` are kept for
     the combined kernel at the :math:`\delta` of the pass over the data (``sfr.dual_statistics.prior_precision``),
@@ -96,7 +98,8 @@ class SFR(CheckedLoad, BoTorchInterface, GP):
 
     Args:
         net: the trained network ``(N, *input_shape) -> (N, C)``; never modified.
-        train_x: training inputs ``(N, ...)``, or an iterable of ``(x, y)`` batches (a ``DataLoader``);
+        train_x: training inputs ``(N, ...)`` or a dict/tuple of tensors (docs/networks.md, "Dict and tuple inputs in
+            the GPyTorch models"), or an iterable of ``(x, y)`` batches (a ``DataLoader``);
             read once (twice when inducing inputs are chosen from it), never stored.
         train_y: targets (any form :func:`~ntkgp.likelihoods.validate_targets` accepts); ``None`` with a loader.
         likelihood: a supported likelihood; becomes ``sfr.likelihood``.
@@ -107,23 +110,18 @@ class SFR(CheckedLoad, BoTorchInterface, GP):
         prior_mean: ``"linearized"`` (:math:`f(x) - J(x)\theta^*`) or ``"zero"``.
         predictive_mean: ``"gp"`` or ``"nn"`` (the network's output with SFR's covariance).
         output_coupling: ``"joint"`` (one ``MC×MC`` system, full likelihood Hessian) or ``"independent"``.
-        inducing_method: ``"random"`` or ``"greedy_variance"`` (:mod:`~ntkgp.models.sfr.inducing_points`).
-        batch_size: points per accumulation step, and per prediction chunk (``sfr(x, chunk_size=...)``
-            overrides it); default: as many as keep the ``G`` cross-Grams under ``2**24`` numbers (docs/sfr.md).
-        seed: seed of the random choices (inducing subset, candidate pool).
-        progress: show a progress bar over the data (``True`` or ``False``).
+        inducing: an :class:`~ntkgp.models.SFRInducingOptions` (``inducing_method``, ``pool_size``, ``seed``;
+            ``None``: its defaults). Its fields as flat keywords (``seed=1``) still work, with a ``FutureWarning``,
+            for one release.
+        memory: a :class:`~ntkgp.models.SFRMemoryOptions` (``batch_size``, ``chunk_size``, ``statistics``;
+            ``None``: its defaults); its fields as flat keywords likewise.
+        progress: over the data: ``None`` (auto), ``True`` (a bar) or ``False`` (silent): :mod:`ntkgp.progress`.
         input_shape: shape of one input, when inputs arrive flat (see :class:`~ntkgp.NTKKernel`).
-        chunk_size: examples per Jacobian / feature chunk of the NTK engine; default: as many as keep one chunk's
-            feature pass under 1 GiB, at most 1,024 (:func:`~ntkgp.models.sfr.system_grams.auto_chunk_size`).
-        pool_size: candidates for ``"greedy_variance"``.
         distributed: each rank of an initialized ``torch.distributed`` process group passes its shard of the
             training data (every rank the same network, as in DDP, and the same call); the statistics are
             all-reduced, so every rank holds the model of all the data, and :meth:`update` takes each rank's
             shard of the new data too. Inducing inputs chosen from the data are the ones one process would
             choose from the shards concatenated in rank order (docs/scaling.md, "Several processes and GPUs").
-        statistics: ``"per_group"`` (default: per pair of prior groups, so that :math:`\delta` can change, and
-            be learned by the evidence, without the data) or ``"combined"`` (for the combined kernel at the
-            initial :math:`\delta`, ``G²`` times less memory; :math:`\delta` fixed, see above).
         output: for a network returning a dict or a tuple, the key or index of the output to use
             (:mod:`ntkgp.ntk.outputs`).
 
@@ -146,8 +144,9 @@ class SFR(CheckedLoad, BoTorchInterface, GP):
     predictive_mean = OptionAttribute(choice(PredictiveMean), on_change="_option_changed")
     batch_size = OptionAttribute(optional_positive_int, on_change="_option_changed")
     chunk_size = OptionAttribute(positive_int, on_change="_option_changed")
-    progress = OptionAttribute(flag, on_change="_option_changed")
+    progress = OptionAttribute(progress_flag, on_change="_option_changed")
 
+    @accepts_flat_keywords(inducing=SFRInducingOptions, memory=SFRMemoryOptions)
     def __init__(
         self,
         net: nn.Module,
@@ -161,24 +160,23 @@ class SFR(CheckedLoad, BoTorchInterface, GP):
         prior_mean: str = "linearized",
         predictive_mean: str = "gp",
         output_coupling: str = "joint",
-        inducing_method: str = "random",
-        batch_size: int | None = None,
-        seed: int = 0,
-        progress: bool = False,
+        *,
+        inducing: SFRInducingOptions | None = None,
+        memory: SFRMemoryOptions | None = None,
+        progress: bool | None = None,
         input_shape: tuple[int, ...] | None = None,
-        chunk_size: int | None = None,
-        pool_size: int = 4096,
         distributed: bool = False,
-        statistics: str = "per_group",
         output: str | int | None = None,
     ) -> None:
         super().__init__()
         net = with_output(net, output)  # a network returning a dict or tuple: its output output= (ntkgp.ntk.outputs)
         # ---- validate every argument before anything is computed
-        self.statistics, self.prior_mean = statistics, prior_mean
+        inducing = check_group(inducing, SFRInducingOptions, "inducing")
+        memory = check_group(memory, SFRMemoryOptions, "memory")
+        chunk_size, self.statistics, self.prior_mean = memory.chunk_size, memory.statistics, prior_mean
         self.predictive_mean, self.output_coupling = predictive_mean, output_coupling
-        self.inducing_method, self.seed, self.pool_size = inducing_method, seed, pool_size
-        self.batch_size, self.progress = batch_size, progress
+        self.inducing_method, self.seed, self.pool_size = inducing.inducing_method, inducing.seed, inducing.pool_size
+        self.batch_size, self.progress = memory.batch_size, progress
         self.chunk_size = 1024 if chunk_size is None else chunk_size  # None: from a memory budget, below
         if isinstance(prior_structure, str):
             prior_structure = choose(PriorStructure, prior_structure, "prior_structure").value
@@ -188,7 +186,7 @@ class SFR(CheckedLoad, BoTorchInterface, GP):
         self.distributed = distributed
         with together("checking train_x", self.distributed):  # this rank's shard
             expected_outputs = likelihood_outputs(likelihood)  # raises for unsupported likelihoods
-            check_training_data(train_x, train_y, inducing_points)
+            net, train_x, inducing_points = check_training_data(train_x, train_y, inducing_points, net)
         check_replicated([*net.parameters(), *net.buffers()], "the network's weights", self.distributed)
         if inducing_points is not None:
             check_replicated([inducing_points], "inducing_points", self.distributed)
@@ -224,11 +222,11 @@ class SFR(CheckedLoad, BoTorchInterface, GP):
             z, self.output_coupling, statistics_dtype(self.engine.dtype), exact,
             delta.reciprocal() if combined else None, self._rows_per_step(),
         )
-        z_features = network_features(self.engine, exact[0])  # rounded to the network's dtype chunk by chunk
+        z_features = network_features(self.engine, exact[0])  # kept in float64: the cross-Grams are float64
         del exact  # the float64 features: not held during the pass
         with together("the pass over train_x", self.distributed):
             self.dual_statistics = stream_statistics(
-                self.engine, likelihood, z, self.output_coupling, self.prior_mean, itertools.chain([first], pairs),
+                self.engine, likelihood, z, self.output_coupling, self.prior_mean, counted(train_x, pairs, first),
                 self._layout, self._rows_per_step(), "train", progress, prior_precision=delta if combined else None,
                 z_features=z_features,
             )
@@ -285,12 +283,12 @@ class SFR(CheckedLoad, BoTorchInterface, GP):
                 self.engine.chunk_size = self.chunk_size
 
     def _rows_per_step(self) -> int:
-        """Points per accumulation step and prediction chunk: ``batch_size``, or the ``G`` cross-Grams under 2²⁴ numbers."""
+        """Points per step and prediction chunk: ``batch_size``, or the ``G`` cross-Grams within ``SFR_STEP_BYTES``."""
         if self.batch_size is not None:
             return self.batch_size
         c, m, g = self.num_outputs, self.num_inducing, self.engine.num_groups
         per_point = g * m * c * (c if self.output_coupling is OutputCoupling.JOINT else 1)
-        return max(1, (1 << 24) // per_point)
+        return chunk_rows(SFR_STEP_BYTES, per_point, torch.float64)  # the cross-Grams are float64
 
     def _check_state(self) -> None:
         """Raise if the network's weights or the inducing inputs changed since the statistics were computed, or,
@@ -362,7 +360,7 @@ class SFR(CheckedLoad, BoTorchInterface, GP):
             ``MultivariateNormal`` ``(*batch, n)`` (``C = 1``) or ``MultitaskMultivariateNormal`` ``(*batch, n, C)``
             in the model's dtype (the network's, unless converted).
         """
-        flat, batch = self._layout.check(x, "x", batched=True)
+        flat, batch = self._layout.check(pack_inputs(self.engine.net, x, "x"), "x", batched=True)
         chunk = self._rows_per_step() if chunk_size is None else positive_int(chunk_size, "chunk_size")
         with model_lock(self):  # one prediction (and cache fill) at a time per model: docs/guarantees.md, "Threads"
             x = self.engine.prepare(flat, "x")

@@ -53,8 +53,10 @@ class PosteriorState:
         mean_error: for a network whose features are coarser than the model's algebra (float32): the error of the
             mean's term :math:`K_{xZ}\alpha` per unit of :math:`\sqrt{K_{xx}}` from the rounding of
             :math:`K_{xZ}`, :math:`\epsilon_X \sum_k \sqrt{[K_{ZZ}]_{kk}}\,|\alpha_k|` per system ``(nb,)``
-            (each entry of :math:`K_{xZ}` is rounded by about :math:`\epsilon_X\sqrt{K_{xx}[K_{ZZ}]_{kk}}`);
-            ``None`` otherwise.
+            (each entry of :math:`K_{xZ}` taken as rounded by up to :math:`\epsilon_X\sqrt{K_{xx}[K_{ZZ}]_{kk}}`,
+            independently: an upper estimate, as the float64 products of float32 features with float64 features
+            of ``Z`` err by at most :math:`\lVert\Delta J(x)\rVert\lVert J(Z)^\top\alpha\rVert`); ``None``
+            otherwise.
         cross_rounding: for such a network, the unit roundoff of its features and :math:`\sqrt{[K_{ZZ}]_{kk}}` per
             system ``(nb, K)``, what bounds the variances' error (:mod:`~ntkgp.models.sfr.variance_precision`);
             ``None`` otherwise.

@@ -18,7 +18,7 @@ again. The price is :math:`G^2` times the memory of :math:`B_u` and about :math:
 accumulation (one GEMM with the :math:`G` cross-Grams stacked); with ``prior_structure="network"`` (:math:`G = 1`)
 there is no overhead.
 
-**Combined** (``SFR(..., statistics="combined")``). The statistics are accumulated for the combined kernel
+**Combined** (``SFR(..., memory=SFRMemoryOptions(statistics="combined"))``). The statistics are accumulated for the combined kernel
 :math:`K = \sum_g w_g K_g` at the :math:`\delta` current when the data are passed, i.e. as one group: each
 batch's cross-Grams are summed with the weights :math:`w_g` before the accumulation, which gives
 :math:`A = \sum_{gh} w_g w_h A_{gh}`, :math:`b = \sum_g w_g b_g`, :math:`t = \sum_g w_g t_g` (equal to rounding)

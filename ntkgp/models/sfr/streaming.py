@@ -12,21 +12,22 @@ is negligible next to that of the features (docs/sfr.md, "float32").
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import itertools
+from collections.abc import Iterable, Iterator
 
 import torch
 from gpytorch.likelihoods import Likelihood
 from torch import Tensor
-from tqdm.auto import tqdm
 
 from ...likelihoods import is_gaussian, validate_targets
 from ...ntk import NTKEngine
 from ...ntk.feature_pass import FeatureSet
 from ...options import OutputCoupling, PriorMean
+from ...progress import Progress
 from .statistics import DualStatistics, statistics_dtype
 from .validation import InputLayout, data_names, refuse_graph
 
-__all__ = ["mean_offset", "stream_statistics"]
+__all__ = ["CountedBatches", "counted", "mean_offset", "stream_statistics"]
 
 
 def mean_offset(engine: NTKEngine, x: Tensor, f: Tensor, kind: PriorMean) -> Tensor:
@@ -66,7 +67,7 @@ def stream_statistics(
     layout: InputLayout,
     rows: int,
     argument: str,
-    progress: bool = False,
+    progress: bool | None = False,
     *,
     z_features: FeatureSet,
     prior_precision: Tensor | None = None,
@@ -83,7 +84,8 @@ def stream_statistics(
         layout: the examples' layout (every batch is checked against it).
         rows: points per accumulation step.
         argument: prefix for error messages (``"train"``, ``"new"``).
-        progress: show a progress bar.
+        progress: ``None`` (auto), ``True`` (a bar) or ``False`` (silent) over the points (:mod:`ntkgp.progress`;
+            the estimate needs their number: :func:`counted`).
         prior_precision: ``None`` (statistics per group), or the :math:`\delta` at which the groups are combined
             (``statistics="combined"``, :class:`DualStatistics`).
         z_features: the engine's :meth:`~ntkgp.ntk.NTKEngine.feature_set` of ``z``, computed once per model.
@@ -101,19 +103,42 @@ def stream_statistics(
     stats = DualStatistics(
         engine.num_groups, z.shape[0], c, coupling, is_gaussian(likelihood), dtype, z.device, prior_precision
     )
-    bar = tqdm(desc="SFR dual statistics", unit="pt", disable=not progress, leave=False)
-    for x, y in batches:
-        if argument == "new":
-            refuse_graph(x, name_x)
-        with torch.no_grad():
-            x = engine.prepare(layout.check(x, name_x)[0], name_x)
-            validate_targets(likelihood, y, c, num_data=x.shape[0], name=name_y)
-            for s in range(0, x.shape[0], rows):
-                xb, yb = x[s : s + rows], y[s : s + rows]
-                f, offset, cross, diag = _step(engine, z, xb, coupling, mean, z_features)
-                stats.accumulate(likelihood, cross.to(dtype), diag.to(dtype), f.to(dtype), offset.to(dtype), yb)
-                bar.update(xb.shape[0])
-    bar.close()
+    with Progress(getattr(batches, "num_points", None), "SFR dual statistics", progress, unit="point") as bar:
+        for x, y in batches:
+            if argument == "new":
+                refuse_graph(x, name_x)
+            with torch.no_grad():
+                x = engine.prepare(layout.check(x, name_x)[0], name_x)
+                validate_targets(likelihood, y, c, num_data=x.shape[0], name=name_y)
+                for s in range(0, x.shape[0], rows):
+                    xb, yb = x[s : s + rows], y[s : s + rows]
+                    f, offset, cross, diag = _step(engine, z, xb, coupling, mean, z_features)
+                    stats.accumulate(likelihood, cross.to(dtype), diag.to(dtype), f.to(dtype), offset.to(dtype), yb)
+                    bar.update(xb.shape[0])
     if int(stats.num_data) == 0:
         raise ValueError(f"{name_x} holds no data")
     return stats
+
+
+class CountedBatches:
+    """``(x, y)`` batches and the number of points they hold (``num_points``; ``None`` when unknown), so that a
+    pass over them can estimate its time (:class:`~ntkgp.progress.Progress`)."""
+
+    def __init__(self, batches: Iterable[tuple[Tensor, Tensor]], num_points: int | None) -> None:
+        self.batches, self.num_points = batches, num_points
+
+    def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
+        return iter(self.batches)
+
+
+def counted(data: object, batches: Iterable[tuple[Tensor, Tensor]], first: tuple | None = None) -> CountedBatches:
+    """``batches`` (after ``first``, when given) with the number of points of ``data``: the rows of a tensor, the
+    length of a loader's dataset, else unknown. Nothing is read from ``data``."""
+    if torch.is_tensor(data):
+        num_points = int(data.shape[0])
+    else:
+        try:
+            num_points = len(data.dataset)  # type: ignore[attr-defined]
+        except (AttributeError, TypeError):
+            num_points = None
+    return CountedBatches(batches if first is None else itertools.chain([first], batches), num_points)

@@ -3,13 +3,24 @@ r"""The per-group Grams of SFR arranged as the systems it solves: joint (one ``M
 * ``"joint"``: ``(G, 1, N1·C, N2·C)``, interleaved rows and columns (``n·C + c``);
 * ``"independent"``: ``(G, C, N1, N2)``, the diagonal output blocks :math:`[K_g]_{(n,c),(m,c)}`.
 
-They come from :class:`~ntkgp.ntk.NTKEngine` in the network's dtype, unweighted by :math:`\delta`; except those of the
-inducing inputs with themselves, :math:`K_{ZZ}` (:func:`inducing_grams`), which are computed in float64 whatever the
-network's dtype: on a float64 copy of a float32 network (:func:`precise_engine`), whose weights are exactly the
-network's. :math:`K_{ZZ}`'s small eigenvalues decide which inducing directions SFR can use; a Gram formed in float32
-resolves them only down to about :math:`\epsilon_{32}\operatorname{tr} K_{ZZ}`, a float64 one down to
-:math:`\epsilon_{64}\operatorname{tr} K_{ZZ}` (docs/sfr.md, "float32"). The copy costs ``P`` float64 numbers while
-the ``M`` inducing inputs are passed through it, once per model.
+They come from :class:`~ntkgp.ntk.NTKEngine`, unweighted by :math:`\delta`. The inducing inputs' features are
+computed in float64 whatever the network's dtype, on a float64 copy of a float32 network (:func:`precise_engine`,
+whose weights are exactly the network's), once per model (:func:`inducing_features`), and kept in float64: their
+Gram :math:`K_{ZZ}` (:func:`inducing_grams`) is float64, and so are the cross-Grams :math:`K_{Zx}` of the data and
+test points, whose float32 features are promoted and contracted against them in float64
+(:mod:`ntkgp.ntk.grams`). A float32 network's SFR is then the float64 model evaluated at the float32 features of
+``x`` (its Jacobian rows :math:`J(x) + \Delta J(x)`, each within a few :math:`\epsilon_{32}` of its norm): the
+rounding moves :math:`V = W K_{Zx} = Q J(x)^\top` (:math:`Q = W J(Z)` with orthonormal rows) by at most
+:math:`\lVert\Delta J(x)\rVert`, whatever the condition of :math:`K_{ZZ}`, where a rounding of :math:`J(Z)` or
+of the products would be amplified by up to :math:`\sqrt{\operatorname{tr}K_{ZZ}/s_{\min}}` (docs/sfr.md,
+"float32"). :math:`K_{ZZ}`'s small eigenvalues decide which inducing directions SFR can use; a Gram formed in
+float32 resolves them only down to about :math:`\epsilon_{32}\operatorname{tr} K_{ZZ}`, a float64 one down to
+:math:`\epsilon_{64}\operatorname{tr} K_{ZZ}`. The cost for a float32 network: the copy (``P`` float64 numbers
+while the ``M`` inducing inputs pass through it, once per model), the inducing features held in float64 (twice
+their float32 bytes, within :data:`INDUCING_FEATURE_BYTES`), each chunk's features promoted to float64 for the
+contraction (``8·C·P_c`` bytes per point of the chunk beside its float32 pass) and the contractions themselves in
+float64 (at float64's rate: about half of float32's on x86 CPUs and data-centre GPUs, a small fraction of it on
+consumer GPUs; the network's passes stay float32).
 """
 
 from __future__ import annotations
@@ -20,6 +31,7 @@ import warnings
 import torch
 from torch import Tensor
 
+from ... import memory
 from ...linalg import NumericalWarning
 from ...ntk import NTKEngine
 from ...ntk.feature_pass import FeatureSet, chunk_for_budget, contracted_width
@@ -124,20 +136,21 @@ def precise_engine(engine: NTKEngine) -> NTKEngine:
     )
 
 
-#: SFR keeps its inducing inputs' layer features (:func:`inducing_features`) up to this many bytes in the network's
-#: dtype: per inducing input ``C·P_c`` numbers for the contracted columns (convolutions and generic parameters) plus
+#: SFR keeps its inducing inputs' layer features (:func:`inducing_features`) up to this many bytes, counted in the dtype
+#: they are kept in (float64): per inducing input ``C·P_c`` numbers for the contracted columns (convolutions and generic parameters) plus
 #: the linear layers' ``Σ d_in + C Σ d_out`` (:func:`inducing_feature_bytes`); the chunks of inducing inputs beyond it
-#: are recomputed once per chunk of data or test points (their cost grows with the excess, no cliff).
-INDUCING_FEATURE_BYTES = 4 * 2**30
+#: are recomputed once per chunk of data or test points (their cost grows with the excess, no cliff)
+#: (:data:`ntkgp.memory.INDUCING_FEATURE_BYTES`).
+INDUCING_FEATURE_BYTES = memory.INDUCING_FEATURE_BYTES
 
 
 def inducing_feature_bytes(engine: NTKEngine, z: Tensor) -> int:
-    """The bytes of one inducing input's layer features in the network's dtype, for the prepared ``z``: ``C·P_c``
+    """The bytes of one inducing input's layer features in the engine's dtype, for the prepared ``z``: ``C·P_c``
     contracted columns and ``Σ d_in + C·Σ d_out`` for the single-location (linear) layers."""
     plan, c = engine.plan(z), engine.num_outputs(z)
-    width = contracted_width(engine.core, plan) if (plan.multi or plan.generic) else 0
-    single = sum(la.module.weight[0].numel() + c * la.d_out for la in plan.single)
-    return (c * width + single) * z.element_size()
+    width = contracted_width(engine.core, plan)  # 0 without contracted features
+    single = sum(la.fan_in + c * la.d_out for la in plan.single)
+    return (c * width + single) * (torch.finfo(engine.dtype).bits // 8)
 
 
 def auto_chunk_size(engine: NTKEngine, probe: Tensor) -> int:
@@ -150,20 +163,18 @@ def auto_chunk_size(engine: NTKEngine, probe: Tensor) -> int:
 def inducing_features(engine: NTKEngine, z: Tensor) -> tuple[FeatureSet, NTKEngine]:
     r"""The layer features of the inducing inputs on :func:`precise_engine` (float64, for :math:`K_{ZZ}`), computed
     once per model, and that engine: the contracted columns of the leading inducing inputs within
-    :data:`INDUCING_FEATURE_BYTES` (counted in the network's dtype) kept, the others recomputed at each use.
-    :func:`network_features` gives them in the network's dtype."""
+    :data:`INDUCING_FEATURE_BYTES` (counted in float64) kept, the others recomputed at each use (in float64)."""
     precise = precise_engine(engine)
-    z = engine.prepare(z, "inducing_points").detach()
-    keep = INDUCING_FEATURE_BYTES // max(1, inducing_feature_bytes(engine, z))
-    return precise.feature_set(to_network(z, precise.dtype, z.device), keep=keep), precise
+    z = to_network(engine.prepare(z, "inducing_points").detach(), precise.dtype, z.device)
+    keep = INDUCING_FEATURE_BYTES // max(1, inducing_feature_bytes(precise, z))
+    return precise.feature_set(z, keep=keep), precise
 
 
 def network_features(engine: NTKEngine, exact: FeatureSet) -> FeatureSet:
-    """The inducing inputs' features for the network's own passes: ``exact`` (:func:`inducing_features`) itself for a
-    float64 network; for a float32 one rounded once to float32 (as accurate as float32 features can be), each float64
-    chunk dropped from ``exact`` as it is converted (the two copies are never held together; ``exact`` then
-    recomputes what it dropped), the chunks not kept recomputed in float64 and rounded at each use."""
-    return exact if exact.dtype == engine.dtype else exact.converted(engine.dtype, release=True)
+    """The inducing inputs' features for the cross-Grams of the network's own passes: ``exact``
+    (:func:`inducing_features`) itself, in float64 also for a float32 network (the data's and test points' float32
+    features are promoted and contracted against them in float64; module doc)."""
+    return exact
 
 
 def inducing_grams(

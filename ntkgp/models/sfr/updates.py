@@ -17,8 +17,8 @@ from ...distributed import together
 from .factorization import group_weights, inducing_feature_set, kzz_factors
 from .iterated import iterated_update
 from .statistics import DualStatistics
-from .streaming import stream_statistics
-from .validation import training_batches
+from .streaming import counted, stream_statistics
+from .validation import pack_data, training_batches
 
 __all__ = ["new_statistics"]
 
@@ -35,9 +35,10 @@ def new_statistics(sfr, x_new: Tensor | Iterable[tuple[Tensor, Tensor]], y_new: 
         raise ValueError("iterate=True is not data-parallel: a model built with distributed=True takes iterate=False")
     with together("SFR.update", sfr.distributed):  # this rank's shard of the new data
         sfr._check_state()
+        x_new = pack_data(sfr.engine.net, x_new, y_new, "x_new")  # structured inputs: packed rows (ntk.packed_inputs)
         if torch.is_tensor(x_new) and y_new is None:
             raise ValueError("y_new is required when x_new is a tensor")
-        batches = training_batches(x_new, y_new, "new")
+        batches = counted(x_new, training_batches(x_new, y_new, "new"))
         rows = sfr._rows_per_step()
         args = (sfr.engine, sfr.likelihood, sfr.inducing_points, sfr.output_coupling, sfr.prior_mean, batches)
         if iterate and not stats.gaussian:

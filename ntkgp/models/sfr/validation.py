@@ -2,7 +2,7 @@ r"""Checking what SFR is given: tensors, their layout, integer and boolean optio
 
 Every public entry of :class:`~ntkgp.models.sfr.SFR` validates its arguments here before any side effect:
 tensors must be real (floating point, or integer token ids), finite in every row and shaped like the network's input; integer
-arguments must be positive integers (``2.7`` is rejected, not truncated); flags must be ``True`` or ``False``.
+arguments must be positive integers (``2.7`` is rejected, not truncated); ``progress`` must be ``True``, ``False`` or ``None``.
 Errors name the argument. The same validators check an option assigned after construction
 (:class:`~ntkgp.options.OptionAttribute`).
 """
@@ -16,9 +16,18 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ...kernels.arguments import optional_positive_int, positive_int
 from ...ntk.checks import check_has_values
 from ...ntk.data_arguments import check_data
+from ...ntk.inputs import is_structured
+from ...ntk.packed_inputs import (
+    PackedBatches,
+    input_packing,
+    pack_inputs,
+    structure_batches,
+    structure_network,
+)
+from ...progress import check_progress
+from ...validation import optional_positive_int, positive_int
 
 __all__ = [
     "InputLayout",
@@ -26,10 +35,12 @@ __all__ = [
     "check_training_data",
     "data_names",
     "first_batch",
-    "flag",
     "integer",
     "optional_positive_int",
+    "pack_data",
+    "pack_inputs",
     "positive_int",
+    "progress_flag",
     "refuse_graph",
     "training_batches",
 ]
@@ -46,15 +57,13 @@ def integer(value: object, argument: str) -> int:
     return int(value)
 
 
-def flag(value: object, argument: str) -> bool:
-    """``value`` if it is ``True`` or ``False``.
+def progress_flag(value: object, argument: str) -> bool | None:
+    """``value`` if it is ``True``, ``False`` or ``None`` (auto; :func:`ntkgp.progress.check_progress`).
 
     Raises:
         TypeError: naming ``argument``.
     """
-    if not isinstance(value, bool):
-        raise TypeError(f"{argument} must be True or False, got {value!r}")
-    return value
+    return check_progress(value, argument)
 
 
 def check_inputs(x: object, argument: str) -> Tensor:
@@ -172,17 +181,26 @@ def refuse_graph(tensor: object, argument: str) -> None:
         )
 
 
-def check_training_data(train_x: object, train_y: object, inducing_points: object) -> None:
+def check_training_data(train_x: object, train_y: object, inducing_points: object, net=None) -> tuple:
     """The checks of the constructor's data before anything is computed: tensors (and targets with them), a
     re-iterable loader when ``Z`` is chosen from it, ``inducing_points`` like inputs.
 
+    Structured inputs (a dict or tuple of tensors, or a loader of such batches; :mod:`ntkgp.ntk.packed_inputs`)
+    are packed into rows of bytes and ``net`` replaced by the view of it that rebuilds them: returns
+    ``(net, train_x, inducing_points)`` as the rest of the construction takes them.
+
     Raises:
         ValueError, TypeError: naming the argument.
+        NotImplementedError: a structured input that requires grad.
     """
-    if isinstance(train_x, dict):  # not an iterable of batches: a structured input SFR does not take (yet)
-        raise TypeError("train_x must be a torch.Tensor (token ids included) or an iterable of (x, y) batches, got a "
-                        "dict of tensors: dict inputs are taken by NTKKernel, NTKEngine and laplace_posterior "
-                        "(docs/ntk.md, \"Inputs and outputs\")")
+    if train_y is not None and is_structured(train_x):  # inputs with their targets: a dict/tuple of tensors
+        check_data(train_x, "train_x")  # a list of numbers is refused as such
+        net, train_x = structure_network(net, train_x, "train_x")
+    elif train_y is None and not torch.is_tensor(train_x) and not isinstance(train_x, dict):
+        check_data(train_x, "train_x")  # an array is refused before it is read as a loader
+        net, train_x = structure_batches(net, train_x, "train_x")
+    if inducing_points is not None and (input_packing(net) is not None or is_structured(inducing_points)):
+        inducing_points = pack_inputs(net, inducing_points, "inducing_points")
     check_data(train_x, "train_x")
     if torch.is_tensor(train_x):
         if train_y is None:
@@ -195,6 +213,19 @@ def check_training_data(train_x: object, train_y: object, inducing_points: objec
             "choosing inducing inputs from the data needs two passes over train_x, but it is a one-shot "
             "iterator: pass a DataLoader (or tensors), or give inducing_points"
         )
+    return net, train_x, inducing_points
+
+
+def pack_data(net, x: object, y: object, argument: str) -> object:
+    """New data for a model built on structured inputs (``x_new``, a loader of such batches): packed rows (or the
+    loader's batches packed); data of a model built on tensors as they are (a structured ``x`` refused)."""
+    packing = input_packing(net)
+    if y is not None or torch.is_tensor(x) or isinstance(x, dict):  # inputs (with y_new); else a loader
+        return pack_inputs(net, x, argument) if torch.is_tensor(x) or is_structured(x) else x
+    if packing is None or isinstance(x, str | bytes) or not isinstance(x, Iterable):
+        return x
+    batches = PackedBatches(x, packing, argument)
+    return iter(batches) if isinstance(x, Iterator) else batches
 
 
 def first_batch(engine, train_x: object, train_y: object, likelihood_name: str, expected_outputs: int):

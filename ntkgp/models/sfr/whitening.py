@@ -221,8 +221,8 @@ def whitened_factors(
         c_B\, \epsilon_B\operatorname{tr}B_u\big), \qquad c_K = c_B = 10,\ c_X = 10^4,
 
     (:math:`\epsilon_K` the unit roundoff of :math:`K_{ZZ}`, :math:`\epsilon_B` that of the summed :math:`B_u`;
-    :math:`\epsilon_X` that of the cross-covariances :math:`K_{Zx}` when it is coarser than :math:`K_{ZZ}`'s, as for
-    a float32 network whose :math:`K_{ZZ}` is formed in float64: an error :math:`\epsilon_X \lVert K\rVert` in
+    :math:`\epsilon_X` that of the cross-covariances :math:`K_{Zx}` when they are rounded coarser than :math:`K_{ZZ}`,
+    e.g. products formed in float32 against a float64 :math:`K_{ZZ}` (SFR forms them in float64 and passes 0): an error :math:`\epsilon_X \lVert K\rVert` in
     :math:`K_{Zx}` moves :math:`V = W K_{Zx}` by about :math:`\epsilon_X\sqrt{\operatorname{tr}K_{ZZ}/s}`
     relatively, at most :math:`10^{-2}` above :math:`\tau`) are therefore dropped: :math:`W = \tilde L^{-1}
     U_r^\top` with :math:`U_r` the eigenvectors of :math:`K_{ZZ}` with eigenvalues above :math:`\tau` and

@@ -196,8 +196,14 @@ def change_delta(sfr, route: str) -> torch.Tensor:
 def sfr_factory(**options):
     """A small SFR (softmax, C = 3, N = 20, M = 6 random inducing inputs, δ per layer) built with ``options``: the
     factory of the option tests (each assignment is compared with a model built here with that value)."""
-    from ntkgp.models.sfr import SFR
+    import dataclasses
 
+    from ntkgp.models.sfr import SFR, SFRInducingOptions, SFRMemoryOptions
+
+    for key, group in {"inducing": SFRInducingOptions, "memory": SFRMemoryOptions}.items():  # grouped options
+        moved = {f.name: options.pop(f.name) for f in dataclasses.fields(group) if f.name in options}
+        if moved:
+            options[key] = group(**moved)
     net, x, y, lik, _ = problem("softmax", 3, n=20)
     return SFR(net, x, y, lik, num_inducing=6, prior_precision=DELTA, **options)
 

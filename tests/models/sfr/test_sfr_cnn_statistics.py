@@ -11,6 +11,7 @@ from ntkgp.likelihoods import SoftmaxLikelihood
 from ntkgp.models.sfr import SFR
 from tests.helpers import rel_err
 from tests.ntk.test_cnn_passes import small_fmnist_cnn
+from ntkgp.models import SFRMemoryOptions
 
 system_grams = importlib.import_module("ntkgp.models.sfr.system_grams")
 
@@ -56,7 +57,8 @@ def test_cnn_statistics_equal_dense_autograd(coupling, prior_mean, budget, monke
                                                             num_inducing=2).engine, x[:1])
         monkeypatch.setattr(system_grams, "INDUCING_FEATURE_BYTES", budget * per_point)
     sfr = SFR(net, x, y, SoftmaxLikelihood(3).double(), num_inducing=7, prior_structure="network",
-              output_coupling=coupling, prior_mean=prior_mean, batch_size=6, chunk_size=4)
+              output_coupling=coupling, prior_mean=prior_mean,
+              memory=SFRMemoryOptions(batch_size=6, chunk_size=4))
     precision, residual = dense_statistics(net, sfr.inducing_points, x, y, coupling, prior_mean)
     assert rel_err(sfr.dual_statistics.precision, precision) < 1e-11
     assert rel_err(sfr.dual_statistics.residual, residual) < 1e-11

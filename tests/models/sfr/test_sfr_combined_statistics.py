@@ -26,6 +26,7 @@ from tests.models.sfr.problems import (  # change_delta: the four routes of chan
     sfr_formula,
     site_terms,
 )
+from ntkgp.models import SFRMemoryOptions
 
 Z_IDX = torch.tensor([0, 3, 5, 8, 13, 17])
 COMBINED = 'statistics="combined"'
@@ -34,9 +35,10 @@ COMBINED = 'statistics="combined"'
 def pair(kind, c, coupling, n=30, mean="zero", **kw):
     """The same problem built per group and combined (G = 3 layers, δ = DELTA)."""
     net, x, y, lik, xs = problem(kind, c, n=n)
-    kw = {"inducing_points": x[Z_IDX], "prior_precision": DELTA, "output_coupling": coupling, "prior_mean": mean,
-          "batch_size": 7, **kw}
-    return SFR(net, x, y, lik, **kw), SFR(net, x, y, lik, statistics="combined", **kw), (net, x, y, lik, xs)
+    kw = {"inducing_points": x[Z_IDX], "prior_precision": DELTA, "output_coupling": coupling, "prior_mean": mean, **kw}
+    return (SFR(net, x, y, lik, memory=SFRMemoryOptions(batch_size=7), **kw),
+            SFR(net, x, y, lik, memory=SFRMemoryOptions(batch_size=7, statistics="combined"), **kw),
+            (net, x, y, lik, xs))
 
 
 def results(model, xs):
@@ -131,7 +133,8 @@ def test_the_statistics_are_g_squared_times_smaller():
 @pytest.mark.parametrize("kind,c,coupling", [("softmax", 3, "joint"), ("gaussian", 2, "independent")])
 def test_update_equals_a_combined_build_on_all_the_data_and_the_per_group_update(kind, c, coupling):
     net, x, y, lik, xs = problem(kind, c, n=30)
-    kw = {"inducing_points": x[:8], "prior_precision": DELTA, "output_coupling": coupling, "statistics": "combined"}
+    kw = {"inducing_points": x[:8], "prior_precision": DELTA, "output_coupling": coupling,
+          "memory": SFRMemoryOptions(statistics="combined")}
     union = SFR(net, x, y, lik, **kw)
     loader = DataLoader(TensorDataset(x[:18], y[:18]), batch_size=5)
     model = SFR(net, loader, None, lik, **kw)
@@ -141,7 +144,7 @@ def test_update_equals_a_combined_build_on_all_the_data_and_the_per_group_update
         got, ref = getattr(model.dual_statistics, name).double(), getattr(union.dual_statistics, name).double()
         assert (got - ref).norm() <= 1e-10 * ref.norm(), name  # log_lik is 0 for a Gaussian likelihood
     assert_close(results(model, xs), results(union, xs))
-    per_group = SFR(net, x[:18], y[:18], lik, **{**kw, "statistics": "per_group"})
+    per_group = SFR(net, x[:18], y[:18], lik, **{**kw, "memory": SFRMemoryOptions(statistics="per_group")})
     per_group.update(x[18:], y[18:], iterate=False)
     assert_close(results(model, xs), results(per_group, xs))
 
@@ -178,7 +181,8 @@ def test_statistics_combined_at_another_delta_cannot_be_used_or_added():
         combined.dual_statistics.projected(weights, slots)
     with pytest.raises(RuntimeError, match=COMBINED):
         combined.dual_statistics.trace_term(weights, slots)
-    other = SFR(net, x, y, lik, inducing_points=x[Z_IDX], prior_precision=NEW_DELTA, statistics="combined")
+    other = SFR(net, x, y, lik, inducing_points=x[Z_IDX], prior_precision=NEW_DELTA,
+                memory=SFRMemoryOptions(statistics="combined"))
     per_group = SFR(net, x, y, lik, inducing_points=x[Z_IDX], prior_precision=DELTA)
     for stats in (other.dual_statistics, per_group.dual_statistics):
         with pytest.raises(ValueError, match="kept differently"):
@@ -210,7 +214,8 @@ def test_temperature_gradient_matches_per_group():
     grads = []
     for mode in ("per_group", "combined"):
         lik = SoftmaxLikelihood(3, temperature=0.7, learn_temperature=True).double()
-        sfr = SFR(net, x, y, lik, inducing_points=x[:6], prior_precision=DELTA, statistics=mode).train()
+        sfr = SFR(net, x, y, lik, inducing_points=x[:6], prior_precision=DELTA,
+                  memory=SFRMemoryOptions(statistics=mode)).train()
         sfr.covar_module.raw_prior_precision.requires_grad_(False)
         evidence = sfr.log_marginal_likelihood()
         grads.append((evidence.detach(), *torch.autograd.grad(evidence, [lik.raw_temperature])))
@@ -223,9 +228,10 @@ def test_the_option_is_validated_before_any_side_effect():
     for bad in ("joint", "per-group", 3, None):
         batches = iter([(x, y)])  # a one-shot iterator: must not be read
         with pytest.raises(ValueError, match="statistics must be one of 'per_group', 'combined'"):
-            SFR(net, batches, None, lik, inducing_points=x[:4], statistics=bad)
+            SFR(net, batches, None, lik, inducing_points=x[:4], memory=SFRMemoryOptions(statistics=bad))
         assert next(batches, None) is not None
-    sfr = SFR(net, x, y, lik, inducing_points=x[:4], statistics=StatisticsMode.COMBINED)
+    sfr = SFR(net, x, y, lik, inducing_points=x[:4],
+              memory=SFRMemoryOptions(statistics=StatisticsMode.COMBINED))
     assert sfr.statistics is StatisticsMode.COMBINED and sfr.dual_statistics.combined
     assert SFR(net, x, y, lik, inducing_points=x[:4]).statistics == "per_group"
 
@@ -233,7 +239,7 @@ def test_the_option_is_validated_before_any_side_effect():
 def test_state_dict_round_trip_and_no_loading_across_modes():
     per_group, combined, (net, x, y, lik, xs) = pair("softmax", 3, "joint")
     target = SFR(net, x[:10], y[:10], lik, inducing_points=x[Z_IDX], prior_precision=NEW_DELTA, prior_mean="zero",
-                 statistics="combined")
+                 memory=SFRMemoryOptions(statistics="combined"))
     target.load_state_dict(combined.state_dict())  # statistics, K_ZZ and δ (recorded and current) together
     assert_close(results(target, xs), results(combined, xs))
     with pytest.raises(RuntimeError):
@@ -248,7 +254,8 @@ def distributed_case(rank, world):
     net, x, y, lik, xs = problem("softmax", 3, n=30)
     parts = (x[:20], y[:20]) if rank is None else shard(x[:20], y[:20], rank_=rank, world=world)
     new = (x[20:], y[20:]) if rank is None else shard(x[20:], y[20:], rank_=rank, world=world)
-    kw = {"num_inducing": 6, "prior_precision": DELTA, "statistics": "combined", "distributed": rank is not None}
+    kw = {"num_inducing": 6, "prior_precision": DELTA, "memory": SFRMemoryOptions(statistics="combined"),
+          "distributed": rank is not None}
     sfr = SFR(net, DataLoader(TensorDataset(*parts), batch_size=4), None, lik, **kw)
     out = {"built": results(sfr, xs), "Z": sfr.inducing_points.clone()}
     sfr.update(*new, iterate=False)

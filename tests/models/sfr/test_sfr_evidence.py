@@ -12,6 +12,7 @@ from ntkgp.mlls.sparse_evidence import SparseLaplaceMarginalLogLikelihood
 from ntkgp.models.sfr import SFR
 from tests.helpers import brute_jacobian, column_groups, mlp
 from tests.models.sfr.problems import DELTA, Dense, layer_labels, problem
+from ntkgp.models import SFRInducingOptions
 
 
 def dense_linearized_evidence(net, x, y, delta, noise):
@@ -135,7 +136,8 @@ def test_trained_two_moons_bound_needs_no_jitter_and_stays_below_the_full_site_e
     lik = LogisticLikelihood().double()
     with warnings.catch_warnings():
         warnings.simplefilter("error", JitterWarning)
-        sparse = SFR(net, x, label, lik, num_inducing=42, prior_precision=delta, seed=1).log_marginal_likelihood().item()
+        sparse = SFR(net, x, label, lik, num_inducing=42, prior_precision=delta,
+                     inducing=SFRInducingOptions(seed=1)).log_marginal_likelihood().item()
         full = SFR(net, x, label, lik, inducing_points=x, prior_precision=delta).log_marginal_likelihood().item()
     # Dense weight-space Laplace-GGN evidence log q(D) and the stationarity gap ½ vᵀH⁻¹v, v = Jᵀg − P0θ*.
     dense = Dense(net, x, label, "logistic", delta=delta)

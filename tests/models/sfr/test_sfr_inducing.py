@@ -10,6 +10,7 @@ from ntkgp.models.sfr import SFR
 from ntkgp.models.sfr.inducing_points import uniform_subset
 from tests.helpers import brute_jacobian, column_groups, mlp
 from tests.models.sfr.problems import DELTA, Dense, layer_labels, problem
+from ntkgp.models import SFRInducingOptions
 
 
 def brute_force_greedy(k: torch.Tensor, size: int) -> list[int]:
@@ -35,7 +36,8 @@ def test_greedy_variance_picks_the_brute_force_greedy_points():
     from gpytorch.likelihoods import MultitaskGaussianLikelihood
 
     lik = MultitaskGaussianLikelihood(2, rank=0, has_global_noise=False).double()
-    sfr = SFR(net, x, y, lik, num_inducing=7, prior_precision=DELTA, inducing_method="greedy_variance")
+    sfr = SFR(net, x, y, lik, num_inducing=7, prior_precision=DELTA,
+              inducing=SFRInducingOptions(inducing_method="greedy_variance"))
     j, _ = brute_jacobian(net, x)
     p0 = DELTA[column_groups(net, layer_labels(net))]
     k = ((j / p0) @ j.T).view(40, 2, 40, 2).diagonal(dim1=1, dim2=3).sum(-1)  # output trace Σ_c K_cc
@@ -51,7 +53,8 @@ def test_greedy_variance_with_duplicate_candidates_still_returns_distinct_rows()
         y = net(x).squeeze(-1)
     from gpytorch.likelihoods import GaussianLikelihood
 
-    sfr = SFR(net, x, y, GaussianLikelihood().double(), num_inducing=8, inducing_method="greedy_variance")
+    sfr = SFR(net, x, y, GaussianLikelihood().double(), num_inducing=8,
+              inducing=SFRInducingOptions(inducing_method="greedy_variance"))
     assert sfr.inducing_points.shape == (8, 3) and torch.isfinite(sfr.inducing_points).all()
     assert len({tuple(r.tolist()) for r in sfr.inducing_points}) == 6  # every distinct point, then repeats
 
@@ -67,9 +70,9 @@ def test_uniform_subset_is_the_bottom_k_of_seeded_keys_in_data_order():
 
 def test_random_inducing_inputs_are_a_seeded_subset():
     net, x, y, lik, _ = problem("gaussian", 1, n=40)
-    a = SFR(net, x, y, lik, num_inducing=10, seed=1).inducing_points
-    b = SFR(net, x, y, lik, num_inducing=10, seed=1).inducing_points
-    c = SFR(net, x, y, lik, num_inducing=10, seed=2).inducing_points
+    a = SFR(net, x, y, lik, num_inducing=10, inducing=SFRInducingOptions(seed=1)).inducing_points
+    b = SFR(net, x, y, lik, num_inducing=10, inducing=SFRInducingOptions(seed=1)).inducing_points
+    c = SFR(net, x, y, lik, num_inducing=10, inducing=SFRInducingOptions(seed=2)).inducing_points
     assert torch.equal(a, b) and not torch.equal(a, c)
     assert all(any(torch.equal(row, xr) for xr in x) for row in a)
     assert len({tuple(r.tolist()) for r in a}) == 10
@@ -85,9 +88,9 @@ def test_greedy_variance_is_deterministic_and_covers_clusters():
     with torch.no_grad():
         y = net(x).squeeze(-1)
     lik = GaussianLikelihood().double()
-    kw = {"num_inducing": 6, "inducing_method": "greedy_variance"}
-    z1 = SFR(net, x, y, lik, seed=0, **kw).inducing_points
-    z2 = SFR(net, x, y, lik, seed=5, **kw).inducing_points
+    greedy = {"inducing_method": "greedy_variance"}
+    z1 = SFR(net, x, y, lik, num_inducing=6, inducing=SFRInducingOptions(seed=0, **greedy)).inducing_points
+    z2 = SFR(net, x, y, lik, num_inducing=6, inducing=SFRInducingOptions(seed=5, **greedy)).inducing_points
     assert torch.equal(z1, z2)
 
     dense = Dense(net, x, y, "gaussian")
@@ -99,6 +102,7 @@ def test_greedy_variance_is_deterministic_and_covers_clusters():
         return torch.trace(k - q).item(), len(set(cluster[idx].tolist()))
 
     greedy_err, greedy_clusters = nystrom_error(z1)
-    random_errs = [nystrom_error(SFR(net, x, y, lik, num_inducing=6, seed=s).inducing_points) for s in range(5)]
+    random_errs = [nystrom_error(SFR(net, x, y, lik, num_inducing=6,
+                                     inducing=SFRInducingOptions(seed=s)).inducing_points) for s in range(5)]
     assert greedy_clusters == 5
     assert all(greedy_err < err for err, _ in random_errs)

@@ -103,7 +103,7 @@ def test_a_fixed_option_refuses_another_value_and_leaves_the_model_unchanged(nam
         ("predictive_mean", "mc", ValueError, "predictive_mean must be one of"),
         ("batch_size", 0, ValueError, "batch_size must be a positive integer"),
         ("chunk_size", 2.5, ValueError, "chunk_size must be a positive integer"),
-        ("progress", 1, TypeError, "progress must be True or False"),
+        ("progress", 1, TypeError, "progress must be True, False or None"),
         ("prior_mean", "linear", ValueError, "prior_mean must be one of"),
         ("distributed", True, ValueError, "distributed=True needs an initialized torch.distributed process group"),
         ("output_coupling", "diagonal", ValueError, "output_coupling must be one of"),

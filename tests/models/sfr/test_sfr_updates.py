@@ -11,6 +11,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from ntkgp.models.sfr import SFR
 from tests.helpers import rel_err
 from tests.models.sfr.problems import DELTA, dense_moments, problem
+from ntkgp.models import SFRInducingOptions, SFRMemoryOptions
 
 
 @pytest.mark.parametrize("kind,c,coupling", [("gaussian", 1, "joint"), ("softmax", 3, "joint"), ("softmax", 3, "independent")])
@@ -45,9 +46,10 @@ def test_several_updates_equal_one():
 
 def test_dataloader_and_small_batches_equal_tensors():
     net, x, y, lik, xs = problem("softmax", 3, n=30)
-    ref = SFR(net, x, y, lik, num_inducing=8, seed=3)
+    ref = SFR(net, x, y, lik, num_inducing=8, inducing=SFRInducingOptions(seed=3))
     loader = DataLoader(TensorDataset(x, y), batch_size=7)
-    streamed = SFR(net, loader, None, lik, num_inducing=8, seed=3, batch_size=3)
+    streamed = SFR(net, loader, None, lik, num_inducing=8, inducing=SFRInducingOptions(seed=3),
+                   memory=SFRMemoryOptions(batch_size=3))
     assert torch.equal(streamed.inducing_points, ref.inducing_points)
     (m1, c1), (m2, c2) = dense_moments(ref(xs)), dense_moments(streamed(xs))
     assert rel_err(m1, m2) < 1e-10 and rel_err(c1, c2) < 1e-10

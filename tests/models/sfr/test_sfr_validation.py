@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import gpytorch
 import pytest
 import torch
 
 from ntkgp.likelihoods import SoftmaxLikelihood
-from ntkgp.models.sfr import SFR
+from ntkgp.models.sfr import SFR, SFRInducingOptions, SFRMemoryOptions
 from tests.helpers import assert_unchanged, rel_err, snapshot
 from tests.models.sfr.problems import DELTA, dense_moments, problem
 
@@ -36,6 +38,11 @@ def gaussian():
 )
 def test_constructor_arguments_are_validated(gaussian, kwargs, match):
     net, x, y, lik, _ = gaussian
+    kwargs = dict(kwargs)
+    for key, group in {"inducing": SFRInducingOptions, "memory": SFRMemoryOptions}.items():  # grouped options
+        moved = {f.name: kwargs.pop(f.name) for f in dataclasses.fields(group) if f.name in kwargs}
+        if moved:
+            kwargs[key] = group(**moved)
     with pytest.raises(ValueError, match=match):
         SFR(net, x, y, lik, **kwargs)
 
@@ -123,7 +130,8 @@ def test_failed_calls_leave_network_and_tensors_untouched(gaussian):
 def test_unknown_keywords_are_refused(gaussian):
     net, x, y, lik, _ = gaussian
     for name in ("groups", "inducing"):  # groups= was prior_structure's old name: no aliases in 0.1.0
-        with pytest.raises(TypeError, match="unexpected keyword"):
+        # inducing= is now the group of the inducing-input options: a string there is refused, naming it
+        with pytest.raises(TypeError, match="unexpected keyword" if name == "groups" else "inducing must be a"):
             SFR(net, x, y, lik, num_inducing=3, **{name: "layer"})
     assert not hasattr(SFR, "sparse_evidence")
 

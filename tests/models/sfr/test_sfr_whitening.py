@@ -14,6 +14,7 @@ from ntkgp.linalg import JitterWarning
 from ntkgp.models.sfr import SFR
 from tests.helpers import brute_jacobian, column_groups, mlp, rel_err
 from tests.models.sfr.problems import dense_moments, layer_labels, problem
+from ntkgp.models import SFRInducingOptions
 
 
 def test_singular_inducing_gram_needs_no_jitter_and_duplicates_change_nothing():
@@ -73,7 +74,8 @@ def test_gap_regression_conditioning_needs_no_jitter_and_matches_a_dense_referen
     xs = torch.linspace(-1.2, 1.2, 60, dtype=torch.float64)[:, None]
     with warnings.catch_warnings():
         warnings.simplefilter("error", JitterWarning)
-        sfr = SFR(net, x, y, lik, num_inducing=25, prior_precision=delta, prior_mean="zero", seed=0)
+        sfr = SFR(net, x, y, lik, num_inducing=25, prior_precision=delta, prior_mean="zero",
+                  inducing=SFRInducingOptions(seed=0))
         dist = sfr(xs)
         evidence = sfr.log_marginal_likelihood().item()
     z_idx = torch.tensor([int(torch.nonzero((x == row).all(1))[0]) for row in sfr.inducing_points])
