@@ -80,13 +80,19 @@ def _reduce_view(self: nn.Module, protocol: int) -> tuple:
     return with_output, (self.__dict__["_ntkgp_source"], self.__dict__["_ntkgp_output"])
 
 
-def _view_class(cls: type) -> type:
-    view = _VIEW_CLASSES.get(cls)
+def view_class(cls: type, forward, reduce, cache: dict[type, type]) -> type:
+    """The subclass of the user's module class ``cls`` with this ``forward`` and pickling ``reduce`` (one per class,
+    kept in ``cache``), named and placed as ``cls`` so that a view reads as the user's network."""
+    view = cache.get(cls)
     if view is None:
-        view = type(cls.__name__, (cls,), {"forward": _selecting_forward, "__reduce_ex__": _reduce_view,
+        view = type(cls.__name__, (cls,), {"forward": forward, "__reduce_ex__": reduce,
                                             "__module__": cls.__module__, "__qualname__": cls.__qualname__})
-        _VIEW_CLASSES[cls] = view
+        cache[cls] = view
     return view
+
+
+def _view_class(cls: type) -> type:
+    return view_class(cls, _selecting_forward, _reduce_view, _VIEW_CLASSES)
 
 
 def with_output(net: nn.Module, output: str | int | None) -> nn.Module:

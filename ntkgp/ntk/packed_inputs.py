@@ -40,6 +40,7 @@ from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
 from .inputs import Inputs, check_structure, is_structured
+from .outputs import view_class
 
 __all__ = [
     "InputPacking",
@@ -215,12 +216,7 @@ def _reduce_view(self: nn.Module, protocol: int) -> tuple:
 
 
 def _view_class(cls: type) -> type:
-    view = _VIEW_CLASSES.get(cls)
-    if view is None:
-        view = type(cls.__name__, (cls,), {"forward": _unpacking_forward, "__reduce_ex__": _reduce_view,
-                                            "__module__": cls.__module__, "__qualname__": cls.__qualname__})
-        _VIEW_CLASSES[cls] = view
-    return view
+    return view_class(cls, _unpacking_forward, _reduce_view, _VIEW_CLASSES)
 
 
 def packed_network(net: nn.Module, packing: InputPacking) -> nn.Module:
