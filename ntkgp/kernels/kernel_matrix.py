@@ -9,9 +9,8 @@ space: a :class:`~linear_operator.operators.DenseLinearOperator` of the per-grou
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
+from gpytorch.kernels import Kernel
 from linear_operator.operators import (
     DenseLinearOperator,
     LinearOperator,
@@ -23,13 +22,12 @@ from ..ntk.inputs import check_structure, num_rows
 from ..options import Space, choose_space
 from .batching import Slices, distinct_slices, gather, pair_grams
 
-if TYPE_CHECKING:
-    from .ntk_kernel import NTKKernel
-
 __all__ = ["kernel_diagonal", "kernel_matrix", "structured_kernel_matrix"]
 
+# every ``kernel`` here is an NTKKernel, typed by its GPyTorch base: NTKKernel.forward calls this module
 
-def kernel_matrix(kernel: NTKKernel, x1: torch.Tensor, x2: torch.Tensor, batch: torch.Size, square: bool) -> LinearOperator:
+
+def kernel_matrix(kernel: Kernel, x1: torch.Tensor, x2: torch.Tensor, batch: torch.Size, square: bool) -> LinearOperator:
     """``K(x1, x2)`` of shape ``(*batch, N1·C, N2·C)`` for flat inputs ``(*b, N, D)`` (``square``: ``x1`` equals ``x2``)."""
     n1, n2 = x1.shape[-2], x2.shape[-2]
     c = kernel.num_outputs_per_input(x1, x2)
@@ -59,7 +57,7 @@ def kernel_matrix(kernel: NTKKernel, x1: torch.Tensor, x2: torch.Tensor, batch: 
     return DenseLinearOperator(gram.expand(*batch, n1 * c, n2 * c))
 
 
-def _jacobians(kernel: NTKKernel, slices: Slices, c: int) -> torch.Tensor:
+def _jacobians(kernel: Kernel, slices: Slices, c: int) -> torch.Tensor:
     """``J`` of every batch element, ``(*batch, N·C, P)``, kernel dtype (once per distinct slice)."""
     ref = kernel.raw_prior_precision
     u, n = slices.values.shape[:2]
@@ -67,7 +65,7 @@ def _jacobians(kernel: NTKKernel, slices: Slices, c: int) -> torch.Tensor:
     return gather(j, slices.index)
 
 
-def kernel_diagonal(kernel: NTKKernel, x1: torch.Tensor, x2: torch.Tensor, square: bool, batch: torch.Size) -> torch.Tensor:
+def kernel_diagonal(kernel: Kernel, x1: torch.Tensor, x2: torch.Tensor, square: bool, batch: torch.Size) -> torch.Tensor:
     """``diag K(x1, x2)``, ``(*batch, N·C)``: per-point blocks when square, else chunks of the Gram.
 
     Raises:
@@ -90,7 +88,7 @@ def kernel_diagonal(kernel: NTKKernel, x1: torch.Tensor, x2: torch.Tensor, squar
     return torch.cat(parts, dim=-1).expand(*batch, -1)
 
 
-def structured_kernel_matrix(kernel: NTKKernel, x1: dict, x2: dict | None, diag: bool) -> LinearOperator | torch.Tensor:
+def structured_kernel_matrix(kernel: Kernel, x1: dict, x2: dict | None, diag: bool) -> LinearOperator | torch.Tensor:
     r"""``K(x1, x2)`` ``(N1·C, N2·C)`` (or its diagonal ``(N·C,)``) for dict inputs of tensors sharing their leading
     dimension (:mod:`ntkgp.ntk.inputs`, e.g. ``{"ids": ..., "mask": ...}``): the per-group Grams of the engine
     (no cache, no batch dimensions) re-weighted by :math:`\delta^{-1}`, a
@@ -112,7 +110,7 @@ def structured_kernel_matrix(kernel: NTKKernel, x1: dict, x2: dict | None, diag:
     return DenseLinearOperator(torch.einsum("g,gij->ij", w, grams))
 
 
-def kernel_forward(kernel: NTKKernel, x1: torch.Tensor, x2: torch.Tensor, diag: bool) -> LinearOperator | torch.Tensor:
+def kernel_forward(kernel: Kernel, x1: torch.Tensor, x2: torch.Tensor, diag: bool) -> LinearOperator | torch.Tensor:
     """``NTKKernel.forward``: the kernel matrix (or its diagonal) of checked inputs ``(*batch, N, D)``, broadcast with
     the kernel's ``batch_shape``.
 

@@ -1,15 +1,18 @@
 """Predictive variances: the weight-space sum of squares against dense brute force, and float32 against float64.
 
-Stated tolerance (docs/guarantees.md, "Predictive variances"): on the ill-conditioned problem below (N = 400
-inputs that are 40 points each repeated 10 times up to 1e-5, Gaussian noise 1e-4, a 1-24-24-1 tanh MLP with
-P = 673 parameters) float32 variances are within a relative 1e-3 of float64 ones at every test point
-(measured: 5e-5), and never negative. The function-space difference K** − A Aᵀ loses every digit there in
-float32 (measured: 34 of 50 variances negative before clipping); it is clipped at zero with a warning.
+On the ill-conditioned problem below (N = 400 inputs that are 40 points each repeated 10 times up to 1e-5,
+Gaussian noise 1e-4, a 1-24-24-1 tanh MLP with P = 673 parameters, κ(H) = 1.9e7; docs/guarantees.md,
+"Predictive variances") float32 weight-space variances are within a first-order float32 error bound of the
+float64 ones at every test point (:func:`float32_variance_bound`, measured here: a relative 4e-3 to 1.4e-2,
+below 1e-2 at more than half the points; the error measured: 5e-5), and never negative. The function-space
+difference K** − A Aᵀ loses every digit there in float32 (measured: 34 of 50 variances negative before
+clipping); it is clipped at zero with a warning.
 """
 
 from __future__ import annotations
 
 import copy
+import math
 import warnings
 
 import gpytorch
@@ -22,9 +25,15 @@ import ntkgp
 from ntkgp.laplace.function_space import posterior_space
 from ntkgp.likelihoods import SoftmaxLikelihood
 from ntkgp.options import Space
-from tests.helpers import brute_jacobian, mlp, reference_log_prob, reference_terms, rel_err
-
-TOLERANCE_FLOAT32 = 1e-3
+from tests.helpers import (
+    EPS32,
+    brute_jacobian,
+    float32_roundings,
+    mlp,
+    reference_log_prob,
+    reference_terms,
+    rel_err,
+)
 
 
 def dense_glm(net, x, y, x_test, log_prob, delta: float):
@@ -92,6 +101,48 @@ def ill_conditioned(dtype: torch.dtype, space: str = "auto", noise: float = 1e-4
     return model, torch.linspace(-2.5, 2.5, 50, dtype=torch.float64)[:, None].to(dtype)
 
 
+def float32_variance_bound(net: nn.Module, x: torch.Tensor, x_test: torch.Tensor, noise: float,
+                           delta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""Per test point, a first-order bound on the relative error of a float32 weight-space GLM variance
+    :math:`v_i = j_{*i} H^{-1} j_{*i}^\top`, :math:`H = \delta I + \sigma^{-2} J^\top J`, measured on the
+    float64 ``net`` (dense Jacobians by ``torch.func.jacrev``).
+
+    Error model (ε = ε32, ``r`` = :func:`float32_roundings` + 2 for the scalings by :math:`\sigma^{-1}` and
+    :math:`\delta^{-1/2}`): each float32 Jacobian row is within :math:`r\epsilon` of its norm; :math:`I + W^\top W`
+    is formed and factorized in float64 (ntkgp's ``_weight_factor``), so the rows enter through
+    :math:`\Delta H = \sigma^{-2}\sum_n(\Delta J_n^\top J_n + J_n^\top\Delta J_n)`; the factor ``R`` is rounded to
+    float32 and used in a float32 triangular solve :math:`z_i = R^{-\top}\delta^{-1/2} j_{*i}^\top`, whose backward
+    error is :math:`|\Delta R| \le c\epsilon|R|` with :math:`c = \log_2 P + 2` (the rounding of ``R``, and a blocked
+    solve's inner products of length ``P`` counted as :math:`\log_2 P` roundings, as :func:`float32_roundings`
+    counts a sum over ``P``). With :math:`g_i = H^{-1} j_{*i}^\top`:
+
+    :math:`|\Delta v_i| \le 2r\epsilon\lVert j_{*i}\rVert\lVert g_i\rVert + 2r\epsilon\lVert g_i\rVert
+    \sigma^{-2}\sum_n\lVert J_n\rVert|J_n g_i| + 2c\epsilon\,|z_i|^\top|R^{-1}||R|\,|z_i|`, divided by
+    :math:`v_i`: an :math:`\epsilon\kappa_i` with :math:`\kappa_i` the componentwise condition number of the variance
+    at test point ``i``, measured (the normwise :math:`\epsilon\kappa(H)` bound exceeds 1 here). Returns the bound
+    and the float64 variances :math:`v` it was measured with."""
+    net = copy.deepcopy(net).double()
+    params = {n: p.detach() for n, p in net.named_parameters()}
+
+    def jacobian(inputs: torch.Tensor) -> torch.Tensor:
+        rows = torch.func.jacrev(lambda ps: torch.func.functional_call(net, ps, (inputs,)))(params)
+        return torch.cat([rows[n].reshape(inputs.shape[0], -1) for n in params], -1)
+
+    j, j_test = jacobian(x.double()), jacobian(x_test.double())
+    size = j.shape[1]
+    eps, r, c = EPS32, float32_roundings(net) + 2, math.log2(size) + 2
+    h = j.T @ j / noise + delta * torch.eye(size, dtype=torch.float64)
+    gain = torch.linalg.solve(h, j_test.T).T  # g_i, rows
+    variance = (gain * j_test).sum(-1)
+    rows = (j.norm(dim=-1) * (gain @ j.T).abs()).sum(-1) / noise  # σ⁻² Σ_n ‖J_n‖ |J_n g_i|
+    jacobian_part = 2 * r * eps * gain.norm(dim=-1) * (j_test.norm(dim=-1) + rows)
+    lower = torch.linalg.cholesky(h / delta)  # Rᵀ, R of I + WᵀW, W = σ⁻¹ J δ^{-1/2}
+    z = torch.linalg.solve_triangular(lower, j_test.T / math.sqrt(delta), upper=False).abs()  # |z_i|, columns
+    # z_i (R + ΔR) = φ_i row-wise: |Δz_i| ≤ cε |R⁻ᵀ||Rᵀ||z_i|
+    solve_part = 2 * c * eps * ((torch.linalg.inv(lower).abs() @ lower.abs() @ z) * z).sum(0)
+    return (jacobian_part + solve_part) / variance, variance
+
+
 def test_float32_variances_match_float64_on_an_ill_conditioned_problem():
     reference_model, x_test = ill_conditioned(torch.float64)
     with torch.no_grad():
@@ -107,7 +158,17 @@ def test_float32_variances_match_float64_on_an_ill_conditioned_problem():
             variance = pred.lazy_covariance_matrix.diagonal()
             assert (pred.variance > 0).all()
     assert variance.dtype == torch.float32 and (variance > 0).all()
-    assert ((variance.double() - reference).abs() / reference).max() < TOLERANCE_FLOAT32
+    # the first-order float32 bound ε κ_i per test point (float32_variance_bound; measured: 4e-3 to 1.4e-2); below
+    # 1e-2 at most points, so that a 1 % error fails
+    torch.manual_seed(0)  # the network of ill_conditioned
+    net = nn.Sequential(nn.Linear(1, 24), nn.Tanh(), nn.Linear(24, 24), nn.Tanh(), nn.Linear(24, 1)).double()
+    noise = reference_model.likelihood.noise.item()
+    delta = reference_model.covar_module.prior_precision.detach()
+    assert (delta == delta[0]).all()  # one δ for every layer (the default), as the bound assumes
+    bound, dense = float32_variance_bound(net, reference_model.train_inputs[0], x_test, noise, delta[0].item())
+    assert rel_err(dense, reference) < 1e-6  # the bound is that of the problem solved (same network, δ, noise)
+    assert (bound < 1e-2).float().mean() > 0.5
+    assert ((variance.double() - reference).abs() / reference <= bound).all()
     # the float64 weight-space route is the same number as the function-space one
     weight64, _ = ill_conditioned(torch.float64, space="weight")
     with torch.no_grad():

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING
+try:
+    from typing import Self
+except ImportError:  # Python 3.10
+    from typing_extensions import Self
 
 import torch
 
 from ...likelihoods import is_gaussian, validate_targets
-
-if TYPE_CHECKING:
-    from .model import NTKGP
 
 __all__ = ["ConditioningMixin"]
 
@@ -27,7 +27,7 @@ class ConditioningMixin:
         y = validate_targets(self.likelihood, y_new, self.num_outputs, num_data=x.shape[0], name=y_name)
         return x.to(self.train_x), y.to(self._train_y)
 
-    def condition_on(self, x_new: torch.Tensor, y_new: torch.Tensor, iterate: bool | None = None) -> NTKGP:
+    def condition_on(self, x_new: torch.Tensor, y_new: torch.Tensor, iterate: bool | None = None) -> Self:
         r"""A new model conditioned on the union of the training data and ``(x_new, y_new)``, same θ*.
 
         A Bayesian update of the linearized model: the network is not retrained. The current
@@ -82,7 +82,7 @@ class ConditioningMixin:
         new.train(self.training)
         return new
 
-    def get_fantasy_model(self, inputs: torch.Tensor, targets: torch.Tensor, **kwargs) -> NTKGP:
+    def get_fantasy_model(self, inputs: torch.Tensor, targets: torch.Tensor, **kwargs) -> Self:
         """GPyTorch's name for :meth:`condition_on` (every likelihood, multi-output included).
 
         Batched fantasies (targets with extra leading dimensions) and per-point noise are not supported.
