@@ -70,7 +70,12 @@ def solve(
                                site_eps=eps["site_eps"])  # no threshold from the features' rounding (module doc)
     mean_error = cross_rounding = None
     if eps["cross_eps"] > 0:  # the rounding of float32 cross-covariances in the mean (PosteriorState.mean_error)
-        mean_error = eps["cross_eps"] * (inducing.k_diagonal.sqrt() * factors.alpha.detach().abs()).sum(-1)
+        alpha = factors.alpha.detach().unsqueeze(-1)  # ε √(αᵀ K_ZZ α) (PosteriorState.mean_error)
+        if inducing.chol is not None:
+            quadratic = (inducing.chol.detach().mT @ alpha).square().sum((-2, -1))
+        else:
+            quadratic = (alpha.mT @ inducing.gram().detach() @ alpha).reshape(alpha.shape[:-2])
+        mean_error = eps["cross_eps"] * quadratic.clamp_min(0).sqrt()
         cross_rounding = (eps["cross_eps"], inducing.k_diagonal.sqrt())  # and in the variances
     return PosteriorState(weights=weights, slots=slots, factors=factors, mean_error=mean_error,
                           cross_rounding=cross_rounding)

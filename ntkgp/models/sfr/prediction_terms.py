@@ -52,11 +52,11 @@ class PosteriorState:
         factors: the whitened factors (:func:`~ntkgp.models.sfr.whitening.whitened_factors`).
         mean_error: for a network whose features are coarser than the model's algebra (float32): the error of the
             mean's term :math:`K_{xZ}\alpha` per unit of :math:`\sqrt{K_{xx}}` from the rounding of
-            :math:`K_{xZ}`, :math:`\epsilon_X \sum_k \sqrt{[K_{ZZ}]_{kk}}\,|\alpha_k|` per system ``(nb,)``
-            (each entry of :math:`K_{xZ}` taken as rounded by up to :math:`\epsilon_X\sqrt{K_{xx}[K_{ZZ}]_{kk}}`,
-            independently: an upper estimate, as the float64 products of float32 features with float64 features
-            of ``Z`` err by at most :math:`\lVert\Delta J(x)\rVert\lVert J(Z)^\top\alpha\rVert`); ``None``
-            otherwise.
+            :math:`K_{xZ}`, :math:`\epsilon_X\sqrt{\alpha^\top K_{ZZ}\alpha}` per system ``(nb,)``: the float64
+            products of the float32 features of ``x`` with float64 features of ``Z`` err by
+            :math:`|\Delta J(x) P_0^{-1} J(Z)^\top\alpha| \le \lVert P_0^{-1/2}\Delta J(x)^\top\rVert
+            \lVert P_0^{-1/2}J(Z)^\top\alpha\rVert \le \epsilon_X\sqrt{K_{xx}}\sqrt{\alpha^\top K_{ZZ}\alpha}`
+            (the row rounded normwise by :math:`\epsilon_X` in the prior's metric); ``None`` otherwise.
         cross_rounding: for such a network, the unit roundoff of its features and :math:`\sqrt{[K_{ZZ}]_{kk}}` per
             system ``(nb, K)``, what bounds the variances' error (:mod:`~ntkgp.models.sfr.variance_precision`);
             ``None`` otherwise.
@@ -216,8 +216,7 @@ class PredictiveTerms:
         if self.predictive_mean is PredictiveMean.GP and self.state.mean_error is not None:
             _check_mean_precision(self.state.mean_error, prior_blocks, blocks, self.coupling)
         if self.state.cross_rounding is not None:
-            check_variance_precision(self.state.cross_rounding, self.state.factors, low_z, low_s, prior_blocks, blocks,
-                                     self.coupling)
+            check_variance_precision(self.state.cross_rounding[0], prior_blocks, blocks)
         return ChunkPrediction(mean=mean, blocks=blocks, low_rank_z=low_z, low_rank_s=low_s)
 
     # ------------------------------------------------------------------ the prior covariance of f(x)

@@ -239,8 +239,8 @@ def check_variances(d32, d64, numerical):
 def test_float32_regression_with_a_small_noise_keeps_every_direction_float64_keeps(noise):
     """The sums in float64 (ε·tr B_u grows like 1/σ²) and K_ZZ from float64 features: with σ² down to 1e-3 the float32
     model keeps all 20 inducing directions, as float64 does (float32 sums kept 2 to 6 of them). Its mean is within a
-    fraction of a posterior standard deviation of float64's, or (σ² = 1e-3) a NumericalWarning bounds how far off it
-    may be, and the bound holds; the same for its variances (relative to their value)."""
+    fraction of a posterior standard deviation of float64's (σ² ≥ 1e-2), and within one or a NumericalWarning bounds
+    how far off it may be, and the bound holds; the same for its variances (relative to their value)."""
     net, x, y, xs = regression_problem()
     sfr32, sfr64, d32, d64, rank32, numerical = pair(net, x, y, xs, "gaussian", 1, noise=noise, num_inducing=20)
     assert int(sfr64.inducing_rank) == 20 and int(rank32) == 20
@@ -248,8 +248,8 @@ def test_float32_regression_with_a_small_noise_keeps_every_direction_float64_kee
     bound = mean_error_bound(numerical)
     if noise >= 1e-2:
         assert bound is None and error < 0.2
-    else:
-        assert bound is not None and error <= bound
+    # within a posterior standard deviation (the warning's threshold), or a warning states a bound that holds
+    assert error <= (1.0 if bound is None else bound), (error, bound)
     variance_bound = check_variances(d32, d64, numerical)
     if noise == 0.1:
         assert not numerical and variance_bound is None  # well conditioned: accurate and silent
@@ -267,7 +267,7 @@ def test_float32_variances_with_near_duplicate_inputs_are_accurate_or_warn():
     xs = torch.cat([xs, x[:10] + 1e-4 * torch.randn(10, 2, generator=g)])
     sfr32, sfr64, d32, d64, rank32, numerical = pair(net, x, torch.sin(2 * x.sum(-1)), xs, "gaussian", 1,
                                                      noise=1e-3, num_inducing=20)
-    if check_variances(d32, d64, numerical) is not None:  # here it warns (a bound of about 17 %)
+    if check_variances(d32, d64, numerical) is not None:
         assert any("variances" in str(w.message) and "net.double()" in str(w.message) for w in numerical)
 
 
