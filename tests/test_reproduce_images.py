@@ -349,9 +349,10 @@ def test_checkpointed_training_resumed_run_by_run_equals_one_run(tmp_path):
 
 
 def test_sfr_nn_from_one_pass_equals_the_models_nn_predictive():
-    """``_sfr_stages.sfr_probs`` takes SFR-NN's probabilities from the GP pass's covariance and the network's output;
-    against ntkgp's own ``predictive_mean="nn"`` (and ``"gp"``) on a small tanh network (the function does not
-    depend on the architecture; an MLP keeps the test fast)."""
+    """``_sfr_stages.sfr_probs_at`` takes SFR-NN's probabilities from the GP pass's covariance and the network's
+    output, at several δ from one pass; against ntkgp's own ``predictive_mean="nn"`` (and ``"gp"``) with the
+    model's δ set to each value, on a small tanh network (the function does not depend on the architecture; an MLP
+    keeps the test fast)."""
     stages = _load("_sfr_stages")
     import ntkgp
 
@@ -361,17 +362,22 @@ def test_sfr_nn_from_one_pass_equals_the_models_nn_predictive():
     sfr = ntkgp.SFR(net, x, y, ntkgp.likelihoods.SoftmaxLikelihood(num_classes=4), num_inducing=8,
                     prior_precision=3.0, prior_mean="zero", output_coupling="independent",
                     inducing=SFRInducingOptions(seed=0))
-    gp, nn_ = stages.sfr_probs(sfr, net, x_test, chunk=5)
-    with torch.no_grad():
-        ref_gp = sfr.likelihood(sfr(x_test)).probs
-        sfr.predictive_mean = "nn"
-        ref_nn = sfr.likelihood(sfr(x_test)).probs
-    # float32 probabilities (values ≤ 1) from the same covariance and means, chunked differently: a few ulps of 1
-    # (float32 ε = 1.2e-7) through the probit's scaling and the softmax; atol 1e-6 ≈ 8ε32, a rough budget: the
-    # normalization's (log2 C + 2)ε32 = 4ε32 (C = 4) for each of the two, the logits' rounding through a slope ≤ ¼
-    torch.testing.assert_close(gp, ref_gp, rtol=0, atol=1e-6)
-    torch.testing.assert_close(nn_, ref_nn, rtol=0, atol=1e-6)
-    assert (gp - nn_).abs().max() > 1e-2  # two different means: the comparison can fail
+    deltas = [0.5, 3.0]
+    found = stages.sfr_probs_at(sfr, net, x_test, deltas, chunk=5)
+    for delta, (gp, nn_) in zip(deltas, found):
+        with torch.no_grad():
+            sfr.covar_module.prior_precision = delta
+            sfr.predictive_mean = "gp"
+            ref_gp = sfr.likelihood(sfr(x_test)).probs
+            sfr.predictive_mean = "nn"
+            ref_nn = sfr.likelihood(sfr(x_test)).probs
+        # float32 probabilities (values ≤ 1) from the same covariance and means, chunked differently: a few ulps of 1
+        # (float32 ε = 1.2e-7) through the probit's scaling and the softmax; atol 1e-6 ≈ 8ε32, a rough budget: the
+        # normalization's (log2 C + 2)ε32 = 4ε32 (C = 4) for each of the two, the logits' rounding through a slope ≤ ¼
+        torch.testing.assert_close(gp, ref_gp, rtol=0, atol=1e-6)
+        torch.testing.assert_close(nn_, ref_nn, rtol=0, atol=1e-6)
+        assert (gp - nn_).abs().max() > 1e-2  # two different means: the comparison can fail
+    assert (found[0][0] - found[1][0]).abs().max() > 1e-3  # two different δ: each checked at its own
 
 
 @pytest.mark.parametrize("metric, ours, verdict", [

@@ -55,53 +55,59 @@ def network_stage(net, data: dict) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------------- SFR
-def sfr_probs(sfr, net, x: Tensor, chunk: int) -> tuple[Tensor, Tensor]:
+def sfr_probs_at(sfr, net, x: Tensor, deltas: list[float], chunk: int) -> list[tuple[Tensor, Tensor]]:
     """Class probabilities (probit) of SFR (the GP mean) and SFR-NN (the network's output as the mean, SFR's
-    covariance), from one pass: the covariance is the same for both (docs/sfr.md, ``predictive_mean``)."""
-    gp, nn_ = [], []
+    covariance) at each δ of ``deltas``, from one pass over ``x`` (``SFR.predictive_grid``: the cross-covariances
+    computed once, weighted by each 1/δ); the covariance is the same for both means (docs/sfr.md)."""
     with torch.no_grad():
-        for b in x.split(chunk):
-            dist = sfr(b)
-            gp.append(sfr.likelihood(dist).probs)
-            nn_.append(sfr.likelihood(MultitaskMultivariateNormal(net(b).to(dist.mean.dtype),
-                                                                  dist.lazy_covariance_matrix)).probs)
-    return torch.cat(gp), torch.cat(nn_)
+        outputs = _images.in_chunks(net, x, chunk)
+        out = []
+        for dist in sfr.predictive_grid(x, deltas, chunk_size=chunk):
+            gp = sfr.likelihood(dist).probs
+            nn_ = sfr.likelihood(MultitaskMultivariateNormal(outputs.to(dist.mean.dtype), dist.lazy_covariance_matrix)).probs
+            out.append((gp, nn_))
+        return out
 
 
 def _grid(delta: float, exponents) -> list[float]:
     return [delta * 10 ** e for e in exponents]
 
 
-def sfr_stage(sfr, net, data: dict, mode: str, delta_train: float, args) -> dict:
-    """One δ mode of a built SFR: the δ, then test and OOD scores of SFR and SFR-NN at it."""
-    start, out = time.perf_counter(), {"mode": mode}
-    if mode == "train":
-        deltas = {"gp": delta_train, "nn": delta_train}
-    elif mode == "evidence":
-        d = _common.evidence_delta(sfr, _grid(delta_train, args.evidence_exponents), args.evidence_steps)
-        deltas = {"gp": d, "nn": d}
-    else:
-        grid = _grid(delta_train, args.tune_exponents)
-        xv, yv = data["tune"]
-        table = []
-        for d in grid:
-            _common.set_delta(sfr, d)
-            gp, nn_ = sfr_probs(sfr, net, xv, args.chunk_size)
-            table.append((d, nlpd(gp, yv), nlpd(nn_, yv)))
-        out["tuning"] = table
-        deltas = {"gp": min(table, key=lambda r: r[1])[0], "nn": min(table, key=lambda r: r[2])[0]}
-    out["tune_seconds"] = time.perf_counter() - start
-    for which in ("gp", "nn"):
-        _common.set_delta(sfr, deltas[which])
-        t0 = time.perf_counter()
-        test = sfr_probs(sfr, net, data["test"][0], args.chunk_size)
-        ood = sfr_probs(sfr, net, data["ood"], args.chunk_size)
-        k = 0 if which == "gp" else 1
-        out[which] = {**scores(test[k], data["test"][1], ood[k]), "delta": deltas[which],
-                      "predict_seconds": time.perf_counter() - t0, "images_predicted": len(data["test"][0]) + len(data["ood"])}
-    _common.set_delta(sfr, delta_train)
-    out["peak_memory_mb"] = peak_memory_mb()
-    return out
+def sfr_stages(sfr, net, data: dict, modes, delta_train: float, args) -> dict[str, dict]:
+    """The δ modes ``modes`` of a built SFR: each mode's δ (the training δ; the evidence's by a grid and Adam steps;
+    the validation NLPD's on the tuning images, every grid value from one prediction pass), then test and OOD
+    scores of SFR and SFR-NN at every δ found, from one prediction pass over the test and OOD images."""
+    results, deltas = {}, {}
+    for mode in modes:
+        start, out = time.perf_counter(), {"mode": mode}
+        if mode == "train":
+            deltas[mode] = {"gp": delta_train, "nn": delta_train}
+        elif mode == "evidence":
+            d = _common.evidence_delta(sfr, _grid(delta_train, args.evidence_exponents), args.evidence_steps)
+            deltas[mode] = {"gp": d, "nn": d}
+        else:
+            grid = _grid(delta_train, args.tune_exponents)
+            xv, yv = data["tune"]
+            table = [(d, nlpd(gp, yv), nlpd(nn_, yv)) for d, (gp, nn_) in zip(grid, sfr_probs_at(sfr, net, xv, grid,
+                                                                                                   args.chunk_size))]
+            out["tuning"] = table
+            deltas[mode] = {"gp": min(table, key=lambda r: r[1])[0], "nn": min(table, key=lambda r: r[2])[0]}
+        _common.set_delta(sfr, delta_train)
+        out["tune_seconds"] = time.perf_counter() - start
+        results[mode] = out
+    needed = sorted({d for mode in modes for d in deltas[mode].values()})
+    t0 = time.perf_counter()
+    test = dict(zip(needed, sfr_probs_at(sfr, net, data["test"][0], needed, args.chunk_size)))
+    ood = dict(zip(needed, sfr_probs_at(sfr, net, data["ood"], needed, args.chunk_size)))
+    seconds = time.perf_counter() - t0
+    for mode in modes:
+        for which, k in (("gp", 0), ("nn", 1)):
+            d = deltas[mode][which]
+            results[mode][which] = {**scores(test[d][k], data["test"][1], ood[d][k]), "delta": d,
+                                    "predict_seconds": seconds, "deltas_in_pass": len(needed),
+                                    "images_predicted": len(data["test"][0]) + len(data["ood"])}
+        results[mode]["peak_memory_mb"] = peak_memory_mb()
+    return results
 
 
 def build_sfr(net, data: dict, m: int, delta_train: float, seed: int, args):

@@ -129,10 +129,11 @@ class Stages:
                     posterior, curvature, lik, info = stages.build_glm(net, d, delta, self.args)
                     self._built[(method, m)] = (lambda mode_: stages.glm_stage(posterior, curvature, lik, d, mode_,
                                                                                delta, self.args), info)
-                else:
+                else:  # every δ mode still missing at once: one prediction pass over the test and OOD images
                     sfr, info = stages.build_sfr(net, d, m, delta, self.trained["seed"], self.args)
-                    self._built[(method, m)] = (lambda mode_: stages.sfr_stage(sfr, net, d, mode_, delta, self.args),
-                                                info)
+                    missing = [mo for mo in self.args.modes if self.store.load(self.key(method, m, mo)) is None]
+                    results = stages.sfr_stages(sfr, net, d, missing, delta, self.args)
+                    self._built[(method, m)] = (results.__getitem__, info)
             evaluate, info = self._built[(method, m)]
             return {**evaluate(mode), **info, "m": m, "device": self.args.device, "chunk_size": self.args.chunk_size}
         return self.store.run(self.key(method, m, mode), run, enabled=not self.args.table_only)

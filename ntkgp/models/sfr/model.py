@@ -31,6 +31,7 @@ from .inducing_points import inducing_inputs_from_data, model_dtype
 from .options import SFRInducingOptions, SFRMemoryOptions
 from .prediction import predictive_distribution
 from .prediction_terms import PosteriorState, PredictiveTerms
+from .prior_grid import PriorPrecisionTuning
 from .statistics import statistics_dtype
 from .streaming import counted, stream_statistics
 from .system_grams import auto_chunk_size, inducing_features, inducing_grams, network_features
@@ -43,7 +44,7 @@ _PASS = "it shaped the pass over the data: the statistics would have to be recom
 _CHOICE = "the inducing inputs were chosen with it at construction"
 
 
-class SFR(CheckedLoad, BoTorchInterface, GP):
+class SFR(PriorPrecisionTuning, CheckedLoad, BoTorchInterface, GP):
     r"""Sparse function-space representation of a trained network: an inducing-point GP in closed form.
 
     The network's Laplace-GGN posterior, written with its dual parameters :math:`g_n`, :math:`\Lambda_n`

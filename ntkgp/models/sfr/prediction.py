@@ -8,6 +8,8 @@ point and (when all points fit in one chunk) the low-rank factors :math:`V`, :ma
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import torch
 from gpytorch.distributions import MultitaskMultivariateNormal, MultivariateNormal
 from torch import Tensor
@@ -16,7 +18,7 @@ from ...ntk.inputs import to as to_network
 from .covariance import SparsePosteriorCovariance, per_batch_factors
 from .prediction_terms import PredictiveTerms
 
-__all__ = ["predictive_distribution"]
+__all__ = ["predictive_distribution", "predictive_distributions"]
 
 
 def predictive_distribution(
@@ -35,12 +37,42 @@ def predictive_distribution(
         ``MultivariateNormal`` ``(*batch, n)`` (``C = 1``) or ``MultitaskMultivariateNormal`` ``(*batch, n, C)``
         (interleaved).
     """
-    parts = []
+    return predictive_distributions([terms], x, batch, chunk, dtype)[0]
+
+
+def predictive_distributions(
+    terms: Sequence[PredictiveTerms], x: Tensor, batch: torch.Size, chunk: int, dtype: torch.dtype,
+    progress: Callable[[int], None] | None = None,
+) -> list[MultivariateNormal]:
+    r"""The joint posteriors over :math:`f(x)` at several model states (e.g. prior precisions) that share their
+    inducing inputs and network, in one pass over ``x``: each chunk's :math:`\delta`-free pieces (cross-Grams,
+    prior blocks, network outputs: :meth:`~ntkgp.models.sfr.prediction_terms.PredictiveTerms.pieces`) are computed
+    once and weighted by every state (on the route with a graph to ``x``, each state computes its own).
+
+    Args:
+        terms: the predictive's terms of each state (one engine, inducing inputs, coupling and means).
+        x, batch, chunk, dtype: as :func:`predictive_distribution`.
+        progress: called with the number of points of each finished chunk (or ``None``).
+
+    Returns:
+        One distribution per state, in the order of ``terms``.
+    """
+    parts = [[] for _ in terms]
     for start in range(0, x.shape[0], chunk):
-        part = terms.chunk(x[start : start + chunk])
-        if start + chunk < x.shape[0] or parts:  # more than one chunk: keep only the per-point results
-            part.low_rank_z = part.low_rank_s = None
-        parts.append(part)
+        rows = x[start : start + chunk]
+        shared = None if len(terms) == 1 or terms[0].with_graph(rows) else terms[0].pieces(rows)
+        for state_parts, state_terms in zip(parts, terms):
+            part = state_terms.chunk(rows, shared)
+            if start + chunk < x.shape[0] or state_parts:  # more than one chunk: keep only the per-point results
+                part.low_rank_z = part.low_rank_s = None
+            state_parts.append(part)
+        if progress is not None:
+            progress(rows.shape[0])
+    return [_assembled(t, p, x, batch, chunk, dtype) for t, p in zip(terms, parts)]
+
+
+def _assembled(terms: PredictiveTerms, parts: list, x: Tensor, batch: torch.Size, chunk: int,
+               dtype: torch.dtype) -> MultivariateNormal:
     count, c = x.shape[0] // max(1, batch.numel()), terms.num_outputs
     mean = torch.cat([p.mean for p in parts]).reshape(*batch, count, c).to(dtype)
     blocks = torch.cat([p.blocks for p in parts]).reshape(*batch, count, c, c).to(dtype)

@@ -39,7 +39,7 @@ from .system_grams import system_grams_and_diagonal
 from .variance_precision import check_variance_precision
 from .whitening import WhitenedFactors
 
-__all__ = ["ChunkPrediction", "PosteriorState", "PredictiveTerms"]
+__all__ = ["ChunkPrediction", "PosteriorState", "PredictiveTerms", "SharedPieces"]
 
 
 @dataclass
@@ -84,6 +84,23 @@ class ChunkPrediction:
     blocks: Tensor
     low_rank_z: Tensor
     low_rank_s: Tensor
+
+
+@dataclass
+class SharedPieces:
+    r"""The :math:`\delta`-free terms of one chunk (:meth:`PredictiveTerms.pieces`).
+
+    Attributes:
+        grams: per-group cross-Grams :math:`K^{(g)}_{Zx}`, ``(G, nb, K, R)``.
+        diagonal: per-group prior blocks, ``(G, b, C, C)``.
+        outputs: the network's outputs :math:`f(x)`, ``(b, C)``.
+        offset: :math:`J(x)\theta^*` for the linearized prior mean's ``"gp"`` mean, ``(b, C)``, or ``None``.
+    """
+
+    grams: Tensor
+    diagonal: Tensor
+    outputs: Tensor
+    offset: Tensor | None
 
 
 def point_outer(a: Tensor, num_points: int, num_outputs: int) -> Tensor:
@@ -155,10 +172,22 @@ class PredictiveTerms:
         blocks = torch.einsum("ncp,ndp->ncd", weighted, jac)
         return cross_t, blocks, jac
 
-    def _gram_terms(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """Route without a graph: :math:`K_{Zx}` per system and prior blocks from the engine's Grams."""
+    def pieces(self, x: Tensor) -> SharedPieces:
+        r"""What the chunk's predictive needs that does not depend on :math:`\delta`: the per-group cross-Grams,
+        the prior blocks' per-group diagonals and the network terms (route without a graph only). Computed once,
+        they serve every :math:`\delta` of :meth:`~ntkgp.models.SFR.predictive_grid`, each :class:`PredictiveTerms`
+        weighting them by its own :math:`1/\delta`."""
         grams, diag = system_grams_and_diagonal(self.engine, self.inducing_points, x, self.coupling,
                                                  x1_features=self.z_features)
+        return SharedPieces(grams, diag, *self._network_terms(x, None))
+
+    def _gram_terms(self, x: Tensor, pieces: SharedPieces | None = None) -> tuple[Tensor, Tensor]:
+        """Route without a graph: :math:`K_{Zx}` per system and prior blocks from the engine's Grams."""
+        if pieces is None:
+            grams, diag = system_grams_and_diagonal(self.engine, self.inducing_points, x, self.coupling,
+                                                     x1_features=self.z_features)
+        else:
+            grams, diag = pieces.grams, pieces.diagonal
         weights = self.state.weights
         cross_t = torch.einsum("g,gbkr->bkr", weights, grams.to(weights))
         return cross_t, torch.einsum("g,gnij->nij", weights, diag.to(weights))
@@ -180,12 +209,13 @@ class PredictiveTerms:
                 offset = (jac @ theta).reshape(f.shape)
         return f.to(dtype), None if offset is None else offset.to(dtype)
 
-    def cross(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
-        """:math:`K_{Zx}` per system ``(nb, K, R)``, the prior blocks ``(b, C, C)`` and :math:`J(x)` (or ``None``)."""
-        if self.with_graph(x):
+    def cross(self, x: Tensor, pieces: SharedPieces | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
+        """:math:`K_{Zx}` per system ``(nb, K, R)``, the prior blocks ``(b, C, C)`` and :math:`J(x)` (or ``None``);
+        from ``pieces`` (:meth:`pieces`) where given."""
+        if pieces is None and self.with_graph(x):
             cross_t, blocks, jac = self._jacobian_terms(x)
         else:
-            (cross_t, blocks), jac = self._gram_terms(x), None
+            (cross_t, blocks), jac = self._gram_terms(x, pieces), None
         if self.coupling is OutputCoupling.INDEPENDENT:
             blocks = torch.diag_embed(blocks.diagonal(dim1=-2, dim2=-1))
         return cross_t, blocks, jac
@@ -194,11 +224,12 @@ class PredictiveTerms:
         r""":math:`V = W K_{Zx}` and :math:`R^{-1}V` for prepared test inputs ``x``, ``(nb, K, R)`` each."""
         return self.state.factors.project(self.cross(x)[0])
 
-    def chunk(self, x: Tensor) -> ChunkPrediction:
-        """Mean, posterior point blocks and low-rank factors of one chunk of prepared inputs ``x``."""
+    def chunk(self, x: Tensor, pieces: SharedPieces | None = None) -> ChunkPrediction:
+        r"""Mean, posterior point blocks and low-rank factors of one chunk of prepared inputs ``x``; from the
+        :math:`\delta`-free ``pieces`` of the chunk (:meth:`pieces`) where given."""
         n, c = x.shape[0], self.num_outputs
-        cross_t, prior_blocks, jac = self.cross(x)
-        f, offset = self._network_terms(x, jac)
+        cross_t, prior_blocks, jac = self.cross(x, pieces)
+        f, offset = self._network_terms(x, jac) if pieces is None else (pieces.outputs, pieces.offset)
         if self.predictive_mean is PredictiveMean.NN:
             mean = f
         else:

@@ -146,10 +146,10 @@ def test_prediction_memory_is_bounded_by_the_chunk():
     factors = []  # the chunks' low-rank factors (b·M·C² numbers each) must not outlive their chunk
     original_chunk = PredictiveTerms.chunk
 
-    def recording_chunk(self, x):
+    def recording_chunk(self, x, pieces=None):
         gc.collect()
         assert all(ref() is None for ref in factors), "an earlier chunk's factors are still held"
-        part = original_chunk(self, x)
+        part = original_chunk(self, x, pieces)
         factors.append(weakref.ref(part.low_rank_z))
         return part
 
