@@ -1,4 +1,4 @@
-"""Helpers shared by ``resnet_batchnorm.py`` and ``transformer_tokens.py``: Adam training of the MAP network, a
+"""Helpers shared by ``fmnist_uncertainty.py``, ``resnet_batchnorm.py`` and ``transformer_tokens.py``: Adam training of the MAP network, a
 table of NLL, accuracy, ECE, OOD AUROC and seconds per method, the entropy figure, and laplace-torch's KFAC
 Laplace on the same network when laplace-torch is importable (it is optional, never a dependency of ntkgp).
 
@@ -23,9 +23,10 @@ HEADERS = ["method", "NLL", "accuracy", "ECE", "OOD AUROC", "seconds"]
 
 
 def train_map(net: nn.Module, x: Tensor, y: Tensor, delta: float, epochs: int, seed: int, lr: float = 1e-3,
-              batch_size: int = 128) -> float:
+              batch_size: int = 128, min_batch: int = 2) -> float:
     """Adam on the mean negative log joint (cross-entropy plus :math:`\\delta \\|\\theta\\|^2 / 2N`), the network
-    in training mode (BatchNorm on batch statistics), left in eval mode; returns the seconds."""
+    in training mode (BatchNorm on batch statistics), left in eval mode; batches smaller than ``min_batch`` are
+    skipped (BatchNorm needs two examples in training mode); returns the seconds."""
     start = time.perf_counter()
     opt = torch.optim.Adam(net.parameters(), lr=lr)
     g = torch.Generator().manual_seed(seed)
@@ -33,7 +34,7 @@ def train_map(net: nn.Module, x: Tensor, y: Tensor, delta: float, epochs: int, s
     net.train()
     for _ in range(epochs):
         for idx in torch.randperm(n, generator=g).split(batch_size):
-            if len(idx) < 2:  # BatchNorm needs two examples in training mode
+            if len(idx) < min_batch:
                 continue
             opt.zero_grad()
             loss = nn.functional.cross_entropy(net(x[idx]), y[idx])

@@ -37,13 +37,13 @@ import time
 from pathlib import Path
 
 import torch
+from _uncertainty import Report, plot_entropies, train_map
 from torch import Tensor, nn
 
 import ntkgp
 from ntkgp.datasets import load_fashion_mnist, load_mnist
-from ntkgp.likelihoods import SoftmaxLikelihood
-from ntkgp.metrics import accuracy, categorical_nlpd, expected_calibration_error, ood_auroc, predictive_entropy
 from ntkgp.fsvi import FSVIOptimization
+from ntkgp.likelihoods import SoftmaxLikelihood
 
 HEADERS = ["method", "NLPD", "accuracy", "ECE", "OOD AUROC", "seconds"]
 
@@ -96,70 +96,6 @@ def load(args) -> tuple[tuple[Tensor, Tensor, Tensor, Tensor], Tensor | None, st
     return data, x_ood, f"Fashion-MNIST ({args.n_train} training, {args.n_test} test images), OOD: MNIST test"
 
 
-def train_map(net: nn.Module, x: Tensor, y: Tensor, delta: float, epochs: int, seed: int) -> float:
-    """Adam on the mean negative log joint, batch 128; returns the seconds."""
-    start = time.perf_counter()
-    opt = torch.optim.Adam(net.parameters(), lr=1e-3)
-    g = torch.Generator().manual_seed(seed)
-    n = len(y)
-    net.train()
-    for _ in range(epochs):
-        for idx in torch.randperm(n, generator=g).split(128):
-            opt.zero_grad()
-            loss = nn.functional.cross_entropy(net(x[idx]), y[idx])
-            prior = 0.5 * delta * sum(p.square().sum() for p in net.parameters()) / n
-            (loss + prior).backward()
-            opt.step()
-    net.eval()
-    return time.perf_counter() - start
-
-
-def in_chunks(fn, x: Tensor, size: int = 500) -> Tensor:
-    return torch.cat([fn(chunk) for chunk in x.split(size)])
-
-
-def evaluate(name: str, probs_fn, seconds: float, x_te: Tensor, y_te: Tensor, x_ood: Tensor | None, rows, entropies):
-    start = time.perf_counter()
-    with torch.no_grad():
-        probs = in_chunks(probs_fn, x_te).double()
-        ood = in_chunks(probs_fn, x_ood).double() if x_ood is not None else None
-    seconds += time.perf_counter() - start
-    h_in = predictive_entropy(probs)
-    auroc = ood_auroc(h_in, predictive_entropy(ood)) if ood is not None else None
-    entropies[name] = (h_in, predictive_entropy(ood) if ood is not None else None)
-    rows.append([name, f"{categorical_nlpd(probs, y_te):.3f}", f"{accuracy(probs, y_te):.3f}",
-                 f"{expected_calibration_error(probs, y_te):.3f}", "—" if auroc is None else f"{auroc:.3f}",
-                 f"{seconds:.1f}"])
-
-
-def format_table(rows: list[list[str]]) -> str:
-    widths = [max(len(str(r[i])) for r in [HEADERS, *rows]) for i in range(len(HEADERS))]
-    line = lambda r: "  ".join(str(v).ljust(w) for v, w in zip(r, widths)).rstrip()  # noqa: E731
-    return "\n".join([line(HEADERS), "  ".join("-" * w for w in widths), *map(line, rows)])
-
-
-def plot(entropies: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(entropies), figsize=(3.2 * len(entropies), 2.8), sharey=True)
-    bins = torch.linspace(0, math.log(10), 31).numpy()
-    for ax, (name, (h_in, h_out)) in zip(axes, entropies.items()):
-        ax.hist(h_in.numpy(), bins=bins, alpha=0.6, density=True, label="Fashion-MNIST test (in)")
-        if h_out is not None:
-            ax.hist(h_out.numpy(), bins=bins, alpha=0.6, density=True, label="OOD")
-        ax.set_title(name)
-        ax.set_xlabel("predictive entropy (nats)")
-    axes[0].set_ylabel("density")
-    axes[0].legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def main(argv: list[str] | None = None) -> list[list[str]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data-dir", default=None, help="folder of the Fashion-MNIST idx files "
@@ -187,36 +123,33 @@ def main(argv: list[str] | None = None) -> list[list[str]]:
     print(f"data: {described}")
     delta = args.prior_precision
     net = cnn(tuple(args.channels), seed=args.seed)
-    rows, entropies = [], {}
-    seconds = train_map(net, x_tr, y_tr, delta, args.epochs, args.seed)
-    evaluate("MAP", lambda x: net(x).softmax(-1), seconds, x_te, y_te, x_ood, rows, entropies)
+    report = Report(x_te, y_te, x_ood)
+    seconds = train_map(net, x_tr, y_tr, delta, args.epochs, args.seed, min_batch=1)
+    report.add("MAP", lambda x: net(x).softmax(-1), seconds)
 
     lik = SoftmaxLikelihood(num_classes=10)
     start = time.perf_counter()
     posterior = ntkgp.laplace.laplace_posterior(net, x_tr, y_tr, lik, structure="kfac", prior_precision=delta,
                                                 prior_structure="network")
-    evaluate("KFAC-GLM", lambda x: ntkgp.laplace.predict(posterior, x, link="probit").probs,
-             time.perf_counter() - start, x_te, y_te, x_ood, rows, entropies)
+    report.add("KFAC-GLM", lambda x: ntkgp.laplace.predict(posterior, x, link="probit").probs,
+               time.perf_counter() - start)
 
     start = time.perf_counter()
     sfr = ntkgp.SFR(net, x_tr, y_tr, SoftmaxLikelihood(num_classes=10), num_inducing=args.num_inducing,
                     prior_precision=delta, prior_structure="network", output_coupling="independent", progress=False)
     sfr.eval()
-    evaluate(f"SFR (M = {args.num_inducing})", lambda x: sfr.likelihood(sfr(x)).probs, time.perf_counter() - start,
-             x_te, y_te, x_ood, rows, entropies)
+    report.add(f"SFR (M = {args.num_inducing})", lambda x: sfr.likelihood(sfr(x)).probs, time.perf_counter() - start)
 
     result = ntkgp.fsvi.train_fsvi(copy.deepcopy(net), x_tr, y_tr, SoftmaxLikelihood(num_classes=10),
                                    context="monochrome", prior_precision=delta, prior_structure="network",
                                    epochs=args.fsvi_epochs, batch_size=128,
                                    optimization=FSVIOptimization(seed=args.seed), progress=False)
     gen = torch.Generator().manual_seed(args.seed)
-    evaluate("FSVI", lambda x: result.model.predict(x, num_samples=30, generator=gen).probs, result.seconds,
-             x_te, y_te, x_ood, rows, entropies)
+    report.add("FSVI", lambda x: result.model.predict(x, num_samples=30, generator=gen).probs, result.seconds)
 
-    print(format_table(rows) + "\n")
-    plot(entropies, args.output_dir / "fmnist_uncertainty_entropy.png")
-    print(f"figure: {args.output_dir / 'fmnist_uncertainty_entropy.png'}")
-    return rows
+    print(report.table() + "\n")
+    plot_entropies(report.entropies, 10, "Fashion-MNIST test (in)", args.output_dir / "fmnist_uncertainty_entropy.png")
+    return report.rows
 
 
 if __name__ == "__main__":
