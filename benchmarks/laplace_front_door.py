@@ -48,6 +48,7 @@ import time
 from pathlib import Path
 
 import torch
+from last_layer import have_laplace_torch, lenet5  # the same LeNet-5 and check as the last-layer table
 from torch import nn
 
 import ntkgp
@@ -68,15 +69,6 @@ ROWS = [
     ("last layer, full GGN", "last_layer", "full_ggn", "last_layer", "full"),
 ]
 STEPS = ("fit", "tune", "predict", "ood")
-
-
-def lenet5() -> nn.Module:
-    """LeNet-5 for 28 × 28 images (the first convolution padded to keep 28 × 28)."""
-    return nn.Sequential(
-        nn.Conv2d(1, 6, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(6, 16, 5), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
-        nn.Linear(400, 120), nn.ReLU(), nn.Linear(120, 84), nn.ReLU(), nn.Linear(84, 10),
-    )
 
 
 def trained(args, x: torch.Tensor, y: torch.Tensor) -> nn.Module:
@@ -164,16 +156,6 @@ def run_laplace_torch(net, loader, x_test, x_ood, subset: str, structure: str, b
             "wall": clock.wall, "probs": probs, "probs_ood": probs_ood}
 
 
-def laplace_torch_version() -> str | None:
-    try:
-        import laplace  # noqa: F401
-    except ImportError:
-        return None
-    from importlib.metadata import version
-
-    return version("laplace-torch")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data-dir", default=None, help="Fashion-MNIST folder (default: the dataset package's)")
@@ -209,7 +191,7 @@ def main() -> None:
         map_probs, map_ood = net(x_test).softmax(-1), net(x_ood).softmax(-1)
     map_metrics = metrics(map_probs, y_test, map_ood)
     print(f"MAP: {map_metrics}", flush=True)
-    version = laplace_torch_version()
+    version = have_laplace_torch()
     rows = []
     chosen = ROWS if args.rows is None else [ROWS[int(i)] for i in args.rows.split(",")]
     for label, subset, structure, lt_subset, lt_structure in chosen:
