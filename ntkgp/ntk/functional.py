@@ -15,8 +15,11 @@ Forward-mode passes hold :data:`FORWARD_AD_LOCK` (torch's forward-AD levels are 
 
 Inputs that require grad keep their autograd graph through every function here: the per-example Jacobians
 and vector-Jacobian products are differentiable w.r.t. ``x`` (``torch.func`` composes with ordinary
-autograd), which is how ``∂/∂x`` of a kernel or of a predictive is obtained. Inputs may be a tensor or a
-container of tensors sharing the leading batch dimension.
+autograd), which is how ``∂/∂x`` of a kernel or of a predictive is obtained. Such passes (the inputs or the
+parameters require grad, :func:`~ntkgp.ntk.exact_norms.keeps_graph`) run under
+:func:`~ntkgp.ntk.exact_norms.exact_norms`: torch's batching and forward-mode rules of the layer norm (and of
+the instance norm) are not exact when differentiated again, so these normalizations are computed from elementary
+operations there. Inputs may be a tensor or a container of tensors sharing the leading batch dimension.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, jacrev, jvp, vjp, vmap
 from torch.utils import _pytree as pytree
 
+from .exact_norms import exact_norms, keeps_graph
 from .private_copy import differentiable_kernels, use_kernels
 
 #: Held around every forward-mode pass: torch's forward-AD levels (``torch.autograd.forward_ad``, which
@@ -91,11 +95,12 @@ def per_example_jacobians(
     def single(sub: dict[str, Tensor], xi) -> Tensor:
         return _touched(forward(net, {**params, **sub}, _unsqueezed(xi)).squeeze(0), sub)
 
-    if vectorized:
-        jac = vmap(jacrev(single), in_dims=(None, 0))(chosen, x)
-    else:
-        each = [jacrev(single)(chosen, _row(x, i)) for i in range(_num_rows(x))]
-        jac = {k: torch.stack([j[k] for j in each]) for k in names}
+    with exact_norms(keeps_graph(x, params)):
+        if vectorized:
+            jac = vmap(jacrev(single), in_dims=(None, 0))(chosen, x)
+        else:
+            each = [jacrev(single)(chosen, _row(x, i)) for i in range(_num_rows(x))]
+            jac = {k: torch.stack([j[k] for j in each]) for k in names}
     n = _num_rows(x)
     return {k: jac[k].reshape(n, jac[k].shape[1], -1) for k in names}
 
@@ -124,11 +129,12 @@ def per_example_vjps(
         _, pull = vjp(lambda s: _touched(forward(net, {**params, **s}, _unsqueezed(xi)).squeeze(0), s), sub)
         return vmap(pull)(ui.T)[0]
 
-    if vectorized:
-        rows = vmap(single, in_dims=(None, 0, 0))(chosen, x, cotangents)
-    else:
-        each = [single(chosen, _row(x, i), cotangents[i]) for i in range(_num_rows(x))]
-        rows = {k: torch.stack([r[k] for r in each]) for k in names}
+    with exact_norms(keeps_graph(x, params)):
+        if vectorized:
+            rows = vmap(single, in_dims=(None, 0, 0))(chosen, x, cotangents)
+        else:
+            each = [single(chosen, _row(x, i), cotangents[i]) for i in range(_num_rows(x))]
+            rows = {k: torch.stack([r[k] for r in each]) for k in names}
     n = _num_rows(x)
     return torch.cat([rows[k].reshape(n, cotangents.shape[-1], -1) for k in names], dim=-1)
 
@@ -138,8 +144,9 @@ def vjp_columns(net: nn.Module, params: dict[str, Tensor], x, names: Sequence[st
     r""":math:`J(X)^\top V` of the parameters ``names`` for cotangent columns ``v`` ``(n, C, k)``: one forward and
     ``k`` backward passes of the batch, ``{name: (*shape, k)}`` (an unused parameter's entries are zero)."""
     sub = {k: params[k] for k in names}
-    _, pull = vjp(lambda s: _touched(forward(net, {**params, **s}, x), s), sub)
-    grads = vmap(pull, in_dims=-1, out_dims=0)(v)[0]
+    with exact_norms(keeps_graph(x, params)):
+        _, pull = vjp(lambda s: _touched(forward(net, {**params, **s}, x), s), sub)
+        grads = vmap(pull, in_dims=-1, out_dims=0)(v)[0]
     return {k: g.movedim(0, -1) for k, g in grads.items()}
 
 
@@ -157,18 +164,19 @@ def jvp_columns(net: nn.Module, params: dict[str, Tensor], x, tangents: dict[str
     def f(s: dict[str, Tensor]) -> Tensor:
         return forward(net, {**params, **s}, x)
 
-    if forward_mode:
-        def push(tangent: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
-            return jvp(f, (primals,), (tangent,))
+    with exact_norms(keeps_graph(x, params)):
+        if forward_mode:
+            def push(tangent: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+                return jvp(f, (primals,), (tangent,))
 
-        with FORWARD_AD_LOCK:  # torch's forward-AD levels are process-wide: one forward-mode pass at a time
-            outs, pushed = vmap(push)(tangents)
-        return outs[0], pushed
-    out, pull = vjp(lambda s: _touched(f(s), s), primals)
+            with FORWARD_AD_LOCK:  # torch's forward-AD levels are process-wide: one forward-mode pass at a time
+                outs, pushed = vmap(push)(tangents)
+            return outs[0], pushed
+        out, pull = vjp(lambda s: _touched(f(s), s), primals)
 
-    def transposed(v: Tensor) -> dict[str, Tensor]:
-        return pull(v)[0]
+        def transposed(v: Tensor) -> dict[str, Tensor]:
+            return pull(v)[0]
 
-    _, pull2 = vjp(transposed, torch.zeros_like(out))
-    pushed = vmap(lambda t: pull2(t)[0])(tangents)
-    return out, pushed
+        _, pull2 = vjp(transposed, torch.zeros_like(out))
+        pushed = vmap(lambda t: pull2(t)[0])(tangents)
+        return out, pushed
