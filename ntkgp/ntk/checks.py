@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.dropout import _DropoutNd
+from torch.nn.modules.instancenorm import _InstanceNorm
 
 from .inputs import Inputs, check_structure, describe, detach, is_integer, is_structured, rows
 from .inputs import to as to_network
@@ -37,6 +38,12 @@ def check_eval_mode(
             )
         if not module.training:
             continue
+        if isinstance(module, _InstanceNorm) and module.track_running_stats:
+            raise ValueError(
+                f"{argument} contains {type(module).__name__} module '{name or type(net).__name__}' in training mode "
+                "with track_running_stats=True: every forward pass would update its running statistics (the "
+                f"network's buffers). Call {argument}.eval() before building an ntkgp object."
+            )
         if isinstance(module, _BatchNorm) or (isinstance(module, _DropoutNd) and module.p > 0):
             kind = type(module).__name__
             raise ValueError(

@@ -141,6 +141,22 @@ def test_batchnorm_without_running_statistics_is_rejected_in_eval_mode(norm):
         NTKKernel(net)
 
 
+def test_instance_norm_tracking_running_statistics_in_training_mode_is_refused_before_any_update():
+    """InstanceNorm normalizes each example by its own statistics (a function of one input), but in training mode
+    with ``track_running_stats=True`` every forward pass updates its running buffers: the user's network would be
+    modified, so it is refused (and accepted in eval mode, or without running statistics)."""
+    from ntkgp import NTKKernel
+
+    net = nn.Sequential(nn.Conv2d(1, 2, 3), nn.InstanceNorm2d(2, track_running_stats=True), nn.Flatten(),
+                        nn.Linear(18, 1)).double()
+    before = net[1].running_mean.clone()
+    with pytest.raises(ValueError, match="InstanceNorm2d module '1' in training mode with track_running_stats"):
+        NTKKernel(net)
+    assert torch.equal(net[1].running_mean, before) and net[1].num_batches_tracked.item() == 0
+    NTKKernel(net.eval())
+    NTKKernel(nn.Sequential(nn.Conv2d(1, 2, 3), nn.InstanceNorm2d(2), nn.Flatten(), nn.Linear(18, 1)).double())
+
+
 def test_fingerprint_is_exact_and_does_not_depend_on_threads():
     """The frozen parameters' key: integer sums of the bit patterns, the same for any number of threads (a float
     sum is not), and changed by a change of one entry by one ulp."""
