@@ -433,3 +433,45 @@ def test_bad_options_are_refused_before_any_run(tiny, tmp_path, args, message, m
         script.main()
     assert exit_.value.code == 2 and message in capsys.readouterr().err
     assert not list(tmp_path.glob("*.json"))
+
+
+def test_sfr_build_in_shards_resumes_and_equals_one_build(tmp_path, monkeypatch):
+    """``_sfr_stages.build_sfr``: statistics by shards (constructor + ``update``), the model saved after each, an
+    interrupted build resumed from its checkpoint — against one ``SFR`` on all the data with the same ``Z``."""
+    import types
+
+    import ntkgp
+
+    stages = _load("_sfr_stages")
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 10)).double().eval()
+    x, y, x_test = torch.randn(90, 6, dtype=torch.float64), torch.randint(0, 10, (90,)), torch.randn(7, 6, dtype=torch.float64)
+    args = types.SimpleNamespace(build_shards=3, chunk_size=8,
+                                 sfr_configuration={"prior_mean": "zero", "output_coupling": "independent"})
+    data = {"train": (x, y)}
+    checkpoint = tmp_path / "sfr.pt"
+    original, calls = ntkgp.SFR.update, []
+
+    def interrupted(self, *a, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # the second shard's update: the first one's state is on disk
+        return original(self, *a, **kw)
+
+    monkeypatch.setattr(ntkgp.SFR, "update", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        stages.build_sfr(net, data, 12, 2.0, 0, args, checkpoint)
+    monkeypatch.setattr(ntkgp.SFR, "update", original)
+    assert torch.load(checkpoint)["done"] == 2
+    resumed, info = stages.build_sfr(net, data, 12, 2.0, 0, args, checkpoint)
+    assert info["build_runs_resumed"] and torch.load(checkpoint)["done"] == 3
+    z = x[torch.randperm(90, generator=torch.Generator().manual_seed(0))[:12]]
+    whole = ntkgp.SFR(net, x, y, ntkgp.likelihoods.SoftmaxLikelihood(num_classes=10), inducing_points=z,
+                      prior_precision=2.0, prior_structure="network", prior_mean="zero",
+                      output_coupling="independent").eval()
+    with torch.no_grad():
+        a, b = resumed(x_test), whole(x_test)
+    # the same sums in another order (float64): rounding amplified by κ(K_ZZ + B) of this tiny problem
+    torch.testing.assert_close(a.mean, b.mean, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(a.variance, b.variance, rtol=1e-9, atol=1e-9)
+    assert resumed.num_data == 90

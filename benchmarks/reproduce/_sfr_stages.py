@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import resource
 import time
+from pathlib import Path
 
 import torch
 from gpytorch.distributions import MultitaskMultivariateNormal
@@ -19,7 +20,7 @@ import _common
 import _images
 import ntkgp
 from ntkgp.metrics import expected_calibration_error, ood_auroc, predictive_entropy
-from ntkgp.models import SFRInducingOptions, SFRMemoryOptions
+from ntkgp.models import SFRMemoryOptions
 
 #: δ modes: the training δ, the evidence's, the validation NLPD's (the paper's "δ tuned")
 MODES = ("train", "evidence", "validation")
@@ -110,16 +111,45 @@ def sfr_stages(sfr, net, data: dict, modes, delta_train: float, args) -> dict[st
     return results
 
 
-def build_sfr(net, data: dict, m: int, delta_train: float, seed: int, args):
+def build_sfr(net, data: dict, m: int, delta_train: float, seed: int, args, checkpoint: Path | None = None):
+    """SFR on all training images, resumable: ``Z`` a seeded uniform subset of them, the statistics of the first
+    of ``args.build_shards`` shards by the constructor and the others added by ``SFR.update(iterate=False)`` (the
+    same sums: equal to one build on the union to rounding, docs/sfr.md "Updates"), the model's ``state_dict``
+    saved to ``checkpoint`` after each shard. A run that finds the checkpoint builds on two images, loads the
+    saved statistics and goes on at the next shard (``build_seconds`` sums the runs)."""
     start = time.perf_counter()
     x, y = data["train"]
-    sfr = ntkgp.SFR(net, x, y, ntkgp.likelihoods.SoftmaxLikelihood(num_classes=10).to(x.device), num_inducing=m,
-                    prior_precision=delta_train, prior_structure="network",
-                    inducing=SFRInducingOptions(seed=seed),
-                    memory=SFRMemoryOptions(chunk_size=args.chunk_size),
-                    **args.sfr_configuration)
+    z = x[torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))[:m]]
+    bounds = torch.linspace(0, len(x), args.build_shards + 1).round().long().tolist()
+
+    def model(xs, ys):
+        return ntkgp.SFR(net, xs, ys, ntkgp.likelihoods.SoftmaxLikelihood(num_classes=10).to(x.device),
+                         inducing_points=z, prior_precision=delta_train, prior_structure="network",
+                         memory=SFRMemoryOptions(chunk_size=args.chunk_size), **args.sfr_configuration)
+
+    saved = torch.load(checkpoint, map_location=x.device) if checkpoint is not None and checkpoint.is_file() else None
+    if saved is None or saved["shards"] != args.build_shards:
+        done, earlier = 1, 0.0
+        sfr = model(x[: bounds[1]], y[: bounds[1]])
+    else:
+        done, earlier = saved["done"], saved["seconds"]
+        sfr = model(x[:2], y[:2])
+        sfr.load_state_dict(saved["state"])
+        print(f"SFR M = {m}: resumed at shard {done + 1} of {args.build_shards} ({earlier:.0f} s before)", flush=True)
+    for k in range(done, args.build_shards):
+        if checkpoint is not None:
+            torch.save({"done": k, "shards": args.build_shards, "seconds": earlier + time.perf_counter() - start,
+                        "state": sfr.state_dict()}, checkpoint)
+        sfr.update(x[bounds[k] : bounds[k + 1]], y[bounds[k] : bounds[k + 1]], iterate=False)
+        print(f"SFR M = {m}: shard {k + 1} of {args.build_shards} done, "
+              f"{earlier + time.perf_counter() - start:.0f} s", flush=True)
+    if checkpoint is not None:
+        torch.save({"done": args.build_shards, "shards": args.build_shards,
+                    "seconds": earlier + time.perf_counter() - start, "state": sfr.state_dict()}, checkpoint)
+    sfr.eval()
     rank = sfr.inducing_rank.reshape(-1)
-    return sfr, {"build_seconds": time.perf_counter() - start, "inducing_rank": [int(rank.min()), int(rank.max())],
+    return sfr, {"build_seconds": earlier + time.perf_counter() - start, "build_runs_resumed": saved is not None,
+                 "build_shards": args.build_shards, "inducing_rank": [int(rank.min()), int(rank.max())],
                  "peak_memory_mb_after_build": peak_memory_mb()}
 
 

@@ -130,7 +130,9 @@ class Stages:
                     self._built[(method, m)] = (lambda mode_: stages.glm_stage(posterior, curvature, lik, d, mode_,
                                                                                delta, self.args), info)
                 else:  # every δ mode still missing at once: one prediction pass over the test and OOD images
-                    sfr, info = stages.build_sfr(net, d, m, delta, self.trained["seed"], self.args)
+                    checkpoint = Path(self.args.out) / "checkpoints" / f"{self.key(method, m, None)}.pt"
+                    checkpoint.parent.mkdir(exist_ok=True)
+                    sfr, info = stages.build_sfr(net, d, m, delta, self.trained["seed"], self.args, checkpoint)
                     missing = [mo for mo in self.args.modes if self.store.load(self.key(method, m, mo)) is None]
                     results = stages.sfr_stages(sfr, net, d, missing, delta, self.args)
                     self._built[(method, m)] = (results.__getitem__, info)
@@ -200,10 +202,15 @@ def main() -> None:
     p.add_argument("--evidence-steps", type=int, default=30, help="Adam steps on log δ after the evidence's grid")
     p.add_argument("--tune-images", type=int, default=None, help="validation images for the validation-NLPD "
                    "tuning (default: all of the validation half, the paper's)")
+    p.add_argument("--build-shards", type=int, default=12, help="SFR's statistics in this many shards of the "
+                   "training images, the model saved after each (out/checkpoints/, not in git): an interrupted build "
+                   "resumes at the next shard")
     p.add_argument("--n-ood", type=int, default=None, help="a seeded subset of MNIST's 10,000 test images")
     p.add_argument("--chunk-size", type=int, default=64, help="images per Jacobian chunk of the NTK engine and per "
                    "prediction chunk (memory: about chunk · C · P numbers; 64 · 10 · 892,010 floats = 2.3 GB)")
     args = _images.parse(p)
+    if args.build_shards < 1:
+        p.error(f"--build-shards must be a positive integer, got {args.build_shards}")
     for name in ("tune_images", "n_ood"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
