@@ -16,7 +16,10 @@ The protocol is the one of the paper's public experiments (``experiments/sl`` of
 * SFR as their code builds it: one prior precision, zero prior mean, one independent GP per class
   (``prior_mean="zero"``, ``output_coupling="independent"``; ``--configuration ntkgp`` for ntkgp's defaults),
   inducing inputs a random subset of the training images; class probabilities by the probit approximation (their
-  code samples the logits). SFR-NN: the network's output as the mean with SFR's covariance;
+  code samples the logits). SFR-NN: the network's output as the mean with SFR's covariance. The statistics are
+  summed in ``--build-shards`` shards (the constructor, then ``SFR.update(iterate=False)``: the same sums), the
+  model saved after each under ``results/sfr_images/checkpoints/`` (not kept in git), so that a build of several
+  hours resumes at its next shard; every δ mode's predictions come from one pass (``SFR.predictive_grid``);
 * the KFAC Laplace GLM: ``ntkgp.laplace.laplace_posterior(structure="kfac")``, one δ, the probit GLM predictive;
 * δ tuned: by the evidence (SFR's sparse bound, the GLM's KFAC Laplace evidence: the best of δ_train ·
   10^{-3, -2.5, …, 3}, then Adam on log δ), and by the validation NLPD on the validation half, the best of
