@@ -45,9 +45,9 @@ from ntkgp.laplace.weight_space import DiagLaplace, KFACLaplace, compute_curvatu
 from ntkgp.likelihoods import SoftmaxLikelihood
 from route_bounds import (MIN_SECONDS, ROUND_LIMIT, alternating_steps, bare_full_build, bare_full_step, bare_kfac_build,
                           bare_low_rank_step, bare_structured_step, floor_step, per_step, quiet_collector, warm_torch)
-from ntkgp.laplace.weight_space.layer_ggn import layer_ggn_layers
-from ntkgp.laplace.weight_space.low_rank_groups import low_rank_cheaper
-from ntkgp.laplace.weight_space.scaling import unit_root_columns
+from ntkgp.laplace.ggn.layer_ggn import layer_ggn_layers
+from ntkgp.laplace.ggn.low_rank_groups import low_rank_cheaper
+from ntkgp.laplace.ggn.scaling import unit_root_columns
 
 TEST_POINTS = 1000
 
@@ -143,7 +143,7 @@ def ntkgp_likelihood(task: str, c: int):
 
 def block_shapes(model, x, k: int) -> list[tuple[int, int]] | None:
     """``(d_a, d_out)`` of the layers whose blocks form ntkgp's weight-space GGN for this row, or ``None`` where it
-    takes the Jacobian's rows (ntkgp's own rule, :func:`~ntkgp.laplace.weight_space.layer_ggn.layer_ggn_layers`)."""
+    takes the Jacobian's rows (ntkgp's own rule, :func:`~ntkgp.laplace.ggn.layer_ggn.layer_ggn_layers`)."""
     engine = model.covar_module.engine
     xp = engine.prepare(x)
     layers = layer_ggn_layers(engine.core, engine.plan(xp), k, False, False)

@@ -1,4 +1,4 @@
-"""Where the low-rank route of the several-δ weight-space evidence (ntkgp/laplace/weight_space/low_rank_groups.py)
+"""Where the low-rank route of the several-δ weight-space evidence (ntkgp/laplace/ggn/low_rank_groups.py)
 becomes cheaper than the Cholesky route (exact_log_det.scaled_log_det), and what its decomposition costs.
 
 For P columns, one group of P_b = f·P columns and the other k = P − P_b split into three groups, a random positive
@@ -15,8 +15,8 @@ import time
 
 import torch
 
-from ntkgp.laplace.weight_space.exact_log_det import scaled_log_det
-from ntkgp.laplace.weight_space.low_rank_groups import GroupSchur, low_rank_cheaper
+from ntkgp.laplace.ggn.exact_log_det import scaled_log_det
+from ntkgp.laplace.ggn.low_rank_groups import GroupSchur, low_rank_cheaper
 
 
 def cpu(fn, repeats: int = 3) -> float:

@@ -177,7 +177,7 @@ def bare_full_step(size: int, num_groups: int, one_delta: bool, function_space: 
 
 def bare_low_rank_step(sizes: list[int], regression: bool, steps: int, floor: float) -> float:
     """The several-δ weight-space step when one group holds most parameters (the Schur route of
-    ``ntkgp.laplace.weight_space.low_rank_groups``), bare: for ``k = P − P_b`` the ``P_b × k`` weighted product
+    ``ntkgp.laplace.ggn.low_rank_groups``), bare: for ``k = P − P_b`` the ``P_b × k`` weighted product
     into a ``k × k`` matrix, its Cholesky factorization and triangular inverse, the ``P_b × k`` product of the
     gradient (and for regression the inverse's inner product), plus the floor."""
     large, k = max(sizes), sum(sizes) - max(sizes)

@@ -67,7 +67,7 @@ SFR_STEP_BYTES = 2**24 * 8
 #: The Gram of SFR's inducing-point pool, per row block ``rows · G · C · P`` numbers.
 INDUCING_POOL_BYTES = 2**25 * 8
 #: The least the dense layer-block GGN's temporaries may take (their budget is a quarter of the ``P²`` result,
-#: :mod:`ntkgp.laplace.weight_space.layer_ggn`): ``chunk · (rows + columns)`` numbers of a block pair.
+#: :mod:`ntkgp.laplace.ggn.layer_ggn`): ``chunk · (rows + columns)`` numbers of a block pair.
 LAYER_GGN_MIN_BYTES = 2**20 * 8
 #: The last-layer curvature's weighted feature outer products, ``rows · K · d`` numbers.
 LAST_LAYER_CHUNK_BYTES = 2**22 * 8

@@ -1,8 +1,10 @@
 r"""Progress of the long passes over the data: a bar on a terminal, a one-line estimate otherwise.
 
 Every long pass takes a ``progress`` argument or option — the curvature passes of KFAC, the diagonal and the full GGN
-and the last-layer feature pass; the NTK's chunk passes (Grams, diagonals, features: ``NTKKernel``, ``NTKGP``,
-``NTKEngine``); SFR's pass over the training data; the epochs of ``train_fsvi`` and ``train_marglik``:
+and the last-layer feature pass; the function-space curvature's Gram; the NTK's chunk passes (Grams, diagonals,
+features: ``NTKKernel``, ``NTKGP``, ``NTKEngine``); SFR's passes (its inducing inputs' features, :math:`K_{ZZ}` and
+:math:`J(Z)`, the training data, the test points); the epochs of ``train_fsvi`` and ``train_marglik``
+(docs/networks.md, "Long passes", lists them with their names):
 
 - ``None`` (the default of the user-facing classes and functions, "auto"): a tqdm bar when standard error is a
   terminal, shown once the pass has run :data:`BAR_DELAY_SECONDS` (a short pass leaves no trace); otherwise, once the
@@ -15,7 +17,10 @@ and the last-layer feature pass; the NTK's chunk passes (Grams, diagonals, featu
 The estimate is :math:`t_k \cdot B / k` after :math:`k` of :math:`B` units (batches, chunks, points, epochs) taking
 :math:`t_k` seconds (the first update, which checks the network and fills caches, is excluded when more than one has
 run). :class:`Progress` is the one implementation: :func:`progress_bar` wraps an iterable in it, and a pass that
-advances by uneven steps (SFR's points) updates it by hand.
+advances by uneven steps (SFR's points) updates it by hand. The chunk passes of a
+:class:`~ntkgp.ntk.NetworkCore` follow its own ``progress``; a model or function that runs a pass on an engine whose
+passes are otherwise silent (SFR's inducing inputs' features and :math:`K_{ZZ}`, the function-space curvature's
+Gram) names it and gives it its own option for the duration of the pass (:func:`reporting`).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import logging
 import sys
 import time
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import TypeVar
 
 from tqdm.auto import tqdm
@@ -180,10 +186,42 @@ def progress_bar(
             bar.update(1)
 
 
+@contextmanager
+def reporting(core, progress: bool | None, name: str) -> Iterator[None]:
+    """Within the block, the chunk passes of ``core`` (a :class:`~ntkgp.ntk.NetworkCore`, e.g. ``engine.core``)
+    show their progress as ``progress`` asks, whatever the core's own ``progress``, and are called
+    ``"name (pass)"`` (e.g. ``"SFR K_ZZ (Gram)"``); the core's own setting is restored after. For a model's or a
+    function's pass run on an engine whose other passes stay silent (the engine is used by one call at a time).
+
+    Raises:
+        TypeError: ``progress`` is not ``True``, ``False`` or ``None``.
+
+    Example:
+        >>> import torch
+        >>> from ntkgp.ntk import NTKEngine
+        >>> from ntkgp.progress import reporting
+        >>> engine = NTKEngine(torch.nn.Linear(3, 2), chunk_size=2)
+        >>> with reporting(engine.core, False, "example"):
+        ...     grams = engine.group_grams(torch.randn(5, 3))
+        >>> engine.core.progress
+        False
+    """
+    check_progress(progress)
+    saved = core.progress, getattr(core, "pass_name", None)
+    core.progress, core.pass_name = progress, name
+    try:
+        yield
+    finally:
+        core.progress, core.pass_name = saved
+
+
 def _plural(unit: str) -> str:
     if unit == "batch":
         return "batches"
     return unit + ("es" if unit.endswith(("sh", "s", "x")) else "s")
 
 
-__all__ = ["BAR_DELAY_SECONDS", "LOG_AFTER_SECONDS", "Progress", "check_progress", "format_seconds", "progress_bar"]
+__all__ = [
+    "BAR_DELAY_SECONDS", "LOG_AFTER_SECONDS", "Progress", "check_progress", "format_seconds", "progress_bar",
+    "reporting",
+]

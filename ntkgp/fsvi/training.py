@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from ..likelihoods import num_outputs, validate_targets
 from ..option_groups import accepts_flat_keywords, check_group
 from ..options import ContextKind, choose
-from ..progress import Progress, check_progress
+from ..progress import Progress, check_progress, progress_bar
 from ..validation import positive_int, real_number
 from . import context as contexts
 from .inputs import structured_training
@@ -55,8 +55,11 @@ def _loader_inputs(batches: Batches, max_values: int) -> Tensor:
 
 
 def _build_context(
-    context: object, batches: Batches, x_first: Tensor, input_shape: tuple[int, ...] | None, generator: torch.Generator
+    context: object, batches: Batches, x_first: Tensor, input_shape: tuple[int, ...] | None, generator: torch.Generator,
+    progress: bool | None = False,
 ) -> contexts.ContextDistribution:
+    """The context distribution ``context`` asks for; ``"uniform"`` reads every batch for the box's bounds, with the
+    progress ``progress`` asks (``"FSVI context bounds"``, batches: :mod:`ntkgp.progress`)."""
     if isinstance(context, contexts.ContextDistribution):
         return context
     if isinstance(context, Tensor):
@@ -85,7 +88,7 @@ def _build_context(
             )
         return contexts.MonochromeContext.from_data(_loader_inputs(batches, 2**20), image_shape, generator=generator)
     lower, upper = x_first.min(0).values, x_first.max(0).values
-    for x, _ in batches:
+    for x, _ in progress_bar(batches, None, "FSVI context bounds", progress, unit="batch"):
         lower, upper = torch.minimum(lower, x.min(0).values), torch.maximum(upper, x.max(0).values)
     return contexts.UniformBoxContext(lower, upper)
 
@@ -162,7 +165,9 @@ def train_fsvi(
             ``context_batch_fraction``, ``learn_likelihood``, ``seed``; ``None``: its defaults); its fields as flat
             keywords likewise.
         progress: over the epochs: ``None`` (auto: a bar on a terminal, else one line with a long training's
-            estimated time), ``True`` (a bar) or ``False`` (silent): :mod:`ntkgp.progress`.
+            estimated time), ``True`` (a bar) or ``False`` (silent): :mod:`ntkgp.progress`; a loader's reads before
+            training too (``"FSVI context bounds"`` for ``context="uniform"``, ``"FSVI counting train_x"`` without
+            ``num_data`` or a ``dataset``).
 
     Returns:
         :class:`FSVIResult` with the trained model and the per-epoch history.
@@ -261,7 +266,8 @@ def train_fsvi(
         x_first = first[0]
         if num_data is None:
             dataset = getattr(train_x, "dataset", None)
-            num_data = len(dataset) if dataset is not None else sum(int(x.shape[0]) for x, _ in batches)
+            counting = progress_bar(batches, None, "FSVI counting train_x", progress, unit="batch")
+            num_data = len(dataset) if dataset is not None else sum(int(x.shape[0]) for x, _ in counting)
     if input_shape is None and x_first.dim() > 2:
         input_shape = tuple(x_first.shape[1:])
         model.linearized.input_shape = input_shape
@@ -271,7 +277,8 @@ def train_fsvi(
     if c != expected:
         raise ValueError(f"net has {c} outputs but the likelihood {type(likelihood).__name__} expects {expected}")
     data = [(train_x, None)] if isinstance(train_x, Tensor) else batches
-    sampler = _build_context(context, data, x_first, input_shape, generator)
+    sampler = _build_context(context, data, x_first, input_shape, generator,
+                             False if isinstance(train_x, Tensor) else progress)  # a tensor: one step, no pass
     if context_batch_fraction > 0:
         sampler = contexts.BatchMixedContext(sampler, context_batch_fraction)
     # one context point must fit the network too, drawn from a copy of the generator and with the global random

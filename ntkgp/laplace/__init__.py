@@ -10,8 +10,11 @@ log marginal likelihood have two exact representations (``docs/math.md``):
 * :mod:`ntkgp.laplace.weight_space` — through :math:`H` (``P × P``) or its KFAC / diagonal approximations:
   :func:`compute_curvature`, the posteriors of :func:`laplace_posterior` and the estimators of :func:`predict`.
 
-Both spaces evaluate an evidence whose spectrum is known (KFAC, the diagonal, the full GGN with one δ) through one
-node of the graph, :mod:`ntkgp.laplace.spectral_evidence`.
+Both stand on :mod:`ntkgp.laplace.ggn` (the likelihood's unit factors, the data pass, the curvature base class and
+the exact full GGN / EF in either space, :func:`~ntkgp.laplace.weight_space.exact_curvature`) and never import each
+other; which space an exact computation takes is decided in one place, :mod:`ntkgp.laplace.ggn.space`. Both evaluate
+an evidence whose spectrum is known (KFAC, the diagonal, the full GGN with one δ) through one node of the graph,
+:mod:`ntkgp.laplace.spectral_evidence`.
 
 The GPyTorch-role packages (:mod:`ntkgp.kernels`, :mod:`ntkgp.means`, :mod:`ntkgp.mlls`, :mod:`ntkgp.models`)
 are thin adapters over these two.

@@ -8,7 +8,7 @@ or of :math:`L_0^\top K_1 L_0`, :mod:`~ntkgp.laplace.function_space.eigen`). Her
 :math:`2` for the empirical Fisher, :math:`s_k = 1/v_k` the output scale of the variances :math:`v` the likelihood
 holds (the noises :math:`\sigma_k^2`, or the temperature :math:`T`; only :math:`s_0` scales the curvature, every
 :math:`s_k` the data term :math:`\sum_k \alpha_k + \beta_k \log s_k + \gamma_k s_k`,
-:func:`~ntkgp.laplace.weight_space.scaling.data_fit_statistics`). With :math:`z_p = s_0^q u_p / \delta_{g(p)} \ge 0`,
+:func:`~ntkgp.laplace.ggn.scaling.data_fit_statistics`). With :math:`z_p = s_0^q u_p / \delta_{g(p)} \ge 0`,
 
 .. math::
     \log q(\mathcal D) = \sum_k (\alpha_k + \beta_k \log s_k + \gamma_k s_k) - \tfrac12 \sum_g \delta_g

@@ -302,10 +302,12 @@ class NetworkCore:
 
     def chunks(self, n: int, desc: str) -> Iterator[tuple[int, int]]:
         """``(start, stop)`` of the chunks of ``chunk_size`` examples among ``n``, with the progress
-        :attr:`progress` asks (:func:`~ntkgp.progress.progress_bar`; nothing for a single chunk)."""
+        :attr:`progress` asks (:func:`~ntkgp.progress.progress_bar`; nothing for a single chunk), called ``desc``
+        (or ``"name (desc)"`` within :func:`~ntkgp.progress.reporting`)."""
         starts = range(0, n, self.chunk_size)
         progress = self.progress if len(starts) > 1 else False
-        for s in progress_bar(starts, len(starts), desc, progress, "chunk"):
+        name = getattr(self, "pass_name", None)  # set by ntkgp.progress.reporting
+        for s in progress_bar(starts, len(starts), f"{name} ({desc})" if name else desc, progress, "chunk"):
             yield s, min(s + self.chunk_size, n)
 
     # ------------------------------------------------------------------ derivatives

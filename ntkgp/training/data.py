@@ -15,12 +15,13 @@ import torch
 from gpytorch.likelihoods import Likelihood
 from torch import Tensor, nn
 
-from ..distributed import all_gather_rows, all_reduce_max, all_reduce_sum, together
+from ..distributed import all_gather_rows, all_reduce_max, all_reduce_sum, rank, together
 from ..kernels import NTKKernel
 from ..likelihoods import is_gaussian, num_outputs, validate_targets
 from ..models import NTKGP
 from ..ntk.inputs import is_structured
 from ..ntk.packed_inputs import structure_batches, structure_network
+from ..progress import progress_bar
 from .arguments import MarglikOptions
 
 __all__ = ["LoaderData", "TensorData", "structured_data", "training_data"]
@@ -135,6 +136,9 @@ class LoaderData:
     """A re-iterable loader of ``(x, y)`` batches (a ``DataLoader``), read once to check every batch.
 
     Attributes: as :class:`TensorData` (no ``x``, ``y``); ``steps`` is the number of batches of the check pass.
+
+    The check pass follows ``options.progress`` (``"marglik training data"``, batches: :mod:`ntkgp.progress`; its
+    estimate needs the loader's ``len``).
     """
 
     def __init__(self, net: nn.Module, loader: Iterable, likelihood: Likelihood, prior_precision: object,
@@ -145,7 +149,8 @@ class LoaderData:
         self.loader, self.likelihood, self.distributed = loader, likelihood, options.distributed
         self.kernel: NTKKernel | None = None
         count, steps, moments = 0, 0, None
-        for pair in loader:
+        progress = options.progress if rank() == 0 else False  # one rank reports, as for the epochs
+        for pair in progress_bar(loader, None, "marglik training data", progress, unit="batch"):
             x, y = self._unpack(pair)
             if self.kernel is None:
                 self.kernel = self._kernel(net, x, likelihood, prior_precision, options, expected)

@@ -15,10 +15,10 @@ from linear_operator.utils.errors import NotPSDError
 from torch import Tensor, nn
 
 from ..laplace.weight_space.structures import STRUCTURE_CLASSES, compute_curvature
-from ..laplace.weight_space.full_curvature import exact_curvature, full_curvature
+from ..laplace.ggn.full_curvature import exact_curvature, full_curvature
 from ..distributed import broadcast_
 from ..kernels import NTKKernel
-from ..likelihoods import hyperparameter_values, is_gaussian, num_outputs
+from ..likelihoods import hyperparameter_values
 from .arguments import MarglikOptions
 from .data import LoaderData, TensorData
 from .safeguards import out_of_range
@@ -31,7 +31,8 @@ def build_curvature(net: nn.Module, data: TensorData | LoaderData, likelihood: L
     """The curvature of one round at the current θ*, built once; its evidence is then cheap to re-evaluate.
 
     The structure table (:data:`~ntkgp.laplace.weight_space.structures.STRUCTURE_CLASSES`) says what to build: an
-    exact structure in the cheaper space (:func:`ntkgp.laplace.weight_space.full_curvature.exact_curvature`; with
+    exact structure in the cheaper space for a round of ``hyper_steps`` steps
+    (:func:`ntkgp.laplace.ggn.full_curvature.exact_curvature`, :func:`~ntkgp.laplace.ggn.space.exact_space`; with
     ``distributed``, weight space summed over the ranks), the scalable ones through ``compute_curvature`` (a
     loader's batches streamed)."""
     engine = data.kernel.engine
@@ -44,30 +45,14 @@ def build_curvature(net: nn.Module, data: TensorData | LoaderData, likelihood: L
             return full_curvature(net, x, y, likelihood, kind, options.prior_structure, batch_size, False,
                                   engine.input_shape, True, spectral)
         x, y = data.curvature_data(stream=False)
+        # the rounds' passes are silent; a round of few steps takes the space of the cheaper build
         return exact_curvature(net, x, y, likelihood, kind, options.prior_structure, batch_size, engine.input_shape,
-                               spectral, space=round_space(options, likelihood, engine.num_params, len(x), kind),
-                               engine=engine, validated=True)
+                               spectral, engine=engine, validated=True, progress=False,
+                               steps=options.schedule.hyper_steps)
     x, y = data.curvature_data(stream=True)
     return compute_curvature(net, x, y, likelihood, structure=structure.value, prior_structure=options.prior_structure,
                              batch_size=batch_size, progress=False, input_shape=engine.input_shape,
                              distributed=options.distributed)
-
-
-#: Fewer Adam steps per round than this and the round's cost is its build: the space is chosen by the builds.
-STEPS_FOR_THE_STEP_RULE = 10
-
-
-def round_space(options: MarglikOptions, likelihood: Likelihood, num_params: int, num_data: int, kind: str) -> str:
-    r"""The space of a round's exact curvature. :func:`~ntkgp.options.choose_space` is measured for many steps on
-    one build; a round of few steps (``hyper_steps < STEPS_FOR_THE_STEP_RULE``, Algorithm 1 at F = K = 1 builds
-    one curvature per step) costs its build, :math:`(Nk)^2 P` operations in function space against
-    :math:`N k P^2` in weight space, so it takes function space while :math:`N k \le P`."""
-    c = num_outputs(likelihood)
-    rows = num_data * (1 if kind == "ef" else c)
-    weight_only = kind == "ef" and is_gaussian(likelihood) and c > 1
-    if options.schedule.hyper_steps < STEPS_FOR_THE_STEP_RULE and rows <= num_params and not weight_only:
-        return "function"
-    return "auto"
 
 
 def _clone(tensors: list[Tensor]) -> list[Tensor]:

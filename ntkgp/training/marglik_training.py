@@ -80,7 +80,7 @@ def train_marglik(
 
     **Cost.** Every round builds the curvature **once** at the current :math:`\theta^*` and every
     hyperparameter step re-evaluates the evidence from it. The full structures are exact
-    (:func:`ntkgp.laplace.weight_space.full_curvature.exact_curvature`): in function space, the per-group NTK Grams of the
+    (:func:`ntkgp.laplace.ggn.full_curvature.exact_curvature`): in function space, the per-group NTK Grams of the
     structured route and one :math:`R \times R` Cholesky factorization per step (:math:`R = NC` for the GGN,
     :math:`N` for the EF), when :math:`R < P`; in weight space, the :math:`P \times P` components and one
     :math:`P \times P` factorization per step otherwise. With a single prior precision (``prior_structure=
@@ -143,7 +143,7 @@ def train_marglik(
             are first broadcast from rank 0; each MAP step sums the gradients of every rank's batch
             (``batch_size`` is per rank; the ranks take the same number of steps per epoch, a rank that runs
             out of batches contributing nothing); the evidence's sums over the data are all-reduced (the full
-            structures in weight space, :func:`ntkgp.laplace.weight_space.full_curvature.full_curvature`); every rank ends with the
+            structures in weight space, :func:`ntkgp.laplace.ggn.full_curvature.full_curvature`); every rank ends with the
             same weights and hyperparameters, those of one process on all the data for ``batch_size=None``
             (docs/scaling.md, "Several processes and GPUs").
         output: for a network returning a dict or a tuple, the key or index of the output to train and use

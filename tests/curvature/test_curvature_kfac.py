@@ -11,7 +11,7 @@ from torch import nn
 from ntkgp.laplace.weight_space import KroneckerGGN, compute_curvature
 from ntkgp.likelihoods import LogisticLikelihood, SoftmaxLikelihood, hessian
 from ntkgp.ntk import resolve_groups
-from ntkgp.laplace.weight_space.data_pass import DataPass
+from ntkgp.laplace.ggn.data_pass import DataPass
 from tests.helpers import assert_unchanged, brute_jacobian, mlp, reference_log_prob, reference_terms, rel_err, small_cnn, snapshot
 
 

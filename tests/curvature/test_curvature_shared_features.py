@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ntkgp.laplace.weight_space import KroneckerGGN, compute_curvature
-from ntkgp.laplace.weight_space.data_pass import DataPass
+from ntkgp.laplace.ggn.data_pass import DataPass
 from ntkgp.laplace.weight_space.layers import structured_layers, usable_layers
 from ntkgp.likelihoods import SoftmaxLikelihood, gradient, hessian
 from ntkgp.ntk import NTKEngine, resolve_groups
@@ -236,7 +236,7 @@ def test_tensor_data_is_validated_once_and_its_batches_equal_a_loaders():
     torch.manual_seed(2)
     x, y = torch.randn(9, 3, dtype=torch.float64).float().double(), torch.randint(0, 3, (9,))
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
-    from ntkgp.laplace.weight_space import data_pass
+    from ntkgp.laplace.ggn import data_pass
 
     results = []
     for data, targets, calls in ((x, y, 1), (loader, None, 3), (x.float(), y, 1)):

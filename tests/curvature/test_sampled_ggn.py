@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from ntkgp.laplace import compute_curvature, PassOptions
-from ntkgp.laplace.weight_space.sampled_ggn import sampled_root_variance, sampled_unit_hessian_root
+from ntkgp.laplace.ggn.sampled_ggn import sampled_root_variance, sampled_unit_hessian_root
 from ntkgp.likelihoods import SoftmaxLikelihood
 from tests.helpers import EPS32
 

@@ -12,7 +12,7 @@ import torch
 
 import ntkgp
 from ntkgp.likelihoods import SoftmaxLikelihood
-from ntkgp.laplace.weight_space.full_curvature import full_curvature
+from ntkgp.laplace.ggn.full_curvature import full_curvature
 from tests.helpers import brute_jacobian, mlp
 
 

@@ -1,4 +1,4 @@
-"""The log-determinant of the exact evidence (weight_space/exact_log_det.py) at sizes past the blocks of the
+"""The log-determinant of the exact evidence (ggn/exact_log_det.py) at sizes past the blocks of the
 triangular inverse (ntkgp.linalg.triangular_inverse): value against torch.logdet of the dense matrix, gradients
 in the coefficients and the row scales against autograd through torch.logdet and against central finite
 differences; and the weight-space evidence of a network with P > 128 and one δ per tensor against the dense brute
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import ntkgp
-from ntkgp.laplace.weight_space.exact_log_det import scaled_log_det
+from ntkgp.laplace.ggn.exact_log_det import scaled_log_det
 from ntkgp.linalg import TRIANGULAR_BLOCK, triangular_inverse
 from tests.helpers import mlp, rel_err
 
@@ -125,7 +125,7 @@ def test_components_summed_over_many_chunks_equal_the_dense_sum(monkeypatch, kin
     ragged last one): the components against the per-example sum of outer products written here."""
     import ntkgp.linalg as linalg
     from ntkgp.laplace.weight_space import FullCurvature
-    from ntkgp.laplace.weight_space.scaling import output_scale, unit_gradient, unit_hessian_sqrt
+    from ntkgp.laplace.ggn.scaling import output_scale, unit_gradient, unit_hessian_sqrt
     from ntkgp.ntk import resolve_groups
 
     from .test_evidence_curvature import problem

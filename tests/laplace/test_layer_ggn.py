@@ -1,4 +1,4 @@
-"""The dense GGN of a network of linear layers from its layer features (weight_space/layer_ggn.py) against the dense
+"""The dense GGN of a network of linear layers from its layer features (ggn/layer_ggn.py) against the dense
 Jᵀ Λ J of torch.func.jacrev, its choice of route, and the evidence and predictive through the public API against
 the Jacobian-rows route (function_space/evidence_curvature.py)."""
 
@@ -11,8 +11,8 @@ from torch.func import functional_call, jacrev
 import ntkgp
 import ntkgp.laplace.function_space.eigen as eigen
 import ntkgp.laplace.function_space.evidence_curvature as evidence_curvature
-from ntkgp.laplace.weight_space.layer_ggn import layer_ggn, layer_ggn_components, layer_ggn_layers
-from ntkgp.laplace.weight_space.scaling import output_scale, unit_hessian_sqrt
+from ntkgp.laplace.ggn.layer_ggn import layer_ggn, layer_ggn_components, layer_ggn_layers
+from ntkgp.laplace.ggn.scaling import output_scale, unit_hessian_sqrt
 from ntkgp.likelihoods import SoftmaxLikelihood, validate_targets
 from ntkgp.ntk.network import NetworkCore
 from tests.helpers import float32_precision_error, rel_err
@@ -208,7 +208,7 @@ def test_compute_curvature_full_ggn_takes_the_blocks_batch_by_batch(kind, c, mon
     the jacrev Jᵀ Λ J, and the rows route gives the same (the route disabled)."""
     import importlib
 
-    full = importlib.import_module("ntkgp.laplace.weight_space.full_curvature")  # the module, not the function
+    full = importlib.import_module("ntkgp.laplace.ggn.full_curvature")  # the module, not the function
 
     net = net_of([3, 6, 5, c], nn.Tanh, True)
     torch.manual_seed(4)

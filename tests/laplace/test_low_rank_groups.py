@@ -1,4 +1,4 @@
-"""The low-rank route of the several-δ weight-space evidence (weight_space/low_rank_groups.py): value and gradients
+"""The low-rank route of the several-δ weight-space evidence (ggn/low_rank_groups.py): value and gradients
 in every δ_g and in the component weight against torch.logdet of the dense w·D + P0 (autograd through it, central
 finite differences), with the other precisions above and below the large group's by up to 1e8 and a rank-deficient
 D; the route taken inside NTKGP's evidence where it pays and not elsewhere, each step against the dense brute force
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import ntkgp
-import ntkgp.laplace.weight_space.low_rank_groups as low_rank_groups
-from ntkgp.laplace.weight_space.low_rank_groups import GroupSchur, low_rank_cheaper
+import ntkgp.laplace.ggn.low_rank_groups as low_rank_groups
+from ntkgp.laplace.ggn.low_rank_groups import GroupSchur, low_rank_cheaper
 from ntkgp.likelihoods import LogisticLikelihood
 from tests.helpers import EPS32, brute_jacobian, mlp, rel_err
 

@@ -1,4 +1,4 @@
-"""A softmax likelihood's site factor with C − 1 columns (ntkgp.laplace.weight_space.scaling.fewest_columns): the
+"""A softmax likelihood's site factor with C − 1 columns (ntkgp.laplace.ggn.scaling.fewest_columns): the
 evidence and the GLM predictive of NTKGP, which now factorize N·(C − 1)-square matrices, against the dense
 brute force with the full Λ (log|I + K Λ| and K − K Λ (I + K Λ)⁻¹ K from a jacrev Jacobian), in float64, and a
 float32 network against its float64 copy."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import ntkgp
-from ntkgp.laplace.weight_space.scaling import fewest_columns
+from ntkgp.laplace.ggn.scaling import fewest_columns
 from ntkgp.likelihoods import SoftmaxLikelihood, hessian, hessian_sqrt, log_likelihood
 from tests.helpers import float32_laplace_tolerances, reference_log_prob
 

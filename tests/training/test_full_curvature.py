@@ -1,4 +1,4 @@
-"""The exact full GGN / EF of ntkgp.laplace.weight_space.full_curvature (weight space, function space, spectral) against brute force:
+"""The exact full GGN / EF of ntkgp.laplace.ggn.full_curvature (weight space, function space, spectral) against brute force:
 explicit per-example Jacobians (autograd, row by row), explicit dense matrices and their log-determinants."""
 
 import math
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import ntkgp
-from ntkgp.laplace.weight_space.full_curvature import (
+from ntkgp.laplace.ggn.full_curvature import (
     FullCurvature,
     FunctionSpaceCurvature,
     exact_curvature,

@@ -223,7 +223,7 @@ def test_batch_size_none_is_the_full_batch(batch_size, steps_per_epoch):
 def test_result_posterior_is_the_structure_that_was_trained(structure):
     """result.posterior gives the weight-space posterior whose log-determinant is the training evidence's."""
     from ntkgp.laplace.weight_space import compute_curvature
-    from ntkgp.laplace.weight_space.full_curvature import full_ef
+    from ntkgp.laplace.ggn.full_curvature import full_ef
 
     data, net, lik = regression_problem()
     result = train_marglik(net, data.x_train, data.y_train, lik, structure=structure, epochs=40, lr=1e-2,

@@ -40,13 +40,14 @@ from ...caching import ValueCache
 from ...kernels import NTKKernel
 from ...likelihoods import gradient, hessian_sqrt, is_gaussian, likelihood_temperature, noise_variance
 from ...linalg import block_sandwich, gram
-from ...options import CurvatureKind, Space, choose, choose_space
+from ...options import CurvatureKind, Space, choose
 from ..spectral_evidence import Spectrum, spectral_evidence
-from ..weight_space.layer_ggn import blocks_of_root
-from ..weight_space.scaling import data_fit_statistics, fewest_columns, output_variance, unit_root_columns
+from ..ggn.layer_ggn import blocks_of_root
+from ..ggn.scaling import data_fit_statistics, fewest_columns, output_variance
+from ..ggn.space import exact_space, site_columns
 from .algebra import block_apply
 
-__all__ = ["checked_spectral_evidence", "eigen_problem", "site_scale", "spectral_data", "spectral_log_det", "spectrum"]
+__all__ = ["checked_spectral_evidence", "eigen_problem", "site_scale", "spectral_data", "spectral_log_det"]
 
 _SPECTRA: weakref.WeakKeyDictionary[NTKKernel, ValueCache] = weakref.WeakKeyDictionary()
 
@@ -101,14 +102,13 @@ def spectral_data(
     kernel: NTKKernel, likelihood: Likelihood, x: torch.Tensor, f: torch.Tensor, y: torch.Tensor,
     curvature: CurvatureKind, space: Space | str,
 ) -> tuple[torch.Tensor, torch.Tensor, Spectrum]:
-    r"""The eigenvalues :math:`\lambda` (:func:`spectrum`), the data-fit statistics ``(3, K)``
-    (:func:`~ntkgp.laplace.weight_space.scaling.data_fit_statistics`) and the :class:`~ntkgp.laplace.spectral_evidence.Spectrum`
+    r"""The eigenvalues :math:`\lambda` (:func:`spectral_log_det`), the data-fit statistics ``(3, K)``
+    (:func:`~ntkgp.laplace.ggn.scaling.data_fit_statistics`) and the :class:`~ntkgp.laplace.spectral_evidence.Spectrum`
     of the evidence node (the nonzero :math:`\lambda`, :math:`q`, :math:`\lVert\theta^*\rVert^2`): everything of the
     evidence that the hyperparameters leave fixed, computed together and cached by the values of ``x``, ``f``, ``y``
     and the network's weights and buffers (one lookup per evidence)."""
     n, c = f.shape
-    k = unit_root_columns(likelihood, c) if curvature is CurvatureKind.GGN else 1
-    space = choose_space(space, kernel.engine.num_params, n * k)
+    space = exact_space(space, kernel.engine.num_params, n * site_columns(likelihood, c, curvature))
     engine = kernel.engine
     state = engine.network_state()
     cache = _SPECTRA.get(kernel)
@@ -122,9 +122,9 @@ def spectral_data(
             base = _factor(likelihood, fixed, y, curvature) / scale  # L_0, free of hyperparameters
             if space is Space.FUNCTION:
                 matrix = block_sandwich(base, kernel.group_grams(x).sum(0).to(base), symmetric=True)
-            else:  # the GGN from the layer blocks where cheaper (weight_space.layer_ggn), else the rows' Gram
+            else:  # the GGN from the layer blocks where cheaper (ggn.layer_ggn), else the rows' Gram
                 xp = engine.prepare(x)
-                matrix = (blocks_of_root(engine.core, engine.plan(xp), xp, base)
+                matrix = (blocks_of_root(engine.core, engine.plan(xp), xp, base, engine.core.progress)
                           if curvature is CurvatureKind.GGN else None)
                 if matrix is None:
                     matrix = gram(block_apply(base, kernel.jacobian(x).to(base), transpose=True))
@@ -135,26 +135,6 @@ def spectral_data(
 
     tag = ("spectrum", curvature.value, space.value, type(likelihood).__name__)
     return cache.get_or_compute(tag, [x, f.detach(), y], compute, state=state)
-
-
-def spectrum(
-    kernel: NTKKernel,
-    likelihood: Likelihood,
-    x: torch.Tensor,
-    f: torch.Tensor,
-    y: torch.Tensor,
-    curvature: CurvatureKind | str = "ggn",
-    space: Space | str = "auto",
-) -> torch.Tensor:
-    r"""The eigenvalues :math:`\lambda_i \ge 0` of :math:`L_0^\top K_1 L_0` (function space) or of
-    :math:`J^\top L_0 L_0^\top J` (weight space), cached by the values of ``x``, ``f``, ``y`` and the
-    network's weights and buffers (the hyperparameters may change freely).
-
-    The space follows :func:`ntkgp.options.choose_space` (weight space when :math:`Nk > 0.85 P`); the
-    eigendecomposition costs :math:`O(\min(Nk, P)^3)` once.
-    """
-    curvature = choose(CurvatureKind, curvature, "curvature")
-    return spectral_data(kernel, likelihood, x, f, y, curvature, space)[0]
 
 
 def spectral_log_det(
@@ -168,6 +148,11 @@ def spectral_log_det(
 ) -> torch.Tensor:
     r""":math:`\log|I + L^\top K L| = \sum_i \log(1 + \lambda_i s^2/\delta)`, exact, differentiable in
     :math:`\delta` and in the likelihood's scale (:func:`site_scale`).
+
+    :math:`\lambda_i \ge 0` are the eigenvalues of :math:`L_0^\top K_1 L_0` (function space) or of
+    :math:`J^\top L_0 L_0^\top J` (weight space; the space by :func:`~ntkgp.laplace.ggn.space.exact_space`), cached
+    by the values of ``x``, ``f``, ``y`` and the network's weights and buffers (:func:`spectral_data`; the
+    hyperparameters may change freely): the eigendecomposition costs :math:`O(\min(Nk, P)^3)` once.
 
     Args:
         kernel: the NTK kernel with one prior-precision group.
@@ -185,7 +170,7 @@ def spectral_log_det(
     problem = eigen_problem(kernel, likelihood, x, curvature)
     if problem is not None:
         raise ValueError(f"method='eigen' does not apply: {problem}")
-    lam = spectrum(kernel, likelihood, x, f, y, curvature, space)
+    lam = spectral_data(kernel, likelihood, x, f, y, curvature, space)[0]
     rho = site_scale(likelihood, curvature).to(lam).square() / kernel.prior_precision[0].to(lam)
     return torch.log1p(lam * rho).sum()
 

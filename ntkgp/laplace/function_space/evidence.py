@@ -11,7 +11,7 @@ evidence"):
 where the last term equals :math:`\log|H| - \log|P_0|` (matrix determinant lemma). This module is the front door
 used by :meth:`ntkgp.NTKGP.log_marginal_likelihood` and :class:`ntkgp.mlls.LaplaceGGNMarginalLogLikelihood`; its
 dense route at the kernel's own :math:`K_{XX}` evaluates the exact curvature objects of
-:mod:`ntkgp.laplace.weight_space` that :func:`ntkgp.training.train_marglik` evaluates
+:mod:`ntkgp.laplace.ggn` that :func:`ntkgp.training.train_marglik` evaluates
 (:mod:`~ntkgp.laplace.function_space.evidence_curvature`): one implementation of the exact log-determinant.
 """
 
@@ -27,8 +27,9 @@ from linear_operator.operators import LinearOperator, RootLinearOperator
 from ...caching import ValueCache
 from ...kernels import NTKKernel
 from ...likelihoods import gradient, hessian_sqrt, log_likelihood
-from ...options import CurvatureKind, Space, choose, choose_space
-from ..weight_space.scaling import fewest_columns, scale_size, unit_root_columns
+from ...options import CurvatureKind, Space, choose
+from ..ggn.scaling import fewest_columns, scale_size
+from ..ggn.space import exact_space, site_columns
 from .algebra import low_rank_log_det, site_cholesky
 from .eigen import checked_spectral_evidence, eigen_problem, spectral_data, spectral_log_det
 from .evidence_curvature import curvature_problem, evidence_curvature
@@ -45,7 +46,7 @@ def curvature_factor(
     """Blocks ``(N, C, k)`` of the factor ``L`` with ``L_n L_nᵀ`` the per-point curvature in output space.
 
     ``"ggn"``: ``L_n L_nᵀ = Λ_n`` with the fewest columns (k = C − 1 for a softmax, whose ``Λ_n`` has that rank,
-    :func:`~ntkgp.laplace.weight_space.scaling.fewest_columns`; else k = C): every quantity of the Laplace GLM
+    :func:`~ntkgp.laplace.ggn.scaling.fewest_columns`; else k = C): every quantity of the Laplace GLM
     (evidence, site posterior, predictive) depends on ``L`` only through ``L_n L_nᵀ``, and the site matrices are
     ``N·k`` square; ``"ef"``: ``L_n = g_n`` (k = 1), so that ``J_nᵀ L_n L_nᵀ J_n = G_nᵀ G_n``
     with ``G_n = g_nᵀ J_n`` the per-example gradient (the empirical Fisher).
@@ -87,7 +88,7 @@ def _given_log_det(
 
     Function space factorises the ``(N·k)²`` matrix :math:`I + L^\top K L`; weight space the ``P²`` matrix
     :math:`I + W^\top W`, :math:`W = L^\top J P_0^{-1/2}` (from the covariance's root or the cached Jacobian).
-    ``"auto"`` takes weight space when :math:`N k > 0.85 P` (:func:`ntkgp.options.choose_space`, measured).
+    ``"auto"`` takes weight space when :math:`N k > 0.85 P` (:func:`~ntkgp.laplace.ggn.space.exact_space`).
 
     Args:
         kernel: the NTK kernel at the training inputs (prior precisions, cached Grams and Jacobians).
@@ -98,7 +99,7 @@ def _given_log_det(
             ``model(train_x)``); otherwise ``kernel(x)`` is used.
     """
     n, _, k = factor.shape
-    space = choose_space(space, kernel.engine.num_params, n * k)
+    space = exact_space(space, kernel.engine.num_params, n * k)
     if space is Space.FUNCTION:
         gram = kernel(x) if covariance is None else covariance
         gram = gram.to_dense() if isinstance(gram, LinearOperator) else gram
@@ -195,7 +196,7 @@ def _route(
     if method is EvidenceMethod.MATRIX_FREE and free is not None:
         raise ValueError(f"method='matrix_free' does not apply: {free}")
     n, c, dtype = outputs
-    k = unit_root_columns(likelihood, c) if curvature is CurvatureKind.GGN else 1  # the site factor's columns
+    k = site_columns(likelihood, c, curvature)  # the site factor's columns
     engine = kernel.engine
     components = scale_size(likelihood) ** (2 if curvature is CurvatureKind.EF else 1)
     dense = dense_memory_bytes(engine.num_params, engine.num_groups, n, c, k, dtype, space, components)
@@ -268,12 +269,8 @@ def laplace_log_marginal_likelihood(
         >>> bool(torch.isclose(exact, eigen, rtol=1e-10))
         True
     """
-    curvature = choose(CurvatureKind, curvature, "curvature")
-    space = choose(Space, space, "space")
-    options = check_options(options)
-    route = _route(kernel, likelihood, x, _outputs(f), curvature, space, covariance,
-                   choose(EvidenceMethod, method, "method"), options)
-    return _evidence_by_route(kernel, likelihood, x, f, y, curvature, space, covariance, route, options)
+    return TrainingEvidence(keep=False)(kernel, likelihood, x, lambda: f, y, _outputs(f), curvature, space,
+                                        covariance, method, options)
 
 
 def _evidence_by_route(
@@ -281,15 +278,15 @@ def _evidence_by_route(
     curvature: CurvatureKind, space: Space, covariance: LinearOperator | torch.Tensor | None, route: EvidenceMethod,
     options: EvidenceOptions,
 ) -> torch.Tensor:
-    """:func:`laplace_log_marginal_likelihood` for arguments converted to their types and the route :func:`_route`
-    chose for them (the MLL's call, which has chosen it already)."""
+    """The evidence by the route :func:`_route` chose, for arguments converted to their types (the dispatch of
+    :class:`TrainingEvidence`, where the eigen route's data is not kept)."""
     traced = f.requires_grad and torch.is_grad_enabled()  # the data fit then differentiable in f
     if route is EvidenceMethod.EIGEN and not traced:  # fit, prior and log-determinant from one cache lookup
         return checked_spectral_evidence(kernel, likelihood, x, f, y, curvature, space)
     if route is EvidenceMethod.CHOLESKY and (covariance is None or is_kernel_covariance(covariance, kernel, x)):
         # the function-space side of the curvature's own evidence: N·(C − 1) rows for a softmax GGN
-        k = unit_root_columns(likelihood, f.shape[-1]) if curvature is CurvatureKind.GGN else 1
-        resolved = choose_space(space, kernel.engine.num_params, f.shape[-2] * k)
+        rows = f.shape[-2] * site_columns(likelihood, f.shape[-1], curvature)
+        resolved = exact_space(space, kernel.engine.num_params, rows)
         if curvature_problem(kernel, likelihood, x, f, y, curvature, resolved) is None:
             # the curvature's own evidence: its fit statistics and ‖θ*_g‖², kept with it (one cache lookup)
             exact = evidence_curvature(kernel, likelihood, x, f, y, curvature, resolved)
@@ -305,12 +302,18 @@ def _evidence_by_route(
 
 
 class TrainingEvidence:
-    r"""The Laplace evidence of fixed training data, evaluated step after step at new hyperparameters (the MLL's
-    use): :func:`laplace_log_marginal_likelihood` with the route chosen from the outputs' sizes alone
-    (:func:`evidence_method`'s rule) and, on the eigen route, its fixed data (eigenvalues, data-fit statistics,
-    :math:`\lVert\theta^*\rVert^2`) kept by the values of the training inputs, the targets and the network's
-    weights and buffers, with the curvature, space and dtype: the network's outputs are read only to compute it,
-    so a step is one cache lookup and an :math:`O(\min(Nk, P))` evaluation.
+    r"""The Laplace evidence of fixed training data, evaluated step after step at new hyperparameters: the one
+    implementation behind :func:`laplace_log_marginal_likelihood` (which calls it with ``keep=False``),
+    :meth:`ntkgp.NTKGP.log_marginal_likelihood` and :class:`~ntkgp.mlls.LaplaceGGNMarginalLogLikelihood`. The route
+    is chosen from the outputs' sizes alone (:func:`evidence_method`'s rule); with ``keep`` (the MLL's use) the
+    eigen route's fixed data (eigenvalues, data-fit statistics, :math:`\lVert\theta^*\rVert^2`) is kept by the
+    values of the training inputs, the targets and the network's weights and buffers, with the curvature, space
+    and dtype: the network's outputs are read only to compute it, so a step is one cache lookup and an
+    :math:`O(\min(Nk, P))` evaluation.
+
+    Args:
+        keep: keep the eigen route's data as above (``False``: read the outputs at every call, as
+            :func:`laplace_log_marginal_likelihood` does, whose outputs may carry a graph).
 
     Example:
         >>> from ntkgp.likelihoods import SoftmaxLikelihood
@@ -325,8 +328,8 @@ class TrainingEvidence:
         True
     """
 
-    def __init__(self) -> None:
-        self._eigen = ValueCache(size=1)
+    def __init__(self, keep: bool = True) -> None:
+        self._eigen = ValueCache(size=1) if keep else None
 
     def __call__(
         self,
@@ -360,7 +363,7 @@ class TrainingEvidence:
         given = None if covariance is None or is_kernel_covariance(covariance, kernel, x) else covariance
         route = _route(kernel, likelihood, x, shape, curvature, space, given, choose(EvidenceMethod, method, "method"),
                        options)
-        if route is EvidenceMethod.EIGEN:
+        if route is EvidenceMethod.EIGEN and self._eigen is not None:
             tag = (curvature.value, space.value, type(likelihood).__name__, shape[2])
             data = self._eigen.get_or_compute(
                 tag, [x, y], lambda: spectral_data(kernel, likelihood, x, outputs(), y, curvature, space),

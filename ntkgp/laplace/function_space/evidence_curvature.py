@@ -1,8 +1,8 @@
 r"""The exact curvature behind the dense route of the evidence, built once per network state and inputs.
 
 The dense (``method="cholesky"``) route of :func:`~ntkgp.laplace.laplace_log_marginal_likelihood` at the kernel's
-own :math:`K_{XX}` evaluates the exact full GGN / EF of :mod:`ntkgp.laplace.weight_space` at the kernel's training
-inputs, in the space :func:`~ntkgp.options.choose_space` picks:
+own :math:`K_{XX}` evaluates the exact full GGN / EF of :mod:`ntkgp.laplace.ggn` at the kernel's training
+inputs, in the space :func:`~ntkgp.laplace.ggn.space.exact_space` picks:
 
 - **function space** (:class:`~ntkgp.laplace.weight_space.FunctionSpaceCurvature`): the per-group Grams of the
   unit rows, :math:`\tilde L^\top J_g J_g^\top \tilde L` (``(G, Nk, Nk)``; for a Gaussian likelihood the kernel's
@@ -12,11 +12,11 @@ inputs, in the space :func:`~ntkgp.options.choose_space` picks:
   Jacobian), each step one :math:`P \times P` Cholesky factorization of :math:`P_0^{-1/2}(H + P_0)P_0^{-1/2}`:
   :math:`O(P^3)`, not the :math:`O(N k P^2)` of forming :math:`W^\top W`, :math:`W = L^\top J P_0^{-1/2}`, again.
   For a network of linear layers (one output scale, the GGN) the components are built block by block from the
-  engine's layer features (:mod:`~ntkgp.laplace.weight_space.layer_ggn`, :math:`k` times fewer multiply-adds)
+  engine's layer features (:mod:`~ntkgp.laplace.ggn.layer_ggn`, :math:`k` times fewer multiply-adds)
   instead of from the Jacobian's rows, whichever costs fewer.
 
 Both are exact and differentiable in every :math:`\delta_g` and in the likelihood's noise or temperature (through
-its output scale :math:`s`, :mod:`~ntkgp.laplace.weight_space.scaling`), and are the same objects
+its output scale :math:`s`, :mod:`~ntkgp.laplace.ggn.scaling`), and are the same objects
 :func:`~ntkgp.training.train_marglik` evaluates. They are kept with the kernel, keyed by the values of the
 inputs, the outputs, the targets and the network's weights and buffers (:class:`~ntkgp.caching.ValueCache`): a
 change of the weights builds them again; the hyperparameters may change freely.
@@ -36,10 +36,10 @@ from gpytorch.likelihoods import Likelihood
 from ...caching import ValueCache
 from ...kernels import NTKKernel
 from ...options import CurvatureKind, Space
-from ..weight_space import FullCurvature, FunctionSpaceCurvature
-from ..weight_space.gram_curvature import unit_grams
-from ..weight_space.layer_ggn import layer_ggn_components
-from ..weight_space.scaling import output_scale
+from ..ggn.full_curvature import FullCurvature
+from ..ggn.gram_curvature import FunctionSpaceCurvature, unit_grams
+from ..ggn.layer_ggn import layer_ggn_components
+from ..ggn.scaling import output_scale
 
 __all__ = ["curvature_problem", "evidence_curvature"]
 
@@ -63,9 +63,10 @@ def curvature_problem(
 def weight_space_blocks(engine, likelihood: Likelihood, x: torch.Tensor, f: torch.Tensor, y: torch.Tensor,
                         scale0: torch.Tensor, fisher: bool) -> torch.Tensor | None:
     """The weight-space GGN components from the engine's layer features
-    (:mod:`~ntkgp.laplace.weight_space.layer_ggn`), or ``None`` where the Jacobian's rows are the cheaper route."""
-    x = engine.prepare(x)
-    return layer_ggn_components(engine.core, engine.plan(x), x, likelihood, f, y, scale0, fisher)
+    (:mod:`~ntkgp.laplace.ggn.layer_ggn`), or ``None`` where the Jacobian's rows are the cheaper route."""
+    x = engine.prepare(x)  # the pass over x follows the kernel's progress, as its Jacobian's would
+    return layer_ggn_components(engine.core, engine.plan(x), x, likelihood, f, y, scale0, fisher,
+                                engine.core.progress)
 
 
 def evidence_curvature(

@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -42,7 +44,9 @@ from linear_operator.utils.warnings import NumericalWarning
 
 from ...kernels import NTKKernel
 from ...kernels.snapshot import KernelSnapshot
+from ...ntk.private_copy import model_lock
 from ...options import Space
+from ...progress import Progress, reporting
 from .site_posterior import SitePosterior
 
 __all__ = ["GLMPredictiveCovariance", "PredictiveContext"]
@@ -63,6 +67,8 @@ class PredictiveContext:
         num_outputs: ``C``, the network's outputs.
         outputs: the outputs kept (indices into ``range(C)``), or ``None`` for all.
         chunk_size: test points per chunk.
+        progress: over the test points of each evaluation (:meth:`pass_over`; :mod:`ntkgp.progress`).
+        name: the passes' name.
     """
 
     kernel: NTKKernel
@@ -71,6 +77,8 @@ class PredictiveContext:
     num_outputs: int
     outputs: tuple[int, ...] | None
     chunk_size: int
+    progress: bool | None = False
+    name: str = "NTKGP prediction"
     snapshot: KernelSnapshot = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -140,6 +148,17 @@ class PredictiveContext:
     def chunks(self, m: int) -> list[tuple[int, int]]:
         return [(s, min(s + self.chunk_size, m)) for s in range(0, m, self.chunk_size)]
 
+    @contextmanager
+    def pass_over(self, m: int, what: str, unit: str = "point") -> Iterator[Progress]:
+        """One evaluation pass over ``m`` units, ``"name (what)"``, with the progress :attr:`progress` asks; the
+        kernel's own chunk passes (its Grams with the training inputs) are silent within it
+        (:func:`~ntkgp.progress.reporting`, under the kernel's lock: one evaluation at a time changes its engine)."""
+        kernel = self.current_kernel()
+        name = f"{self.name} ({what})"
+        with (model_lock(self.kernel), Progress(m, name, self.progress, unit=unit) as bar,
+              reporting(kernel.engine.core, False, name)):
+            yield bar
+
 
 def nonnegative(variances: torch.Tensor) -> torch.Tensor:
     """Variances of the function-space difference ``K_** − A Aᵀ`` with rounding below zero set to zero (warned)."""
@@ -204,8 +223,10 @@ class GLMPredictiveCovariance(LinearOperator):
         ctx = self.context
         points = self._points()
         parts = []
-        for s, e in ctx.chunks(points.shape[0]):
-            parts.append(ctx.variance(points[s:e]))
+        with ctx.pass_over(points.shape[0], "variances") as bar:
+            for s, e in ctx.chunks(points.shape[0]):
+                parts.append(ctx.variance(points[s:e]))
+                bar.update(e - s)
         if not parts:  # no test points
             return torch.zeros(*self.batch_shape, 0, dtype=self.dtype, device=self.x.device)
         return torch.cat(parts).reshape(*self.batch_shape, -1)
@@ -217,15 +238,17 @@ class GLMPredictiveCovariance(LinearOperator):
             return torch.zeros(0, 0, dtype=self.dtype, device=x.device)
         # keep the roots A_j when they are no larger than the result (N·k ≤ n·C'), else recompute them
         store = len(chunks) == 1 or ctx.posterior.rank <= x.shape[0] * ctx.num_kept
-        stored = [ctx.root(x[s:e]) for s, e in chunks] if store else None
         rows = []
-        for i, (s, e) in enumerate(chunks):
-            root_i = stored[i] if store else ctx.root(x[s:e])
-            blocks = []
-            for j, (s2, e2) in enumerate(chunks):
-                root_j = stored[j] if store else (root_i if j == i else ctx.root(x[s2:e2]))
-                blocks.append(ctx.covariance_block(x[s:e], x[s2:e2], root_i, root_j))
-            rows.append(torch.cat(blocks, dim=-1))
+        with ctx.pass_over(x.shape[0], "covariance") as bar:  # one unit per row of the result
+            stored = [ctx.root(x[s:e]) for s, e in chunks] if store else None
+            for i, (s, e) in enumerate(chunks):
+                root_i = stored[i] if store else ctx.root(x[s:e])
+                blocks = []
+                for j, (s2, e2) in enumerate(chunks):
+                    root_j = stored[j] if store else (root_i if j == i else ctx.root(x[s2:e2]))
+                    blocks.append(ctx.covariance_block(x[s:e], x[s2:e2], root_i, root_j))
+                rows.append(torch.cat(blocks, dim=-1))
+                bar.update(e - s)
         dense = torch.cat(rows, dim=-2)
         if ctx.weight_space:
             return dense
@@ -248,12 +271,15 @@ class GLMPredictiveCovariance(LinearOperator):
         if not chunks:
             return rhs[..., :0, :]
         at_rhs = 0
-        for s, e in chunks:  # first pass: Aᵀ v
-            at_rhs = at_rhs + ctx.root(x[s:e]).mT @ rhs[s * c : e * c]
         out = []
-        for s, e in chunks:  # second pass: K_** v − A (Aᵀ v) (or A (Aᵀ v)), row chunk by row chunk
-            low_rank = ctx.root(x[s:e]) @ at_rhs
-            out.append(low_rank if ctx.weight_space else ctx.prior_block(x[s:e], x) @ rhs - low_rank)
+        with ctx.pass_over(2 * x.shape[0], "products") as bar:  # each point twice: once per pass
+            for s, e in chunks:  # first pass: Aᵀ v
+                at_rhs = at_rhs + ctx.root(x[s:e]).mT @ rhs[s * c : e * c]
+                bar.update(e - s)
+            for s, e in chunks:  # second pass: K_** v − A (Aᵀ v) (or A (Aᵀ v)), row chunk by row chunk
+                low_rank = ctx.root(x[s:e]) @ at_rhs
+                out.append(low_rank if ctx.weight_space else ctx.prior_block(x[s:e], x) @ rhs - low_rank)
+                bar.update(e - s)
         return torch.cat(out, dim=-2)
 
     def _matmul(self, rhs: torch.Tensor) -> torch.Tensor:
@@ -300,33 +326,35 @@ class GLMPredictiveCovariance(LinearOperator):
         budget = ctx.chunk_size * ctx.train_x.shape[0] * ctx.num_outputs
         step = max(1, min(ctx.chunk_size, math.isqrt(budget) // (2 * c)))
         values = []
-        for s in range(0, num, step):
-            pr, pc, orow, ocol = (
-                p_row[s : s + step],
-                p_col[s : s + step],
-                o_row[s : s + step],
-                o_col[s : s + step],
-            )
-            if torch.equal(pr, pc):  # entries inside per-point blocks (e.g. output_covariance_blocks)
-                unique, inv = torch.unique(pr, return_inverse=True)
-                xs = points[unique]
-                root = ctx.root(xs)
-                value = (root[inv * c + orow] * root[inv * c + ocol]).sum(-1)
-                if not ctx.weight_space:
-                    value = self._point_blocks(xs)[inv, orow, ocol] - value
-                    on_diagonal = orow == ocol
-                    value = torch.where(on_diagonal, nonnegative(torch.where(on_diagonal, value, 0)), value)
-            else:
-                unique, inv = torch.unique(torch.cat([pr, pc]), return_inverse=True)
-                ir, ic = inv[: pr.shape[0]], inv[pr.shape[0] :]
-                xs = points[unique]
-                root = ctx.root(xs)
-                value = (root[ir * c + orow] * root[ic * c + ocol]).sum(-1)
-                if not ctx.weight_space:
-                    value = ctx.prior_block(xs, xs)[ir * c + orow, ic * c + ocol] - value
-                    on_diagonal = (ir == ic) & (orow == ocol)
-                    value = torch.where(on_diagonal, nonnegative(torch.where(on_diagonal, value, 0)), value)
-            values.append(value)
+        with ctx.pass_over(num, "entries", unit="value") as bar:
+            for s in range(0, num, step):
+                pr, pc, orow, ocol = (
+                    p_row[s : s + step],
+                    p_col[s : s + step],
+                    o_row[s : s + step],
+                    o_col[s : s + step],
+                )
+                if torch.equal(pr, pc):  # entries inside per-point blocks (e.g. output_covariance_blocks)
+                    unique, inv = torch.unique(pr, return_inverse=True)
+                    xs = points[unique]
+                    root = ctx.root(xs)
+                    value = (root[inv * c + orow] * root[inv * c + ocol]).sum(-1)
+                    if not ctx.weight_space:
+                        value = self._point_blocks(xs)[inv, orow, ocol] - value
+                        on_diagonal = orow == ocol
+                        value = torch.where(on_diagonal, nonnegative(torch.where(on_diagonal, value, 0)), value)
+                else:
+                    unique, inv = torch.unique(torch.cat([pr, pc]), return_inverse=True)
+                    ir, ic = inv[: pr.shape[0]], inv[pr.shape[0] :]
+                    xs = points[unique]
+                    root = ctx.root(xs)
+                    value = (root[ir * c + orow] * root[ic * c + ocol]).sum(-1)
+                    if not ctx.weight_space:
+                        value = ctx.prior_block(xs, xs)[ir * c + orow, ic * c + ocol] - value
+                        on_diagonal = (ir == ic) & (orow == ocol)
+                        value = torch.where(on_diagonal, nonnegative(torch.where(on_diagonal, value, 0)), value)
+                values.append(value)
+                bar.update(min(step, num - s))
         return torch.cat(values).reshape(shape)
 
     def _point_blocks(self, xs: torch.Tensor) -> torch.Tensor:

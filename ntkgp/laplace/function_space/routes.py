@@ -4,7 +4,7 @@ The term :math:`\log|I_{Nk} + L^\top K L|` of :func:`ntkgp.laplace.laplace_log_m
 four routes (``method=``; ``docs/scaling.md``):
 
 * ``"cholesky"``: a dense Cholesky factorization in function space (:math:`(Nk)^2`) or weight space
-  (:math:`P^2`), whichever is smaller (:func:`ntkgp.options.choose_space`); exact, the curvature built once per
+  (:math:`P^2`), whichever is smaller (:func:`~ntkgp.laplace.ggn.space.exact_space`); exact, the curvature built once per
   network state (:mod:`~ntkgp.laplace.function_space.evidence_curvature`), then :math:`O(\min(Nk, P)^3)` per
   hyperparameter step.
 * ``"eigen"``: one prior precision and sites whose curvature is a scalar multiple of a fixed matrix: one
@@ -26,7 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from ...memory import DENSE_EVIDENCE_BYTES
-from ...options import EvidenceMethod, Space, choose, choose_space
+from ...options import EvidenceMethod, Space, choose
+from ..ggn.space import exact_space
 
 __all__ = [
     "DENSE_MEMORY_LIMIT",
@@ -134,7 +135,7 @@ def dense_memory_bytes(
     """
     b = dtype.itemsize
     nc, nk, p = num_data * num_outputs, num_data * rank, num_params
-    if choose_space(space, p, nk) is Space.FUNCTION:
+    if exact_space(space, p, nk) is Space.FUNCTION:
         return (num_groups * (nc * nc + nk * nk) + 3 * nk * nk) * b
     return ((nc + nk) * p + (components + 3) * p * p) * b
 

@@ -29,7 +29,8 @@ from linear_operator.operators import LinearOperator
 from ...kernels import NTKKernel
 from ...likelihoods import gradient, hessian, is_gaussian, log_likelihood
 from ...linalg import cholesky, gram
-from ...options import CurvatureKind, Space, choose_space
+from ...options import CurvatureKind, Space
+from ..ggn.space import LOW_PRECISION_WEIGHT_FACTOR, exact_space
 from .algebra import block_apply, site_cholesky
 from .eigen import eigen_problem
 from .evidence import curvature_factor
@@ -164,28 +165,18 @@ class SitePosterior:
         return torch.linalg.solve_triangular(self.chol, phi, upper=True, left=False)
 
 
-#: In lower precision than float64, ``"auto"`` takes weight space up to ``P ≤ LOW_PRECISION_WEIGHT_FACTOR · N·k``.
-LOW_PRECISION_WEIGHT_FACTOR = 2
-
-
 def posterior_space(kernel: NTKKernel, num_rows: int, dtype: torch.dtype | None = None) -> Space:
     r"""Where the site posterior is factorized, from the kernel's ``space`` (``"auto"``, ``"function"``, ``"weight"``).
 
-    ``"auto"`` is :func:`ntkgp.options.choose_space`: weight space when :math:`N k > 0.85 P` (``num_rows``), the
-    smaller factorization. In a precision lower than float64 (``dtype``) it also takes weight space up to
-    :math:`P \le 2 N k` (at most about three times the flops): the function-space variance is a difference
-    that loses every digit in float32 on ill-conditioned problems, the weight-space one is a sum of squares
-    (docs/guarantees.md, "Predictive variances"). A kernel with a batch of prior precisions always uses
-    function space.
+    ``"auto"`` is :func:`~ntkgp.laplace.ggn.space.exact_space` with the precision ``dtype``: weight space when
+    :math:`N k > 0.85 P` (``num_rows``), the smaller factorization, and in a precision lower than float64 also up
+    to :math:`P \le 2 N k` (the function-space variance is a difference that loses every digit in float32 on
+    ill-conditioned problems, the weight-space one is a sum of squares; docs/guarantees.md, "Predictive
+    variances"). A kernel with a batch of prior precisions always uses function space.
     """
     if kernel.batch_shape != torch.Size([]):
         return Space.FUNCTION
-    num_params = kernel.engine.num_params
-    space = choose_space(kernel.space, num_params, num_rows)
-    low_precision = dtype is not None and torch.finfo(dtype).eps > torch.finfo(torch.float64).eps
-    if kernel.space == Space.AUTO and low_precision and num_params <= LOW_PRECISION_WEIGHT_FACTOR * num_rows:
-        return Space.WEIGHT
-    return space
+    return exact_space(kernel.space, kernel.engine.num_params, num_rows, dtype=dtype)
 
 
 def damped_newton(
@@ -350,7 +341,7 @@ def fit_site_posterior(
     if space is None:
         space = posterior_space(kernel, rows, f.dtype)
     else:
-        space = choose_space(space, kernel.engine.num_params, rows)
+        space = exact_space(space, kernel.engine.num_params, rows)
     if space is Space.WEIGHT:
         scale = kernel.column_weights(-0.5).to(f)
         root = kernel.jacobian(x).to(f) * scale

@@ -18,12 +18,20 @@ estimator of their GLM predictive.
   MC-GLM, network sampling; probit, bridge and MC links).
 """
 
-from .curvature import Curvature
+from ..ggn import (  # the shared GGN (ntkgp.laplace.ggn), documented here where users import it
+    Curvature,
+    FullCurvature,
+    FunctionSpaceCurvature,
+    exact_curvature,
+    full_curvature,
+    full_ef,
+    full_ggn,
+    function_space_curvature,
+    output_scale,
+)
 from .diag_laplace import DiagLaplace
 from .diagonal import DiagonalCurvature, DiagonalEF, DiagonalGGN, diagonal_ef, diagonal_ggn
-from .full_curvature import FullCurvature, exact_curvature, full_curvature, full_ef, full_ggn
 from .full_laplace import FullLaplace
-from .gram_curvature import FunctionSpaceCurvature, function_space_curvature
 from .kfac import KroneckerFactors, KroneckerGGN, kfac_ggn
 from .kfac_laplace import KFACLaplace
 from .laplace_posterior import laplace_posterior
@@ -33,7 +41,6 @@ from .last_layer_structured import LastLayerDiagLaplace, LastLayerKFACLaplace
 from .pass_options import PassOptions
 from .posterior import WeightPosterior
 from .predictive_estimators import Prediction, default_step_size, laplace_bridge, predict
-from .scaling import output_scale
 from .structures import compute_curvature
 from .subnetwork_laplace import SubnetLaplace
 

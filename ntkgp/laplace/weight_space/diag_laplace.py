@@ -20,8 +20,8 @@ from torch import Tensor, nn
 from ...ntk.network import NetworkCore
 from ...option_groups import accepts_flat_keywords
 from ...options import CurvatureKind, OptionAttribute, choice
-from .curvature import Curvature
-from .data_pass import Data
+from ..ggn.curvature import Curvature
+from ..ggn.data_pass import Data
 from .diagonal import DiagonalCurvature, diagonal_ef, diagonal_ggn
 from .kronecker_form import (
     kronecker_features,
@@ -49,7 +49,7 @@ class DiagLaplace(WeightPosterior):
             curvature pass, ``chunk_size`` at prediction time, ``progress``; ``None``: its defaults). Its fields as
             flat keywords (``batch_size=128``) still work, with a ``FutureWarning``, for one release.
         mc_samples: ``None`` (the exact GGN) or :math:`S` sampled roots of a softmax likelihood's Hessian per
-            example (:mod:`~ntkgp.laplace.weight_space.sampled_ggn`; GGN only).
+            example (:mod:`~ntkgp.laplace.ggn.sampled_ggn`; GGN only).
         generator: the samples' ``torch.Generator`` (``None``: torch's global one).
         input_shape: the shape of one input, for flat inputs.
 
@@ -80,6 +80,7 @@ class DiagLaplace(WeightPosterior):
         generator: torch.Generator | None = None,
     ) -> None:
         batch_size, chunk_size, progress = pass_settings(options)
+        self.progress = progress  # predict's pass over the test points follows it too
         kind = choice(CurvatureKind)(curvature, "curvature")
         if kind is not CurvatureKind.GGN and mc_samples is not None:
             raise ValueError("mc_samples samples the GGN's Hessian roots; the empirical Fisher has none: pass None")

@@ -11,7 +11,7 @@ gradients for ``Linear``/``Conv2d`` layers (:mod:`~ntkgp.laplace.weight_space.la
 layers' affine parameters and embedding tables (:mod:`~ntkgp.laplace.weight_space.norm_layers`), by per-example
 vector-Jacobian products for all other parameters (and for layers called more than once per forward pass).
 
-The likelihood's hyperparameters enter through its output scale :math:`s` (:mod:`~ntkgp.laplace.weight_space.scaling`):
+The likelihood's hyperparameters enter through its output scale :math:`s` (:mod:`~ntkgp.laplace.ggn.scaling`):
 the diagonal is stored as components :math:`D_k` computed with the unit factors :math:`\tilde L_n, \tilde g_n`,
 and re-weighted, :math:`\operatorname{diag} H = \sum_k w_k(s) D_k`, in :math:`O(KP)` per evaluation:
 
@@ -33,9 +33,9 @@ from torch import Tensor, nn
 from ...ntk.inputs import rows
 from ...ntk import ParameterGroups
 from ...ntk.groups import GroupSpec
-from .curvature import Curvature
-from .data_pass import Data, DataPass
-from .exact_log_det import diagonal_log_det
+from ..ggn.curvature import Curvature
+from ..ggn.data_pass import Data, DataPass
+from ..ggn.exact_log_det import diagonal_log_det
 from .layers import Layer, layer_features, structured_layers, usable_layers
 from ...ntk.norm_features import ElementwiseLayer
 from .norm_layers import diagonal_layers
@@ -200,7 +200,7 @@ def diagonal_ggn(
     :math:`C` backward passes per batch (layer features, :mod:`~ntkgp.laplace.weight_space.norm_layers`);
     other parameters: per-example vector-Jacobian products, memory :math:`O(\text{batch} \cdot C \cdot P)`.
     With ``mc_samples`` :math:`= S`, :math:`S` sampled columns instead of :math:`C`
-    (:mod:`~ntkgp.laplace.weight_space.sampled_ggn`). Arguments as :func:`~ntkgp.laplace.compute_curvature`.
+    (:mod:`~ntkgp.laplace.ggn.sampled_ggn`). Arguments as :func:`~ntkgp.laplace.compute_curvature`.
     """
     return _diagonal_pass(DiagonalGGN, "diagonal GGN", diagonal_ggn_components, net, x, y, likelihood,
                           prior_structure, batch_size, progress, input_shape, distributed, mc_samples, generator)

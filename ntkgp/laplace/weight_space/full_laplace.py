@@ -20,10 +20,10 @@ from torch import Tensor, nn
 
 from ...option_groups import accepts_flat_keywords
 from ...options import CurvatureKind, OptionAttribute, choice
-from .curvature import Curvature as CurvatureData
-from .data_pass import Data
-from .full_curvature import FullCurvature, component_weights, full_curvature
-from .scaling import scale_size
+from ..ggn.curvature import Curvature as CurvatureData
+from ..ggn.data_pass import Data
+from ..ggn.full_curvature import FullCurvature, component_weights, full_curvature
+from ..ggn.scaling import scale_size
 from ...ntk.network import NetworkCore
 from .pass_options import PassOptions, pass_settings
 from .posterior import WeightPosterior, check_before_pass, check_likelihood, group_spec
@@ -38,7 +38,7 @@ class DensePosterior(WeightPosterior):
         groups: prior-precision groups of :math:`\theta`.
         prior_precision: :math:`\delta` (float or ``(G,)``).
         components: the curvature components ``(K, P, P)``
-            (:func:`~ntkgp.laplace.weight_space.full_curvature.dense_components`).
+            (:func:`~ntkgp.laplace.ggn.full_curvature.dense_components`).
         curvature: ``"ggn"`` or ``"ef"`` (how the components are weighted by :math:`s`; fixed after
             construction).
     """
@@ -156,6 +156,7 @@ class FullLaplace(DensePosterior):
         input_shape: tuple[int, ...] | None = None,
     ) -> None:
         batch_size, chunk_size, progress = pass_settings(options)
+        self.progress = progress  # predict's pass over the test points follows it too
         kind = choice(CurvatureKind)(curvature, "curvature")
         check_before_pass(net, likelihood, prior_precision, prior_structure, input_shape, chunk_size)
         fitted = full_curvature(net, x, y, likelihood, kind.value, group_spec(prior_structure), batch_size, progress,

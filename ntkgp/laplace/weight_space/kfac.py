@@ -35,7 +35,7 @@ the output gradients at the sum (:mod:`ntkgp.ntk.additive_features`), any other 
 products. An attention projection that fails the layer plan's check joins the diagonal instead of raising.
 
 Likelihood hyperparameters: :math:`G_l = \sum_k s_k G_{lk}` with components from the unit factors
-(:mod:`~ntkgp.laplace.weight_space.scaling`). With one component (one noise, or a temperature)
+(:mod:`~ntkgp.laplace.ggn.scaling`). With one component (one noise, or a temperature)
 :math:`\log|s\,\tilde G \otimes A + \delta I| = d_l \log s + \log|\tilde G \otimes A + (\delta/s) I|`, so no
 factor is decomposed again; with per-output Gaussian noise (:math:`K = C`)
 :math:`\sum_k s_k G_{lk}` is eigendecomposed at each evaluation (:math:`O(d_{\text{out}}^3)` per layer, no
@@ -58,10 +58,10 @@ from torch import Tensor, nn
 from ...ntk.inputs import rows
 from ...ntk import ParameterGroups
 from ...ntk.groups import GroupSpec
-from .curvature import Curvature
-from .data_pass import Data, DataPass
+from ..ggn.curvature import Curvature
+from ..ggn.data_pass import Data, DataPass
 from .diagonal import diagonal_ggn_components
-from .exact_log_det import diagonal_log_det
+from ..ggn.exact_log_det import diagonal_log_det
 from .kfac_factors import FactorSums
 from .layers import structured_layers, usable_layers
 from .norm_layers import DiagonalSums, diagonal_layers
@@ -329,12 +329,12 @@ def kfac_ggn(
     diagonal GGN of the other parameters, batch by batch.
 
     Cost: one forward and :math:`M` backward passes per batch (:math:`M = C - 1` for a softmax, the columns of
-    :meth:`~ntkgp.laplace.weight_space.data_pass.DataPass.unit_hessian_root`; plus per-example passes for parameters
+    :meth:`~ntkgp.laplace.ggn.data_pass.DataPass.unit_hessian_root`; plus per-example passes for parameters
     outside the layers and the normalization and embedding layers of :mod:`~ntkgp.laplace.weight_space.norm_layers`) and the factors' products, :math:`T_l d_{in}^2 + M T_l d_{out}^2` per example and layer
     (:mod:`~ntkgp.laplace.weight_space.kfac_factors`); memory
     :math:`O(\text{batch} \cdot \text{activations} + \sum_l d_a^2 + K d_{out}^2)`: one output's gradients at a time,
     the factors' float64 sums. With ``mc_samples`` :math:`= S`, :math:`S` backward passes per batch instead of
-    :math:`M` (:mod:`~ntkgp.laplace.weight_space.sampled_ggn`). ``kfac_approximation``: ``"expand"`` (module
+    :math:`M` (:mod:`~ntkgp.laplace.ggn.sampled_ggn`). ``kfac_approximation``: ``"expand"`` (module
     docstring) or ``"reduce"``: a layer's :math:`T_l` locations reduced per example first,
     :math:`A_l = \sum_n \bar a_n \bar a_n^\top` with :math:`a_n = T_l^{-1} \sum_t a_{nt}` and
     :math:`G_l = N^{-1} \sum_n \sum_m \Gamma_{nm} \Gamma_{nm}^\top` with :math:`\Gamma_{nm} = \sum_t \Gamma_{nmt}`

@@ -44,8 +44,8 @@ from ...ntk.features import Layer
 from ...ntk.network import NetworkCore
 from ...option_groups import accepts_flat_keywords
 from ...options import OptionAttribute
-from .curvature import Curvature
-from .data_pass import Data
+from ..ggn.curvature import Curvature
+from ..ggn.data_pass import Data
 from .kfac import KroneckerFactors, KroneckerGGN, check_kfac_approximation, kfac_ggn
 from .kronecker_form import (
     kronecker_covariances,
@@ -121,7 +121,7 @@ class KFACLaplace(WeightPosterior):
             curvature pass, ``chunk_size`` at prediction time, ``progress``; ``None``: its defaults). Its fields as
             flat keywords (``batch_size=128``) still work, with a ``FutureWarning``, for one release.
         mc_samples: ``None`` (the exact GGN) or :math:`S` sampled roots of a softmax likelihood's Hessian per
-            example (:mod:`~ntkgp.laplace.weight_space.sampled_ggn`; GGN only).
+            example (:mod:`~ntkgp.laplace.ggn.sampled_ggn`; GGN only).
         generator: the samples' ``torch.Generator`` (``None``: torch's global one).
         input_shape: the shape of one input, for flat inputs.
         kfac_approximation: ``"expand"`` or ``"reduce"`` on layers with several locations per example
@@ -156,6 +156,7 @@ class KFACLaplace(WeightPosterior):
         kfac_approximation: str = "expand",
     ) -> None:
         batch_size, chunk_size, progress = pass_settings(options)
+        self.progress = progress  # predict's pass over the test points follows it too
         _check_damping(damping, "damping")
         check_kfac_approximation(kfac_approximation)
         check_before_pass(net, likelihood, prior_precision, prior_structure, input_shape, chunk_size)

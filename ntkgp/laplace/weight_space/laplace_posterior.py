@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from ...ntk.outputs import with_output
 from ...options import Structure, Subset, choose
-from .data_pass import Data
+from ..ggn.data_pass import Data
 from .full_laplace import FullLaplace
 from .posterior import WeightPosterior
 from .structures import LAST_LAYER_CLASSES, STRUCTURE_CLASSES

@@ -1,7 +1,7 @@
 r"""Curvatures of the last layer from its features: full, KFAC and diagonal, from one forward pass over the data.
 
 With :math:`J_n = I_C \otimes \tilde\phi_n^\top` (:mod:`~ntkgp.laplace.weight_space.last_layer_features`) and the
-unit factors of the likelihood (:mod:`~ntkgp.laplace.weight_space.scaling`), in the Kronecker order
+unit factors of the likelihood (:mod:`~ntkgp.laplace.ggn.scaling`), in the Kronecker order
 :math:`(c, j)` of :math:`\Theta = [W \mid b]`:
 
 .. math::
@@ -40,10 +40,10 @@ from ...ntk import ParameterGroups
 from ...ntk.features import Layer
 from ...ntk.network import NetworkCore
 from ...options import Structure, choose
-from .curvature import Curvature
-from .data_pass import Data
+from ..ggn.curvature import Curvature
+from ..ggn.data_pass import Data
 from .diagonal import DiagonalEF, DiagonalGGN
-from .full_curvature import ComponentSum, FullCurvature, jacobian_rows
+from ..ggn.full_curvature import ComponentSum, FullCurvature, jacobian_rows
 from .kfac import KroneckerFactors, KroneckerGGN
 from .last_layer_features import LastLayerPass, last_layer_names
 from .posterior import check_before_pass

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from ...ntk.features import Layer
 from ...ntk.network import NetworkCore
-from .data_pass import Data, DataPass
+from ..ggn.data_pass import Data, DataPass
 
 
 def last_layer_names(net: nn.Module, layer: str | None) -> tuple[str, list[str]]:
@@ -132,7 +132,7 @@ class LastLayerPass:
 
     Attributes:
         layer: the layer in structured form on the feature route (decided on the first batch), else ``None``.
-        data: the :class:`~ntkgp.laplace.weight_space.data_pass.DataPass` (outputs and targets collected).
+        data: the :class:`~ntkgp.laplace.ggn.data_pass.DataPass` (outputs and targets collected).
     """
 
     def __init__(self, core: NetworkCore, likelihood: Likelihood, name: str) -> None:

@@ -12,8 +12,8 @@ from torch import Tensor, nn
 from ...ntk.features import Layer
 from ...option_groups import accepts_flat_keywords
 from ...options import CurvatureKind, OptionAttribute, Structure, choice
-from .curvature import Curvature as CurvatureData
-from .data_pass import Data
+from ..ggn.curvature import Curvature as CurvatureData
+from ..ggn.data_pass import Data
 from .full_laplace import DensePosterior, FullLaplace
 from .last_layer_curvature import fit_last_layer
 from .last_layer_features import feature_layer, head_features, last_layer_names
@@ -107,6 +107,7 @@ class LastLayerLaplace(LayerRoute, FullLaplace):
         input_shape: tuple[int, ...] | None = None,
     ) -> None:
         batch_size, chunk_size, progress = pass_settings(options)
+        self.progress = progress  # predict's pass over the test points follows it too
         kind = choice(CurvatureKind)(curvature, "curvature")
         name, names = last_layer_names(net, layer)
         fn, groups = check_before_pass(net, likelihood, prior_precision, prior_structure, input_shape, chunk_size,

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from ...options import CurvatureKind
 from ...option_groups import accepts_flat_keywords
 from ...options import OptionAttribute, Structure, choice
-from .data_pass import Data
+from ..ggn.data_pass import Data
 from .diag_laplace import DiagLaplace
 from .kfac_laplace import KFACLaplace, _check_damping
 from .last_layer_curvature import fit_last_layer
@@ -94,6 +94,7 @@ class LastLayerKFACLaplace(LayerRoute, KFACLaplace):
         input_shape: tuple[int, ...] | None = None,
     ) -> None:
         batch_size, chunk_size, progress = pass_settings(options)
+        self.progress = progress  # predict's pass over the test points follows it too
         _check_damping(damping, "damping")
         fitted = _fit(self, net, x, y, likelihood, layer, Structure.KFAC, prior_precision, prior_structure,
                       batch_size, progress, input_shape, chunk_size)
@@ -166,6 +167,7 @@ class LastLayerDiagLaplace(LayerRoute, DiagLaplace):
         input_shape: tuple[int, ...] | None = None,
     ) -> None:
         batch_size, chunk_size, progress = pass_settings(options)
+        self.progress = progress  # predict's pass over the test points follows it too
         kind = choice(CurvatureKind)(curvature, "curvature")
         structure = Structure.DIAG_EF if kind is CurvatureKind.EF else Structure.DIAG_GGN
         fitted = _fit(self, net, x, y, likelihood, layer, structure, prior_precision, prior_structure, batch_size,

@@ -25,7 +25,7 @@ from ...ntk import ParameterGroups
 from ...ntk.features import Layer
 from ...ntk.layer_plan import candidate_layers
 from ...ntk.network import NetworkCore
-from .data_pass import DataPass
+from ..ggn.data_pass import DataPass
 
 __all__ = ["Layer", "layer_features", "structured_layers", "usable_layers"]
 

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from ...ntk.norm_features import ElementwiseLayer, elementwise_layers
-from .data_pass import DataPass
+from ..ggn.data_pass import DataPass
 
 __all__ = ["DiagonalSums", "diagonal_layers"]
 

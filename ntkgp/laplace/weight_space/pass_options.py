@@ -23,8 +23,9 @@ class PassOptions:
         batch_size: examples per batch of the curvature pass over the data (per Jacobian batch for the full
             posteriors); a loader's batches are its own.
         chunk_size: examples per Jacobian chunk at prediction time.
-        progress: the pass over the data: ``None`` (auto: a bar on a terminal, else one line with a long pass's
-            estimated time), ``True`` (a bar) or ``False`` (silent): :mod:`ntkgp.progress`.
+        progress: the pass over the data, and the posterior's ``predict`` over the test points (its
+            ``progress``): ``None`` (auto: a bar on a terminal, else one line with a long pass's estimated time),
+            ``True`` (a bar) or ``False`` (silent): :mod:`ntkgp.progress`.
 
     Example:
         >>> PassOptions(batch_size=256, progress=False).chunk_size

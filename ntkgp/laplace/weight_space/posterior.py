@@ -36,7 +36,7 @@ from gpytorch.likelihoods import Likelihood
 from torch import Tensor
 
 from ...caching import ValueCache, network_key, same_values
-from .scaling import output_scale
+from ..ggn.scaling import output_scale
 from ...likelihoods import num_outputs
 from ...ntk.inputs import split
 from ...ntk import ParameterGroups, resolve_groups
@@ -160,6 +160,10 @@ class WeightPosterior(PriorTuning, PosteriorState, ABC):
 
     likelihood = OptionAttribute(check_likelihood, fixed="the curvature was computed with this likelihood")
     structure = OptionAttribute(check_name, fixed="a posterior of another structure is another object")
+    #: The progress of :meth:`predict`'s pass over the test points (and :meth:`predictive_samples`'): the
+    #: constructor's ``PassOptions.progress``; ``None`` (auto) for a posterior made from a curvature or a state
+    #: dict. ``True`` (a bar), ``False`` (silent) or ``None``; it can be assigned: :mod:`ntkgp.progress`.
+    progress: bool | None = None
 
     def __init__(
         self,

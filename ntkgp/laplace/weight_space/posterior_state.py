@@ -19,9 +19,9 @@ from torch import Tensor, nn
 
 from ...likelihoods import is_gaussian
 from ...ntk import ParameterGroups
-from .curvature import Curvature
+from ..ggn.curvature import Curvature
 from .diagonal import DiagonalEF, DiagonalGGN
-from .full_curvature import FullCurvature
+from ..ggn.full_curvature import FullCurvature
 from .kfac import KroneckerFactors, KroneckerGGN
 from .predictive_estimators import Prediction, predict
 
@@ -83,7 +83,9 @@ class PosteriorState:
     def predict(self, x: Tensor, method: str = "glm", link: str | None = None, **kwargs) -> Prediction:
         r"""The predictive at ``x``: :func:`ntkgp.laplace.predict` (every estimator: ``method="glm"``,
         ``"glm_mc"``, ``"mc_glm"``, ``"nn_sampling"``; ``link="probit"``, ``"bridge"``, ``"mc"``; the other
-        keyword arguments as there). laplace-torch's ``la(x, pred_type=..., link_approx=...)``.
+        keyword arguments as there). laplace-torch's ``la(x, pred_type=..., link_approx=...)``. Its pass over the
+        test points follows the posterior's ``progress`` (its ``PassOptions.progress``) unless ``progress=`` is
+        given.
 
         Example:
             >>> posterior = KFACLaplace(net, x, y, SoftmaxLikelihood(10),
@@ -92,6 +94,7 @@ class PosteriorState:
             >>> tuple(prediction.probs.shape)                 # (N, C) class probabilities
             (1000, 10)
         """
+        kwargs.setdefault("progress", getattr(self, "progress", None))
         return predict(self, x, method=method, link=link, **kwargs)
 
     def predictive_samples(self, x: Tensor, n_samples: int = 100, method: str = "glm",
@@ -108,7 +111,7 @@ class PosteriorState:
             raise ValueError(f"method must be one of {tuple(SAMPLE_METHODS)}, got {method!r}")
         link = None if is_gaussian(self.likelihood) else "mc"
         return predict(self, x, method=SAMPLE_METHODS[method], link=link, num_samples=n_samples,
-                       generator=generator).samples
+                       generator=generator, progress=getattr(self, "progress", None)).samples
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:

@@ -262,7 +262,8 @@ class PriorTuning:
                 raise ValueError(f"metric must be one of {VALIDATION_METRICS} or a callable, got {metric!r}")
             if metric in ("ece", "brier") and is_gaussian(self.likelihood):
                 raise ValueError(f"metric={metric!r} is for classification; use 'nll' for regression")
-            options = {"link": link, "method": predictive, "num_samples": num_samples, "generator": generator}
+            options = {"link": link, "method": predictive, "num_samples": num_samples, "generator": generator,
+                       "progress": False}  # each candidate's predictions: silent within the search's own bar
             candidates = values if values.dim() == 2 else values[:, None].expand(-1, self.groups.num_groups)
             before = self.prior_precision
             try:  # (M, G) candidates: the values shared by every group, or those given

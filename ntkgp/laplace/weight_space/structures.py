@@ -13,18 +13,18 @@ from torch import Tensor, nn
 from ...ntk.groups import GroupSpec
 from ...options import Structure, choose
 from ...progress import check_progress
-from .curvature import Curvature
-from .data_pass import Data
+from ..ggn.curvature import Curvature
+from ..ggn.data_pass import Data
 from .diag_laplace import DiagLaplace
 from .diagonal import diagonal_ef, diagonal_ggn
-from .full_curvature import full_ef, full_ggn
+from ..ggn.full_curvature import full_ef, full_ggn
 from .full_laplace import FullLaplace
 from .kfac import check_kfac_approximation, kfac_ggn
 from .kfac_laplace import KFACLaplace
 from .last_layer_laplace import LastLayerLaplace
 from .last_layer_structured import LastLayerDiagLaplace, LastLayerKFACLaplace
 from .posterior import WeightPosterior
-from .sampled_ggn import check_generator
+from ..ggn.sampled_ggn import check_generator
 
 
 @dataclass(frozen=True)
@@ -112,7 +112,7 @@ def compute_curvature(
         mc_samples: ``None`` (the exact GGN) or :math:`S`: a Monte-Carlo GGN from :math:`S` sampled roots of a
             softmax likelihood's Hessian per example — :math:`S` backward passes per batch instead of
             :math:`C - 1`, unbiased for the GGN and its diagonal
-            (:mod:`~ntkgp.laplace.weight_space.sampled_ggn`); ``"kfac"``, ``"diag_ggn"`` and ``"full_ggn"``.
+            (:mod:`~ntkgp.laplace.ggn.sampled_ggn`); ``"kfac"``, ``"diag_ggn"`` and ``"full_ggn"``.
         generator: the samples' ``torch.Generator`` (``None``: torch's global one).
         kfac_approximation: for ``"kfac"``, on layers with several locations per example (convolutions,
             ``nn.Linear`` on sequences): ``"expand"`` (each location a term of the factors' sums) or ``"reduce"`` (each example's

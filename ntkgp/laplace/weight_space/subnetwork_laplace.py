@@ -21,8 +21,8 @@ from ...ntk import ParameterGroups
 from ...ntk.network import NetworkCore
 from ...option_groups import accepts_flat_keywords
 from ...options import CurvatureKind, choice
-from .data_pass import Data, DataPass
-from .full_curvature import FullCurvature, dense_components
+from ..ggn.data_pass import Data, DataPass
+from ..ggn.full_curvature import FullCurvature, dense_components
 from .full_laplace import DensePosterior
 from .last_layer_laplace import layer_evidence
 from .pass_options import PassOptions, pass_settings
@@ -155,6 +155,7 @@ class SubnetLaplace(DensePosterior):
         input_shape: tuple[int, ...] | None = None,
     ) -> None:
         batch_size, chunk_size, progress = pass_settings(options)
+        self.progress = progress  # predict's pass over the test points follows it too
         kind = choice(CurvatureKind)(curvature, "curvature")
         masks = check_subnetwork(net, subnetwork)
         _, groups = check_before_pass(net, likelihood, prior_precision, prior_structure, input_shape, chunk_size,

@@ -18,6 +18,7 @@ from ...options import PredictiveMean
 from ...ntk.inputs import to as to_network
 from ...ntk.packed_inputs import pack_inputs
 from ...ntk.private_copy import model_lock
+from ...progress import Progress
 from .arguments import check_floating, positive_int
 from .newton_step import parameter_dict, shifted_outputs
 
@@ -106,7 +107,9 @@ class PredictionMixin:
         :math:`f(x_*;\theta^*) + J_* s`, one forward-mode pass per chunk; ``"nn"``: the network's output). Test points are processed in chunks of
         ``chunk_size``: the mean is computed at once, the covariance is a lazy
         :class:`~ntkgp.laplace.GLMPredictiveCovariance` that evaluates what is asked for (``.variance``,
-        per-point blocks, products) chunk by chunk. Memory is bounded by about
+        per-point blocks, products) chunk by chunk. Both passes over the test points follow :attr:`progress`
+        (``"NTKGP prediction"`` for the mean, ``"NTKGP prediction (variances)"``, ``(covariance)``, ``(products)``,
+        ``(entries)`` for the covariance's evaluations, with the kernel's Gram passes silent within them). Memory is bounded by about
         ``(G + 3)·chunk·C·N·C`` numbers whatever the number of test points (docs/ntkgp.md).
 
         When ``X`` requires grad the mean and (co)variance are differentiable w.r.t. ``X`` (including the
@@ -136,18 +139,21 @@ class PredictionMixin:
         noise = self._observation_noise(observation_noise)
         batch, n, d = x.shape[:-2], x.shape[-2], x.shape[-1]
         post, step = self._fitted()
-        context = PredictiveContext(self.covar_module, post, self.train_x, self.num_outputs, outputs, chunk)
+        context = PredictiveContext(self.covar_module, post, self.train_x, self.num_outputs, outputs, chunk,
+                                    self.progress)
         points = x.reshape(-1, d)
         engine = self.covar_module.engine
         network_only = self.predictive_mean is PredictiveMean.NN
         shift = None if network_only else parameter_dict(engine, step)
         means = []
-        for s, e in context.chunks(points.shape[0]):
-            xs = points[s:e]
-            if network_only:
-                means.append(self._network_mean.values(xs).to(post.dtype))
-            else:  # f(x*) + J* s: the network output plus the correction (never m(x*) + K*X(...), which cancels)
-                means.append(shifted_outputs(engine, xs, shift).to(post.dtype))
+        with Progress(points.shape[0], "NTKGP prediction", self.progress, unit="point") as bar:
+            for s, e in context.chunks(points.shape[0]):
+                xs = points[s:e]
+                if network_only:
+                    means.append(self._network_mean.values(xs).to(post.dtype))
+                else:  # f(x*) + J* s: the network output plus the correction (never m(x*) + K*X(...), which cancels)
+                    means.append(shifted_outputs(engine, xs, shift).to(post.dtype))
+                bar.update(e - s)
         c = self.num_outputs
         mean = torch.cat(means) if means else torch.zeros(0, c, dtype=post.dtype, device=x.device)
         if outputs is not None:

@@ -26,6 +26,7 @@ from torch import Tensor
 
 from ...caching import ValueCache
 from ...ntk.inputs import to as to_network
+from ...progress import reporting
 from .prediction_terms import PosteriorState
 from .statistics import DualStatistics
 from .system_grams import inducing_features, network_features, precise_engine
@@ -209,18 +210,21 @@ def reset_after_load(module, incompatible_keys) -> None:
 
 def inducing_feature_set(sfr):
     """The layer features of ``sfr``'s inducing inputs in the network's dtype (cached; those beyond the memory budget
-    recomputed at each use: :func:`~ntkgp.models.sfr.system_grams.inducing_features`)."""
-    return sfr._cache.z_features(
-        lambda: network_features(sfr.engine, inducing_features(sfr.engine, sfr.inducing_points)[0]), generation_key(sfr)
-    )
+    recomputed at each use: :func:`~ntkgp.models.sfr.system_grams.inducing_features`), computed with the progress
+    ``sfr.progress`` asks."""
+    def compute():
+        return network_features(sfr.engine, inducing_features(sfr.engine, sfr.inducing_points, sfr.progress)[0])
+
+    return sfr._cache.z_features(compute, generation_key(sfr))
 
 
 def z_jacobian(sfr) -> Tensor:
     """:math:`J(Z)`, ``(M·C, P)``, of ``sfr`` for predictions with a graph to the inputs (cached): in float64, on the
     copy of a float32 network that forms :math:`K_{ZZ}` (:func:`~ntkgp.models.sfr.system_grams.precise_engine`), as
-    the inducing features of the route without a graph."""
+    the inducing features of the route without a graph; with the progress ``sfr.progress`` asks."""
     def compute() -> Tensor:
         precise = precise_engine(sfr.engine)
-        return precise.jacobian(to_network(sfr.inducing_points, precise.dtype, sfr.inducing_points.device)).detach()
+        with reporting(precise.core, sfr.progress, "SFR J(Z)"):
+            return precise.jacobian(to_network(sfr.inducing_points, precise.dtype, sfr.inducing_points.device)).detach()
 
     return sfr._cache.z_jacobian(compute, generation_key(sfr))

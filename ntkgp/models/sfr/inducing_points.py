@@ -16,6 +16,9 @@ r"""Choosing SFR's inducing inputs :math:`Z` from the training inputs, in one pa
   at most ``pool_size`` of them, otherwise a seeded uniform subset of ``pool_size`` (the pool's Gram is
   ``pool_size²``); cost ``O(pool_size² C P_layer + pool_size M²)``.
 
+Both passes follow the model's ``progress`` option (:mod:`ntkgp.progress`): the read of the training inputs is
+``"SFR choosing Z (train_x)"`` (points), the pool's Gram ``"SFR choosing Z (pool Gram)"`` (pool rows).
+
 **Over several processes** (:func:`choose_inducing_inputs_distributed`, ``SFR(..., distributed=True)``).
 With ``distributed=True`` each rank of a ``torch.distributed`` process group passes its shard of the training
 data; the shards, concatenated in rank order, are the data set (:func:`ntkgp.distributed.shard`). The dual
@@ -42,6 +45,8 @@ from ...distributed import all_gather_rows, broadcast_, rank, together, world_si
 from ...memory import INDUCING_POOL_BYTES, chunk_rows, renamed_budget
 from ...ntk import NTKEngine
 from ...options import InducingMethod, OutputCoupling
+from ...progress import Progress, reporting
+from .streaming import CountedBatches, counted
 from .system_grams import system_grams
 from .validation import InputLayout, training_batches
 
@@ -65,6 +70,7 @@ def smallest_keys(
     seed: int,
     offset: int = 0,
     empty: str = "train_x holds no data",
+    progress: bool | None = False,
 ) -> tuple[Tensor, Tensor, Tensor, int]:
     """The rows of ``batches`` with the ``size`` smallest keys, their keys, their indices and the row count.
 
@@ -78,6 +84,8 @@ def smallest_keys(
         seed: seed of the keys.
         offset: number of keys to skip (rows before these batches).
         empty: the message of the error for no rows.
+        progress: over the rows (``"SFR choosing Z (train_x)"``, :mod:`ntkgp.progress`; the estimate needs their
+            number, ``batches.num_points``: :func:`~ntkgp.models.sfr.streaming.counted`).
 
     Returns:
         The kept rows (in key order), their keys, their indices ``offset + i`` and the number of rows seen.
@@ -92,28 +100,31 @@ def smallest_keys(
     keys = torch.empty(0, dtype=torch.float64)
     index = torch.empty(0, dtype=torch.long)
     position = offset
-    for x in batches:
-        batch_keys = torch.rand(x.shape[0], generator=generator, dtype=torch.float64)
-        candidates = x if kept is None else torch.cat([kept, x.to(kept)])
-        keys = torch.cat([keys, batch_keys])
-        index = torch.cat([index, torch.arange(position, position + x.shape[0])])
-        position += x.shape[0]
-        if keys.numel() > size:
-            chosen = torch.topk(keys, size, largest=False).indices
-            candidates, keys, index = candidates[chosen], keys[chosen], index[chosen]
-        kept = candidates
+    with Progress(getattr(batches, "num_points", None), "SFR choosing Z (train_x)", progress, unit="point") as bar:
+        for x in batches:
+            batch_keys = torch.rand(x.shape[0], generator=generator, dtype=torch.float64)
+            candidates = x if kept is None else torch.cat([kept, x.to(kept)])
+            keys = torch.cat([keys, batch_keys])
+            index = torch.cat([index, torch.arange(position, position + x.shape[0])])
+            position += x.shape[0]
+            if keys.numel() > size:
+                chosen = torch.topk(keys, size, largest=False).indices
+                candidates, keys, index = candidates[chosen], keys[chosen], index[chosen]
+            kept = candidates
+            bar.update(x.shape[0])
     if kept is None:
         raise ValueError(empty)
     return kept, keys, index, position - offset
 
 
-def uniform_subset(batches: Iterable[Tensor], size: int, seed: int) -> tuple[Tensor, int]:
+def uniform_subset(batches: Iterable[Tensor], size: int, seed: int, progress: bool | None = False) -> tuple[Tensor, int]:
     """A seeded uniform subset of ``min(size, N)`` rows of the concatenated ``batches``, and ``N``.
 
     Args:
         batches: input batches ``(n_b, ...)``.
         size: how many rows to keep.
         seed: seed of the keys.
+        progress: over the rows (as :func:`smallest_keys`).
 
     Returns:
         The rows, in the order of the data (all rows when ``N <= size``), and ``N``.
@@ -122,25 +133,30 @@ def uniform_subset(batches: Iterable[Tensor], size: int, seed: int) -> tuple[Ten
         ValueError: if ``batches`` is empty.
     """
     empty = "train_x holds no data to choose inducing inputs from"
-    kept, _, index, total = smallest_keys(batches, size, seed, empty=empty)
+    kept, _, index, total = smallest_keys(batches, size, seed, empty=empty, progress=progress)
     return kept[torch.argsort(index)], total
 
 
-def pool_gram(engine: NTKEngine, pool: Tensor, weights: Tensor, max_bytes: int = INDUCING_POOL_BYTES) -> Tensor:
+def pool_gram(engine: NTKEngine, pool: Tensor, weights: Tensor, max_bytes: int = INDUCING_POOL_BYTES,
+              progress: bool | None = False) -> Tensor:
     r"""The output trace of the NTK on ``pool``, :math:`\sum_g w_g \sum_c [K_g]_{cc}`, ``(P, P)``, in row blocks
-    that keep the per-group temporary ``rows·G·C·P`` (float64) under ``max_bytes``."""
+    that keep the per-group temporary ``rows·G·C·P`` (float64) under ``max_bytes``; ``progress`` over the rows
+    (``"SFR choosing Z (pool Gram)"``, :mod:`ntkgp.progress`; the engine's own chunk passes are silent)."""
     n = pool.shape[0]
     weights = weights.detach()
     rows = chunk_rows(max_bytes, engine.num_groups * engine.num_outputs(pool) * n, torch.float64)
-    blocks = [
-        torch.einsum("g,gcij->ij", weights, system_grams(engine, pool[s : s + rows], pool, OutputCoupling.INDEPENDENT))
-        for s in range(0, n, rows)
-    ]
+    blocks = []
+    name = "SFR choosing Z (pool Gram)"
+    with Progress(n, name, progress, unit="point") as bar, reporting(engine.core, False, name):
+        for s in range(0, n, rows):
+            grams = system_grams(engine, pool[s : s + rows], pool, OutputCoupling.INDEPENDENT)
+            blocks.append(torch.einsum("g,gcij->ij", weights, grams))
+            bar.update(min(rows, n - s))
     return torch.cat(blocks)
 
 
 def greedy_variance(engine: NTKEngine, pool: Tensor, size: int, weights: Tensor, max_bytes: int = INDUCING_POOL_BYTES,
-                    *, max_elements: int | None = None) -> Tensor:
+                    *, max_elements: int | None = None, progress: bool | None = False) -> Tensor:
     r"""Greedy conditional-variance selection of ``size`` rows of ``pool`` (deterministic).
 
     The pivots of a partial pivoted Cholesky factorization of the pool's Gram (:func:`pool_gram`), which at
@@ -155,6 +171,7 @@ def greedy_variance(engine: NTKEngine, pool: Tensor, size: int, weights: Tensor,
         weights: group weights :math:`1/\delta`, ``(G,)``.
         max_bytes: bound on the temporary per-group Gram block, in bytes (:data:`ntkgp.memory.INDUCING_POOL_BYTES`).
         max_elements: deprecated, the same bound in float64 numbers (``8·max_elements`` bytes).
+        progress: over the pool's Gram (:func:`pool_gram`).
 
     Returns:
         Indices into ``pool``, shape ``(M,)``, in the order they were chosen.
@@ -167,7 +184,7 @@ def greedy_variance(engine: NTKEngine, pool: Tensor, size: int, weights: Tensor,
     if n < size:
         raise ValueError(f"cannot choose {size} inducing inputs from {n} candidates (num_inducing > N)")
     with torch.no_grad():
-        gram = pool_gram(engine, pool, weights, max_bytes)
+        gram = pool_gram(engine, pool, weights, max_bytes, progress)
         # stop once the residual trace is at rounding level: further pivots would divide by noise
         tolerance = 10 * n * torch.finfo(gram.dtype).eps
         factor, pivots = pivoted_cholesky(gram, rank=size, error_tol=tolerance, return_pivots=True)
@@ -182,6 +199,7 @@ def choose_inducing_inputs(
     seed: int,
     pool_size: int,
     weights: Tensor,
+    progress: bool | None = False,
 ) -> Tensor:
     r"""``M`` inducing inputs from the training inputs, in one pass over ``batches``.
 
@@ -193,6 +211,7 @@ def choose_inducing_inputs(
         seed: seed of the uniform subset (and of the greedy method's candidate pool).
         pool_size: candidates for ``"greedy_variance"``.
         weights: group weights :math:`1/\delta`.
+        progress: the model's option, over the read of ``batches`` and the greedy method's pool Gram.
 
     Returns:
         ``Z``, ``(M, *example)``, prepared for the network (a new tensor).
@@ -200,12 +219,13 @@ def choose_inducing_inputs(
     Raises:
         ValueError: if there are fewer than ``M`` training inputs.
     """
-    candidates, total = uniform_subset(batches, size if method is InducingMethod.RANDOM else max(size, pool_size), seed)
+    keep = size if method is InducingMethod.RANDOM else max(size, pool_size)
+    candidates, total = uniform_subset(batches, keep, seed, progress)
     if total < size:
         raise ValueError(f"cannot choose {size} inducing inputs from {total} training inputs (num_inducing > N)")
     candidates = engine.prepare(candidates, "train_x").detach().clone()
     if method is InducingMethod.GREEDY_VARIANCE:
-        candidates = candidates[greedy_variance(engine, candidates, size, weights)]
+        candidates = candidates[greedy_variance(engine, candidates, size, weights, progress=progress)]
     return candidates
 
 
@@ -218,6 +238,7 @@ def choose_inducing_inputs_distributed(
     seed: int,
     pool_size: int,
     weights: Tensor,
+    progress: bool | None = False,
 ) -> Tensor:
     r"""``M`` inducing inputs from the training inputs of every rank, identical on every rank.
 
@@ -233,6 +254,7 @@ def choose_inducing_inputs_distributed(
         seed: seed of the keys.
         pool_size: candidates for ``"greedy_variance"``.
         weights: group weights :math:`1/\delta`.
+        progress: the model's option, over this rank's read of its shard and the greedy method's pool Gram.
 
     Returns:
         ``Z``, ``(M, *example)``, prepared for the network, the same tensor on every rank.
@@ -250,7 +272,7 @@ def choose_inducing_inputs_distributed(
         raise ValueError(f"cannot choose {size} inducing inputs from {total} training inputs (num_inducing > N)")
     with together("choosing inducing inputs"):
         empty = "this rank's shard of train_x holds no data"
-        rows, keys, index, _ = smallest_keys(batches(), keep, seed, offset, empty)
+        rows, keys, index, _ = smallest_keys(CountedBatches(batches(), local), keep, seed, offset, empty, progress)
         rows = engine.prepare(rows, "train_x").detach()
     rows = all_gather_rows(rows.contiguous())
     keys = all_gather_rows(keys.to(device)).cpu()
@@ -260,7 +282,7 @@ def choose_inducing_inputs_distributed(
         rows, index = rows[chosen.to(rows.device)], index[chosen]
     candidates = rows[torch.argsort(index).to(rows.device)].clone()
     if method is InducingMethod.GREEDY_VARIANCE:
-        candidates = candidates[greedy_variance(engine, candidates, size, weights).to(candidates.device)]
+        candidates = candidates[greedy_variance(engine, candidates, size, weights, progress=progress).to(candidates.device)]
     candidates = candidates.contiguous()
     if world_size() > 1:
         broadcast_([candidates])
@@ -278,9 +300,11 @@ def inducing_inputs_from_data(
     pool_size: int,
     weights: Tensor,
     distributed: bool,
+    progress: bool | None = False,
 ) -> Tensor:
     r"""``Z`` chosen from the training data as :class:`~ntkgp.models.sfr.SFR` does: one pass over ``train_x``
-    (tensors or a loader, checked batch by batch against ``layout``), over every rank's shard when ``distributed``.
+    (tensors or a loader, checked batch by batch against ``layout``), over every rank's shard when ``distributed``;
+    ``progress``: the model's option (module docstring).
 
     Returns:
         ``Z``, ``(M, *example)``, prepared for the network, a new tensor (the same on every rank).
@@ -292,9 +316,11 @@ def inducing_inputs_from_data(
         def count() -> int:
             return train_x.shape[0] if torch.is_tensor(train_x) else sum(bx.shape[0] for bx in batches())
 
-        z = choose_inducing_inputs_distributed(engine, count, batches, size, method, seed, pool_size, weights.detach())
+        z = choose_inducing_inputs_distributed(engine, count, batches, size, method, seed, pool_size, weights.detach(),
+                                               progress)
     else:
-        z = choose_inducing_inputs(engine, batches(), size, method, seed, pool_size, weights)
+        z = choose_inducing_inputs(engine, counted(train_x, batches()), size, method, seed, pool_size, weights,
+                                   progress)
     return z.detach().clone()
 
 

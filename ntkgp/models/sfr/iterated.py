@@ -32,6 +32,7 @@ from ...laplace.function_space.site_posterior import SiteIterationWarning, dampe
 from ...likelihoods import gradient, hessian, log_likelihood, validate_targets
 from ...ntk import NTKEngine
 from ...options import OutputCoupling, PriorMean
+from ...progress import Progress
 from .factorization import rounding
 from .statistics import DualStatistics
 from .streaming import mean_offset
@@ -43,14 +44,18 @@ __all__ = ["iterated_statistics", "iterated_update"]
 
 
 def _cross(
-    engine: NTKEngine, z: Tensor, x: Tensor, coupling: OutputCoupling, weights: Tensor, rows: int, z_features=None
+    engine: NTKEngine, z: Tensor, x: Tensor, coupling: OutputCoupling, weights: Tensor, rows: int, z_features=None,
+    progress: bool | None = False,
 ) -> Tensor:
-    """:math:`K_{Zx}` per system at group weights ``weights``: ``(1, M·C, b·C)`` or ``(C, M, b)``."""
+    """:math:`K_{Zx}` per system at group weights ``weights``: ``(1, M·C, b·C)`` or ``(C, M, b)``; ``progress``
+    over the points of ``x`` (``"SFR update (cross-Grams)"``, :mod:`ntkgp.progress`)."""
     parts = []
-    for s in range(0, x.shape[0], rows):
-        grams, _ = system_grams_and_diagonal(engine, z, x[s : s + rows], coupling, with_diagonal=False,
-                                             x1_features=z_features)
-        parts.append(torch.einsum("g,gbkr->bkr", weights, grams.to(weights)))
+    with Progress(x.shape[0], "SFR update (cross-Grams)", progress, unit="point") as bar:
+        for s in range(0, x.shape[0], rows):
+            grams, _ = system_grams_and_diagonal(engine, z, x[s : s + rows], coupling, with_diagonal=False,
+                                                 x1_features=z_features)
+            parts.append(torch.einsum("g,gbkr->bkr", weights, grams.to(weights)))
+            bar.update(min(rows, x.shape[0] - s))
     return torch.cat(
         parts, dim=-1
     )  # the points of x are consecutive columns (interleaved for joint coupling)
@@ -70,6 +75,7 @@ def iterated_statistics(
     slots: Tensor,
     rows: int,
     z_features=None,
+    progress: bool | None = False,
 ) -> DualStatistics:
     r"""Fresh :class:`DualStatistics` of the new points ``(x, y)`` with their sites at the mode of :math:`\Psi`.
 
@@ -87,6 +93,9 @@ def iterated_statistics(
         rows: points per accumulation step.
         z_features: the layer features of ``z`` kept by the model (:meth:`~ntkgp.ntk.NTKEngine.feature_set`), or
             ``None``.
+        progress: the model's ``progress`` option (:mod:`ntkgp.progress`), for the two passes over the new points:
+            their cross-Grams with ``z`` (``"SFR update (cross-Grams)"``) and their statistics at the sites
+            (``"SFR dual statistics"``).
 
     Warns:
         SiteIterationWarning: when the Newton iteration stops before it converged (the last iterate is used).
@@ -104,7 +113,7 @@ def iterated_statistics(
         m = f0 - offsets  # the prior mean, in the statistics' dtype (float64)
         kept = statistics.precision
         b_old, y_old = (t.to(dtype) for t in statistics.projected(weights.to(kept), slots.to(kept)))
-        cross = _cross(engine, z, x, coupling, weights, rows, z_features)  # (nb, K, R)
+        cross = _cross(engine, z, x, coupling, weights, rows, z_features, progress)  # (nb, K, R)
         joint = coupling is OutputCoupling.JOINT
         size = cross.shape[1]
 
@@ -149,11 +158,13 @@ def iterated_statistics(
         sites = f.view(b, c)
         kept = statistics.precision.dtype
         new = statistics.empty_like()  # per group, or combined at the same δ
-        for s in range(0, b, rows):
-            grams, diag = system_grams_and_diagonal(engine, z, x[s : s + rows], coupling, x1_features=z_features)
-            rows_ = slice(s, s + rows)
-            site, offset = sites[rows_].to(kept), (sites[rows_] - m[rows_]).to(kept)  # o = f − m at the sites
-            new.accumulate(likelihood, grams.to(kept), diag.to(kept), site, offset, y[rows_])
+        with Progress(b, "SFR dual statistics", progress, unit="point") as bar:
+            for s in range(0, b, rows):
+                grams, diag = system_grams_and_diagonal(engine, z, x[s : s + rows], coupling, x1_features=z_features)
+                rows_ = slice(s, s + rows)
+                site, offset = sites[rows_].to(kept), (sites[rows_] - m[rows_]).to(kept)  # o = f − m at the sites
+                new.accumulate(likelihood, grams.to(kept), diag.to(kept), site, offset, y[rows_])
+                bar.update(min(rows, b - s))
     return new
 
 
@@ -172,6 +183,7 @@ def iterated_update(
     slots: Tensor,
     rows: int,
     z_features=None,
+    progress: bool | None = False,
 ) -> DualStatistics:
     """:func:`iterated_statistics` of checked ``(x_new, y_new)`` batches, all held in memory for the call.
 
@@ -188,5 +200,5 @@ def iterated_update(
         raise ValueError("x_new holds no data")
     return iterated_statistics(
         engine, likelihood, z, coupling, mean, torch.cat(xs), torch.cat(ys), statistics, inducing, weights, slots, rows,
-        z_features,
+        z_features, progress,
     )

@@ -210,18 +210,18 @@ class SFR(PriorPrecisionTuning, CheckedLoad, BoTorchInterface, GP):
         else:
             z = inducing_inputs_from_data(
                 self.engine, train_x, train_y, self._layout, num_inducing, self.inducing_method, self.seed,
-                self.pool_size, self.covar_module.prior_precision.reciprocal(), self.distributed,
+                self.pool_size, self.covar_module.prior_precision.reciprocal(), self.distributed, progress,
             )
             pairs = training_batches(train_x, train_y, "train")
             first = next(pairs)
         self.register_buffer("inducing_points", z)
         combined = self.statistics is StatisticsMode.COMBINED
         delta = self.covar_module.prior_precision.detach()
-        exact = inducing_features(self.engine, z)  # once per model, in float64 (on a copy of a float32 network)
+        exact = inducing_features(self.engine, z, progress)  # once per model, in float64 (on a copy of a float32 network)
         # per group: (G, nb, K, K); combined: (1, nb, K, K), K_ZZ(δ) at the δ of the statistics
         zz, self._zz_precision = inducing_grams(
             z, self.output_coupling, statistics_dtype(self.engine.dtype), exact,
-            delta.reciprocal() if combined else None, self._rows_per_step(),
+            delta.reciprocal() if combined else None, self._rows_per_step(), progress,
         )
         z_features = network_features(self.engine, exact[0])  # kept in float64: the cross-Grams are float64
         del exact  # the float64 features: not held during the pass
@@ -369,7 +369,7 @@ class SFR(PriorPrecisionTuning, CheckedLoad, BoTorchInterface, GP):
                 self.engine, self.inducing_points, self.output_coupling, self.num_outputs, self._factors(),
                 self.prior_mean, self.predictive_mean, lambda: z_jacobian(self), inducing_feature_set(self),
             )
-            return predictive_distribution(terms, x, batch, chunk, model_dtype(self.inducing_points, self.covar_module.raw_prior_precision))
+            return predictive_distribution(terms, x, batch, chunk, model_dtype(self.inducing_points, self.covar_module.raw_prior_precision), self.progress)
 
     def posterior(self, X: Tensor, output_indices=None, observation_noise=False, posterior_transform=None, **kwargs):
         """BoTorch's ``Model.posterior``: a ``GPyTorchPosterior`` over ``f(X)`` (BoTorch imported when called).

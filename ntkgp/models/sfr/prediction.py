@@ -15,6 +15,7 @@ from gpytorch.distributions import MultitaskMultivariateNormal, MultivariateNorm
 from torch import Tensor
 
 from ...ntk.inputs import to as to_network
+from ...progress import Progress
 from .covariance import SparsePosteriorCovariance, per_batch_factors
 from .prediction_terms import PredictiveTerms
 
@@ -22,7 +23,8 @@ __all__ = ["predictive_distribution", "predictive_distributions"]
 
 
 def predictive_distribution(
-    terms: PredictiveTerms, x: Tensor, batch: torch.Size, chunk: int, dtype: torch.dtype
+    terms: PredictiveTerms, x: Tensor, batch: torch.Size, chunk: int, dtype: torch.dtype,
+    progress: bool | None = False,
 ) -> MultivariateNormal:
     """The joint posterior over :math:`f(x)` of each batch element.
 
@@ -32,12 +34,14 @@ def predictive_distribution(
         batch: the batch shape ``B``.
         chunk: test points per chunk.
         dtype: of the result.
+        progress: the model's ``progress`` option (``None``: a bar on a terminal, a line otherwise, for a long pass).
 
     Returns:
         ``MultivariateNormal`` ``(*batch, n)`` (``C = 1``) or ``MultitaskMultivariateNormal`` ``(*batch, n, C)``
         (interleaved).
     """
-    return predictive_distributions([terms], x, batch, chunk, dtype)[0]
+    with Progress(x.shape[0], "SFR prediction", progress, unit="point") as bar:
+        return predictive_distributions([terms], x, batch, chunk, dtype, bar.update)[0]
 
 
 def predictive_distributions(

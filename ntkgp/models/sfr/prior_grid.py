@@ -22,6 +22,7 @@ from ...laplace.weight_space.prior_tuning import check_grid, optimize_parameter_
 from ...likelihoods import is_gaussian, noise_variance
 from ...metrics import brier_score, categorical_nlpd, expected_calibration_error, gaussian_nlpd
 from ...ntk.private_copy import model_lock
+from ...progress import Progress
 from ...validation import positive_int
 from .factorization import inducing_feature_set, kzz_factors, solve, z_jacobian
 from .inducing_points import model_dtype
@@ -113,7 +114,8 @@ class PriorPrecisionTuning:
                                      posterior_state_at(self, value), self.prior_mean, self.predictive_mean,
                                      lambda: z_jacobian(self), features) for value in candidates]
             dtype = model_dtype(self.inducing_points, self.covar_module.raw_prior_precision)
-            return predictive_distributions(terms, x, batch, chunk, dtype)
+            with Progress(x.shape[0], "SFR prediction grid", self.progress, unit="point") as bar:
+                return predictive_distributions(terms, x, batch, chunk, dtype, bar.update)
 
     def optimize_prior_precision(
         self,

@@ -37,6 +37,7 @@ from ...ntk import NTKEngine
 from ...ntk.feature_pass import FeatureSet, chunk_for_budget, contracted_width
 from ...ntk.inputs import to as to_network
 from ...options import OutputCoupling, choose
+from ...progress import Progress, reporting
 from .whitening import _symmetrize_
 
 __all__ = [
@@ -86,7 +87,7 @@ def system_grams_and_diagonal(
 
 def combined_system_gram(
     engine: NTKEngine, z: Tensor, coupling: OutputCoupling | str, weights: Tensor, rows: int, dtype: torch.dtype,
-    z_features: FeatureSet | None = None,
+    z_features: FeatureSet | None = None, progress: bool | None = False,
 ) -> Tensor:
     r""":math:`K_{ZZ} = \sum_g w_g K_{g,ZZ}` arranged as :func:`system_grams` of ``(Z, Z)``, ``(1, nb, K, K)``.
 
@@ -100,15 +101,18 @@ def combined_system_gram(
         rows: inducing inputs per step.
         dtype: of the result (the statistics' dtype; the Grams are computed in the network's).
         z_features: the engine's :meth:`~ntkgp.ntk.NTKEngine.feature_set` of ``z`` (not recomputed).
+        progress: over the inducing inputs (:class:`~ntkgp.progress.Progress`, ``"SFR K_ZZ"``).
     """
     joint = choose(OutputCoupling, coupling, "output_coupling") is OutputCoupling.JOINT
     m, c = z.shape[0], engine.num_outputs(z)
     size, per_point = (m * c, c) if joint else (m, 1)
     out = torch.empty(1 if joint else c, size, size, dtype=dtype, device=engine.device)
-    for s in range(0, m, rows):
-        e = min(s + rows, m)
-        grams = system_grams(engine, z, z[s:e], coupling, z_features)  # (G, nb, K, (e - s)·C')
-        out[..., s * per_point : e * per_point] = torch.tensordot(weights.to(out), grams.to(out), dims=1)
+    with Progress(m, "SFR K_ZZ", progress, unit="point") as bar:
+        for s in range(0, m, rows):
+            e = min(s + rows, m)
+            grams = system_grams(engine, z, z[s:e], coupling, z_features)  # (G, nb, K, (e - s)·C')
+            out[..., s * per_point : e * per_point] = torch.tensordot(weights.to(out), grams.to(out), dims=1)
+            bar.update(e - s)
     _symmetrize_(out)
     return out.unsqueeze(0)
 
@@ -160,14 +164,17 @@ def auto_chunk_size(engine: NTKEngine, probe: Tensor) -> int:
     return chunk_for_budget(engine.core, engine.plan(probe), engine.num_outputs(probe), probe.element_size())
 
 
-def inducing_features(engine: NTKEngine, z: Tensor) -> tuple[FeatureSet, NTKEngine]:
+def inducing_features(engine: NTKEngine, z: Tensor, progress: bool | None = False) -> tuple[FeatureSet, NTKEngine]:
     r"""The layer features of the inducing inputs on :func:`precise_engine` (float64, for :math:`K_{ZZ}`), computed
     once per model, and that engine: the contracted columns of the leading inducing inputs within
-    :data:`INDUCING_FEATURE_BYTES` (counted in float64) kept, the others recomputed at each use (in float64)."""
+    :data:`INDUCING_FEATURE_BYTES` (counted in float64) kept, the others recomputed at each use (in float64).
+    ``progress``: over the chunks of ``z`` (the model's option; :func:`~ntkgp.progress.reporting`, ``"SFR inducing
+    inputs"``)."""
     precise = precise_engine(engine)
     z = to_network(engine.prepare(z, "inducing_points").detach(), precise.dtype, z.device)
     keep = INDUCING_FEATURE_BYTES // max(1, inducing_feature_bytes(precise, z))
-    return precise.feature_set(z, keep=keep), precise
+    with reporting(precise.core, progress, "SFR inducing inputs"):
+        return precise.feature_set(z, keep=keep), precise
 
 
 def network_features(engine: NTKEngine, exact: FeatureSet) -> FeatureSet:
@@ -179,14 +186,17 @@ def network_features(engine: NTKEngine, exact: FeatureSet) -> FeatureSet:
 
 def inducing_grams(
     z: Tensor, coupling: OutputCoupling | str, dtype: torch.dtype, features: tuple[FeatureSet, NTKEngine],
-    weights: Tensor | None = None, rows: int = 1,
+    weights: Tensor | None = None, rows: int = 1, progress: bool | None = False,
 ) -> tuple[Tensor, torch.dtype]:
     r""":math:`K_{ZZ}` per group, :func:`system_grams` ``(G, nb, K, K)``, or (``weights`` given, combined statistics)
     :math:`\sum_g w_g K_{g,ZZ}` ``(1, nb, K, K)`` (:func:`combined_system_gram`), in ``dtype``, computed in float64
     (:func:`precise_engine`); and the dtype it was computed in. ``features``: the float64 features of ``z`` and their
-    engine (:func:`inducing_features`), reused."""
+    engine (:func:`inducing_features`), reused. ``progress``: over the pass (the model's option, ``"SFR K_ZZ"``:
+    :mod:`ntkgp.progress`)."""
     exact, precise = features
     z = to_network(z, precise.dtype, z.device)  # integer token ids stay integer
     if weights is not None:
-        return combined_system_gram(precise, z, coupling, weights.to(precise.dtype), rows, dtype, exact), precise.dtype
-    return system_grams(precise, z, None, coupling, exact).to(dtype), precise.dtype
+        return combined_system_gram(precise, z, coupling, weights.to(precise.dtype), rows, dtype, exact,
+                                    progress), precise.dtype
+    with reporting(precise.core, progress, "SFR K_ZZ"):
+        return system_grams(precise, z, None, coupling, exact).to(dtype), precise.dtype

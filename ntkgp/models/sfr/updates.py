@@ -47,7 +47,7 @@ def new_statistics(sfr, x_new: Tensor | Iterable[tuple[Tensor, Tensor]], y_new: 
                 slots = stats.slot_weights(sfr.likelihood).detach()
                 inducing = kzz_factors(sfr, weights)
             new = iterated_update(*args, sfr._layout, sfr.num_outputs, stats, inducing, weights, slots, rows,
-                                  inducing_feature_set(sfr))
+                                  inducing_feature_set(sfr), sfr.progress)
         else:
             new = stream_statistics(
                 *args, sfr._layout, rows, "new", sfr.progress, prior_precision=stats.prior_precision,

@@ -21,6 +21,10 @@ Memory: the :math:`P^2` of :math:`D` and at most :math:`P^2/2` for the blocks' s
 :math:`\max(P^2/4, 2^{20})`), plus the chunk's features :math:`n (\sum_l d_a^l +
 M \sum_l d_out^l)`.
 
+The pass over the examples shows its progress as the caller's ``progress`` asks (``"GGN layer blocks"``, or
+``"name (GGN layer blocks)"`` within :func:`~ntkgp.progress.reporting`; the core's own chunk passes are silent
+within it): the evidence's weight-space route passes its kernel's option.
+
 It applies (:func:`layer_ggn_layers`) to the GGN with a single output scale (one component: classification, or
 a Gaussian likelihood with one noise) when every trainable parameter belongs to a verified ``nn.Linear`` /
 ``nn.Conv2d`` layer of the NTK engine's layer plan with one location per example, and when its multiply-add
@@ -36,6 +40,7 @@ from torch import Tensor
 from ...memory import LAYER_GGN_MIN_BYTES, chunk_rows, itemsize
 from ...ntk.features import Layer
 from ...ntk.network import NetworkCore
+from ...progress import Progress, reporting
 from .scaling import unit_hessian_sqrt
 
 __all__ = ["blocks_of_root", "layer_ggn", "layer_ggn_components", "layer_ggn_layers"]
@@ -72,7 +77,8 @@ def layer_ggn_layers(
     return tuple(plan.layers)
 
 
-def layer_ggn(core: NetworkCore, layers: tuple[Layer, ...], x: Tensor, root: Tensor, chunk_size: int = 256) -> Tensor:
+def layer_ggn(core: NetworkCore, layers: tuple[Layer, ...], x: Tensor, root: Tensor, chunk_size: int = 256,
+              progress: bool | None = False) -> Tensor:
     r""":math:`D = \sum_n J_n^\top R_n R_n^\top J_n` ``(P, P)`` (columns in the order of ``core.names``) from
     the layer features of ``layers`` (module docstring), in the dtype of ``root``, exactly symmetric.
 
@@ -83,6 +89,7 @@ def layer_ggn(core: NetworkCore, layers: tuple[Layer, ...], x: Tensor, root: Ten
             :math:`\tilde L_n \tilde L_n^\top = \tilde\Lambda_n`).
         chunk_size: examples per chunk at most (fewer where a block pair's temporaries would exceed
             :math:`\max(P^2/4, 2^{20})` numbers).
+        progress: over the examples (module docstring; :mod:`ntkgp.progress`).
     """
     dtype, device = root.dtype, root.device
     count = len(layers)
@@ -99,20 +106,25 @@ def layer_ggn(core: NetworkCore, layers: tuple[Layer, ...], x: Tensor, root: Ten
     width = max(rows + cols for rows, cols in sizes.values())
     budget = max(core.num_params**2 // 4 * itemsize(dtype), LAYER_GGN_MIN_BYTES)
     chunk_size = chunk_rows(budget, width, dtype, chunk_size)
-    for start in range(0, x.shape[0], chunk_size):
-        part = slice(start, start + chunk_size)
-        features = core.features(x[part], layers, root[part])
-        inputs = [layer.fold(features.inputs[layer.name])[..., 0].to(dtype) for layer in layers]  # (n, d_a)
-        grads = [features.grads[layer.name][..., 0].to(dtype) for layer in layers]  # (n, M, d_out)
-        n = inputs[0].shape[0]
-        for (i, j), total in sums.items():
-            weights = torch.bmm(grads[i].transpose(1, 2), grads[j])  # M^{ij}_n, (n, d_out^i, d_out^j)
-            if i == j:
-                (p, q), (r, t) = tri[shapes[i][0]], tri[shapes[i][1]]
-                outer, weights = inputs[i][:, p] * inputs[i][:, q], weights[:, r, t]
-            else:
-                outer, weights = (inputs[i][:, :, None] * inputs[j][:, None, :]).reshape(n, -1), weights.reshape(n, -1)
-            total.addmm_(outer.T, weights)
+    name = getattr(core, "pass_name", None)  # set by ntkgp.progress.reporting
+    desc = f"{name} (GGN layer blocks)" if name else "GGN layer blocks"
+    with Progress(x.shape[0], desc, progress, unit="point") as bar, reporting(core, False, desc):
+        for start in range(0, x.shape[0], chunk_size):
+            part = slice(start, start + chunk_size)
+            features = core.features(x[part], layers, root[part])
+            inputs = [layer.fold(features.inputs[layer.name])[..., 0].to(dtype) for layer in layers]  # (n, d_a)
+            grads = [features.grads[layer.name][..., 0].to(dtype) for layer in layers]  # (n, M, d_out)
+            n = inputs[0].shape[0]
+            for (i, j), total in sums.items():
+                weights = torch.bmm(grads[i].transpose(1, 2), grads[j])  # M^{ij}_n, (n, d_out^i, d_out^j)
+                if i == j:
+                    (p, q), (r, t) = tri[shapes[i][0]], tri[shapes[i][1]]
+                    outer, weights = inputs[i][:, p] * inputs[i][:, q], weights[:, r, t]
+                else:
+                    outer = (inputs[i][:, :, None] * inputs[j][:, None, :]).reshape(n, -1)
+                    weights = weights.reshape(n, -1)
+                total.addmm_(outer.T, weights)
+            bar.update(n)
     out = torch.empty(core.num_params, core.num_params, dtype=dtype, device=device)
     for (i, j), total in sums.items():
         (ai, oi), (aj, oj) = shapes[i], shapes[j]
@@ -134,17 +146,17 @@ def _positions(d: int, device) -> Tensor:
     return torch.maximum(upper, upper.T).reshape(-1)  # the lower entries are 0 before the maximum
 
 
-def blocks_of_root(core: NetworkCore, plan, x: Tensor, root: Tensor) -> Tensor | None:
+def blocks_of_root(core: NetworkCore, plan, x: Tensor, root: Tensor, progress: bool | None = False) -> Tensor | None:
     r""":math:`\sum_n J_n^\top R_n R_n^\top J_n` ``(P, P)`` by :func:`layer_ggn` (dtype of ``root``), or ``None``
     where the rows route applies or is cheaper (:func:`layer_ggn_layers`); ``plan`` the layer plan of the prepared
-    ``x``, ``root`` ``(N, C, M)``."""
+    ``x``, ``root`` ``(N, C, M)``; ``progress`` over the examples (:func:`layer_ggn`)."""
     layers = layer_ggn_layers(core, plan, root.shape[-1], False, False)
-    return None if layers is None else layer_ggn(core, layers, x, root)
+    return None if layers is None else layer_ggn(core, layers, x, root, progress=progress)
 
 
 def layer_ggn_components(
     core: NetworkCore, plan, x: Tensor, likelihood: Likelihood, f: Tensor, y: Tensor, scale0: Tensor,
-    fisher: bool,
+    fisher: bool, progress: bool | None = False,
 ) -> Tensor | None:
     r"""The components ``(1, P, P)`` of the dense GGN by the block route, in the dtype of ``f``, or ``None`` where
     the rows route applies or is cheaper (:func:`blocks_of_root`).
@@ -154,8 +166,9 @@ def layer_ggn_components(
         likelihood: the likelihood; ``scale0`` its output scale :math:`s_0` (detached) for the unit root.
         f, y: outputs ``(N, C)`` at ``x`` and normalized targets.
         fisher: the empirical Fisher (always ``None``).
+        progress: over the examples (:func:`layer_ggn`).
     """
     if fisher or scale0.shape[0] != 1:
         return None
-    blocks = blocks_of_root(core, plan, x, unit_hessian_sqrt(likelihood, f, y, scale0).to(f))
+    blocks = blocks_of_root(core, plan, x, unit_hessian_sqrt(likelihood, f, y, scale0).to(f), progress)
     return None if blocks is None else blocks[None]

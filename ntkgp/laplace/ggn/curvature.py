@@ -10,7 +10,7 @@ evaluates, for any prior precisions :math:`\delta_g` and likelihood hyperparamet
 with :math:`H` the structured approximation of :math:`\sum_n J_n^\top \Lambda_n J_n` (or of the empirical
 Fisher) and :math:`P_0 = \operatorname{diag}(\delta)` expanded to :math:`P \times P` (``docs/math.md``,
 "Laplace-GGN evidence"): the Laplace approximation of the log marginal likelihood. Nothing that scales with :math:`N` or needs the network is recomputed: the likelihood's
-hyperparameters enter through the output scale :math:`s` (:func:`~ntkgp.laplace.weight_space.scaling.output_scale`), the
+hyperparameters enter through the output scale :math:`s` (:func:`~ntkgp.laplace.ggn.scaling.output_scale`), the
 data term through the stored outputs :math:`f_n`. All evaluations are differentiable w.r.t. :math:`\delta`,
 the noise and the temperature.
 """
@@ -103,7 +103,7 @@ class Curvature(ABC):
     def variance(self, likelihood: Likelihood) -> Tensor | float | None:
         r"""The reciprocal :math:`v = 1/s` of the output scale as the likelihood holds it (``σ²``, ``(C,)``, or
         ``T``, ``()``, in the curvature's dtype; a temperature that is not learned as a number), or ``None`` for
-        :math:`s = 1` (:func:`~ntkgp.laplace.weight_space.scaling.variance_reader`)."""
+        :math:`s = 1` (:func:`~ntkgp.laplace.ggn.scaling.variance_reader`)."""
         reader = self._variance_reader
         if reader is None or reader[0]() is not likelihood:  # checked and dispatched once per likelihood
             reader = self._variance_reader = (weakref.ref(likelihood), variance_reader(likelihood))
@@ -127,7 +127,7 @@ class Curvature(ABC):
 
     def fit_statistics(self, likelihood: Likelihood) -> Tensor:
         r"""The statistics ``(3, K)`` of the data term
-        (:func:`~ntkgp.laplace.weight_space.scaling.data_fit_statistics`), computed once per likelihood type from
+        (:func:`~ntkgp.laplace.ggn.scaling.data_fit_statistics`), computed once per likelihood type from
         the stored outputs, :math:`O(NC)`."""
         return self._statistics(likelihood)[1]
 

@@ -2,9 +2,9 @@ r"""The full GGN / EF in function space: :math:`\log|H + P_0|` through the per-g
 
 With the unit rows :math:`U` of :math:`H` (``R × P``: :math:`\tilde L_n^\top J_n` for the GGN, :math:`R = NC`,
 or :math:`N(C - 1)` for a softmax, whose :math:`\Lambda_n` has rank :math:`C - 1` and a root of that many columns,
-:func:`~ntkgp.laplace.weight_space.scaling.unit_hessian_root`;
+:func:`~ntkgp.laplace.ggn.scaling.unit_hessian_root`;
 :math:`\tilde g_n^\top J_n` for the EF, :math:`R = N`) and the row weights :math:`w(s)` of the likelihood's output
-scale (:mod:`~ntkgp.laplace.weight_space.scaling`), :math:`H = U^\top W U` and by the matrix determinant lemma
+scale (:mod:`~ntkgp.laplace.ggn.scaling`), :math:`H = U^\top W U` and by the matrix determinant lemma
 
 .. math::
     \log|H + P_0| - \log|P_0| = \log\Bigl|I_R + W^{1/2} \Bigl(\sum_g \delta_g^{-1} U_g U_g^\top\Bigr)
@@ -13,7 +13,7 @@ scale (:mod:`~ntkgp.laplace.weight_space.scaling`), :math:`H = U^\top W U` and b
 with the per-group Grams :math:`U_g U_g^\top = \tilde L^\top J_g J_g^\top \tilde L` from the NTK's per-group
 Grams :math:`J_g J_g^\top` (``docs/math.md``, "Laplace-GGN evidence"). Built once per :math:`\theta^*` (at
 most :math:`O(R^2 P)`), each evaluation is one :math:`R \times R` Cholesky factorization
-(:func:`~ntkgp.laplace.weight_space.exact_log_det.scaled_log_det`), differentiable in every :math:`\delta_g` and
+(:func:`~ntkgp.laplace.ggn.exact_log_det.scaled_log_det`), differentiable in every :math:`\delta_g` and
 in :math:`s`. This is the function-space route of the evidence of :class:`~ntkgp.NTKGP`, of
 :class:`~ntkgp.mlls.LaplaceGGNMarginalLogLikelihood` and of :func:`~ntkgp.training.train_marglik`: the cheaper
 representation when :math:`R < P` (:func:`~ntkgp.laplace.weight_space.exact_curvature` chooses).
@@ -32,6 +32,7 @@ from ...ntk import NTKEngine, ParameterGroups
 from ...ntk.groups import GroupSpec
 from ...options import CurvatureKind
 from ...options import choose
+from ...progress import check_progress, reporting
 from .curvature import Curvature
 from .data_pass import DataPass
 from .exact_log_det import scaled_log_det, spectral_log_det_ratio
@@ -163,6 +164,7 @@ def function_space_curvature(
     spectral: bool = False,
     engine=None,
     validated: bool = False,
+    progress: bool | None = None,
 ) -> FunctionSpaceCurvature:
     r"""The full GGN / EF in function space: the per-group NTK Grams :math:`J_g J_g^\top` (``(G, NC, NC)``)
     contracted with the unit factors into the Grams of the unit rows (:func:`unit_grams`).
@@ -180,7 +182,11 @@ def function_space_curvature(
             structured plan and input checks are cached; by default a new one.
         validated: ``x`` is already prepared by the engine and ``y`` normalized by
             :func:`~ntkgp.likelihoods.validate_targets` (skips the per-call checks; for a training loop).
+        progress: over the chunks of the Gram pass (``"function-space curvature (layer features)"`` and ``(Gram)``):
+            ``None`` (auto), ``True`` (a bar) or ``False`` (silent), whatever the ``engine``'s own setting
+            (:func:`~ntkgp.progress.reporting`).
     """
+    check_progress(progress)
     fisher = choose(CurvatureKind, curvature, "curvature") is CurvatureKind.EF
     if engine is None:
         engine = NTKEngine(net, prior_structure=prior_structure, input_shape=input_shape)
@@ -195,7 +201,9 @@ def function_space_curvature(
         data.targets.append(yb)
     else:
         (xb, fb, yb), = list(data.batches(x, y, max(int(x.shape[0]), 1), False, "function-space curvature"))
-    grams, row_scale = unit_grams(engine.group_grams(xb), likelihood, fb, yb, data.scale0, fisher)
+    with reporting(engine.core, progress, "function-space curvature"):
+        grams = engine.group_grams(xb)
+    grams, row_scale = unit_grams(grams, likelihood, fb, yb, data.scale0, fisher)
     f_all, y_all = data.collected()
     return FunctionSpaceCurvature(data.core.groups, data.theta_sq_norms(), f_all, y_all, data.scale0.shape[0],
                                   grams, row_scale, fisher, spectral)

@@ -1,7 +1,7 @@
 r"""The exact log-determinant of the weight-space evidence with several prior precisions, when one group holds most
 of the parameters: one eigendecomposition of that group's block per network state, then :math:`O(P_b k^2 + k^3)`
 per evaluation (``k = P - P_b``) instead of the :math:`O(P^3)` Cholesky factorization of
-:func:`~ntkgp.laplace.weight_space.exact_log_det.scaled_log_det`.
+:func:`~ntkgp.laplace.ggn.exact_log_det.scaled_log_det`.
 
 With one curvature component, :math:`H = w D` (:math:`w` the output scale :math:`s`, or :math:`s^2` for the
 empirical Fisher), columns split into the largest group ``b`` (precision :math:`\delta_b`, :math:`P_b` columns)

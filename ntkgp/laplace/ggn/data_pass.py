@@ -47,7 +47,7 @@ class DataPass:
         distributed: each rank passes its shard of the data; sums (:meth:`reduce`) and the collected
             outputs and targets (:meth:`collected`) are over all ranks (:mod:`ntkgp.distributed`).
         mc_samples: ``None`` for the exact roots of the likelihood's Hessian, or :math:`S`: the sampled roots of
-            :mod:`~ntkgp.laplace.weight_space.sampled_ggn` (a softmax likelihood), :math:`S` columns per example.
+            :mod:`~ntkgp.laplace.ggn.sampled_ggn` (a softmax likelihood), :math:`S` columns per example.
         generator: the sampled roots' random numbers (``None``: torch's global generator).
     """
 
@@ -217,11 +217,11 @@ class DataPass:
 
     def unit_hessian_root(self, f: Tensor, y: Tensor) -> Tensor:
         r"""A root :math:`R_n` of :math:`\tilde\Lambda_n` with the fewest columns the likelihood allows, shape
-        ``(n, C, M)`` (:func:`~ntkgp.laplace.weight_space.scaling.unit_hessian_root`: :math:`M = C - 1` for a
+        ``(n, C, M)`` (:func:`~ntkgp.laplace.ggn.scaling.unit_hessian_root`: :math:`M = C - 1` for a
         softmax likelihood). A backward pass and a product per example fewer in a pass over cotangent columns
         (:math:`\sum_m (J^\top r_m) (J^\top r_m)^\top` is the same for every root). With :attr:`mc_samples`,
         :math:`S` sampled columns whose outer products average to it
-        (:func:`~ntkgp.laplace.weight_space.sampled_ggn.sampled_unit_hessian_root`)."""
+        (:func:`~ntkgp.laplace.ggn.sampled_ggn.sampled_unit_hessian_root`)."""
         if self.mc_samples is not None:
             return sampled_unit_hessian_root(f, self.mc_samples, self.generator)
         return scaling.unit_hessian_root(self.likelihood, f, y, self.scale0)

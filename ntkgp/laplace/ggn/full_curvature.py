@@ -5,14 +5,14 @@ r"""The full (dense) GGN and empirical Fisher in weight space, and the choice of
     H_{\mathrm{EF}}(s) = \sum_n J_n^\top g_n g_n^\top J_n = \sum_{k, k'} s_k s_{k'} D_{kk'},
 
 stored as components computed once with the unit factors of the likelihood (``docs/math.md``, "Laplace-GGN
-evidence"; :mod:`ntkgp.laplace.weight_space.scaling`): for a Gaussian likelihood with ``C`` outputs one component per
+evidence"; :mod:`ntkgp.laplace.ggn.scaling`): for a Gaussian likelihood with ``C`` outputs one component per
 output, :math:`D_c = \sum_n J_{nc}^\top J_{nc}` (per pair of outputs for the EF, with
 :math:`\tilde g_n = g_n / s`); otherwise (a tempered classification likelihood) one component with
 :math:`\tilde\Lambda_n = \Lambda_n / s_0`, :math:`\tilde g_n = g_n / s_0`. A new noise or temperature
 re-weights the components without another pass over the data: **the curvature is built once per**
 :math:`\theta^*` and every later evaluation of :math:`\log|H + P_0|` for new :math:`(\delta, s)` costs one
 ``P × P`` Cholesky factorization of :math:`P_0^{-1/2}(H + P_0)P_0^{-1/2}`
-(:func:`~ntkgp.laplace.weight_space.exact_log_det.scaled_log_det`), :math:`O(P^3)`, exact and differentiable in
+(:func:`~ntkgp.laplace.ggn.exact_log_det.scaled_log_det`), :math:`O(P^3)`, exact and differentiable in
 every :math:`\delta_g` and in :math:`s`. Memory: the ``K`` components, :math:`K P^2` numbers (:math:`K = 1`
 for classification and one Gaussian output, :math:`C` per-output Gaussian, :math:`C^2` for its EF), plus
 :math:`3 P^2` while an evaluation and its gradient run.
@@ -34,18 +34,20 @@ import torch
 from gpytorch.likelihoods import Likelihood
 from torch import Tensor, nn
 
-from ...likelihoods import is_gaussian, num_outputs
+from ...likelihoods import num_outputs
 from ...linalg import add_lower_gram_, gram, mirror_lower
 from ...ntk import ParameterGroups
 from ...ntk.groups import GroupSpec
-from ...options import CurvatureKind, Space, choose, choose_space
+from ...options import CurvatureKind, Space, choose
+from ...progress import check_progress
 from .curvature import Curvature
 from .data_pass import Data, DataPass
 from .exact_log_det import scaled_log_det, spectral_log_det_ratio
 from .gram_curvature import FunctionSpaceCurvature, function_space_curvature
 from .layer_ggn import blocks_of_root
 from .low_rank_groups import GroupSchur, low_rank_cheaper
-from .scaling import unit_gradient, unit_hessian_sqrt, unit_root_columns
+from .scaling import unit_gradient, unit_hessian_sqrt
+from .space import exact_space, has_function_form, site_columns
 
 DECOMPOSE_AFTER = 1  # evaluations per network state by the Cholesky route before the low-rank decomposition
 
@@ -102,7 +104,7 @@ class ComponentSum:
 
     def add_sum(self, component: Tensor) -> None:
         """Add one component's sum ``(P, P)``, exactly symmetric, formed otherwise (the layer blocks of
-        :func:`~ntkgp.laplace.weight_space.layer_ggn.blocks_of_root`; one component only): its lower triangle
+        :func:`~ntkgp.laplace.ggn.layer_ggn.blocks_of_root`; one component only): its lower triangle
         joins the Grams' and :meth:`total` mirrors it with them."""
         if self.per_output:
             raise ValueError("a component's sum is one (P, P) matrix: not for per-output components")
@@ -121,7 +123,7 @@ def jacobian_rows(
     jacobian: Tensor, likelihood: Likelihood, f: Tensor, y: Tensor, scale0: Tensor, fisher: bool
 ) -> Tensor:
     r"""The rows of :func:`curvature_components` from per-example Jacobians ``(n, C, P)`` and the unit factors
-    at the output scale ``scale0`` (:mod:`~ntkgp.laplace.weight_space.scaling`), ``(n, M, P)``."""
+    at the output scale ``scale0`` (:mod:`~ntkgp.laplace.ggn.scaling`), ``(n, M, P)``."""
     per_output = scale0.shape[0] > 1
     if fisher:
         unit = unit_gradient(likelihood, f, y, scale0)  # (n, C)
@@ -229,7 +231,7 @@ class FullCurvature(Curvature):
         return value
 
     def group_schur(self) -> GroupSchur | None:
-        r"""The fixed data of the low-rank route (:mod:`~ntkgp.laplace.weight_space.low_rank_groups`), decomposed
+        r"""The fixed data of the low-rank route (:mod:`~ntkgp.laplace.ggn.low_rank_groups`), decomposed
         at evaluation ``DECOMPOSE_AFTER + 1`` (a single evaluation is one Cholesky factorization, several times
         cheaper than the decomposition), or ``None`` before, or where the route does not apply or does not pay
         (:attr:`low_rank`: one component, several groups, :func:`low_rank_cheaper`)."""
@@ -284,7 +286,7 @@ def full_curvature(
             one column per output for Gaussian likelihoods).
         spectral: see :class:`FullCurvature`.
         mc_samples: with ``"ggn"``, :math:`S` sampled roots per example instead of the exact ones
-            (:mod:`~ntkgp.laplace.weight_space.sampled_ggn`).
+            (:mod:`~ntkgp.laplace.ggn.sampled_ggn`).
         Others: as :func:`~ntkgp.laplace.compute_curvature`.
     """
     fisher = _fisher(curvature)
@@ -308,7 +310,7 @@ def dense_components(
     Per batch, the rows :math:`J_n^\top u_{nm}` of the unit factors :math:`u_n` (the columns of :math:`\tilde L_n`,
     or :math:`\tilde g_n`) by ``data.core.per_example_vjps``, summed in place (:class:`ComponentSum`); with
     ``layer_blocks``, a GGN of one component takes the layer blocks of ``Linear`` layers from their features instead
-    (:func:`~ntkgp.laplace.weight_space.layer_ggn.blocks_of_root`, ``C`` times fewer multiply-adds), which needs
+    (:func:`~ntkgp.laplace.ggn.layer_ggn.blocks_of_root`, ``C`` times fewer multiply-adds), which needs
     the core's parameters to be whole tensors (not a subnetwork's coordinates). Memory: one batch's rows,
     :math:`O(\text{batch} \cdot C P)`, and the :math:`K P^2` sums. The caller sums over the ranks
     (``data.reduce``)."""
@@ -354,28 +356,30 @@ def exact_curvature(
     space: str = "auto",
     engine=None,
     validated: bool = False,
+    progress: bool | None = None,
+    steps: int | None = None,
 ) -> FullCurvature | FunctionSpaceCurvature:
-    r"""The exact full GGN / EF in the cheaper space (``space="auto"``, by :func:`~ntkgp.options.choose_space`
+    r"""The exact full GGN / EF in the cheaper space (``space="auto"``: :func:`~ntkgp.laplace.ggn.space.exact_space`
     on :math:`P` and the function-space side :math:`R`: ``N·C`` for the GGN, ``N·(C - 1)`` for a softmax GGN,
-    ``N`` for the EF), or as
+    ``N`` for the EF; ``steps``: the evaluations this build serves, where they are few), or as
     ``space="weight"`` / ``"function"`` says. The multi-output Gaussian EF is weight space only.
 
     Cost of the build: :math:`O(R^2 P)` or :math:`O(R P^2)`; of each evaluation :math:`O(R^3)` or
     :math:`O(P^3)`, :math:`O(\min(R, P))` with ``spectral`` (one group, one output scale).
     Arguments as :func:`full_curvature` and
-    :func:`~ntkgp.laplace.weight_space.gram_curvature.function_space_curvature`.
+    :func:`~ntkgp.laplace.ggn.gram_curvature.function_space_curvature` (``progress``: over the pass of
+    either).
     """
     space = choose(Space, space, "space")
-    fisher = _fisher(curvature)
+    check_progress(progress)
     if space is Space.AUTO:
         c = num_outputs(likelihood)
         num_params = sum(p.numel() for p in net.parameters() if p.requires_grad)
-        rows = int(x.shape[0]) * (1 if fisher else unit_root_columns(likelihood, c))  # the function-space side
-        space = choose_space(space, num_params, rows)
-        if fisher and is_gaussian(likelihood) and c > 1:  # the multi-output Gaussian EF is weight space only
-            space = Space.WEIGHT
+        rows = int(x.shape[0]) * site_columns(likelihood, c, curvature)  # the function-space side
+        space = exact_space(space, num_params, rows, function_form=has_function_form(likelihood, c, curvature),
+                            steps=steps)
     if space is Space.FUNCTION:
         return function_space_curvature(net, x, y, likelihood, curvature, prior_structure, input_shape, spectral,
-                                        engine, validated)
-    return full_curvature(net, x, y, likelihood, curvature, prior_structure, batch_size, False, input_shape,
+                                        engine, validated, progress)
+    return full_curvature(net, x, y, likelihood, curvature, prior_structure, batch_size, progress, input_shape,
                           spectral=spectral)
