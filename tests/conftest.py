@@ -1,5 +1,9 @@
+import logging
+
 import pytest
 import torch
+
+import ntkgp.progress as progress_module
 
 
 def pytest_addoption(parser):
@@ -14,3 +18,23 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_slow)
         if "cuda" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip_cuda)
+
+
+# ---------------------------------------------------------------- progress tests
+@pytest.fixture
+def announce_every_pass(monkeypatch):
+    """An auto pass prints its estimate however short it is (the threshold is for real, long passes)."""
+    monkeypatch.setattr(progress_module, "LOG_AFTER_SECONDS", -1.0)
+
+
+@pytest.fixture
+def said(capsys, caplog):
+    """What the passes said since the last call: standard error and the ``"ntkgp"`` logger's records."""
+    caplog.set_level(logging.DEBUG, logger="ntkgp")
+
+    def read():
+        text = capsys.readouterr().err + "".join(r.getMessage() + "\n" for r in caplog.records)
+        caplog.clear()
+        return text
+
+    return read

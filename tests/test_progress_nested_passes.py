@@ -4,7 +4,6 @@ curvature's Gram (exact_curvature and train_marglik's rounds). ``None`` off a te
 estimated time (forced here for any duration, or from a fake slow clock), ``True`` a bar, ``False`` nothing (standard
 error and the ``"ntkgp"`` logger both read); the engine's own setting is restored after the pass."""
 
-import logging
 
 import gpytorch
 import pytest
@@ -20,25 +19,6 @@ from ntkgp.models.sfr.system_grams import combined_system_gram, inducing_feature
 from ntkgp.ntk import NTKEngine
 from ntkgp.progress import reporting
 from ntkgp.training import HyperparameterSchedule, train_marglik
-
-
-@pytest.fixture
-def announce_every_pass(monkeypatch):
-    """An auto pass prints its estimate however short it is (the threshold is for real, long passes)."""
-    monkeypatch.setattr(progress_module, "LOG_AFTER_SECONDS", -1.0)
-
-
-@pytest.fixture
-def said(capsys, caplog):
-    """What the passes said since the last call: standard error and the ``"ntkgp"`` logger's records."""
-    caplog.set_level(logging.DEBUG, logger="ntkgp")
-
-    def read():
-        text = capsys.readouterr().err + "".join(r.getMessage() + "\n" for r in caplog.records)
-        caplog.clear()
-        return text
-
-    return read
 
 
 def network(dtype=torch.float64, c=3):

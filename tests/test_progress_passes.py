@@ -19,26 +19,6 @@ from ntkgp.progress import Progress
 from ntkgp.training import HyperparameterSchedule, train_marglik
 
 
-@pytest.fixture
-def announce_every_pass(monkeypatch):
-    """An auto pass prints its estimate however short it is (the threshold is for real, long passes)."""
-    monkeypatch.setattr(progress_module, "LOG_AFTER_SECONDS", -1.0)
-
-
-@pytest.fixture
-def said(capsys, caplog):
-    """What the passes said since the last call: standard error and the ``"ntkgp"`` logger's records together (with
-    the logger enabled, as here, the one-line estimate goes there; ``progress=False`` must leave both empty)."""
-    caplog.set_level(logging.DEBUG, logger="ntkgp")
-
-    def read():
-        text = capsys.readouterr().err + "".join(r.getMessage() + "\n" for r in caplog.records)
-        caplog.clear()
-        return text
-
-    return read
-
-
 def regression(n=12):
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(2, 6), torch.nn.Tanh(), torch.nn.Linear(6, 1)).double()

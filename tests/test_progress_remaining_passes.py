@@ -6,10 +6,8 @@ loader reads of train_marglik and train_fsvi. ``None`` off a terminal gives one 
 here for any duration, or from a fake slow clock), ``False`` nothing (standard error and the ``"ntkgp"`` logger both
 read)."""
 
-import logging
 
 import gpytorch
-import pytest
 import torch
 from torch.func import functional_call, jacrev
 from torch.utils.data import DataLoader, TensorDataset
@@ -32,25 +30,6 @@ from ntkgp.ntk.network import NetworkCore
 from ntkgp.options import InducingMethod
 from ntkgp.progress import reporting
 from ntkgp.training import HyperparameterSchedule, train_marglik
-
-
-@pytest.fixture
-def announce_every_pass(monkeypatch):
-    """An auto pass prints its estimate however short it is (the threshold is for real, long passes)."""
-    monkeypatch.setattr(progress_module, "LOG_AFTER_SECONDS", -1.0)
-
-
-@pytest.fixture
-def said(capsys, caplog):
-    """What the passes said since the last call: standard error and the ``"ntkgp"`` logger's records."""
-    caplog.set_level(logging.DEBUG, logger="ntkgp")
-
-    def read():
-        text = capsys.readouterr().err + "".join(r.getMessage() + "\n" for r in caplog.records)
-        caplog.clear()
-        return text
-
-    return read
 
 
 class SlowClock:
