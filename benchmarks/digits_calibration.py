@@ -42,7 +42,7 @@ from ntkgp import metrics  # noqa: E402
 from ntkgp._doctable import command_line, markdown_table, write_block  # noqa: E402
 from ntkgp.likelihoods import SoftmaxLikelihood  # noqa: E402
 from ntkgp.laplace.weight_space import laplace_posterior  # noqa: E402
-from ntkgp.laplace.weight_space.predictive_estimators import predict  # noqa: E402
+from ntkgp.laplace.weight_space.posterior.predictive_estimators import predict  # noqa: E402
 
 DOCS = ("docs/predictive.md", "docs/ntkgp.md")
 REGION = "digits-calibration"

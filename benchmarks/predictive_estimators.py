@@ -49,7 +49,7 @@ from ntkgp._doctable import command_line, write_block  # noqa: E402
 from ntkgp.likelihoods import SoftmaxLikelihood, log_likelihood
 from ntkgp.metrics import categorical_nlpd, expected_calibration_error
 from ntkgp.laplace.weight_space import laplace_posterior
-from ntkgp.laplace.weight_space.predictive_estimators import predict
+from ntkgp.laplace.weight_space.posterior.predictive_estimators import predict
 
 DTYPE = torch.float64
 DELTA = 1.0

@@ -16,7 +16,7 @@ import torch
 from gpytorch.distributions import MultitaskMultivariateNormal, MultivariateNormal
 
 from ntkgp.laplace.weight_space import FullLaplace, KFACLaplace, LastLayerLaplace, laplace_posterior
-from ntkgp.laplace.weight_space.predictive_estimators import Prediction, default_step_size, laplace_bridge, predict
+from ntkgp.laplace.weight_space.posterior.predictive_estimators import Prediction, default_step_size, laplace_bridge, predict
 from tests.helpers import EPS32, assert_unchanged, mlp, small_cnn, snapshot
 from tests.posteriors.reference import DTYPE, glm_blocks, likelihood_case, targets
 

@@ -32,7 +32,7 @@ import _common
 from ntkgp import NTKGP, metrics
 from ntkgp.datasets import load_uci_regression
 from ntkgp.laplace.weight_space import laplace_posterior
-from ntkgp.laplace.weight_space.predictive_estimators import predict
+from ntkgp.laplace.weight_space.posterior.predictive_estimators import predict
 from ntkgp.training import HyperparameterSchedule, MAPOptimization, train_marglik
 
 DATASETS = ["boston", "concrete", "energy", "kin8nm", "naval", "power", "wine", "yacht"]

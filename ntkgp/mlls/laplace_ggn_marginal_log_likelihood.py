@@ -11,7 +11,7 @@ from gpytorch.module import Module
 
 from ..laplace.function_space import EvidenceOptions, TrainingEvidence, is_kernel_covariance
 from ..laplace.function_space.routes import check_options
-from ..laplace.weight_space.prior_tuning import optimize_parameter_precision
+from ..laplace.weight_space.posterior.prior_tuning import optimize_parameter_precision
 from ..likelihoods import num_outputs, validate_targets
 from ..models import NTKGP
 from ..options import CurvatureKind, EvidenceMethod, OptionAttribute, Space, choice

@@ -11,7 +11,7 @@ from torch import nn
 
 from ..kernels import NTKKernel
 from ..models import NTKGP
-from ..laplace.weight_space.posterior import WeightPosterior
+from ..laplace.weight_space.posterior.weight_posterior import WeightPosterior
 
 __all__ = ["MarglikResult"]
 

@@ -121,7 +121,7 @@ def test_tempered_likelihood_conditional_uses_the_untempered_link():
 def test_bridge_needs_a_softmax_and_predictions_are_detached():
     """predictive.md: link="bridge" with one logit raises; everything predict returns is detached."""
     from ntkgp.laplace.weight_space import laplace_posterior
-    from ntkgp.laplace.weight_space.predictive_estimators import predict
+    from ntkgp.laplace.weight_space.posterior.predictive_estimators import predict
 
     net, x = _data(1)
     y = (torch.rand(10, generator=torch.Generator().manual_seed(1)) > 0.5).double()

@@ -14,8 +14,9 @@ from torch import nn
 from torch.func import jacrev
 
 from ntkgp.laplace import PassOptions, predict
-from ntkgp.laplace.weight_space import KFACLaplace, compute_curvature, kfac_factors
-from ntkgp.laplace.weight_space.kfac_factors import location_gram, symmetric_gram
+from ntkgp.laplace.weight_space import KFACLaplace, compute_curvature
+from ntkgp.laplace.weight_space.curvature import kfac_factors
+from ntkgp.laplace.weight_space.curvature.kfac_factors import location_gram, symmetric_gram
 from ntkgp.likelihoods import SoftmaxLikelihood, hessian
 from tests.helpers import EPS32, assert_unchanged, brute_jacobian, float32_roundings, rel_err, snapshot
 

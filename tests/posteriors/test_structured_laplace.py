@@ -143,7 +143,7 @@ def test_a_posterior_refuses_a_network_whose_weights_changed(structure):
     """The curvature belongs to the weights it was computed at: after an in-place change of the network every
     use raises (no silent mix of old curvature and new Jacobians); restoring the weights restores the posterior."""
     from ntkgp.likelihoods import SoftmaxLikelihood
-    from ntkgp.laplace.weight_space.predictive_estimators import predict
+    from ntkgp.laplace.weight_space.posterior.predictive_estimators import predict
 
     net = mlp(d_in=2, width=5, d_out=3)
     x, y = torch.randn(12, 2, dtype=torch.float64), torch.randint(0, 3, (12,))
@@ -209,7 +209,7 @@ def test_a_last_layer_posterior_refuses_a_changed_body():
 
 def test_predict_reports_inputs_that_do_not_fit_the_network():
     from ntkgp.likelihoods import SoftmaxLikelihood
-    from ntkgp.laplace.weight_space.predictive_estimators import predict
+    from ntkgp.laplace.weight_space.posterior.predictive_estimators import predict
 
     net = mlp(d_in=2, width=5, d_out=3)
     x, y = torch.randn(12, 2, dtype=torch.float64), torch.randint(0, 3, (12,))

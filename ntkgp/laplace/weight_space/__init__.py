@@ -10,12 +10,23 @@ estimator of their GLM predictive.
   members of :class:`ntkgp.options.Structure`; :mod:`~ntkgp.laplace.weight_space.structures` is the one place
   that maps a name to its class.
 * :func:`last_layer_curvature` — the full, KFAC or diagonal curvature of one layer (default the last) from its
-  features, one forward pass over the data (:mod:`~ntkgp.laplace.weight_space.last_layer_curvature`).
+  features, one forward pass over the data (:mod:`~ntkgp.laplace.weight_space.last_layer.curvature`).
 * :func:`laplace_posterior` — the posterior front door: :class:`FullLaplace`, :class:`KFACLaplace`,
   :class:`DiagLaplace`; over one layer :class:`LastLayerLaplace`, :class:`LastLayerKFACLaplace`,
   :class:`LastLayerDiagLaplace`; over a subnetwork :class:`SubnetLaplace` (base class :class:`WeightPosterior`).
 * :func:`predict` — the GLM predictive of a posterior by every estimator of the papers (closed form, GLM-MC,
   MC-GLM, network sampling; probit, bridge and MC links).
+
+The floor plan, one concept a file, by approximation: the posteriors :mod:`~ntkgp.laplace.weight_space.full_laplace`,
+:mod:`~ntkgp.laplace.weight_space.kfac_laplace` and :mod:`~ntkgp.laplace.weight_space.diag_laplace` (their
+layer-wise GLM covariance :mod:`~ntkgp.laplace.weight_space.kronecker_form`),
+:mod:`~ntkgp.laplace.weight_space.subnetwork_laplace` and the last-layer approximation
+(:mod:`ntkgp.laplace.weight_space.last_layer`: features, curvature, posteriors); below them what every posterior
+shares (:mod:`ntkgp.laplace.weight_space.posterior`: the interface, the evidence and choice of :math:`\delta`, the
+predictive, the state dict) and the structured curvatures it restores from a state dict
+(:mod:`ntkgp.laplace.weight_space.curvature`: diagonal, KFAC); above them the structure table
+(:mod:`~ntkgp.laplace.weight_space.structures`) and the front door
+(:mod:`~ntkgp.laplace.weight_space.laplace_posterior`). The full GGN / EF is the shared :mod:`ntkgp.laplace.ggn`'s.
 """
 
 from ..ggn import (  # the shared GGN (ntkgp.laplace.ggn), documented here where users import it
@@ -29,18 +40,18 @@ from ..ggn import (  # the shared GGN (ntkgp.laplace.ggn), documented here where
     function_space_curvature,
     output_scale,
 )
+from .curvature.diagonal import DiagonalCurvature, DiagonalEF, DiagonalGGN, diagonal_ef, diagonal_ggn
+from .curvature.kfac import KroneckerFactors, KroneckerGGN, kfac_ggn
 from .diag_laplace import DiagLaplace
-from .diagonal import DiagonalCurvature, DiagonalEF, DiagonalGGN, diagonal_ef, diagonal_ggn
 from .full_laplace import FullLaplace
-from .kfac import KroneckerFactors, KroneckerGGN, kfac_ggn
 from .kfac_laplace import KFACLaplace
 from .laplace_posterior import laplace_posterior
-from .last_layer_curvature import last_layer_curvature
-from .last_layer_laplace import LastLayerLaplace
-from .last_layer_structured import LastLayerDiagLaplace, LastLayerKFACLaplace
-from .pass_options import PassOptions
-from .posterior import WeightPosterior
-from .predictive_estimators import Prediction, default_step_size, laplace_bridge, predict
+from .last_layer.curvature import last_layer_curvature
+from .last_layer.laplace import LastLayerLaplace
+from .last_layer.structured import LastLayerDiagLaplace, LastLayerKFACLaplace
+from .posterior.pass_options import PassOptions
+from .posterior.predictive_estimators import Prediction, default_step_size, laplace_bridge, predict
+from .posterior.weight_posterior import WeightPosterior
 from .structures import compute_curvature
 from .subnetwork_laplace import SubnetLaplace
 

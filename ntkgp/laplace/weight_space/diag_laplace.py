@@ -22,16 +22,16 @@ from ...option_groups import accepts_flat_keywords
 from ...options import CurvatureKind, OptionAttribute, choice
 from ..ggn.curvature import Curvature
 from ..ggn.data_pass import Data
-from .diagonal import DiagonalCurvature, diagonal_ef, diagonal_ggn
+from .curvature.diagonal import DiagonalCurvature, diagonal_ef, diagonal_ggn
 from .kronecker_form import (
     kronecker_features,
     kronecker_root,
     kronecker_sandwich,
     layer_index,
 )
-from .layers import usable_layers
-from .pass_options import PassOptions, pass_settings
-from .posterior import WeightPosterior, check_before_pass, check_likelihood, group_spec
+from .curvature.layers import usable_layers
+from .posterior.pass_options import PassOptions, pass_settings
+from .posterior.weight_posterior import WeightPosterior, check_before_pass, check_likelihood, group_spec
 
 
 class DiagLaplace(WeightPosterior):

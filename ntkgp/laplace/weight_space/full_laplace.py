@@ -25,8 +25,8 @@ from ..ggn.data_pass import Data
 from ..ggn.full_curvature import FullCurvature, component_weights, full_curvature
 from ..ggn.scaling import scale_size
 from ...ntk.network import NetworkCore
-from .pass_options import PassOptions, pass_settings
-from .posterior import WeightPosterior, check_before_pass, check_likelihood, group_spec
+from .posterior.pass_options import PassOptions, pass_settings
+from .posterior.weight_posterior import WeightPosterior, check_before_pass, check_likelihood, group_spec
 
 
 class DensePosterior(WeightPosterior):

@@ -9,7 +9,7 @@ With :math:`A = U_A \operatorname{diag}(q) U_A^\top` and
     (U_G \otimes U_A)^\top, \qquad W_{oi} = \frac{1}{w_o q_i + \delta_l},
 
 so that, for :math:`\Theta = [W \mid b]` as a ``(d_out, d_a)`` matrix (row-major, the order of
-:mod:`ntkgp.laplace.weight_space.kfac`),
+:mod:`ntkgp.laplace.weight_space.curvature.kfac`),
 
 - :math:`\Sigma_l \operatorname{vec}(V) = \operatorname{vec}(U_G [(U_G^\top V U_A) \odot W] U_A^\top)`;
 - the layer-wise factorized sampler: :math:`\eta_l = U_G (Z \odot W^{1/2}) U_A^\top`, :math:`Z` a standard
@@ -46,16 +46,16 @@ from ...option_groups import accepts_flat_keywords
 from ...options import OptionAttribute
 from ..ggn.curvature import Curvature
 from ..ggn.data_pass import Data
-from .kfac import KroneckerFactors, KroneckerGGN, check_kfac_approximation, kfac_ggn
+from .curvature.kfac import KroneckerFactors, KroneckerGGN, check_kfac_approximation, kfac_ggn
 from .kronecker_form import (
     kronecker_covariances,
     kronecker_features,
     kronecker_root,
     layer_index,
 )
-from .layers import usable_layers
-from .pass_options import PassOptions, pass_settings
-from .posterior import WeightPosterior, check_before_pass, check_likelihood, group_spec
+from .curvature.layers import usable_layers
+from .posterior.pass_options import PassOptions, pass_settings
+from .posterior.weight_posterior import WeightPosterior, check_before_pass, check_likelihood, group_spec
 
 
 def _check_damping(value: object, argument: str) -> bool:

@@ -26,7 +26,7 @@ from ...ntk.outputs import with_output
 from ...options import Structure, Subset, choose
 from ..ggn.data_pass import Data
 from .full_laplace import FullLaplace
-from .posterior import WeightPosterior
+from .posterior.weight_posterior import WeightPosterior
 from .structures import LAST_LAYER_CLASSES, STRUCTURE_CLASSES
 from .subnetwork_laplace import SubnetLaplace
 

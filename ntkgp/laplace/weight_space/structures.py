@@ -16,14 +16,14 @@ from ...progress import check_progress
 from ..ggn.curvature import Curvature
 from ..ggn.data_pass import Data
 from .diag_laplace import DiagLaplace
-from .diagonal import diagonal_ef, diagonal_ggn
+from .curvature.diagonal import diagonal_ef, diagonal_ggn
 from ..ggn.full_curvature import full_ef, full_ggn
 from .full_laplace import FullLaplace
-from .kfac import check_kfac_approximation, kfac_ggn
+from .curvature.kfac import check_kfac_approximation, kfac_ggn
 from .kfac_laplace import KFACLaplace
-from .last_layer_laplace import LastLayerLaplace
-from .last_layer_structured import LastLayerDiagLaplace, LastLayerKFACLaplace
-from .posterior import WeightPosterior
+from .last_layer.laplace import LastLayerLaplace
+from .last_layer.structured import LastLayerDiagLaplace, LastLayerKFACLaplace
+from .posterior.weight_posterior import WeightPosterior
 from ..ggn.sampled_ggn import check_generator
 
 

@@ -24,9 +24,9 @@ from ...options import CurvatureKind, choice
 from ..ggn.data_pass import Data, DataPass
 from ..ggn.full_curvature import FullCurvature, dense_components
 from .full_laplace import DensePosterior
-from .last_layer_laplace import layer_evidence
-from .pass_options import PassOptions, pass_settings
-from .posterior import check_before_pass
+from .last_layer.laplace import layer_evidence
+from .posterior.pass_options import PassOptions, pass_settings
+from .posterior.weight_posterior import check_before_pass
 
 Subnetwork = Sequence[str] | Mapping[str, Tensor]
 

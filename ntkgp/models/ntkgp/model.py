@@ -13,7 +13,7 @@ from torch import nn
 from ...botorch import BoTorchInterface
 from ...caching import ValueCache
 from ...laplace.function_space import SitePosterior, fit_site_posterior, laplace_log_marginal_likelihood
-from ...laplace.weight_space.prior_tuning import optimize_parameter_precision
+from ...laplace.weight_space.posterior.prior_tuning import optimize_parameter_precision
 from ...likelihoods import is_gaussian, validate_targets
 from ...means import LinearizedNetworkMean, NetworkMean
 from ...ntk import GroupSpec

@@ -18,7 +18,7 @@ import torch
 from gpytorch.distributions import MultivariateNormal
 from torch import Tensor
 
-from ...laplace.weight_space.prior_tuning import check_grid, optimize_parameter_precision
+from ...laplace.weight_space.posterior.prior_tuning import check_grid, optimize_parameter_precision
 from ...likelihoods import is_gaussian, noise_variance
 from ...metrics import brier_score, categorical_nlpd, expected_calibration_error, gaussian_nlpd
 from ...ntk.private_copy import model_lock

@@ -1,6 +1,6 @@
 r"""KFAC and diagonal Laplace posteriors over the last layer, from its features.
 
-With :math:`J(x) = I_C \otimes \tilde\phi(x)^\top` (:mod:`~ntkgp.laplace.weight_space.last_layer_features`) the GLM
+With :math:`J(x) = I_C \otimes \tilde\phi(x)^\top` (:mod:`~ntkgp.laplace.weight_space.last_layer.features`) the GLM
 covariance of a test point needs only :math:`\tilde\phi(x)`, one forward pass, no backward pass:
 
 - KFAC, :math:`\Sigma = (U_G \otimes U_A) \operatorname{diag}(\operatorname{vec} W) (U_G \otimes U_A)^\top`
@@ -22,17 +22,17 @@ import torch
 from gpytorch.likelihoods import Likelihood
 from torch import Tensor, nn
 
-from ...options import CurvatureKind
-from ...option_groups import accepts_flat_keywords
-from ...options import OptionAttribute, Structure, choice
-from ..ggn.data_pass import Data
-from .diag_laplace import DiagLaplace
-from .kfac_laplace import KFACLaplace, _check_damping
-from .last_layer_curvature import fit_last_layer
-from .last_layer_features import head_features, last_layer_names
-from .last_layer_laplace import LayerRoute, layer_evidence
-from .pass_options import PassOptions, pass_settings
-from .posterior import check_before_pass, check_name
+from ....options import CurvatureKind
+from ....option_groups import accepts_flat_keywords
+from ....options import OptionAttribute, Structure, choice
+from ...ggn.data_pass import Data
+from ..diag_laplace import DiagLaplace
+from ..kfac_laplace import KFACLaplace, _check_damping
+from .curvature import fit_last_layer
+from .features import head_features, last_layer_names
+from .laplace import LayerRoute, layer_evidence
+from ..posterior.pass_options import PassOptions, pass_settings
+from ..posterior.weight_posterior import check_before_pass, check_name
 
 __all__ = ["LastLayerDiagLaplace", "LastLayerKFACLaplace"]
 

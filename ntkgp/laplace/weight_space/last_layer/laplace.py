@@ -1,5 +1,5 @@
 r"""Last-layer Laplace: a full Laplace posterior over the parameters of one layer, the others fixed at
-:math:`\theta^*`, from the layer's features (:mod:`~ntkgp.laplace.weight_space.last_layer_curvature`)."""
+:math:`\theta^*`, from the layer's features (:mod:`~ntkgp.laplace.weight_space.last_layer.curvature`)."""
 
 from __future__ import annotations
 
@@ -9,16 +9,16 @@ import torch
 from gpytorch.likelihoods import Likelihood
 from torch import Tensor, nn
 
-from ...ntk.features import Layer
-from ...option_groups import accepts_flat_keywords
-from ...options import CurvatureKind, OptionAttribute, Structure, choice
-from ..ggn.curvature import Curvature as CurvatureData
-from ..ggn.data_pass import Data
-from .full_laplace import DensePosterior, FullLaplace
-from .last_layer_curvature import fit_last_layer
-from .last_layer_features import feature_layer, head_features, last_layer_names
-from .pass_options import PassOptions, pass_settings
-from .posterior import check_before_pass, check_name
+from ....ntk.features import Layer
+from ....option_groups import accepts_flat_keywords
+from ....options import CurvatureKind, OptionAttribute, Structure, choice
+from ...ggn.curvature import Curvature as CurvatureData
+from ...ggn.data_pass import Data
+from ..full_laplace import DensePosterior, FullLaplace
+from .curvature import fit_last_layer
+from .features import feature_layer, head_features, last_layer_names
+from ..posterior.pass_options import PassOptions, pass_settings
+from ..posterior.weight_posterior import check_before_pass, check_name
 
 
 class LayerRoute:
@@ -57,7 +57,7 @@ class LastLayerLaplace(LayerRoute, FullLaplace):
     For a last ``nn.Linear`` layer :math:`f = W \phi(x) + b` the Jacobian is
     :math:`J(x) = I_C \otimes [\phi(x)^\top, 1]`: the GGN :math:`H = \sum_n \tilde\Lambda_n \otimes \tilde\phi_n
     \tilde\phi_n^\top` (or the EF) comes from one forward pass over the data, and the GLM predictive from the
-    features of the test points (:mod:`~ntkgp.laplace.weight_space.last_layer_curvature`); :math:`P = C (d + 1)`,
+    features of the test points (:mod:`~ntkgp.laplace.weight_space.last_layer.curvature`); :math:`P = C (d + 1)`,
     memory :math:`O(K P^2)`, and the dense algebra of :class:`FullLaplace` applies. Another layer (or one whose output
     is not the network's) takes per-example Jacobians. Sampling methods of the predictive perturb only this layer.
 

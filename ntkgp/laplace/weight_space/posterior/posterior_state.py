@@ -17,12 +17,12 @@ import torch
 from gpytorch.likelihoods import Likelihood
 from torch import Tensor, nn
 
-from ...likelihoods import is_gaussian
-from ...ntk import ParameterGroups
-from ..ggn.curvature import Curvature
-from .diagonal import DiagonalEF, DiagonalGGN
-from ..ggn.full_curvature import FullCurvature
-from .kfac import KroneckerFactors, KroneckerGGN
+from ....likelihoods import is_gaussian
+from ....ntk import ParameterGroups
+from ...ggn.curvature import Curvature
+from ..curvature.diagonal import DiagonalEF, DiagonalGGN
+from ...ggn.full_curvature import FullCurvature
+from ..curvature.kfac import KroneckerFactors, KroneckerGGN
 from .predictive_estimators import Prediction, predict
 
 __all__ = ["PosteriorState", "curvature_from_state", "curvature_state"]

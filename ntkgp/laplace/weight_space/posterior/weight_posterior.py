@@ -35,15 +35,15 @@ import torch
 from gpytorch.likelihoods import Likelihood
 from torch import Tensor
 
-from ...caching import ValueCache, network_key, same_values
-from ..ggn.scaling import output_scale
-from ...likelihoods import num_outputs
-from ...ntk.inputs import split
-from ...ntk import ParameterGroups, resolve_groups
-from ...options import OptionAttribute, PriorStructure, choose
-from ...ntk.network import NetworkCore
-from ...ntk.prior_precision import prior_precision_vector
-from ...validation import positive_int
+from ....caching import ValueCache, network_key, same_values
+from ...ggn.scaling import output_scale
+from ....likelihoods import num_outputs
+from ....ntk.inputs import split
+from ....ntk import ParameterGroups, resolve_groups
+from ....options import OptionAttribute, PriorStructure, choose
+from ....ntk.network import NetworkCore
+from ....ntk.prior_precision import prior_precision_vector
+from ....validation import positive_int
 from .posterior_state import PosteriorState
 from .prior_tuning import PriorTuning
 
@@ -148,7 +148,7 @@ class WeightPosterior(PriorTuning, PosteriorState, ABC):
     The front door :func:`~ntkgp.laplace.weight_space.laplace_posterior` returns one; beside the algebra below it
     offers the evidence :meth:`log_marginal_likelihood`, :meth:`optimize_prior_precision`, :meth:`predict`,
     :meth:`predictive_samples` and :meth:`state_dict` / :meth:`load_state_dict`
-    (:mod:`~ntkgp.laplace.weight_space.prior_tuning`, :mod:`~ntkgp.laplace.weight_space.posterior_state`).
+    (:mod:`~ntkgp.laplace.weight_space.posterior.prior_tuning`, :mod:`~ntkgp.laplace.weight_space.posterior.posterior_state`).
 
     ``prior_precision`` and the likelihood's hyperparameters may change at any time (everything computed from
     them is cached by value); ``likelihood`` and ``structure`` are fixed at construction (assigning another value

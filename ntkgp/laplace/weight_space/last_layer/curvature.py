@@ -1,6 +1,6 @@
 r"""Curvatures of the last layer from its features: full, KFAC and diagonal, from one forward pass over the data.
 
-With :math:`J_n = I_C \otimes \tilde\phi_n^\top` (:mod:`~ntkgp.laplace.weight_space.last_layer_features`) and the
+With :math:`J_n = I_C \otimes \tilde\phi_n^\top` (:mod:`~ntkgp.laplace.weight_space.last_layer.features`) and the
 unit factors of the likelihood (:mod:`~ntkgp.laplace.ggn.scaling`), in the Kronecker order
 :math:`(c, j)` of :math:`\Theta = [W \mid b]`:
 
@@ -34,19 +34,19 @@ import torch
 from gpytorch.likelihoods import Likelihood, SoftmaxLikelihood
 from torch import Tensor
 
-from ...likelihoods import hessian
-from ...memory import LAST_LAYER_CHUNK_BYTES, chunk_rows
-from ...ntk import ParameterGroups
-from ...ntk.features import Layer
-from ...ntk.network import NetworkCore
-from ...options import Structure, choose
-from ..ggn.curvature import Curvature
-from ..ggn.data_pass import Data
-from .diagonal import DiagonalEF, DiagonalGGN
-from ..ggn.full_curvature import ComponentSum, FullCurvature, jacobian_rows
-from .kfac import KroneckerFactors, KroneckerGGN
-from .last_layer_features import LastLayerPass, last_layer_names
-from .posterior import check_before_pass
+from ....likelihoods import hessian
+from ....memory import LAST_LAYER_CHUNK_BYTES, chunk_rows
+from ....ntk import ParameterGroups
+from ....ntk.features import Layer
+from ....ntk.network import NetworkCore
+from ....options import Structure, choose
+from ...ggn.curvature import Curvature
+from ...ggn.data_pass import Data
+from ..curvature.diagonal import DiagonalEF, DiagonalGGN
+from ...ggn.full_curvature import ComponentSum, FullCurvature, jacobian_rows
+from ..curvature.kfac import KroneckerFactors, KroneckerGGN
+from .features import LastLayerPass, last_layer_names
+from ..posterior.weight_posterior import check_before_pass
 
 
 def unit_hessian(likelihood: Likelihood, f: Tensor, y: Tensor, scale0: Tensor) -> Tensor:

@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ...ntk.norm_features import ElementwiseLayer, elementwise_layers
-from ..ggn.data_pass import DataPass
+from ....ntk.norm_features import ElementwiseLayer, elementwise_layers
+from ...ggn.data_pass import DataPass
 
 __all__ = ["DiagonalSums", "diagonal_layers"]
 

@@ -21,11 +21,11 @@ from collections.abc import Sequence
 
 from torch import Tensor, nn
 
-from ...ntk import ParameterGroups
-from ...ntk.features import Layer
-from ...ntk.layer_plan import candidate_layers
-from ...ntk.network import NetworkCore
-from ..ggn.data_pass import DataPass
+from ....ntk import ParameterGroups
+from ....ntk.features import Layer
+from ....ntk.layer_plan import candidate_layers
+from ....ntk.network import NetworkCore
+from ...ggn.data_pass import DataPass
 
 __all__ = ["Layer", "layer_features", "structured_layers", "usable_layers"]
 

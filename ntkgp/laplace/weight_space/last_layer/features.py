@@ -28,9 +28,9 @@ import torch
 from gpytorch.likelihoods import Likelihood
 from torch import Tensor, nn
 
-from ...ntk.features import Layer
-from ...ntk.network import NetworkCore
-from ..ggn.data_pass import Data, DataPass
+from ....ntk.features import Layer
+from ....ntk.network import NetworkCore
+from ...ggn.data_pass import Data, DataPass
 
 
 def last_layer_names(net: nn.Module, layer: str | None) -> tuple[str, list[str]]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...option_groups import check_group
+from ....option_groups import check_group
 
 __all__ = ["PassOptions", "pass_settings"]
 

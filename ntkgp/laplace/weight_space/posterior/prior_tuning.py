@@ -21,10 +21,10 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from ...likelihoods import is_gaussian, noise_variance
-from ...metrics import brier_score, categorical_nlpd, expected_calibration_error, gaussian_nlpd
-from ...ntk.prior_precision import prior_precision_vector
-from ...validation import positive_float, positive_int
+from ....likelihoods import is_gaussian, noise_variance
+from ....metrics import brier_score, categorical_nlpd, expected_calibration_error, gaussian_nlpd
+from ....ntk.prior_precision import prior_precision_vector
+from ....validation import positive_float, positive_int
 from .predictive_estimators import Prediction, predict
 
 __all__ = ["DEFAULT_GRID", "PriorTuning", "grid_maximum", "maximize_evidence", "optimize_parameter_precision"]

@@ -49,7 +49,7 @@ from linear_operator.operators import (
 )
 from torch import Tensor
 
-from ...likelihoods import (
+from ....likelihoods import (
     LogisticLikelihood,
     is_gaussian,
     sigmoid_monte_carlo,
@@ -57,11 +57,11 @@ from ...likelihoods import (
     softmax_monte_carlo,
     softmax_probit,
 )
-from ...ntk.inputs import num_rows, split
-from ...options import FiniteDifference, Link, Method, choose
-from ...progress import check_progress, progress_bar
-from ...memory import SAMPLE_EVALUATIONS
-from ...validation import positive_int
+from ....ntk.inputs import num_rows, split
+from ....options import FiniteDifference, Link, Method, choose
+from ....progress import check_progress, progress_bar
+from ....memory import SAMPLE_EVALUATIONS
+from ....validation import positive_int
 
 #: What :func:`predict` uses of a posterior (:class:`~ntkgp.laplace.weight_space.WeightPosterior`'s interface; checked
 #: by name, so that the posterior's own ``predict`` can call this module without an import circle).

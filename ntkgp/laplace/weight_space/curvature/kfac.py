@@ -28,9 +28,9 @@ layer). The eigendecompositions are computed once per factor, at the first use t
 the evidence, a posterior's covariance, sampling or predictive; not in the pass over the data: linear_operator's, in
 double precision, rounding-negative eigenvalues chopped at 0). Weight and
 bias form one block and must share a prior group. Parameters outside ``nn.Linear`` / ``nn.Conv2d`` (normalisation layers, embeddings,
-...) get the exact diagonal GGN block (:mod:`~ntkgp.laplace.weight_space.diagonal`): normalization layers' affine
+...) get the exact diagonal GGN block (:mod:`~ntkgp.laplace.weight_space.curvature.diagonal`): normalization layers' affine
 parameters and embedding tables from the same forward and backward passes
-(:mod:`~ntkgp.laplace.weight_space.norm_layers`), free parameters added to the activations (a learned position) from
+(:mod:`~ntkgp.laplace.weight_space.curvature.norm_layers`), free parameters added to the activations (a learned position) from
 the output gradients at the sum (:mod:`ntkgp.ntk.additive_features`), any other by per-example vector-Jacobian
 products. An attention projection that fails the layer plan's check joins the diagonal instead of raising.
 
@@ -55,13 +55,13 @@ from linear_operator.operators import (
 )
 from torch import Tensor, nn
 
-from ...ntk.inputs import rows
-from ...ntk import ParameterGroups
-from ...ntk.groups import GroupSpec
-from ..ggn.curvature import Curvature
-from ..ggn.data_pass import Data, DataPass
+from ....ntk.inputs import rows
+from ....ntk import ParameterGroups
+from ....ntk.groups import GroupSpec
+from ...ggn.curvature import Curvature
+from ...ggn.data_pass import Data, DataPass
 from .diagonal import diagonal_ggn_components
-from ..ggn.exact_log_det import diagonal_log_det
+from ...ggn.exact_log_det import diagonal_log_det
 from .kfac_factors import FactorSums
 from .layers import structured_layers, usable_layers
 from .norm_layers import DiagonalSums, diagonal_layers
@@ -330,8 +330,8 @@ def kfac_ggn(
 
     Cost: one forward and :math:`M` backward passes per batch (:math:`M = C - 1` for a softmax, the columns of
     :meth:`~ntkgp.laplace.ggn.data_pass.DataPass.unit_hessian_root`; plus per-example passes for parameters
-    outside the layers and the normalization and embedding layers of :mod:`~ntkgp.laplace.weight_space.norm_layers`) and the factors' products, :math:`T_l d_{in}^2 + M T_l d_{out}^2` per example and layer
-    (:mod:`~ntkgp.laplace.weight_space.kfac_factors`); memory
+    outside the layers and the normalization and embedding layers of :mod:`~ntkgp.laplace.weight_space.curvature.norm_layers`) and the factors' products, :math:`T_l d_{in}^2 + M T_l d_{out}^2` per example and layer
+    (:mod:`~ntkgp.laplace.weight_space.curvature.kfac_factors`); memory
     :math:`O(\text{batch} \cdot \text{activations} + \sum_l d_a^2 + K d_{out}^2)`: one output's gradients at a time,
     the factors' float64 sums. With ``mc_samples`` :math:`= S`, :math:`S` backward passes per batch instead of
     :math:`M` (:mod:`~ntkgp.laplace.ggn.sampled_ggn`). ``kfac_approximation``: ``"expand"`` (module
