@@ -18,7 +18,7 @@ import torch
 from gpytorch.distributions import MultivariateNormal
 from torch import Tensor
 
-from ...laplace.weight_space.posterior.prior_tuning import check_grid, optimize_parameter_precision
+from ...laplace.weight_space.posterior.prior_tuning import check_grid, optimize_parameter_precision, validation_batches
 from ...likelihoods import is_gaussian, noise_variance
 from ...metrics import brier_score, categorical_nlpd, expected_calibration_error, gaussian_nlpd
 from ...ntk.private_copy import model_lock
@@ -61,21 +61,6 @@ def _candidates(sfr, prior_precisions: object, name: str) -> Tensor:
     except (TypeError, ValueError) as error:
         raise type(error)(str(error).replace("grid", name)) from None
     return values if values.dim() == 2 else values[:, None].expand(-1, current.numel())
-
-
-def _batches(x_val, y_val) -> list[tuple[Tensor, Tensor]]:
-    if x_val is None:
-        raise ValueError("method='validation' needs x_val (and y_val, or x_val an iterable of (x, y) batches)")
-    if torch.is_tensor(x_val) or isinstance(x_val, dict):
-        if not torch.is_tensor(y_val):
-            raise ValueError("y_val must be a tensor of targets with one row per example of x_val")
-        return [(x_val, y_val)]
-    if y_val is not None:
-        raise ValueError("pass y_val=None when x_val is an iterable of (x, y) batches")
-    batches = [(xb, yb) for xb, yb in x_val]
-    if not batches:
-        raise ValueError("x_val is empty: no batch was seen")
-    return batches
 
 
 class PriorPrecisionTuning:
@@ -182,7 +167,7 @@ class PriorPrecisionTuning:
         if metric in ("ece", "brier") and is_gaussian(self.likelihood):
             raise ValueError(f"metric={metric!r} is for classification; use 'nll' for regression")
         candidates = _candidates(self, grid, "grid")
-        batches = _batches(x_val, y_val)
+        batches = validation_batches(x_val, y_val)
         losses = self._validation_losses(candidates, batches, metric, chunk_size)
         best = min(range(len(losses)), key=lambda i: (losses[i], i))
         self.covar_module.prior_precision = candidates[best]

@@ -27,7 +27,8 @@ from ....ntk.prior_precision import prior_precision_vector
 from ....validation import positive_float, positive_int
 from .predictive_estimators import Prediction, predict
 
-__all__ = ["DEFAULT_GRID", "PriorTuning", "grid_maximum", "maximize_evidence", "optimize_parameter_precision"]
+__all__ = ["DEFAULT_GRID", "PriorTuning", "grid_maximum", "maximize_evidence", "optimize_parameter_precision",
+           "validation_batches"]
 
 #: The default grid of :math:`\delta` values, :math:`10^{-4} \dots 10^{4}` (41 points, 5 per decade).
 DEFAULT_GRID = (-4.0, 4.0, 41)
@@ -257,7 +258,7 @@ class PriorTuning:
         else:
             if optimizer != "adam":
                 raise ValueError("optimizer is for method='evidence'; method='validation' searches the grid")
-            batches = _validation_batches(x_val, y_val)
+            batches = validation_batches(x_val, y_val)
             if not (callable(metric) or metric in VALIDATION_METRICS):
                 raise ValueError(f"metric must be one of {VALIDATION_METRICS} or a callable, got {metric!r}")
             if metric in ("ece", "brier") and is_gaussian(self.likelihood):
@@ -306,12 +307,14 @@ class PriorTuning:
         return loss(probs, y)
 
 
-def _validation_batches(x_val, y_val) -> list[tuple[Tensor, Tensor]]:
-    """The validation data as ``(x, y)`` batches (errors name ``x_val`` and ``y_val``)."""
+def validation_batches(x_val, y_val) -> list[tuple[Tensor, Tensor]]:
+    """The validation data as ``(x, y)`` batches (errors name ``x_val`` and ``y_val``): ``x_val`` a tensor (or a dict
+    of tensors, as a network's structured inputs) with the targets ``y_val``, or an iterable of ``(x, y)``."""
     if x_val is None:
         raise ValueError("method='validation' needs x_val (and y_val, or x_val an iterable of (x, y) batches)")
-    if torch.is_tensor(x_val):
-        if not torch.is_tensor(y_val) or y_val.shape[0] != x_val.shape[0]:
+    if torch.is_tensor(x_val) or isinstance(x_val, dict):
+        rows = x_val.shape[0] if torch.is_tensor(x_val) else next(iter(x_val.values())).shape[0]
+        if not torch.is_tensor(y_val) or y_val.shape[0] != rows:
             raise ValueError("y_val must be a tensor of targets with one row per row of x_val")
         return [(x_val, y_val)]
     if y_val is not None:
