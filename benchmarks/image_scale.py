@@ -41,7 +41,11 @@ Rows (``--rows`` selects some; default all):
   layers' outputs, the convolutions' per-example blocks :math:`\sum_t \Gamma_{ct} \bar a_t^\top` (one batched
   product per layer), their contraction with the M inducing inputs' blocks (``C·M·P_conv`` multiply-adds per
   image) and the fully connected layers' factored products ``M·(d_in + C·d_out)``; copies, the statistics'
-  updates, K_ZZ and the factorization are not counted.
+  updates, K_ZZ and the factorization are not counted. The row also times the contraction and the fully connected
+  products bare in float64 (``bound_contraction64_s``, ``bound_fc64_s``, ``bound64_per_image_s``), as SFR forms
+  them for a float32 network (its data's float32 features against float64 features of Z: docs/sfr.md,
+  "float32"), and the float64 contraction's time over the float32 one's (``contraction_f64_over_f32``): what the
+  float64 products cost on this machine, whatever the code around them.
 
 Peak memory of an SFR build and its first prediction (float32 network, independent outputs, one δ), with
 ``w = C·P_c + Σ d_in + C·Σ d_out`` numbers of layer features per inducing input (192,804 on this CNN:
@@ -269,14 +273,25 @@ def bound(net: nn.Sequential, x: torch.Tensor, m: int) -> dict:
     d_in, d_out = linears[0].in_features, linears[0].out_features
     fc = [(torch.randn(b, d_in, generator=generator), torch.randn(d_in, m, generator=generator)),
           (torch.randn(c, b, d_out, generator=generator), torch.randn(c, d_out, m, generator=generator))]
+    # the same products in float64 (SFR's for a float32 network: the data's features promoted and contracted
+    # against the float64 features of Z), the promotion's copy not counted
+    columns64, inducing64, fc64 = columns.double(), inducing.double(), [(p.double(), q.double()) for p, q in fc]
     times = {
         "bound_passes_s": best_of(passes),
         "bound_blocks_s": best_of(lambda: [torch.bmm(g, a) for g, a in blocks]),
         "bound_contraction_s": best_of(lambda: torch.bmm(columns, inducing)),
         "bound_fc_s": best_of(lambda: [p @ q for p, q in fc]),
     }
+    precise = {
+        "bound_contraction64_s": best_of(lambda: torch.bmm(columns64, inducing64)),
+        "bound_fc64_s": best_of(lambda: [p @ q for p, q in fc64]),
+    }
     out = {k: v / b for k, v in times.items()}  # per image
     out["bound_per_image_s"] = sum(out.values())
+    out |= {k: v / b for k, v in precise.items()}
+    out["bound64_per_image_s"] = (out["bound_passes_s"] + out["bound_blocks_s"] + out["bound_contraction64_s"]
+                                  + out["bound_fc64_s"])
+    out["contraction_f64_over_f32"] = precise["bound_contraction64_s"] / times["bound_contraction_s"]
     out["contraction_macs_per_image"] = c * m * p_conv
     return out
 
@@ -492,6 +507,12 @@ def write_docs(paths: list[Path]) -> None:
         table.append([f"lower bound of the pass, M = {m:,} (bare products, per image "
                       f"{1e3 * r['bound_per_image_s']:.1f} ms)", "—", "", _fmt(60_000 * r["bound_per_image_s"])
                       + " (60,000)", BUILD_TARGETS.get(m, ""), "", load(r)])
+        if "bound64_per_image_s" in r:  # SFR's products for a float32 network: float64
+            table.append([(f"lower bound of the pass with float64 products, M = {m:,} (per image "
+                           f"{1e3 * r['bound64_per_image_s']:.1f} ms; the contraction "
+                           f"{r['contraction_f64_over_f32']:.2f}× its float32 time)"), "—", "",
+                          _fmt(60_000 * r["bound64_per_image_s"]) + " (60,000)", BUILD_TARGETS.get(m, ""), "",
+                          load(r)])
     for r in (r for r in results if r["row"] == "kfac_bound"):
         table.append([f"lower bound of the KFAC fit (bare passes and products, per image "
                       f"{1e3 * r['kfac_bound_fit_per_image_s']:.1f} ms)", "—", "",

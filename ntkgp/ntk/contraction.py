@@ -24,7 +24,7 @@ from .network import NetworkCore
 from .token_grams import TokenSums
 
 #: The contracted features of a chunk: ``{group: (n·C, P_g)}`` columns with the token sums of the tables as
-#: ``.tokens`` (:class:`~ntkgp.ntk.feature_pass.Contracted`).
+#: ``.tokens`` (:class:`~ntkgp.ntk.held_features.Contracted`).
 Columns = dict[int, Tensor]
 
 
@@ -61,7 +61,7 @@ def add_output_gram(out: Tensor, s1: int, e1: int, j1: Columns, s2: int, e2: int
 def add_output_gram_pieces(out: Tensor, s1: int, e1: int, j1: Columns, s2: int, e2: int, pieces: dict[int, list[Tensor]],
                            c: int, tokens: tuple[TokenSums, ...] = ()) -> None:
     """:func:`add_output_gram` with the columns of the chunk ``s2:e2`` as pieces ``(C, n, P_i)``
-    (:class:`~ntkgp.ntk.feature_pass.ChunkFeatures`): one batched product per piece against the matching columns of
+    (:class:`~ntkgp.ntk.held_features.ChunkFeatures`): one batched product per piece against the matching columns of
     ``j1``, so that the chunk's columns are never joined (the same products, summed over the pieces); ``tokens``: the
     chunk's token sums."""
     for t1, t2 in zip(_tokens(j1), tokens):
@@ -75,6 +75,29 @@ def add_output_gram_pieces(out: Tensor, s1: int, e1: int, j1: Columns, s2: int, 
             start += width
 
 
+#: Length of the segments whose norms :func:`squared_norms` forms first (short enough that their accumulation
+#: rounds no more than a pairwise sum's).
+NORM_SEGMENT = 256
+
+
+def squared_norms(rows: Tensor) -> Tensor:
+    r"""The squared norms :math:`\sum_p r_p^2` of the rows (the last dimension) in ``rows``' dtype, without forming
+    the squares: the norms of segments of :data:`NORM_SEGMENT` numbers (``torch.linalg.vector_norm``), squared and
+    summed (pairwise). As accurate as ``rows.square().sum(-1)`` (a few units of rounding however long the rows:
+    a single norm of a long row rounds in proportion to its length) at the cost of reading ``rows`` once (no
+    temporary of their size)."""
+    width = rows.shape[-1]
+    head = width - width % NORM_SEGMENT
+    out = None
+    if head:
+        segments = rows[..., :head].unflatten(-1, (head // NORM_SEGMENT, NORM_SEGMENT))
+        out = torch.linalg.vector_norm(segments, dim=-1).square().sum(-1)
+    if head < width or out is None:
+        rest = torch.linalg.vector_norm(rows[..., head:], dim=-1).square()
+        out = rest if out is None else out.add_(rest)
+    return out
+
+
 def add_output_diagonal_pieces(diag: Tensor, s: int, e: int, pieces: dict[int, list[Tensor]],
                                tokens: tuple[TokenSums, ...] = ()) -> None:
     """:func:`add_output_diagonal` from the pieces ``(C, n, P_i)`` of the chunk's columns and its token sums."""
@@ -82,13 +105,13 @@ def add_output_diagonal_pieces(diag: Tensor, s: int, e: int, pieces: dict[int, l
         diag[t.group, s:e] += token_grams.output_diagonal(t, e - s)
     for g, parts in pieces.items():
         for piece in parts:
-            diag[g, s:e] += piece.square().sum(-1).T
+            diag[g, s:e] += squared_norms(piece).T
 
 
 def add_output_diagonal(diag: Tensor, s: int, e: int, j: Columns, c: int) -> None:
     """Add the output diagonals of the chunk's per-point blocks to ``diag`` ``(G, N, C)``."""
     for g, cols in j.items():
-        diag[g, s:e] += cols.view(e - s, c, -1).square().sum(-1)
+        diag[g, s:e] += squared_norms(cols.view(e - s, c, -1))
     for t in _tokens(j):
         diag[t.group, s:e] += token_grams.output_diagonal(t, e - s)
 

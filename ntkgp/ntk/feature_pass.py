@@ -24,11 +24,11 @@ of points: the rest recomputed at each use, so that a set beyond the budget cost
 **Memory of one chunk** of ``n`` examples (``s`` bytes per number): the contracted columns
 ``n·C·P_c`` (``P_c`` = :func:`contracted_width`, the token sums of the tables included; written in place, one
 product per output and layer, and twice where a consumer joins the layers' blocks into ``(n·C, P_g)`` columns:
-:class:`ChunkFeatures`), plus the unfolded inputs of the multi-location layers :math:`n \sum_l d_{a,l} T_l`, the
-normalized inputs and one column's gradients of the normalization layers :math:`2 n \sum_l d_l T_l`, the token ids
-(int64) and the per-example Jacobians of the generic parameters (``vmap(jacrev)``, about ``3·n·C·P_g``):
-:func:`chunk_bytes` per example. A Gram of equal tokens adds temporaries of at most
-:data:`~ntkgp.ntk.token_grams.PAIR_NUMBERS` numbers and its ``(n_1·n_2, C, C)`` block.
+:class:`~ntkgp.ntk.held_features.ChunkFeatures`), plus the unfolded inputs of the multi-location layers
+:math:`n \sum_l d_{a,l} T_l`, the normalized inputs and one column's gradients of the normalization layers
+:math:`2 n \sum_l d_l T_l`, the token ids (int64) and the per-example Jacobians of the generic parameters
+(``vmap(jacrev)``, about ``3·n·C·P_g``): :func:`chunk_bytes` per example. A Gram of equal tokens adds temporaries of
+at most :data:`~ntkgp.ntk.token_grams.PAIR_NUMBERS` numbers and its ``(n_1·n_2, C, C)`` block.
 """
 
 from __future__ import annotations
@@ -42,77 +42,12 @@ from ..memory import FEATURE_PASS_BYTES, chunk_rows
 from . import token_grams
 from .elementwise_pass import ElementwiseReducer, token_numbers
 from .features import Layer
+from .held_features import ChunkFeatures, Contracted
 from .inputs import num_rows
 from .inputs import rows as take_rows
 from .layer_plan import LayerPlan
 from .network import NetworkCore
 from .norm_features import EmbeddingLayer
-from .token_grams import TokenSums
-
-
-class Contracted(dict):
-    """The contracted features of a chunk: the columns ``{group: (n·C, P_g)}`` (this dict) and the embedding tables'
-    token sums :attr:`tokens` (:class:`~ntkgp.ntk.token_grams.TokenSums`, contracted as Grams of equal tokens)."""
-
-    def __init__(self, columns: dict[int, Tensor] | None = None, tokens: tuple[TokenSums, ...] = ()) -> None:
-        super().__init__(columns or {})
-        self.tokens = tuple(tokens)
-
-    def to(self, dtype: torch.dtype) -> Contracted:
-        """The same features in ``dtype``."""
-        return Contracted({g: t.to(dtype) for g, t in self.items()}, tuple(t.to(dtype) for t in self.tokens))
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.values()) + sum(t.nbytes() for t in self.tokens)
-
-
-class ChunkFeatures:
-    """The features of one chunk: single-location layers' inputs ``(n, d_in)`` and gradients ``(n·C, d_out)``,
-    and the contracted features (:class:`Contracted`: columns ``{group: (n·C, P_g)}`` and token sums).
-
-    The columns may be given as ``pieces`` ``{group: [(C, n, P_i), ...]}`` (the multi-location and normalization
-    layers' blocks as the feature pass writes them, then the generic parameters' Jacobians, in the columns' order):
-    ``columns`` is then formed from them on first use (one copy); the contractions that can use the pieces directly
-    (:func:`~ntkgp.ntk.contraction.add_output_gram_pieces`) never form it. ``tokens``: the tables' token sums."""
-
-    def __init__(self, inputs: dict[str, Tensor], grads: dict[str, Tensor], columns: Contracted | None = None,
-                 pieces: dict[int, list[Tensor]] | None = None, outputs: Tensor | None = None,
-                 linearized: Tensor | None = None, tokens: tuple[TokenSums, ...] = ()) -> None:
-        self.inputs, self.grads, self.pieces, self._columns = inputs, grads, pieces, columns
-        self.tokens = tuple(tokens) if columns is None else columns.tokens
-        self.outputs, self.linearized = outputs, linearized  # f(x) and J(x)θ* (n, C), when the pass formed them
-
-    @property
-    def columns(self) -> Contracted:
-        if self._columns is None:
-            self._columns = Contracted({g: _joined(p) for g, p in (self.pieces or {}).items()}, self.tokens)
-        return self._columns
-
-    @columns.setter
-    def columns(self, value: Contracted) -> None:
-        self._columns, self.pieces, self.tokens = value, None, value.tokens
-
-    def promote_(self, dtype: torch.dtype) -> ChunkFeatures:
-        """Convert the features (not ``outputs``, ``linearized``) to ``dtype`` in place, piece by piece (each
-        original released as it is converted), for a contraction against features kept in that finer dtype
-        (:mod:`ntkgp.ntk.grams`, given features); returns ``self``."""
-        for held in (self.inputs, self.grads, self._columns or {}):
-            for key in held:
-                held[key] = held[key].to(dtype)
-        for parts in (self.pieces or {}).values():
-            for i in range(len(parts)):
-                parts[i] = parts[i].to(dtype)
-        self.tokens = tuple(t.to(dtype) for t in self.tokens)  # the tables' token sums
-        if self._columns is not None:
-            self._columns.tokens = self.tokens
-        return self
-
-
-def _joined(pieces: list[Tensor]) -> Tensor:
-    """``(n·C, P)`` from the pieces ``(C, n, P_i)`` (rows ``n·C + c``)."""
-    c, n = pieces[0].shape[:2]
-    parts = [p.transpose(0, 1) for p in pieces]
-    return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)).reshape(n * c, -1)
 
 
 class _Reducer:
@@ -169,8 +104,8 @@ def _layer_output(layer: Layer, theta: dict[str, Tensor], a: Tensor) -> Tensor:
 def chunk_features(core: NetworkCore, plan: LayerPlan, x: Tensor, graph: bool, single: bool = True,
                    columns: bool = True, linearized: bool = False) -> ChunkFeatures:
     r"""The features of the chunk ``x`` (prepared): those of the single-location layers (``single``) and the
-    contracted features (``columns``: the columns as pieces and the token sums, :class:`ChunkFeatures`); with
-    ``graph`` differentiable in ``x``.
+    contracted features (``columns``: the columns as pieces and the token sums,
+    :class:`~ntkgp.ntk.held_features.ChunkFeatures`); with ``graph`` differentiable in ``x``.
 
     ``linearized`` (no ``graph``, every feature): also the outputs :math:`f(x)` of the pass and :math:`J(x)\theta^*`
     from the features, layer by layer :math:`\sum_t \Gamma_{nct} \cdot (W a_{nt} + b)` (the blocks against

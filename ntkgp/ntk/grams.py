@@ -14,9 +14,12 @@ contracted against all of ``f1``; with ``sym`` the Gram of ``f1`` with itself. C
 budget (not kept) are recomputed once per chunk of ``x2``, one at a time. Features ``f1`` in a finer dtype than the
 network's (SFR's float64 features of ``Z`` for a float32 network) give the Grams and the blocks or diagonals of
 ``x2`` in that dtype: each chunk of ``x2`` is passed in the network's dtype, then its features are promoted
-(:meth:`~ntkgp.ntk.feature_pass.ChunkFeatures.promote_`) and contracted in ``f1``'s, so that the products carry
+(:meth:`~ntkgp.ntk.held_features.ChunkFeatures.promote_`) and contracted in ``f1``'s, so that the products carry
 no rounding beyond that of ``x2``'s own features (the outputs ``f(x2)`` and :math:`J(x_2)\theta^*` stay in the
-network's dtype).
+network's dtype). The promoted features of every chunk are written into one buffer
+(:class:`~ntkgp.ntk.held_features.PromotionBuffer`, ``8·C·P_c`` bytes per point of a chunk for float64), allocated
+once per call, and the output diagonals are formed from them without squares of their size
+(:func:`~ntkgp.ntk.contraction.squared_norms`).
 """
 
 from __future__ import annotations
@@ -25,11 +28,12 @@ import torch
 from torch import Tensor
 
 from . import contraction, structured
-from .feature_pass import ChunkFeatures, FeatureSet, chunk_features
-from .layer_plan import LayerPlan
-from .network import NetworkCore
+from .feature_pass import FeatureSet, chunk_features
+from .held_features import ChunkFeatures, PromotionBuffer
 from .inputs import num_rows
 from .inputs import rows as take_rows
+from .layer_plan import LayerPlan
+from .network import NetworkCore
 
 
 def gram_dtype(core: NetworkCore, f1: FeatureSet | None) -> torch.dtype:
@@ -70,11 +74,12 @@ def _group_grams_given(core: NetworkCore, plan: LayerPlan, f1: FeatureSet, x2: T
     ``blocks``, the per-point blocks of ``x2``, into ``outputs`` :math:`f(x_2)` and :math:`J(x_2)\\theta^*`, from the
     same pass)."""
     whole, chunks = _given_rows(core, f1, c)
+    buffer = PromotionBuffer()
     for s2, e2 in core.chunks(num_rows(x2), "Gram"):
         f2 = chunk_features(core, plan, take_rows(x2, s2, e2), False, columns=f1.contracted, linearized=outputs is not None)
         if outputs is not None:
             outputs[0][s2:e2], outputs[1][s2:e2] = f2.outputs, f2.linearized
-        f2.promote_(out.dtype)
+        f2.promote_(out.dtype, buffer, join=True)  # the columns formed in out's dtype in one copy
         block = out[:, :, s2 * c : e2 * c]
         if plan.single:  # written into a contiguous block, then copied into the columns of out
             part = torch.zeros(block.shape, dtype=out.dtype, device=out.device)
@@ -119,11 +124,12 @@ def _output_grams_given(core: NetworkCore, plan: LayerPlan, f1: FeatureSet, x2: 
     """:func:`output_grams` from the given features of ``x1`` against ``x2``, one chunk of ``x2`` at a time (and,
     into ``outputs``, :math:`f(x_2)` and :math:`J(x_2)\\theta^*` from the same pass)."""
     whole, chunks = _given_rows(core, f1, c)
+    buffer = PromotionBuffer()
     for s2, e2 in core.chunks(num_rows(x2), "Gram"):
         f2 = chunk_features(core, plan, take_rows(x2, s2, e2), False, columns=f1.contracted, linearized=outputs is not None)
         if outputs is not None:
             outputs[0][s2:e2], outputs[1][s2:e2] = f2.outputs, f2.linearized
-        f2.promote_(out.dtype)
+        f2.promote_(out.dtype, buffer)
         if plan.single:
             structured.output_gram_rows(core, plan, out[..., s2:e2], whole, f2, c, False)
             if diag is not None:
