@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import signal
 import sys
 import time
 import traceback
@@ -72,6 +73,9 @@ def _write_docs(counts, total) -> None:
 
 
 def main(argv=None) -> int:
+    # the SIGINT cases send this process a real SIGINT: a shell starts a background job (``cmd &``) with SIGINT
+    # ignored, and Python then raises no KeyboardInterrupt, which would count as a silent failure of ntkgp's
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--areas", nargs="+", choices=AREAS, help="the areas to run (default: all)")
     parser.add_argument("--cases", nargs="+", metavar="ID", help="the case ids to run")
