@@ -56,7 +56,7 @@ DENSE_EVIDENCE_BYTES = 4 * GIB
 #: A block of the kept layer features' products (:mod:`ntkgp.ntk.products`): ``rows · width`` numbers.
 GRAM_BLOCK_BYTES = 2**24 * 8
 #: A block of one structured Gram term (:mod:`ntkgp.ntk.structured`): ``rows · C · N₂ · C`` numbers.
-STRUCTURED_BLOCK_BYTES = 2**22 * 8
+STRUCTURED_BLOCK_BYTES = 2**22 * 4  # 16 MiB: 2²² float32 numbers (larger float32 blocks measured slower)
 #: One stacked Gram of many small distinct slices (:func:`ntkgp.kernels.batching.pair_grams`), all groups.
 STACKED_GRAM_BYTES = 2**22 * 8
 #: :class:`~ntkgp.NTKGP`'s prediction working set ``(G + 3) · chunk · C · N · C`` numbers.
