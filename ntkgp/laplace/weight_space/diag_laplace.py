@@ -30,7 +30,7 @@ from .kronecker_form import (
     layer_index,
 )
 from .curvature.layers import usable_layers
-from .posterior.pass_options import PassOptions, pass_settings
+from .posterior.pass_options import PassOptions
 from .posterior.weight_posterior import WeightPosterior, check_before_pass, check_likelihood, group_spec
 
 
@@ -79,8 +79,7 @@ class DiagLaplace(WeightPosterior):
         mc_samples: int | None = None,
         generator: torch.Generator | None = None,
     ) -> None:
-        batch_size, chunk_size, progress = pass_settings(options)
-        self.progress = progress  # predict's pass over the test points follows it too
+        batch_size, chunk_size, progress = self._pass_settings(options)
         kind = choice(CurvatureKind)(curvature, "curvature")
         if kind is not CurvatureKind.GGN and mc_samples is not None:
             raise ValueError("mc_samples samples the GGN's Hessian roots; the empirical Fisher has none: pass None")

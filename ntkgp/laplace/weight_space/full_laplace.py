@@ -25,7 +25,7 @@ from ..ggn.data_pass import Data
 from ..ggn.full_curvature import FullCurvature, component_weights, full_curvature
 from ..ggn.scaling import scale_size
 from ...ntk.network import NetworkCore
-from .posterior.pass_options import PassOptions, pass_settings
+from .posterior.pass_options import PassOptions
 from .posterior.weight_posterior import WeightPosterior, check_before_pass, check_likelihood, group_spec
 
 
@@ -155,8 +155,7 @@ class FullLaplace(DensePosterior):
         options: PassOptions | None = None,
         input_shape: tuple[int, ...] | None = None,
     ) -> None:
-        batch_size, chunk_size, progress = pass_settings(options)
-        self.progress = progress  # predict's pass over the test points follows it too
+        batch_size, chunk_size, progress = self._pass_settings(options)
         kind = choice(CurvatureKind)(curvature, "curvature")
         check_before_pass(net, likelihood, prior_precision, prior_structure, input_shape, chunk_size)
         fitted = full_curvature(net, x, y, likelihood, kind.value, group_spec(prior_structure), batch_size, progress,

@@ -54,7 +54,7 @@ from .kronecker_form import (
     layer_index,
 )
 from .curvature.layers import usable_layers
-from .posterior.pass_options import PassOptions, pass_settings
+from .posterior.pass_options import PassOptions
 from .posterior.weight_posterior import WeightPosterior, check_before_pass, check_likelihood, group_spec
 
 
@@ -155,8 +155,7 @@ class KFACLaplace(WeightPosterior):
         generator: torch.Generator | None = None,
         kfac_approximation: str = "expand",
     ) -> None:
-        batch_size, chunk_size, progress = pass_settings(options)
-        self.progress = progress  # predict's pass over the test points follows it too
+        batch_size, chunk_size, progress = self._pass_settings(options)
         _check_damping(damping, "damping")
         check_kfac_approximation(kfac_approximation)
         check_before_pass(net, likelihood, prior_precision, prior_structure, input_shape, chunk_size)

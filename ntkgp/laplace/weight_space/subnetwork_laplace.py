@@ -25,7 +25,7 @@ from ..ggn.data_pass import Data, DataPass
 from ..ggn.full_curvature import FullCurvature, dense_components
 from .full_laplace import DensePosterior
 from .last_layer.laplace import layer_evidence
-from .posterior.pass_options import PassOptions, pass_settings
+from .posterior.pass_options import PassOptions
 from .posterior.weight_posterior import check_before_pass
 
 Subnetwork = Sequence[str] | Mapping[str, Tensor]
@@ -154,8 +154,7 @@ class SubnetLaplace(DensePosterior):
         options: PassOptions | None = None,
         input_shape: tuple[int, ...] | None = None,
     ) -> None:
-        batch_size, chunk_size, progress = pass_settings(options)
-        self.progress = progress  # predict's pass over the test points follows it too
+        batch_size, chunk_size, progress = self._pass_settings(options)
         kind = choice(CurvatureKind)(curvature, "curvature")
         masks = check_subnetwork(net, subnetwork)
         _, groups = check_before_pass(net, likelihood, prior_precision, prior_structure, input_shape, chunk_size,

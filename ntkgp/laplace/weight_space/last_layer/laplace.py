@@ -17,7 +17,7 @@ from ...ggn.data_pass import Data
 from ..full_laplace import DensePosterior, FullLaplace
 from .curvature import fit_last_layer
 from .features import feature_layer, head_features, last_layer_names
-from ..posterior.pass_options import PassOptions, pass_settings
+from ..posterior.pass_options import PassOptions
 from ..posterior.weight_posterior import check_before_pass, check_name
 
 
@@ -106,8 +106,7 @@ class LastLayerLaplace(LayerRoute, FullLaplace):
         options: PassOptions | None = None,
         input_shape: tuple[int, ...] | None = None,
     ) -> None:
-        batch_size, chunk_size, progress = pass_settings(options)
-        self.progress = progress  # predict's pass over the test points follows it too
+        batch_size, chunk_size, progress = self._pass_settings(options)
         kind = choice(CurvatureKind)(curvature, "curvature")
         name, names = last_layer_names(net, layer)
         fn, groups = check_before_pass(net, likelihood, prior_precision, prior_structure, input_shape, chunk_size,

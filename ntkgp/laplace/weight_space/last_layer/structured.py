@@ -31,7 +31,7 @@ from ..kfac_laplace import KFACLaplace, _check_damping
 from .curvature import fit_last_layer
 from .features import head_features, last_layer_names
 from .laplace import LayerRoute, layer_evidence
-from ..posterior.pass_options import PassOptions, pass_settings
+from ..posterior.pass_options import PassOptions
 from ..posterior.weight_posterior import check_before_pass, check_name
 
 __all__ = ["LastLayerDiagLaplace", "LastLayerKFACLaplace"]
@@ -93,8 +93,7 @@ class LastLayerKFACLaplace(LayerRoute, KFACLaplace):
         options: PassOptions | None = None,
         input_shape: tuple[int, ...] | None = None,
     ) -> None:
-        batch_size, chunk_size, progress = pass_settings(options)
-        self.progress = progress  # predict's pass over the test points follows it too
+        batch_size, chunk_size, progress = self._pass_settings(options)
         _check_damping(damping, "damping")
         fitted = _fit(self, net, x, y, likelihood, layer, Structure.KFAC, prior_precision, prior_structure,
                       batch_size, progress, input_shape, chunk_size)
@@ -166,8 +165,7 @@ class LastLayerDiagLaplace(LayerRoute, DiagLaplace):
         options: PassOptions | None = None,
         input_shape: tuple[int, ...] | None = None,
     ) -> None:
-        batch_size, chunk_size, progress = pass_settings(options)
-        self.progress = progress  # predict's pass over the test points follows it too
+        batch_size, chunk_size, progress = self._pass_settings(options)
         kind = choice(CurvatureKind)(curvature, "curvature")
         structure = Structure.DIAG_EF if kind is CurvatureKind.EF else Structure.DIAG_GGN
         fitted = _fit(self, net, x, y, likelihood, layer, structure, prior_precision, prior_structure, batch_size,

@@ -25,7 +25,7 @@ from ....likelihoods import is_gaussian, noise_variance
 from ....metrics import brier_score, categorical_nlpd, expected_calibration_error, gaussian_nlpd
 from ....ntk.prior_precision import prior_precision_vector
 from ....validation import positive_float, positive_int
-from .predictive_estimators import Prediction, predict
+from .predictive_estimators import Prediction
 
 __all__ = ["DEFAULT_GRID", "PriorTuning", "grid_maximum", "maximize_evidence", "optimize_parameter_precision",
            "validation_batches"]

@@ -44,6 +44,7 @@ from ....options import OptionAttribute, PriorStructure, choose
 from ....ntk.network import NetworkCore
 from ....ntk.prior_precision import prior_precision_vector
 from ....validation import positive_int
+from .pass_options import pass_settings
 from .posterior_state import PosteriorState
 from .prior_tuning import PriorTuning
 
@@ -164,6 +165,12 @@ class WeightPosterior(PriorTuning, PosteriorState, ABC):
     #: constructor's ``PassOptions.progress``; ``None`` (auto) for a posterior made from a curvature or a state
     #: dict. ``True`` (a bar), ``False`` (silent) or ``None``; it can be assigned: :mod:`ntkgp.progress`.
     progress: bool | None = None
+
+    def _pass_settings(self, options) -> tuple[int, int, bool | None]:
+        """``(batch_size, chunk_size, progress)`` of the constructor's ``PassOptions`` (:func:`pass_settings`), its
+        ``progress`` kept for :meth:`predict`'s pass over the test points."""
+        batch_size, chunk_size, self.progress = pass_settings(options)
+        return batch_size, chunk_size, self.progress
 
     def __init__(
         self,
