@@ -130,7 +130,7 @@ def cpu(call) -> tuple[float, object]:
 def routes(net: nn.Module, x: torch.Tensor) -> dict[str, object]:
     """The parameters per route: KFAC blocks vs its exact diagonal, NTK structured layers vs generic."""
     from ntkgp.laplace.ggn.data_pass import DataPass
-    from ntkgp.laplace.weight_space.curvature.layers import structured_layers, usable_layers
+    from ntkgp.laplace.weight_space.layers.curvature_layers import structured_layers, usable_layers
     from ntkgp.likelihoods import SoftmaxLikelihood
     from ntkgp.ntk.network import NetworkCore
 

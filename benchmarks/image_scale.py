@@ -301,7 +301,7 @@ def kfac_bound(net: nn.Sequential, x: torch.Tensor, c: int = 10, batch: int = 25
     products, bare, on ``x`` in batches of ``batch``."""
     from torch.nn.functional import unfold
 
-    from ntkgp.laplace.weight_space.curvature.kfac_factors import location_gram, symmetric_gram
+    from ntkgp.laplace.weight_space.kfac.factor_sums import location_gram, symmetric_gram
 
     layers = [layer for layer in net if isinstance(layer, nn.Conv2d | nn.Linear)]
 
@@ -415,7 +415,7 @@ def vs_laplace_torch(args, net, x, y, x_test, y_test, n: int, n_test: int = 1000
 
     x, y, x_test = x[:n], y[:n], x_test[:n_test]
     out = {"train_images": x.shape[0], "test_images": x_test.shape[0]}
-    from ntkgp.laplace.weight_space.curvature.kfac import KroneckerFactors
+    from ntkgp.laplace.weight_space.kfac.blocks import KroneckerFactors
 
     warm_torch(net, x[:2])
     # the factors' eigendecompositions, wherever they fall (ntkgp: at the first use, the predictive's)

@@ -28,7 +28,7 @@ sequences.
 * **out-projection** (layer ``<attention>.out_proj``): its input is the heads' concatenated output
   :math:`(L, N, E)`, :math:`T = L`.
 
-KFAC treats both as any linear layer on sequences (:mod:`ntkgp.laplace.weight_space.curvature.kfac`): "expand" sums
+KFAC treats both as any linear layer on sequences (:mod:`ntkgp.laplace.weight_space.kfac.curvature`): "expand" sums
 :math:`\bar a_t \bar a_t^\top` and :math:`\Gamma_t \Gamma_t^\top` over the :math:`T` locations, "reduce" sums the
 locations first (for cross-attention the in-projection's stacked query, key and value positions together).
 

@@ -13,7 +13,7 @@ from torch import nn
 
 from ntkgp.laplace.weight_space import KroneckerGGN, compute_curvature
 from ntkgp.laplace.ggn.data_pass import DataPass
-from ntkgp.laplace.weight_space.curvature.layers import structured_layers, usable_layers
+from ntkgp.laplace.weight_space.layers.curvature_layers import structured_layers, usable_layers
 from ntkgp.likelihoods import SoftmaxLikelihood, gradient, hessian
 from ntkgp.ntk import NTKEngine, resolve_groups
 from tests.helpers import (

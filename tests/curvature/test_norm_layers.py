@@ -1,5 +1,5 @@
 """Normalization layers' affine parameters and embedding tables from the curvature pass's own output gradients
-(ntkgp.ntk.norm_features, ntkgp.laplace.weight_space.curvature.norm_layers): the diagonal GGN, the diagonal EF and KFAC's exact
+(ntkgp.ntk.norm_features, ntkgp.laplace.weight_space.layers.norm_layers): the diagonal GGN, the diagonal EF and KFAC's exact
 diagonal part against the dense GGN / EF of brute-force autograd Jacobians (tests/helpers.py), with no per-example
 backward pass for these layers; the fallbacks (a weight also used outside the layer's forward, BatchNorm in
 training mode, an embedding with max_norm) take the generic route and stay exact."""

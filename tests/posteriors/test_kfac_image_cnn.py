@@ -15,8 +15,8 @@ from torch.func import jacrev
 
 from ntkgp.laplace import PassOptions, predict
 from ntkgp.laplace.weight_space import KFACLaplace, compute_curvature
-from ntkgp.laplace.weight_space.curvature import kfac_factors
-from ntkgp.laplace.weight_space.curvature.kfac_factors import location_gram, symmetric_gram
+from ntkgp.laplace.weight_space.kfac import factor_sums
+from ntkgp.laplace.weight_space.kfac.factor_sums import location_gram, symmetric_gram
 from ntkgp.likelihoods import SoftmaxLikelihood, hessian
 from tests.helpers import EPS32, assert_unchanged, brute_jacobian, float32_roundings, rel_err, snapshot
 
@@ -71,7 +71,7 @@ def brute_factors(net: nn.Sequential, x: torch.Tensor, y: torch.Tensor, lik,
 @pytest.mark.parametrize("rows", [1024, 3])
 def test_factors_of_an_image_cnn_equal_brute_force(monkeypatch, rows):
     """``rows = 3``: the linear layers' inputs gathered over batches are multiplied several times in the pass."""
-    monkeypatch.setattr(kfac_factors, "ROWS", rows)
+    monkeypatch.setattr(factor_sums, "ROWS", rows)
     net, (x, y), lik = image_cnn(), data(), SoftmaxLikelihood(C).double()
     before = snapshot(net)
     curvature = compute_curvature(net, x, y, lik, "kfac", batch_size=2)

@@ -75,7 +75,7 @@ def test_the_factors_decomposition_is_linear_operators_bit_for_bit(dtype):
     from linear_operator import settings
     from linear_operator.operators import DenseLinearOperator
 
-    from ntkgp.laplace.weight_space.curvature.kfac import symmetric_eigh
+    from ntkgp.laplace.weight_space.kfac.blocks import symmetric_eigh
 
     torch.manual_seed(0)
     root = torch.randn(7, 5, dtype=dtype)

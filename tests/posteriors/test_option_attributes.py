@@ -8,7 +8,7 @@ import torch
 
 from ntkgp.laplace.weight_space import (DiagLaplace, FullLaplace, KFACLaplace, LastLayerDiagLaplace,
                                        LastLayerKFACLaplace, LastLayerLaplace)
-from ntkgp.laplace.weight_space.subnetwork_laplace import SubnetLaplace
+from ntkgp.laplace.weight_space.subnetwork.laplace import SubnetLaplace
 from ntkgp.likelihoods import SoftmaxLikelihood
 from ntkgp.options import option_attributes
 from tests.helpers import mlp

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from functools import cached_property
 
 import torch
@@ -197,6 +197,44 @@ class Curvature(ABC):
         delta = self.prior_precision_vector(prior_precision)
         prior = 0.5 * (delta * self.theta_sq_norms).sum()
         return self.data_fit(likelihood) - prior - 0.5 * self.log_det_ratio(delta, likelihood)
+
+    # ------------------------------------------------------------------ state
+    def state(self) -> dict:
+        """The curvature as a dict of tensors, strings, numbers and lists (``torch.save`` /
+        ``torch.load(weights_only=True)`` both work): the structure, the parameter groups, the norms, the stored
+        outputs and targets and the output scale's size, then the structure's own factors
+        (:meth:`_state_fields`): what a posterior's state dict holds to be restored without a pass over the data.
+
+        Raises:
+            NotImplementedError: for a curvature that cannot be saved (no :meth:`_state_fields`).
+        """
+        groups = self.groups
+        state = {
+            "structure": self.structure,
+            "groups": {"names": list(groups.names), "shapes": [list(s) for s in groups.shapes],
+                       "group_of": list(groups.group_of), "group_names": list(groups.group_names)},
+            "theta_sq_norms": self.theta_sq_norms, "f": self.f, "y": self.y, "scale_size": self.scale_size,
+        }
+        return {**state, **self._state_fields()}
+
+    def _state_fields(self) -> dict:
+        """The structure's own factors in :meth:`state` (each saveable class gives them, with :meth:`_from_state`)."""
+        raise NotImplementedError(f"no state dict for a {type(self).__name__}")
+
+    @classmethod
+    def from_state(cls, state: Mapping) -> Curvature:
+        """The curvature :meth:`state` saved (its decompositions are formed again at their first use)."""
+        g = state["groups"]
+        groups = ParameterGroups(tuple(g["names"]), tuple(torch.Size(s) for s in g["shapes"]), tuple(g["group_of"]),
+                                 tuple(g["group_names"]))
+        return cls._from_state((groups, state["theta_sq_norms"], state["f"], state["y"], int(state["scale_size"])),
+                               state)
+
+    @classmethod
+    def _from_state(cls, common: tuple, state: Mapping) -> Curvature:
+        """The curvature from the arguments every structure takes, ``common`` (``groups, theta_sq_norms, f, y,
+        scale_size``), and the fields of ``state`` that :meth:`_state_fields` wrote."""
+        raise NotImplementedError(f"no state dict for a {cls.__name__}")
 
 
 def _positive_finite(delta: Tensor) -> bool:

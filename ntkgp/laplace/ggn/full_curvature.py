@@ -30,6 +30,8 @@ eigendecomposition per :math:`\theta^*`, then every evaluation is :math:`O(\min(
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from gpytorch.likelihoods import Likelihood
 from torch import Tensor, nn
@@ -46,6 +48,7 @@ from .exact_log_det import scaled_log_det, spectral_log_det_ratio
 from .gram_curvature import FunctionSpaceCurvature, function_space_curvature
 from .layer_ggn import blocks_of_root
 from .low_rank_groups import GroupSchur, low_rank_cheaper
+from .sampled_ggn import check_no_samples_for_fisher
 from .scaling import unit_gradient, unit_hessian_sqrt
 from .space import exact_space, has_function_form, site_columns
 
@@ -207,6 +210,13 @@ class FullCurvature(Curvature):
             total.add(jacobian_rows(jac[part], likelihood, f[part], y[part], scale0, fisher))
         return cls(groups, theta_sq_norms, f, y, scale0.shape[0], total.total(), fisher)
 
+    def _state_fields(self) -> dict:
+        return {"components": self.components}
+
+    @classmethod
+    def _from_state(cls, common: tuple, state: Mapping) -> FullCurvature:
+        return cls(*common, state["components"], fisher=state["structure"] == "full_ef")
+
     def dense(self, likelihood: Likelihood) -> Tensor:
         weights = component_weights(self.scale(likelihood), self.fisher)
         return torch.einsum("k,kpq->pq", weights, self.components)
@@ -290,8 +300,7 @@ def full_curvature(
         Others: as :func:`~ntkgp.laplace.compute_curvature`.
     """
     fisher = _fisher(curvature)
-    if fisher and mc_samples is not None:
-        raise ValueError("mc_samples samples the GGN's Hessian roots; the empirical Fisher has none: pass None")
+    check_no_samples_for_fisher(fisher, mc_samples)
     data = DataPass.start(net, likelihood, prior_structure, input_shape, distributed, mc_samples, generator)
     total = dense_components(data, x, y, fisher, batch_size, progress, "full " + ("EF" if fisher else "GGN"))
     data.reduce([total])

@@ -57,6 +57,17 @@ def check_mc_samples(mc_samples: object, likelihood: Likelihood, argument: str =
     return mc_samples
 
 
+def check_no_samples_for_fisher(fisher: bool, mc_samples: object) -> None:
+    """Refuse ``mc_samples`` for the empirical Fisher: it samples the roots of the GGN's Hessian, and the EF's
+    rows are the gradients themselves (nothing to sample).
+
+    Raises:
+        ValueError: ``fisher`` and ``mc_samples`` is not ``None``.
+    """
+    if fisher and mc_samples is not None:
+        raise ValueError("mc_samples samples the GGN's Hessian roots; the empirical Fisher has none: pass None")
+
+
 def check_generator(generator: object, argument: str = "generator") -> torch.Generator | None:
     """``generator`` after checking that it is a ``torch.Generator`` or ``None``."""
     if generator is not None and not isinstance(generator, torch.Generator):
@@ -94,4 +105,4 @@ def sampled_root_variance(p: Tensor) -> Tensor:
     return fourth - hessian.square()
 
 
-__all__ = ["check_generator", "check_mc_samples", "sampled_root_variance", "sampled_unit_hessian_root"]
+__all__ = ["check_generator", "check_mc_samples", "check_no_samples_for_fisher", "sampled_root_variance", "sampled_unit_hessian_root"]

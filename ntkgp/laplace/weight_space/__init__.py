@@ -17,16 +17,18 @@ estimator of their GLM predictive.
 * :func:`predict` — the GLM predictive of a posterior by every estimator of the papers (closed form, GLM-MC,
   MC-GLM, network sampling; probit, bridge and MC links).
 
-The floor plan, one concept a file, by approximation: the posteriors :mod:`~ntkgp.laplace.weight_space.full_laplace`,
-:mod:`~ntkgp.laplace.weight_space.kfac_laplace` and :mod:`~ntkgp.laplace.weight_space.diag_laplace` (their
-layer-wise GLM covariance :mod:`~ntkgp.laplace.weight_space.kronecker_form`),
-:mod:`~ntkgp.laplace.weight_space.subnetwork_laplace` and the last-layer approximation
-(:mod:`ntkgp.laplace.weight_space.last_layer`: features, curvature, posteriors); below them what every posterior
-shares (:mod:`ntkgp.laplace.weight_space.posterior`: the interface, the evidence and choice of :math:`\delta`, the
-predictive, the state dict) and the structured curvatures it restores from a state dict
-(:mod:`ntkgp.laplace.weight_space.curvature`: diagonal, KFAC); above them the structure table
-(:mod:`~ntkgp.laplace.weight_space.structures`) and the front door
-(:mod:`~ntkgp.laplace.weight_space.laplace_posterior`). The full GGN / EF is the shared :mod:`ntkgp.laplace.ggn`'s.
+The floor plan, one folder an approximation holding its curvature and its posterior:
+:mod:`~ntkgp.laplace.weight_space.full` (:class:`FullLaplace`; the full GGN / EF itself is the shared
+:mod:`ntkgp.laplace.ggn`'s), :mod:`~ntkgp.laplace.weight_space.kfac` (the Kronecker blocks, their running sums over the
+data, :class:`KroneckerGGN`, :class:`KFACLaplace`), :mod:`~ntkgp.laplace.weight_space.diagonal` (:class:`DiagonalGGN`,
+:class:`DiagonalEF`, :class:`DiagLaplace`), :mod:`~ntkgp.laplace.weight_space.subnetwork` (:class:`SubnetLaplace`) and
+:mod:`~ntkgp.laplace.weight_space.last_layer` (features, curvature, posteriors). Below them what several approximations
+share: :mod:`~ntkgp.laplace.weight_space.posterior` (the interface :class:`WeightPosterior`, the evidence and choice of
+:math:`\delta`, the predictive, the state dict, the pass options; it imports no approximation: each posterior class
+names the curvature classes it is restored from) and :mod:`~ntkgp.laplace.weight_space.layers` (the layers a structured
+curvature takes, normalization layers' diagonal, the layer Jacobians in Kronecker form at test points). Above them
+the structure table (:mod:`~ntkgp.laplace.weight_space.structures`) and the front door
+(:mod:`~ntkgp.laplace.weight_space.laplace_posterior`).
 """
 
 from ..ggn import (  # the shared GGN (ntkgp.laplace.ggn), documented here where users import it
@@ -40,11 +42,12 @@ from ..ggn import (  # the shared GGN (ntkgp.laplace.ggn), documented here where
     function_space_curvature,
     output_scale,
 )
-from .curvature.diagonal import DiagonalCurvature, DiagonalEF, DiagonalGGN, diagonal_ef, diagonal_ggn
-from .curvature.kfac import KroneckerFactors, KroneckerGGN, kfac_ggn
-from .diag_laplace import DiagLaplace
-from .full_laplace import FullLaplace
-from .kfac_laplace import KFACLaplace
+from .diagonal.curvature import DiagonalCurvature, DiagonalEF, DiagonalGGN, diagonal_ef, diagonal_ggn
+from .diagonal.laplace import DiagLaplace
+from .full.laplace import FullLaplace
+from .kfac.blocks import KroneckerFactors
+from .kfac.curvature import KroneckerGGN, kfac_ggn
+from .kfac.laplace import KFACLaplace
 from .laplace_posterior import laplace_posterior
 from .last_layer.curvature import last_layer_curvature
 from .last_layer.laplace import LastLayerLaplace
@@ -53,7 +56,7 @@ from .posterior.pass_options import PassOptions
 from .posterior.predictive_estimators import Prediction, default_step_size, laplace_bridge, predict
 from .posterior.weight_posterior import WeightPosterior
 from .structures import compute_curvature
-from .subnetwork_laplace import SubnetLaplace
+from .subnetwork.laplace import SubnetLaplace
 
 __all__ = [
     "Curvature",

@@ -25,10 +25,10 @@ from torch import Tensor, nn
 from ...ntk.outputs import with_output
 from ...options import Structure, Subset, choose
 from ..ggn.data_pass import Data
-from .full_laplace import FullLaplace
+from .full.laplace import FullLaplace
 from .posterior.weight_posterior import WeightPosterior
 from .structures import LAST_LAYER_CLASSES, STRUCTURE_CLASSES
-from .subnetwork_laplace import SubnetLaplace
+from .subnetwork.laplace import SubnetLaplace
 
 
 def laplace_posterior(

@@ -15,12 +15,12 @@ from ...options import Structure, choose
 from ...progress import check_progress
 from ..ggn.curvature import Curvature
 from ..ggn.data_pass import Data
-from .diag_laplace import DiagLaplace
-from .curvature.diagonal import diagonal_ef, diagonal_ggn
+from .diagonal.laplace import DiagLaplace
+from .diagonal.curvature import diagonal_ef, diagonal_ggn
 from ..ggn.full_curvature import full_ef, full_ggn
-from .full_laplace import FullLaplace
-from .curvature.kfac import check_kfac_approximation, kfac_ggn
-from .kfac_laplace import KFACLaplace
+from .full.laplace import FullLaplace
+from .kfac.curvature import check_kfac_approximation, kfac_ggn
+from .kfac.laplace import KFACLaplace
 from .last_layer.laplace import LastLayerLaplace
 from .last_layer.structured import LastLayerDiagLaplace, LastLayerKFACLaplace
 from .posterior.weight_posterior import WeightPosterior

@@ -42,9 +42,10 @@ from ....ntk.network import NetworkCore
 from ....options import Structure, choose
 from ...ggn.curvature import Curvature
 from ...ggn.data_pass import Data
-from ..curvature.diagonal import DiagonalEF, DiagonalGGN
+from ..diagonal.curvature import DiagonalEF, DiagonalGGN
 from ...ggn.full_curvature import ComponentSum, FullCurvature, jacobian_rows
-from ..curvature.kfac import KroneckerFactors, KroneckerGGN
+from ..kfac.blocks import KroneckerFactors
+from ..kfac.curvature import KroneckerGGN
 from .features import LastLayerPass, last_layer_names
 from ..posterior.weight_posterior import check_before_pass
 

@@ -14,7 +14,7 @@ from ....option_groups import accepts_flat_keywords
 from ....options import CurvatureKind, OptionAttribute, Structure, choice
 from ...ggn.curvature import Curvature as CurvatureData
 from ...ggn.data_pass import Data
-from ..full_laplace import DensePosterior, FullLaplace
+from ..full.laplace import DensePosterior, FullLaplace
 from .curvature import fit_last_layer
 from .features import feature_layer, head_features, last_layer_names
 from ..posterior.pass_options import PassOptions

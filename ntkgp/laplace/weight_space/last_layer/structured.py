@@ -26,8 +26,8 @@ from ....options import CurvatureKind
 from ....option_groups import accepts_flat_keywords
 from ....options import OptionAttribute, Structure, choice
 from ...ggn.data_pass import Data
-from ..diag_laplace import DiagLaplace
-from ..kfac_laplace import KFACLaplace, _check_damping
+from ..diagonal.laplace import DiagLaplace
+from ..kfac.laplace import KFACLaplace, _check_damping
 from .curvature import fit_last_layer
 from .features import head_features, last_layer_names
 from .laplace import LayerRoute, layer_evidence

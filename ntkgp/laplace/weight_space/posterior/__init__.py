@@ -6,6 +6,9 @@ over the data), its evidence and the choice of :math:`\delta`
 (:mod:`~ntkgp.laplace.weight_space.posterior.posterior_state`) and the option group of its constructor
 (:mod:`~ntkgp.laplace.weight_space.posterior.pass_options`).
 
-The posteriors themselves, one per approximation, are the modules of :mod:`ntkgp.laplace.weight_space`; the public
-names are documented there.
+The posteriors themselves stand above it, one folder per approximation with its curvature
+(:mod:`~ntkgp.laplace.weight_space.full`, :mod:`~ntkgp.laplace.weight_space.kfac`,
+:mod:`~ntkgp.laplace.weight_space.diagonal`, :mod:`~ntkgp.laplace.weight_space.subnetwork`,
+:mod:`~ntkgp.laplace.weight_space.last_layer`); this package imports none of them. The public names are documented
+under :mod:`ntkgp.laplace.weight_space`.
 """

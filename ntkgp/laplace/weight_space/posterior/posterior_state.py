@@ -3,82 +3,42 @@ its state (:math:`\delta` and the curvature factors) to save and restore without
 
 The state dict holds only tensors, strings, numbers and lists (``torch.save`` / ``torch.load(weights_only=True)``
 both work): the structure, the parameter names, shapes and prior groups, :math:`\delta`, and the curvature the
-posterior was built from (:class:`~ntkgp.laplace.weight_space.FullCurvature`'s components,
-:class:`~ntkgp.laplace.weight_space.KroneckerGGN`'s factors, a diagonal's components; with the training outputs
-and targets its evidence needs). Memory: that of the curvature (:math:`KP^2`, :math:`\sum_l d_a^2 + K d_{out}^2`
-or :math:`KP` numbers) plus :math:`N(C + 1)`.
+posterior was built from, as the curvature writes itself (:meth:`~ntkgp.laplace.weight_space.Curvature.state`:
+:class:`~ntkgp.laplace.weight_space.FullCurvature`'s components, :class:`~ntkgp.laplace.weight_space.KroneckerGGN`'s
+factors, a diagonal's components; with the training outputs and targets its evidence needs). Memory: that of the
+curvature (:math:`KP^2`, :math:`\sum_l d_a^2 + K d_{out}^2` or :math:`KP` numbers) plus :math:`N(C + 1)`.
+
+This base imports no approximation: each posterior class names the curvature classes it is restored from
+(:attr:`PosteriorState.curvature_classes`), and each of them reads itself back
+(:meth:`~ntkgp.laplace.weight_space.Curvature.from_state`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import ClassVar
 
 import torch
 from gpytorch.likelihoods import Likelihood
 from torch import Tensor, nn
 
 from ....likelihoods import is_gaussian
-from ....ntk import ParameterGroups
 from ...ggn.curvature import Curvature
-from ..curvature.diagonal import DiagonalEF, DiagonalGGN
-from ...ggn.full_curvature import FullCurvature
-from ..curvature.kfac import KroneckerFactors, KroneckerGGN
 from .predictive_estimators import Prediction, predict
 
-__all__ = ["PosteriorState", "curvature_from_state", "curvature_state"]
+__all__ = ["PosteriorState"]
 
 #: Function-sample methods of :meth:`PosteriorState.predictive_samples` → :func:`predict`'s ``method``.
 SAMPLE_METHODS = {"glm": "glm_mc", "nn": "nn_sampling"}
 
 
-def curvature_state(curvature: Curvature) -> dict:
-    """A :class:`~ntkgp.laplace.weight_space.Curvature` (full, KFAC or diagonal) as a dict of tensors, strings,
-    numbers and lists.
-
-    Raises:
-        NotImplementedError: for another curvature class.
-    """
-    groups = curvature.groups
-    state = {
-        "structure": curvature.structure,
-        "groups": {"names": list(groups.names), "shapes": [list(s) for s in groups.shapes],
-                   "group_of": list(groups.group_of), "group_names": list(groups.group_names)},
-        "theta_sq_norms": curvature.theta_sq_norms, "f": curvature.f, "y": curvature.y,
-        "scale_size": curvature.scale_size,
-    }
-    if isinstance(curvature, FullCurvature):
-        return {**state, "components": curvature.components}
-    if isinstance(curvature, (DiagonalGGN, DiagonalEF)):
-        return {**state, "components": curvature.components}
-    if isinstance(curvature, KroneckerGGN):
-        blocks = [{"module": b.module, "weight": b.weight, "bias": b.bias, "group": b.group,
-                   "input_factor": b.input_factor, "output_factors": b.output_factors} for b in curvature.blocks]
-        return {**state, "blocks": blocks, "diagonal_names": list(curvature.diagonal_names),
-                "diagonal_components": curvature.diagonal_components}
-    raise NotImplementedError(f"no state dict for a {type(curvature).__name__}")
-
-
-def curvature_from_state(state: Mapping) -> Curvature:
-    """The curvature :func:`curvature_state` saved (its decompositions are formed again at their first use)."""
-    g = state["groups"]
-    groups = ParameterGroups(tuple(g["names"]), tuple(torch.Size(s) for s in g["shapes"]), tuple(g["group_of"]),
-                             tuple(g["group_names"]))
-    common = (groups, state["theta_sq_norms"], state["f"], state["y"], int(state["scale_size"]))
-    structure = state["structure"]
-    if structure in ("full_ggn", "full_ef"):
-        return FullCurvature(*common, state["components"], fisher=structure == "full_ef")
-    if structure in ("diag_ggn", "diag_ef"):
-        return (DiagonalEF if structure == "diag_ef" else DiagonalGGN)(*common, state["components"])
-    if structure == "kfac":
-        blocks = [KroneckerFactors(b["module"], b["weight"], b["bias"], int(b["group"]), b["input_factor"],
-                                   b["output_factors"]) for b in state["blocks"]]
-        return KroneckerGGN(*common, blocks, list(state["diagonal_names"]), state["diagonal_components"])
-    raise ValueError(f"unknown curvature structure {structure!r} in the state dict")
-
-
 class PosteriorState:
     """The predictive, function samples and the state dict of a
     :class:`~ntkgp.laplace.weight_space.WeightPosterior` (module docstring)."""
+
+    #: The curvature classes the posterior is restored from, by the ``structure`` their state names: each
+    #: approximation names its own (module docstring).
+    curvature_classes: ClassVar[Mapping[str, type[Curvature]]] = {}
 
     def predict(self, x: Tensor, method: str = "glm", link: str | None = None, **kwargs) -> Prediction:
         r"""The predictive at ``x``: :func:`ntkgp.laplace.predict` (every estimator: ``method="glm"``,
@@ -127,7 +87,7 @@ class PosteriorState:
             raise NotImplementedError(f"{type(self).__name__} has no state dict (no curvature object it is restored "
                                       "from)")
         return {"class": type(self).__name__, "structure": self.structure, "names": list(self.names),
-                "prior_precision": self.prior_precision.clone(), "curvature": curvature_state(curvature),
+                "prior_precision": self.prior_precision.clone(), "curvature": curvature.state(),
                 "options": self._state_options()}
 
     def _state_options(self) -> dict:
@@ -168,7 +128,11 @@ def _checked_curvature(cls: type, state: Mapping, net: nn.Module) -> Curvature:
         raise ValueError("state must be a posterior's state_dict() (class, names, prior_precision, curvature)")
     if state["class"] != cls.__name__:
         raise ValueError(f"state is that of a {state['class']}, not of a {cls.__name__}")
-    curvature = curvature_from_state(state["curvature"])
+    structure = state["curvature"]["structure"]
+    if structure not in cls.curvature_classes:
+        raise ValueError(f"unknown curvature structure {structure!r} in the state dict of a {cls.__name__} (one of "
+                         f"{sorted(cls.curvature_classes)})")
+    curvature = cls.curvature_classes[structure].from_state(state["curvature"])
     names = list(curvature.groups.names)
     params = dict(net.named_parameters())
     shapes = [tuple(params[n].shape) if n in params else None for n in names]

@@ -2,7 +2,7 @@ r"""Running sums of the KFAC factors over the data: one batch's layer features r
 
 For a layer with inputs :math:`a_{nt}` (``(n, d_{in}, T)``: unfolded patches of a convolution) and output
 gradients :math:`\Gamma_{nmt}` of the cotangent columns :math:`m`, the factors of
-:mod:`~ntkgp.laplace.weight_space.curvature.kfac` are the sums
+:mod:`~ntkgp.laplace.weight_space.kfac.curvature` are the sums
 
 .. math::
     A = \begin{bmatrix} \sum a a^\top & \sum a \\ \sum a^\top & N T \end{bmatrix}, \qquad

@@ -7,8 +7,8 @@ r"""Diagonal Laplace curvatures: the diagonal of the GGN or of the empirical Fis
 
 with :math:`L_n L_n^\top = \Lambda_n` (:func:`~ntkgp.likelihoods.hessian_sqrt`). The rows :math:`J_n^\top u` are
 formed batch by batch, never the Jacobian of the data set: from layer inputs and back-propagated output
-gradients for ``Linear``/``Conv2d`` layers (:mod:`~ntkgp.laplace.weight_space.curvature.layers`) and for normalization
-layers' affine parameters and embedding tables (:mod:`~ntkgp.laplace.weight_space.curvature.norm_layers`), by per-example
+gradients for ``Linear``/``Conv2d`` layers (:mod:`~ntkgp.laplace.weight_space.layers.curvature_layers`) and for normalization
+layers' affine parameters and embedding tables (:mod:`~ntkgp.laplace.weight_space.layers.norm_layers`), by per-example
 vector-Jacobian products for all other parameters (and for layers called more than once per forward pass).
 
 The likelihood's hyperparameters enter through its output scale :math:`s` (:mod:`~ntkgp.laplace.ggn.scaling`):
@@ -25,6 +25,7 @@ and re-weighted, :math:`\operatorname{diag} H = \sum_k w_k(s) D_k`, in :math:`O(
 from __future__ import annotations
 
 from abc import abstractmethod
+from collections.abc import Mapping
 
 import torch
 from gpytorch.likelihoods import Likelihood
@@ -36,9 +37,9 @@ from ....ntk.groups import GroupSpec
 from ...ggn.curvature import Curvature
 from ...ggn.data_pass import Data, DataPass
 from ...ggn.exact_log_det import diagonal_log_det
-from .layers import Layer, layer_features, structured_layers, usable_layers
+from ..layers.curvature_layers import Layer, layer_features, structured_layers, usable_layers
 from ....ntk.norm_features import ElementwiseLayer
-from .norm_layers import diagonal_layers
+from ..layers.norm_layers import diagonal_layers
 
 
 class DiagonalCurvature(Curvature):
@@ -87,6 +88,13 @@ class DiagonalCurvature(Curvature):
     def dense(self, likelihood: Likelihood) -> Tensor:
         return torch.diag(self.diagonal(likelihood))
 
+    def _state_fields(self) -> dict:
+        return {"components": self.components}
+
+    @classmethod
+    def _from_state(cls, common: tuple, state: Mapping) -> DiagonalCurvature:
+        return cls(*common, state["components"])
+
 
 class DiagonalGGN(DiagonalCurvature):
     r"""Diagonal of the GGN :math:`\sum_n J_n^\top \Lambda_n J_n`; weights :math:`w = s`."""
@@ -118,7 +126,7 @@ def diagonal_products(
         cotangents: :math:`u_{nm}`, shape ``(n, C, M)``.
         names: the parameters, in the order of the columns returned.
         layers: ``Linear``/``Conv2d`` layers whose parameters (all in ``names``) take the structured route
-            (:mod:`~ntkgp.laplace.weight_space.curvature.layers`): per-example gradients :math:`\sum_t \Gamma_{nmt} \bar a_{nt}^\top`,
+            (:mod:`~ntkgp.laplace.weight_space.layers.curvature_layers`): per-example gradients :math:`\sum_t \Gamma_{nmt} \bar a_{nt}^\top`,
             and for one location :math:`\sum_n \Gamma_{nm}^{\odot 2} (\bar a_n^{\odot 2})^\top`, a matrix
             product; normalization and embedding layers (:class:`~ntkgp.ntk.norm_features.ElementwiseLayer`) their
             elementwise rows; the other parameters take per-example vector-Jacobian products.
@@ -197,7 +205,7 @@ def diagonal_ggn(
     r"""The diagonal GGN :math:`\sum_n \sum_m (J_n^\top L_{n,:m})^{\odot 2}` over the data, batch by batch.
 
     ``Linear``/``Conv2d`` layers, normalization layers' affine parameters and embedding tables: one forward and
-    :math:`C` backward passes per batch (layer features, :mod:`~ntkgp.laplace.weight_space.curvature.norm_layers`);
+    :math:`C` backward passes per batch (layer features, :mod:`~ntkgp.laplace.weight_space.layers.norm_layers`);
     other parameters: per-example vector-Jacobian products, memory :math:`O(\text{batch} \cdot C \cdot P)`.
     With ``mc_samples`` :math:`= S`, :math:`S` sampled columns instead of :math:`C`
     (:mod:`~ntkgp.laplace.ggn.sampled_ggn`). Arguments as :func:`~ntkgp.laplace.compute_curvature`.

@@ -4,7 +4,7 @@ GGN or EF.
 Everything is elementwise: :math:`\Sigma v = v / (h + \delta)`, :math:`\eta = z / \sqrt{h + \delta}`,
 :math:`\log|\Sigma^{-1}| = \sum_p \log(h_p + \delta_{g(p)})`. The GLM closed form
 :math:`J \Sigma J^\top` uses, for ``Linear``/``Conv2d`` layers, the layer inputs and output gradients at the
-test points (:func:`~ntkgp.laplace.weight_space.kronecker_form.kronecker_sandwich` with identity bases): with one
+test points (:func:`~ntkgp.laplace.weight_space.layers.kronecker_form.kronecker_sandwich` with identity bases): with one
 location :math:`[J \Sigma J^\top]_{cc'} = \sum_o \gamma_{co} \gamma_{c'o} \sum_i \bar a_i^2 \Sigma_{oi}`,
 never the Jacobian; other parameters take per-example Jacobians.
 """
@@ -12,26 +12,28 @@ never the Jacobian; other parameters take per-example Jacobians.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import ClassVar
 
 import torch
 from gpytorch.likelihoods import Likelihood
 from torch import Tensor, nn
 
-from ...ntk.network import NetworkCore
-from ...option_groups import accepts_flat_keywords
-from ...options import CurvatureKind, OptionAttribute, choice
-from ..ggn.curvature import Curvature
-from ..ggn.data_pass import Data
-from .curvature.diagonal import DiagonalCurvature, diagonal_ef, diagonal_ggn
-from .kronecker_form import (
+from ....ntk.network import NetworkCore
+from ....option_groups import accepts_flat_keywords
+from ....options import CurvatureKind, OptionAttribute, choice
+from ...ggn.curvature import Curvature
+from ...ggn.data_pass import Data
+from ...ggn.sampled_ggn import check_no_samples_for_fisher
+from .curvature import DiagonalCurvature, DiagonalEF, DiagonalGGN, diagonal_ef, diagonal_ggn
+from ..layers.kronecker_form import (
     kronecker_features,
     kronecker_root,
     kronecker_sandwich,
     layer_index,
 )
-from .curvature.layers import usable_layers
-from .posterior.pass_options import PassOptions
-from .posterior.weight_posterior import WeightPosterior, check_before_pass, check_likelihood, group_spec
+from ..layers.curvature_layers import usable_layers
+from ..posterior.pass_options import PassOptions
+from ..posterior.weight_posterior import WeightPosterior, check_before_pass, check_likelihood, group_spec
 
 
 class DiagLaplace(WeightPosterior):
@@ -63,6 +65,8 @@ class DiagLaplace(WeightPosterior):
     """
 
     curvature = OptionAttribute(choice(CurvatureKind), fixed="the diagonal was computed for it")
+    curvature_classes: ClassVar[Mapping[str, type[Curvature]]] = {
+        "diag_ggn": DiagonalGGN, "diag_ef": DiagonalEF}
 
     @accepts_flat_keywords(options=PassOptions)
     def __init__(
@@ -81,8 +85,7 @@ class DiagLaplace(WeightPosterior):
     ) -> None:
         batch_size, chunk_size, progress = self._pass_settings(options)
         kind = choice(CurvatureKind)(curvature, "curvature")
-        if kind is not CurvatureKind.GGN and mc_samples is not None:
-            raise ValueError("mc_samples samples the GGN's Hessian roots; the empirical Fisher has none: pass None")
+        check_no_samples_for_fisher(kind is not CurvatureKind.GGN, mc_samples)
         check_before_pass(net, likelihood, prior_precision, prior_structure, input_shape, chunk_size)
         sampled = {} if mc_samples is None else {"mc_samples": mc_samples, "generator": generator}
         computed = (diagonal_ggn if kind is CurvatureKind.GGN else diagonal_ef)(

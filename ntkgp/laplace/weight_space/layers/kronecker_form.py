@@ -23,8 +23,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ...ntk.features import Layer
-from ...ntk.network import NetworkCore
+from ....ntk.features import Layer
+from ....ntk.network import NetworkCore
 
 
 def layer_index(fn: NetworkCore, layer: Layer) -> Tensor:

@@ -12,21 +12,22 @@ and the GLM covariance :math:`J \Sigma J^\top = (L^{-1} J^\top)^\top (L^{-1} J^\
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import ClassVar
 
 import torch
 from gpytorch.likelihoods import Likelihood
 from linear_operator.utils.cholesky import psd_safe_cholesky
 from torch import Tensor, nn
 
-from ...option_groups import accepts_flat_keywords
-from ...options import CurvatureKind, OptionAttribute, choice
-from ..ggn.curvature import Curvature as CurvatureData
-from ..ggn.data_pass import Data
-from ..ggn.full_curvature import FullCurvature, component_weights, full_curvature
-from ..ggn.scaling import scale_size
-from ...ntk.network import NetworkCore
-from .posterior.pass_options import PassOptions
-from .posterior.weight_posterior import WeightPosterior, check_before_pass, check_likelihood, group_spec
+from ....option_groups import accepts_flat_keywords
+from ....options import CurvatureKind, OptionAttribute, choice
+from ...ggn.curvature import Curvature as CurvatureData
+from ...ggn.data_pass import Data
+from ...ggn.full_curvature import FullCurvature, component_weights, full_curvature
+from ...ggn.scaling import scale_size
+from ....ntk.network import NetworkCore
+from ..posterior.pass_options import PassOptions
+from ..posterior.weight_posterior import WeightPosterior, check_before_pass, check_likelihood, group_spec
 
 
 class DensePosterior(WeightPosterior):
@@ -141,6 +142,9 @@ class FullLaplace(DensePosterior):
         >>> eta = posterior.sample(100)                    # (100, P) draws of θ − θ*
         >>> blocks = posterior.glm_covariance(x_test)      # (N, C, C)
     """
+
+    curvature_classes: ClassVar[Mapping[str, type[CurvatureData]]] = {
+        "full_ggn": FullCurvature, "full_ef": FullCurvature}
 
     @accepts_flat_keywords(options=PassOptions)
     def __init__(

@@ -9,7 +9,7 @@ With :math:`A = U_A \operatorname{diag}(q) U_A^\top` and
     (U_G \otimes U_A)^\top, \qquad W_{oi} = \frac{1}{w_o q_i + \delta_l},
 
 so that, for :math:`\Theta = [W \mid b]` as a ``(d_out, d_a)`` matrix (row-major, the order of
-:mod:`ntkgp.laplace.weight_space.curvature.kfac`),
+:mod:`ntkgp.laplace.weight_space.kfac.curvature`),
 
 - :math:`\Sigma_l \operatorname{vec}(V) = \operatorname{vec}(U_G [(U_G^\top V U_A) \odot W] U_A^\top)`;
 - the layer-wise factorized sampler: :math:`\eta_l = U_G (Z \odot W^{1/2}) U_A^\top`, :math:`Z` a standard
@@ -19,8 +19,8 @@ so that, for :math:`\Theta = [W \mid b]` as a ``(d_out, d_a)`` matrix (row-major
   no longer separate, hence the eigenbases.)
 - :math:`\log|\Sigma_l^{-1}| = \sum_{oi} \log(w_o q_i + \delta_l)`;
 - the GLM closed form (the review's eq. 16) from the layer inputs and output gradients at the test points,
-  :func:`~ntkgp.laplace.weight_space.kronecker_form.kronecker_sandwich`, computed by
-  :func:`~ntkgp.laplace.weight_space.kronecker_form.kronecker_covariances` (one pass, each column's gradients
+  :func:`~ntkgp.laplace.weight_space.layers.kronecker_form.kronecker_sandwich`, computed by
+  :func:`~ntkgp.laplace.weight_space.layers.kronecker_form.kronecker_covariances` (one pass, each column's gradients
   reduced as they come).
 
 Nothing of size :math:`P \times P` (nor a layer's :math:`d_{out} d_a \times d_{out} d_a` block) is formed:
@@ -34,28 +34,29 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from gpytorch.likelihoods import Likelihood
 from torch import Tensor, nn
 
-from ...ntk.attention_features import rebuild_layer
-from ...ntk.features import Layer
-from ...ntk.network import NetworkCore
-from ...option_groups import accepts_flat_keywords
-from ...options import OptionAttribute
-from ..ggn.curvature import Curvature
-from ..ggn.data_pass import Data
-from .curvature.kfac import KroneckerFactors, KroneckerGGN, check_kfac_approximation, kfac_ggn
-from .kronecker_form import (
+from ....ntk.attention_features import rebuild_layer
+from ....ntk.features import Layer
+from ....ntk.network import NetworkCore
+from ....option_groups import accepts_flat_keywords
+from ....options import OptionAttribute
+from ...ggn.curvature import Curvature
+from ...ggn.data_pass import Data
+from .curvature import KroneckerFactors, KroneckerGGN, check_kfac_approximation, kfac_ggn
+from ..layers.kronecker_form import (
     kronecker_covariances,
     kronecker_features,
     kronecker_root,
     layer_index,
 )
-from .curvature.layers import usable_layers
-from .posterior.pass_options import PassOptions
-from .posterior.weight_posterior import WeightPosterior, check_before_pass, check_likelihood, group_spec
+from ..layers.curvature_layers import usable_layers
+from ..posterior.pass_options import PassOptions
+from ..posterior.weight_posterior import WeightPosterior, check_before_pass, check_likelihood, group_spec
 
 
 def _check_damping(value: object, argument: str) -> bool:
@@ -138,6 +139,7 @@ class KFACLaplace(WeightPosterior):
     """
 
     damping = OptionAttribute(_check_damping, on_change="_option_changed")
+    curvature_classes: ClassVar[Mapping[str, type[Curvature]]] = {"kfac": KroneckerGGN}
 
     @accepts_flat_keywords(options=PassOptions)
     def __init__(

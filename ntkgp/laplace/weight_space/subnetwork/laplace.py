@@ -17,16 +17,16 @@ import torch
 from gpytorch.likelihoods import Likelihood
 from torch import Tensor, nn
 
-from ...ntk import ParameterGroups
-from ...ntk.network import NetworkCore
-from ...option_groups import accepts_flat_keywords
-from ...options import CurvatureKind, choice
-from ..ggn.data_pass import Data, DataPass
-from ..ggn.full_curvature import FullCurvature, dense_components
-from .full_laplace import DensePosterior
-from .last_layer.laplace import layer_evidence
-from .posterior.pass_options import PassOptions
-from .posterior.weight_posterior import check_before_pass
+from ....ntk import ParameterGroups
+from ....ntk.network import NetworkCore
+from ....option_groups import accepts_flat_keywords
+from ....options import CurvatureKind, choice
+from ...ggn.data_pass import Data, DataPass
+from ...ggn.full_curvature import FullCurvature, dense_components
+from ..full.laplace import DensePosterior
+from ..last_layer.laplace import layer_evidence
+from ..posterior.pass_options import PassOptions
+from ..posterior.weight_posterior import check_before_pass
 
 Subnetwork = Sequence[str] | Mapping[str, Tensor]
 
