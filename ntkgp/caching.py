@@ -19,6 +19,8 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
+from .validation import count
+
 
 def _snapshot(tensors: Iterable[torch.Tensor]) -> tuple[torch.Tensor, ...]:
     return tuple(t.detach().clone() for t in tensors)
@@ -86,9 +88,7 @@ class ValueCache:
     """
 
     def __init__(self, size: int = 4) -> None:
-        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-            raise ValueError(f"cache size must be a non-negative integer, got {size!r}")
-        self.size = size
+        self.size = count(size, "cache size")
         self._entries: OrderedDict[int, tuple[object, tuple[torch.Tensor, ...], object]] = OrderedDict()
         self._next = 0
 

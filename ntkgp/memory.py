@@ -19,6 +19,8 @@ import warnings
 
 import torch
 
+from .validation import count
+
 __all__ = [
     "DENSE_EVIDENCE_BYTES",
     "FEATURE_PASS_BYTES",
@@ -116,7 +118,6 @@ def renamed_budget(budget: int, numbers: object, argument: str, old: str) -> int
     """
     if numbers is None:
         return budget
-    if isinstance(numbers, bool) or not isinstance(numbers, int) or numbers < 0:
-        raise ValueError(f"{old} must be an integer >= 0, got {numbers!r}")
+    numbers = count(numbers, old)
     warnings.warn(f"{old} (numbers) is deprecated: pass {argument}={8 * numbers} (bytes)", FutureWarning, stacklevel=3)
     return 8 * numbers

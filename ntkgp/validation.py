@@ -1,5 +1,5 @@
-"""The generic argument checks every package of ntkgp shares: integers, counts, positive and bounded real numbers,
-flags and dtypes.
+"""The generic argument checks every package of ntkgp shares: integers (optional ones too), counts, positive and
+bounded real numbers, flags, dtypes and mappings keyed by parameter name.
 
 Each returns the checked value in its plain Python type (``int``, ``float``, ``bool``, ``torch.dtype``) and raises,
 naming the argument, before anything is built or written. Numbers of any ``numbers.Integral`` / ``numbers.Real``
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Iterable, Mapping
 
 import torch
 
@@ -19,6 +20,7 @@ __all__ = [
     "SUPPORTED_DTYPES",
     "check_int",
     "count",
+    "exact_names",
     "flag",
     "float_dtype",
     "integer",
@@ -45,26 +47,27 @@ def check_int(value: object, argument: str, minimum: int) -> int:
     Raises:
         ValueError: naming ``argument`` and ``minimum``.
     """
-    if not _is_integral(value) or value < minimum:
-        raise ValueError(f"{argument} must be an integer >= {minimum}, got {value!r}")
-    return int(value)
+    return integer(value, argument, minimum)
 
 
-def integer(value: object, argument: str, minimum: int | None = None, maximum: int | None = None) -> int:
+def integer(
+    value: object, argument: str, minimum: int | None = None, maximum: int | None = None, allow_none: bool = False,
+) -> int | None:
     """``value`` as an ``int`` if it is an integer (any ``numbers.Integral``, not a bool) in ``minimum..maximum``
-    (either end optional).
+    (either end optional); ``None`` too with ``allow_none`` (an optional count or seed).
 
     Raises:
         ValueError: naming ``argument`` and the range.
     """
-    if not _is_integral(value):
-        raise ValueError(f"{argument} must be an integer; got {value!r}")
-    value = int(value)
-    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+    if value is None and allow_none:
+        return None
+    low_ok = _is_integral(value) and (minimum is None or value >= minimum)
+    if not low_ok or (maximum is not None and value > maximum):
+        alternative = "None or " if allow_none else ""
         low = "" if minimum is None else f" >= {minimum}"
         high = "" if maximum is None else f" and <= {maximum}" if minimum is not None else f" <= {maximum}"
-        raise ValueError(f"{argument} must be an integer{low}{high}; got {value!r}")
-    return value
+        raise ValueError(f"{argument} must be {alternative}an integer{low}{high}; got {value!r}")
+    return int(value)
 
 
 def positive_int(value: object, argument: str, allow_none: bool = False) -> int | None:
@@ -149,6 +152,23 @@ def non_negative(value: object, argument: str) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0:
         raise ValueError(f"{argument} must be a finite number >= 0; got {value!r}")
     return float(value)
+
+
+def exact_names(
+    mapping: Mapping, names: Iterable[str], argument: str, what: str = "every trainable parameter"
+) -> None:
+    """Raise unless the keys of ``mapping`` (a ``prior_mean`` or ``prior_structure`` by parameter name, tangents)
+    are exactly ``names``.
+
+    Raises:
+        ValueError: naming ``argument``, the names missing from it and the keys that are not in ``names``.
+    """
+    names = list(names)
+    known = set(names)
+    missing = [n for n in names if n not in mapping]
+    unknown = [n for n in mapping if n not in known]
+    if missing or unknown:
+        raise ValueError(f"{argument} must name {what} exactly: missing {missing}, unknown {unknown}")
 
 
 def float_dtype(dtype: object, argument: str = "dtype") -> torch.dtype:

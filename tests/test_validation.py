@@ -27,7 +27,7 @@ def test_positive_int_refuses_naming_the_argument(value):
 def test_integer_ranges_counts_and_flags():
     assert validation.integer(5, "k", minimum=0, maximum=5) == 5
     for bad, message in [(-1, "k must be an integer >= 0 and <= 5"), (6, "k must be an integer >= 0 and <= 5"),
-                         (1.0, "k must be an integer;")]:
+                         (1.0, r"k must be an integer >= 0 and <= 5; got 1.0")]:
         with pytest.raises(ValueError, match=message):
             validation.integer(bad, "k", minimum=0, maximum=5)
     assert validation.count(0, "cache_size") == 0 and validation.positive_count(1, "chunk_size") == 1
@@ -87,3 +87,48 @@ def test_budgets_are_bytes_and_the_old_names_in_numbers_warn():
         assert memory.renamed_budget(123, None, "max_bytes", "max_elements") == 123
     with pytest.raises(ValueError, match="max_elements must be an integer >= 0"):
         memory.renamed_budget(123, -1, "max_bytes", "max_elements")
+
+
+def test_optional_integer_is_none_or_an_integer_in_range():
+    assert validation.integer(None, "seed", 0, 9, allow_none=True) is None
+    assert validation.integer(np.int64(9), "seed", 0, 9, allow_none=True) == 9
+    for bad, message in [(10, r"^seed must be None or an integer >= 0 and <= 9; got 10"),
+                         (1.5, r"^seed must be None or an integer >= 0 and <= 9; got 1.5"),
+                         (True, r"^seed must be None or an")]:
+        with pytest.raises(ValueError, match=message):
+            validation.integer(bad, "seed", 0, 9, allow_none=True)
+    with pytest.raises(ValueError, match=r"^seed must be an integer >= 0 and <= 9; got None"):  # only where allowed
+        validation.integer(None, "seed", 0, 9)
+
+
+def test_the_packages_checks_are_this_modules():
+    """The options of the evidence routes, the network core, the training loop and the likelihoods refuse through
+    ntkgp.validation: the same rule (numpy integers accepted, bools and integral floats refused) and messages."""
+    from ntkgp.laplace import EvidenceOptions
+    from ntkgp.likelihoods import SoftmaxLikelihood
+    from ntkgp.ntk.network import NetworkCore
+
+    assert EvidenceOptions(num_probes=np.int64(3), seed=None).num_probes == 3
+    with pytest.raises(ValueError, match=r"^num_probes must be None or an integer >= 1; got 0"):
+        EvidenceOptions(num_probes=0)
+    with pytest.raises(ValueError, match=r"^cg_tolerance must be a number in \(0, inf\]"):
+        EvidenceOptions(cg_tolerance=float("nan"))
+    net = torch.nn.Linear(2, 1)
+    assert NetworkCore(net, chunk_size=np.int64(4)).chunk_size == 4
+    for kwargs, message in [({"chunk_size": 2.0}, "chunk_size must be an integer >= 1"),
+                            ({"max_jacobian_bytes": -1}, "max_jacobian_bytes must be an integer >= 0"),
+                            ({"input_shape": (2, 0)}, "input_shape must be an integer >= 1")]:
+        with pytest.raises(ValueError, match=message):
+            NetworkCore(net, **kwargs)
+    assert SoftmaxLikelihood(num_classes=np.int64(3)).num_classes == 3
+    with pytest.raises(ValueError, match="num_classes must be an integer >= 2"):
+        SoftmaxLikelihood(num_classes=1)
+
+
+def test_exact_names_lists_the_missing_and_the_unknown_names():
+    validation.exact_names({"b": 1, "a": 2}, ("a", "b"), "prior_mean")  # any order of the keys
+    with pytest.raises(ValueError, match=r"^prior_mean must name every trainable parameter exactly: missing \['b'\], "
+                                         r"unknown \['c'\]"):
+        validation.exact_names({"a": 1, "c": 2}, ["a", "b"], "prior_mean")
+    with pytest.raises(ValueError, match=r"^s must name every parameter of the posterior exactly: missing \[\]"):
+        validation.exact_names({"a": 1, "z": 2}, ["a"], "s", "every parameter of the posterior")

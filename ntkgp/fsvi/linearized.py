@@ -42,10 +42,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from ..ntk.checks import check_count, check_outputs, check_shape, prepare_inputs
+from ..ntk.checks import check_outputs, check_shape, prepare_inputs
 from ..ntk.features import Layer
 from ..ntk.layer_plan import LayerPlan, plan_layers
 from ..ntk.network import NetworkCore
+from ..validation import positive_count
 from .pair_contraction import PairContraction, SymmetricGram, unit_gradients
 
 Params = Mapping[str, Tensor]
@@ -133,7 +134,7 @@ class LinearizedNetwork:
 
     @chunk_size.setter
     def chunk_size(self, value: int) -> None:
-        self.core.chunk_size = check_count(value, "chunk_size")
+        self.core.chunk_size = positive_count(value, "chunk_size")
 
     # ------------------------------------------------------------------ inputs and outputs
     def prepare(self, x: Tensor, like: Tensor, argument: str = "x") -> Tensor:

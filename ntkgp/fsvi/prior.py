@@ -10,6 +10,7 @@ from torch import Tensor, nn
 from ..ntk import resolve_groups
 from ..ntk.prior_precision import prior_precision_vector
 from ..options import OptionAttribute, PriorLinearization, PriorStructure, WeightPriorMean, choice, choose
+from ..validation import exact_names
 
 
 class GaussianParameterPrior(nn.Module):
@@ -72,12 +73,7 @@ class GaussianParameterPrior(nn.Module):
         precision = prior_precision_vector(prior_precision, groups, reference.dtype, reference.device,
                                            keep_graph=False)
         if isinstance(prior_mean, Mapping):
-            missing = [n for n in groups.names if n not in prior_mean]
-            unknown = [n for n in prior_mean if n not in groups.names]
-            if missing or unknown:
-                raise ValueError(
-                    f"prior_mean must name every trainable parameter exactly: missing {missing}, unknown {unknown}"
-                )
+            exact_names(prior_mean, groups.names, "prior_mean")
             means = []
             for n in groups.names:
                 value = torch.as_tensor(prior_mean[n])

@@ -12,6 +12,7 @@ from linear_operator.operators import LinearOperator
 from torch import nn
 
 from ..ntk import GroupSpec, NTKEngine
+from ..ntk.autodiff import RANDOM_OPERATION
 from ..ntk.outputs import with_output
 from ..ntk.private_copy import model_lock
 from ..options import OptionAttribute, Space, Strategy, choice
@@ -24,9 +25,6 @@ from .kernel_matrix import kernel_forward, structured_kernel_matrix
 from .lazy import NTKLazyKernelTensor
 from .network_state import RANDOM_NETWORK, RandomNetworkError, network_state
 from .shared_cache import SharedValueCache
-
-#: Words of torch's error when a random operation (e.g. functional dropout) runs under ``vmap``.
-_RANDOM_OPERATION = "random operation"
 
 
 class NTKKernel(Kernel):
@@ -295,7 +293,7 @@ class NTKKernel(Kernel):
             with model_lock(self):  # one fill at a time per kernel (docs/guarantees.md, "Threads")
                 return self._cache.get_or_compute(kind, xs, compute, state=self.network_state())
         except RuntimeError as error:
-            if _RANDOM_OPERATION not in str(error):
+            if RANDOM_OPERATION not in str(error):
                 raise
             raise RandomNetworkError(RANDOM_NETWORK) from None
 

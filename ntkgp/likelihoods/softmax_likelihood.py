@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numbers
 from typing import Any
 
 import gpytorch
@@ -14,14 +13,13 @@ from torch import Tensor
 from torch.distributions import Categorical
 
 from ..options import OptionAttribute
+from ..validation import integer
 from .link_approximation import LinkApproximation, output_covariance_blocks, softmax_monte_carlo, softmax_probit
 from .temperature import TemperatureMixin
 
 
 def _num_classes(value: object, argument: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 2:
-        raise ValueError(f"{argument} must be an integer >= 2, got {value!r}")
-    return int(value)
+    return integer(value, argument, minimum=2)
 
 
 class SoftmaxLikelihood(LinkApproximation, TemperatureMixin, gpytorch.likelihoods.SoftmaxLikelihood):

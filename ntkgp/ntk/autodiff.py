@@ -76,6 +76,22 @@ def _works(fn: Callable[[], object]) -> Exception | None:
     return None
 
 
+def _first_working(what: str, route: Callable[[bool], Callable[[], object]],
+                   errors: list[tuple[str, Callable[[], object], Exception]], give_up: str | None = None
+                   ) -> bool | None:
+    """The first option of ``True``, ``False`` for which ``route(option)`` runs (``None``: neither does, or a
+    failure's message holds ``give_up``, after which no other option is tried); each failure is appended to
+    ``errors`` as ``(what, route(option), error)``."""
+    for option in (True, False):
+        error = _works(route(option))
+        if error is None:
+            return option
+        errors.append((what, route(option), error))
+        if give_up is not None and give_up in str(error):
+            return None
+    return None
+
+
 def culprit(net: nn.Module, fn: Callable[[], object]) -> str | None:
     """The name of the innermost module of ``net`` (a private copy) whose forward was running when ``fn`` raised
     (``None``: it did not raise, or outside any submodule). Hooks are registered on ``net`` for the call only."""
@@ -179,24 +195,12 @@ def _probe(net: nn.Module, params: dict[str, Tensor], names: list[str], x, origi
             def pushes(forward_mode: bool) -> Callable[[], object]:
                 return lambda: jvp_columns(net, params, two, tangents, forward_mode)
 
-            vectorized = None
-            for option in (True, False):
-                error = _works(jacobians(option))
-                if error is None:
-                    vectorized = option
-                    break
-                if RANDOM_OPERATION in str(error):  # a random network (functional dropout): no route makes it a
-                    return Autodiff()  # function of its input; refused by the callers' own checks, which name it
-                errors.append(("per-example products", jacobians(option), error))
+            vectorized = _first_working("per-example products", jacobians, errors, give_up=RANDOM_OPERATION)
             if vectorized is None:
+                if RANDOM_OPERATION in str(errors[-1][2]):  # a random network (functional dropout): no route makes
+                    return Autodiff()  # it a function of its input; refused by the callers' own checks, which name it
                 continue
-            forward_mode = None
-            for option in (True, False):
-                error = _works(pushes(option))
-                if error is None:
-                    forward_mode = option
-                    break
-                errors.append(("Jacobian-vector products", pushes(option), error))
+            forward_mode = _first_working("Jacobian-vector products", pushes, errors)
             if forward_mode is None:
                 continue
             return Autodiff(kernels, forward_mode, vectorized)

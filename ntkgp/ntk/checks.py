@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Iterable
 
 import torch
@@ -12,6 +11,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.dropout import _DropoutNd
 from torch.nn.modules.instancenorm import _InstanceNorm
 
+from ..validation import exact_names, positive_count
 from .inputs import Inputs, check_structure, describe, detach, is_integer, is_structured, rows
 from .inputs import to as to_network
 from .outputs import OutputSelectionError, describe_output
@@ -109,21 +109,13 @@ def check_outputs(f: torch.Tensor, n: int, argument: str = "net") -> None:
         raise ValueError(f"{argument} produced NaN or Inf outputs")
 
 
-def check_count(value: object, argument: str, minimum: int = 1) -> int:
-    """An integer ``>= minimum`` (a bool or a non-integral number is rejected), returned as ``int``."""
-    if (isinstance(value, bool) or not isinstance(value, numbers.Integral | float) or value != int(value)
-            or value < minimum):
-        raise ValueError(f"{argument} must be an integer >= {minimum}, got {value!r}")
-    return int(value)
-
-
 def check_shape(shape: object, argument: str) -> tuple[int, ...] | None:
     """``None`` or a tuple of positive integers (e.g. ``input_shape``)."""
     if shape is None:
         return None
     if not isinstance(shape, tuple | list | torch.Size):
         raise TypeError(f"{argument} must be a tuple of positive integers, got {shape!r}")
-    return tuple(check_count(s, argument) for s in shape)
+    return tuple(positive_count(s, argument) for s in shape)
 
 
 def check_rows(v: torch.Tensor, rows: int, argument: str, max_dim: int = 2) -> None:
@@ -145,9 +137,7 @@ def check_tangents(u: object, shapes: dict[str, torch.Size], argument: str = "u"
     all with or all without one trailing column dimension ``k`` (the same ``k``)."""
     if not isinstance(u, dict):
         raise TypeError(f"{argument} must be a dict from parameter names to tensors, got {type(u).__name__}")
-    missing, unknown = [n for n in shapes if n not in u], [n for n in u if n not in shapes]
-    if missing or unknown:
-        raise ValueError(f"{argument} must name every trainable parameter exactly: missing {missing}, unknown {unknown}")
+    exact_names(u, shapes, argument)
     trailing = set()
     for name, shape in shapes.items():
         t = u[name]

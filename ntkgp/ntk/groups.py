@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from ..options import PriorStructure, choose
+from ..validation import exact_names
 
 #: A grouping of the parameters: a :class:`~ntkgp.options.PriorStructure` string or a mapping name → group.
 GroupSpec = str | Mapping[str, str]
@@ -94,13 +95,7 @@ def resolve_groups(
         named = [(n, every[n]) for n in names]
     names = tuple(n for n, _ in named)
     if isinstance(prior_structure, Mapping):
-        missing = [n for n in names if n not in prior_structure]
-        unknown = [n for n in prior_structure if n not in names]
-        if missing or unknown:
-            raise ValueError(
-                f"prior_structure mapping must name every trainable parameter exactly: missing {missing}, "
-                f"unknown {unknown}"
-            )
+        exact_names(prior_structure, names, "prior_structure mapping")
         labels = [str(prior_structure[n]) for n in names]
     else:
         structure = choose(PriorStructure, prior_structure, "prior_structure")

@@ -39,9 +39,10 @@ from torch.utils import _pytree as pytree
 from ..caching import network_key
 from ..memory import JACOBIAN_BYTES
 from ..progress import check_progress, progress_bar
+from ..validation import count, positive_count
 from .architecture import cached
-from .checks import (check_count, check_eval_mode, check_fits, check_initialized, check_network_values, check_outputs,
-                     check_shape, prepare_inputs)
+from .checks import (check_eval_mode, check_fits, check_initialized, check_network_values, check_outputs, check_shape,
+                     prepare_inputs)
 from .autodiff import Autodiff, probe
 from .features import Layer, LayerFeatures, layer_features, own_graph
 from .functional import call, forward, jvp_columns, per_example_jacobians, per_example_vjps, vjp_columns
@@ -122,8 +123,8 @@ class NetworkCore:
             raise TypeError(f"net must be a torch.nn.Module, got {type(net).__name__}")
         check_initialized(net)
         check_network_values(net)
-        self.chunk_size = check_count(chunk_size, "chunk_size")
-        self.max_jacobian_bytes = check_count(max_jacobian_bytes, "max_jacobian_bytes", minimum=0)
+        self.chunk_size = positive_count(chunk_size, "chunk_size")
+        self.max_jacobian_bytes = count(max_jacobian_bytes, "max_jacobian_bytes")
         self.input_shape = check_shape(input_shape, "input_shape")
         check_progress(progress)
         check_eval_mode(net)

@@ -7,8 +7,6 @@ Every error names the argument. Nothing here reads the network or the data.
 from __future__ import annotations
 
 import inspect
-import math
-import numbers
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
@@ -20,16 +18,9 @@ from ..ntk.data_arguments import check_data
 from ..ntk.inputs import is_structured
 from ..options import Structure, choose
 from ..progress import check_progress
-from ..validation import check_int
+from ..validation import check_int, flag, positive_float
 
 __all__ = ["MarglikOptions", "Schedule", "check_options", "make_optimizer", "make_scheduler", "needs_closure"]
-
-
-def _positive_float(value: object, argument: str) -> float:
-    """``value`` as a positive finite ``float``: any ``numbers.Real`` (numpy's included) but ``bool``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{argument} must be a positive finite number, got {value!r}")
-    return float(value)
 
 
 @dataclass(frozen=True)
@@ -98,8 +89,8 @@ def check_options(
     seed = check_int(seed, "seed", 0)
     if batch_size is not None:
         batch_size = check_int(batch_size, "batch_size", 1)
-    lr = _positive_float(lr, "lr")
-    hyper_lr = _positive_float(hyper_lr, "hyper_lr")
+    lr = positive_float(lr, "lr")
+    hyper_lr = positive_float(hyper_lr, "hyper_lr")
     if not callable(optimizer):
         raise TypeError(f"optimizer must be an optimizer class (callable), got {optimizer!r}")
     if scheduler is not None and not callable(scheduler):
@@ -108,8 +99,7 @@ def check_options(
             f"scheduler (e.g. functools.partial(torch.optim.lr_scheduler.MultiStepLR, milestones=[...])), got "
             f"{scheduler!r}"
         )
-    if not isinstance(learn_likelihood, bool):
-        raise TypeError(f"learn_likelihood must be a bool, got {learn_likelihood!r}")
+    flag(learn_likelihood, "learn_likelihood")
     check_progress(progress)
     distributed = check_distributed(distributed)
     if not torch.is_tensor(train_x) and train_y is not None and is_structured(train_x):

@@ -19,14 +19,13 @@ four routes (``method=``; ``docs/scaling.md``):
 
 from __future__ import annotations
 
-import numbers
-
 from dataclasses import dataclass
 
 import torch
 
 from ...memory import DENSE_EVIDENCE_BYTES
 from ...options import EvidenceMethod, Space, choose
+from ...validation import count, integer, real_number
 from ..ggn.space import exact_space
 
 __all__ = [
@@ -40,16 +39,6 @@ __all__ = [
 #: Default bytes the dense routes may use before ``method="auto"`` switches to the matrix-free route (4 GiB;
 #: :data:`ntkgp.memory.DENSE_EVIDENCE_BYTES`).
 DENSE_MEMORY_LIMIT = DENSE_EVIDENCE_BYTES
-
-
-def _optional_count(value: object, name: str, minimum: int, maximum: int | None = None) -> int | None:
-    if value is None:
-        return None
-    if (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum
-            or (maximum is not None and value > maximum)):
-        bound = f"an integer ≥ {minimum}" if maximum is None else f"an integer in [{minimum}, {maximum}]"
-        raise ValueError(f"{name} must be None or {bound}, got {value!r}")
-    return int(value)
 
 
 @dataclass(frozen=True)
@@ -87,17 +76,14 @@ class EvidenceOptions:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        limit = self.dense_memory_limit
-        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
-            raise ValueError(f"dense_memory_limit must be a non-negative integer (bytes), got {limit!r}")
-        _optional_count(self.num_probes, "num_probes", 1)
-        _optional_count(self.max_cg_iterations, "max_cg_iterations", 1)
-        _optional_count(self.lanczos_iterations, "lanczos_iterations", 1)
-        _optional_count(self.preconditioner_rank, "preconditioner_rank", 0)
-        _optional_count(self.seed, "seed", 0, 2**63 - 2)  # the preconditioner's stream is seeded with seed + 1
-        tol = self.cg_tolerance
-        if tol is not None and (isinstance(tol, bool) or not isinstance(tol, (int, float)) or not tol > 0):
-            raise ValueError(f"cg_tolerance must be None or a positive number, got {tol!r}")
+        count(self.dense_memory_limit, "dense_memory_limit")  # bytes
+        integer(self.num_probes, "num_probes", 1, allow_none=True)
+        integer(self.max_cg_iterations, "max_cg_iterations", 1, allow_none=True)
+        integer(self.lanczos_iterations, "lanczos_iterations", 1, allow_none=True)
+        integer(self.preconditioner_rank, "preconditioner_rank", 0, allow_none=True)
+        integer(self.seed, "seed", 0, 2**63 - 2, allow_none=True)  # the preconditioner's stream is seeded with seed + 1
+        if self.cg_tolerance is not None:
+            real_number(self.cg_tolerance, "cg_tolerance", low_open=True, high_open=False)
 
 
 def check_options(options: EvidenceOptions | None, argument: str = "options") -> EvidenceOptions:

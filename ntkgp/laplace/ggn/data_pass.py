@@ -20,11 +20,12 @@ from torch import Tensor, nn
 from ...distributed import all_gather_rows, all_reduce_sum, check_distributed, check_replicated, together
 from ...likelihoods import validate_targets
 from ...ntk.inputs import detach, leaves, num_rows, split
-from ...ntk.checks import check_count, check_outputs
+from ...ntk.checks import check_outputs
 from ...ntk.data_arguments import check_data
 from ...ntk.groups import GroupSpec
 from ...ntk.network import NetworkCore
 from ...progress import progress_bar
+from ...validation import positive_count
 from . import scaling
 from .sampled_ggn import check_generator, check_mc_samples, sampled_unit_hessian_root
 from .scaling import output_scale
@@ -123,7 +124,7 @@ class DataPass:
                  ) -> tuple[int, Tensor | None, Tensor | None]:
         """:meth:`check`, and for tensor data the prepared inputs (``None`` where preparing them made a copy: the
         batches are then prepared one at a time, as ever, not held twice) and the normalised targets."""
-        batch_size = check_count(batch_size, "batch_size")
+        batch_size = positive_count(batch_size, "batch_size")
         check_data(x, "x")  # an array is not an iterable of batches
         if torch.is_tensor(x) or isinstance(x, dict):  # a tensor, or a dict of tensors (ntkgp.ntk.inputs)
             prepared = self.core.prepare(x, "x")

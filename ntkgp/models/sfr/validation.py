@@ -2,8 +2,9 @@ r"""Checking what SFR is given: tensors, their layout, integer and boolean optio
 
 Every public entry of :class:`~ntkgp.models.sfr.SFR` validates its arguments here before any side effect:
 tensors must be real (floating point, or integer token ids), finite in every row and shaped like the network's input; integer
-arguments must be positive integers (``2.7`` is rejected, not truncated); ``progress`` must be ``True``, ``False`` or ``None``.
-Errors name the argument. The same validators check an option assigned after construction
+arguments must be positive integers (``2.7`` is rejected, not truncated; :func:`integer`, :func:`positive_int` and
+:func:`optional_positive_int` are :mod:`ntkgp.validation`'s, re-exported); ``progress`` must be ``True``, ``False`` or
+``None``. Errors name the argument. The same validators check an option assigned after construction
 (:class:`~ntkgp.options.OptionAttribute`).
 """
 
@@ -27,7 +28,7 @@ from ...ntk.packed_inputs import (
     structure_network,
 )
 from ...progress import check_progress
-from ...validation import optional_positive_int, positive_int
+from ...validation import integer, optional_positive_int, positive_int
 
 __all__ = [
     "InputLayout",
@@ -44,17 +45,6 @@ __all__ = [
     "refuse_graph",
     "training_batches",
 ]
-
-
-def integer(value: object, argument: str) -> int:
-    """``value`` as an ``int`` if it is an integer (``bool`` and floats are rejected).
-
-    Raises:
-        ValueError: naming ``argument``.
-    """
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{argument} must be an integer, got {value!r}")
-    return int(value)
 
 
 def progress_flag(value: object, argument: str) -> bool | None:

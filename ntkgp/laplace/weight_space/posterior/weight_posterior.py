@@ -43,7 +43,7 @@ from ....ntk import ParameterGroups, resolve_groups
 from ....options import OptionAttribute, PriorStructure, choose
 from ....ntk.network import NetworkCore
 from ....ntk.prior_precision import prior_precision_vector
-from ....validation import positive_int
+from ....validation import exact_names, positive_int
 from .pass_options import pass_settings
 from .posterior_state import PosteriorState
 from .prior_tuning import PriorTuning
@@ -61,13 +61,7 @@ def prior_groups(fn: NetworkCore, prior_structure: str | Mapping[str, str]) -> P
         ValueError: for an unknown structure, or a mapping that does not name exactly ``fn.names``.
     """
     if isinstance(prior_structure, Mapping):
-        missing = [n for n in fn.names if n not in prior_structure]
-        unknown = [n for n in prior_structure if n not in fn.names]
-        if missing or unknown:
-            raise ValueError(
-                f"prior_structure must name every parameter of the posterior exactly: missing {missing}, "
-                f"unknown {unknown}"
-            )
+        exact_names(prior_structure, fn.names, "prior_structure", "every parameter of the posterior")
         labels = [str(prior_structure[n]) for n in fn.names]
     else:
         structure = choose(PriorStructure, prior_structure, "prior_structure").value
