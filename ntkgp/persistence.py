@@ -38,8 +38,10 @@ def load_problems(module: nn.Module, state_dict: Mapping[str, object], strict: b
         elif value.shape != own[key].shape:
             problems.append(f"size mismatch for {key}: copying a param with shape {tuple(value.shape)} from "
                             f"checkpoint, the shape in current model is {tuple(own[key].shape)}")
-    if strict:
-        missing = [key for key in own if key not in state_dict]
+    if strict:  # a submodule may accept a state dict without its extra state (saved before it had one)
+        optional = {f"{name}._extra_state".lstrip(".") for name, sub in module.named_modules()
+                    if getattr(sub, "EXTRA_STATE_OPTIONAL", False)}
+        missing = [key for key in own if key not in state_dict and key not in optional]
         unexpected = [key for key in state_dict if key not in own]
         if missing:
             problems.append(f"Missing key(s) in state_dict: {', '.join(map(repr, missing))}")

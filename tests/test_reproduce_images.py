@@ -475,3 +475,39 @@ def test_sfr_build_in_shards_resumes_and_equals_one_build(tmp_path, monkeypatch)
     torch.testing.assert_close(a.mean, b.mean, rtol=1e-9, atol=1e-9)
     torch.testing.assert_close(a.variance, b.variance, rtol=1e-9, atol=1e-9)
     assert resumed.num_data == 90
+
+
+def test_sfr_images_derives_a_smaller_m_equal_to_its_own_build():
+    """``_sfr_stages.derive_sfr`` (``SFR.select_inducing`` of the build at the larger M, whose Z starts with the
+    smaller M's) against ``build_sfr`` at the smaller M itself (a fresh, sharded pass over the images): the same Z
+    and, in float64, the same predictive to rounding; the record names the shared build."""
+    from types import SimpleNamespace
+
+    sfr_stages = _load("_sfr_stages")
+    torch.manual_seed(0)
+    x, y, xs = torch.randn(60, 5, dtype=torch.float64), torch.randint(0, 10, (60,)), torch.randn(7, 5, dtype=torch.float64)
+    net = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 10)).double().eval()
+    args = SimpleNamespace(build_shards=2, chunk_size=64,
+                           sfr_configuration={"prior_mean": "zero", "output_coupling": "independent"})
+    big, info = sfr_stages.build_sfr(net, {"train": (x, y)}, 12, 2.0, 0, args)
+    small, record = sfr_stages.derive_sfr(big, 5, info, 2.0)
+    direct, _ = sfr_stages.build_sfr(net, {"train": (x, y)}, 5, 2.0, 0, args)
+    assert torch.equal(small.inducing_points, direct.inducing_points) and big.num_inducing == 12
+    (a, b) = small(xs), direct(xs)
+    assert torch.allclose(a.mean, b.mean, rtol=1e-10, atol=1e-12)  # float64, well-conditioned: rounding only
+    assert torch.allclose(a.variance, b.variance, rtol=1e-10, atol=1e-12)
+    assert record["derived_from_m"] == 12 and record["build_seconds"] == info["build_seconds"]
+    assert "derived from the M = 12 build" in record["build_note"]
+
+
+@pytest.mark.slow
+def test_sfr_images_quick_with_two_m_builds_once(tiny, tmp_path):
+    """``--inducing 8 16``: one build (at M = 16, its checkpoint named as a build at 16 alone), M = 8 derived from it."""
+    out = quick("sfr_images", tiny, tmp_path, "--width-scale", "16", "--inducing", "8", "16", "--methods", "sfr",
+                "--modes", "train").stdout
+    assert "| SFR, M = 8 | not tuned" in out and "| SFR, M = 16 | not tuned" in out
+    files = {f.name.split("_ood64")[0].split("_seed0")[0]: json.loads(f.read_text()) for f in tmp_path.glob("*.json")}
+    small, large = files["sfr_M8_public_train"], files["sfr_M16_public_train"]
+    assert small["derived_from_m"] == 16 and "derived_from_m" not in large
+    assert small["build_seconds"] == large["build_seconds"]
+    assert [p.name.split("_M")[1].split("_")[0] for p in (tmp_path / "checkpoints").glob("*.pt")] == ["16"]

@@ -153,6 +153,23 @@ def build_sfr(net, data: dict, m: int, delta_train: float, seed: int, args, chec
                  "peak_memory_mb_after_build": peak_memory_mb()}
 
 
+def derive_sfr(source, m: int, source_info: dict, delta_train: float):
+    """SFR at M = ``m`` from a built SFR at a larger M whose ``Z`` starts with the same ``m`` inducing images (the first
+    ``m`` of the same seeded permutation, ``build_sfr``): ``SFR.select_inducing(m)``, the sub-blocks of its statistics,
+    equal to a build at ``m`` on the same images (docs/sfr.md, "Fewer inducing points without the data") without a
+    pass over them. Its build time is the shared build's, and the record says so."""
+    start = time.perf_counter()
+    sfr = source.select_inducing(m)
+    _common.set_delta(sfr, delta_train)  # as a fresh build: at the training δ, whatever the source's stages did
+    sfr.eval()
+    rank = sfr.inducing_rank.reshape(-1)
+    return sfr, {**source_info, "inducing_rank": [int(rank.min()), int(rank.max())],
+                 "derived_from_m": source.num_inducing, "derive_seconds": time.perf_counter() - start,
+                 "build_note": f"derived from the M = {source.num_inducing} build (SFR.select_inducing: sub-blocks of its "
+                               "statistics, no pass over the data); build_seconds, build_shards and "
+                               "peak_memory_mb_after_build are that shared build's"}
+
+
 # ------------------------------------------------------------------------------------------- KFAC Laplace GLM
 def glm_probs(posterior, x: Tensor, chunk: int) -> Tensor:
     with torch.no_grad():

@@ -19,7 +19,11 @@ The protocol is the one of the paper's public experiments (``experiments/sl`` of
   code samples the logits). SFR-NN: the network's output as the mean with SFR's covariance. The statistics are
   summed in ``--build-shards`` shards (the constructor, then ``SFR.update(iterate=False)``: the same sums), the
   model saved after each under ``results/sfr_images/checkpoints/`` (not kept in git), so that a build of several
-  hours resumes at its next shard; every δ mode's predictions come from one pass (``SFR.predictive_grid``);
+  hours resumes at its next shard; several M (``--inducing 1024 2048 3200``) take one build, at the largest: ``Z`` is
+  the first M of one seeded permutation of the training images, so the smaller M's inducing images are its first
+  ones and their SFR is ``SFR.select_inducing(M)`` of that build (sub-blocks of its statistics: the same model as a
+  build at that M, no pass over the data; their records give the shared build's time and ``derived_from_m``);
+  every δ mode's predictions come from one pass (``SFR.predictive_grid``);
 * the KFAC Laplace GLM: ``ntkgp.laplace.laplace_posterior(structure="kfac")``, one δ, the probit GLM predictive;
 * δ tuned: by the evidence (SFR's sparse bound, the GLM's KFAC Laplace evidence: the best of δ_train ·
   10^{-3, -2.5, …, 3}, then Adam on log δ), and by the validation NLPD on the validation half, the best of
@@ -102,6 +106,7 @@ class Stages:
 
     def __init__(self, args, trained: dict, store: _common.Store):
         self.args, self.trained, self.store, self._data, self._net, self._built = args, trained, store, None, None, {}
+        self._source = None  # (M, SFR, record): the build at the largest M, which the smaller M are derived from
 
     def _load(self):
         if self._data is None:
@@ -133,15 +138,26 @@ class Stages:
                     self._built[(method, m)] = (lambda mode_: stages.glm_stage(posterior, curvature, lik, d, mode_,
                                                                                delta, self.args), info)
                 else:  # every δ mode still missing at once: one prediction pass over the test and OOD images
-                    checkpoint = Path(self.args.out) / "checkpoints" / f"{self.key(method, m, None)}.pt"
-                    checkpoint.parent.mkdir(exist_ok=True)
-                    sfr, info = stages.build_sfr(net, d, m, delta, self.trained["seed"], self.args, checkpoint)
+                    sfr, info = self.sfr(net, d, m, delta)
                     missing = [mo for mo in self.args.modes if self.store.load(self.key(method, m, mo)) is None]
                     results = stages.sfr_stages(sfr, net, d, missing, delta, self.args)
                     self._built[(method, m)] = (results.__getitem__, info)
             evaluate, info = self._built[(method, m)]
             return {**evaluate(mode), **info, "m": m, "device": self.args.device, "chunk_size": self.args.chunk_size}
         return self.store.run(self.key(method, m, mode), run, enabled=not self.args.table_only)
+
+    def sfr(self, net, d: dict, m: int, delta: float):
+        """SFR at M = ``m``: one resumable build at the largest M asked for (its checkpoint named as a build at that M
+        alone), kept while the smaller M are derived from it (``stages.derive_sfr``: ``Z`` nests, the first M of one
+        seeded permutation; no pass over the data)."""
+        largest = max(self.args.inducing)
+        if self._source is None:
+            checkpoint = Path(self.args.out) / "checkpoints" / f"{self.key('sfr', largest, None)}.pt"
+            checkpoint.parent.mkdir(exist_ok=True)
+            self._source = (largest, *stages.build_sfr(net, d, largest, delta, self.trained["seed"], self.args,
+                                                       checkpoint))
+        _, source, info = self._source
+        return (source, info) if m == largest else stages.derive_sfr(source, m, info, delta)
 
 
 def results_rows(net_scores: dict | None, runs: dict) -> list[dict]:
@@ -184,8 +200,9 @@ def figures(trained: dict | None, runs: dict, unfinished: dict | None = None) ->
     for (kind, m, mode), r in sorted(runs.items(), key=lambda kv: (kv[0][0], kv[0][1] or 0, kv[0][2])):
         if mode == "train":
             label = "KFAC Laplace GLM" if kind == "glm" else f"SFR, M = {m:,}"
-            rows.append([label, f"build {r['build_seconds']:.0f} s" + (f", inducing rank ≥ {r['inducing_rank'][0]}"
-                                                                     if "inducing_rank" in r else ""),
+            shared = f" (the M = {r['derived_from_m']:,} build's; derived from it)" if "derived_from_m" in r else ""
+            rows.append([label, f"build {r['build_seconds']:.0f} s{shared}"
+                         + (f", inducing rank ≥ {r['inducing_rank'][0]}" if "inducing_rank" in r else ""),
                          f"predict {r['gp']['predict_seconds']:.0f} s for test + OOD"
                          + (f" ({r['gp']['deltas_in_pass']} δ in one pass)" if "deltas_in_pass" in r["gp"] else ""),
                          f"{r['peak_memory_mb_after_build'] / 1024:.1f} GiB"])

@@ -18,6 +18,8 @@ r"""SFR: a trained network as a sparse function-space GP (Scannell et al.), as a
 * :mod:`.evidence` — the collapsed evidence lower bound;
 * :mod:`.updates` — ``update``: the new data's statistics, summed aside; :mod:`.iterated` — with
   ``iterate=True``, new classification sites at the mode (damped Newton).
+* :mod:`.subset` — ``select_inducing``: the model on a subset of its inducing inputs, from sub-blocks of the
+  statistics (no pass over the data).
 """
 
 from .covariance import SparsePosteriorCovariance

@@ -34,6 +34,7 @@ from .prediction_terms import PosteriorState, PredictiveTerms
 from .prior_grid import PriorPrecisionTuning
 from .statistics import statistics_dtype
 from .streaming import counted, stream_statistics
+from .subset import InducingSelection
 from .system_grams import auto_chunk_size, inducing_features, inducing_grams, network_features
 from .updates import new_statistics
 from .validation import check_training_data, first_batch, integer, pack_inputs, progress_flag, training_batches
@@ -44,7 +45,7 @@ _PASS = "it shaped the pass over the data: the statistics would have to be recom
 _CHOICE = "the inducing inputs were chosen with it at construction"
 
 
-class SFR(PriorPrecisionTuning, CheckedLoad, BoTorchInterface, GP):
+class SFR(PriorPrecisionTuning, InducingSelection, CheckedLoad, BoTorchInterface, GP):
     r"""Sparse function-space representation of a trained network: an inducing-point GP in closed form.
 
     The network's Laplace-GGN posterior, written with its dual parameters :math:`g_n`, :math:`\Lambda_n`
@@ -166,8 +167,7 @@ class SFR(PriorPrecisionTuning, CheckedLoad, BoTorchInterface, GP):
         memory: SFRMemoryOptions | None = None,
         progress: bool | None = None,
         input_shape: tuple[int, ...] | None = None,
-        distributed: bool = False,
-        output: str | int | None = None,
+        distributed: bool = False, output: str | int | None = None,
     ) -> None:
         super().__init__()
         net = with_output(net, output)  # a network returning a dict or tuple: its output output= (ntkgp.ntk.outputs)

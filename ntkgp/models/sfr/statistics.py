@@ -10,29 +10,28 @@ SFR (Scannell et al.) summarizes :math:`N` points by sums over the data (docs/ma
 with :math:`f_n = f(x_n;\theta^*)`, prior mean :math:`m_n`, :math:`g_n = \nabla_f \log p(y_n|f_n)`,
 :math:`\Lambda_n = -\nabla^2_f \log p(y_n|f_n)`.
 
-**Why per group.** The kernel is :math:`K = \sum_g w_g K_g` with :math:`w_g = 1/\delta_g`. Storing
-:math:`A_{gh} = \sum_n K_{g, Z x_n} \Lambda_n K_{h, x_n Z}` and :math:`b_g = \sum_n K_{g, Z x_n} r_n` gives
-:math:`B_u = \sum_{gh} w_g w_h A_{gh}` and :math:`\tilde y_u = \sum_g w_g b_g` for *any* :math:`\delta`: a change of
-the prior precisions (and learning them by the sparse evidence) never touches the data or the Jacobians
-again. The price is :math:`G^2` times the memory of :math:`B_u` and about :math:`G^2` times the flops of the
-accumulation (one GEMM with the :math:`G` cross-Grams stacked); with ``prior_structure="network"`` (:math:`G = 1`)
-there is no overhead.
+**Why per group.** The kernel is :math:`K = \sum_g w_g K_g` with :math:`w_g = 1/\delta_g`. Storing :math:`A_{gh} =
+\sum_n K_{g, Z x_n} \Lambda_n K_{h, x_n Z}` and :math:`b_g = \sum_n K_{g, Z x_n} r_n` gives :math:`B_u = \sum_{gh} w_g
+w_h A_{gh}` and :math:`\tilde y_u = \sum_g w_g b_g` for *any* :math:`\delta`: a change of the prior precisions (and
+learning them by the sparse evidence) never touches the data or the Jacobians again. The price is :math:`G^2` times
+the memory of :math:`B_u` and about :math:`G^2` times the flops of the accumulation (one GEMM with the :math:`G`
+cross-Grams stacked); with ``prior_structure="network"`` (:math:`G = 1`) there is no overhead.
 
-**Combined** (``SFR(..., memory=SFRMemoryOptions(statistics="combined"))``). The statistics are accumulated for the combined kernel
-:math:`K = \sum_g w_g K_g` at the :math:`\delta` current when the data are passed, i.e. as one group: each
-batch's cross-Grams are summed with the weights :math:`w_g` before the accumulation, which gives
-:math:`A = \sum_{gh} w_g w_h A_{gh}`, :math:`b = \sum_g w_g b_g`, :math:`t = \sum_g w_g t_g` (equal to rounding)
-in :math:`G^2` times less memory (``(S, K, K)``) and about :math:`G^2` times fewer accumulation flops. The
-:math:`\delta` used is kept in the buffer ``prior_precision``; the statistics hold for that :math:`\delta` only
-and carry no gradient in it, so :meth:`DualStatistics.projected` and :meth:`DualStatistics.trace_term` raise
-for any other weights and for weights that require grad (the model checks :math:`\delta` first, at every
-call, with :meth:`DualStatistics.check_prior_precision`). The slot weights (noise, temperature) are applied afterwards as in the per-group mode, so they stay
-differentiable.
+**Combined** (``SFR(..., memory=SFRMemoryOptions(statistics="combined"))``). The statistics are accumulated for the
+combined kernel :math:`K = \sum_g w_g K_g` at the :math:`\delta` current when the data are passed, i.e. as one
+group: each batch's cross-Grams are summed with the weights :math:`w_g` before the accumulation, which gives
+:math:`A = \sum_{gh} w_g w_h A_{gh}`, :math:`b = \sum_g w_g b_g`, :math:`t = \sum_g w_g t_g` (equal to rounding) in
+:math:`G^2` times less memory (``(S, K, K)``) and about :math:`G^2` times fewer accumulation flops. The
+:math:`\delta` used is kept in the buffer ``prior_precision``; the statistics hold for that :math:`\delta` only and
+carry no gradient in it, so :meth:`DualStatistics.projected` and :meth:`DualStatistics.trace_term` raise for any
+other weights and for weights that require grad (the model checks :math:`\delta` first, at every call, with
+:meth:`DualStatistics.check_prior_precision`). The slot weights (noise, temperature) are applied afterwards as in
+the per-group mode, so they stay differentiable.
 
-**Why per "slot".** Likelihood hyperparameters stay differentiable too. For Gaussian likelihoods the
-statistics are accumulated without the noise (:math:`\Lambda = 1`, :math:`r = y - m`) and weighted by
-:math:`1/\sigma_c^2` afterwards, one slot per output :math:`c`. For the classification likelihoods the
-statistics are untempered and weighted by :math:`1/T`. Output couplings:
+**Why per "slot".** Likelihood hyperparameters stay differentiable too. For Gaussian likelihoods the statistics are
+accumulated without the noise (:math:`\Lambda = 1`, :math:`r = y - m`) and weighted by :math:`1/\sigma_c^2`
+afterwards, one slot per output :math:`c`. For the classification likelihoods the statistics are untempered and
+weighted by :math:`1/T`. Output couplings:
 
 * ``"joint"``: one :math:`MC \times MC` system (``K = M·C`` rows, interleaved order ``m·C + c``) with the full
   :math:`C \times C` Hessians (``L_n L_n^T = \Lambda_n`` from :func:`~ntkgp.likelihoods.hessian_sqrt`);
@@ -56,7 +55,7 @@ import math
 
 import torch
 from gpytorch.likelihoods import Likelihood
-from torch import Tensor, nn
+from torch import Tensor
 
 from ...distributed import all_reduce_sum, check_replicated
 from ...likelihoods import (
@@ -69,6 +68,7 @@ from ...likelihoods import (
     validate_targets,
 )
 from ...options import OutputCoupling, choose
+from .site_record import SiteRecord, merged_record
 
 __all__ = ["DualStatistics", "statistics_dtype"]
 
@@ -93,7 +93,7 @@ def _add_symmetric_product(out: Tensor, w: Tensor, block: int = 256) -> None:
         out[..., :i, i:e] += rows[..., :i].mT
 
 
-class DualStatistics(nn.Module):
+class DualStatistics(SiteRecord):
     r"""Streamed sums over the training data that define SFR, per parameter group and slot (see module doc).
 
     Buffers (``S`` slots, ``G`` groups stored, ``K = M·C`` for joint coupling or ``M`` for independent outputs;
@@ -158,6 +158,7 @@ class DualStatistics(nn.Module):
         self.register_buffer("fit", torch.zeros(slots, **kw))
         self.register_buffer("log_lik", torch.zeros((), **kw))
         self.register_buffer("num_data", torch.zeros((), dtype=torch.long, device=device))
+        self.iterated_sites: bool | None = False  # sites of an iterated update (on all of Z); None: unknown
 
     @property
     def num_systems(self) -> int:
@@ -286,6 +287,7 @@ class DualStatistics(nn.Module):
             )
         for name in ("precision", "residual", "trace", "fit", "log_lik", "num_data"):
             getattr(self, name).add_(getattr(other, name))
+        self.iterated_sites = merged_record(self.iterated_sites, other.iterated_sites)
         return self
 
     @torch.no_grad()

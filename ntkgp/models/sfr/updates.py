@@ -48,6 +48,7 @@ def new_statistics(sfr, x_new: Tensor | Iterable[tuple[Tensor, Tensor]], y_new: 
                 inducing = kzz_factors(sfr, weights)
             new = iterated_update(*args, sfr._layout, sfr.num_outputs, stats, inducing, weights, slots, rows,
                                   inducing_feature_set(sfr), sfr.progress)
+            new.iterated_sites = True  # at the mode on all of Z: SFR.select_inducing refuses such statistics
         else:
             new = stream_statistics(
                 *args, sfr._layout, rows, "new", sfr.progress, prior_precision=stats.prior_precision,
