@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import ntkgp.progress as progress_module
 from ntkgp import NTKGP, NTKKernel
 from ntkgp.fsvi import train_fsvi
-from ntkgp.laplace import KFACLaplace, PassOptions
+from ntkgp.laplace import KFACLaplace, PassOptions, predict
 from ntkgp.laplace.function_space.evidence_curvature import weight_space_blocks
 from ntkgp.laplace.ggn.layer_ggn import layer_ggn
 from ntkgp.laplace.ggn.scaling import output_scale, unit_hessian_sqrt
@@ -180,6 +180,21 @@ def test_a_weight_space_posteriors_predict_follows_its_pass_options(said, announ
     auto.progress = False
     auto.predict(x)
     assert said() == ""
+
+
+def test_the_predict_function_reports_by_default(said, announce_every_pass):
+    # ntkgp.laplace.predict(posterior, x) as a function: auto (None) by default, like every other long pass; its
+    # probabilities are those of the silent call (the option changes what is said, not what is computed)
+    net = network()
+    x, y = torch.randn(12, 2, dtype=torch.float64), torch.randint(0, 3, (12,))
+    posterior = KFACLaplace(net, x, y, SoftmaxLikelihood(num_classes=3),
+                            options=PassOptions(batch_size=4, chunk_size=4, progress=False))
+    said()
+    loud = predict(posterior, x)
+    assert "ntkgp predict (glm): 3 of 3 chunks" in said()
+    quiet = predict(posterior, x, progress=False)
+    assert said() == ""
+    assert torch.allclose(loud.probs, quiet.probs, rtol=1e-12, atol=0)
 
 
 def dense_ggn(net, x, root):

@@ -213,7 +213,7 @@ def predict(
     step_size: float | None = None,
     finite_difference: str = "central",
     generator: torch.Generator | None = None,
-    progress: bool | None = False,
+    progress: bool | None = None,
 ) -> Prediction:
     r"""The predictive of ``posterior`` at the test inputs ``x`` by the estimator ``method`` (module
     docstring).
@@ -233,8 +233,8 @@ def predict(
             :func:`default_step_size`).
         finite_difference: ``"central"`` (default) or ``"forward"`` (``"mc_glm"`` only).
         generator: random number generator for the draws (reproducible results).
-        progress: over the chunks of test points: ``False`` (default, silent), ``None`` (auto) or ``True`` (a bar):
-            :mod:`ntkgp.progress`.
+        progress: over the chunks of test points: ``None`` (default, auto: a bar on a terminal, else one line
+            when the pass will be long), ``True`` (a bar) or ``False`` (silent): :mod:`ntkgp.progress`.
 
     Returns:
         a :class:`Prediction` (distribution over :math:`f`, class probabilities, samples).
