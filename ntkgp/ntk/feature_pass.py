@@ -57,8 +57,8 @@ class _Reducer:
     its place in a ``(C, n, d_out, d_a)`` buffer per layer (no stack, no copy; with ``graph`` they are returned and
     stacked, differentiable); the single-location layers' gradients ``(n, d_out)``."""
 
-    def __init__(self, plan: LayerPlan, graph: bool, group: dict[str, int]) -> None:
-        self.multi, self.graph = {layer.name for layer in plan.multi}, graph
+    def __init__(self, plan: LayerPlan, graph: bool, group: dict[str, int], into: dict[str, Tensor] | None = None) -> None:
+        self.multi, self.graph, self.into = {layer.name for layer in plan.multi}, graph, into or {}
         self.blocks: dict[str, Tensor] = {}
         self.folded: dict[str, Tensor] = {}
         self.elementwise_names = {layer.name for layer in plan.elementwise}
@@ -73,7 +73,9 @@ class _Reducer:
             if m == 0:
                 self.folded[layer.name] = layer.fold(a)
                 n, d_a = a.shape[0], self.folded[layer.name].shape[1]
-                self.blocks[layer.name] = torch.empty(count, n, g.shape[1], d_a, dtype=g.dtype, device=g.device)
+                shape, into = (count, n, g.shape[1], d_a), self.into.get(layer.name)
+                self.blocks[layer.name] = into if into is not None and into.shape == shape else torch.empty(
+                    shape, dtype=g.dtype, device=g.device)  # written in place where a target is given
             layer.blocks(self.folded[layer.name], g, out=self.blocks[layer.name][m])
             if m + 1 == count:
                 del self.folded[layer.name]
@@ -102,7 +104,7 @@ def _layer_output(layer: Layer, theta: dict[str, Tensor], a: Tensor) -> Tensor:
 
 
 def chunk_features(core: NetworkCore, plan: LayerPlan, x: Tensor, graph: bool, single: bool = True,
-                   columns: bool = True, linearized: bool = False) -> ChunkFeatures:
+                   columns: bool = True, linearized: bool = False, into: dict[str, Tensor] | None = None) -> ChunkFeatures:
     r"""The features of the chunk ``x`` (prepared): those of the single-location layers (``single``) and the
     contracted features (``columns``: the columns as pieces and the token sums,
     :class:`~ntkgp.ntk.held_features.ChunkFeatures`); with ``graph`` differentiable in ``x``.
@@ -111,7 +113,8 @@ def chunk_features(core: NetworkCore, plan: LayerPlan, x: Tensor, graph: bool, s
     from the features, layer by layer :math:`\sum_t \Gamma_{nct} \cdot (W a_{nt} + b)` (the blocks against
     :math:`\Theta`, the linear layers' gradients against their outputs, the normalization layers' rows and the
     tables' token sums against their parameters, the generic Jacobians against theirs): the Jacobian-vector product
-    without another pass (``ChunkFeatures.outputs``, ``.linearized``)."""
+    without another pass (``ChunkFeatures.outputs``, ``.linearized``). ``into``: per multi-location layer, the
+    ``(C, n, d_out, d_a)`` tensor (a view) its blocks are written into (no graph; :class:`FeatureSet`)."""
     contracted = bool(plan.multi or plan.generic or plan.elementwise)
     if linearized and (graph or not single or not (columns or not contracted)):
         raise ValueError("linearized=True needs every feature (single=True, columns=True) and no graph")
@@ -122,7 +125,7 @@ def chunk_features(core: NetworkCore, plan: LayerPlan, x: Tensor, graph: bool, s
     theta = core.params() if linearized else {}
     outputs = jt = None
     if layers:
-        reducer = _Reducer(plan, graph, group)
+        reducer = _Reducer(plan, graph, group, into)
         feats = core.features(x, layers, graph=graph, reduce=reducer)
         outputs = feats.outputs
         jt = torch.zeros_like(outputs) if linearized else None
@@ -192,6 +195,44 @@ def chunk_bytes(core: NetworkCore, plan: LayerPlan, c: int, itemsize: int) -> in
     return itemsize * (2 * c * contracted_width(core, plan) + unfolded + norms + 3 * c * generic) + ids
 
 
+def _block_offsets(plan: LayerPlan, group: dict[str, int], numel: dict[str, int]) -> dict[str, tuple[int, int, int]]:
+    """``{layer: (group, start, d_out)}``: where each multi-location layer's blocks lie in its group's columns (they
+    come first, in the plan's order: :func:`chunk_features`); empty where a layer's weight and bias are in two groups."""
+    out, start = {}, {}
+    for layer in (la for la in plan.layers if la in plan.multi):
+        groups = {group[k] for k in layer.parameter_names}
+        if len(groups) != 1:
+            return {}
+        g = groups.pop()
+        out[layer.name] = (g, start.get(g, 0), layer.d_out)
+        start[g] = start.get(g, 0) + sum(numel[k] for k in layer.parameter_names)
+    return out
+
+
+def _group_widths(plan: LayerPlan, group: dict[str, int], numel: dict[str, int]) -> dict[int, int]:
+    """``{group: P_g}``: the contracted columns of each group (multi-location layers, normalization layers' and
+    generic parameters; no embedding tables)."""
+    names = [*plan.generic, *(k for la in plan.multi for k in la.parameter_names),
+             *(k for la in plan.elementwise for k in la.parameter_names)]
+    widths: dict[int, int] = {}
+    for name in names:
+        widths[group[name]] = widths.get(group[name], 0) + numel[name]
+    return dict(sorted(widths.items()))
+
+
+def _block_targets(plan: LayerPlan, block: dict[int, Tensor], offsets: dict[str, tuple[int, int, int]], s: int,
+                   e: int) -> dict[str, Tensor]:
+    """Per multi-location layer, the ``(C, n, d_out, d_a)`` view of its columns in the rows ``s:e`` of ``block``
+    (``{group: (N, C, P_g)}``), for :func:`chunk_features` to write its blocks into."""
+    out = {}
+    for layer in (la for la in plan.layers if la in plan.multi and la.name in offsets):
+        g, start, d_out = offsets[layer.name]
+        rows = block[g][s:e].transpose(0, 1)  # (C, n, P_g)
+        stop = start + (layer.fan_in + (layer.bias is not None)) * d_out
+        out[layer.name] = rows[..., start:stop].unflatten(-1, (d_out, -1))
+    return out
+
+
 def _table(layer: Layer) -> bool:
     return isinstance(layer, EmbeddingLayer)
 
@@ -232,6 +273,10 @@ class FeatureSet:
         bounds: ``(start, stop)`` of each chunk.
         inputs, grads: the single-location layers' features over all of ``x`` (``(N, d_in)``, ``(N·C, d_out)``).
         kept: per chunk, its contracted columns, or ``None`` where they are recomputed at each use.
+        held, held_points: the kept columns of the leading ``held_points`` points in one tensor per group,
+            ``{group: (held_points·C, P_g)}`` (rows ``n·C + c``; ``kept`` holds views of it), or ``None`` (nothing
+            kept, a graph, or embedding tables' token sums): contracted against a chunk of other inputs in one product
+            (:mod:`ntkgp.ntk.grams`), larger and faster than one per chunk.
     """
 
     def __init__(self, core: NetworkCore, plan: LayerPlan, x: Tensor, graph: bool, columns: bool = True,
@@ -245,13 +290,31 @@ class FeatureSet:
         self.bounds = [(s, min(s + core.chunk_size, n)) for s in range(0, n, core.chunk_size)]
         self.dtype = core.dtype  # of the columns given out (the network's: x may hold token ids) (recomputed ones are rounded to it: :meth:`converted`)
         inputs, grads, self.kept = {}, {}, []
+        held_points = sum(e - s for s, e in self.bounds if e <= limit) if self.contracted else 0
+        one_block = held_points > 0 and not graph and not any(_table(la) for la in plan.elementwise)
+        self.held, self.held_points, block, offsets = None, held_points if one_block else 0, {}, {}
+        group, numel = dict(zip(core.groups.names, core.groups.group_of)), dict(zip(core.names, core.numels))
+        if self.held_points:  # every chunk's blocks written in place (the widths checked at the first chunk)
+            block = {g: torch.empty(held_points, c, width, dtype=core.dtype, device=core.device)
+                     for g, width in _group_widths(plan, group, numel).items()}
+            offsets = _block_offsets(plan, group, numel)
         for s, e in core.chunks(n, "layer features"):
             held = self.contracted and e <= limit
-            f = chunk_features(core, plan, take_rows(x, s, e), graph, columns=held)
+            into = _block_targets(plan, block, offsets, s, e) if held and self.held_points else None
+            f = chunk_features(core, plan, take_rows(x, s, e), graph, columns=held, into=into)
             for m in f.inputs:
                 inputs.setdefault(m, []).append(f.inputs[m])
                 grads.setdefault(m, []).append(f.grads[m])
-            self.kept.append(f.columns if held else None)
+            if held and one_block:  # written into their rows of one tensor per group
+                widths = {g: sum(p.shape[-1] for p in parts) for g, parts in f.pieces.items()}
+                if self.held is None and widths != {g: cols.shape[-1] for g, cols in block.items()}:
+                    block = {g: torch.empty(held_points, c, width, dtype=core.dtype, device=core.device)
+                             for g, width in widths.items()}  # (the plan's widths differ: copied, not in place)
+                    offsets = {}
+                self.held = Contracted({g: cols.view(-1, cols.shape[-1]) for g, cols in block.items()})
+                self.kept.append(f.join_into(block, s))
+            else:
+                self.kept.append(f.columns if held else None)
         self.inputs = {m: v[0] if len(v) == 1 else torch.cat(v) for m, v in inputs.items()}
         self.grads = {m: v[0] if len(v) == 1 else torch.cat(v) for m, v in grads.items()}
 
@@ -273,16 +336,25 @@ class FeatureSet:
         """The same features in ``dtype`` (rounded once), e.g. features computed on a float64 copy of a network, used
         against a float32 network's. Chunks not kept are recomputed at each use on this set's network and rounded
         the same way (the same numbers as kept ones). ``release``: drop each of this set's kept chunks once it is
-        converted (the two copies of the columns are never held together; this set then recomputes them)."""
+        converted (this set then recomputes them; the two copies of the columns are never held together, except those
+        :attr:`held` in one tensor, released once converted whole)."""
         new = copy.copy(self)
         new.dtype = dtype
         new.inputs = {m: a.to(dtype) for m, a in self.inputs.items()}
         new.grads = {m: g.to(dtype) for m, g in self.grads.items()}
+        new.held = None if self.held is None else self.held.to(dtype)
         new.kept = []
         for k, cols in enumerate(self.kept):
-            new.kept.append(None if cols is None else cols.to(dtype))
+            s, e = self.bounds[k]
+            if cols is not None and e <= self.held_points:  # views of the converted tensor, rows n·C + c
+                c = next(iter(cols.values())).shape[0] // (e - s)
+                new.kept.append(Contracted({g: t[s * c : e * c] for g, t in new.held.items()}))
+            else:
+                new.kept.append(None if cols is None else cols.to(dtype))
             if release:
                 self.kept[k] = None
+        if release:
+            self.held, self.held_points = None, 0
         return new
 
     def nbytes(self) -> int:

@@ -79,21 +79,26 @@ class ChunkFeatures:
             new = buffer.views(shapes, dtype, device) if buffer is not None else [
                 torch.empty(shape, dtype=dtype, device=device) for shape in shapes]
             if joining:  # the joined columns first, each piece copied into its place
-                joined = {}
-                for (g, parts), cols in zip(pieces.items(), new):
-                    start = 0
-                    for i, piece in enumerate(parts):
-                        cols[..., start : start + piece.shape[-1]].copy_(piece.transpose(0, 1))
-                        start += piece.shape[-1]
-                        parts[i] = None  # released as copied
-                    joined[g] = cols.view(-1, cols.shape[-1])
-                self.columns = Contracted(joined, self.tokens)
+                self.columns = Contracted({g: _join_into(parts, cols) for (g, parts), cols in zip(pieces.items(), new)},
+                                          self.tokens)
             for (held, key), target in zip(slots, new[len(new) - len(slots):]):
                 held[key] = target.copy_(held[key])
         self.tokens = tuple(t.to(dtype) for t in self.tokens)  # the tables' token sums
         if self._columns is not None:
             self._columns.tokens = self.tokens
         return self
+
+    def join_into(self, block: dict[int, Tensor], start: int) -> Contracted:
+        """The columns written into the rows ``start:start + n`` of ``block`` ``{group: (N, C, P_g)}`` (the columns of
+        many chunks in one tensor each: :class:`~ntkgp.ntk.feature_pass.FeatureSet`), each piece copied into its place
+        (unless the pass wrote it there: ``chunk_features(..., into=)``) and released; returns them (views of ``block``, ``(n·C, P_g)``), also kept as :attr:`columns`. Only for
+        columns given as pieces (no token sums)."""
+        if self.tokens or self._columns is not None:
+            raise ValueError("join_into needs the columns as pieces and no token sums")
+        n = next(iter(self.pieces.values()))[0].shape[1] if self.pieces else 0
+        self.columns = Contracted({g: _join_into(parts, block[g][start : start + n])
+                                   for g, parts in self.pieces.items()})
+        return self.columns
 
 
 class PromotionBuffer:
@@ -118,6 +123,25 @@ class PromotionBuffer:
             self.flat = flat = None  # the old buffer released before the new one is taken
             self.flat = flat = torch.empty(starts[-1], dtype=dtype, device=device)
         return [flat[s : s + size].view(shape) for s, size, shape in zip(starts, sizes, shapes)]
+
+
+def _join_into(parts: list[Tensor | None], cols: Tensor) -> Tensor:
+    """The pieces ``(C, n, P_i)`` copied into their columns of ``cols`` ``(n, C, P)`` (each released as it is copied);
+    returns ``cols`` as ``(n·C, P)`` (rows ``n·C + c``)."""
+    start = 0
+    for i, piece in enumerate(parts):
+        target, source = cols[..., start : start + piece.shape[-1]], piece.transpose(0, 1)
+        if not _same_memory(target, source):  # not written in place by the pass
+            target.copy_(source)
+        start += piece.shape[-1]
+        parts[i] = None  # released as copied
+    return cols.view(-1, cols.shape[-1])
+
+
+def _same_memory(a: Tensor, b: Tensor) -> bool:
+    """Whether ``a`` and ``b`` are the same elements of the same memory (strides of dimensions of size 1 aside)."""
+    return (a.shape == b.shape and a.data_ptr() == b.data_ptr()
+            and all(n == 1 or s == t for n, s, t in zip(a.shape, a.stride(), b.stride())))
 
 
 def _joined(pieces: list[Tensor]) -> Tensor:

@@ -151,6 +151,7 @@ def test_grams_from_features_kept_in_part_equal_brute_force():
     engine = NTKEngine(net, "layer", chunk_size=3)
     fz = engine.feature_set(z, keep=5)  # chunks 0:3 kept, 3:6 and 6:7 recomputed
     assert [cols is not None for cols in fz.kept] == [True, False, False] and fz.kept_points == 3 and not fz.keep
+    assert fz.held_points == 3 and fz.kept[0][0].data_ptr() == fz.held[0].data_ptr()  # the kept chunk: a view
     ref, ref_zz = reference(net, z, x, "layer"), reference(net, z, z, "layer")
     assert rel_err(engine.group_grams(z, x, x1_features=fz), ref) < 1e-12
     assert rel_err(engine.output_grams(z, x, x1_features=fz), dense_output_grams(ref, 3)) < 1e-12
@@ -158,8 +159,26 @@ def test_grams_from_features_kept_in_part_equal_brute_force():
     full = engine.feature_set(z)
     rounded = full.converted(torch.float32)
     partial = fz.converted(torch.float32, release=True)
-    assert fz.kept_points == 0 and partial.kept_points == 3
+    assert fz.kept_points == 0 and partial.kept_points == 3 and fz.held is None and partial.held_points == 3
     for k in range(3):
         for g, cols in rounded.columns(k).items():
             assert cols.dtype == torch.float32 and torch.equal(partial.columns(k)[g], cols)
             assert torch.equal(fz.columns(k)[g], full.columns(k)[g])
+
+
+@pytest.mark.parametrize("structure, batchnorm", [("network", False), ("layer", False), ("network", True)])
+def test_held_columns_written_in_place_equal_brute_force(structure, batchnorm):
+    """A set of several chunks holds its columns in one tensor per group (the convolutions' blocks of every chunk after
+    the first written into it in place, both convolutions in one group with ``"network"``): its Grams, alone and
+    against other inputs, equal the dense reference (with a BatchNorm layer's rows among the columns)."""
+    net = small_fmnist_cnn(batchnorm).eval()
+    torch.manual_seed(4)
+    z, x = torch.randn(7, 1, 8, 8, dtype=torch.float64), torch.randn(5, 1, 8, 8, dtype=torch.float64)
+    engine = NTKEngine(net, structure, chunk_size=3)
+    fz = engine.feature_set(z)
+    assert fz.held_points == 7 and all(cols[g].data_ptr() >= fz.held[g].data_ptr() for cols in fz.kept for g in cols)
+    ref, ref_zz = reference(net, z, x, structure), reference(net, z, z, structure)
+    assert rel_err(engine.group_grams(z, x, x1_features=fz), ref) < 1e-12
+    assert rel_err(engine.output_grams(z, x, x1_features=fz), dense_output_grams(ref, 3)) < 1e-12
+    assert rel_err(engine.group_grams(z, x1_features=fz), ref_zz) < 1e-12
+    assert rel_err(engine.group_grams(x, z), ref.mT) < 1e-12  # x2 = z's features computed and held by the engine
