@@ -64,10 +64,20 @@ def integer(
     low_ok = _is_integral(value) and (minimum is None or value >= minimum)
     if not low_ok or (maximum is not None and value > maximum):
         alternative = "None or " if allow_none else ""
-        low = "" if minimum is None else f" >= {minimum}"
-        high = "" if maximum is None else f" and <= {maximum}" if minimum is not None else f" <= {maximum}"
+        low = "" if minimum is None else f" >= {_bound(minimum)}"
+        high = "" if maximum is None else f" and <= {_bound(maximum)}" if minimum is not None else f" <= {_bound(maximum)}"
         raise ValueError(f"{argument} must be {alternative}an integer{low}{high}; got {value!r}")
     return int(value)
+
+
+def _bound(value: int) -> str:
+    """A range's end as a reader takes it in: ``2**64 - 1`` rather than ``18446744073709551615``."""
+    if abs(value) < 2**31:
+        return str(value)
+    k = round(math.log2(abs(value)))
+    rest = abs(value) - 2**k
+    text = f"2**{k}" + ("" if rest == 0 else f" + {rest}" if rest > 0 else f" - {-rest}")
+    return text if value > 0 else f"-({text})" if rest else f"-{text}"
 
 
 def positive_int(value: object, argument: str, allow_none: bool = False) -> int | None:

@@ -132,3 +132,14 @@ def test_exact_names_lists_the_missing_and_the_unknown_names():
         validation.exact_names({"a": 1, "c": 2}, ["a", "b"], "prior_mean")
     with pytest.raises(ValueError, match=r"^s must name every parameter of the posterior exactly: missing \[\]"):
         validation.exact_names({"a": 1, "z": 2}, ["a"], "s", "every parameter of the posterior")
+
+
+def test_a_wide_range_is_named_in_powers_of_two():
+    # a seed's range is torch.Generator's: the message names it as 2**k, not as twenty-digit numbers
+    from ntkgp.validation import integer
+
+    with pytest.raises(ValueError, match=r"seed must be an integer >= -2\*\*63 and <= 2\*\*64 - 1; got 1.5"):
+        integer(1.5, "seed", minimum=-(2**63), maximum=2**64 - 1)
+    with pytest.raises(ValueError, match=r"<= 2\*\*63 - 2; got -1"):
+        integer(-1, "seed", 0, 2**63 - 2, allow_none=True)
+    assert integer(2**64 - 1, "seed", minimum=-(2**63), maximum=2**64 - 1) == 2**64 - 1
