@@ -120,6 +120,23 @@ def grid_maximum(score: Callable[[Tensor], float], grid: Tensor, start: Tensor, 
     return best
 
 
+def check_evidence_search(optimizer: str, steps: object, sweeps: object, lr: object, progress: object) -> None:
+    """The options of a search of the evidence over :math:`\\delta` (:func:`maximize_evidence`), checked before
+    anything changes.
+
+    Raises:
+        ValueError: an unknown ``optimizer``, or ``steps``, ``sweeps``, ``lr`` not positive (naming it).
+        TypeError: ``progress`` not a bool.
+    """
+    if optimizer not in EVIDENCE_OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {EVIDENCE_OPTIMIZERS}, got {optimizer!r}")
+    positive_int(steps, "steps")
+    positive_int(sweeps, "sweeps")
+    positive_float(lr, "lr")
+    if not isinstance(progress, bool):
+        raise TypeError(f"progress must be a bool, got {type(progress).__name__}")
+
+
 def optimize_parameter_precision(
     evidence: Callable[[], Tensor], module, optimizer: str = "adam", steps: int = 100, lr: float = 0.1,
     grid: Tensor | None = None, sweeps: int = 2, progress: bool = False,
@@ -132,13 +149,7 @@ def optimize_parameter_precision(
     Raises:
         ValueError: for an invalid argument (naming it), before anything changes.
     """
-    if optimizer not in EVIDENCE_OPTIMIZERS:
-        raise ValueError(f"optimizer must be one of {EVIDENCE_OPTIMIZERS}, got {optimizer!r}")
-    positive_int(steps, "steps")
-    positive_int(sweeps, "sweeps")
-    positive_float(lr, "lr")
-    if not isinstance(progress, bool):
-        raise TypeError(f"progress must be a bool, got {type(progress).__name__}")
+    check_evidence_search(optimizer, steps, sweeps, lr, progress)
     before = module.prior_precision.detach().clone()
     values = check_grid(grid, before.numel(), before.dtype, before.device)
     try:
@@ -242,13 +253,7 @@ class PriorTuning:
         methods = ("evidence", "validation")
         if method not in methods:
             raise ValueError(f"method must be one of {methods}, got {method!r}")
-        if optimizer not in EVIDENCE_OPTIMIZERS:
-            raise ValueError(f"optimizer must be one of {EVIDENCE_OPTIMIZERS}, got {optimizer!r}")
-        positive_int(steps, "steps")
-        positive_int(sweeps, "sweeps")
-        positive_float(lr, "lr")
-        if not isinstance(progress, bool):
-            raise TypeError(f"progress must be a bool, got {type(progress).__name__}")
+        check_evidence_search(optimizer, steps, sweeps, lr, progress)
         values = check_grid(grid, self.groups.num_groups, self.function.dtype, self.function.device)
         self.check_network()
         if method == "evidence":
