@@ -213,7 +213,8 @@ def inducing_feature_set(sfr):
     recomputed at each use: :func:`~ntkgp.models.sfr.system_grams.inducing_features`), computed with the progress
     ``sfr.progress`` asks."""
     def compute():
-        return network_features(sfr.engine, inducing_features(sfr.engine, sfr.inducing_points, sfr.progress)[0])
+        return network_features(sfr.engine, inducing_features(sfr.engine, sfr.inducing_points, sfr.progress,
+                                                             getattr(sfr, "inducing_feature_bytes", None))[0])
 
     return sfr._cache.z_features(compute, generation_key(sfr))
 

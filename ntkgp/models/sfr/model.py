@@ -37,7 +37,8 @@ from .streaming import counted, stream_statistics
 from .subset import InducingSelection
 from .system_grams import auto_chunk_size, inducing_features, inducing_grams, network_features
 from .updates import new_statistics
-from .validation import check_training_data, first_batch, integer, pack_inputs, progress_flag, training_batches
+from .validation import (check_training_data, first_batch, integer, optional_bytes, pack_inputs, progress_flag,
+                         training_batches)
 
 __all__ = ["SFR"]
 
@@ -115,8 +116,8 @@ class SFR(PriorPrecisionTuning, InducingSelection, CheckedLoad, BoTorchInterface
         inducing: an :class:`~ntkgp.models.SFRInducingOptions` (``inducing_method``, ``pool_size``, ``seed``;
             ``None``: its defaults). Its fields as flat keywords (``seed=1``) still work, with a ``FutureWarning``,
             for one release.
-        memory: a :class:`~ntkgp.models.SFRMemoryOptions` (``batch_size``, ``chunk_size``, ``statistics``;
-            ``None``: its defaults); its fields as flat keywords likewise.
+        memory: a :class:`~ntkgp.models.SFRMemoryOptions` (``batch_size``, ``chunk_size``, ``statistics``,
+            ``inducing_feature_bytes``; ``None``: its defaults); its fields as flat keywords likewise.
         progress: over the data: ``None`` (auto), ``True`` (a bar) or ``False`` (silent): :mod:`ntkgp.progress`.
         input_shape: shape of one input, when inputs arrive flat (see :class:`~ntkgp.NTKKernel`).
         distributed: each rank of an initialized ``torch.distributed`` process group passes its shard of the
@@ -143,6 +144,7 @@ class SFR(PriorPrecisionTuning, InducingSelection, CheckedLoad, BoTorchInterface
     inducing_method = OptionAttribute(choice(InducingMethod), fixed=_CHOICE)
     seed = OptionAttribute(integer, fixed=_CHOICE)
     pool_size = OptionAttribute(positive_int, fixed=_CHOICE)
+    inducing_feature_bytes = OptionAttribute(optional_bytes, fixed="the inducing inputs' features were kept by it")
     predictive_mean = OptionAttribute(choice(PredictiveMean), on_change="_option_changed")
     batch_size = OptionAttribute(optional_positive_int, on_change="_option_changed")
     chunk_size = OptionAttribute(positive_int, on_change="_option_changed")
@@ -175,16 +177,16 @@ class SFR(PriorPrecisionTuning, InducingSelection, CheckedLoad, BoTorchInterface
         inducing = check_group(inducing, SFRInducingOptions, "inducing")
         memory = check_group(memory, SFRMemoryOptions, "memory")
         chunk_size, self.statistics, self.prior_mean = memory.chunk_size, memory.statistics, prior_mean
-        self.predictive_mean, self.output_coupling = predictive_mean, output_coupling
+        self.predictive_mean, self.output_coupling, self.distributed = predictive_mean, output_coupling, distributed
         self.inducing_method, self.seed, self.pool_size = inducing.inducing_method, inducing.seed, inducing.pool_size
         self.batch_size, self.progress = memory.batch_size, progress
+        self.inducing_feature_bytes = memory.inducing_feature_bytes
         self.chunk_size = 1024 if chunk_size is None else chunk_size  # None: from a memory budget, below
         if isinstance(prior_structure, str):
             prior_structure = choose(PriorStructure, prior_structure, "prior_structure").value
         if (num_inducing is None) == (inducing_points is None):
             raise ValueError("give exactly one of num_inducing and inducing_points")
         num_inducing = None if num_inducing is None else positive_int(num_inducing, "num_inducing")
-        self.distributed = distributed
         with together("checking train_x", self.distributed):  # this rank's shard
             expected_outputs = likelihood_outputs(likelihood)  # raises for unsupported likelihoods
             net, train_x, inducing_points = check_training_data(train_x, train_y, inducing_points, net)
@@ -192,10 +194,8 @@ class SFR(PriorPrecisionTuning, InducingSelection, CheckedLoad, BoTorchInterface
         if inducing_points is not None:
             check_replicated([inducing_points], "inducing_points", self.distributed)
         self.likelihood = likelihood
-        self.covar_module = NTKKernel(
-            net, prior_precision, prior_structure, input_shape=input_shape, chunk_size=self.chunk_size, progress=False
-        )
-
+        self.covar_module = NTKKernel(net, prior_precision, prior_structure, input_shape=input_shape,
+                                      chunk_size=self.chunk_size, progress=False)
         # ---- the first batch fixes the examples' layout and C
         with together("checking train_x", self.distributed):
             pairs, first, self._layout, self.num_outputs = first_batch(
@@ -217,7 +217,7 @@ class SFR(PriorPrecisionTuning, InducingSelection, CheckedLoad, BoTorchInterface
         self.register_buffer("inducing_points", z)
         combined = self.statistics is StatisticsMode.COMBINED
         delta = self.covar_module.prior_precision.detach()
-        exact = inducing_features(self.engine, z, progress)  # once per model, in float64 (on a copy of a float32 network)
+        exact = inducing_features(self.engine, z, progress, self.inducing_feature_bytes)  # once, in float64
         # per group: (G, nb, K, K); combined: (1, nb, K, K), K_ZZ(δ) at the δ of the statistics
         zz, self._zz_precision = inducing_grams(
             z, self.output_coupling, statistics_dtype(self.engine.dtype), exact,

@@ -47,6 +47,11 @@ class SFRMemoryOptions:
             be learned by the evidence, without the data) or ``"combined"`` (for the combined kernel at the
             initial :math:`\delta`, ``G²`` times less memory; :math:`\delta` fixed, see
             :class:`~ntkgp.models.sfr.SFR`).
+        inducing_feature_bytes: the bytes of the inducing inputs' float64 layer features kept for the model's
+            life (about ``(C·P_c + Σ d_in + C·Σ d_out)·8`` per inducing input, ``P_c`` the convolution and other
+            contracted parameters); the features of the inputs beyond it are recomputed for every chunk of data
+            or test points that is contracted against them. Default :data:`ntkgp.memory.INDUCING_FEATURE_BYTES`
+            (4 GiB); raise it where memory allows keeping all ``M`` (fixed after construction).
 
     Example:
         >>> SFRMemoryOptions(batch_size=256).statistics
@@ -56,3 +61,4 @@ class SFRMemoryOptions:
     batch_size: int | None = None
     chunk_size: int | None = None
     statistics: str = "per_group"
+    inducing_feature_bytes: int | None = None

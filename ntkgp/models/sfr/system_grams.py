@@ -164,15 +164,17 @@ def auto_chunk_size(engine: NTKEngine, probe: Tensor) -> int:
     return chunk_for_budget(engine.core, engine.plan(probe), engine.num_outputs(probe), probe.element_size())
 
 
-def inducing_features(engine: NTKEngine, z: Tensor, progress: bool | None = False) -> tuple[FeatureSet, NTKEngine]:
+def inducing_features(engine: NTKEngine, z: Tensor, progress: bool | None = False,
+                      budget: int | None = None) -> tuple[FeatureSet, NTKEngine]:
     r"""The layer features of the inducing inputs on :func:`precise_engine` (float64, for :math:`K_{ZZ}`), computed
     once per model, and that engine: the contracted columns of the leading inducing inputs within
-    :data:`INDUCING_FEATURE_BYTES` (counted in float64) kept, the others recomputed at each use (in float64).
+    ``budget`` bytes (default :data:`INDUCING_FEATURE_BYTES`; counted in float64) kept, the others recomputed at
+    each use (in float64).
     ``progress``: over the chunks of ``z`` (the model's option; :func:`~ntkgp.progress.reporting`, ``"SFR inducing
     inputs"``)."""
     precise = precise_engine(engine)
     z = to_network(engine.prepare(z, "inducing_points").detach(), precise.dtype, z.device)
-    keep = INDUCING_FEATURE_BYTES // max(1, inducing_feature_bytes(precise, z))
+    keep = (INDUCING_FEATURE_BYTES if budget is None else budget) // max(1, inducing_feature_bytes(precise, z))
     with reporting(precise.core, progress, "SFR inducing inputs"):
         return precise.feature_set(z, keep=keep), precise
 

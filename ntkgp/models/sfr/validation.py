@@ -47,6 +47,11 @@ __all__ = [
 ]
 
 
+def optional_bytes(value: object, argument: str) -> int | None:
+    """``None`` or a number of bytes (an integer ``>= 0``): a memory budget such as ``inducing_feature_bytes``."""
+    return integer(value, argument, minimum=0, allow_none=True)
+
+
 def progress_flag(value: object, argument: str) -> bool | None:
     """``value`` if it is ``True``, ``False`` or ``None`` (auto; :func:`ntkgp.progress.check_progress`).
 

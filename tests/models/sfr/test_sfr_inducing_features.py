@@ -125,3 +125,26 @@ def test_features_beyond_the_budget_are_recomputed_chunk_by_chunk_and_give_the_s
     # rounding; a float32 model rounds each result once more to float32 (ε₃₂ relatively, entry by entry)
     tol = 1e-12 + (EPS32 if dtype == torch.float32 else 0.0)
     assert rel_err(d1.mean, d2.mean) < tol and rel_err(d1.covariance_matrix, d2.covariance_matrix) < tol
+
+
+def test_the_kept_features_budget_is_an_option(monkeypatch):
+    # SFRMemoryOptions(inducing_feature_bytes=...): 0 keeps none (each use recomputes them), a large budget keeps
+    # all 8 even where the module's default would keep none; the predictive is the same numbers either way
+    # (float64: the same products in another order, 1e-10); the option is checked and fixed after construction
+    net = small_fmnist_cnn()
+    x, y, xs = data()
+    monkeypatch.setattr(system_grams, "INDUCING_FEATURE_BYTES", 0)
+    models = {budget: SFR(net, x, y, SoftmaxLikelihood(3).double(), num_inducing=8,
+                          memory=SFRMemoryOptions(batch_size=7, inducing_feature_bytes=budget))
+              for budget in (0, 2**30, None)}
+    kept = {b: [e.kept_points for e in m._cache.entries() if isinstance(e, FeatureSet)] for b, m in models.items()}
+    assert kept == {0: [0], 2**30: [8], None: [0]}
+    ref = models[2**30](xs)
+    for budget in (0, None):
+        out = models[budget](xs)
+        assert torch.allclose(out.mean, ref.mean, rtol=1e-10, atol=1e-12)
+        assert torch.allclose(out.variance, ref.variance, rtol=1e-10, atol=1e-12)
+    with pytest.raises(ValueError, match="inducing_feature_bytes"):
+        SFR(net, x, y, SoftmaxLikelihood(3).double(), num_inducing=8, memory=SFRMemoryOptions(inducing_feature_bytes=-1))
+    with pytest.raises(AttributeError, match="inducing_feature_bytes"):
+        models[0].inducing_feature_bytes = 2**30

@@ -35,6 +35,7 @@ FIXED = {
     "seed": (0, [1]),
     "pool_size": (4096, [16]),
     "distributed": (False, []),  # True needs a process group: refused by its validator (below)
+    "inducing_feature_bytes": (None, [0, 2**30]),
 }
 
 
