@@ -111,6 +111,12 @@ def sfr_stages(sfr, net, data: dict, modes, delta_train: float, args) -> dict[st
     return results
 
 
+def feature_bytes(args) -> int | None:
+    """``--inducing-feature-gib`` in bytes (``None``: the library's default budget)."""
+    gib = getattr(args, "inducing_feature_gib", None)
+    return None if gib is None else int(gib * 2**30)
+
+
 def build_sfr(net, data: dict, m: int, delta_train: float, seed: int, args, checkpoint: Path | None = None):
     """SFR on all training images, resumable: ``Z`` a seeded uniform subset of them, the statistics of the first
     of ``args.build_shards`` shards by the constructor and the others added by ``SFR.update(iterate=False)`` (the
@@ -125,7 +131,7 @@ def build_sfr(net, data: dict, m: int, delta_train: float, seed: int, args, chec
     def model(xs, ys):
         return ntkgp.SFR(net, xs, ys, ntkgp.likelihoods.SoftmaxLikelihood(num_classes=10).to(x.device),
                          inducing_points=z, prior_precision=delta_train, prior_structure="network",
-                         memory=SFRMemoryOptions(chunk_size=args.chunk_size), **args.sfr_configuration)
+                         memory=SFRMemoryOptions(chunk_size=args.chunk_size, inducing_feature_bytes=feature_bytes(args)), **args.sfr_configuration)
 
     saved = torch.load(checkpoint, map_location=x.device) if checkpoint is not None and checkpoint.is_file() else None
     if saved is None or saved["shards"] != args.build_shards:

@@ -228,7 +228,12 @@ def main() -> None:
     p.add_argument("--n-ood", type=int, default=None, help="a seeded subset of MNIST's 10,000 test images")
     p.add_argument("--chunk-size", type=int, default=64, help="images per Jacobian chunk of the NTK engine and per "
                    "prediction chunk (memory: about chunk · C · P numbers; 64 · 10 · 892,010 floats = 2.3 GB)")
+    p.add_argument("--inducing-feature-gib", type=float, default=None, help="GiB of the inducing inputs' float64 "
+                   "features kept during a build (SFRMemoryOptions.inducing_feature_bytes; default 4: 318 of M = 512 "
+                   "on this CNN, the others recomputed for every chunk); about 13.5 MB per inducing input")
     args = _images.parse(p)
+    if args.inducing_feature_gib is not None and not args.inducing_feature_gib > 0:
+        p.error(f"--inducing-feature-gib must be positive, got {args.inducing_feature_gib}")
     if args.build_shards < 1:
         p.error(f"--build-shards must be a positive integer, got {args.build_shards}")
     for name in ("tune_images", "n_ood"):
