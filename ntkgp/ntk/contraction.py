@@ -75,23 +75,6 @@ def add_output_gram_pieces(out: Tensor, s1: int, e1: int, j1: Columns, s2: int, 
             start += width
 
 
-def add_output_gram_held(out: Tensor, m: int, held: Columns, s2: int, e2: int, pieces: dict[int, list[Tensor]],
-                         c: int) -> None:
-    """:func:`add_output_gram_pieces` against the columns of the first ``m`` points of ``x1`` held in one tensor per
-    group (``held``, ``(m·C, P_g)``: :attr:`FeatureSet.held <ntkgp.ntk.feature_pass.FeatureSet.held>`): per piece one
-    batched product with all ``m`` points at once, ``(C, n, P_i) @ (C, P_i, m)``, summed over the pieces into a
-    ``(C, n, m)`` temporary and added to ``out[g, :, :m, s2:e2]`` transposed (the same products as chunk by chunk, in
-    products ``m`` wide: faster, most of all in float64)."""
-    for g, parts in pieces.items():
-        rows, acc, start = held[g].view(m, c, -1), None, 0
-        for piece in parts:
-            width = piece.shape[-1]
-            cols = rows[..., start : start + width].permute(1, 2, 0)  # (C, P_i, m)
-            acc = torch.bmm(piece, cols) if acc is None else acc.baddbmm_(piece, cols)
-            start += width
-        out[g, :, :m, s2:e2] += acc.transpose(1, 2)
-
-
 #: Length of the segments whose norms :func:`squared_norms` forms first (short enough that their accumulation
 #: rounds no more than a pairwise sum's).
 NORM_SEGMENT = 256

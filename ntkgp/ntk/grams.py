@@ -150,7 +150,7 @@ def _output_grams_given(core: NetworkCore, plan: LayerPlan, f1: FeatureSet, x2: 
             if diag is not None:
                 structured.output_diagonal(core, plan, diag[:, s2:e2], f2, c)
         if f1.held is not None:  # the held points in one product per piece
-            contraction.add_output_gram_held(out, f1.held_points, f1.held, s2, e2, f2.pieces, c)
+            contraction.add_output_gram_pieces(out, 0, f1.held_points, f1.held, s2, e2, f2.pieces, c)
         for s1, e1, k in chunks:  # the chunk's columns as the pass wrote them (never joined)
             contraction.add_output_gram_pieces(out, s1, e1, f1.columns(k), s2, e2, f2.pieces, c, f2.tokens)
         if diag is not None and (f2.pieces or f2.tokens):
