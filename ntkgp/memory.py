@@ -51,7 +51,7 @@ GIB = 2**30
 JACOBIAN_BYTES = GIB
 #: One chunk's layer-feature pass (:func:`ntkgp.ntk.feature_pass.chunk_for_budget`).
 FEATURE_PASS_BYTES = GIB
-#: SFR's kept inducing-point features; beyond it they are recomputed at each use.
+#: SFR's inducing-point features held at once: all when they fit; else half kept, half a window of recomputed ones.
 INDUCING_FEATURE_BYTES = 4 * GIB
 #: The dense function-space evidence routes (``EvidenceOptions.dense_memory_limit``): beyond it, matrix-free.
 DENSE_EVIDENCE_BYTES = 4 * GIB

@@ -24,6 +24,7 @@ from torch import nn
 
 from ..memory import JACOBIAN_BYTES
 from ..options import Strategy, choose
+from ..validation import count
 from . import contraction, grams
 from .checks import check_rows, check_tangents
 from .feature_pass import FeatureSet
@@ -176,17 +177,19 @@ class NTKEngine:
         self.num_outputs(x)
         return contraction.jacobian(self.core, x)
 
-    def feature_set(self, x: torch.Tensor, keep: bool | int = True) -> FeatureSet:
+    def feature_set(self, x: torch.Tensor, keep: bool | int = True, window: int = 0) -> FeatureSet:
         """The layer features of ``x`` (checked and prepared, no graph), kept: given as ``x1_features`` to
         :meth:`group_grams` and :meth:`output_grams` they spare recomputing ``x1`` at every call (a set of inputs
         used many times, as SFR's inducing inputs). Memory: ``N·C·P_c`` numbers for the contracted columns
         (convolutions and generic parameters, :func:`~ntkgp.ntk.feature_pass.contracted_width`) and
         ``N·(Σ d_in + C Σ d_out)`` for the linear layers. ``keep``: ``True`` keeps every chunk's contracted columns;
         a number of points keeps those of the leading chunks within it and recomputes the others at each use (a
-        memory budget). :meth:`FeatureSet.converted <ntkgp.ntk.feature_pass.FeatureSet.converted>` gives them in
-        another dtype."""
+        memory budget). ``window``: the points of the others that a pass over many chunks recomputes once and holds
+        together (:mod:`~ntkgp.ntk.feature_windows`; ``0``: recomputed for each chunk of the other inputs).
+        :meth:`FeatureSet.converted <ntkgp.ntk.feature_pass.FeatureSet.converted>` gives them in another dtype."""
+        window = count(window, "window")
         x = detach(self.prepare(x))
-        return FeatureSet(self.core, self.plan(x), x, graph=False, keep=keep)
+        return FeatureSet(self.core, self.plan(x), x, graph=False, keep=keep, window=window)
 
     def _given(self, x1: torch.Tensor, features: FeatureSet | None, plan, graph: bool) -> FeatureSet | None:
         """``features`` checked against ``x1`` (same number of points and routes) and usable (no graph)."""

@@ -268,6 +268,9 @@ class FeatureSet:
             ``max_jacobian_bytes`` (``None``), or for the leading chunks that lie within the first ``keep`` points
             (an ``int``: a memory budget in points; the other chunks' columns are recomputed at each use, so that
             the cost of a set larger than the budget grows with the part that does not fit).
+        window: the points of the chunks not kept that a pass over many chunks of other inputs may recompute once
+            and hold together (:mod:`ntkgp.ntk.feature_windows`); ``0``: one chunk at a time, recomputed for each
+            chunk of the other inputs.
 
     Attributes:
         bounds: ``(start, stop)`` of each chunk.
@@ -280,8 +283,8 @@ class FeatureSet:
     """
 
     def __init__(self, core: NetworkCore, plan: LayerPlan, x: Tensor, graph: bool, columns: bool = True,
-                 keep: bool | int | None = None) -> None:
-        self.core, self.plan, self.x, self.graph = core, plan, x, graph
+                 keep: bool | int | None = None, window: int = 0) -> None:
+        self.core, self.plan, self.x, self.graph, self.window = core, plan, x, graph, int(window)
         n, c = num_rows(x), core.num_outputs(x)
         self.contracted = columns and bool(plan.generic or plan.multi or plan.elementwise)
         if keep is None:
@@ -291,7 +294,7 @@ class FeatureSet:
         self.dtype = core.dtype  # of the columns given out (the network's: x may hold token ids) (recomputed ones are rounded to it: :meth:`converted`)
         inputs, grads, self.kept = {}, {}, []
         held_points = sum(e - s for s, e in self.bounds if e <= limit) if self.contracted else 0
-        one_block = held_points > 0 and not graph and not any(_table(la) for la in plan.elementwise)
+        one_block = held_points > 0 and self.joinable
         self.held, self.held_points, block, offsets = None, held_points if one_block else 0, {}, {}
         group, numel = dict(zip(core.groups.names, core.groups.group_of)), dict(zip(core.names, core.numels))
         if self.held_points:  # every chunk's blocks written in place (the widths checked at the first chunk)
@@ -321,6 +324,12 @@ class FeatureSet:
     @property
     def num_points(self) -> int:
         return num_rows(self.x)
+
+    @property
+    def joinable(self) -> bool:
+        """Whether the chunks' contracted columns can be written into one tensor per group (no graph, no embedding
+        tables' token sums): :attr:`held` and :mod:`~ntkgp.ntk.feature_windows` need it."""
+        return self.contracted and not self.graph and not any(_table(la) for la in self.plan.elementwise)
 
     @property
     def keep(self) -> bool:

@@ -35,6 +35,7 @@ from torch import Tensor
 
 from . import contraction, structured
 from .feature_pass import FeatureSet, chunk_features
+from .feature_windows import Window, window_columns, windows
 from .held_features import ChunkFeatures, Contracted, PromotionBuffer
 from .inputs import num_rows
 from .inputs import rows as take_rows
@@ -47,12 +48,14 @@ def gram_dtype(core: NetworkCore, f1: FeatureSet | None) -> torch.dtype:
     return core.dtype if f1 is None else torch.promote_types(core.dtype, f1.dtype)
 
 
-def _row_chunks(core: NetworkCore, plan: LayerPlan, x1: Tensor, f2: FeatureSet, sym: bool, c: int, graph: bool):
-    """``(k, s, e, features of x1[s:e])``: from ``f2`` with ``sym``, else from one pass per chunk."""
+def _row_chunks(core: NetworkCore, plan: LayerPlan, x1: Tensor, f2: FeatureSet, sym: bool, c: int, graph: bool,
+                columns_until: int | None = None):
+    """``(k, s, e, features of x1[s:e])``: from ``f2`` with ``sym`` (the contracted columns only of the chunks that
+    start before ``columns_until``, default all), else from one pass per chunk."""
     for k, (s, e) in enumerate(core.chunks(num_rows(x1), "Gram")):
         if sym:
             rows = f2.rows(s, e, c)
-            if f2.contracted:
+            if f2.contracted and (columns_until is None or s < columns_until):
                 rows.columns = f2.columns(k)
             yield k, s, e, rows
         else:
@@ -73,12 +76,45 @@ def _pairs(f2: FeatureSet, k1: int, s1: int, rows: ChunkFeatures, sym: bool):
             yield s2, e2, rows.columns if sym and k2 == k1 else f2.columns(k2), sym and k2 != k1
 
 
-def _given_rows(core: NetworkCore, f1: FeatureSet, c: int) -> tuple[ChunkFeatures, list[tuple[int, int, int]]]:
-    """All single-location features of ``f1`` and its chunks ``(s, e, k)`` beyond the points held in one tensor
-    (``f1.held``, contracted in one product): their columns are taken (kept) or recomputed (beyond ``f1``'s budget)
-    by ``f1.columns(k)`` one at a time, for each chunk of ``x2``."""
-    chunks = [(s, e, k) for k, (s, e) in enumerate(f1.bounds) if e > f1.held_points] if f1.contracted else []
-    return f1.rows(0, f1.num_points, c), chunks
+def _sym_windows(out: Tensor, f: FeatureSet, wins: list[Window], c: int, add) -> None:
+    """The contracted part of the symmetric Gram of ``f`` for the points of its windows (the kept points' part
+    already added): each window recomputed once and contracted, in one product each, against the held points
+    (mirrored), itself, and the chunks of the windows before it (recomputed one at a time, mirrored). ``add``:
+    :func:`~ntkgp.ntk.contraction.add_gram` or :func:`~ntkgp.ntk.contraction.add_output_gram`."""
+    for i, (s1, e1, ks) in enumerate(wins):
+        cols = window_columns(f, (s1, e1, ks))
+        if f.held is not None:
+            add(out, s1, e1, cols, 0, f.held_points, f.held, c, True)
+        add(out, s1, e1, cols, s1, e1, cols, c, False)
+        for k in (k for _, _, earlier in wins[:i] for k in earlier):
+            s2, e2 = f.bounds[k]
+            add(out, s1, e1, cols, s2, e2, f.columns(k), c, True)
+        del cols
+
+
+def _given_rows(core: NetworkCore, f1: FeatureSet, c: int, n2: int
+                ) -> tuple[ChunkFeatures, list[tuple[int, int, int]], list[Window]]:
+    """All single-location features of ``f1``, its chunks ``(s, e, k)`` beyond the points held in one tensor
+    (``f1.held``, contracted in one product) whose columns are taken (kept) or recomputed (beyond ``f1``'s budget)
+    by ``f1.columns(k)`` one at a time, for each chunk of ``x2`` (``n2`` points), and the windows of recomputed chunks
+    (:mod:`~ntkgp.ntk.feature_windows`) that take their place when ``x2`` has several chunks."""
+    wins = windows(f1) if n2 > core.chunk_size else []
+    done = {k for _, _, ks in wins for k in ks}
+    chunks = [(s, e, k) for k, (s, e) in enumerate(f1.bounds)
+              if e > f1.held_points and k not in done] if f1.contracted else []
+    return f1.rows(0, f1.num_points, c), chunks, wins
+
+
+def _window_passes(core: NetworkCore, plan: LayerPlan, f1: FeatureSet, wins: list[Window], x2: Tensor,
+                   dtype: torch.dtype, buffer: PromotionBuffer, join: bool):
+    """``(s1, e1, window columns, s2, e2, features of x2[s2:e2])``: each window of ``f1`` recomputed once, then ``x2``
+    passed through the network again for it (its contracted features only, promoted to ``dtype``)."""
+    for s1, e1, ks in wins:
+        cols = window_columns(f1, (s1, e1, ks))
+        for s2, e2 in core.chunks(num_rows(x2), f"Gram, inducing points {s1}-{e1}"):
+            f2 = chunk_features(core, plan, take_rows(x2, s2, e2), False, single=False)
+            yield s1, e1, cols, s2, e2, f2.promote_(dtype, buffer, join=join)
+        del cols
 
 
 def _group_grams_given(core: NetworkCore, plan: LayerPlan, f1: FeatureSet, x2: Tensor, c: int, out: Tensor,
@@ -86,7 +122,7 @@ def _group_grams_given(core: NetworkCore, plan: LayerPlan, f1: FeatureSet, x2: T
     """:func:`group_grams` from the given features of ``x1`` against ``x2``, one chunk of ``x2`` at a time (and, into
     ``blocks``, the per-point blocks of ``x2``, into ``outputs`` :math:`f(x_2)` and :math:`J(x_2)\\theta^*`, from the
     same pass)."""
-    whole, chunks = _given_rows(core, f1, c)
+    whole, chunks, wins = _given_rows(core, f1, c, num_rows(x2))
     buffer = PromotionBuffer()
     for s2, e2 in core.chunks(num_rows(x2), "Gram"):
         f2 = chunk_features(core, plan, take_rows(x2, s2, e2), False, columns=f1.contracted, linearized=outputs is not None)
@@ -106,6 +142,8 @@ def _group_grams_given(core: NetworkCore, plan: LayerPlan, f1: FeatureSet, x2: T
             if plan.single:
                 structured.diag_block_rows(core, plan, blocks[:, s2:e2], f2, c)
             contraction.add_diag_blocks(blocks, s2, e2, f2.columns, c)
+    for s1, e1, cols, s2, e2, f2 in _window_passes(core, plan, f1, wins, x2, out.dtype, buffer, True):
+        contraction.add_gram(out, s1, e1, cols, s2, e2, f2.columns, c, False)
 
 
 def group_grams(core: NetworkCore, plan: LayerPlan, x1: Tensor, x2: Tensor, sym: bool, c: int, graph: bool,
@@ -125,12 +163,15 @@ def group_grams(core: NetworkCore, plan: LayerPlan, x1: Tensor, x2: Tensor, sym:
         return out
     f2 = FeatureSet(core, plan, x2, graph) if f1 is None else f1
     whole = f2.rows(0, num_rows(x2), c)
-    for k1, s1, e1, rows in _row_chunks(core, plan, x1, f2, sym, c, graph):
+    wins = windows(f2) if sym else []
+    until = f2.held_points if wins else None
+    for k1, s1, e1, rows in _row_chunks(core, plan, x1, f2, sym, c, graph, until):
         if plan.single:
             structured.gram_rows(core, plan, out, s1, rows, whole, c, graph)
-        if f2.contracted:
+        if f2.contracted and (until is None or s1 < until):
             for s2, e2, cols, mirror in _pairs(f2, k1, s1, rows, sym):
                 contraction.add_gram(out, s1, e1, rows.columns, s2, e2, cols, c, mirror)
+    _sym_windows(out, f2, wins, c, contraction.add_gram)
     return out
 
 
@@ -138,7 +179,7 @@ def _output_grams_given(core: NetworkCore, plan: LayerPlan, f1: FeatureSet, x2: 
                         diag: Tensor | None, outputs: tuple[Tensor, Tensor] | None = None) -> None:
     """:func:`output_grams` from the given features of ``x1`` against ``x2``, one chunk of ``x2`` at a time (and,
     into ``outputs``, :math:`f(x_2)` and :math:`J(x_2)\\theta^*` from the same pass)."""
-    whole, chunks = _given_rows(core, f1, c)
+    whole, chunks, wins = _given_rows(core, f1, c, num_rows(x2))
     buffer = PromotionBuffer()
     for s2, e2 in core.chunks(num_rows(x2), "Gram"):
         f2 = chunk_features(core, plan, take_rows(x2, s2, e2), False, columns=f1.contracted, linearized=outputs is not None)
@@ -155,6 +196,8 @@ def _output_grams_given(core: NetworkCore, plan: LayerPlan, f1: FeatureSet, x2: 
             contraction.add_output_gram_pieces(out, s1, e1, f1.columns(k), s2, e2, f2.pieces, c, f2.tokens)
         if diag is not None and (f2.pieces or f2.tokens):
             contraction.add_output_diagonal_pieces(diag, s2, e2, f2.pieces, f2.tokens)
+    for s1, e1, cols, s2, e2, f2 in _window_passes(core, plan, f1, wins, x2, out.dtype, buffer, False):
+        contraction.add_output_gram_pieces(out, s1, e1, cols, s2, e2, f2.pieces, c)
 
 
 def output_grams(
@@ -175,12 +218,15 @@ def output_grams(
         raise ValueError("outputs need the given features of x1 and another x2")
     f2 = FeatureSet(core, plan, x2, graph) if f1 is None else f1
     whole = f2.rows(0, n2, c)
-    for k1, s1, e1, rows in _row_chunks(core, plan, x1, f2, sym, c, graph):
+    wins = windows(f2) if sym else []
+    until = f2.held_points if wins else None
+    for k1, s1, e1, rows in _row_chunks(core, plan, x1, f2, sym, c, graph, until):
         if plan.single:
             structured.output_gram_rows(core, plan, out[:, :, s1:e1], rows, whole, c, graph)
-        if f2.contracted:
+        if f2.contracted and (until is None or s1 < until):
             for s2, e2, cols, mirror in _pairs(f2, k1, s1, rows, sym):
                 contraction.add_output_gram(out, s1, e1, rows.columns, s2, e2, cols, c, mirror)
+    _sym_windows(out, f2, wins, c, contraction.add_output_gram)
     if diag is not None:
         if plan.single:
             structured.output_diagonal(core, plan, diag, whole, c)

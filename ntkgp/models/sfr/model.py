@@ -14,7 +14,6 @@ from ...botorch import BoTorchInterface, botorch_posterior
 from ...distributed import check_distributed, check_replicated, together
 from ...kernels import NTKKernel
 from ...likelihoods import num_outputs as likelihood_outputs
-from ...memory import SFR_STEP_BYTES, chunk_rows
 from ...option_groups import accepts_flat_keywords, check_group
 from ...ntk import GroupSpec, NTKEngine
 from ...options import (InducingMethod, OptionAttribute, OutputCoupling, PredictiveMean, PriorMean, PriorStructure,
@@ -35,7 +34,7 @@ from .prior_grid import PriorPrecisionTuning
 from .statistics import statistics_dtype
 from .streaming import counted, stream_statistics
 from .subset import InducingSelection
-from .system_grams import auto_chunk_size, inducing_features, inducing_grams, network_features
+from .system_grams import auto_chunk_size, inducing_features, inducing_grams, network_features, rows_per_step
 from .updates import new_statistics
 from .validation import (check_training_data, first_batch, integer, optional_bytes, pack_inputs, progress_flag,
                          training_batches)
@@ -284,12 +283,10 @@ class SFR(PriorPrecisionTuning, InducingSelection, CheckedLoad, BoTorchInterface
                 self.engine.chunk_size = self.chunk_size
 
     def _rows_per_step(self) -> int:
-        """Points per step and prediction chunk: ``batch_size``, or the ``G`` cross-Grams within ``SFR_STEP_BYTES``."""
+        """Points per step and prediction chunk: ``batch_size``, or :func:`rows_per_step`."""
         if self.batch_size is not None:
             return self.batch_size
-        c, m, g = self.num_outputs, self.num_inducing, self.engine.num_groups
-        per_point = g * m * c * (c if self.output_coupling is OutputCoupling.JOINT else 1)
-        return chunk_rows(SFR_STEP_BYTES, per_point, torch.float64)  # the cross-Grams are float64
+        return rows_per_step(self.engine, self.inducing_points, self.output_coupling, self.inducing_feature_bytes)
 
     def _check_state(self) -> None:
         """Raise if the network's weights or the inducing inputs changed since the statistics were computed, or,

@@ -39,7 +39,8 @@ class SFRMemoryOptions:
     Attributes:
         batch_size: points per accumulation step, and per prediction chunk (``sfr(x, chunk_size=...)``
             overrides it); default: as many as keep the ``G`` cross-Grams within
-            :data:`ntkgp.memory.SFR_STEP_BYTES` (docs/sfr.md).
+            :data:`ntkgp.memory.SFR_STEP_BYTES`, and at least four windows of recomputed inducing inputs
+            (:func:`~ntkgp.models.sfr.system_grams.rows_per_step`; docs/sfr.md).
         chunk_size: examples per Jacobian / feature chunk of the NTK engine; default: as many as keep one chunk's
             feature pass within :data:`ntkgp.memory.FEATURE_PASS_BYTES`, at most 1,024
             (:func:`~ntkgp.models.sfr.system_grams.auto_chunk_size`).
@@ -47,11 +48,14 @@ class SFRMemoryOptions:
             be learned by the evidence, without the data) or ``"combined"`` (for the combined kernel at the
             initial :math:`\delta`, ``G²`` times less memory; :math:`\delta` fixed, see
             :class:`~ntkgp.models.sfr.SFR`).
-        inducing_feature_bytes: the bytes of the inducing inputs' float64 layer features kept for the model's
-            life (about ``(C·P_c + Σ d_in + C·Σ d_out)·8`` per inducing input, ``P_c`` the convolution and other
-            contracted parameters); the features of the inputs beyond it are recomputed for every chunk of data
-            or test points that is contracted against them. Default :data:`ntkgp.memory.INDUCING_FEATURE_BYTES`
-            (4 GiB); raise it where memory allows keeping all ``M`` (fixed after construction).
+        inducing_feature_bytes: the bytes of the inducing inputs' float64 layer features held at any moment
+            (about ``(C·P_c + Σ d_in + C·Σ d_out)·8`` per inducing input, ``P_c`` the convolution and other
+            contracted parameters). When all ``M`` fit, all are kept for the model's life; otherwise those within
+            half of it are kept and the others are recomputed in windows of the other half, each window once per
+            step of data or chunk of test points, which are passed through the network again for it
+            (:func:`~ntkgp.models.sfr.system_grams.feature_split`, docs/sfr.md). Default
+            :data:`ntkgp.memory.INDUCING_FEATURE_BYTES` (4 GiB); raise it where memory allows keeping all ``M``
+            (fixed after construction).
 
     Example:
         >>> SFRMemoryOptions(batch_size=256).statistics

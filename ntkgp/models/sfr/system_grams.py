@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from ... import memory
+from ...memory import SFR_STEP_BYTES, chunk_rows
 from ...linalg import NumericalWarning
 from ...ntk import NTKEngine
 from ...ntk.feature_pass import FeatureSet, chunk_for_budget, contracted_width
@@ -41,7 +42,8 @@ from ...progress import Progress, reporting
 from .whitening import _symmetrize_
 
 __all__ = [
-    "auto_chunk_size", "combined_system_gram", "inducing_feature_bytes", "inducing_features", "inducing_grams",
+    "auto_chunk_size", "combined_system_gram", "feature_split", "inducing_feature_bytes", "inducing_features",
+    "inducing_grams", "rows_per_step",
     "network_features", "precise_engine", "system_grams", "system_grams_and_diagonal",
 ]
 
@@ -117,6 +119,17 @@ def combined_system_gram(
     return out.unsqueeze(0)
 
 
+def rows_per_step(engine: NTKEngine, z: Tensor, coupling: OutputCoupling, budget: int | None = None) -> int:
+    """SFR's points per step and prediction chunk for the prepared inducing inputs ``z``: the ``G`` float64
+    cross-Grams within :data:`~ntkgp.memory.SFR_STEP_BYTES` (``G·M·C`` numbers per point, ``G·M·C²`` with joint
+    coupling), and at least four windows of recomputed inducing inputs (:func:`feature_split` of ``budget``): their
+    recomputation, once per step, then costs at most about a quarter of the step's passes over its points."""
+    z = to_network(z, engine.dtype, z.device)  # (a model converted to another dtype keeps its network's)
+    c, m, g = engine.num_outputs(z), z.shape[0], engine.num_groups
+    per_point = g * m * c * (c if coupling is OutputCoupling.JOINT else 1)
+    return max(chunk_rows(SFR_STEP_BYTES, per_point, torch.float64), 4 * feature_split(engine, z, budget)[1])
+
+
 def precise_engine(engine: NTKEngine) -> NTKEngine:
     """``engine`` itself for a float64 network; for a lower precision, an engine on a float64 copy of its network
     (the same weights, exactly; the same groups, routes and chunks). The user's network is not touched. A network
@@ -140,10 +153,10 @@ def precise_engine(engine: NTKEngine) -> NTKEngine:
     )
 
 
-#: SFR keeps its inducing inputs' layer features (:func:`inducing_features`) up to this many bytes, counted in the dtype
-#: they are kept in (float64): per inducing input ``C·P_c`` numbers for the contracted columns (convolutions and generic parameters) plus
-#: the linear layers' ``Σ d_in + C Σ d_out`` (:func:`inducing_feature_bytes`); the chunks of inducing inputs beyond it
-#: are recomputed once per chunk of data or test points (their cost grows with the excess, no cliff)
+#: SFR holds its inducing inputs' layer features (:func:`inducing_features`) up to this many bytes at once, counted in
+#: the dtype they are kept in (float64): per inducing input ``C·P_c`` numbers for the contracted columns (convolutions
+#: and generic parameters) plus the linear layers' ``Σ d_in + C Σ d_out`` (:func:`inducing_feature_bytes`); beyond it
+#: half are kept and the others recomputed in windows of the other half (:func:`feature_split`)
 #: (:data:`ntkgp.memory.INDUCING_FEATURE_BYTES`).
 INDUCING_FEATURE_BYTES = memory.INDUCING_FEATURE_BYTES
 
@@ -167,16 +180,29 @@ def auto_chunk_size(engine: NTKEngine, probe: Tensor) -> int:
 def inducing_features(engine: NTKEngine, z: Tensor, progress: bool | None = False,
                       budget: int | None = None) -> tuple[FeatureSet, NTKEngine]:
     r"""The layer features of the inducing inputs on :func:`precise_engine` (float64, for :math:`K_{ZZ}`), computed
-    once per model, and that engine: the contracted columns of the leading inducing inputs within
-    ``budget`` bytes (default :data:`INDUCING_FEATURE_BYTES`; counted in float64) kept, the others recomputed at
-    each use (in float64).
+    once per model, and that engine: the contracted columns of all of them or, beyond ``budget`` bytes (default
+    :data:`INDUCING_FEATURE_BYTES`; counted in float64), of the leading ones within half of it kept, the others
+    recomputed at each use (in float64) in windows of the other half (:func:`feature_split`).
     ``progress``: over the chunks of ``z`` (the model's option; :func:`~ntkgp.progress.reporting`, ``"SFR inducing
     inputs"``)."""
     precise = precise_engine(engine)
     z = to_network(engine.prepare(z, "inducing_points").detach(), precise.dtype, z.device)
-    keep = (INDUCING_FEATURE_BYTES if budget is None else budget) // max(1, inducing_feature_bytes(precise, z))
+    keep, window = feature_split(precise, z, budget)
     with reporting(precise.core, progress, "SFR inducing inputs"):
-        return precise.feature_set(z, keep=keep), precise
+        return precise.feature_set(z, keep=keep, window=window), precise
+
+
+def feature_split(engine: NTKEngine, z: Tensor, budget: int | None = None) -> tuple[int, int]:
+    r"""How a budget of ``budget`` bytes (default :data:`INDUCING_FEATURE_BYTES`) of float64 features is spent on the
+    prepared inducing inputs ``z``: ``(kept, window)`` points. When all of ``Z`` fits, every point is kept
+    (``window = 0``); otherwise the leading points within half of it are kept for the model's life and the other
+    half is the window in which the others are recomputed, once per pass over many chunks
+    (:mod:`ntkgp.ntk.feature_windows`): the features held at any moment stay within the budget."""
+    per_point = inducing_feature_bytes(engine, z) * 8 // (torch.finfo(engine.dtype).bits // 8)  # counted in float64
+    points = (INDUCING_FEATURE_BYTES if budget is None else budget) // max(1, per_point)
+    if points >= z.shape[0]:
+        return points, 0
+    return points // 2, points - points // 2
 
 
 def network_features(engine: NTKEngine, exact: FeatureSet) -> FeatureSet:

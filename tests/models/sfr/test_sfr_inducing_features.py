@@ -90,11 +90,12 @@ def test_default_chunk_size_follows_the_memory_budget():
 
 @pytest.mark.parametrize("coupling", ["joint", "independent"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_features_beyond_the_budget_are_recomputed_chunk_by_chunk_and_give_the_same_model(coupling, dtype, monkeypatch):
-    """A budget of 4 of the 8 inducing inputs (chunks of 3): the first chunk's columns kept, the two others recomputed
-    (in float64: the same numbers) once per chunk of data or test points; the model equals the one that keeps them
-    all. The budget counts what a kept feature set holds (``FeatureSet.nbytes``), in float64 also for a float32
-    network."""
+def test_features_beyond_the_budget_are_recomputed_in_windows_and_give_the_same_model(coupling, dtype, monkeypatch):
+    """A budget of 6 of the 8 inducing inputs (chunks of 3): 3 kept (the first chunk), the two others recomputed (in
+    float64: the same numbers) in windows of 3 points (one chunk each), each once per step of data, whose chunks pass
+    through the network again for each window; a step of a single chunk recomputes them chunk by chunk. The model
+    equals the one that keeps them all. The budget counts what a kept feature set holds (``FeatureSet.nbytes``), in
+    float64 also for a float32 network."""
     net = small_fmnist_cnn().to(dtype)
     x, y, xs = data(dtype)
     kw = {"num_inducing": 8, "output_coupling": coupling, "memory": SFRMemoryOptions(batch_size=7, chunk_size=3)}
@@ -103,7 +104,7 @@ def test_features_beyond_the_budget_are_recomputed_chunk_by_chunk_and_give_the_s
     precise = NTKEngine(copy.deepcopy(net).double(), "network")  # the features are kept in float64
     per_point = system_grams.inducing_feature_bytes(precise, z.double())
     assert precise.feature_set(z.double()).nbytes() == 8 * per_point
-    monkeypatch.setattr(system_grams, "INDUCING_FEATURE_BYTES", 4 * per_point + per_point // 2)
+    monkeypatch.setattr(system_grams, "INDUCING_FEATURE_BYTES", 6 * per_point + per_point // 2)
     sizes = []
     real = feature_pass.chunk_features
 
@@ -111,16 +112,21 @@ def test_features_beyond_the_budget_are_recomputed_chunk_by_chunk_and_give_the_s
         sizes.append((xc.shape[0], kwargs.get("single", True)))
         return real(core, plan, xc, *args, **kwargs)
 
-    with mock.patch("ntkgp.ntk.feature_pass.chunk_features", spy):
+    with mock.patch("ntkgp.ntk.feature_pass.chunk_features", spy), \
+            mock.patch("ntkgp.ntk.feature_windows.chunk_features", spy), mock.patch("ntkgp.ntk.grams.chunk_features", spy):
         partial = SFR(net, x, y, SoftmaxLikelihood(3).to(dtype), **kw)
         build = list(sizes)
         d1, d2 = kept(xs, chunk_size=4), partial(xs, chunk_size=4)
     [features] = [e for e in partial._cache.entries() if isinstance(e, FeatureSet)]
-    assert features.kept_points == 3 and features.dtype == torch.float64
-    recomputed = [n for n, single in build if not single]  # the columns of Z's chunks 3:6 and 6:8
-    data_chunks = sum(len(range(0, len(b), 3)) for b in x.split(7))  # steps of 7 points, chunks of 3
-    zz = [3, 2, 3]  # K_ZZ (lower blocks): the row chunks 3:6 and 6:8, and 3:6 again as the pair left of 6:8
-    assert sorted(recomputed) == sorted([3, 2] * data_chunks + zz)
+    assert features.kept_points == 3 and features.window == 3 and features.dtype == torch.float64
+    recomputed = [n for n, single in build if not single]
+    zz = [3, 2, 3]  # K_ZZ: the window 3:6, the window 6:8 and the chunk 3:6 of the window before it, once each
+    expected = list(zz)
+    for step in x.split(7):  # steps of 7 points, chunks of 3
+        chunks = [len(step[s : s + 3]) for s in range(0, len(step), 3)]
+        # several chunks: each window recomputed once, the step's chunks passed again for it; else chunk by chunk
+        expected += [3, *chunks, 2, *chunks] if len(chunks) > 1 else [3, 2] * len(chunks)
+    assert sorted(recomputed) == sorted(expected)
     # the same float64 numbers (the same passes, the features of Z recomputed as they were kept) up to float64
     # rounding; a float32 model rounds each result once more to float32 (ε₃₂ relatively, entry by entry)
     tol = 1e-12 + (EPS32 if dtype == torch.float32 else 0.0)
