@@ -59,11 +59,13 @@ def network_stage(net, data: dict) -> dict:
 def sfr_probs_at(sfr, net, x: Tensor, deltas: list[float], chunk: int) -> list[tuple[Tensor, Tensor]]:
     """Class probabilities (probit) of SFR (the GP mean) and SFR-NN (the network's output as the mean, SFR's
     covariance) at each δ of ``deltas``, from one pass over ``x`` (``SFR.predictive_grid``: the cross-covariances
-    computed once, weighted by each 1/δ); the covariance is the same for both means (docs/sfr.md)."""
+    computed once, weighted by each 1/δ, in the model's own prediction chunks: long ones where inducing inputs are
+    recomputed in windows); the covariance is the same for both means (docs/sfr.md). ``chunk``: images per chunk of
+    the network's outputs."""
     with torch.no_grad():
         outputs = _images.in_chunks(net, x, chunk)
         out = []
-        for dist in sfr.predictive_grid(x, deltas, chunk_size=chunk):
+        for dist in sfr.predictive_grid(x, deltas):
             gp = sfr.likelihood(dist).probs
             nn_ = sfr.likelihood(MultitaskMultivariateNormal(outputs.to(dist.mean.dtype), dist.lazy_covariance_matrix)).probs
             out.append((gp, nn_))

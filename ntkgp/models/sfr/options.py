@@ -39,8 +39,8 @@ class SFRMemoryOptions:
     Attributes:
         batch_size: points per accumulation step, and per prediction chunk (``sfr(x, chunk_size=...)``
             overrides it); default: as many as keep the ``G`` cross-Grams within
-            :data:`ntkgp.memory.SFR_STEP_BYTES`, and at least four windows of recomputed inducing inputs
-            (:func:`~ntkgp.models.sfr.system_grams.rows_per_step`; docs/sfr.md).
+            :data:`ntkgp.memory.SFR_STEP_BYTES`, or, when inducing inputs are recomputed in windows, within a
+            quarter of a window's features (:func:`~ntkgp.models.sfr.system_grams.rows_per_step`; docs/scaling.md).
         chunk_size: examples per Jacobian / feature chunk of the NTK engine; default: as many as keep one chunk's
             feature pass within :data:`ntkgp.memory.FEATURE_PASS_BYTES`, at most 1,024
             (:func:`~ntkgp.models.sfr.system_grams.auto_chunk_size`).

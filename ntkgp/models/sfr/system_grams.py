@@ -122,12 +122,15 @@ def combined_system_gram(
 def rows_per_step(engine: NTKEngine, z: Tensor, coupling: OutputCoupling, budget: int | None = None) -> int:
     """SFR's points per step and prediction chunk for the prepared inducing inputs ``z``: the ``G`` float64
     cross-Grams within :data:`~ntkgp.memory.SFR_STEP_BYTES` (``G·M·C`` numbers per point, ``G·M·C²`` with joint
-    coupling), and at least four windows of recomputed inducing inputs (:func:`feature_split` of ``budget``): their
-    recomputation, once per step, then costs at most about a quarter of the step's passes over its points."""
+    coupling) or, when inducing inputs are recomputed in windows (:func:`feature_split` of ``budget``), within a
+    quarter of a window's features (an eighth of the budget), so that a step is long against the window and the
+    recomputation of ``Z``, once per step, is small against the step's passes over its points."""
     z = to_network(z, engine.dtype, z.device)  # (a model converted to another dtype keeps its network's)
     c, m, g = engine.num_outputs(z), z.shape[0], engine.num_groups
-    per_point = g * m * c * (c if coupling is OutputCoupling.JOINT else 1)
-    return max(chunk_rows(SFR_STEP_BYTES, per_point, torch.float64), 4 * feature_split(engine, z, budget)[1])
+    per_point = g * m * c * (c if coupling is OutputCoupling.JOINT else 1) * 8
+    rows = chunk_rows(SFR_STEP_BYTES, per_point, 1)
+    window = feature_split(engine, z, budget)[1]
+    return max(rows, window * _float64_feature_bytes(engine, z) // (4 * per_point)) if window else rows
 
 
 def precise_engine(engine: NTKEngine) -> NTKEngine:
@@ -198,11 +201,15 @@ def feature_split(engine: NTKEngine, z: Tensor, budget: int | None = None) -> tu
     (``window = 0``); otherwise the leading points within half of it are kept for the model's life and the other
     half is the window in which the others are recomputed, once per pass over many chunks
     (:mod:`ntkgp.ntk.feature_windows`): the features held at any moment stay within the budget."""
-    per_point = inducing_feature_bytes(engine, z) * 8 // (torch.finfo(engine.dtype).bits // 8)  # counted in float64
-    points = (INDUCING_FEATURE_BYTES if budget is None else budget) // max(1, per_point)
+    points = (INDUCING_FEATURE_BYTES if budget is None else budget) // max(1, _float64_feature_bytes(engine, z))
     if points >= z.shape[0]:
         return points, 0
     return points // 2, points - points // 2
+
+
+def _float64_feature_bytes(engine: NTKEngine, z: Tensor) -> int:
+    """:func:`inducing_feature_bytes` counted in float64 whatever the engine's dtype."""
+    return inducing_feature_bytes(engine, z) * 8 // (torch.finfo(engine.dtype).bits // 8)
 
 
 def network_features(engine: NTKEngine, exact: FeatureSet) -> FeatureSet:

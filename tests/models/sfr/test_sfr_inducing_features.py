@@ -154,3 +154,23 @@ def test_the_kept_features_budget_is_an_option(monkeypatch):
         SFR(net, x, y, SoftmaxLikelihood(3).double(), num_inducing=8, memory=SFRMemoryOptions(inducing_feature_bytes=-1))
     with pytest.raises(AttributeError, match="inducing_feature_bytes"):
         models[0].inducing_feature_bytes = 2**30
+
+
+@pytest.mark.parametrize("coupling", ["joint", "independent"])
+def test_steps_are_long_against_the_window(coupling, monkeypatch):
+    # with windows, a step's float64 cross-Grams (G·M·C numbers per point, ·C joint) may take a quarter of the window's
+    # features, so that the recomputation of Z once per step is small against the step's passes; without, the
+    # SFR_STEP_BYTES rows; batch_size overrides both
+    net = small_fmnist_cnn()
+    x, y, _ = data()
+    sfr = SFR(net, x, y, SoftmaxLikelihood(3).double(), num_inducing=8, output_coupling=coupling)
+    z = sfr.inducing_points
+    per_feature = system_grams.inducing_feature_bytes(sfr.engine, z)  # float64 network: float64 bytes
+    per_point = sfr.engine.num_groups * 8 * 3 * (3 if coupling == "joint" else 1) * 8  # G·M·C(·C) float64 numbers
+    monkeypatch.setattr(system_grams, "SFR_STEP_BYTES", 3 * per_point)
+    assert sfr._rows_per_step() == 3  # all 8 kept: no window
+    monkeypatch.setattr(system_grams, "INDUCING_FEATURE_BYTES", 6 * per_feature)
+    assert system_grams.feature_split(sfr.engine, z) == (3, 3)
+    assert sfr._rows_per_step() == max(3, 3 * per_feature // (4 * per_point))
+    assert SFR(net, x, y, SoftmaxLikelihood(3).double(), num_inducing=8, output_coupling=coupling,
+               memory=SFRMemoryOptions(batch_size=5))._rows_per_step() == 5
