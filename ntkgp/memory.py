@@ -35,6 +35,7 @@ __all__ = [
     "PAIR_CONTRACTION_BYTES",
     "PREDICTION_BYTES",
     "SAMPLE_EVALUATIONS",
+    "SFR_GRID_BYTES",
     "SFR_STEP_BYTES",
     "STACKED_GRAM_BYTES",
     "STRUCTURED_BLOCK_BYTES",
@@ -66,6 +67,9 @@ PREDICTION_BYTES = 2**25 * 8
 #: SFR's accumulation and prediction step without ``batch_size``: the ``G`` cross-Grams, ``chunk · G · M · C``
 #: (``· C`` with joint outputs) numbers.
 SFR_STEP_BYTES = 2**24 * 8
+#: The factorizations SFR's marginal predictive grid keeps from chunk to chunk (``predictive_grid(...,
+#: marginal=True)``): ``2 · nb · K²`` numbers per prior precision; beyond it each is refactorized per chunk.
+SFR_GRID_BYTES = 2 * GIB
 #: The Gram of SFR's inducing-point pool, per row block ``rows · G · C · P`` numbers.
 INDUCING_POOL_BYTES = 2**25 * 8
 #: The least the dense layer-block GGN's temporaries may take (their budget is a quarter of the ``P²`` result,

@@ -60,12 +60,12 @@ def sfr_probs_at(sfr, net, x: Tensor, deltas: list[float], chunk: int) -> list[t
     """Class probabilities (probit) of SFR (the GP mean) and SFR-NN (the network's output as the mean, SFR's
     covariance) at each δ of ``deltas``, from one pass over ``x`` (``SFR.predictive_grid``: the cross-covariances
     computed once, weighted by each 1/δ, in the model's own prediction chunks: long ones where inducing inputs are
-    recomputed in windows); the covariance is the same for both means (docs/sfr.md). ``chunk``: images per chunk of
-    the network's outputs."""
+    recomputed in windows; only each image's marginal, so that no δ's factorization outlives the pass); the
+    covariance is the same for both means (docs/sfr.md). ``chunk``: images per chunk of the network's outputs."""
     with torch.no_grad():
         outputs = _images.in_chunks(net, x, chunk)
         out = []
-        for dist in sfr.predictive_grid(x, deltas):
+        for dist in sfr.predictive_grid(x, deltas, marginal=True):
             gp = sfr.likelihood(dist).probs
             nn_ = sfr.likelihood(MultitaskMultivariateNormal(outputs.to(dist.mean.dtype), dist.lazy_covariance_matrix)).probs
             out.append((gp, nn_))

@@ -33,6 +33,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..progress import progress_bar
 from . import contraction, structured
 from .feature_pass import FeatureSet, chunk_features
 from .feature_windows import Window, window_columns, windows
@@ -81,7 +82,10 @@ def _sym_windows(out: Tensor, f: FeatureSet, wins: list[Window], c: int, add) ->
     already added): each window recomputed once and contracted, in one product each, against the held points
     (mirrored), itself, and the chunks of the windows before it (recomputed one at a time, mirrored). ``add``:
     :func:`~ntkgp.ntk.contraction.add_gram` or :func:`~ntkgp.ntk.contraction.add_output_gram`."""
-    for i, (s1, e1, ks) in enumerate(wins):
+    name = getattr(f.core, "pass_name", None)  # set by ntkgp.progress.reporting
+    desc = f"{name} (Gram windows)" if name else "Gram windows"
+    progress = f.core.progress if len(wins) > 1 else False
+    for i, (s1, e1, ks) in progress_bar(list(enumerate(wins)), len(wins), desc, progress, "window"):
         cols = window_columns(f, (s1, e1, ks))
         if f.held is not None:
             add(out, s1, e1, cols, 0, f.held_points, f.held, c, True)

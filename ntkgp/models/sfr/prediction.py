@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 from gpytorch.distributions import MultitaskMultivariateNormal, MultivariateNormal
+from linear_operator.operators import BlockDiagLinearOperator, DenseLinearOperator, DiagLinearOperator
 from torch import Tensor
 
 from ...ntk.inputs import to as to_network
@@ -19,7 +20,7 @@ from ...progress import Progress
 from .covariance import SparsePosteriorCovariance, per_batch_factors
 from .prediction_terms import PredictiveTerms
 
-__all__ = ["predictive_distribution", "predictive_distributions"]
+__all__ = ["marginal_distributions", "predictive_distribution", "predictive_distributions"]
 
 
 def predictive_distribution(
@@ -88,3 +89,42 @@ def _assembled(terms: PredictiveTerms, parts: list, x: Tensor, batch: torch.Size
     if c == 1:
         return MultivariateNormal(mean.squeeze(-1), covariance)
     return MultitaskMultivariateNormal(mean, covariance, interleaved=True)
+
+
+def marginal_distributions(
+    make_terms: Callable[[int], PredictiveTerms], count: int, x: Tensor, batch: torch.Size, chunk: int,
+    dtype: torch.dtype, keep_states: bool, progress: Callable[[int], None] | None = None,
+) -> list[MultivariateNormal]:
+    r"""The per-point marginals of the posteriors over :math:`f(x)` at ``count`` model states, in one pass over
+    ``x``: each chunk's :math:`\delta`-free pieces computed once and weighted by every state, as
+    :func:`predictive_distributions`, but only each point's mean and ``C×C`` block are kept, so that no state's
+    factorization lives beyond the pass. ``make_terms(k)``: the terms of state ``k`` (its factorization formed
+    then); ``keep_states``: keep them from chunk to chunk (else formed once per chunk, one at a time: memory of one
+    factorization). Returns distributions whose covariance is block-diagonal over the points (``C×C`` blocks;
+    diagonal for ``C = 1``): the marginals, without the covariances between points."""
+    means, blocks = [[] for _ in range(count)], [[] for _ in range(count)]
+    kept: dict[int, PredictiveTerms] = {}
+    for start in range(0, x.shape[0], chunk):
+        rows, shared = x[start : start + chunk], None
+        for k in range(count):
+            terms = kept.get(k) or make_terms(k)
+            if shared is None and count > 1 and not terms.with_graph(rows):
+                shared = terms.pieces(rows)
+            part = terms.chunk(rows, shared)
+            means[k].append(part.mean)
+            blocks[k].append(part.blocks)
+            if keep_states:
+                kept[k] = terms
+            del part, terms
+        if progress is not None:
+            progress(rows.shape[0])
+    return [_marginal(torch.cat(m), torch.cat(b), x, batch, dtype) for m, b in zip(means, blocks)]
+
+
+def _marginal(mean: Tensor, blocks: Tensor, x: Tensor, batch: torch.Size, dtype: torch.dtype) -> MultivariateNormal:
+    count, c = x.shape[0] // max(1, batch.numel()), mean.shape[-1]
+    mean = mean.reshape(*batch, count, c).to(dtype)
+    blocks = blocks.reshape(*batch, count, c, c).to(dtype)
+    if c == 1:
+        return MultivariateNormal(mean.squeeze(-1), DiagLinearOperator(blocks[..., 0, 0]))
+    return MultitaskMultivariateNormal(mean, BlockDiagLinearOperator(DenseLinearOperator(blocks)), interleaved=True)

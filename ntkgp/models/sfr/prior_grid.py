@@ -23,10 +23,11 @@ from ...likelihoods import is_gaussian, noise_variance
 from ...metrics import brier_score, categorical_nlpd, expected_calibration_error, gaussian_nlpd
 from ...ntk.private_copy import model_lock
 from ...progress import Progress
-from ...validation import positive_int
+from ... import memory
+from ...validation import flag, positive_int
 from .factorization import inducing_feature_set, kzz_factors, solve, z_jacobian
 from .inducing_points import model_dtype
-from .prediction import predictive_distributions
+from .prediction import marginal_distributions, predictive_distributions
 from .prediction_terms import PosteriorState, PredictiveTerms
 from .validation import pack_inputs
 
@@ -68,7 +69,7 @@ class PriorPrecisionTuning:
     :meth:`optimize_prior_precision`."""
 
     def predictive_grid(self, x: Tensor, prior_precisions: Sequence[float] | Tensor,
-                        chunk_size: int | None = None) -> list[MultivariateNormal]:
+                        chunk_size: int | None = None, marginal: bool = False) -> list[MultivariateNormal]:
         r"""The posterior over :math:`f(x)` at each of several prior precisions, from one pass over ``x``.
 
         Equal to setting ``covar_module.prior_precision`` to each value and calling the model, at the cost of one
@@ -78,9 +79,16 @@ class PriorPrecisionTuning:
             x: test inputs, as for :meth:`forward`.
             prior_precisions: values ``(K,)`` (each shared by the kernel's groups) or candidates ``(K, G)``.
             chunk_size: test points per chunk, as for :meth:`forward`.
+            marginal: ``True``: only each point's marginal (its mean and ``C×C`` block; a block-diagonal
+                covariance, no covariance between points), which is all a per-point metric needs: the
+                distributions then hold no factorization (a joint one holds its value's, ``2·nb·K²`` numbers,
+                for the covariances between points), and during the pass the factorizations are kept from chunk
+                to chunk only within :data:`~ntkgp.memory.SFR_GRID_BYTES` (else formed once per chunk, one at a
+                time).
 
         Returns:
-            ``K`` distributions, in the order of ``prior_precisions`` (each as :meth:`forward` returns).
+            ``K`` distributions, in the order of ``prior_precisions`` (each as :meth:`forward` returns, or its
+            per-point marginals).
 
         Raises:
             ValueError or TypeError: for invalid arguments (naming them), before anything is computed;
@@ -88,6 +96,7 @@ class PriorPrecisionTuning:
         """
         candidates = _candidates(self, prior_precisions, "prior_precisions")
         chunk = None if chunk_size is None else positive_int(chunk_size, "chunk_size")
+        marginal = flag(marginal, "marginal")
         flat, batch = self._layout.check(pack_inputs(self.engine.net, x, "x"), "x", batched=True)
         for value in candidates:
             self.dual_statistics.check_prior_precision(value)
@@ -95,12 +104,21 @@ class PriorPrecisionTuning:
         with model_lock(self):
             x = self.engine.prepare(flat, "x")
             features = inducing_feature_set(self)
-            terms = [PredictiveTerms(self.engine, self.inducing_points, self.output_coupling, self.num_outputs,
-                                     posterior_state_at(self, value), self.prior_mean, self.predictive_mean,
-                                     lambda: z_jacobian(self), features) for value in candidates]
+
+            def terms(k: int) -> PredictiveTerms:
+                return PredictiveTerms(self.engine, self.inducing_points, self.output_coupling, self.num_outputs,
+                                       posterior_state_at(self, candidates[k]), self.prior_mean,
+                                       self.predictive_mean, lambda: z_jacobian(self), features)
+
             dtype = model_dtype(self.inducing_points, self.covar_module.raw_prior_precision)
+            count = candidates.shape[0]
             with Progress(x.shape[0], "SFR prediction grid", self.progress, unit="point") as bar:
-                return predictive_distributions(terms, x, batch, chunk, dtype, bar.update)
+                if marginal:
+                    systems, size = self._zz_grams.shape[-3:-1]
+                    keep = count * 2 * systems * size**2 * 8 <= memory.SFR_GRID_BYTES
+                    return marginal_distributions(terms, count, x, batch, chunk, dtype, keep, bar.update)
+                return predictive_distributions([terms(k) for k in range(count)], x, batch, chunk, dtype,
+                                                bar.update)
 
     def optimize_prior_precision(
         self,
@@ -133,8 +151,9 @@ class PriorPrecisionTuning:
             x_val, y_val: validation inputs and targets, or an iterable of ``(x, y)`` batches with ``y_val=None``.
             metric: ``"nll"`` (mean negative log predictive density; regression: of
                 :math:`N(\mu, \sigma^2_f + \sigma^2)`), ``"ece"``, ``"brier"`` (classification), or a callable
-                ``metric(predictive, y) -> float`` of the likelihood's predictive (``model.likelihood(f_dist)``),
-                averaged over the batches by their size; lower is better.
+                ``metric(predictive, y) -> float`` of the likelihood's predictive (``model.likelihood(f_dist)``,
+                ``f_dist`` the per-point marginals: :meth:`predictive_grid` with ``marginal=True``), averaged over
+                the batches by their size; lower is better.
             chunk_size: test points per chunk (``method="validation"``).
             progress: show a tqdm bar (``method="evidence"``).
 
@@ -179,7 +198,7 @@ class PriorPrecisionTuning:
         self.eval()
         try:
             with torch.no_grad():
-                per_batch = [(self.predictive_grid(x, candidates, chunk_size), y) for x, y in batches]
+                per_batch = [(self.predictive_grid(x, candidates, chunk_size, marginal=True), y) for x, y in batches]
         finally:
             self.train(was_training)
         total = sum(y.shape[0] for _, y in per_batch)
