@@ -106,7 +106,7 @@ class Stages:
 
     def __init__(self, args, trained: dict, store: _common.Store):
         self.args, self.trained, self.store, self._data, self._net, self._built = args, trained, store, None, None, {}
-        self._source = None  # (M, SFR, record): the build at the largest M, which the smaller M are derived from
+        self._models = None  # {M: (SFR, record)}: the build at the largest M and the models derived from it
 
     def _load(self):
         if self._data is None:
@@ -148,16 +148,21 @@ class Stages:
 
     def sfr(self, net, d: dict, m: int, delta: float):
         """SFR at M = ``m``: one resumable build at the largest M asked for (its checkpoint named as a build at that M
-        alone), kept while the smaller M are derived from it (``stages.derive_sfr``: ``Z`` nests, the first M of one
-        seeded permutation; no pass over the data)."""
-        largest = max(self.args.inducing)
-        if self._source is None:
+        alone), the smaller M derived from it at once (``stages.derive_sfr``: ``Z`` nests, the first M of one seeded
+        permutation; no pass over the data). Each model is handed out once (all its δ modes are evaluated together)
+        and M is asked for in descending order, so that the larger models (and the build's inducing features) are
+        released before a smaller one computes its own."""
+        if self._models is None:
+            largest = max(self.args.inducing)
             checkpoint = Path(self.args.out) / "checkpoints" / f"{self.key('sfr', largest, None)}.pt"
             checkpoint.parent.mkdir(exist_ok=True)
-            self._source = (largest, *stages.build_sfr(net, d, largest, delta, self.trained["seed"], self.args,
-                                                       checkpoint))
-        _, source, info = self._source
-        return (source, info) if m == largest else stages.derive_sfr(source, m, info, delta)
+            source, info = stages.build_sfr(net, d, largest, delta, self.trained["seed"], self.args, checkpoint)
+            self._models = {k: stages.derive_sfr(source, k, info, delta) for k in self.args.inducing if k < largest}
+            self._models[largest] = (source, info)
+            del source
+        for larger in [k for k in self._models if k > m]:  # done with (descending order)
+            del self._models[larger]
+        return self._models.pop(m)
 
 
 def results_rows(net_scores: dict | None, runs: dict) -> list[dict]:
@@ -264,8 +269,8 @@ def main() -> None:
     if trained is not None and not args.train_only:
         stage = Stages(args, trained, store)
         net_scores = stage.network() if "map" in args.methods else None
-        todo = ([("glm", None)] if "glm" in args.methods else []) + [("sfr", m) for m in args.inducing
-                                                                      if "sfr" in args.methods]
+        todo = ([("glm", None)] if "glm" in args.methods else []) + [  # the largest M first (Stages.sfr)
+            ("sfr", m) for m in sorted(args.inducing, reverse=True) if "sfr" in args.methods]
         for method, m in todo:
             for mode in args.modes:
                 r = stage.method(method, m, mode)
