@@ -19,12 +19,14 @@ r"""SFR: a trained network as a sparse function-space GP (Scannell et al.), as a
 * :mod:`.updates` — ``update``: the new data's statistics, summed aside; :mod:`.iterated` — with
   ``iterate=True``, new classification sites at the mode (damped Newton).
 * :mod:`.subset` — ``select_inducing``: the model on a subset of its inducing inputs, from sub-blocks of the
-  statistics (no pass over the data).
+  statistics (no pass over the data); :mod:`.nested` — ``nested_marginals``: models on nested inducing inputs
+  predicted from one pass.
 """
 
 from .covariance import SparsePosteriorCovariance
 from .inducing_points import greedy_variance, uniform_subset
 from .model import SFR
+from .nested import nested_marginals
 from .options import SFRInducingOptions, SFRMemoryOptions
 from .statistics import DualStatistics
 from .system_grams import system_grams
@@ -41,6 +43,7 @@ __all__ = [
     "Whitening",
     "greedy_variance",
     "inducing_factors",
+    "nested_marginals",
     "system_grams",
     "uniform_subset",
     "whitened_factors",

@@ -18,7 +18,7 @@ from torch import Tensor
 from ...ntk.inputs import to as to_network
 from ...progress import Progress
 from .covariance import SparsePosteriorCovariance, per_batch_factors
-from .prediction_terms import PredictiveTerms
+from .prediction_terms import PredictiveTerms, SharedPieces
 
 __all__ = ["marginal_distributions", "predictive_distribution", "predictive_distributions"]
 
@@ -92,25 +92,29 @@ def _assembled(terms: PredictiveTerms, parts: list, x: Tensor, batch: torch.Size
 
 
 def marginal_distributions(
-    make_terms: Callable[[int], PredictiveTerms], count: int, x: Tensor, batch: torch.Size, chunk: int,
-    dtype: torch.dtype, keep_states: bool, progress: Callable[[int], None] | None = None,
+    makers: Sequence[Callable[[], PredictiveTerms]], x: Tensor, batch: torch.Size, chunk: int, dtype: torch.dtype,
+    keep_states: bool, progress: Callable[[int], None] | None = None,
+    views: Sequence[Callable[[SharedPieces], SharedPieces]] | None = None,
 ) -> list[MultivariateNormal]:
-    r"""The per-point marginals of the posteriors over :math:`f(x)` at ``count`` model states, in one pass over
-    ``x``: each chunk's :math:`\delta`-free pieces computed once and weighted by every state, as
-    :func:`predictive_distributions`, but only each point's mean and ``C×C`` block are kept, so that no state's
-    factorization lives beyond the pass. ``make_terms(k)``: the terms of state ``k`` (its factorization formed
-    then); ``keep_states``: keep them from chunk to chunk (else formed once per chunk, one at a time: memory of one
-    factorization). Returns distributions whose covariance is block-diagonal over the points (``C×C`` blocks;
-    diagonal for ``C = 1``): the marginals, without the covariances between points."""
+    r"""The per-point marginals of the posteriors over :math:`f(x)` at several model states, in one pass over ``x``:
+    each chunk's :math:`\delta`-free pieces computed once (by the first state's terms) and weighted by every state,
+    as :func:`predictive_distributions`, but only each point's mean and ``C×C`` block are kept, so that no state's
+    factorization lives beyond the pass. ``makers[k]()``: the terms of state ``k`` (its factorization formed then);
+    ``keep_states``: keep them from chunk to chunk (else formed once per chunk, one at a time: the memory of one
+    factorization); ``views[k]``: the part of the pieces that state ``k`` reads (the leading inducing inputs of a
+    nested model: :func:`~ntkgp.models.sfr.nested.nested_marginals`; default all). Returns distributions whose
+    covariance is block-diagonal over the points (``C×C`` blocks; diagonal for ``C = 1``): the marginals, without
+    the covariances between points."""
+    count = len(makers)
     means, blocks = [[] for _ in range(count)], [[] for _ in range(count)]
     kept: dict[int, PredictiveTerms] = {}
     for start in range(0, x.shape[0], chunk):
         rows, shared = x[start : start + chunk], None
         for k in range(count):
-            terms = kept.get(k) or make_terms(k)
-            if shared is None and count > 1 and not terms.with_graph(rows):
+            terms = kept.get(k) or makers[k]()
+            if shared is None and (count > 1 or views is not None) and not terms.with_graph(rows):
                 shared = terms.pieces(rows)
-            part = terms.chunk(rows, shared)
+            part = terms.chunk(rows, shared if views is None or shared is None else views[k](shared))
             means[k].append(part.mean)
             blocks[k].append(part.blocks)
             if keep_states:

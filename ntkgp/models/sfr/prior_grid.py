@@ -116,7 +116,8 @@ class PriorPrecisionTuning:
                 if marginal:
                     systems, size = self._zz_grams.shape[-3:-1]
                     keep = count * 2 * systems * size**2 * 8 <= memory.SFR_GRID_BYTES
-                    return marginal_distributions(terms, count, x, batch, chunk, dtype, keep, bar.update)
+                    makers = [lambda k=k: terms(k) for k in range(count)]
+                    return marginal_distributions(makers, x, batch, chunk, dtype, keep, bar.update)
                 return predictive_distributions([terms(k) for k in range(count)], x, batch, chunk, dtype,
                                                 bar.update)
 
