@@ -500,6 +500,38 @@ def test_sfr_images_derives_a_smaller_m_equal_to_its_own_build():
     assert "derived from the M = 12 build" in record["build_note"]
 
 
+def test_sfr_stages_of_nested_models_in_one_pass_equal_each_model_alone():
+    """``_sfr_stages.sfr_stages`` evaluates every M from one pass per image set (``nested_marginals``): the scores and
+    the validation table of the derived M = 5 equal those of the same model evaluated alone (its own cross-Grams),
+    and a model with nothing missing is not scored."""
+    from types import SimpleNamespace
+
+    sfr_stages = _load("_sfr_stages")
+    torch.manual_seed(0)
+    x, y = torch.randn(60, 5, dtype=torch.float64), torch.randint(0, 10, (60,))
+    xt, yt, xo = torch.randn(9, 5, dtype=torch.float64), torch.randint(0, 10, (9,)), torch.randn(6, 5, dtype=torch.float64)
+    net = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 10)).double().eval()
+    args = SimpleNamespace(build_shards=2, chunk_size=4, evidence_exponents=[-1.0, 0.0, 1.0], evidence_steps=2,
+                           tune_exponents=[-1.0, 0.0, 1.0],
+                           sfr_configuration={"prior_mean": "zero", "output_coupling": "independent"})
+    big, info = sfr_stages.build_sfr(net, {"train": (x, y)}, 12, 2.0, 0, args)
+    small, _ = sfr_stages.derive_sfr(big, 5, info, 2.0)
+    data = {"tune": (xt[:5], yt[:5]), "test": (xt, yt), "ood": xo}
+    modes = ["train", "evidence", "validation"]
+    both = sfr_stages.sfr_stages({12: big, 5: small}, net, data, {12: [], 5: modes}, 2.0, args)
+    alone = sfr_stages.sfr_stages({5: small}, net, data, {5: modes}, 2.0, args)
+    assert set(both) == {5}
+    for mode in modes:
+        for which in ("gp", "nn"):
+            a, b = both[5][mode][which], alone[5][mode][which]
+            assert a["delta"] == b["delta"]
+            for metric in ("nll", "accuracy", "ece", "ood_auroc"):
+                # float32 probabilities of the same float64 predictive, cross-Grams formed at M = 12 or 5: ulps
+                assert abs(a[metric] - b[metric]) < 1e-5, (mode, which, metric)
+    for (d1, g1, n1), (d2, g2, n2) in zip(both[5]["validation"]["tuning"], alone[5]["validation"]["tuning"]):
+        assert d1 == d2 and abs(g1 - g2) < 1e-5 and abs(n1 - n2) < 1e-5
+
+
 @pytest.mark.slow
 def test_sfr_images_quick_with_two_m_builds_once(tiny, tmp_path):
     """``--inducing 8 16``: one build (at M = 16, its checkpoint named as a build at 16 alone), M = 8 derived from it."""

@@ -21,6 +21,7 @@ import _images
 import ntkgp
 from ntkgp.metrics import expected_calibration_error, ood_auroc, predictive_entropy
 from ntkgp.models import SFRMemoryOptions
+from ntkgp.models.sfr import nested_marginals
 
 #: δ modes: the training δ, the evidence's, the validation NLPD's (the paper's "δ tuned")
 MODES = ("train", "evidence", "validation")
@@ -58,17 +59,29 @@ def network_stage(net, data: dict) -> dict:
 # ------------------------------------------------------------------------------------------------------- SFR
 def sfr_probs_at(sfr, net, x: Tensor, deltas: list[float], chunk: int) -> list[tuple[Tensor, Tensor]]:
     """Class probabilities (probit) of SFR (the GP mean) and SFR-NN (the network's output as the mean, SFR's
-    covariance) at each δ of ``deltas``, from one pass over ``x`` (``SFR.predictive_grid``: the cross-covariances
-    computed once, weighted by each 1/δ, in the model's own prediction chunks: long ones where inducing inputs are
-    recomputed in windows; only each image's marginal, so that no δ's factorization outlives the pass); the
-    covariance is the same for both means (docs/sfr.md). ``chunk``: images per chunk of the network's outputs."""
+    covariance) at each δ of ``deltas``, from one pass over ``x`` (:func:`nested_probs_at` of one model)."""
+    return nested_probs_at([sfr], net, x, [deltas], chunk)[0]
+
+
+def nested_probs_at(models: list, net, x: Tensor, deltas: list[list[float]], chunk: int
+                    ) -> list[list[tuple[Tensor, Tensor]]]:
+    """Per model, the class probabilities (probit) of SFR (the GP mean) and SFR-NN (the network's output as the mean,
+    SFR's covariance) at each of its δ, from one pass over ``x`` for all of them (``nested_marginals``: the
+    cross-covariances at the largest M computed once, each model reading its inducing inputs' rows, weighted by
+    each 1/δ; in the largest model's own prediction chunks, long ones where inducing inputs are recomputed in
+    windows; only each image's marginal, so that no δ's factorization outlives the pass); the covariance is the
+    same for both means (docs/sfr.md). ``chunk``: images per chunk of the network's outputs."""
     with torch.no_grad():
         outputs = _images.in_chunks(net, x, chunk)
         out = []
-        for dist in sfr.predictive_grid(x, deltas, marginal=True):
-            gp = sfr.likelihood(dist).probs
-            nn_ = sfr.likelihood(MultitaskMultivariateNormal(outputs.to(dist.mean.dtype), dist.lazy_covariance_matrix)).probs
-            out.append((gp, nn_))
+        for dists in nested_marginals(models, x, deltas):
+            probs = []
+            for dist in dists:
+                gp = models[0].likelihood(dist).probs
+                nn_ = models[0].likelihood(MultitaskMultivariateNormal(outputs.to(dist.mean.dtype),
+                                                                       dist.lazy_covariance_matrix)).probs
+                probs.append((gp, nn_))
+            out.append(probs)
         return out
 
 
@@ -76,40 +89,63 @@ def _grid(delta: float, exponents) -> list[float]:
     return [delta * 10 ** e for e in exponents]
 
 
-def sfr_stages(sfr, net, data: dict, modes, delta_train: float, args) -> dict[str, dict]:
-    """The δ modes ``modes`` of a built SFR: each mode's δ (the training δ; the evidence's by a grid and Adam steps;
-    the validation NLPD's on the tuning images, every grid value from one prediction pass), then test and OOD
-    scores of SFR and SFR-NN at every δ found, from one prediction pass over the test and OOD images."""
-    results, deltas = {}, {}
-    for mode in modes:
-        start, out = time.perf_counter(), {"mode": mode}
-        if mode == "train":
-            deltas[mode] = {"gp": delta_train, "nn": delta_train}
-        elif mode == "evidence":
-            d = _common.evidence_delta(sfr, _grid(delta_train, args.evidence_exponents), args.evidence_steps)
-            deltas[mode] = {"gp": d, "nn": d}
-        else:
-            grid = _grid(delta_train, args.tune_exponents)
-            xv, yv = data["tune"]
-            table = [(d, nlpd(gp, yv), nlpd(nn_, yv)) for d, (gp, nn_) in zip(grid, sfr_probs_at(sfr, net, xv, grid,
-                                                                                                   args.chunk_size))]
-            out["tuning"] = table
-            deltas[mode] = {"gp": min(table, key=lambda r: r[1])[0], "nn": min(table, key=lambda r: r[2])[0]}
-        _common.set_delta(sfr, delta_train)
-        out["tune_seconds"] = time.perf_counter() - start
-        results[mode] = out
-    needed = sorted({d for mode in modes for d in deltas[mode].values()})
+def sfr_stages(models: dict, net, data: dict, modes: dict, delta_train: float, args) -> dict[int, dict[str, dict]]:
+    """The δ modes ``modes[m]`` of each built SFR ``models[m]`` (nested inducing inputs: ``Z[:m]`` of the largest,
+    ``derive_sfr``): each mode's δ (the training δ; the evidence's by a grid and Adam steps; the validation NLPD's on
+    the tuning images, every model's grid from one prediction pass), then test and OOD scores of SFR and SFR-NN at
+    every δ found, from one prediction pass over the test and one over the OOD images for all models."""
+    ms = [m for m in models if modes.get(m)]
+    if not ms:
+        return {}
+    results, deltas = {m: {} for m in ms}, {m: {} for m in ms}
+    largest = max(models)
+
+    def probs(x: Tensor, wanted: dict[int, list[float]]) -> dict[int, list[tuple[Tensor, Tensor]]]:
+        """Each wanted model's probabilities at its δ from one pass, always at the largest M (whose features are
+        held: a smaller model never computes its own)."""
+        ks = ([] if largest in wanted else [largest]) + list(wanted)
+        found = nested_probs_at([models[k] for k in ks], net, x, [wanted.get(k, [delta_train]) for k in ks],
+                                args.chunk_size)
+        return {k: p for k, p in zip(ks, found) if k in wanted}
+
+    tuning = {m: "validation" in modes[m] for m in ms}
+    for m in ms:
+        for mode in modes[m]:
+            if mode == "train":
+                deltas[m][mode] = {"gp": delta_train, "nn": delta_train}
+            elif mode == "evidence":
+                t0 = time.perf_counter()
+                d = _common.evidence_delta(models[m], _grid(delta_train, args.evidence_exponents), args.evidence_steps)
+                _common.set_delta(models[m], delta_train)
+                deltas[m][mode] = {"gp": d, "nn": d}
+                results[m][mode] = {"mode": mode, "tune_seconds": time.perf_counter() - t0}
+    grid = _grid(delta_train, args.tune_exponents)
+    if any(tuning.values()):
+        t0 = time.perf_counter()
+        xv, yv = data["tune"]
+        tuned = [m for m in ms if tuning[m]]
+        for m, found in probs(xv, {m: grid for m in tuned}).items():
+            table = [(d, nlpd(gp, yv), nlpd(nn_, yv)) for d, (gp, nn_) in zip(grid, found)]
+            deltas[m]["validation"] = {"gp": min(table, key=lambda r: r[1])[0], "nn": min(table, key=lambda r: r[2])[0]}
+            results[m]["validation"] = {"mode": "validation", "tuning": table, "tune_seconds": time.perf_counter() - t0,
+                                        "tuning_models_in_pass": len(tuned)}
+    for m in ms:
+        for mode in modes[m]:
+            results[m].setdefault(mode, {"mode": mode, "tune_seconds": 0.0})
+    needed = {m: sorted({d for mode in modes[m] for d in deltas[m][mode].values()}) for m in ms}
     t0 = time.perf_counter()
-    test = dict(zip(needed, sfr_probs_at(sfr, net, data["test"][0], needed, args.chunk_size)))
-    ood = dict(zip(needed, sfr_probs_at(sfr, net, data["ood"], needed, args.chunk_size)))
+    test, ood = probs(data["test"][0], needed), probs(data["ood"], needed)
     seconds = time.perf_counter() - t0
-    for mode in modes:
-        for which, k in (("gp", 0), ("nn", 1)):
-            d = deltas[mode][which]
-            results[mode][which] = {**scores(test[d][k], data["test"][1], ood[d][k]), "delta": d,
-                                    "predict_seconds": seconds, "deltas_in_pass": len(needed),
-                                    "images_predicted": len(data["test"][0]) + len(data["ood"])}
-        results[mode]["peak_memory_mb"] = peak_memory_mb()
+    for m in ms:
+        by_delta = {d: (t, o) for d, t, o in zip(needed[m], test[m], ood[m])}
+        for mode in modes[m]:
+            for which, i in (("gp", 0), ("nn", 1)):
+                d = deltas[m][mode][which]
+                results[m][mode][which] = {**scores(by_delta[d][0][i], data["test"][1], by_delta[d][1][i]), "delta": d,
+                                           "predict_seconds": seconds, "deltas_in_pass": len(needed[m]),
+                                           "models_in_pass": len(ms),
+                                           "images_predicted": len(data["test"][0]) + len(data["ood"])}
+            results[m][mode]["peak_memory_mb"] = peak_memory_mb()
     return results
 
 

@@ -23,7 +23,9 @@ The protocol is the one of the paper's public experiments (``experiments/sl`` of
   the first M of one seeded permutation of the training images, so the smaller M's inducing images are its first
   ones and their SFR is ``SFR.select_inducing(M)`` of that build (sub-blocks of its statistics: the same model as a
   build at that M, no pass over the data; their records give the shared build's time and ``derived_from_m``);
-  every δ mode's predictions come from one pass (``SFR.predictive_grid``);
+  every M's and δ mode's predictions come from one pass over each image set at the largest M
+  (``ntkgp.models.sfr.nested_marginals``: each smaller model reads its inducing images' rows of the cross-Grams;
+  each image's marginal, which is all the metrics use);
 * the KFAC Laplace GLM: ``ntkgp.laplace.laplace_posterior(structure="kfac")``, one δ, the probit GLM predictive;
 * δ tuned: by the evidence (SFR's sparse bound, the GLM's KFAC Laplace evidence: the best of δ_train ·
   10^{-3, -2.5, …, 3}, then Adam on log δ), and by the validation NLPD on the validation half, the best of
@@ -106,7 +108,6 @@ class Stages:
 
     def __init__(self, args, trained: dict, store: _common.Store):
         self.args, self.trained, self.store, self._data, self._net, self._built = args, trained, store, None, None, {}
-        self._models = None  # {M: (SFR, record)}: the build at the largest M and the models derived from it
 
     def _load(self):
         if self._data is None:
@@ -131,38 +132,37 @@ class Stages:
         def run():
             d, net = self._load()
             delta = self.trained["delta_train"]
-            if (method, m) not in self._built:  # one build per process for every δ mode
-                self._built.clear()  # one model in memory at a time
+            if (method, m) not in self._built:  # one build per process for every δ mode (and every M of SFR)
+                self._built.clear()  # one built approximation in memory at a time
                 if method == "glm":
                     posterior, curvature, lik, info = stages.build_glm(net, d, delta, self.args)
                     self._built[(method, m)] = (lambda mode_: stages.glm_stage(posterior, curvature, lik, d, mode_,
                                                                                delta, self.args), info)
-                else:  # every δ mode still missing at once: one prediction pass over the test and OOD images
-                    sfr, info = self.sfr(net, d, m, delta)
-                    missing = [mo for mo in self.args.modes if self.store.load(self.key(method, m, mo)) is None]
-                    results = stages.sfr_stages(sfr, net, d, missing, delta, self.args)
-                    self._built[(method, m)] = (results.__getitem__, info)
+                else:  # every M and δ mode still missing at once: one prediction pass over each image set
+                    models = self.sfr_models(net, d, delta)
+                    missing = {k: [mo for mo in self.args.modes if self.store.load(self.key(method, k, mo)) is None]
+                               for k in models}
+                    results = stages.sfr_stages({k: sfr for k, (sfr, _) in models.items()}, net, d, missing, delta,
+                                                self.args)
+                    self._built.update({(method, k): (results[k].__getitem__, info) for k, (_, info) in models.items()
+                                        if missing[k]})
+                    del models
             evaluate, info = self._built[(method, m)]
             return {**evaluate(mode), **info, "m": m, "device": self.args.device, "chunk_size": self.args.chunk_size}
         return self.store.run(self.key(method, m, mode), run, enabled=not self.args.table_only)
 
-    def sfr(self, net, d: dict, m: int, delta: float):
-        """SFR at M = ``m``: one resumable build at the largest M asked for (its checkpoint named as a build at that M
-        alone), the smaller M derived from it at once (``stages.derive_sfr``: ``Z`` nests, the first M of one seeded
-        permutation; no pass over the data). Each model is handed out once (all its δ modes are evaluated together)
-        and M is asked for in descending order, so that the larger models (and the build's inducing features) are
-        released before a smaller one computes its own."""
-        if self._models is None:
-            largest = max(self.args.inducing)
-            checkpoint = Path(self.args.out) / "checkpoints" / f"{self.key('sfr', largest, None)}.pt"
-            checkpoint.parent.mkdir(exist_ok=True)
-            source, info = stages.build_sfr(net, d, largest, delta, self.trained["seed"], self.args, checkpoint)
-            self._models = {k: stages.derive_sfr(source, k, info, delta) for k in self.args.inducing if k < largest}
-            self._models[largest] = (source, info)
-            del source
-        for larger in [k for k in self._models if k > m]:  # done with (descending order)
-            del self._models[larger]
-        return self._models.pop(m)
+    def sfr_models(self, net, d: dict, delta: float) -> dict:
+        """``{M: (SFR, record)}``: one resumable build at the largest M asked for (its checkpoint named as a build at
+        that M alone) and the smaller M derived from it (``stages.derive_sfr``: ``Z`` nests, the first M of one seeded
+        permutation; no pass over the data), evaluated together (``stages.sfr_stages``: one prediction pass per image
+        set at the largest M, each smaller model reading its rows; a derived model's own inducing features are never
+        computed)."""
+        largest = max(self.args.inducing)
+        checkpoint = Path(self.args.out) / "checkpoints" / f"{self.key('sfr', largest, None)}.pt"
+        checkpoint.parent.mkdir(exist_ok=True)
+        source, info = stages.build_sfr(net, d, largest, delta, self.trained["seed"], self.args, checkpoint)
+        models = {k: stages.derive_sfr(source, k, info, delta) for k in self.args.inducing if k < largest}
+        return {largest: (source, info), **models}
 
 
 def results_rows(net_scores: dict | None, runs: dict) -> list[dict]:
@@ -269,8 +269,8 @@ def main() -> None:
     if trained is not None and not args.train_only:
         stage = Stages(args, trained, store)
         net_scores = stage.network() if "map" in args.methods else None
-        todo = ([("glm", None)] if "glm" in args.methods else []) + [  # the largest M first (Stages.sfr)
-            ("sfr", m) for m in sorted(args.inducing, reverse=True) if "sfr" in args.methods]
+        todo = ([("glm", None)] if "glm" in args.methods else []) + [("sfr", m) for m in args.inducing
+                                                                      if "sfr" in args.methods]
         for method, m in todo:
             for mode in args.modes:
                 r = stage.method(method, m, mode)
