@@ -273,12 +273,17 @@ def test_sfr_images_quick_runs_every_stage_resumes_and_rebuilds_the_table(tiny, 
                 "| SFR-NN, M = 16 | tuned: validation NLPD"):
         assert row in first
     files = {f.name.split("_ood64")[0].split("_seed0")[0]: json.loads(f.read_text()) for f in tmp_path.glob("*.json")}
-    assert set(files) == {"train", "map", "glm_train", "glm_evidence", "glm_validation", "sfr_M16_public_train",
-                          "sfr_M16_public_evidence", "sfr_M16_public_validation"}
+    assert set(files) == {"train", "map", "glm_train", "glm_evidence", "glm_validation", "glm_width",
+                          "sfr_M16_public_train", "sfr_M16_public_evidence", "sfr_M16_public_validation"}
+    # the GLM's width sweep: δ_train / N, then δ_train · 1e-3, 1e-2, 1e-1, each scored on test and OOD
+    sweep, delta = files["glm_width"]["sweep"], files["train"]["delta_train"]
+    expected = [delta / files["train"]["n_train"], delta * 1e-3, delta * 1e-2, delta * 1e-1]
+    assert [w["delta"] for w in sweep] == pytest.approx(expected, rel=1e-12)
+    assert all(0 <= w["ood_auroc"] <= 1 and w["nll"] > 0 for w in sweep)
     assert files["train"]["done"] and files["train"]["training_runs"] == 1 and files["train"]["epochs_run"] == 2
     assert (tmp_path / (files["train"]["key"] + ".weights.pt")).is_file()
     for name, r in files.items():
-        for which in ("gp", "nn") if name.startswith("sfr") else ("gp",) if name.startswith("glm") else ():
+        for which in ("gp", "nn") if name.startswith("sfr") else ("gp",) if name.startswith("glm_") and name != "glm_width" else ():
             assert 0 <= r[which]["ood_auroc"] <= 1 and r[which]["nll"] > 0 and r[which]["ece"] >= 0
             assert r[which]["delta"] > 0
     grid = [row[0] for row in files["sfr_M16_public_validation"]["tuning"]]

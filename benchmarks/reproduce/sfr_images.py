@@ -136,8 +136,10 @@ class Stages:
                 self._built.clear()  # one built approximation in memory at a time
                 if method == "glm":
                     posterior, curvature, lik, info = stages.build_glm(net, d, delta, self.args)
-                    self._built[(method, m)] = (lambda mode_: stages.glm_stage(posterior, curvature, lik, d, mode_,
-                                                                               delta, self.args), info)
+                    self._built[(method, m)] = (lambda mode_: stages.glm_width(posterior, d, delta, self.args)
+                                                if mode_ == "width" else
+                                                stages.glm_stage(posterior, curvature, lik, d, mode_, delta, self.args),
+                                                info)
                 else:  # every M and δ mode still missing at once: one prediction pass over each image set
                     models = self.sfr_models(net, d, delta)
                     missing = {k: [mo for mo in self.args.modes if self.store.load(self.key(method, k, mo)) is None]
@@ -272,7 +274,7 @@ def main() -> None:
         todo = ([("glm", None)] if "glm" in args.methods else []) + [("sfr", m) for m in args.inducing
                                                                       if "sfr" in args.methods]
         for method, m in todo:
-            for mode in args.modes:
+            for mode in list(args.modes) + (["width"] if method == "glm" else []):  # the GLM's width sweep
                 r = stage.method(method, m, mode)
                 if r is not None:
                     runs[(method, m, mode)] = r
@@ -286,7 +288,9 @@ def publish(args, trained, net_scores, runs, unfinished=None) -> None:
     markdown += "\n\n" + _common.table(["stage", "size", "time", "peak memory (process)"],
                                         figures(trained, runs, unfinished))
     stopped = "not finished" if trained is None else f"{trained['epochs_run']} (best {trained['best_epoch']})"
-    lines = [f"- {row}, {metric}: {v}." + measured(row, metric, net_scores) for row, metric, v in misses]
+    width = runs.get(("glm", None, "width"))
+    lines = [f"- {row}, {metric}: {v}." + measured(row, metric, net_scores) + glm_width_note(row, width)
+             for row, metric, v in misses]
     note = _images.run_note(args, PROTOCOL_EPOCHS, (
         f"One seed. Epochs run (best checkpoint): {stopped}. SFR configuration: {args.configuration}; test = half "
         "of the test images, validation = the other half; NLPD per image, probit class probabilities. Verdict: "
@@ -305,6 +309,17 @@ def measured(row: str, metric: str, net_scores: dict | None) -> str:
     if net_scores is None or paper is None or row.startswith("NN MAP"):
         return ""
     return f" The trained network itself: {net_scores[name]:.3f} (paper {paper[0]} ± {paper[1]})."
+
+
+def glm_width_note(row: str, width: dict | None) -> str:
+    """For a GLM cell: the GLM's scores at smaller δ (``stages.glm_width``), the published GLM row beside them."""
+    if width is None or not row.startswith("Laplace GLM"):
+        return ""
+    paper = {k: table.PUBLISHED[("glm", None, "train")].get(k) for k in ("nll", "accuracy", "ood_auroc")}
+    cells = "; ".join(f"δ = {w['delta']:.3g}{' (δ_train / N)' if w['factor'] == '1/N' else ''}: NLPD {w['nll']:.2f}, "
+                      f"accuracy {w['accuracy']:.2f} %, OOD AUROC {w['ood_auroc']:.2f}" for w in width["sweep"])
+    published = ", ".join(f"{table.METRICS[k][0]} {v[0]}" for k, v in paper.items() if v)
+    return f" The GLM at smaller δ (wider predictives): {cells} (the published GLM row: {published})."
 
 
 if __name__ == "__main__":
