@@ -11,7 +11,9 @@ The features of the second argument ``x2`` are computed once (its contracted col
 inducing inputs, computed once per model) nothing of ``x1`` is recomputed: ``x2`` is passed through the network
 one chunk at a time (one forward and ``C`` backward passes per chunk, its columns never kept) and each chunk is
 contracted against all of ``f1``; with ``sym`` the Gram of ``f1`` with itself. Chunks of ``f1`` beyond its memory
-budget (not kept) are recomputed once per chunk of ``x2``, one at a time. Features ``f1`` in a finer dtype than the
+budget (not kept) are recomputed once per chunk of ``x2``, one at a time, or, where ``f1`` has a window
+(``FeatureSet.window``) and ``x2`` several chunks, in windows: each window once per call, ``x2`` passed again for it
+(:mod:`ntkgp.ntk.feature_windows`; with ``sym``, the windows in turn). Features ``f1`` in a finer dtype than the
 network's (SFR's float64 features of ``Z`` for a float32 network) give the Grams and the blocks or diagonals of
 ``x2`` in that dtype: each chunk of ``x2`` is passed in the network's dtype, then its features are promoted
 (:meth:`~ntkgp.ntk.held_features.ChunkFeatures.promote_`) and contracted in ``f1``'s, so that the products carry
