@@ -261,3 +261,43 @@ def sfr_float32_variance():
     if error > 1e-3 and not warned:
         raise SilentWrong(f"float32 SFR variances {100 * error:.2g} % off the float64 copy's, no warning")
     return HELD, f"largest relative error {error:.1g}" + (" (warned)" if warned else "")
+
+
+@case("sfr-34", "sfr", "nested_marginals after the shared network's weights moved (statistics stale)")
+def sfr_nested_after_weights_moved():
+    from ntkgp.models.sfr import nested_marginals
+
+    net, x, y, x_test, lik = _setup()
+    big = ntkgp.SFR(net, x, y, lik, num_inducing=10)
+    small = big.select_inducing(4)
+    with torch.no_grad():
+        net[0].weight.add_(0.1)
+    return refusal(lambda: nested_marginals([big, small], x_test), (RuntimeError,))
+
+
+@case("sfr-35", "sfr", "nested_marginals of a model whose inducing points are not the largest's leading ones")
+def sfr_nested_not_nested():
+    from ntkgp.models.sfr import nested_marginals
+
+    net, x, y, x_test, lik = _setup()
+    big = ntkgp.SFR(net, x, y, lik, inducing_points=x[:10])
+    other = ntkgp.SFR(net, x, y, lik, inducing_points=x[5:9])
+    with untouched(net=net, likelihood=lik):
+        return refusal(lambda: nested_marginals([big, other], x_test), names=("models[1]",))
+
+
+@case("sfr-36", "sfr", "predictive_grid(marginal=True) after prior_precision set on the model: the grid's values rule")
+def sfr_marginal_grid_values():
+    net, x, y, x_test, lik = _setup()
+    model = ntkgp.SFR(net, x, y, lik, num_inducing=10).eval()
+    with torch.no_grad():
+        marginals = model.predictive_grid(x_test, [0.5, 2.0], marginal=True)
+        model.covar_module.prior_precision = 7.0  # the model's own δ does not enter the grid
+        again = model.predictive_grid(x_test, [0.5, 2.0], marginal=True)
+        for value, dist, other in zip([0.5, 2.0], marginals, again):
+            model.covar_module.prior_precision = value
+            reference = model(x_test)
+            close(dist.mean, reference.mean, 1e-10, what=f"mean at δ = {value}")
+            close(dist.variance, reference.variance, 1e-10, what=f"variance at δ = {value}")
+            close(other.variance, reference.variance, 1e-10, what=f"variance at δ = {value}, model's δ moved")
+    return HELD, "each value's marginals equal the model's predictive at that δ"
