@@ -289,8 +289,8 @@ def publish(args, trained, net_scores, runs, unfinished=None) -> None:
                                         figures(trained, runs, unfinished))
     stopped = "not finished" if trained is None else f"{trained['epochs_run']} (best {trained['best_epoch']})"
     width = runs.get(("glm", None, "width"))
-    lines = [f"- {row}, {metric}: {v}." + measured(row, metric, net_scores) + glm_width_note(row, width)
-             for row, metric, v in misses]
+    lines = [f"- {row}, {metric}: {v}." + measured(row, metric, net_scores)
+             + (" The GLM's width: below." if width and row.startswith("Laplace GLM") else "") for row, metric, v in misses]
     note = _images.run_note(args, PROTOCOL_EPOCHS, (
         f"One seed. Epochs run (best checkpoint): {stopped}. SFR configuration: {args.configuration}; test = half "
         "of the test images, validation = the other half; NLPD per image, probit class probabilities. Verdict: "
@@ -299,6 +299,8 @@ def publish(args, trained, net_scores, runs, unfinished=None) -> None:
         runs=[r for r in ([trained] if trained else []) + list(runs.values())])
     if lines:
         note += "\n\nCells that miss:\n\n" + "\n".join(lines)
+    if width:
+        note += "\n\n" + glm_width_note(width)
     _common.publish(args, REGION, markdown + note, "SFR on Fashion-MNIST")
 
 
@@ -311,15 +313,22 @@ def measured(row: str, metric: str, net_scores: dict | None) -> str:
     return f" The trained network itself: {net_scores[name]:.3f} (paper {paper[0]} ± {paper[1]})."
 
 
-def glm_width_note(row: str, width: dict | None) -> str:
-    """For a GLM cell: the GLM's scores at smaller δ (``stages.glm_width``), the published GLM row beside them."""
-    if width is None or not row.startswith("Laplace GLM"):
-        return ""
-    paper = {k: table.PUBLISHED[("glm", None, "train")].get(k) for k in ("nll", "accuracy", "ood_auroc")}
-    cells = "; ".join(f"δ = {w['delta']:.3g}{' (δ_train / N)' if w['factor'] == '1/N' else ''}: NLPD {w['nll']:.2f}, "
-                      f"accuracy {w['accuracy']:.2f} %, OOD AUROC {w['ood_auroc']:.2f}" for w in width["sweep"])
-    published = ", ".join(f"{table.METRICS[k][0]} {v[0]}" for k, v in paper.items() if v)
-    return f" The GLM at smaller δ (wider predictives): {cells} (the published GLM row: {published})."
+def glm_width_note(width: dict) -> str:
+    """The GLM's scores at smaller δ (``stages.glm_width``) as a table, and the sweep's value whose NLPD is nearest
+    the published GLM's (how wide the published GLM's predictive is, measured on this GLM)."""
+    paper = table.PUBLISHED[("glm", None, "train")]
+    rows = [[f"{w['delta']:.3g}" + (" (δ_train / N)" if w["factor"] == "1/N" else f" (δ_train · {w['factor']:g})"),
+             f"{w['nll']:.2f}", f"{w['accuracy']:.2f}", f"{w['ece']:.3f}", f"{w['ood_auroc']:.2f}",
+             f"{w['mean_entropy_test']:.2f} / {w['mean_entropy_ood']:.2f}"] for w in width["sweep"]]
+    rows.append(["published GLM (KFAC)", f"{paper['nll'][0]} ± {paper['nll'][1]}",
+                 f"{paper['accuracy'][0]} ± {paper['accuracy'][1]}", "—",
+                 f"{paper['ood_auroc'][0]} ± {paper['ood_auroc'][1]}", "—"])
+    near = min(width["sweep"], key=lambda w: abs(w["nll"] - paper["nll"][0]))
+    return ("The Laplace GLM (KFAC) at smaller δ, wider predictives (stage `glm_width`, test and OOD images):\n\n"
+            + _common.table(["δ", "NLPD", "accuracy %", "ECE", "OOD AUROC", "mean entropy test / OOD"], rows)
+            + f"\n\nThe published GLM's NLPD ({paper['nll'][0]}) is that of this GLM at δ = {near['delta']:.3g}, "
+            f"where its OOD AUROC is {near['ood_auroc']:.2f} (published {paper['ood_auroc'][0]}) and its accuracy "
+            f"{near['accuracy']:.2f} % (published {paper['accuracy'][0]} %).")
 
 
 if __name__ == "__main__":
