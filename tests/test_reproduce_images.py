@@ -279,7 +279,8 @@ def test_sfr_images_quick_runs_every_stage_resumes_and_rebuilds_the_table(tiny, 
     sweep, delta = files["glm_width"]["sweep"], files["train"]["delta_train"]
     expected = [delta / files["train"]["n_train"], delta * 1e-3, delta * 1e-2, delta * 1e-1]
     assert [w["delta"] for w in sweep] == pytest.approx(expected, rel=1e-12)
-    assert all(0 <= w["ood_auroc"] <= 1 and w["nll"] > 0 for w in sweep)
+    assert all(0 <= w[k]["ood_auroc"] <= 1 and w[k]["nll"] > 0 for w in sweep for k in ("mc",)) and all(
+        0 <= w["ood_auroc"] <= 1 and w["nll"] > 0 for w in sweep)  # probit, and 100 sampled logits
     assert files["train"]["done"] and files["train"]["training_runs"] == 1 and files["train"]["epochs_run"] == 2
     assert (tmp_path / (files["train"]["key"] + ".weights.pt")).is_file()
     for name, r in files.items():

@@ -222,22 +222,31 @@ WIDTH_FACTORS = ("1/N", 1e-3, 1e-2, 1e-1)
 
 def glm_width(posterior, data: dict, delta_train: float, args) -> dict:
     """The KFAC Laplace GLM's scores (NLPD, accuracy, ECE, OOD AUROC, mean entropies) at smaller δ — wider
-    predictives — than the training δ (``WIDTH_FACTORS``): how its test and OOD scores move with the predictive's
-    width, the measured reason for a published cell that a wider GLM meets."""
+    predictives — than the training δ (``WIDTH_FACTORS``), with the probit link and with sampled logits (``"mc"``):
+    how its test and OOD scores move with the predictive's width and link, the measured reason for a published cell
+    that such a GLM meets."""
     n = len(data["train"][1])
     out, t0 = [], time.perf_counter()
     for factor in WIDTH_FACTORS:
         delta = delta_train / n if factor == "1/N" else delta_train * factor
         posterior.prior_precision = delta
-        test, ood = (glm_probs(posterior, data[k] if k == "ood" else data[k][0], args.chunk_size) for k in ("test", "ood"))
-        out.append({"factor": factor, "delta": delta, **scores(test, data["test"][1], ood)})
+        found = {}
+        for link in ("probit", "mc"):
+            test, ood = (glm_probs(posterior, data[k] if k == "ood" else data[k][0], args.chunk_size, link)
+                         for k in ("test", "ood"))
+            found[link] = scores(test, data["test"][1], ood)
+        out.append({"factor": factor, "delta": delta, **found["probit"], "mc": found["mc"]})
     posterior.prior_precision = delta_train
     return {"mode": "width", "sweep": out, "predict_seconds": time.perf_counter() - t0, "peak_memory_mb": peak_memory_mb()}
 
 
-def glm_probs(posterior, x: Tensor, chunk: int) -> Tensor:
+def glm_probs(posterior, x: Tensor, chunk: int, link: str = "probit") -> Tensor:
+    """The GLM predictive's class probabilities by ``link``: ``"probit"``, or ``"mc"`` (the average softmax of 100
+    draws of the logits per image, as the public experiments' sampled predictive; seeded)."""
+    generator = torch.Generator(device=x.device).manual_seed(0)
     with torch.no_grad():
-        return torch.cat([ntkgp.laplace.predict(posterior, b, link="probit").probs for b in x.split(chunk)])
+        return torch.cat([ntkgp.laplace.predict(posterior, b, link=link, generator=generator).probs
+                          for b in x.split(chunk)])
 
 
 def glm_evidence_delta(curvature, likelihood, delta_train: float, exponents, steps: int) -> float:
