@@ -549,3 +549,16 @@ def test_sfr_images_quick_with_two_m_builds_once(tiny, tmp_path):
     assert small["derived_from_m"] == 16 and "derived_from_m" not in large
     assert small["build_seconds"] == large["build_seconds"]
     assert [p.name.split("_M")[1].split("_")[0] for p in (tmp_path / "checkpoints").glob("*.pt")] == ["16"]
+
+
+def test_sfr_build_bound_measures_and_projects():
+    """``sfr_build_bound``: the timed parts are positive and the projection is the stated sum (products per pair ×
+    M × N, passes 1 + ⌈(M − kept)/window⌉ over N images, M − kept inducing inputs per step)."""
+    bound = _load("sfr_build_bound")
+    r = bound.measure(width_scale=16, n=4, m=8, repeats=1)
+    assert r["pair_s"] > 0 and r["image_pass_s"] > 0 and r["inducing_pass_s"] > 0 and r["p_conv"] > 0
+    q = bound.project({"pair_s": 1e-6, "image_pass_s": 1e-2, "inducing_pass_s": 3e-2}, 100, 1000, 20, 30, 400)
+    assert q["products_s"] == pytest.approx(1e-6 * 100 * 1000)
+    assert q["passes_s"] == pytest.approx((1 + 3) * 1000 * 1e-2)  # ⌈80 / 30⌉ = 3 windows
+    assert q["recomputed_s"] == pytest.approx(80 * 3 * 3e-2)  # ⌈1000 / 400⌉ = 3 steps
+    assert q["total_s"] == pytest.approx(q["products_s"] + q["passes_s"] + q["recomputed_s"])
