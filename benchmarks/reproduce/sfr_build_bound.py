@@ -10,7 +10,7 @@ of a chunk of inducing inputs through the float64 copy. The projection for ``M``
 (``--project M N KEPT WINDOW STEP``) adds to the products' bound the windowed build's passes: ``1 + ⌈(M − kept) /
 window⌉`` passes over every image and ``M − kept`` recomputed inducing inputs per step of ``STEP`` images.
 
-    python benchmarks/reproduce/sfr_build_bound.py --threads 1 --project 3200 60000 384 384 5000
+    python benchmarks/reproduce/sfr_build_bound.py --threads 1 --n 64 --m 384 --project 3200 60000 384 384 5000
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--n", type=int, default=64, help="images per timed chunk")
-    p.add_argument("--m", type=int, default=256, help="inducing inputs in the timed product")
+    p.add_argument("--m", type=int, default=384, help="inducing inputs in the timed product (a window's width)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--width-scale", type=int, default=1, help="divide the CNN's widths (tests)")
     p.add_argument("--project", type=int, nargs=5, metavar=("M", "N", "KEPT", "WINDOW", "STEP"), action="append",
