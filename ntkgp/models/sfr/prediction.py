@@ -111,7 +111,7 @@ def marginal_distributions(
     for start in range(0, x.shape[0], chunk):
         rows, shared = x[start : start + chunk], None
         for k in range(count):
-            terms = kept.get(k) or makers[k]()
+            terms = kept[k] if k in kept else makers[k]()
             if shared is None and (count > 1 or views is not None) and not terms.with_graph(rows):
                 shared = terms.pieces(rows)
             part = terms.chunk(rows, shared if views is None or shared is None else views[k](shared))
