@@ -171,3 +171,28 @@ def test_sfr_construction_and_prediction_report_their_passes(said, announce_ever
     SFR(net, x, y, SoftmaxLikelihood(num_classes=3), num_inducing=12,
         memory=SFRMemoryOptions(batch_size=4, chunk_size=4, statistics="combined"))
     assert "ntkgp SFR K_ZZ: 12 of 12 points" in said()
+
+
+def test_sfr_statistics_report_the_window_passes_of_a_step(said, announce_every_pass, monkeypatch):
+    # inducing inputs beyond the feature budget, recomputed in windows: each step passes its points once per window
+    # (long passes at scale), and those passes report under the statistics' name; with every inducing input kept a
+    # step is one pass and only the steps report
+    import importlib
+
+    from tests.ntk.test_cnn_passes import small_fmnist_cnn
+
+    system_grams = importlib.import_module("ntkgp.models.sfr.system_grams")
+    net = small_fmnist_cnn()
+    x, y = torch.randn(14, 1, 8, 8, dtype=torch.float64), torch.randint(0, 3, (14,))
+    kwargs = {"num_inducing": 8, "output_coupling": "independent", "memory": SFRMemoryOptions(batch_size=7, chunk_size=3)}
+    SFR(net, x, y, SoftmaxLikelihood(num_classes=3), **kwargs)
+    text = said()
+    assert "SFR K_ZZ (Gram)" in text and "SFR dual statistics (" not in text
+    per_point = system_grams.inducing_feature_bytes(NTKEngine(net, "network"), x[:8])
+    monkeypatch.setattr(system_grams, "INDUCING_FEATURE_BYTES", 6 * per_point)  # 3 kept, windows of 3
+    SFR(net, x, y, SoftmaxLikelihood(num_classes=3), **kwargs)
+    text = said()
+    assert "ntkgp SFR dual statistics (Gram, inducing points 3-6): 3 of 3 chunks" in text
+    assert "ntkgp SFR dual statistics (Gram, inducing points 6-8): 3 of 3 chunks" in text
+    SFR(net, x, y, SoftmaxLikelihood(num_classes=3), progress=False, **kwargs)
+    assert said() == ""

@@ -22,8 +22,9 @@ from torch import Tensor
 from ...likelihoods import is_gaussian, validate_targets
 from ...ntk import NTKEngine
 from ...ntk.feature_pass import FeatureSet
+from ...ntk.feature_windows import windows
 from ...options import OutputCoupling, PriorMean
-from ...progress import Progress
+from ...progress import Progress, reporting
 from .statistics import DualStatistics, statistics_dtype
 from .validation import InputLayout, data_names, refuse_graph
 
@@ -103,7 +104,11 @@ def stream_statistics(
     stats = DualStatistics(
         engine.num_groups, z.shape[0], c, coupling, is_gaussian(likelihood), dtype, z.device, prior_precision
     )
-    with Progress(getattr(batches, "num_points", None), "SFR dual statistics", progress, unit="point") as bar:
+    # with windows of recomputed inducing inputs a step passes its points several times (ntk.feature_windows), each
+    # pass long: those passes report as the model's option asks; otherwise only the steps do
+    inner = progress if windows(z_features) else False
+    with Progress(getattr(batches, "num_points", None), "SFR dual statistics", progress, unit="point") as bar, \
+            reporting(engine.core, inner, "SFR dual statistics"):
         for x, y in batches:
             if argument == "new":
                 refuse_graph(x, name_x)
