@@ -40,6 +40,7 @@ from torch import Tensor
 
 from ..memory import FEATURE_PASS_BYTES, chunk_rows
 from . import token_grams
+from .column_block import ColumnBlock
 from .elementwise_pass import ElementwiseReducer, token_numbers
 from .features import Layer
 from .held_features import ChunkFeatures, Contracted
@@ -195,44 +196,6 @@ def chunk_bytes(core: NetworkCore, plan: LayerPlan, c: int, itemsize: int) -> in
     return itemsize * (2 * c * contracted_width(core, plan) + unfolded + norms + 3 * c * generic) + ids
 
 
-def _block_offsets(plan: LayerPlan, group: dict[str, int], numel: dict[str, int]) -> dict[str, tuple[int, int, int]]:
-    """``{layer: (group, start, d_out)}``: where each multi-location layer's blocks lie in its group's columns (they
-    come first, in the plan's order: :func:`chunk_features`); empty where a layer's weight and bias are in two groups."""
-    out, start = {}, {}
-    for layer in (la for la in plan.layers if la in plan.multi):
-        groups = {group[k] for k in layer.parameter_names}
-        if len(groups) != 1:
-            return {}
-        g = groups.pop()
-        out[layer.name] = (g, start.get(g, 0), layer.d_out)
-        start[g] = start.get(g, 0) + sum(numel[k] for k in layer.parameter_names)
-    return out
-
-
-def _group_widths(plan: LayerPlan, group: dict[str, int], numel: dict[str, int]) -> dict[int, int]:
-    """``{group: P_g}``: the contracted columns of each group (multi-location layers, normalization layers' and
-    generic parameters; no embedding tables)."""
-    names = [*plan.generic, *(k for la in plan.multi for k in la.parameter_names),
-             *(k for la in plan.elementwise for k in la.parameter_names)]
-    widths: dict[int, int] = {}
-    for name in names:
-        widths[group[name]] = widths.get(group[name], 0) + numel[name]
-    return dict(sorted(widths.items()))
-
-
-def _block_targets(plan: LayerPlan, block: dict[int, Tensor], offsets: dict[str, tuple[int, int, int]], s: int,
-                   e: int) -> dict[str, Tensor]:
-    """Per multi-location layer, the ``(C, n, d_out, d_a)`` view of its columns in the rows ``s:e`` of ``block``
-    (``{group: (N, C, P_g)}``), for :func:`chunk_features` to write its blocks into."""
-    out = {}
-    for layer in (la for la in plan.layers if la in plan.multi and la.name in offsets):
-        g, start, d_out = offsets[layer.name]
-        rows = block[g][s:e].transpose(0, 1)  # (C, n, P_g)
-        stop = start + (layer.fan_in + (layer.bias is not None)) * d_out
-        out[layer.name] = rows[..., start:stop].unflatten(-1, (d_out, -1))
-    return out
-
-
 def _table(layer: Layer) -> bool:
     return isinstance(layer, EmbeddingLayer)
 
@@ -295,29 +258,20 @@ class FeatureSet:
         inputs, grads, self.kept = {}, {}, []
         held_points = sum(e - s for s, e in self.bounds if e <= limit) if self.contracted else 0
         one_block = held_points > 0 and self.joinable
-        self.held, self.held_points, block, offsets = None, held_points if one_block else 0, {}, {}
-        group, numel = dict(zip(core.groups.names, core.groups.group_of)), dict(zip(core.names, core.numels))
-        if self.held_points:  # every chunk's blocks written in place (the widths checked at the first chunk)
-            block = {g: torch.empty(held_points, c, width, dtype=core.dtype, device=core.device)
-                     for g, width in _group_widths(plan, group, numel).items()}
-            offsets = _block_offsets(plan, group, numel)
+        self.held, self.held_points = None, held_points if one_block else 0
+        block = ColumnBlock(core, plan, held_points, c, core.dtype) if self.held_points else None
         for s, e in core.chunks(n, "layer features"):
             held = self.contracted and e <= limit
-            into = _block_targets(plan, block, offsets, s, e) if held and self.held_points else None
+            into = block.targets(s, e) if held and block is not None else None
             f = chunk_features(core, plan, take_rows(x, s, e), graph, columns=held, into=into)
             for m in f.inputs:
                 inputs.setdefault(m, []).append(f.inputs[m])
                 grads.setdefault(m, []).append(f.grads[m])
-            if held and one_block:  # written into their rows of one tensor per group
-                widths = {g: sum(p.shape[-1] for p in parts) for g, parts in f.pieces.items()}
-                if self.held is None and widths != {g: cols.shape[-1] for g, cols in block.items()}:
-                    block = {g: torch.empty(held_points, c, width, dtype=core.dtype, device=core.device)
-                             for g, width in widths.items()}  # (the plan's widths differ: copied, not in place)
-                    offsets = {}
-                self.held = Contracted({g: cols.view(-1, cols.shape[-1]) for g, cols in block.items()})
-                self.kept.append(f.join_into(block, s))
+            if held and block is not None:  # written into their rows of one tensor per group
+                self.kept.append(block.join(f, s))
             else:
                 self.kept.append(f.columns if held else None)
+        self.held = None if block is None else block.columns()
         self.inputs = {m: v[0] if len(v) == 1 else torch.cat(v) for m, v in inputs.items()}
         self.grads = {m: v[0] if len(v) == 1 else torch.cat(v) for m, v in grads.items()}
 

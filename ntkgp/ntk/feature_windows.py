@@ -24,9 +24,7 @@ chunk of ``x2``, as before.
 
 from __future__ import annotations
 
-import torch
-
-from .feature_pass import FeatureSet, chunk_features
+from .feature_pass import ColumnBlock, FeatureSet, chunk_features
 from .held_features import Contracted
 from .inputs import rows as take_rows
 
@@ -52,16 +50,13 @@ def windows(f: FeatureSet) -> list[Window]:
 
 def window_columns(f: FeatureSet, window: Window) -> Contracted:
     """The contracted columns of the window's chunks, recomputed on ``f``'s network and written into one tensor per
-    group ``{group: (n·C, P_g)}`` (rows ``n·C + c``, ``n`` the window's points) in ``f.dtype``."""
+    group ``{group: (n·C, P_g)}`` (rows ``n·C + c``, ``n`` the window's points) in ``f.dtype``
+    (:class:`~ntkgp.ntk.feature_pass.ColumnBlock`, as ``f``'s held columns)."""
     s0, e0, chunks = window
-    block: dict[int, torch.Tensor] = {}
+    block = ColumnBlock(f.core, f.plan, e0 - s0, f.core.num_outputs(f.x), f.dtype)
     for k in chunks:
         s, e = f.bounds[k]
-        rows = chunk_features(f.core, f.plan, take_rows(f.x, s, e), f.graph, single=False)
-        if not block:
-            c = next(iter(rows.pieces.values()))[0].shape[0]
-            block = {g: torch.empty(e0 - s0, c, sum(p.shape[-1] for p in parts), dtype=f.dtype, device=f.core.device)
-                     for g, parts in rows.pieces.items()}
-        rows.join_into(block, s - s0)
-    return Contracted({g: cols.view(-1, cols.shape[-1]) for g, cols in block.items()})
-
+        rows = chunk_features(f.core, f.plan, take_rows(f.x, s, e), f.graph, single=False,
+                              into=block.targets(s - s0, e - s0))
+        block.join(rows, s - s0)
+    return block.columns()
