@@ -562,3 +562,83 @@ def test_sfr_build_bound_measures_and_projects():
     assert q["passes_s"] == pytest.approx((1 + 3) * 1000 * 1e-2)  # ⌈80 / 30⌉ = 3 windows
     assert q["recomputed_s"] == pytest.approx(80 * 3 * 3e-2)  # ⌈1000 / 400⌉ = 3 steps
     assert q["total_s"] == pytest.approx(q["products_s"] + q["passes_s"] + q["recomputed_s"])
+
+
+def test_pieces_resume_at_the_first_missing_piece_and_refuse_another_identity(tmp_path):
+    """``_resumable.Pieces``: a pass stopped after its second piece resumes at the third (the kept pieces loaded, not
+    computed), the joined result equals the pass in one piece; a piece kept for another identity or tag is computed
+    again; the seconds are the pieces' own."""
+    resumable = _load("_resumable")
+    x = torch.arange(10.0).reshape(10, 1)
+    calls = []
+
+    def compute(piece):
+        calls.append(len(piece))
+        if len(calls) == 3 and stop:
+            raise KeyboardInterrupt
+        return piece.square().sum(-1)
+
+    stop = True
+    pieces = resumable.Pieces(tmp_path, "run", 3, identity=("M", 1.5), log=lambda _: None)
+    with pytest.raises(KeyboardInterrupt):
+        pieces.run("test", x, [1.0, 2.0], compute)
+    assert calls == [3, 3, 3] and len(list(tmp_path.glob("run_test_*.pt"))) == 2
+    stop, calls[:] = False, []
+    found, seconds = pieces.run("test", x, [1.0, 2.0], compute)
+    assert calls == [3, 1] and torch.equal(torch.cat(found), x.square().sum(-1)) and seconds >= 0
+    calls[:] = []
+    pieces.run("test", x, [1.0, 2.0], compute)
+    assert calls == []  # every piece kept
+    pieces.run("test", x, [1.0, 3.0], compute)  # another tag (δ): computed again
+    assert calls == [3, 3, 3, 1]
+    calls[:] = []
+    resumable.Pieces(tmp_path, "run", 3, identity=("M", 2.5), log=lambda _: None).run("test", x, [1.0, 3.0], compute)
+    assert calls == [3, 3, 3, 1]  # another build: nothing taken
+    calls[:] = []
+    whole, _ = resumable.Pieces(None, "run", 3).run("test", x, [1.0], compute)
+    assert calls == [10] and torch.equal(whole[0], x.square().sum(-1))  # no folder: one piece, nothing kept
+    with pytest.raises(ValueError, match="size"):
+        resumable.Pieces(tmp_path, "run", 0)
+
+
+def test_sfr_stages_in_kept_pieces_equal_one_pass_and_resume_without_passes(tmp_path, monkeypatch):
+    """``_sfr_stages.sfr_stages`` with ``pieces``: every score equals the evaluation in one pass per image set, and
+    a second evaluation of the same build finds every piece kept (no prediction pass); the build's time names it:
+    a build found complete reports the checkpoint's seconds."""
+    from types import SimpleNamespace
+
+    sfr_stages = _load("_sfr_stages")
+    resumable = _load("_resumable")
+    torch.manual_seed(0)
+    x, y = torch.randn(40, 5, dtype=torch.float64), torch.randint(0, 10, (40,))
+    xt, yt, xo = torch.randn(9, 5, dtype=torch.float64), torch.randint(0, 10, (9,)), torch.randn(7, 5, dtype=torch.float64)
+    net = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 10)).double().eval()
+    args = SimpleNamespace(build_shards=2, chunk_size=4, evidence_exponents=[-1.0, 0.0, 1.0], evidence_steps=2,
+                           tune_exponents=[-1.0, 0.0, 1.0],
+                           sfr_configuration={"prior_mean": "zero", "output_coupling": "independent"})
+    checkpoint = tmp_path / "sfr.pt"
+    big, info = sfr_stages.build_sfr(net, {"train": (x, y)}, 10, 2.0, 0, args, checkpoint)
+    again, info_again = sfr_stages.build_sfr(net, {"train": (x, y)}, 10, 2.0, 0, args, checkpoint)
+    assert info_again["build_seconds"] == info["build_seconds"] == torch.load(checkpoint)["seconds"]
+    small, _ = sfr_stages.derive_sfr(again, 4, info_again, 2.0)
+    models = {10: again, 4: small}
+    data = {"tune": (xt[:6], yt[:6]), "test": (xt, yt), "ood": xo}
+    modes = {10: ["train", "validation"], 4: ["train", "evidence", "validation"]}
+    whole = sfr_stages.sfr_stages(models, net, data, modes, 2.0, args)
+    pieces = resumable.Pieces(tmp_path, "sfr_eval", 4, identity=(10, info_again["build_seconds"]), log=lambda _: None)
+    kept = sfr_stages.sfr_stages(models, net, data, modes, 2.0, args, pieces)
+    assert len(list(tmp_path.glob("sfr_eval_*.pt"))) == 2 + 3 + 2  # tune 6, test 9, OOD 7 in pieces of 4
+    passes = []
+    original = sfr_stages.nested_probs_at
+    monkeypatch.setattr(sfr_stages, "nested_probs_at", lambda *a, **kw: passes.append(1) or original(*a, **kw))
+    resumed = sfr_stages.sfr_stages(models, net, data, modes, 2.0, args, pieces)
+    assert passes == []
+    for m, mode_list in modes.items():
+        for mode in mode_list:
+            for which in ("gp", "nn"):
+                a, b, c = whole[m][mode][which], kept[m][mode][which], resumed[m][mode][which]
+                assert a["delta"] == b["delta"] == c["delta"]
+                assert b["predict_seconds"] == c["predict_seconds"]  # the kept pieces' own seconds
+                for metric in ("nll", "accuracy", "ece", "ood_auroc"):
+                    # the same float64 predictive per image (chunks of 4 either way): rounding of the metrics' sums
+                    assert abs(a[metric] - b[metric]) < 1e-9 and b[metric] == c[metric], (m, mode, which, metric)

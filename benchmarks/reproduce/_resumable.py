@@ -1,5 +1,6 @@
 """MAP training with early stopping that survives being stopped: a checkpoint after every epoch (weights, Adam's
-state, the early-stopping state, the RNG state, the per-epoch times), resumed by the next run of the same command.
+state, the early-stopping state, the RNG state, the per-epoch times), resumed by the next run of the same command;
+and long passes over images in pieces, each piece's result kept (:class:`Pieces`).
 
 Used by sfr_images.py, whose protocol (the SFR paper's: Adam 1e-4, batches of 128, early stopping on a validation
 set) takes longer on a CPU than one session gives. The mini-batch order of epoch ``e`` is a permutation drawn from
@@ -105,3 +106,38 @@ def validation_loss(net: nn.Module, x: Tensor, y: Tensor, delta: float, n: int) 
         nll = sum(nn.functional.cross_entropy(net(xb), yb, reduction="sum").item()
                   for xb, yb in zip(x.split(1000), y.split(1000))) / len(y)
         return nll + delta / (2 * n) * float(sum(p.square().sum() for p in net.parameters()))
+
+
+class Pieces:
+    """A long pass over images in pieces of ``size`` images, each piece's result saved under ``folder`` (one file per
+    piece, named by ``prefix``, the pass's ``name`` and the piece's bounds, written atomically), so that a run
+    stopped mid-pass resumes at its first missing piece. A saved piece is taken only when its tag — ``identity``
+    (the model's: what every pass depends on) and the pass's ``tag`` (the values asked for) — equals the present
+    one; otherwise it is computed again and replaced. ``folder=None``: one piece, nothing saved."""
+
+    def __init__(self, folder: Path | None, prefix: str, size: int | None, identity: object = None,
+                 log: Callable[[str], None] = print):
+        if size is not None and size < 1:
+            raise ValueError(f"size must be a positive number of images, got {size}")
+        self.folder, self.prefix, self.size, self.identity, self.log = folder, prefix, size, identity, log
+
+    def run(self, name: str, x: Tensor, tag: object, compute: Callable[[Tensor], object]) -> tuple[list, float]:
+        """``([compute(piece) for each piece], seconds)``: the pieces' results in order (saved ones loaded) and the
+        seconds their computation took, summed over the runs that computed them."""
+        size = len(x) if self.folder is None or self.size is None else self.size
+        out, seconds, tag = [], 0.0, (self.identity, tag)
+        bounds = [(a, min(a + size, len(x))) for a in range(0, len(x), max(size, 1))]
+        for i, (a, b) in enumerate(bounds):
+            path = None if self.folder is None else self.folder / f"{self.prefix}_{name}_{a}-{b}.pt"
+            saved = torch.load(path, weights_only=False) if path is not None and path.is_file() else None
+            if saved is None or saved["tag"] != tag:
+                t0 = time.perf_counter()
+                result = compute(x[a:b])
+                saved = {"tag": tag, "result": result, "seconds": time.perf_counter() - t0}
+                if path is not None:
+                    _save(saved, path)
+                    self.log(f"{name}: images {a}-{b} of {len(x)} done in {saved['seconds']:.0f} s "
+                             f"(piece {i + 1} of {len(bounds)}, kept)")
+            out.append(saved["result"])
+            seconds += saved["seconds"]
+        return out, seconds

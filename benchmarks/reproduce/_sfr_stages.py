@@ -18,6 +18,7 @@ from torch import Tensor
 
 import _common
 import _images
+import _resumable
 import ntkgp
 from ntkgp.metrics import expected_calibration_error, ood_auroc, predictive_entropy
 from ntkgp.models import SFRMemoryOptions
@@ -89,24 +90,32 @@ def _grid(delta: float, exponents) -> list[float]:
     return [delta * 10 ** e for e in exponents]
 
 
-def sfr_stages(models: dict, net, data: dict, modes: dict, delta_train: float, args) -> dict[int, dict[str, dict]]:
+def sfr_stages(models: dict, net, data: dict, modes: dict, delta_train: float, args,
+               pieces: _resumable.Pieces | None = None) -> dict[int, dict[str, dict]]:
     """The δ modes ``modes[m]`` of each built SFR ``models[m]`` (nested inducing inputs: ``Z[:m]`` of the largest,
     ``derive_sfr``): each mode's δ (the training δ; the evidence's by a grid and Adam steps; the validation NLPD's on
     the tuning images, every model's grid from one prediction pass), then test and OOD scores of SFR and SFR-NN at
-    every δ found, from one prediction pass over the test and one over the OOD images for all models."""
+    every δ found, from one prediction pass over the test and one over the OOD images for all models. ``pieces``
+    (``_resumable.Pieces``, its identity the build's): each pass in pieces of images, each piece's probabilities
+    kept, so that a stopped evaluation resumes at its next piece; the times are the pieces' own, summed over runs."""
     ms = [m for m in models if modes.get(m)]
     if not ms:
         return {}
     results, deltas = {m: {} for m in ms}, {m: {} for m in ms}
     largest = max(models)
+    pieces = pieces or _resumable.Pieces(None, "", None)
 
-    def probs(x: Tensor, wanted: dict[int, list[float]]) -> dict[int, list[tuple[Tensor, Tensor]]]:
+    def probs(name: str, x: Tensor, wanted: dict[int, list[float]]
+              ) -> tuple[dict[int, list[tuple[Tensor, Tensor]]], float]:
         """Each wanted model's probabilities at its δ from one pass, always at the largest M (whose features are
-        held: a smaller model never computes its own)."""
+        held: a smaller model never computes its own), and the pass's seconds."""
         ks = ([] if largest in wanted else [largest]) + list(wanted)
-        found = nested_probs_at([models[k] for k in ks], net, x, [wanted.get(k, [delta_train]) for k in ks],
-                                args.chunk_size)
-        return {k: p for k, p in zip(ks, found) if k in wanted}
+        spec = [wanted.get(k, [delta_train]) for k in ks]
+        found, seconds = pieces.run(name, x, (ks, spec), lambda xp: nested_probs_at(
+            [models[k] for k in ks], net, xp, spec, args.chunk_size))
+        joined = [[tuple(torch.cat([f[i][j][w] for f in found]) for w in (0, 1)) for j in range(len(spec[i]))]
+                  for i in range(len(ks))]
+        return {k: p for k, p in zip(ks, joined) if k in wanted}, seconds
 
     tuning = {m: "validation" in modes[m] for m in ms}
     for m in ms:
@@ -121,21 +130,20 @@ def sfr_stages(models: dict, net, data: dict, modes: dict, delta_train: float, a
                 results[m][mode] = {"mode": mode, "tune_seconds": time.perf_counter() - t0}
     grid = _grid(delta_train, args.tune_exponents)
     if any(tuning.values()):
-        t0 = time.perf_counter()
         xv, yv = data["tune"]
         tuned = [m for m in ms if tuning[m]]
-        for m, found in probs(xv, {m: grid for m in tuned}).items():
-            table = [(d, nlpd(gp, yv), nlpd(nn_, yv)) for d, (gp, nn_) in zip(grid, found)]
+        found, seconds = probs("tune", xv, {m: grid for m in tuned})
+        for m in tuned:
+            table = [(d, nlpd(gp, yv), nlpd(nn_, yv)) for d, (gp, nn_) in zip(grid, found[m])]
             deltas[m]["validation"] = {"gp": min(table, key=lambda r: r[1])[0], "nn": min(table, key=lambda r: r[2])[0]}
-            results[m]["validation"] = {"mode": "validation", "tuning": table, "tune_seconds": time.perf_counter() - t0,
+            results[m]["validation"] = {"mode": "validation", "tuning": table, "tune_seconds": seconds,
                                         "tuning_models_in_pass": len(tuned)}
     for m in ms:
         for mode in modes[m]:
             results[m].setdefault(mode, {"mode": mode, "tune_seconds": 0.0})
     needed = {m: sorted({d for mode in modes[m] for d in deltas[m][mode].values()}) for m in ms}
-    t0 = time.perf_counter()
-    test, ood = probs(data["test"][0], needed), probs(data["ood"], needed)
-    seconds = time.perf_counter() - t0
+    (test, test_seconds), (ood, ood_seconds) = probs("test", data["test"][0], needed), probs("ood", data["ood"], needed)
+    seconds = test_seconds + ood_seconds
     for m in ms:
         by_delta = {d: (t, o) for d, t, o in zip(needed[m], test[m], ood[m])}
         for mode in modes[m]:
@@ -179,7 +187,9 @@ def build_sfr(net, data: dict, m: int, delta_train: float, seed: int, args, chec
         done, earlier = saved["done"], saved["seconds"]
         sfr = model(x[:2], y[:2])
         sfr.load_state_dict(saved["state"])
-        print(f"SFR M = {m}: resumed at shard {done + 1} of {args.build_shards} ({earlier:.0f} s before)", flush=True)
+        print(f"SFR M = {m}: " + ("complete" if done == args.build_shards else
+                                  f"resumed at shard {done + 1} of {args.build_shards}")
+              + f" ({earlier:.0f} s before)", flush=True)
     for k in range(done, args.build_shards):
         if checkpoint is not None:
             torch.save({"done": k, "shards": args.build_shards, "seconds": earlier + time.perf_counter() - start,
@@ -187,12 +197,16 @@ def build_sfr(net, data: dict, m: int, delta_train: float, seed: int, args, chec
         sfr.update(x[bounds[k] : bounds[k + 1]], y[bounds[k] : bounds[k + 1]], iterate=False)
         print(f"SFR M = {m}: shard {k + 1} of {args.build_shards} done, "
               f"{earlier + time.perf_counter() - start:.0f} s", flush=True)
-    if checkpoint is not None:
-        torch.save({"done": args.build_shards, "shards": args.build_shards,
-                    "seconds": earlier + time.perf_counter() - start, "state": sfr.state_dict()}, checkpoint)
+    # a build found complete took its saved seconds (this run only loaded it); the total is saved and returned alike,
+    # so that it names the build (the evaluation's kept pieces are tagged with it)
+    complete = saved is not None and saved["shards"] == saved["done"] == args.build_shards
+    total = earlier if complete else earlier + time.perf_counter() - start
+    if checkpoint is not None and not complete:
+        torch.save({"done": args.build_shards, "shards": args.build_shards, "seconds": total,
+                    "state": sfr.state_dict()}, checkpoint)
     sfr.eval()
     rank = sfr.inducing_rank.reshape(-1)
-    return sfr, {"build_seconds": earlier + time.perf_counter() - start, "build_runs_resumed": saved is not None,
+    return sfr, {"build_seconds": total, "build_runs_resumed": saved is not None,
                  "build_shards": args.build_shards, "inducing_rank": [int(rank.min()), int(rank.max())],
                  "peak_memory_mb_after_build": peak_memory_mb()}
 

@@ -25,7 +25,9 @@ The protocol is the one of the paper's public experiments (``experiments/sl`` of
   build at that M, no pass over the data; their records give the shared build's time and ``derived_from_m``);
   every M's and δ mode's predictions come from one pass over each image set at the largest M
   (``ntkgp.models.sfr.nested_marginals``: each smaller model reads its inducing images' rows of the cross-Grams;
-  each image's marginal, which is all the metrics use);
+  each image's marginal, which is all the metrics use), in pieces of ``--stage-images`` images whose
+  probabilities are kept (``checkpoints/pieces/``, taken again only for the same build), so that an evaluation of
+  hours resumes at its next piece too;
 * the KFAC Laplace GLM: ``ntkgp.laplace.laplace_posterior(structure="kfac")``, one δ, the probit GLM predictive;
 * δ tuned: by the evidence (SFR's sparse bound, the GLM's KFAC Laplace evidence: the best of δ_train ·
   10^{-3, -2.5, …, 3}, then Adam on log δ), and by the validation NLPD on the validation half, the best of
@@ -145,13 +147,22 @@ class Stages:
                     missing = {k: [mo for mo in self.args.modes if self.store.load(self.key(method, k, mo)) is None]
                                for k in models}
                     results = stages.sfr_stages({k: sfr for k, (sfr, _) in models.items()}, net, d, missing, delta,
-                                                self.args)
+                                                self.args, self.pieces(models))
                     self._built.update({(method, k): (results[k].__getitem__, info) for k, (_, info) in models.items()
                                         if missing[k]})
                     del models
             evaluate, info = self._built[(method, m)]
             return {**evaluate(mode), **info, "m": m, "device": self.args.device, "chunk_size": self.args.chunk_size}
         return self.store.run(self.key(method, m, mode), run, enabled=not self.args.table_only)
+
+    def pieces(self, models: dict) -> _resumable.Pieces:
+        """The evaluation's passes in pieces of ``--stage-images`` images, each piece's probabilities kept under
+        out/checkpoints/pieces/ (not in git) and taken again only for the same build (its M and build time)."""
+        largest = max(models)
+        folder = Path(self.args.out) / "checkpoints" / "pieces"
+        folder.mkdir(parents=True, exist_ok=True)
+        return _resumable.Pieces(folder, self.key("sfr", largest, None), self.args.stage_images,
+                                 identity=(largest, models[largest][1]["build_seconds"]))
 
     def sfr_models(self, net, d: dict, delta: float) -> dict:
         """``{M: (SFR, record)}``: one resumable build at the largest M asked for (its checkpoint named as a build at
@@ -232,6 +243,9 @@ def main() -> None:
     p.add_argument("--build-shards", type=int, default=12, help="SFR's statistics in this many shards of the "
                    "training images, the model saved after each (out/checkpoints/, not in git): an interrupted build "
                    "resumes at the next shard")
+    p.add_argument("--stage-images", type=int, default=2_500, help="SFR's evaluation passes in pieces of this many "
+                   "images, each piece's probabilities kept (out/checkpoints/pieces/, not in git): an interrupted "
+                   "evaluation resumes at its next piece")
     p.add_argument("--n-ood", type=int, default=None, help="a seeded subset of MNIST's 10,000 test images")
     p.add_argument("--chunk-size", type=int, default=64, help="images per Jacobian chunk of the NTK engine and per "
                    "prediction chunk (memory: about chunk · C · P numbers; 64 · 10 · 892,010 floats = 2.3 GB)")
@@ -243,7 +257,7 @@ def main() -> None:
         p.error(f"--inducing-feature-gib must be positive, got {args.inducing_feature_gib}")
     if args.build_shards < 1:
         p.error(f"--build-shards must be a positive integer, got {args.build_shards}")
-    for name in ("tune_images", "n_ood"):
+    for name in ("tune_images", "n_ood", "stage_images"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
     if args.seeds not in (None, 1):
