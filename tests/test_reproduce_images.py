@@ -642,3 +642,30 @@ def test_sfr_stages_in_kept_pieces_equal_one_pass_and_resume_without_passes(tmp_
                 for metric in ("nll", "accuracy", "ece", "ood_auroc"):
                     # the same float64 predictive per image (chunks of 4 either way): rounding of the metrics' sums
                     assert abs(a[metric] - b[metric]) < 1e-9 and b[metric] == c[metric], (m, mode, which, metric)
+
+
+def test_evidence_delta_by_the_scaled_bound_equals_the_direct_search(monkeypatch):
+    """``_common.evidence_delta`` (grid, then Adam on log δ) takes each value from ``evidence_scale`` where that is
+    the model's own: the δ it finds equals the same search on ``log_marginal_likelihood`` alone."""
+    import ntkgp
+    from ntkgp.models.sfr.evidence_scale import ScaledEvidence
+
+    common = _load("_common")
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 10)).double().eval()
+    x, y = torch.randn(40, 5, dtype=torch.float64), torch.randint(0, 10, (40,))
+
+    def found() -> float:
+        sfr = ntkgp.SFR(net, x, y, ntkgp.likelihoods.SoftmaxLikelihood(num_classes=10), inducing_points=x[:8],
+                        prior_precision=2.0, prior_structure="network", prior_mean="zero",
+                        output_coupling="independent")
+        return common.evidence_delta(sfr, [0.2, 2.0, 20.0], 5)
+
+    calls, original = [], ntkgp.SFR.log_marginal_likelihood
+    monkeypatch.setattr(ntkgp.SFR, "log_marginal_likelihood", lambda self: calls.append(1) or original(self))
+    fast = found()
+    assert calls == []
+    monkeypatch.setattr(ScaledEvidence, "at", classmethod(lambda cls, sfr: None))
+    slow = found()
+    assert len(calls) == 3 + 5
+    assert fast == pytest.approx(slow, rel=1e-8)  # the same iterates: values and gradients equal to rounding

@@ -32,6 +32,7 @@ from torch import nn
 
 from ntkgp._doctable import REPO_ROOT, command_line, markdown_table, write_block
 from ntkgp.datasets import resolve_data_dir
+from ntkgp.models.sfr.evidence_scale import evidence_of_delta
 
 DOC = "docs/reproductions.md"
 RESULTS_ROOT = REPO_ROOT / "benchmarks" / "reproduce" / "results"
@@ -199,17 +200,20 @@ def set_delta(model, delta: float) -> None:
 
 def evidence_delta(sfr, grid: Iterable[float], steps: int) -> float:
     """The δ maximising SFR's sparse evidence on its training data: the best of ``grid``, then ``steps`` Adam steps
-    (0.05) on the kernel's raw parameter, log δ; the model is left at that δ, in eval mode."""
-    scores = []
+    (0.05) on the kernel's raw parameter, log δ; the model is left at that δ, in eval mode. Each value is the model's
+    ``log_marginal_likelihood``, with one δ from one eigendecomposition where that is the same model
+    (``ntkgp.models.sfr.evidence_scale``: one eigendecomposition in all instead of refactorizing ``K_ZZ`` and
+    ``I + A`` at each value)."""
+    evidence, scores = evidence_of_delta(sfr), []
     with torch.no_grad():
         for delta in grid:
             set_delta(sfr, delta)
-            scores.append((float(sfr.log_marginal_likelihood()), delta))
+            scores.append((float(evidence()), delta))
     set_delta(sfr, max(scores)[1])
     opt = torch.optim.Adam([sfr.covar_module.raw_prior_precision], lr=0.05)
     sfr.train()
     for _ in range(steps):
-        loss = -sfr.log_marginal_likelihood() / sfr.num_data
+        loss = -evidence() / sfr.num_data
         opt.zero_grad()
         loss.backward()
         opt.step()

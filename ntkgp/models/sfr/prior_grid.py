@@ -25,6 +25,7 @@ from ...ntk.private_copy import model_lock
 from ...progress import Progress
 from ... import memory
 from ...validation import flag, positive_int
+from .evidence_scale import evidence_of_delta
 from .factorization import inducing_feature_set, kzz_factors, solve, z_jacobian
 from .inducing_points import model_dtype
 from .prediction import marginal_distributions, predictive_distributions
@@ -175,9 +176,9 @@ class PriorPrecisionTuning:
                 raise ValueError("x_val and y_val are for method='validation'")
             was_training = self.training
             self.train()  # the evidence carries its graph to δ in train mode
-            try:
-                return optimize_parameter_precision(self.log_marginal_likelihood, self.covar_module, optimizer,
-                                                    steps, lr, grid, sweeps, progress)
+            try:  # one δ: the bound along δ from one eigendecomposition, where it is the model's (evidence_scale)
+                return optimize_parameter_precision(evidence_of_delta(self), self.covar_module, optimizer, steps, lr,
+                                                    grid, sweeps, progress)
             finally:
                 self.train(was_training)
         if optimizer != "adam":
