@@ -30,7 +30,7 @@ The protocol is the one of the paper's public experiments (``experiments/sl`` of
   hours resumes at its next piece too;
 * the KFAC Laplace GLM: ``ntkgp.laplace.laplace_posterior(structure="kfac")``, one δ, the probit GLM predictive;
 * δ tuned: by the evidence (SFR's sparse bound, the GLM's KFAC Laplace evidence: the best of δ_train ·
-  10^{-3, -2.5, …, 3}, then Adam on log δ), and by the validation NLPD on the validation half, the best of
+  10^{-3, -2.5, …, 3}, then Adam on log δ; SFR's values from one eigendecomposition, ``evidence_scale``), and by the validation NLPD on the validation half, the best of
   δ_train · 10^{-3, -2.5, …, 3} (``--tune-exponents``), for SFR and SFR-NN separately. The paper's tuning is by
   Bayesian optimisation (20 trials) of the validation NLPD; a grid is used here;
 * metrics on the test half: NLPD per image, accuracy, ECE (15 equal-width bins, as their ``netcal`` call), OOD
