@@ -506,20 +506,27 @@ def test_sfr_images_derives_a_smaller_m_equal_to_its_own_build():
     assert "derived from the M = 12 build" in record["build_note"]
 
 
-def test_sfr_stages_of_nested_models_in_one_pass_equal_each_model_alone():
-    """``_sfr_stages.sfr_stages`` evaluates every M from one pass per image set (``nested_marginals``): the scores and
-    the validation table of the derived M = 5 equal those of the same model evaluated alone (its own cross-Grams),
-    and a model with nothing missing is not scored."""
+def _stage_problem(n_train: int, n_ood: int):
+    """A tiny float64 classifier with training, test (9) and OOD images and the stage options of sfr_stages."""
     from types import SimpleNamespace
 
-    sfr_stages = _load("_sfr_stages")
     torch.manual_seed(0)
-    x, y = torch.randn(60, 5, dtype=torch.float64), torch.randint(0, 10, (60,))
-    xt, yt, xo = torch.randn(9, 5, dtype=torch.float64), torch.randint(0, 10, (9,)), torch.randn(6, 5, dtype=torch.float64)
+    x, y = torch.randn(n_train, 5, dtype=torch.float64), torch.randint(0, 10, (n_train,))
+    xt, yt = torch.randn(9, 5, dtype=torch.float64), torch.randint(0, 10, (9,))
+    xo = torch.randn(n_ood, 5, dtype=torch.float64)
     net = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 10)).double().eval()
     args = SimpleNamespace(build_shards=2, chunk_size=4, evidence_exponents=[-1.0, 0.0, 1.0], evidence_steps=2,
                            tune_exponents=[-1.0, 0.0, 1.0],
                            sfr_configuration={"prior_mean": "zero", "output_coupling": "independent"})
+    return x, y, xt, yt, xo, net, args
+
+
+def test_sfr_stages_of_nested_models_in_one_pass_equal_each_model_alone():
+    """``_sfr_stages.sfr_stages`` evaluates every M from one pass per image set (``nested_marginals``): the scores and
+    the validation table of the derived M = 5 equal those of the same model evaluated alone (its own cross-Grams),
+    and a model with nothing missing is not scored."""
+    sfr_stages = _load("_sfr_stages")
+    x, y, xt, yt, xo, net, args = _stage_problem(60, 6)
     big, info = sfr_stages.build_sfr(net, {"train": (x, y)}, 12, 2.0, 0, args)
     small, _ = sfr_stages.derive_sfr(big, 5, info, 2.0)
     data = {"tune": (xt[:5], yt[:5]), "test": (xt, yt), "ood": xo}
@@ -605,17 +612,9 @@ def test_sfr_stages_in_kept_pieces_equal_one_pass_and_resume_without_passes(tmp_
     """``_sfr_stages.sfr_stages`` with ``pieces``: every score equals the evaluation in one pass per image set, and
     a second evaluation of the same build finds every piece kept (no prediction pass); the build's time names it:
     a build found complete reports the checkpoint's seconds."""
-    from types import SimpleNamespace
-
     sfr_stages = _load("_sfr_stages")
     resumable = _load("_resumable")
-    torch.manual_seed(0)
-    x, y = torch.randn(40, 5, dtype=torch.float64), torch.randint(0, 10, (40,))
-    xt, yt, xo = torch.randn(9, 5, dtype=torch.float64), torch.randint(0, 10, (9,)), torch.randn(7, 5, dtype=torch.float64)
-    net = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 10)).double().eval()
-    args = SimpleNamespace(build_shards=2, chunk_size=4, evidence_exponents=[-1.0, 0.0, 1.0], evidence_steps=2,
-                           tune_exponents=[-1.0, 0.0, 1.0],
-                           sfr_configuration={"prior_mean": "zero", "output_coupling": "independent"})
+    x, y, xt, yt, xo, net, args = _stage_problem(40, 7)
     checkpoint = tmp_path / "sfr.pt"
     big, info = sfr_stages.build_sfr(net, {"train": (x, y)}, 10, 2.0, 0, args, checkpoint)
     again, info_again = sfr_stages.build_sfr(net, {"train": (x, y)}, 10, 2.0, 0, args, checkpoint)
