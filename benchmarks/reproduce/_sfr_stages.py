@@ -191,9 +191,9 @@ def build_sfr(net, data: dict, m: int, delta_train: float, seed: int, args, chec
                                   f"resumed at shard {done + 1} of {args.build_shards}")
               + f" ({earlier:.0f} s before)", flush=True)
     for k in range(done, args.build_shards):
-        if checkpoint is not None:
-            torch.save({"done": k, "shards": args.build_shards, "seconds": earlier + time.perf_counter() - start,
-                        "state": sfr.state_dict()}, checkpoint)
+        if checkpoint is not None:  # atomically: a run stopped while saving keeps the previous checkpoint
+            _resumable._save({"done": k, "shards": args.build_shards, "seconds": earlier + time.perf_counter() - start,
+                              "state": sfr.state_dict()}, checkpoint)
         sfr.update(x[bounds[k] : bounds[k + 1]], y[bounds[k] : bounds[k + 1]], iterate=False)
         print(f"SFR M = {m}: shard {k + 1} of {args.build_shards} done, "
               f"{earlier + time.perf_counter() - start:.0f} s", flush=True)
@@ -202,8 +202,8 @@ def build_sfr(net, data: dict, m: int, delta_train: float, seed: int, args, chec
     complete = saved is not None and saved["shards"] == saved["done"] == args.build_shards
     total = earlier if complete else earlier + time.perf_counter() - start
     if checkpoint is not None and not complete:
-        torch.save({"done": args.build_shards, "shards": args.build_shards, "seconds": total,
-                    "state": sfr.state_dict()}, checkpoint)
+        _resumable._save({"done": args.build_shards, "shards": args.build_shards, "seconds": total,
+                          "state": sfr.state_dict()}, checkpoint)
     sfr.eval()
     rank = sfr.inducing_rank.reshape(-1)
     return sfr, {"build_seconds": total, "build_runs_resumed": saved is not None,
