@@ -24,7 +24,8 @@ chunk of ``x2``, as before.
 
 from __future__ import annotations
 
-from .feature_pass import ColumnBlock, FeatureSet, chunk_features
+from .column_block import ColumnBlock
+from .feature_pass import FeatureSet, chunk_features
 from .held_features import Contracted
 from .inputs import rows as take_rows
 
@@ -51,7 +52,7 @@ def windows(f: FeatureSet) -> list[Window]:
 def window_columns(f: FeatureSet, window: Window) -> Contracted:
     """The contracted columns of the window's chunks, recomputed on ``f``'s network and written into one tensor per
     group ``{group: (n·C, P_g)}`` (rows ``n·C + c``, ``n`` the window's points) in ``f.dtype``
-    (:class:`~ntkgp.ntk.feature_pass.ColumnBlock`, as ``f``'s held columns)."""
+    (:class:`~ntkgp.ntk.column_block.ColumnBlock`, as ``f``'s held columns)."""
     s0, e0, chunks = window
     block = ColumnBlock(f.core, f.plan, e0 - s0, f.core.num_outputs(f.x), f.dtype)
     for k in chunks:
