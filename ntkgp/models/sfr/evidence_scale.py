@@ -29,7 +29,7 @@ from torch import Tensor
 
 from .factorization import kzz_factors, rounding
 from .inducing_points import model_dtype
-from .whitening import Whitening, _inverse_norm
+from .whitening import GRAM_FACTOR, SITE_FACTOR, InducingFactors, Whitening, keeps_every_direction
 
 __all__ = ["ScaledEvidence", "evidence_of_delta"]
 
@@ -43,10 +43,9 @@ class ScaledEvidence:
     a :math:`K_{ZZ}` whose Cholesky factorization fails, more than one prior-precision group).
     """
 
-    def __init__(self, delta0: Tensor, c0: Tensor, gap0: Tensor, lam: Tensor, v: Tensor, inverse_norm: Tensor,
-                 inverse_trace, gram_threshold: Tensor, site_threshold: Tensor, dtype: torch.dtype) -> None:
-        self.delta0, self.c0, self.gap0, self.lam, self.v = delta0, c0, gap0, lam, v
-        self.inverse_norm, self._inverse_trace = inverse_norm, inverse_trace
+    def __init__(self, delta0: Tensor, c0: Tensor, gap0: Tensor, lam: Tensor, v: Tensor, inducing: InducingFactors,
+                 gram_threshold: Tensor, site_threshold: Tensor, dtype: torch.dtype) -> None:
+        self.delta0, self.c0, self.gap0, self.lam, self.v, self.inducing = delta0, c0, gap0, lam, v, inducing
         self.gram_threshold, self.site_threshold, self.dtype = gram_threshold, site_threshold, dtype
 
     @classmethod
@@ -65,8 +64,8 @@ class ScaledEvidence:
             b_u, y_u = stats.projected(weights, slots)
             eps = rounding(sfr.engine.dtype, b_u, inducing)
             # the thresholds of whitened_factors (its constants and roundoffs), each scaling as its trace
-            gram_threshold = 10.0 * eps["eps"] * inducing.k_trace
-            site_threshold = 10.0 * eps["site_eps"] * b_u.diagonal(dim1=-2, dim2=-1).sum(-1).clamp_min(0)
+            gram_threshold = GRAM_FACTOR * eps["eps"] * inducing.k_trace
+            site_threshold = SITE_FACTOR * eps["site_eps"] * b_u.diagonal(dim1=-2, dim2=-1).sum(-1).clamp_min(0)
             white = Whitening(inducing.chol)
             a = white.sandwich(b_u, overwrite=True)
             a_trace = a.diagonal(dim1=-2, dim2=-1).sum()  # tr A₀, as the direct route sums it
@@ -74,28 +73,17 @@ class ScaledEvidence:
             lam, q = torch.linalg.eigh(a)
             del a
             v = (q.mT @ white.apply(y_u.unsqueeze(-1))).squeeze(-1)
-            inverse_norm = _inverse_norm(white)
-
-            def inverse_trace() -> Tensor:
-                return torch.cholesky_inverse(inducing.chol).diagonal(dim1=-2, dim2=-1).sum(-1)
-
             return cls(delta0, stats.data_fit(sfr.likelihood, slots), stats.trace_term(weights, slots) - a_trace,
-                       lam.clamp_min(0), v, inverse_norm, inverse_trace, gram_threshold, site_threshold,
+                       lam.clamp_min(0), v, inducing, gram_threshold, site_threshold,
                        model_dtype(sfr.inducing_points, sfr.covar_module.raw_prior_precision))
 
     def covers(self, delta: Tensor) -> bool:
         r"""Whether the direct route at ``delta`` :math:`= s\,\delta_0` is sure to keep every inducing direction, by its own
-        tests: :math:`\tau(s)/s_{\min}(s) \le \frac12` by the power-iteration estimate or
-        :math:`\operatorname{tr}(K_{ZZ}(s)^{-1})\,\tau(s) \le 1`, with :math:`\tau(s) = \max(\tau_K/s, \tau_B/s^2)` and
-        :math:`K_{ZZ}(s)^{-1} = s\,K_{ZZ}^{-1}`; both products scale to :math:`\max(\tau_K, \tau_B/s)` times their
-        value at :math:`\delta_0`."""
+        tests (:func:`~ntkgp.models.sfr.whitening.keeps_every_direction`) on :math:`K_{ZZ}(\delta_0)`'s factors: with
+        :math:`\tau(s) = \max(\tau_K/s, \tau_B/s^2)` and :math:`K_{ZZ}(s)^{-1} = s\,K_{ZZ}^{-1}`, both tests' products
+        at :math:`s` are those at :math:`\delta_0` with the threshold :math:`\max(\tau_K, \tau_B/s)`."""
         s = float(delta.detach().reshape(())) / float(self.delta0.reshape(()))
-        threshold = torch.maximum(self.gram_threshold, self.site_threshold / s)
-        if bool((self.inverse_norm * threshold <= 0.5).all()):
-            return True
-        if callable(self._inverse_trace):
-            self._inverse_trace = self._inverse_trace()  # O(K³), once, only when the first test fails
-        return bool((self._inverse_trace * threshold <= 1).all())
+        return keeps_every_direction(self.inducing, torch.maximum(self.gram_threshold, self.site_threshold / s))
 
     def __call__(self, delta: Tensor) -> Tensor:
         r"""The bound at the scalar precision ``delta`` (differentiable), in the model's dtype."""

@@ -16,7 +16,12 @@ from torch import Tensor
 
 from ...linalg import NumericalWarning, cholesky
 
-__all__ = ["InducingFactors", "WhitenedFactors", "Whitening", "inducing_factors", "whitened_factors"]
+__all__ = ["InducingFactors", "WhitenedFactors", "Whitening", "inducing_factors", "keeps_every_direction",
+           "whitened_factors"]
+
+
+#: :math:`c_K` and :math:`c_B` of :func:`whitened_factors`' rounding threshold (its docstring)
+GRAM_FACTOR = SITE_FACTOR = 10.0
 
 
 @dataclass
@@ -183,8 +188,8 @@ def whitened_factors(
     kzz: Tensor | None,
     b_u: Tensor,
     y_u: Tensor,
-    gram_factor: float = 10.0,
-    site_factor: float = 10.0,
+    gram_factor: float = GRAM_FACTOR,
+    site_factor: float = SITE_FACTOR,
     inducing: InducingFactors | None = None,
     overwrite_b_u: bool = False,
     eps: float | None = None,
@@ -279,22 +284,11 @@ def whitened_factors(
     site_eps = eps if site_eps is None else site_eps
     b_trace = b_u.detach().diagonal(dim1=-2, dim2=-1).sum(-1).clamp_min(0)
     gram_threshold = max(gram_factor * eps, cross_factor * cross_eps**2) * zz.k_trace
-    threshold = torch.maximum(gram_threshold, site_factor * site_eps * b_trace)  # (nb,)
-    whitening = None
-    if zz.chol is not None:
-        # either test suffices; the power iteration (O(K²) per step) is tried before tr(K_ZZ⁻¹) (O(K³))
-        if zz.inverse_norm is None:
-            zz.inverse_norm = _inverse_norm(Whitening(zz.chol.detach()))
-        fast = bool((zz.inverse_norm * threshold <= 0.5).all())
-        if not fast:
-            if zz.inverse_trace is None:  # tr(K_ZZ⁻¹) ≥ 1/s_min
-                zz.inverse_trace = torch.cholesky_inverse(zz.chol.detach()).diagonal(dim1=-2, dim2=-1).sum(-1)
-            fast = bool((zz.inverse_trace * threshold <= 1).all())
-        if fast:
-            whitening = Whitening(zz.chol)
+    site = site_factor * site_eps * b_trace
+    threshold = torch.maximum(gram_threshold, site)  # (nb,)
+    whitening = Whitening(zz.chol) if keeps_every_direction(zz, threshold) else None
     if whitening is None:
         whitening, values = _truncated_whitening(zz.kzz if kzz is None else kzz, threshold)
-        site = site_factor * site_eps * b_trace
         _warn_lost_directions(values, whitening.rank(), gram_factor * eps * zz.k_trace,
                               cross_factor * cross_eps**2 * zz.k_trace, site, site_eps)
     tracked = torch.is_grad_enabled() and any(
@@ -331,6 +325,23 @@ def _symmetrize_(x: Tensor, block: int = 1024) -> Tensor:
             x[..., rows, cols] = pair
             x[..., cols, rows] = pair.mT
     return x
+
+
+def keeps_every_direction(zz: InducingFactors, threshold: Tensor) -> bool:
+    r"""Whether every eigenvalue of :math:`K_{ZZ}` is sure to lie above ``threshold`` ``(nb,)``, so that
+    :func:`whitened_factors` takes its fast path: a power-iteration estimate of :math:`\tau/s_{\min} \le \frac12`
+    or :math:`\operatorname{tr}(K_{ZZ}^{-1})\,\tau \le 1` (either suffices; the power iteration, ``O(K^2)`` per step,
+    is tried before the ``O(K^3)`` inverse). Both estimates are kept in ``zz`` once computed; ``False`` without a
+    Cholesky factor."""
+    if zz.chol is None:
+        return False
+    if zz.inverse_norm is None:
+        zz.inverse_norm = _inverse_norm(Whitening(zz.chol.detach()))
+    if bool((zz.inverse_norm * threshold <= 0.5).all()):
+        return True
+    if zz.inverse_trace is None:  # tr(K_ZZ⁻¹) ≥ 1/s_min
+        zz.inverse_trace = torch.cholesky_inverse(zz.chol.detach()).diagonal(dim1=-2, dim2=-1).sum(-1)
+    return bool((zz.inverse_trace * threshold <= 1).all())
 
 
 def _inverse_norm(white: Whitening, iterations: int = 30) -> Tensor:
