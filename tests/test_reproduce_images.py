@@ -287,6 +287,9 @@ def test_sfr_images_quick_runs_every_stage_resumes_and_rebuilds_the_table(tiny, 
         for which in ("gp", "nn") if name.startswith("sfr") else ("gp",) if name.startswith("glm_") and name != "glm_width" else ():
             assert 0 <= r[which]["ood_auroc"] <= 1 and r[which]["nll"] > 0 and r[which]["ece"] >= 0
             assert r[which]["delta"] > 0
+            if name.startswith("sfr"):  # and by 100 sampled logits, the public experiments' predictive
+                assert 0 <= r[which]["mc"]["ood_auroc"] <= 1 and r[which]["mc"]["nll"] > 0
+    assert "| SFR, M = 16 | not tuned" in first[first.index("by sampled logits"):]
     grid = [row[0] for row in files["sfr_M16_public_validation"]["tuning"]]
     for which, column in (("gp", 1), ("nn", 2)):  # the δ of the lowest validation NLPD, for each mean
         best = min(files["sfr_M16_public_validation"]["tuning"], key=lambda row: row[column])[0]
@@ -370,19 +373,24 @@ def test_sfr_nn_from_one_pass_equals_the_models_nn_predictive():
                     inducing=SFRInducingOptions(seed=0))
     deltas = [0.5, 3.0]
     found = stages.sfr_probs_at(sfr, net, x_test, deltas, chunk=5)
-    for delta, (gp, nn_) in zip(deltas, found):
+    for delta, (gp, nn_, gp_mc, nn_mc) in zip(deltas, found):
+        ref = {}
         with torch.no_grad():
             sfr.covar_module.prior_precision = delta
-            sfr.predictive_mean = "gp"
-            ref_gp = sfr.likelihood(sfr(x_test)).probs
-            sfr.predictive_mean = "nn"
-            ref_nn = sfr.likelihood(sfr(x_test)).probs
+            for mean in ("gp", "nn"):
+                sfr.predictive_mean = mean
+                dist = sfr(x_test)
+                generator = torch.Generator().manual_seed(stages.MC_SEED)
+                ref[mean] = sfr.likelihood(dist).probs, sfr.likelihood.marginal(
+                    dist, link_approx="mc", num_samples=stages.MC_SAMPLES, generator=generator).probs
         # float32 probabilities (values ≤ 1) from the same covariance and means, chunked differently: a few ulps of 1
         # (float32 ε = 1.2e-7) through the probit's scaling and the softmax; atol 1e-6 ≈ 8ε32, a rough budget: the
         # normalization's (log2 C + 2)ε32 = 4ε32 (C = 4) for each of the two, the logits' rounding through a slope ≤ ¼
-        torch.testing.assert_close(gp, ref_gp, rtol=0, atol=1e-6)
-        torch.testing.assert_close(nn_, ref_nn, rtol=0, atol=1e-6)
+        # (the sampled logits: the same draws, through each block's Cholesky factor, then the same softmax average)
+        for ours, theirs in ((gp, ref["gp"][0]), (nn_, ref["nn"][0]), (gp_mc, ref["gp"][1]), (nn_mc, ref["nn"][1])):
+            torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6)
         assert (gp - nn_).abs().max() > 1e-2  # two different means: the comparison can fail
+        assert (gp - gp_mc).abs().max() > 1e-3  # two links
     assert (found[0][0] - found[1][0]).abs().max() > 1e-3  # two different δ: each checked at its own
 
 
@@ -539,10 +547,12 @@ def test_sfr_stages_of_nested_models_in_one_pass_equal_each_model_alone():
             a, b = both[5][mode][which], alone[5][mode][which]
             assert a["delta"] == b["delta"]
             for metric in ("nll", "accuracy", "ece", "ood_auroc"):
-                # float32 probabilities of the same float64 predictive, cross-Grams formed at M = 12 or 5: ulps
+                # float32 probabilities of the same float64 predictive, cross-Grams formed at M = 12 or 5: ulps (the
+                # sampled logits' too: the same draws for every model, whatever else the pass holds)
                 assert abs(a[metric] - b[metric]) < 1e-5, (mode, which, metric)
-    for (d1, g1, n1), (d2, g2, n2) in zip(both[5]["validation"]["tuning"], alone[5]["validation"]["tuning"]):
-        assert d1 == d2 and abs(g1 - g2) < 1e-5 and abs(n1 - n2) < 1e-5
+                assert abs(a["mc"][metric] - b["mc"][metric]) < 1e-5, (mode, which, metric)
+    for (d1, *v1), (d2, *v2) in zip(both[5]["validation"]["tuning"], alone[5]["validation"]["tuning"]):
+        assert d1 == d2 and len(v1) == len(v2) == 4 and all(abs(p - q) < 1e-5 for p, q in zip(v1, v2))
 
 
 @pytest.mark.slow
@@ -641,6 +651,8 @@ def test_sfr_stages_in_kept_pieces_equal_one_pass_and_resume_without_passes(tmp_
                 for metric in ("nll", "accuracy", "ece", "ood_auroc"):
                     # the same float64 predictive per image (chunks of 4 either way): rounding of the metrics' sums
                     assert abs(a[metric] - b[metric]) < 1e-9 and b[metric] == c[metric], (m, mode, which, metric)
+                    # the sampled logits: drawn per piece, so kept and resumed pieces agree (not the one-pass draws)
+                    assert b["mc"][metric] == c["mc"][metric], (m, mode, which, metric)
 
 
 def test_evidence_delta_by_the_scaled_bound_equals_the_direct_search(monkeypatch):

@@ -64,24 +64,35 @@ def sfr_probs_at(sfr, net, x: Tensor, deltas: list[float], chunk: int) -> list[t
     return nested_probs_at([sfr], net, x, [deltas], chunk)[0]
 
 
+#: the sampled-logits predictive of the public SFR experiments (their ``CategoricalLh``: the mean softmax of 100
+#: Gaussian draws of the logits per image); the draws seeded alike for every model, δ and mean (common random numbers:
+#: their differences are not sampling noise; a kept piece and a recomputed one agree)
+MC_SAMPLES, MC_SEED = 100, 0
+
+
 def nested_probs_at(models: list, net, x: Tensor, deltas: list[list[float]], chunk: int
-                    ) -> list[list[tuple[Tensor, Tensor]]]:
-    """Per model, the class probabilities (probit) of SFR (the GP mean) and SFR-NN (the network's output as the mean,
-    SFR's covariance) at each of its δ, from one pass over ``x`` for all of them (``nested_marginals``: the
+                    ) -> list[list[tuple[Tensor, Tensor, Tensor, Tensor]]]:
+    """Per model, the class probabilities of SFR (the GP mean) and SFR-NN (the network's output as the mean, SFR's
+    covariance) at each of its δ, from one pass over ``x`` for all of them (``nested_marginals``: the
     cross-covariances at the largest M computed once, each model reading its inducing inputs' rows, weighted by
     each 1/δ; in the largest model's own prediction chunks, long ones where inducing inputs are recomputed in
     windows; only each image's marginal, so that no δ's factorization outlives the pass); the covariance is the
-    same for both means (docs/sfr.md). ``chunk``: images per chunk of the network's outputs."""
+    same for both means (docs/sfr.md). Each δ gives ``(gp, nn, gp_mc, nn_mc)``: by the probit link, then by
+    ``MC_SAMPLES`` sampled logits (each image's ``C × C`` block; the public experiments' predictive).
+    ``chunk``: images per chunk of the network's outputs."""
+    def mc(lik, dist) -> Tensor:
+        generator = torch.Generator(device=x.device).manual_seed(MC_SEED)
+        return lik.marginal(dist, link_approx="mc", num_samples=MC_SAMPLES, generator=generator).probs
+
     with torch.no_grad():
         outputs = _images.in_chunks(net, x, chunk)
         out = []
         for dists in nested_marginals(models, x, deltas):
             probs = []
             for dist in dists:
-                gp = models[0].likelihood(dist).probs
-                nn_ = models[0].likelihood(MultitaskMultivariateNormal(outputs.to(dist.mean.dtype),
-                                                                       dist.lazy_covariance_matrix)).probs
-                probs.append((gp, nn_))
+                as_nn = MultitaskMultivariateNormal(outputs.to(dist.mean.dtype), dist.lazy_covariance_matrix)
+                lik = models[0].likelihood
+                probs.append((lik(dist).probs, lik(as_nn).probs, mc(lik, dist), mc(lik, as_nn)))
             out.append(probs)
         return out
 
@@ -111,9 +122,9 @@ def sfr_stages(models: dict, net, data: dict, modes: dict, delta_train: float, a
         held: a smaller model never computes its own), and the pass's seconds."""
         ks = ([] if largest in wanted else [largest]) + list(wanted)
         spec = [wanted.get(k, [delta_train]) for k in ks]
-        found, seconds = pieces.run(name, x, (ks, spec), lambda xp: nested_probs_at(
-            [models[k] for k in ks], net, xp, spec, args.chunk_size))
-        joined = [[tuple(torch.cat([f[i][j][w] for f in found]) for w in (0, 1)) for j in range(len(spec[i]))]
+        found, seconds = pieces.run(name, x, (ks, spec, ("probit", "mc", MC_SAMPLES, MC_SEED)),
+                                    lambda xp: nested_probs_at([models[k] for k in ks], net, xp, spec, args.chunk_size))
+        joined = [[tuple(torch.cat([f[i][j][w] for f in found]) for w in range(4)) for j in range(len(spec[i]))]
                   for i in range(len(ks))]
         return {k: p for k, p in zip(ks, joined) if k in wanted}, seconds
 
@@ -134,7 +145,8 @@ def sfr_stages(models: dict, net, data: dict, modes: dict, delta_train: float, a
         tuned = [m for m in ms if tuning[m]]
         found, seconds = probs("tune", xv, {m: grid for m in tuned})
         for m in tuned:
-            table = [(d, nlpd(gp, yv), nlpd(nn_, yv)) for d, (gp, nn_) in zip(grid, found[m])]
+            # each δ's validation NLPD: SFR, SFR-NN (probit: the choice), then both by sampled logits
+            table = [(d, *(nlpd(p, yv) for p in ps)) for d, ps in zip(grid, found[m])]
             deltas[m]["validation"] = {"gp": min(table, key=lambda r: r[1])[0], "nn": min(table, key=lambda r: r[2])[0]}
             results[m]["validation"] = {"mode": "validation", "tuning": table, "tune_seconds": seconds,
                                         "tuning_models_in_pass": len(tuned)}
@@ -149,7 +161,9 @@ def sfr_stages(models: dict, net, data: dict, modes: dict, delta_train: float, a
         for mode in modes[m]:
             for which, i in (("gp", 0), ("nn", 1)):
                 d = deltas[m][mode][which]
-                results[m][mode][which] = {**scores(by_delta[d][0][i], data["test"][1], by_delta[d][1][i]), "delta": d,
+                (t, o), mc = by_delta[d], i + 2  # the probit's, then the sampled logits' at the same δ
+                results[m][mode][which] = {**scores(t[i], data["test"][1], o[i]), "delta": d,
+                                           "mc": scores(t[mc], data["test"][1], o[mc]),
                                            "predict_seconds": seconds, "deltas_in_pass": len(needed[m]),
                                            "models_in_pass": len(ms),
                                            "images_predicted": len(data["test"][0]) + len(data["ood"])}

@@ -315,7 +315,18 @@ def publish(args, trained, net_scores, runs, unfinished=None) -> None:
         note += "\n\nCells that miss:\n\n" + "\n".join(lines)
     if width:
         note += "\n\n" + glm_width_note(width)
+    sampled = mc_rows(runs)
+    if sampled:
+        note += ("\n\nSFR and SFR-NN by sampled logits (100 Gaussian draws per image, the public experiments' "
+                 "predictive; each image's C × C block), at the same δ as the table's probit cells, beside the "
+                 "same published values:\n\n" + _common.table(table.HEADER, sampled))
     _common.publish(args, REGION, markdown + note, "SFR on Fashion-MNIST")
+
+
+def mc_rows(runs: dict) -> list[list[str]]:
+    """The table's SFR rows by sampled logits (each record's ``"mc"`` scores, at the probit cell's δ)."""
+    records = [{**r, **r["mc"]} for r in results_rows(None, runs) if r["method"] != "glm" and "mc" in r]
+    return table.rows(records)[0]
 
 
 def measured(row: str, metric: str, net_scores: dict | None) -> str:
