@@ -409,6 +409,23 @@ def test_sfr_table_verdicts_one_seed_against_five(metric, ours, verdict):
     assert table.verdict(0.2, table.published("sfr_nn", 3200, "evidence", "ece"), False) == "n/a"
 
 
+def test_sfr_cells_that_miss_say_the_networks_value_and_the_sampled_logits_cell():
+    script = _load("sfr_images")
+    net = {"nll": 0.247, "accuracy": 91.48, "ece": 0.016, "ood_auroc": 0.773}  # within the paper's MAP row
+    probit = {"nll": 0.50, "accuracy": 91.7, "ece": 0.05, "ood_auroc": 0.96, "delta": 78.0}
+    sampled = {"nll": 0.30, "accuracy": 91.7, "ece": 0.02, "ood_auroc": 0.96}
+    runs = {("sfr", 3200, "train"): {"gp": {**probit, "mc": sampled}, "nn": {**probit, "mc": {**sampled, "nll": 0.6}}}}
+    _, misses = script.table.rows(script.results_rows(net, runs))
+    # NLPD 0.50 against 0.29 ± 0.02 and 0.31 ± 0.03: beyond 2 √(std² + std²/5) = 0.044 and 0.066; the rest within
+    assert script.miss_lines(misses, net, runs) == [
+        "- SFR, M = 3,200, not tuned (training δ), NLPD: worse. The trained network itself: 0.247 (paper 0.23 ± 0.01)."
+        " By sampled logits: 0.30 / 0.29 ± 0.02 within.",
+        "- SFR-NN, M = 3,200, not tuned (training δ), NLPD: worse. The trained network itself: 0.247 (paper 0.23 ±"
+        " 0.01). By sampled logits: 0.60 / 0.31 ± 0.03 worse."]
+    del runs[("sfr", 3200, "train")]["gp"]["mc"]  # a record without sampled scores: no such sentence
+    assert "sampled" not in script.miss_lines(misses, net, runs)[0]
+
+
 def test_fsvi_images_quick(tiny, tmp_path):
     out = quick("fsvi_images", tiny, tmp_path, "--width-scale", "8").stdout
     for method in ("| MAP |", "| KFAC-GLM |", "| SFR (M = 16) |", "| FSVI |"):

@@ -303,8 +303,7 @@ def publish(args, trained, net_scores, runs, unfinished=None) -> None:
                                         figures(trained, runs, unfinished))
     stopped = "not finished" if trained is None else f"{trained['epochs_run']} (best {trained['best_epoch']})"
     width = runs.get(("glm", None, "width"))
-    lines = [f"- {row}, {metric}: {v}." + measured(row, metric, net_scores)
-             + (" The GLM's width: below." if width and row.startswith("Laplace GLM") else "") for row, metric, v in misses]
+    lines = miss_lines(misses, net_scores, runs)
     note = _images.run_note(args, PROTOCOL_EPOCHS, (
         f"One seed. Epochs run (best checkpoint): {stopped}. SFR configuration: {args.configuration}; test = half "
         "of the test images, validation = the other half; NLPD per image, probit class probabilities. Verdict: "
@@ -327,6 +326,18 @@ def mc_rows(runs: dict) -> list[list[str]]:
     """The table's SFR rows by sampled logits (each record's ``"mc"`` scores, at the probit cell's δ)."""
     records = [{**r, **r["mc"]} for r in results_rows(None, runs) if r["method"] != "glm" and "mc" in r]
     return table.rows(records)[0]
+
+
+def miss_lines(misses: list, net_scores: dict | None, runs: dict) -> list[str]:
+    """One line per missed cell with what was measured about it: the trained network's own value of the metric (a
+    miss the network shares is inherited), the same SFR cell by sampled logits (whether the link accounts for it),
+    and for the GLM the width sweep below."""
+    width = runs.get(("glm", None, "width"))
+    by_link = {(f"{r[0]}, {r[1]}", table.METRICS[name][0]): r[3 + i] for r in mc_rows(runs)
+               for i, name in enumerate(table.METRICS)}
+    return [f"- {row}, {metric}: {v}." + measured(row, metric, net_scores)
+            + (f" By sampled logits: {by_link[(row, metric)]}." if (row, metric) in by_link else "")
+            + (" The GLM's width: below." if width and row.startswith("Laplace GLM") else "") for row, metric, v in misses]
 
 
 def measured(row: str, metric: str, net_scores: dict | None) -> str:
