@@ -418,10 +418,10 @@ def test_sfr_cells_that_miss_say_the_networks_value_and_the_sampled_logits_cell(
     _, misses = script.table.rows(script.results_rows(net, runs))
     # NLPD 0.50 against 0.29 ± 0.02 and 0.31 ± 0.03: beyond 2 √(std² + std²/5) = 0.044 and 0.066; the rest within
     assert script.miss_lines(misses, net, runs) == [
-        "- SFR, M = 3,200, not tuned (training δ), NLPD: worse. The trained network itself: 0.247 (paper 0.23 ± 0.01)."
-        " By sampled logits: 0.30 / 0.29 ± 0.02 within.",
-        "- SFR-NN, M = 3,200, not tuned (training δ), NLPD: worse. The trained network itself: 0.247 (paper 0.23 ±"
-        " 0.01). By sampled logits: 0.60 / 0.31 ± 0.03 worse."]
+        ("- SFR, M = 3,200, not tuned (training δ), NLPD: worse. The trained network itself: 0.247 (paper 0.23 ±"
+         " 0.01). By sampled logits: 0.30 / 0.29 ± 0.02 within."),
+        ("- SFR-NN, M = 3,200, not tuned (training δ), NLPD: worse. The trained network itself: 0.247 (paper 0.23 ±"
+         " 0.01). By sampled logits: 0.60 / 0.31 ± 0.03 worse.")]
     del runs[("sfr", 3200, "train")]["gp"]["mc"]  # a record without sampled scores: no such sentence
     assert "sampled" not in script.miss_lines(misses, net, runs)[0]
 
