@@ -290,6 +290,10 @@ def test_sfr_images_quick_runs_every_stage_resumes_and_rebuilds_the_table(tiny, 
             if name.startswith("sfr"):  # and by 100 sampled logits, the public experiments' predictive
                 assert 0 <= r[which]["mc"]["ood_auroc"] <= 1 and r[which]["mc"]["nll"] > 0
     assert "| SFR, M = 16 | not tuned" in first[first.index("by sampled logits"):]
+    for name in ("glm_train", "sfr_M16_public_train"):  # the stage table: the process's peak when built, then after
+        r = files[name]
+        assert (f"{r['peak_memory_mb_after_build'] / 1024:.1f} GiB built or loaded, "
+                f"{r['peak_memory_mb'] / 1024:.1f} GiB through its predictions") in first
     grid = [row[0] for row in files["sfr_M16_public_validation"]["tuning"]]
     for which, column in (("gp", 1), ("nn", 2)):  # the δ of the lowest validation NLPD, for each mean
         best = min(files["sfr_M16_public_validation"]["tuning"], key=lambda row: row[column])[0]

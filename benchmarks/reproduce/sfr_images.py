@@ -223,7 +223,8 @@ def figures(trained: dict | None, runs: dict, unfinished: dict | None = None) ->
                          + (f", inducing rank ≥ {r['inducing_rank'][0]}" if "inducing_rank" in r else ""),
                          f"predict {r['gp']['predict_seconds']:.0f} s for test + OOD"
                          + (f" ({r['gp']['deltas_in_pass']} δ in one pass)" if "deltas_in_pass" in r["gp"] else ""),
-                         f"{r['peak_memory_mb_after_build'] / 1024:.1f} GiB"])
+                         f"{r['peak_memory_mb_after_build'] / 1024:.1f} GiB built or loaded, "
+                         f"{r['peak_memory_mb'] / 1024:.1f} GiB through its predictions"])
     return rows
 
 
