@@ -428,6 +428,17 @@ def test_sfr_cells_that_miss_say_the_networks_value_and_the_sampled_logits_cell(
          " 0.01). By sampled logits: 0.60 / 0.31 ± 0.03 worse.")]
     del runs[("sfr", 3200, "train")]["gp"]["mc"]  # a record without sampled scores: no such sentence
     assert "sampled" not in script.miss_lines(misses, net, runs)[0]
+    # tuned on the validation half: the validation NLPD at the chosen δ and its grid neighbours (rows δ, gp, nn, ...)
+    tuning = [(d, 0.3 + k, 0.2 + k / 10, 0.0, 0.0) for k, d in enumerate((7.8, 78.0, 780.0, 7800.0))]
+    runs = {("sfr", 3200, "validation"): {"tuning": tuning, "gp": {**probit, "delta": 7.8},
+                                          "nn": {**probit, "delta": 780.0}}}
+    _, misses = script.table.rows(script.results_rows(net, runs))  # published: SFR-NN's tuned row alone
+    lines = script.miss_lines(misses, net, runs)
+    assert lines and all(line.startswith("- SFR-NN, M = 3,200, tuned: validation NLPD") and line.endswith(
+        " Its validation NLPD at δ = 78 / 780 / 7800: 0.3000 / 0.4000 / 0.5000 (chosen 780).") for line in lines)
+    runs[("sfr", 3200, "validation")]["nn"]["delta"] = 7.8  # the grid's end: one neighbour
+    assert script.miss_lines(misses, net, runs)[0].endswith(" Its validation NLPD at δ = 7.8 / 78: 0.2000 / 0.3000 "
+                                                            "(chosen 7.8).")
 
 
 def test_fsvi_images_quick(tiny, tmp_path):

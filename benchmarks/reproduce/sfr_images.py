@@ -223,8 +223,8 @@ def figures(trained: dict | None, runs: dict, unfinished: dict | None = None) ->
                          + (f", inducing rank ≥ {r['inducing_rank'][0]}" if "inducing_rank" in r else ""),
                          f"predict {r['gp']['predict_seconds']:.0f} s for test + OOD"
                          + (f" ({r['gp']['deltas_in_pass']} δ in one pass)" if "deltas_in_pass" in r["gp"] else ""),
-                         f"{r['peak_memory_mb_after_build'] / 1024:.1f} GiB built or loaded, "
-                         f"{r['peak_memory_mb'] / 1024:.1f} GiB through its predictions"])
+                         (f"{r['peak_memory_mb_after_build'] / 1024:.1f} GiB built or loaded, "
+                          f"{r['peak_memory_mb'] / 1024:.1f} GiB through its predictions")])
     return rows
 
 
@@ -338,7 +338,23 @@ def miss_lines(misses: list, net_scores: dict | None, runs: dict) -> list[str]:
                for i, name in enumerate(table.METRICS)}
     return [f"- {row}, {metric}: {v}." + measured(row, metric, net_scores)
             + (f" By sampled logits: {by_link[(row, metric)]}." if (row, metric) in by_link else "")
+            + tuning_neighbours(row, runs)
             + (" The GLM's width: below." if width and row.startswith("Laplace GLM") else "") for row, metric, v in misses]
+
+
+def tuning_neighbours(row: str, runs: dict) -> str:
+    """For an SFR row tuned on the validation half, its validation NLPD at the chosen δ and at the grid's values
+    beside it (how sharply the choice is made)."""
+    for (kind, m, mode), r in runs.items():
+        for which, method, column in (("gp", "sfr", 1), ("nn", "sfr_nn", 2)):
+            if kind != "sfr" or mode != "validation" or row != f"{table.LABEL[method]}, M = {m:,}, {table.TUNING[mode]}":
+                continue
+            grid = r["tuning"]
+            i = [g[0] for g in grid].index(r[which]["delta"])
+            near = grid[max(i - 1, 0) : i + 2]
+            return (f" Its validation NLPD at δ = {' / '.join(f'{g[0]:.4g}' for g in near)}: "
+                    f"{' / '.join(f'{g[column]:.4f}' for g in near)} (chosen {r[which]['delta']:.4g}).")
+    return ""
 
 
 def measured(row: str, metric: str, net_scores: dict | None) -> str:
