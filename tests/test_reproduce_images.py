@@ -439,6 +439,14 @@ def test_sfr_cells_that_miss_say_the_networks_value_and_the_sampled_logits_cell(
     runs[("sfr", 3200, "validation")]["nn"]["delta"] = 7.8  # the grid's end: one neighbour
     assert script.miss_lines(misses, net, runs)[0].endswith(" Its validation NLPD at δ = 7.8 / 78: 0.2000 / 0.3000 "
                                                             "(chosen 7.8).")
+    # the GLM's tuning rows (δ, NLPD); the GLM's lines also point to its width sweep
+    runs = {("glm", None, "validation"): {"tuning": [row[:2] for row in tuning], "gp": {**probit, "delta": 7800.0}},
+            ("glm", None, "width"): {"sweep": []}}
+    _, misses = script.table.rows(script.results_rows(net, runs))
+    lines = script.miss_lines(misses, net, runs)
+    assert lines and all(line.startswith("- Laplace GLM (KFAC), tuned: validation NLPD") and line.endswith(
+        " Its validation NLPD at δ = 780 / 7800: 2.3000 / 3.3000 (chosen 7800). The GLM's width: below.")
+        for line in lines)
 
 
 def test_fsvi_images_quick(tiny, tmp_path):

@@ -343,11 +343,13 @@ def miss_lines(misses: list, net_scores: dict | None, runs: dict) -> list[str]:
 
 
 def tuning_neighbours(row: str, runs: dict) -> str:
-    """For an SFR row tuned on the validation half, its validation NLPD at the chosen δ and at the grid's values
-    beside it (how sharply the choice is made)."""
+    """For a row tuned on the validation half (the GLM, SFR, SFR-NN), its validation NLPD at the chosen δ and at the
+    grid's values beside it (how sharply the choice is made)."""
     for (kind, m, mode), r in runs.items():
-        for which, method, column in (("gp", "sfr", 1), ("nn", "sfr_nn", 2)):
-            if kind != "sfr" or mode != "validation" or row != f"{table.LABEL[method]}, M = {m:,}, {table.TUNING[mode]}":
+        means = (("gp", "sfr", 1), ("nn", "sfr_nn", 2)) if kind == "sfr" else (("gp", "glm", 1),)
+        for which, method, column in means:
+            label = table.LABEL[method] + (f", M = {m:,}" if m is not None else "")
+            if mode != "validation" or row != f"{label}, {table.TUNING[mode]}":
                 continue
             grid = r["tuning"]
             i = [g[0] for g in grid].index(r[which]["delta"])
