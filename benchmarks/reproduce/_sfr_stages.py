@@ -86,12 +86,11 @@ def nested_probs_at(models: list, net, x: Tensor, deltas: list[list[float]], chu
 
     with torch.no_grad():
         outputs = _images.in_chunks(net, x, chunk)
-        out = []
+        out, lik = [], models[0].likelihood
         for dists in nested_marginals(models, x, deltas):
             probs = []
             for dist in dists:
                 as_nn = MultitaskMultivariateNormal(outputs.to(dist.mean.dtype), dist.lazy_covariance_matrix)
-                lik = models[0].likelihood
                 probs.append((lik(dist).probs, lik(as_nn).probs, mc(lik, dist), mc(lik, as_nn)))
             out.append(probs)
         return out

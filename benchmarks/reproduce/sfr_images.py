@@ -332,7 +332,8 @@ def mc_rows(runs: dict) -> list[list[str]]:
 def miss_lines(misses: list, net_scores: dict | None, runs: dict) -> list[str]:
     """One line per missed cell with what was measured about it: the trained network's own value of the metric (a
     miss the network shares is inherited), the same SFR cell by sampled logits (whether the link accounts for it),
-    and for the GLM the width sweep below."""
+    for a row tuned on the validation half its validation NLPD around the chosen δ, and for the GLM the width sweep
+    below."""
     width = runs.get(("glm", None, "width"))
     by_link = {(f"{r[0]}, {r[1]}", table.METRICS[name][0]): r[3 + i] for r in mc_rows(runs)
                for i, name in enumerate(table.METRICS)}
