@@ -437,6 +437,7 @@ def test_sfr_cells_that_miss_say_the_networks_value_and_the_sampled_logits_cell(
     assert lines and all(line.startswith("- SFR-NN, M = 3,200, tuned: validation NLPD") and line.endswith(
         " Its validation NLPD at δ = 78 / 780 / 7800: 0.3000 / 0.4000 / 0.5000 (chosen 780).") for line in lines)
     runs[("sfr", 3200, "validation")]["nn"]["delta"] = 7.8  # the grid's end: one neighbour
+    _, misses = script.table.rows(script.results_rows(net, runs))
     assert script.miss_lines(misses, net, runs)[0].endswith(" Its validation NLPD at δ = 7.8 / 78: 0.2000 / 0.3000 "
                                                             "(chosen 7.8).")
     # the GLM's tuning rows (δ, NLPD); the GLM's lines also point to its width sweep

@@ -73,7 +73,7 @@ def cell(ours: float | None, paper, metric: str) -> tuple[str, str]:
 
 def rows(results: list[dict]) -> tuple[list[list[str]], list[tuple[str, str, str]]]:
     """Table rows from the stage results (each ``{"method", "m", "mode", "delta", metrics...}``) and the missed
-    cells ``(row label, metric, verdict)``."""
+    cells ``(row label, metric label, verdict, the row's record, metric)``."""
     out, misses = [], []
     for r in results:
         label = LABEL[r["method"]] + (f", M = {r['m']:,}" if r["m"] is not None else "")
@@ -84,7 +84,7 @@ def rows(results: list[dict]) -> tuple[list[list[str]], list[tuple[str, str, str
             row.append(text)
             if v in ("worse", "better"):
                 misses.append((label if r["method"] == "map" else f"{label}, {TUNING[r['mode']]}", METRICS[metric][0],
-                               v))
+                               v, r, metric))
         out.append(row)
     return out, misses
 

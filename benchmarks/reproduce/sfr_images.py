@@ -323,48 +323,52 @@ def publish(args, trained, net_scores, runs, unfinished=None) -> None:
     _common.publish(args, REGION, markdown + note, "SFR on Fashion-MNIST")
 
 
+def mc_records(runs: dict) -> list[dict]:
+    """The SFR records scored by sampled logits (each record's ``"mc"`` scores, at the probit record's δ)."""
+    return [{**r, **r["mc"]} for r in results_rows(None, runs) if r["method"] != "glm" and "mc" in r]
+
+
 def mc_rows(runs: dict) -> list[list[str]]:
-    """The table's SFR rows by sampled logits (each record's ``"mc"`` scores, at the probit cell's δ)."""
-    records = [{**r, **r["mc"]} for r in results_rows(None, runs) if r["method"] != "glm" and "mc" in r]
-    return table.rows(records)[0]
+    """The table's SFR rows by sampled logits."""
+    return table.rows(mc_records(runs))[0]
 
 
 def miss_lines(misses: list, net_scores: dict | None, runs: dict) -> list[str]:
-    """One line per missed cell with what was measured about it: the trained network's own value of the metric (a
-    miss the network shares is inherited), the same SFR cell by sampled logits (whether the link accounts for it),
-    for a row tuned on the validation half its validation NLPD around the chosen δ, and for the GLM the width sweep
-    below."""
+    """One line per missed cell (``table.rows``' misses) with what was measured about it: the trained network's own
+    value of the metric (a miss the network shares is inherited), the same SFR cell by sampled logits (whether the
+    link accounts for it), for a row tuned on the validation half its validation NLPD around the chosen δ, and for
+    the GLM the width sweep below."""
     width = runs.get(("glm", None, "width"))
-    by_link = {(f"{r[0]}, {r[1]}", table.METRICS[name][0]): r[3 + i] for r in mc_rows(runs)
-               for i, name in enumerate(table.METRICS)}
-    return [f"- {row}, {metric}: {v}." + measured(row, metric, net_scores)
-            + (f" By sampled logits: {by_link[(row, metric)]}." if (row, metric) in by_link else "")
-            + tuning_neighbours(row, runs)
-            + (" The GLM's width: below." if width and row.startswith("Laplace GLM") else "") for row, metric, v in misses]
+    sampled = {(r["method"], r["m"], r["mode"]): r for r in mc_records(runs)}
+    lines = []
+    for row, metric, v, record, name in misses:
+        key = (record["method"], record["m"], record["mode"])
+        line = f"- {row}, {metric}: {v}." + measured(record, name, net_scores)
+        if key in sampled:
+            line += f" By sampled logits: {table.cell(sampled[key][name], table.published(*key, name), name)[0]}."
+        line += tuning_neighbours(record, runs)
+        lines.append(line + (" The GLM's width: below." if width and record["method"] == "glm" else ""))
+    return lines
 
 
-def tuning_neighbours(row: str, runs: dict) -> str:
+def tuning_neighbours(record: dict, runs: dict) -> str:
     """For a row tuned on the validation half (the GLM, SFR, SFR-NN), its validation NLPD at the chosen δ and at the
     grid's values beside it (how sharply the choice is made)."""
-    for (kind, m, mode), r in runs.items():
-        means = (("gp", "sfr", 1), ("nn", "sfr_nn", 2)) if kind == "sfr" else (("gp", "glm", 1),)
-        for which, method, column in means:
-            label = table.LABEL[method] + (f", M = {m:,}" if m is not None else "")
-            if mode != "validation" or row != f"{label}, {table.TUNING[mode]}":
-                continue
-            grid = r["tuning"]
-            i = [g[0] for g in grid].index(r[which]["delta"])
-            near = grid[max(i - 1, 0) : i + 2]
-            return (f" Its validation NLPD at δ = {' / '.join(f'{g[0]:.4g}' for g in near)}: "
-                    f"{' / '.join(f'{g[column]:.4f}' for g in near)} (chosen {r[which]['delta']:.4g}).")
-    return ""
+    if record["mode"] != "validation" or record["method"] == "map":
+        return ""
+    grid = runs[("glm" if record["method"] == "glm" else "sfr", record["m"], "validation")]["tuning"]
+    column = 2 if record["method"] == "sfr_nn" else 1  # rows (δ, SFR or GLM, SFR-NN, ...)
+    i = [g[0] for g in grid].index(record["delta"])
+    near = grid[max(i - 1, 0) : i + 2]
+    return (f" Its validation NLPD at δ = {' / '.join(f'{g[0]:.4g}' for g in near)}: "
+            f"{' / '.join(f'{g[column]:.4f}' for g in near)} (chosen {record['delta']:.4g}).")
 
 
-def measured(row: str, metric: str, net_scores: dict | None) -> str:
-    """The network's own value of the metric beside the paper's: a miss that the network shares is inherited."""
-    name = {v[0]: k for k, v in table.METRICS.items()}[metric]
+def measured(record: dict, name: str, net_scores: dict | None) -> str:
+    """The network's own value of the metric ``name`` beside the paper's: a miss that the network shares is
+    inherited."""
     paper = table.PUBLISHED[("map", None, "train")].get(name)
-    if net_scores is None or paper is None or row.startswith("NN MAP"):
+    if net_scores is None or paper is None or record["method"] == "map":
         return ""
     return f" The trained network itself: {net_scores[name]:.3f} (paper {paper[0]} ± {paper[1]})."
 
